@@ -1,0 +1,73 @@
+"""Test factories: tiny random Llama-family checkpoints written as real HF safetensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 256
+
+
+def make_checkpoint(
+    path: Path,
+    *,
+    arch: str = "llama",
+    tie_word_embeddings: bool = True,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    vocab_size: int = TINY_VOCAB,
+    max_position_embeddings: int = 1024,
+    rope_scaling: dict | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random checkpoint; weights are scaled up so greedy choices are clear-cut."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[arch]
+    extra = {"rope_scaling": rope_scaling} if rope_scaling else {}
+    config = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=0.15,
+        bos_token_id=1,
+        eos_token_id=2,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.8, 1.2)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_hf_model(path: Path):
+    """The same checkpoint through transformers, fp32, eager attention: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def random_prompts(num: int, *, min_len: int, max_len: int, vocab: int = TINY_VOCAB, seed: int = 0):
+    """Token-id prompts of varied lengths, avoiding the special ids 0-2."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (num,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,122 @@
+"""Our Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flattened, paged batch.
+
+Plain tensors and functions rather than ``nn.Module``s: no hooks or parameter bookkeeping
+on the hot path. q/k/v and gate/up projections are fused into one matmul each (fewer,
+larger GEMMs); their HF weights are concatenated at load time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from worker.errors import ModelLoadError
+from worker.model_config import ModelConfig
+from worker.rope import apply_rope, cos_sin_cache
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF computes it: normalize in fp32, cast back, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.config = config
+        self.dtype = dtype
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.embed = weights["model.embed_tokens.weight"]
+        self.final_norm = weights["model.norm.weight"]
+        self.lm_head = weights["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]
+        self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
+        self.cos, self.sin = cos_sin_cache(c.head_dim, c.rope, c.max_position_embeddings, dtype)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype) -> LlamaModel:
+        config = ModelConfig.from_pretrained(path)
+        return cls(config, load_safetensors(Path(path), dtype), dtype)
+
+    def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        qkv = torch.cat([w[attn + f"{n}_proj.weight"] for n in "qkv"])
+        bias = None
+        if self.config.qkv_bias:
+            bias = torch.cat([w[attn + f"{n}_proj.bias"] for n in "qkv"])
+        return LayerWeights(
+            input_norm=w[p + "input_layernorm.weight"],
+            qkv=qkv,
+            qkv_bias=bias,
+            o=w[attn + "o_proj.weight"],
+            post_norm=w[p + "post_attention_layernorm.weight"],
+            gate_up=torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]),
+            down=w[mlp + "down_proj.weight"],
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, [num_slots, kv_heads, dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        c = self.config
+        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        hidden = F.embedding(input_ids, self.embed)
+        num_tokens = hidden.shape[0]
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
+            x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(num_tokens, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+            write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+            attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
+            hidden = hidden + F.linear(attn.view(num_tokens, self.q_size), layer.o)
+            x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab] fp32, for the rows that sample only."""
+        x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+
+def load_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` shard in ``path``, cast to ``dtype``."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {path} (pickled weights are refused)")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                weights[name] = f.get_tensor(name).to(dtype)
+    if "model.embed_tokens.weight" not in weights:
+        raise ModelLoadError(f"{path} has no model.embed_tokens.weight: not a Llama checkpoint")
+    return weights

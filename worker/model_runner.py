@@ -1,0 +1,116 @@
+"""Turns a scheduled step into tensors, runs the model once, returns the logits to sample.
+
+One flattened forward pass per step: decodes first (one token each), then prefill chunks.
+The KV cache is allocated here once, as ``num_blocks * block_size`` slots per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.paged_attention import AttentionMetadata, PrefillChunk
+from worker.llama import LlamaModel
+from worker.model_config import ModelConfig
+from worker.scheduler import ScheduledSequence
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (keys and values)."""
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+    return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # [num_sampling] rows of the flattened batch to sample from
+    order: list[ScheduledSequence]  # the batch's sequences in flattened order
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        c = model.config
+        shape = (num_blocks * block_size, c.num_kv_heads, c.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+            for _ in range(c.num_layers)
+        ]
+        self._offsets = torch.arange(block_size)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], torch.Tensor]:
+        """Run one step; returns the sampling sequences and their logits [num_sampling, vocab]."""
+        inputs = self.prepare(scheduled)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        logits = self.model.compute_logits(hidden[inputs.logit_rows])
+        return [s for s in inputs.order if s.samples], logits
+
+    def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
+        decodes = [s for s in scheduled if s.num_tokens == 1 and s.start > 0]
+        prefills = [s for s in scheduled if not (s.num_tokens == 1 and s.start > 0)]
+        order = decodes + prefills
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        for s in order:
+            table = s.seq.block_table
+            end = s.start + s.num_tokens
+            ids.extend(s.seq.tokens[s.start : end])
+            span = range(s.start, end)
+            positions.extend(span)
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            if s.samples:
+                logit_rows.append(len(ids) - 1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_decodes=len(decodes),
+            decode_key_slots=None,
+            decode_mask=None,
+            prefills=self._prefill_chunks(prefills, start=len(decodes)),
+        )
+        if decodes:
+            meta.decode_key_slots, meta.decode_mask = self._decode_layout(decodes)
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            meta=meta,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.int64),
+            order=order,
+        )
+
+    def _decode_layout(self, decodes: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots of every decode's whole context, padded: [d, max_ctx], and the padding mask."""
+        context_lens = [s.start + 1 for s in decodes]
+        num_blocks = -(-max(context_lens) // self.block_size)
+        # Every table holds exactly ceil(context / block_size) blocks; pad the shorter ones.
+        padded = [s.seq.block_table + [0] * (num_blocks - len(s.seq.block_table)) for s in decodes]
+        tables = torch.tensor(padded, dtype=torch.int64)  # [d, num_blocks]
+        max_ctx = max(context_lens)
+        key_slots = (tables.unsqueeze(-1) * self.block_size + self._offsets).view(len(decodes), -1)
+        key_slots = key_slots[:, :max_ctx].contiguous()
+        lens = torch.tensor(context_lens, dtype=torch.int64)
+        mask = torch.arange(max_ctx).unsqueeze(0) < lens.unsqueeze(1)  # [d, max_ctx]
+        return key_slots, mask.view(len(decodes), 1, 1, max_ctx)
+
+    def _prefill_chunks(self, prefills: list[ScheduledSequence], *, start: int) -> list[PrefillChunk]:
+        chunks = []
+        for s in prefills:
+            key_slots = mask = None
+            if s.start > 0:
+                span = s.start + s.num_tokens
+                table = torch.tensor(s.seq.block_table, dtype=torch.int64)
+                key_slots = (table.unsqueeze(-1) * self.block_size + self._offsets).view(-1)[:span]
+                # Query i (absolute position start + i) sees keys 0..start + i.
+                query_pos = torch.arange(s.start, span).unsqueeze(1)
+                mask = torch.arange(span).unsqueeze(0) <= query_pos  # [n, start + n]
+            chunks.append(PrefillChunk(start, s.num_tokens, s.start, key_slots, mask))
+            start += s.num_tokens
+        return chunks

@@ -1,0 +1,32 @@
+"""What the engine hands back: per-request deltas for streaming, whole results offline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.sampler import SampledToken
+from worker.sequence import RequestMetrics
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step. ``new_*`` is what this step added (for streaming)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    # The stop token id or stop string that ended the request, if any.
+    stop_reason: int | str | None = None
+    logprobs: list[SampledToken] | None = None
+    metrics: RequestMetrics | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

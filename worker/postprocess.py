@@ -1,0 +1,84 @@
+"""After sampling: append the token, detokenize, decide whether the request is finished."""
+
+from __future__ import annotations
+
+from worker.detokenizer import IncrementalDetokenizer
+from worker.outputs import RequestOutput
+from worker.sampler import SampledToken
+from worker.sequence import FinishReason, Sequence
+from worker.stop_checker import StopChecker
+
+
+class Postprocessor:
+    def __init__(self, *, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def attach(self, seq: Sequence, tokenizer) -> None:
+        """Give a new sequence its detokenizer and stop-string checker."""
+        params = seq.params
+        if tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(
+                tokenizer, seq.prompt_token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+        if params.stop:
+            seq.stop_checker = StopChecker(params.stop)
+        if params.logprobs is not None:
+            seq.logprobs = []
+
+    def add_token(self, seq: Sequence, token: SampledToken, now: float) -> str:
+        """Append ``token`` to ``seq``, set its finish reason if it ends here; the new text."""
+        token_id = token.token_id
+        seq.append_token(token_id)
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        seq.metrics.last_token_time = now
+        seq.token_times.append(now)
+        if seq.logprobs is not None:
+            seq.logprobs.append(token)
+        params = seq.params
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            seq.finish_reason = FinishReason.STOP
+        elif token_id in params.stop_token_ids:
+            seq.finish_reason = FinishReason.STOP
+            seq.stop_reason = token_id
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = FinishReason.LENGTH
+        if seq.detokenizer is None:
+            return ""
+        delta = seq.detokenizer.add(token_id)
+        if seq.stop_checker is not None:
+            delta, matched = seq.stop_checker.feed(delta)
+            if matched is not None:
+                seq.finish_reason = FinishReason.STOP
+                seq.stop_reason = matched
+        seq.text += delta
+        return delta
+
+    def flush(self, seq: Sequence) -> str:
+        """Text held back until the end (an incomplete character, a possible stop string)."""
+        if seq.detokenizer is None or seq.stop_reason is not None and isinstance(seq.stop_reason, str):
+            return ""
+        tail = seq.detokenizer.finish()
+        if seq.stop_checker is not None:
+            tail, _ = seq.stop_checker.feed(tail)
+            tail += seq.stop_checker.flush()
+        seq.text += tail
+        return tail
+
+    def output(self, seq: Sequence, *, new_tokens: int, new_text: str) -> RequestOutput:
+        finished = seq.finish_reason is not None
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=seq.text,
+            new_token_ids=seq.output_token_ids[len(seq.output_token_ids) - new_tokens :],
+            new_text=new_text,
+            finished=finished,
+            finish_reason=seq.finish_reason.value if finished else None,
+            stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs,
+            metrics=seq.metrics,
+            token_times=seq.token_times,
+        )

@@ -1,0 +1,62 @@
+"""Rotary position embeddings (Su et al., RoFormer 2021), with the scalings Llama 3 uses."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from worker.errors import ModelLoadError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def inverse_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies for HF's ``rope_parameters`` dict."""
+    base = float(rope.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope["factor"])
+    if rope_type == "llama3":
+        return _llama3_scaling(inv_freq, rope)
+    raise ModelLoadError(
+        f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+    )
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by ``factor``, blend in between."""
+    factor = float(rope["factor"])
+    low_freq_factor = float(rope["low_freq_factor"])
+    high_freq_factor = float(rope["high_freq_factor"])
+    old_context = float(rope["original_max_position_embeddings"])
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def cos_sin_cache(
+    head_dim: int, rope: dict, max_positions: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each [max_positions, head_dim], computed in fp32 then cast."""
+    inv_freq = inverse_frequencies(head_dim, rope)
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim] (rotate-half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
