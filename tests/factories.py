@@ -21,6 +21,7 @@ def make_checkpoint(
     vocab_size: int = TINY_VOCAB,
     max_position_embeddings: int = 1024,
     rope_scaling: dict | None = None,
+    eos_token_id: int = 2,
     seed: int = 0,
 ) -> Path:
     """Write a tiny random checkpoint; weights are scaled up so greedy choices are clear-cut."""
@@ -42,7 +43,7 @@ def make_checkpoint(
         tie_word_embeddings=tie_word_embeddings,
         initializer_range=0.15,
         bos_token_id=1,
-        eos_token_id=2,
+        eos_token_id=eos_token_id,
         **extra,
     )
     torch.manual_seed(seed)

@@ -1,8 +1,31 @@
-"""The worker: Switchboard's inference engine and (later) its gRPC service."""
+"""The worker: Switchboard's inference engine and (later) its gRPC service.
 
-from worker.engine import LLMEngine
-from worker.llm import LLM
-from worker.outputs import RequestOutput
-from worker.sampling_params import SamplingParams
+The public names load lazily, so light modules such as ``worker.errors`` or
+``worker.default_model`` import without pulling in torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.engine import LLMEngine
+    from worker.llm import LLM
+    from worker.outputs import RequestOutput
+    from worker.sampling_params import SamplingParams
+
+_EXPORTS = {
+    "LLM": "worker.llm",
+    "LLMEngine": "worker.engine",
+    "RequestOutput": "worker.outputs",
+    "SamplingParams": "worker.sampling_params",
+}
 
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'worker' has no attribute {name!r}")

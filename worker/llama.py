@@ -48,7 +48,9 @@ class LlamaModel:
         self.scale = c.head_dim**-0.5
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
-        self.lm_head = weights["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]
+        self.lm_head = weights[
+            "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        ]
         self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
         self.cos, self.sin = cos_sin_cache(c.head_dim, c.rope, c.max_position_embeddings, dtype)
 

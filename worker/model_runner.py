@@ -44,7 +44,9 @@ class ModelRunner:
         self._offsets = torch.arange(block_size)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], torch.Tensor]:
+    def execute(
+        self, scheduled: list[ScheduledSequence]
+    ) -> tuple[list[ScheduledSequence], torch.Tensor]:
         """Run one step; returns the sampling sequences and their logits [num_sampling, vocab]."""
         inputs = self.prepare(scheduled)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
@@ -100,7 +102,9 @@ class ModelRunner:
         mask = torch.arange(max_ctx).unsqueeze(0) < lens.unsqueeze(1)  # [d, max_ctx]
         return key_slots, mask.view(len(decodes), 1, 1, max_ctx)
 
-    def _prefill_chunks(self, prefills: list[ScheduledSequence], *, start: int) -> list[PrefillChunk]:
+    def _prefill_chunks(
+        self, prefills: list[ScheduledSequence], *, start: int
+    ) -> list[PrefillChunk]:
         chunks = []
         for s in prefills:
             key_slots = mask = None

@@ -48,21 +48,24 @@ class Postprocessor:
             return ""
         delta = seq.detokenizer.add(token_id)
         if seq.stop_checker is not None:
-            delta, matched = seq.stop_checker.feed(delta)
-            if matched is not None:
+            checked = seq.stop_checker.feed(delta)
+            delta = checked.text
+            if checked.stopped:
                 seq.finish_reason = FinishReason.STOP
-                seq.stop_reason = matched
+                seq.stop_reason = checked.matched
         seq.text += delta
         return delta
 
     def flush(self, seq: Sequence) -> str:
         """Text held back until the end (an incomplete character, a possible stop string)."""
-        if seq.detokenizer is None or seq.stop_reason is not None and isinstance(seq.stop_reason, str):
-            return ""
+        if seq.detokenizer is None or isinstance(seq.stop_reason, str):
+            return ""  # after a stop string, nothing more is released
         tail = seq.detokenizer.finish()
         if seq.stop_checker is not None:
-            tail, _ = seq.stop_checker.feed(tail)
-            tail += seq.stop_checker.flush()
+            checked = seq.stop_checker.feed(tail)
+            tail = checked.text + seq.stop_checker.flush()
+            if checked.stopped:
+                seq.stop_reason = checked.matched
         seq.text += tail
         return tail
 

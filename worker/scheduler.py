@@ -62,6 +62,7 @@ class Scheduler:
         self.watermark_blocks = watermark_blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # since start, for metrics and tests
 
     @property
     def has_work(self) -> bool:
@@ -140,5 +141,6 @@ class Scheduler:
         self.block_manager.free(seq.block_table)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

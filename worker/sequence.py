@@ -22,7 +22,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a sequence ended; the values are OpenAI's ``finish_reason`` strings."""
 
     STOP = "stop"

@@ -1,0 +1,90 @@
+"""Scripted block-manager scenarios with exact block ids (no model, no torch)."""
+
+import pytest
+
+from worker.block_manager import BlockManager, NoFreeBlocksError
+
+
+def make_pool(num_blocks: int = 8, block_size: int = 4) -> BlockManager:
+    return BlockManager(num_blocks=num_blocks, block_size=block_size)
+
+
+def test_allocation_hands_out_lowest_ids_and_grows_only_at_block_boundaries():
+    pool = make_pool()
+    table: list[int] = []
+    pool.allocate(table, 5)  # 5 tokens -> 2 blocks
+    assert table == [0, 1]
+    pool.allocate(table, 8)  # still fits in 2 blocks of 4
+    assert table == [0, 1]
+    pool.allocate(table, 9)
+    assert table == [0, 1, 2]
+    assert pool.num_free_blocks == 5
+    assert [pool.blocks[i].ref_count for i in range(4)] == [1, 1, 1, 0]
+
+
+def test_slots_follow_the_block_table():
+    pool = make_pool(block_size=4)
+    other, table = [], []
+    pool.allocate(other, 4)  # block 0
+    pool.allocate(table, 6)  # blocks 1, 2
+    assert [pool.slot(table, p) for p in range(6)] == [4, 5, 6, 7, 8, 9]
+
+
+def test_free_returns_every_block_and_reuses_them():
+    pool = make_pool(num_blocks=4)
+    a, b = [], []
+    pool.allocate(a, 8)  # [0, 1]
+    pool.allocate(b, 4)  # [2]
+    pool.free(a)
+    assert a == [] and pool.num_free_blocks == 3
+    c: list[int] = []
+    pool.allocate(c, 12)
+    # Block 3 was never used; then a's blocks, the tail first freed last.
+    assert c == [3, 1, 0]
+    pool.free(b)
+    pool.free(c)
+    assert pool.num_free_blocks == 4
+    assert all(block.ref_count == 0 for block in pool.blocks)
+
+
+def test_capacity_checks_and_refusal():
+    pool = make_pool(num_blocks=2, block_size=4)
+    table: list[int] = []
+    assert pool.can_allocate(table, 8)
+    assert not pool.can_allocate(table, 9)
+    assert not pool.can_allocate(table, 8, reserve=1)
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(table, 9)
+    assert table == [] and pool.num_free_blocks == 2  # a refused allocation takes nothing
+
+
+def test_fork_shares_blocks_until_both_are_freed():
+    pool = make_pool(num_blocks=4)
+    parent: list[int] = []
+    pool.allocate(parent, 6)
+    child = pool.fork(parent)
+    assert child == parent == [0, 1]
+    assert [pool.blocks[i].ref_count for i in (0, 1)] == [2, 2]
+    pool.free(parent)
+    assert pool.num_free_blocks == 2  # still held by the child
+    pool.free(child)
+    assert pool.num_free_blocks == 4
+
+
+def test_double_free_is_detected():
+    pool = make_pool()
+    table: list[int] = []
+    pool.allocate(table, 1)
+    stale = list(table)
+    pool.free(table)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.free(stale)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_blocks_needed(block_size):
+    pool = make_pool(num_blocks=64, block_size=block_size)
+    assert pool.blocks_needed([], 1) == 1
+    assert pool.blocks_needed([], block_size) == 1
+    assert pool.blocks_needed([], block_size + 1) == 2
+    assert pool.blocks_needed([7], block_size) == 0
