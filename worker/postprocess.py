@@ -44,7 +44,8 @@ class Postprocessor:
             seq.stop_reason = token_id
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
-        if seq.detokenizer is None:
+        # A stop token (EOS or one of stop_token_ids) ends the request but not the text.
+        if seq.detokenizer is None or seq.finish_reason is FinishReason.STOP:
             return ""
         delta = seq.detokenizer.add(token_id)
         if seq.stop_checker is not None:
@@ -65,6 +66,7 @@ class Postprocessor:
             checked = seq.stop_checker.feed(tail)
             tail = checked.text + seq.stop_checker.flush()
             if checked.stopped:
+                seq.finish_reason = FinishReason.STOP
                 seq.stop_reason = checked.matched
         seq.text += tail
         return tail

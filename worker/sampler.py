@@ -411,10 +411,11 @@ def _flat_positions(
     token_ids: Sequence[list[int]], vocab: int, device: torch.device
 ) -> torch.Tensor:
     """row * vocab + token for every token of every row: [total]."""
-    lengths = torch.tensor([len(ids) for ids in token_ids], device=device)
-    tokens = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.long, device=device)
-    starts = torch.arange(len(token_ids), device=device) * vocab
-    return torch.repeat_interleave(starts, lengths) + tokens
+    lengths = [len(ids) for ids in token_ids]
+    # np.fromiter reads a list of ints ~4x faster than torch.tensor does.
+    tokens = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=sum(lengths))
+    starts = np.repeat(np.arange(len(token_ids), dtype=np.int64) * vocab, lengths)
+    return torch.from_numpy(starts + tokens).to(device)
 
 
 def _take(x: torch.Tensor, indices: list[int]) -> torch.Tensor:
