@@ -1,9 +1,11 @@
 """Paged attention over a flattened batch of decodes and prefill chunks (torch CPU path).
 
-PagedAttention (Kwon et al., SOSP 2023). The K/V of every sequence live in blocks of one
-flat cache per layer; a sequence reaches its own through slot indices derived from its
-block table. Queries arrive flattened: first one token per decoding sequence, then each
-prefill chunk's tokens back to back.
+PagedAttention (Kwon et al., SOSP 2023). The K/V of every sequence live in fixed-size
+blocks of one cache per layer; a sequence reaches its own through its block table.
+Queries arrive flattened: first one token per decoding sequence, then each prefill
+chunk's tokens back to back. On CPU, a sequence's blocks are gathered whole (one
+contiguous copy per block, which runs at memory bandwidth, unlike a per-token gather)
+and padding past the context is masked.
 
 Semantics, per sequence with context ``c`` (tokens already cached) and chunk length ``n``:
 ``out[i] = softmax(scale * q[i] · K[:c+i+1]ᵀ) · V[:c+i+1]`` for i in 0..n-1, with query head
@@ -23,10 +25,11 @@ class PrefillChunk:
     start: int  # offset of the chunk's first token in the flattened batch
     length: int  # n: tokens in this chunk
     context_len: int  # c: tokens of this sequence already in the cache before this step
-    # [c + n] flat cache slots of the whole attended span; None when c == 0, where the
+    # [num_blocks] int64 block table covering c + n tokens; None when c == 0, where the
     # chunk's own fresh K/V are used directly.
-    key_slots: torch.Tensor | None
-    # [n, c + n] bool, True where attending is allowed; None when c == 0 (plain causal).
+    block_table: torch.Tensor | None
+    # [n, num_blocks * block_size] bool, True where attending is allowed; None when c == 0
+    # (plain causal).
     mask: torch.Tensor | None
 
 
@@ -34,31 +37,38 @@ class PrefillChunk:
 class AttentionMetadata:
     """Everything attention needs about the batch layout; built once a step, shared by layers."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64: where each token's K/V are written
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block * size + offset) to write
     num_decodes: int  # the first num_decodes tokens are single-token decodes
-    decode_key_slots: torch.Tensor | None  # [num_decodes, max_ctx] int64 (padded with 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_ctx] bool, True = attend
+    # [num_decodes * max_blocks] int64: each decode's block table, padded, back to back.
+    decode_block_tables: torch.Tensor | None
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk]
 
 
 def write_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    """Semantics: ``key_cache[slot_mapping[t]] = key[t]`` (same for values)."""
-    key_cache.index_copy_(0, slot_mapping, key)
-    value_cache.index_copy_(0, slot_mapping, value)
+    """Semantics: ``key_cache.flatten(0, 1)[slot_mapping[t]] = key[t]`` (same for values)."""
+    key_cache.view(-1, *key.shape[1:]).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, blocks_per_row * block_size, kv_heads, dim]: the listed blocks, back to back."""
+    gathered = cache.index_select(0, block_tables)
+    return gathered.view(rows, -1, *cache.shape[2:])
 
 
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], this step's fresh keys
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim], already holds `key`
-    value_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], holds `key`
+    value_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
@@ -71,19 +81,20 @@ def paged_attention(
         # The query heads of one KV group stand in for the query-length axis, so one
         # SDPA call serves every decode without repeating K/V: [d, kv_heads, group, dim].
         q = query[:d].view(d, num_kv_heads, group, head_dim)
-        k = key_cache[meta.decode_key_slots].transpose(1, 2)  # [d, kv_heads, ctx, dim]
-        v = value_cache[meta.decode_key_slots].transpose(1, 2)
+        k = gather_blocks(key_cache, meta.decode_block_tables, d).transpose(1, 2)
+        v = gather_blocks(value_cache, meta.decode_block_tables, d).transpose(1, 2)
+        # k, v: [d, kv_heads, max_blocks * block_size, dim]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
         out[:d] = o.reshape(d, num_heads, head_dim)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
-        if chunk.key_slots is None:
-            k, v = key[rows], value[rows]
+        if chunk.block_table is None:
+            k = key[rows].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, dim]
+            v = value[rows].transpose(0, 1).unsqueeze(0)
         else:
-            k, v = key_cache[chunk.key_slots], value_cache[chunk.key_slots]
-        k = k.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, c + n, dim]
-        v = v.transpose(0, 1).unsqueeze(0)
+            k = gather_blocks(key_cache, chunk.block_table, 1).transpose(1, 2)
+            v = gather_blocks(value_cache, chunk.block_table, 1).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q,
             k,

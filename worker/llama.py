@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from kernels.linear import Linear
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from worker.errors import ModelLoadError
 from worker.model_config import ModelConfig
@@ -23,19 +24,17 @@ from worker.rope import apply_rope, cos_sin_cache
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim, with Qwen2's biases
+    o: Linear  # heads * head_dim -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as HF computes it: normalize in fp32, cast back, then scale."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """RMSNorm in one fused op; in fp32 it equals HF's exactly, in bf16 it rounds once
+    where HF rounds twice (before and after the weight)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class LlamaModel:
@@ -48,9 +47,10 @@ class LlamaModel:
         self.scale = c.head_dim**-0.5
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
-        self.lm_head = weights[
-            "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-        ]
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        if head not in weights:
+            raise ModelLoadError(f"the checkpoint has no {head} (tie_word_embeddings is False)")
+        self.lm_head = Linear(weights[head])
         self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
         self.cos, self.sin = cos_sin_cache(c.head_dim, c.rope, c.max_position_embeddings, dtype)
 
@@ -68,12 +68,11 @@ class LlamaModel:
             bias = torch.cat([w[attn + f"{n}_proj.bias"] for n in "qkv"])
         return LayerWeights(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=qkv,
-            qkv_bias=bias,
-            o=w[attn + "o_proj.weight"],
+            qkv=Linear(qkv, bias),
+            o=Linear(w[attn + "o_proj.weight"]),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]]),
-            down=w[mlp + "down_proj.weight"],
+            gate_up=Linear(torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])),
+            down=Linear(w[mlp + "down_proj.weight"]),
         )
 
     def forward(
@@ -90,23 +89,24 @@ class LlamaModel:
         num_tokens = hidden.shape[0]
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(num_tokens, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
+            qkv = layer.qkv(x)
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            # q and k rotate together: [num_tokens, heads + kv_heads, head_dim]
+            qk = apply_rope(qk.view(num_tokens, -1, c.head_dim), cos, sin)
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
             write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
             attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
-            hidden = hidden + F.linear(attn.view(num_tokens, self.q_size), layer.o)
+            hidden = hidden + layer.o(attn.view(num_tokens, self.q_size))
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] fp32, for the rows that sample only."""
         x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
 
 
 def load_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

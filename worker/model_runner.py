@@ -36,12 +36,11 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         c = model.config
-        shape = (num_blocks * block_size, c.num_kv_heads, c.head_dim)
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
             for _ in range(c.num_layers)
         ]
-        self._offsets = torch.arange(block_size)
 
     @torch.inference_mode()
     def execute(
@@ -74,12 +73,12 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             num_decodes=len(decodes),
-            decode_key_slots=None,
+            decode_block_tables=None,
             decode_mask=None,
             prefills=self._prefill_chunks(prefills, start=len(decodes)),
         )
         if decodes:
-            meta.decode_key_slots, meta.decode_mask = self._decode_layout(decodes)
+            meta.decode_block_tables, meta.decode_mask = self._decode_layout(decodes)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
@@ -89,32 +88,29 @@ class ModelRunner:
         )
 
     def _decode_layout(self, decodes: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots of every decode's whole context, padded: [d, max_ctx], and the padding mask."""
+        """Every decode's block table, padded to the longest and flattened; the padding mask."""
         context_lens = [s.start + 1 for s in decodes]
-        num_blocks = -(-max(context_lens) // self.block_size)
         # Every table holds exactly ceil(context / block_size) blocks; pad the shorter ones.
-        padded = [s.seq.block_table + [0] * (num_blocks - len(s.seq.block_table)) for s in decodes]
-        tables = torch.tensor(padded, dtype=torch.int64)  # [d, num_blocks]
-        max_ctx = max(context_lens)
-        key_slots = (tables.unsqueeze(-1) * self.block_size + self._offsets).view(len(decodes), -1)
-        key_slots = key_slots[:, :max_ctx].contiguous()
+        num_blocks = max(len(s.seq.block_table) for s in decodes)
+        tables = [s.seq.block_table + [0] * (num_blocks - len(s.seq.block_table)) for s in decodes]
+        span = num_blocks * self.block_size
         lens = torch.tensor(context_lens, dtype=torch.int64)
-        mask = torch.arange(max_ctx).unsqueeze(0) < lens.unsqueeze(1)  # [d, max_ctx]
-        return key_slots, mask.view(len(decodes), 1, 1, max_ctx)
+        mask = torch.arange(span).unsqueeze(0) < lens.unsqueeze(1)  # [d, span]
+        flat = torch.tensor([b for t in tables for b in t], dtype=torch.int64)
+        return flat, mask.view(len(decodes), 1, 1, span)
 
     def _prefill_chunks(
         self, prefills: list[ScheduledSequence], *, start: int
     ) -> list[PrefillChunk]:
         chunks = []
         for s in prefills:
-            key_slots = mask = None
+            table = mask = None
             if s.start > 0:
-                span = s.start + s.num_tokens
                 table = torch.tensor(s.seq.block_table, dtype=torch.int64)
-                key_slots = (table.unsqueeze(-1) * self.block_size + self._offsets).view(-1)[:span]
+                span = len(s.seq.block_table) * self.block_size
                 # Query i (absolute position start + i) sees keys 0..start + i.
-                query_pos = torch.arange(s.start, span).unsqueeze(1)
-                mask = torch.arange(span).unsqueeze(0) <= query_pos  # [n, start + n]
-            chunks.append(PrefillChunk(start, s.num_tokens, s.start, key_slots, mask))
+                query_pos = torch.arange(s.start, s.start + s.num_tokens).unsqueeze(1)
+                mask = torch.arange(span).unsqueeze(0) <= query_pos  # [n, span]
+            chunks.append(PrefillChunk(start, s.num_tokens, s.start, table, mask))
             start += s.num_tokens
         return chunks

@@ -1,0 +1,46 @@
+"""Dense projections with weights prepared once for the fastest matmul on this device.
+
+On CPU, oneDNN re-packs a plain weight into its blocked layout on every call, which
+halves the effective memory bandwidth of the small-batch matmuls that dominate decoding.
+For bf16/fp16 we pack each weight once at load time (the same op torch's inductor uses when
+it freezes a CPU model) and call the packed matmul; measured here on a 576x3072 bf16
+weight streamed from DRAM: 163 us vs 266 us at 1 token, 1.8 ms vs 2.5 ms at 1,024 tokens.
+fp32 keeps plain ``F.linear``, whose summation order matches the transformers reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# The packed layout is tuned for this many rows; larger batches still run correctly.
+PACK_BATCH_HINT = 1024
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+class Linear:
+    """``y = x @ weight.T + bias`` with ``weight`` [out_features, in_features]."""
+
+    __slots__ = ("bias", "in_features", "out_features", "packed", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.packed: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = weight
+        if _can_pack(weight):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+            self.weight = None  # the packed copy replaces it; keep one copy in memory
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
