@@ -72,3 +72,31 @@ def random_prompts(num: int, *, min_len: int, max_len: int, vocab: int = TINY_VO
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (num,), generator=g).tolist()
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def add_byte_level_tokenizer(path: Path, *, vocab_size: int = 400) -> Path:
+    """Train a small byte-level BPE (GPT-2 / Llama 3 style) and save it beside a checkpoint.
+
+    The checkpoint's vocabulary must be at least ``vocab_size``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [
+        "héllo 世界 🙂 hello world",
+        "the quick brown fox jumps over the lazy dog",
+        "naïve café über straße déjà vu, again and again.",
+    ] * 20
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    fast.save_pretrained(path)
+    return path

@@ -1,0 +1,174 @@
+"""The engine's offline and streaming APIs: deltas, stop strings, seeds, aborts, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from factories import add_byte_level_tokenizer, load_hf_model, make_checkpoint, random_prompts
+from worker import LLM, SamplingParams
+from worker.errors import InvalidRequestError, RequestTooLargeError
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    """A tiny random model with a real byte-level tokenizer, so outputs are text."""
+    path = make_checkpoint(
+        tmp_path_factory.mktemp("text"), vocab_size=VOCAB, max_position_embeddings=256, seed=7
+    )
+    return add_byte_level_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def llm(text_model):
+    return LLM(text_model, dtype="float32", block_size=4, num_kv_blocks=256)
+
+
+def greedy(max_tokens: int = 40, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+def stream(llm: LLM, prompts, params) -> dict[str, list]:
+    """Drive the streaming interface by hand; every output of every step, per request."""
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"s{i}", prompt, params)
+    seen: dict[str, list] = {f"s{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    return seen
+
+
+def test_streamed_deltas_add_up_to_the_offline_result(llm):
+    prompts = ["hello world", "the quick brown fox", "日本"]
+    offline = llm.generate(prompts, greedy())
+    streamed = stream(llm, prompts, greedy())
+    for i, expected in enumerate(offline):
+        steps = streamed[f"s{i}"]
+        assert [t for out in steps for t in out.new_token_ids] == expected.token_ids
+        assert "".join(out.new_text for out in steps) == expected.text
+        assert [out.finished for out in steps] == [False] * (len(steps) - 1) + [True]
+        assert expected.text == llm.tokenizer.decode(expected.token_ids)
+        metrics = steps[-1].metrics
+        assert metrics.queue_time >= 0 and metrics.ttft >= metrics.queue_time
+        assert len(steps[-1].token_times) == len(expected.token_ids)
+
+
+def test_stop_string_truncates_the_text_and_never_leaks(llm):
+    prompt = "the quick brown fox"
+    full = llm.generate([prompt], greedy(max_tokens=60))[0].text
+    stop = full[20:23]  # a piece of text greedy decoding is known to produce
+    cut = full.index(stop)
+    out = llm.generate([prompt], greedy(max_tokens=60, stop=[stop]))[0]
+    assert out.text == full[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    streamed = stream(llm, [prompt], greedy(max_tokens=60, stop=[stop]))["s0"]
+    assert "".join(o.new_text for o in streamed) == full[:cut]
+
+
+def test_stop_token_ids_end_the_request_without_text(llm):
+    prompt = "hello world"
+    base = llm.generate([prompt], greedy())[0]
+    stop_token = base.token_ids[5]
+    first = base.token_ids.index(stop_token)
+    out = llm.generate([prompt], greedy(stop_token_ids=[stop_token]))[0]
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_token
+    assert out.text == llm.tokenizer.decode(base.token_ids[:first])
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=1234, ignore_eos=True)
+    alone = llm.generate(["hello world"], params)[0].token_ids
+    crowd = ["the quick brown fox", "hello world", "café"]
+    others = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = llm.generate(crowd, [others, params, others])
+    assert batch[1].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=99, ignore_eos=True)
+    assert llm.generate(["hello world"], other_seed)[0].token_ids != alone
+
+
+def test_logprobs_match_the_reference_model(text_model, llm):
+    hf = load_hf_model(text_model)
+    prompt = llm.tokenizer.encode("hello world")
+    out = llm.generate([prompt], greedy(max_tokens=5, logprobs=3))[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0]
+    reference = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    for step, token in enumerate(out.logprobs):
+        assert token.token_id == out.token_ids[step]
+        assert token.logprob == pytest.approx(reference[step, token.token_id].item(), abs=1e-4)
+        top = reference[step].topk(3)
+        assert [t for t, _ in token.top_logprobs] == top.indices.tolist()
+
+
+def test_abort_frees_blocks_at_once(llm):
+    engine = llm.engine
+    engine.add_request("a", "hello world", greedy(max_tokens=100))
+    engine.add_request("b", "the quick brown fox", greedy(max_tokens=100))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    out = engine.abort("a")
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.abort("a") is None and engine.abort("never-seen") is None
+    engine.abort("b")
+    assert not engine.has_unfinished_requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_generation_stops_at_the_context_length(text_model):
+    llm = LLM(text_model, dtype="float32", max_model_len=32)
+    out = llm.generate([list(range(3, 30))], greedy(max_tokens=100))[0]
+    assert len(out.token_ids) == 32 - 27
+    assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "error", "message"),
+    [
+        (list(range(3, 300)), greedy(), InvalidRequestError, "context is 256 tokens"),
+        ([5, VOCAB, 7], greedy(), InvalidRequestError, r"unknown token ids \[512\]"),
+        ([5, -1], greedy(), InvalidRequestError, "unknown token ids"),
+        ([], greedy(), InvalidRequestError, "prompt is empty"),
+        ([5, 6], greedy(stop_token_ids=[10**6]), InvalidRequestError, "stop_token_ids"),
+        ([5, 6], greedy(max_tokens=2000), RequestTooLargeError, "KV blocks"),
+    ],
+)
+def test_bad_requests_are_refused_and_disturb_nothing(prompt, params, error, message, text_model):
+    # 48 blocks of 4 hold 192 tokens: less than the 256-token context.
+    llm = LLM(text_model, dtype="float32", block_size=4, num_kv_blocks=48)
+    engine = llm.engine
+    engine.add_request("ok", "hello", greedy(max_tokens=4))
+    with pytest.raises(error, match=message):
+        engine.add_request("bad", prompt, params)
+    assert set(engine.requests) == {"ok"}
+    while engine.has_unfinished_requests:
+        engine.step()
+    assert engine.block_manager.num_free_blocks == 48
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"stop": [""]}, "stop strings"),
+    ],
+)
+def test_invalid_sampling_params_are_refused(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_a_request_larger_than_the_kv_pool_is_rejected_not_hung(text_model):
+    llm = LLM(text_model, dtype="float32", block_size=4, num_kv_blocks=8)  # 32 slots
+    with pytest.raises(RequestTooLargeError):
+        llm.generate([random_prompts(1, min_len=20, max_len=20, vocab=VOCAB)[0]], greedy(20))
+    assert llm.engine.block_manager.num_free_blocks == 8
+    assert not llm.engine.has_unfinished_requests
