@@ -96,6 +96,19 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def bench_throughput(args: argparse.Namespace) -> int:
+    """Engine vs Hugging Face generate on the W1/W2 workloads (see bench/README.md)."""
+    from bench.throughput import main as run_benchmark
+
+    run_benchmark(args.extra_options)
+    return 0
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    # Every option goes on to bench/throughput.py, which documents them (--help there).
+    parser.set_defaults(passes_options_through=True)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         ("model", "prepare"),
@@ -105,6 +118,12 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(("model", "path"), "print the default model's directory", model_path),
     Command(("demo",), "answer a few chat prompts with the engine", demo, _demo_arguments),
+    Command(
+        ("bench", "throughput"),
+        "engine vs HF generate throughput",
+        bench_throughput,
+        _bench_arguments,
+    ),
 )
 
 
@@ -130,7 +149,11 @@ def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentPar
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `switchboard` script; returns the process exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passes_options_through", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra_options = extra
     try:
         return args.run(args)
     except KeyboardInterrupt:
