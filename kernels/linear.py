@@ -44,3 +44,11 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + x @ weight.T (+ bias)``; on CPU the add is fused into the matmul."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(
+                x, residual, self.packed, self.bias, "add"
+            )
+        return residual + F.linear(x, self.weight, self.bias)

@@ -18,7 +18,7 @@ from kernels.linear import Linear
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from worker.errors import ModelLoadError
 from worker.model_config import ModelConfig
-from worker.rope import apply_rope, cos_sin_cache
+from worker.rope import RopeTables, apply_rope
 
 
 @dataclass(slots=True)
@@ -52,7 +52,7 @@ class LlamaModel:
             raise ModelLoadError(f"the checkpoint has no {head} (tie_word_embeddings is False)")
         self.lm_head = Linear(weights[head])
         self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
-        self.cos, self.sin = cos_sin_cache(c.head_dim, c.rope, c.max_position_embeddings, dtype)
+        self.rope = RopeTables.build(c.head_dim, c.rope, c.max_position_embeddings, dtype)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype) -> LlamaModel:
@@ -83,8 +83,7 @@ class LlamaModel:
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         c = self.config
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self.rope.lookup(positions)  # each [num_tokens, 1, head_dim]
         hidden = F.embedding(input_ids, self.embed)
         num_tokens = hidden.shape[0]
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
@@ -97,10 +96,10 @@ class LlamaModel:
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
             write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
             attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
-            hidden = hidden + layer.o(attn.view(num_tokens, self.q_size))
+            hidden = layer.o.add_to(attn.view(num_tokens, self.q_size), hidden)
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            hidden = layer.down.add_to(F.silu(gate) * up, hidden)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

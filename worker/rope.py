@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -44,19 +45,34 @@ def _llama3_scaling(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def cos_sin_cache(
-    head_dim: int, rope: dict, max_positions: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, each [max_positions, head_dim], computed in fp32 then cast."""
-    inv_freq = inverse_frequencies(head_dim, rope)
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+@dataclass(frozen=True, slots=True)
+class RopeTables:
+    """cos and sign-folded sin per position, each [max_positions, head_dim].
+
+    HF's rotate-half form is ``x * cos + cat(-x2, x1) * sin``. Folding the minus sign into
+    the first half of ``sin`` turns ``cat(-x2, x1)`` into ``roll(x, half)``, so applying
+    RoPE costs three ops instead of five, with the same products and sums.
+    """
+
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+
+    @classmethod
+    def build(cls, head_dim: int, rope: dict, max_positions: int, dtype: torch.dtype) -> RopeTables:
+        inv_freq = inverse_frequencies(head_dim, rope)  # computed in fp32, then cast
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        sin = angles.sin().to(dtype)
+        half = head_dim // 2
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return cls(angles.cos().to(dtype), signed_sin)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for each position, shaped [num_tokens, 1, head_dim]."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim] (rotate-half layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/signed_sin: [tokens, 1, head_dim] (rotate-half)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

@@ -35,10 +35,19 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_tokens: int = 0  # kept equal to the sum of scheduled num_tokens
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+    def add(self, placed: ScheduledSequence) -> None:
+        self.scheduled.append(placed)
+        self.num_tokens += placed.num_tokens
+
+    def drop(self, seq: Sequence) -> None:
+        """Take back ``seq``'s place, if it has one this step."""
+        for i, placed in enumerate(self.scheduled):
+            if placed.seq is seq:
+                self.num_tokens -= placed.num_tokens
+                del self.scheduled[i]
+                return
 
     @property
     def is_empty(self) -> bool:
@@ -93,7 +102,7 @@ class Scheduler:
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(seq, num_tokens, out):
                 continue
-            out.scheduled.append(self._schedule(seq, num_tokens))
+            out.add(self._schedule(seq, num_tokens))
             budget = self.max_num_batched_tokens - out.num_tokens
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
@@ -106,8 +115,7 @@ class Scheduler:
             victim = max(self.running, key=lambda s: s.arrival_order)
             self._preempt(victim)
             out.preempted.append(victim)
-            # The victim may already hold a place in this step: give it back.
-            out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+            out.drop(victim)  # it may already hold a place in this step
             if victim is seq:
                 return False
         return True
@@ -126,7 +134,7 @@ class Scheduler:
             self.running.append(seq)
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.monotonic()
-            out.scheduled.append(self._schedule(seq, num_tokens))
+            out.add(self._schedule(seq, num_tokens))
             budget -= num_tokens
         return budget
 
