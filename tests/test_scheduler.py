@@ -6,11 +6,14 @@ from worker.scheduler import Scheduler
 from worker.sequence import Sequence, SequenceStatus
 
 
-def make_scheduler(*, num_blocks=16, block_size=4, max_num_seqs=8, max_tokens=32) -> Scheduler:
+def make_scheduler(
+    *, num_blocks=16, block_size=4, max_num_seqs=8, max_tokens=32, max_loras=0
+) -> Scheduler:
     return Scheduler(
         block_manager=BlockManager(num_blocks=num_blocks, block_size=block_size),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_tokens,
+        max_loras=max_loras,
     )
 
 
@@ -95,3 +98,56 @@ def test_remove_frees_blocks_of_waiting_and_running_sequences():
     sched.remove(b)
     assert not sched.has_work
     assert sched.block_manager.num_free_blocks == 16
+
+
+def make_lora_seq(order: int, adapter: str | None, prompt_len: int = 2) -> Sequence:
+    seq = make_seq(order, prompt_len)
+    seq.adapter_id = adapter
+    return seq
+
+
+def running_ids(sched: Scheduler) -> list[str]:
+    return sorted(s.request_id for s in sched.running)
+
+
+def test_at_most_max_loras_adapters_run_and_others_overtake_a_blocked_request():
+    sched = make_scheduler(max_loras=2)
+    reqs = [
+        make_lora_seq(0, "A"),
+        make_lora_seq(1, "B"),
+        make_lora_seq(2, "C"),  # no third slot
+        make_lora_seq(3, None),  # the base model needs no slot
+        make_lora_seq(4, "A"),  # A already has a slot
+    ]
+    for seq in reqs:
+        sched.add(seq)
+    run_step(sched)
+    assert running_ids(sched) == ["r0", "r1", "r3", "r4"]
+    assert reqs[2].lora_wait_steps == 1
+    sched.remove(reqs[0])
+    sched.remove(reqs[4])  # A drained: its slot frees up for C
+    run_step(sched)
+    assert running_ids(sched) == ["r1", "r2", "r3"]
+
+
+def test_a_stream_of_requests_for_running_adapters_cannot_starve_another_adapter():
+    sched = make_scheduler(max_num_seqs=64, max_loras=1, num_blocks=256)
+    sched.max_lora_wait_steps = 3
+    sched.add(make_lora_seq(0, "A"))
+    sched.add(make_lora_seq(1, "B"))
+    order = 2
+    for _ in range(3):  # B is passed over while new A requests keep arriving
+        sched.add(make_lora_seq(order, "A"))
+        order += 1
+        run_step(sched)
+    assert "r1" not in running_ids(sched)
+    # B has waited long enough: new A requests are held back until A drains.
+    late_a = make_lora_seq(order, "A")
+    sched.add(late_a)
+    run_step(sched)
+    assert late_a.status is SequenceStatus.WAITING
+    for seq in list(sched.running):
+        sched.remove(seq)
+    run_step(sched)
+    assert running_ids(sched) == ["r1"]
+    assert late_a.status is SequenceStatus.WAITING  # B holds the only slot now

@@ -62,6 +62,8 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         watermark_blocks: int = 0,
+        max_loras: int = 0,
+        max_lora_wait_steps: int = 64,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -69,6 +71,11 @@ class Scheduler:
         # Admit new work only while this many blocks stay free, so running
         # sequences can keep decoding without an immediate preemption.
         self.watermark_blocks = watermark_blocks
+        # At most this many distinct adapters run at once (their device slots). A request
+        # kept out for max_lora_wait_steps stops other adapters from starting, so the
+        # running ones drain and it gets a slot: no adapter waits forever.
+        self.max_loras = max_loras
+        self.max_lora_wait_steps = max_lora_wait_steps
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0  # since start, for metrics and tests
@@ -121,15 +128,27 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        """Start waiting sequences in arrival order while budget, seats and blocks last.
+
+        A request whose adapter has no free slot is passed over (base-model requests and
+        requests for adapters already running may overtake it); running out of KV blocks
+        stops admission outright, so memory is granted strictly first come, first served.
+        """
+        adapters = AdapterGate(self.running, self.waiting, self.max_loras, self.max_lora_wait_steps)
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if not adapters.admits(seq):
+                seq.lora_wait_steps += 1
+                continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             total = seq.num_computed_tokens + num_tokens
             if not self.block_manager.can_allocate(
                 seq.block_table, total, reserve=self.watermark_blocks
             ):
                 break
-            self.waiting.popleft()
+            adapters.start(seq)
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             if seq.metrics.first_scheduled_time is None:
@@ -152,3 +171,36 @@ class Scheduler:
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+
+class AdapterGate:
+    """Admission rule for adapter slots (S-LoRA-style), rebuilt once per step."""
+
+    def __init__(
+        self, running: list[Sequence], waiting: deque[Sequence], max_loras: int, max_wait: int
+    ) -> None:
+        self.max_loras = max_loras
+        self.active = {s.adapter_id for s in running if s.adapter_id is not None}
+        # The oldest request kept out too long: until its adapter gets a slot, no other
+        # adapter may start a request, so the running adapters drain.
+        self.starving = next(
+            (
+                s.adapter_id
+                for s in waiting
+                if s.adapter_id is not None and s.lora_wait_steps >= max_wait
+            ),
+            None,
+        )
+
+    def admits(self, seq: Sequence) -> bool:
+        adapter = seq.adapter_id
+        if adapter is None:
+            return True
+        if self.starving is not None and adapter != self.starving:
+            return False
+        return adapter in self.active or len(self.active) < self.max_loras
+
+    def start(self, seq: Sequence) -> None:
+        if seq.adapter_id is not None:
+            self.active.add(seq.adapter_id)
+            seq.lora_wait_steps = 0

@@ -61,6 +61,8 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_order: int
+    # Content id of the LoRA adapter this request runs with; None for the base model.
+    adapter_id: str | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
@@ -70,6 +72,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Steps this request was passed over for want of a free adapter slot.
+    lora_wait_steps: int = 0
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     stop_checker: StopChecker | None = None
