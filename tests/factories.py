@@ -100,3 +100,31 @@ def add_byte_level_tokenizer(path: Path, *, vocab_size: int = 400) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
     fast.save_pretrained(path)
     return path
+
+
+def make_peft_adapter(
+    base_path: Path,
+    out: Path,
+    *,
+    rank: int,
+    targets: list[str],
+    alpha: float | None = None,
+    seed: int = 0,
+    **lora_kwargs,
+) -> Path:
+    """A real PEFT LoRA adapter for the checkpoint at ``base_path``, saved as safetensors.
+
+    A fresh LoRA has B = 0 (no effect); both A and B are randomized so the adapter matters.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    base = load_hf_model(base_path)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, **lora_kwargs)
+    model = get_peft_model(base, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.3 / param.shape[-1] ** 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

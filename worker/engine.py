@@ -15,6 +15,7 @@ import torch
 from worker.block_manager import BlockManager
 from worker.errors import InvalidRequestError, RequestTooLargeError
 from worker.llama import LlamaModel
+from worker.lora_manager import LoraManager, UnknownAdapterError
 from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.outputs import RequestOutput
 from worker.postprocess import Postprocessor
@@ -47,6 +48,9 @@ class LLMEngine:
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 1024,
         max_model_len: int | None = None,
+        max_loras: int = 8,
+        max_lora_rank: int = 32,
+        lora_host_cache_gb: float = 2.0,
     ) -> None:
         torch_dtype = resolve_dtype(dtype)
         self.model = LlamaModel.from_pretrained(model, dtype=torch_dtype)
@@ -62,8 +66,24 @@ class LLMEngine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             watermark_blocks=num_kv_blocks // 100,
+            max_loras=max_loras,
         )
-        self.runner = ModelRunner(self.model, num_blocks=num_kv_blocks, block_size=block_size)
+        # max_loras=0 turns LoRA off (no slot buffers are ever allocated).
+        self.lora_manager = None
+        if max_loras > 0:
+            self.lora_manager = LoraManager(
+                model,
+                dtype=torch_dtype,
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                host_cache_bytes=int(lora_host_cache_gb * 2**30),
+            )
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks=num_kv_blocks,
+            block_size=block_size,
+            lora_manager=self.lora_manager,
+        )
         self.sampler = Sampler()
         self.postprocessor = Postprocessor(
             eos_token_ids=self.config.eos_token_ids, max_model_len=self.max_model_len
@@ -76,16 +96,47 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def load_adapter(self, name: str, path: str | Path) -> str:
+        """Load, validate and name a PEFT LoRA adapter; returns its content id."""
+        if self.lora_manager is None:
+            raise InvalidRequestError("LoRA is disabled on this engine (max_loras=0)")
+        return self.lora_manager.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget a name; requests already running with it finish normally."""
+        if self.lora_manager is None:
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded")
+        self.lora_manager.unload(name)
+
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        adapter: str | None = None,
     ) -> None:
-        """Validate and queue a request; raises ``InvalidRequestError`` and queues nothing."""
+        """Validate and queue a request; raises ``InvalidRequestError`` and queues nothing.
+
+        ``adapter`` names a loaded LoRA adapter; None runs the base model.
+        """
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        adapter_id = None
+        if adapter is not None:
+            if self.lora_manager is None:
+                raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
+            adapter_id = self.lora_manager.resolve(adapter)
         prompt_ids = self._tokenize(prompt)
         self._validate(prompt_ids, params)
-        seq = Sequence(request_id, prompt_ids, params, arrival_order=next(self._arrivals))
+        seq = Sequence(
+            request_id,
+            prompt_ids,
+            params,
+            arrival_order=next(self._arrivals),
+            adapter_id=adapter_id,
+        )
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(params.seed)
         self.postprocessor.attach(seq, self.tokenizer)

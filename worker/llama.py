@@ -9,16 +9,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
 from kernels.linear import Linear
+from kernels.lora import add_lora
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from worker.errors import ModelLoadError
 from worker.model_config import ModelConfig
 from worker.rope import RopeTables, apply_rope
+
+if TYPE_CHECKING:
+    from worker.lora_manager import LoraBatch
 
 
 @dataclass(slots=True)
@@ -81,14 +86,21 @@ class LlamaModel:
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, [num_slots, kv_heads, dim]
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         c = self.config
         cos, sin = self.rope.lookup(positions)  # each [num_tokens, 1, head_dim]
         hidden = F.embedding(input_ids, self.embed)
         num_tokens = hidden.shape[0]
-        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches, strict=True):
+        for index, (layer, (key_cache, value_cache)) in enumerate(
+            zip(self.layers, kv_caches, strict=True)
+        ):
+            adapters = None if lora is None else _LayerLora(lora, index)
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
             qkv = layer.qkv(x)
+            if adapters is not None:
+                adapters.add(qkv, x, ("q_proj", 0), ("k_proj", self.q_size))
+                adapters.add(qkv, x, ("v_proj", self.q_size + self.kv_size))
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # q and k rotate together: [num_tokens, heads + kv_heads, head_dim]
             qk = apply_rope(qk.view(num_tokens, -1, c.head_dim), cos, sin)
@@ -96,16 +108,41 @@ class LlamaModel:
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
             write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
             attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
-            hidden = layer.o.add_to(attn.view(num_tokens, self.q_size), hidden)
+            attn = attn.view(num_tokens, self.q_size)
+            hidden = layer.o.add_to(attn, hidden)
+            if adapters is not None:
+                adapters.add(hidden, attn, ("o_proj", 0))
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = layer.down.add_to(F.silu(gate) * up, hidden)
+            gate_up = layer.gate_up(x)
+            if adapters is not None:
+                adapters.add(gate_up, x, ("gate_proj", 0), ("up_proj", c.intermediate_size))
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            hidden = layer.down.add_to(act, hidden)
+            if adapters is not None:
+                adapters.add(hidden, act, ("down_proj", 0))
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] fp32, for the rows that sample only."""
         x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         return self.lm_head(x).float()
+
+
+class _LayerLora:
+    """Adds the step's LoRA deltas into one layer's fused projection outputs."""
+
+    __slots__ = ("mapping", "stacks")
+
+    def __init__(self, lora: LoraBatch, layer: int) -> None:
+        self.mapping = lora.mapping
+        self.stacks = lora.stacks[layer]
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, *targets: tuple[str, int]) -> None:
+        """``y[:, offset:offset + out] += LoRA_module(x)`` for each (module, offset)."""
+        for module, offset in targets:
+            s = self.stacks[module]
+            add_lora(y, x, s.a, s.b, s.scales, self.mapping, out_offset=offset)
 
 
 def load_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -26,14 +26,25 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def load_adapter(self, name: str, path: str | Path) -> str:
+        """Make a PEFT LoRA adapter usable as ``adapters=[name]``; returns its content id."""
+        return self.engine.load_adapter(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self.engine.unload_adapter(name)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        adapters: Sequence[str | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the prompts' order."""
+        """Run every prompt to completion; outputs come back in the prompts' order.
+
+        ``adapters`` gives each prompt's adapter name (None: the base model).
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or as token ids
         prompts = list(prompts)
@@ -41,11 +52,14 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        adapters = list(adapters) if adapters is not None else [None] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} adapters")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         added = []
         try:
-            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-                self.engine.add_request(request_id, prompt, p)
+            for request_id, prompt, p, adapter in zip(ids, prompts, params, adapters, strict=True):
+                self.engine.add_request(request_id, prompt, p, adapter=adapter)
                 added.append(request_id)
             return self._run(ids, use_tqdm)
         finally:

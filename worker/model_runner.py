@@ -12,6 +12,7 @@ import torch
 
 from kernels.paged_attention import AttentionMetadata, PrefillChunk
 from worker.llama import LlamaModel
+from worker.lora_manager import LoraManager
 from worker.model_config import ModelConfig
 from worker.scheduler import ScheduledSequence
 
@@ -32,8 +33,16 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, *, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        num_blocks: int,
+        block_size: int,
+        lora_manager: LoraManager | None = None,
+    ) -> None:
         self.model = model
+        self.lora_manager = lora_manager
         self.block_size = block_size
         c = model.config
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
@@ -48,7 +57,15 @@ class ModelRunner:
     ) -> tuple[list[ScheduledSequence], torch.Tensor]:
         """Run one step; returns the sampling sequences and their logits [num_sampling, vocab]."""
         inputs = self.prepare(scheduled)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        lora = None
+        if self.lora_manager is not None:
+            token_adapters = [a for s in inputs.order for a in [s.seq.adapter_id] * s.num_tokens]
+            lora = self.lora_manager.prepare(
+                token_adapters, all_decode=len(inputs.meta.prefills) == 0
+            )
+        hidden = self.model.forward(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, lora
+        )
         logits = self.model.compute_logits(hidden[inputs.logit_rows])
         return [s for s in inputs.order if s.samples], logits
 

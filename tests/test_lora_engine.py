@@ -1,0 +1,156 @@
+"""Mixed-adapter batches in the engine against peft, one adapter at a time (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import GenerationConfig
+
+from factories import load_hf_model, make_checkpoint, make_peft_adapter, random_prompts
+from worker import LLM, SamplingParams
+from worker.lora_manager import UnknownAdapterError
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Different ranks and target sets, including rank 1, MLP only, one layer, rank patterns.
+ADAPTERS = {
+    "r1-qv": {"rank": 1, "targets": ["q_proj", "v_proj"]},
+    "r2-all": {"rank": 2, "targets": ALL},
+    "r4-mlp": {"rank": 4, "targets": ["gate_proj", "up_proj", "down_proj"]},
+    "r8-ko": {"rank": 8, "targets": ["k_proj", "o_proj"]},
+    "r16-all": {"rank": 16, "targets": ALL},
+    "r32-attn": {"rank": 32, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    "r8-layer1": {"rank": 8, "targets": ALL, "layers_to_transform": [1]},
+    "r4-pattern": {"rank": 4, "targets": ALL, "rank_pattern": {"down_proj": 12}},
+    "r8-rslora": {"rank": 8, "targets": ["q_proj", "down_proj"], "use_rslora": True},
+}
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("base"), seed=11)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: make_peft_adapter(base, root / name, seed=i, **spec)
+        for i, (name, spec) in enumerate(ADAPTERS.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def peft_greedy(base, adapter_dirs):
+    """Greedy tokens from peft with each adapter alone, and from the base model."""
+    prompts = random_prompts(len(ADAPTERS) + 2, min_len=3, max_len=24, seed=4)
+    hf = load_hf_model(base)
+    hf.generation_config.eos_token_id = None
+    config = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+    names = list(adapter_dirs)
+    model = PeftModel.from_pretrained(hf, adapter_dirs[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapter_dirs[name], adapter_name=name)
+    model.eval()
+
+    def run(prompt, adapter):
+        ids = torch.tensor([prompt])
+        if adapter is None:
+            with model.disable_adapter():
+                out = model.generate(input_ids=ids, generation_config=config)
+        else:
+            model.set_adapter(adapter)
+            out = model.generate(input_ids=ids, generation_config=config)
+        return out[0, len(prompt) :].tolist()
+
+    # Every adapter once, the base model twice (first and last), all in one batch.
+    assignment = [None, *names, None]
+    expected = [run(p, a) for p, a in zip(prompts, assignment, strict=True)]
+    return prompts, assignment, expected
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def make_llm(base, adapter_dirs, **kwargs) -> LLM:
+    llm = LLM(base, dtype="float32", **kwargs)
+    for name, path in adapter_dirs.items():
+        llm.load_adapter(name, path)
+    return llm
+
+
+def test_mixed_batch_matches_peft_for_every_request(base, adapter_dirs, peft_greedy):
+    prompts, assignment, expected = peft_greedy
+    llm = make_llm(base, adapter_dirs, max_loras=len(ADAPTERS))
+    outputs = llm.generate(prompts, greedy(), adapters=assignment)
+    assert [o.token_ids for o in outputs] == expected
+    # The adapters really change the output (else this test could not fail).
+    base_only = llm.generate(prompts, greedy())
+    changed = sum(b.token_ids != o.token_ids for b, o in zip(base_only, outputs, strict=True))
+    assert changed >= len(ADAPTERS) - 1
+
+
+def test_more_adapters_than_slots_all_complete_unchanged(base, adapter_dirs, peft_greedy):
+    prompts, assignment, expected = peft_greedy
+    # Two slots for nine adapters, and a host cache too small to keep any: every adapter
+    # is evicted and reloaded from disk along the way.
+    llm = make_llm(base, adapter_dirs, max_loras=2, lora_host_cache_gb=1e-6)
+    outputs = llm.generate(prompts, greedy(), adapters=assignment)
+    assert [o.token_ids for o in outputs] == expected
+    manager = llm.engine.lora_manager
+    assert manager.num_slot_loads >= len(ADAPTERS)
+    assert len(manager.host) == 1
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_prefill_logits_match_peft(base, adapter_dirs, peft_greedy):
+    prompts, assignment, _ = peft_greedy
+    llm = make_llm(base, adapter_dirs, max_loras=len(ADAPTERS))
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    outputs = llm.generate(prompts, params, adapters=assignment)
+    hf = load_hf_model(base)
+    names = list(adapter_dirs)
+    model = PeftModel.from_pretrained(hf, adapter_dirs[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapter_dirs[name], adapter_name=name)
+    for prompt, adapter, out in zip(prompts, assignment, outputs, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            if adapter is None:
+                with model.disable_adapter():
+                    logits = model(input_ids=ids).logits[0, -1]
+            else:
+                model.set_adapter(adapter)
+                logits = model(input_ids=ids).logits[0, -1]
+        reference = torch.log_softmax(logits, -1)
+        top = out.logprobs[0].top_logprobs
+        assert [t for t, _ in top] == reference.topk(5).indices.tolist()
+        got = torch.tensor([lp for _, lp in top])
+        torch.testing.assert_close(got, reference.topk(5).values, rtol=1e-4, atol=1e-4)
+
+
+def test_new_weights_under_the_same_name_give_the_new_outputs(base, adapter_dirs, tmp_path):
+    llm = make_llm(base, {"tenant-a": adapter_dirs["r16-all"]}, max_loras=2)
+    prompt = random_prompts(1, min_len=8, max_len=8, seed=9)[0]
+    before = llm.generate([prompt], greedy(), adapters=["tenant-a"])[0].token_ids
+    first_id = llm.engine.lora_manager.resolve("tenant-a")
+    replacement = make_peft_adapter(base, tmp_path / "v2", rank=16, targets=ALL, seed=123)
+    second_id = llm.load_adapter("tenant-a", replacement)
+    assert second_id != first_id
+    after = llm.generate([prompt], greedy(), adapters=["tenant-a"])[0].token_ids
+    fresh = make_llm(base, {"x": replacement}, max_loras=1)
+    assert after == fresh.generate([prompt], greedy(), adapters=["x"])[0].token_ids
+    assert after != before
+
+
+def test_unknown_adapter_is_refused_and_unload_forgets_the_name(base, adapter_dirs):
+    llm = make_llm(base, {"only": adapter_dirs["r2-all"]}, max_loras=1)
+    with pytest.raises(UnknownAdapterError, match="'other' is not loaded"):
+        llm.generate([[5, 6, 7]], greedy(), adapters=["other"])
+    llm.unload_adapter("only")
+    with pytest.raises(UnknownAdapterError, match="'only' is not loaded"):
+        llm.generate([[5, 6, 7]], greedy(), adapters=["only"])
+    assert not llm.engine.has_unfinished_requests

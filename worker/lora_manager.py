@@ -1,0 +1,186 @@
+"""Adapters in three tiers: store (disk) → host cache (LRU by bytes) → device slots.
+
+S-LoRA (Sheng et al., MLSys 2024) and Punica: every targeted projection keeps one stacked
+A and B buffer with a row per device slot, padded to ``max_lora_rank``, so a batch that
+mixes adapters (and requests with none) runs one batched LoRA op per projection. A slot
+whose adapter lacks a projection or a layer holds zeros there, which adds nothing.
+Adapters of running requests are never evicted: the scheduler admits at most
+``max_loras`` distinct adapters, and only slots outside the step's set are reused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from adapters.base_model import PROJECTIONS, BaseModelSpec
+from adapters.lora import LoraAdapter
+from adapters.peft_format import load_adapter_dir
+from kernels.lora import LoraMapping
+from worker.errors import InvalidRequestError
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """A request named an adapter that is not loaded."""
+
+
+@dataclass(slots=True)
+class SlotStack:
+    """One projection of one layer, across all slots."""
+
+    a: torch.Tensor  # [max_loras, max_rank, in_features]
+    b: torch.Tensor  # [max_loras, out_features, max_rank]
+    scales: torch.Tensor  # [max_loras] float32
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    """What the model needs to apply LoRA in one step."""
+
+    mapping: LoraMapping
+    stacks: list[dict[str, SlotStack]]  # per layer, by projection name
+
+
+class LoraManager:
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: torch.dtype,
+        max_loras: int = 8,
+        max_lora_rank: int = 32,
+        max_adapter_bytes: int = 512 * 2**20,
+        host_cache_bytes: int = 2 * 2**30,
+    ) -> None:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        self.spec = BaseModelSpec.from_config_dict(config)
+        self.dtype = dtype
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_adapter_bytes = max_adapter_bytes
+        self.host_cache_bytes = host_cache_bytes
+        self.names: dict[str, str] = {}  # adapter name -> content id
+        self.paths: dict[str, Path] = {}  # content id -> directory to reload from
+        self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # LRU, newest last
+        self.slots: list[str | None] = [None] * max_loras  # content id held by each slot
+        self.slot_use: list[int] = [0] * max_loras  # step of last use, for LRU
+        self._step = 0
+        self._stacks: list[dict[str, SlotStack]] | None = None  # allocated on first load
+        self.num_slot_loads = 0
+
+    # --- registry ---------------------------------------------------------------------
+
+    def load(self, name: str, path: str | Path) -> str:
+        """Read and validate an adapter, name it; returns its content id.
+
+        Loading new weights under a known name re-points the name: requests already
+        running keep the old adapter, new ones get the new one.
+        """
+        adapter = self._read(Path(path))
+        self.names[name] = adapter.id
+        self.paths[adapter.id] = Path(path)
+        self._cache(adapter)
+        if self._stacks is None:
+            self._stacks = self._allocate()
+        return adapter.id
+
+    def unload(self, name: str) -> None:
+        if self.names.pop(name, None) is None:
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded")
+
+    def resolve(self, name: str) -> str:
+        try:
+            return self.names[name]
+        except KeyError:
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded") from None
+
+    # --- per step ---------------------------------------------------------------------
+
+    def prepare(self, token_adapters: list[str | None], *, all_decode: bool) -> LoraBatch | None:
+        """Put this step's adapters in slots; the mapping from tokens to slots."""
+        needed = {a for a in token_adapters if a is not None}
+        if not needed:
+            return None
+        self._step += 1
+        slot_of = {adapter: self._slot_for(adapter, needed) for adapter in needed}
+        slots = [-1 if a is None else slot_of[a] for a in token_adapters]
+        mapping = LoraMapping.build(slots, all_decode=all_decode)
+        assert self._stacks is not None
+        return LoraBatch(mapping, self._stacks)
+
+    def _slot_for(self, adapter_id: str, needed: set[str]) -> int:
+        if adapter_id in self.slots:
+            slot = self.slots.index(adapter_id)
+        else:
+            free = [i for i, held in enumerate(self.slots) if held not in needed]
+            slot = min(free, key=lambda i: (self.slots[i] is not None, self.slot_use[i]))
+            self._fill_slot(slot, self._host_get(adapter_id))
+        self.slot_use[slot] = self._step
+        return slot
+
+    def _fill_slot(self, slot: int, adapter: LoraAdapter) -> None:
+        assert self._stacks is not None
+        for layer, stacks in enumerate(self._stacks):
+            for module, stack in stacks.items():
+                stack.a[slot].zero_()
+                stack.b[slot].zero_()
+                stack.scales[slot] = 0.0
+                weights = adapter.weights.get((layer, module))
+                if weights is None:
+                    continue
+                rank = weights.rank
+                stack.a[slot, :rank].copy_(torch.from_numpy(weights.a.copy()))
+                stack.b[slot, :, :rank].copy_(torch.from_numpy(weights.b.copy()))
+                stack.scales[slot] = weights.scaling
+        self.slots[slot] = adapter.id
+        self.num_slot_loads += 1
+
+    # --- host cache -------------------------------------------------------------------
+
+    def _host_get(self, adapter_id: str) -> LoraAdapter:
+        adapter = self.host.get(adapter_id)
+        if adapter is not None:
+            self.host.move_to_end(adapter_id)
+            return adapter
+        adapter = self._read(self.paths[adapter_id])
+        if adapter.id != adapter_id:
+            raise InvalidRequestError(
+                f"adapter files in {self.paths[adapter_id]} changed since they were loaded"
+            )
+        self._cache(adapter)
+        return adapter
+
+    def _cache(self, adapter: LoraAdapter) -> None:
+        self.host[adapter.id] = adapter
+        self.host.move_to_end(adapter.id)
+        total = sum(a.num_bytes for a in self.host.values())
+        while total > self.host_cache_bytes and len(self.host) > 1:
+            _, evicted = self.host.popitem(last=False)
+            total -= evicted.num_bytes
+
+    def _read(self, path: Path) -> LoraAdapter:
+        return load_adapter_dir(
+            path,
+            base=self.spec,
+            max_lora_rank=self.max_lora_rank,
+            max_bytes=self.max_adapter_bytes,
+        )
+
+    def _allocate(self) -> list[dict[str, SlotStack]]:
+        rank, slots = self.max_lora_rank, self.max_loras
+        stacks = []
+        for _ in range(self.spec.num_layers):
+            layer = {}
+            for module in PROJECTIONS:
+                in_features, out_features = self.spec.projection_shape(module)
+                layer[module] = SlotStack(
+                    a=torch.zeros(slots, rank, in_features, dtype=self.dtype),
+                    b=torch.zeros(slots, out_features, rank, dtype=self.dtype),
+                    scales=torch.zeros(slots, dtype=torch.float32),
+                )
+            stacks.append(layer)
+        return stacks
