@@ -1,0 +1,88 @@
+"""The few facts about the base model that decide whether a LoRA adapter fits it.
+
+Read straight from an HF `config.json` dict, without transformers, so the gateway can
+validate uploads without importing torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# The LoRA-targetable projections of a Llama-family decoder layer → the submodule holding
+# them (`model.layers.{i}.self_attn.q_proj`, `model.layers.{i}.mlp.down_proj`). The order is
+# the canonical order used for identity and serialization.
+PROJECTIONS: dict[str, str] = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+@dataclass(frozen=True, slots=True)
+class BaseModelSpec:
+    """Shapes of a Llama-family base model (Llama, Mistral, Qwen2, SmolLM2)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @classmethod
+    def from_config_dict(cls, config: Mapping[str, Any]) -> BaseModelSpec:
+        """Read an HF `config.json` dict; head_dim and num_key_value_heads take HF defaults."""
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"base model_type {model_type!r} is not one of {sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+
+        def positive_int(name: str, value: Any) -> int:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"base config.json: {name} must be a positive integer, got {value!r}"
+                )
+            return value
+
+        hidden = positive_int("hidden_size", config.get("hidden_size"))
+        heads = positive_int("num_attention_heads", config.get("num_attention_heads"))
+        kv_heads = config.get("num_key_value_heads")
+        head_dim = config.get("head_dim")  # Mistral writes an explicit null
+        return cls(
+            model_type=model_type,
+            num_layers=positive_int("num_hidden_layers", config.get("num_hidden_layers")),
+            hidden_size=hidden,
+            intermediate_size=positive_int("intermediate_size", config.get("intermediate_size")),
+            num_heads=heads,
+            num_kv_heads=positive_int(
+                "num_key_value_heads", heads if kv_heads is None else kv_heads
+            ),
+            head_dim=positive_int("head_dim", hidden // heads if head_dim is None else head_dim),
+            vocab_size=positive_int("vocab_size", config.get("vocab_size")),
+        )
+
+    def projection_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of one projection; `module` is a key of PROJECTIONS."""
+        q_out = self.num_heads * self.head_dim
+        kv_out = self.num_kv_heads * self.head_dim
+        shapes = {
+            "q_proj": (self.hidden_size, q_out),
+            "k_proj": (self.hidden_size, kv_out),
+            "v_proj": (self.hidden_size, kv_out),
+            "o_proj": (q_out, self.hidden_size),
+            "gate_proj": (self.hidden_size, self.intermediate_size),
+            "up_proj": (self.hidden_size, self.intermediate_size),
+            "down_proj": (self.intermediate_size, self.hidden_size),
+        }
+        return shapes[module]

@@ -1,0 +1,63 @@
+"""The canonical on-disk form of a normalized adapter: a plain PEFT LoRA directory.
+
+Stored adapters stay loadable by `PeftModel.from_pretrained` and by `load_adapter_dir`, and
+re-reading one yields the same id: targets are exact full module names, per-module rank and
+alpha are explicit `rank_pattern` / `alpha_pattern` entries (escaped, so each matches exactly
+one module under PEFT's `get_pattern_key`), and tensors are float32 under CausalLM names.
+The files are a deterministic function of the adapter, so equal ids give equal bytes, except
+that two configs sharing a scaling (see identity.py) keep their own alpha / use_rslora.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from adapters.lora import LoraAdapter
+from adapters.peft_config import CONFIG_FILE
+from adapters.peft_names import WEIGHTS_FILE, canonical_module_key, canonical_tensor_name
+from adapters.safetensors_io import write_float32
+
+
+def canonical_files(adapter: LoraAdapter) -> dict[str, bytes]:
+    """{file name: contents} of the canonical adapter directory."""
+    if not adapter.weights:
+        raise ValueError("an adapter with no LoRA weights has no canonical form")
+    tensors = {}
+    for (layer, module), w in adapter.weights.items():
+        tensors[canonical_tensor_name(layer, module, "A")] = w.a
+        tensors[canonical_tensor_name(layer, module, "B")] = w.b
+    config = json.dumps(canonical_config(adapter), indent=2) + "\n"
+    return {CONFIG_FILE: config.encode(), WEIGHTS_FILE: write_float32(tensors)}
+
+
+def canonical_config(adapter: LoraAdapter) -> dict[str, Any]:
+    """A LoraConfig dict; r / lora_alpha are the first module's, the rest are overrides."""
+    first = next(iter(adapter.weights.values()))
+    rank_pattern: dict[str, int] = {}
+    alpha_pattern: dict[str, float] = {}
+    for (layer, module), w in adapter.weights.items():
+        pattern = re.escape(canonical_module_key(layer, module))
+        if w.rank != first.rank:
+            rank_pattern[pattern] = w.rank
+        if w.alpha != first.alpha:
+            alpha_pattern[pattern] = w.alpha
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": first.rank,
+        "lora_alpha": first.alpha,
+        "use_rslora": adapter.config.use_rslora,
+        "target_modules": [canonical_module_key(*key) for key in adapter.weights],
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "fan_in_fan_out": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "base_model_name_or_path": None,
+    }

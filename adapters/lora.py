@@ -1,0 +1,75 @@
+"""The normalized adapter: per (layer, projection) float32 A, B and a scaling, plus its id.
+
+This is what the worker loads: for a batch row using this adapter, a projection computes
+`y = W x + scaling · B (A x)`, whatever the file's dtype, naming or rank/alpha patterns were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import numpy as np
+
+from adapters.identity import canonical_order, compute_adapter_id
+from adapters.peft_config import AdapterConfig
+
+
+@dataclass(frozen=True, slots=True)
+class LoraWeights:
+    """One projection's low-rank update, delta_W = scaling · B @ A. Arrays are read-only."""
+
+    a: np.ndarray  # [r, in_features] float32
+    b: np.ndarray  # [out_features, r] float32
+    scaling: float  # alpha / r, or alpha / sqrt(r) with use_rslora
+    # lora_alpha as configured, kept so a re-serialized adapter reproduces `scaling` bit for
+    # bit (alpha·r/r need not round-trip in floating point).
+    alpha: float
+
+    def __post_init__(self) -> None:
+        if self.a.dtype != np.float32 or self.b.dtype != np.float32:
+            raise TypeError(f"LoraWeights needs float32 arrays, got {self.a.dtype}, {self.b.dtype}")
+        if self.a.ndim != 2 or self.b.ndim != 2 or self.a.shape[0] != self.b.shape[1]:
+            raise ValueError(f"LoraWeights shapes A {self.a.shape}, B {self.b.shape} do not chain")
+        # The id is a hash of these bytes: freeze them so the two cannot drift apart.
+        self.a.flags.writeable = False
+        self.b.flags.writeable = False
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.a.nbytes + self.b.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """A validated adapter. `id` and `num_bytes` are computed from `weights`, never passed."""
+
+    config: AdapterConfig
+    # (layer, module) → weights, in canonical order (layer, then q k v o gate up down)
+    weights: Mapping[tuple[int, str], LoraWeights]
+    id: str = field(init=False)
+    num_bytes: int = field(init=False)  # float32 bytes of all A and B: the host-cache cost
+
+    def __post_init__(self) -> None:
+        ordered = {key: self.weights[key] for key in sorted(self.weights, key=canonical_order)}
+        object.__setattr__(self, "weights", MappingProxyType(ordered))
+        object.__setattr__(self, "id", compute_adapter_id(ordered))
+        object.__setattr__(self, "num_bytes", sum(w.num_bytes for w in ordered.values()))
+
+    @property
+    def max_rank(self) -> int:
+        return max((w.rank for w in self.weights.values()), default=0)
+
+    @property
+    def target_modules(self) -> frozenset[str]:
+        """Projection names present in at least one layer, e.g. {"q_proj", "v_proj"}."""
+        return frozenset(module for _, module in self.weights)
+
+    @property
+    def layers(self) -> frozenset[int]:
+        return frozenset(layer for layer, _ in self.weights)

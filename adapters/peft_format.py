@@ -1,0 +1,107 @@
+"""Read a PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`) into a
+validated, normalized `LoraAdapter`.
+
+Order matters for safety and cost: the config and every shape/size/limit check run on the
+safetensors header first, so an oversized or mismatched upload is refused before any tensor
+is copied; pickled weights are refused by file name and never opened.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from adapters.base_model import BaseModelSpec
+from adapters.errors import InvalidAdapterError, UnsupportedAdapterFeatureError
+from adapters.lora import LoraAdapter, LoraWeights
+from adapters.peft_config import (
+    CONFIG_FILE,
+    MAX_CONFIG_BYTES,
+    AdapterConfig,
+    lora_scaling,
+    parse_adapter_config,
+)
+from adapters.peft_names import WEIGHTS_FILE
+from adapters.safetensors_io import read_header, to_float32
+from adapters.validation import (
+    ModuleTensors,
+    check_against_base,
+    check_against_config,
+    check_finite,
+    check_limits,
+    check_no_head_targets,
+    check_weight_file_size,
+    pair_tensors,
+)
+
+# Weight files that torch.load would unpickle (arbitrary code execution). We never open them.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def load_adapter_dir(
+    path: str | Path, *, base: BaseModelSpec, max_lora_rank: int, max_bytes: int
+) -> LoraAdapter:
+    """Load and validate the adapter in directory `path` (e.g. a `save_pretrained` output).
+
+    `max_bytes` bounds both the weight file and its float32 normalized size.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise InvalidAdapterError(f"{directory} is not a directory")
+    for entry in sorted(directory.iterdir()):
+        if entry.name.lower().endswith(PICKLE_SUFFIXES):
+            raise UnsupportedAdapterFeatureError(
+                f"{entry.name}: pickled weights are refused (loading them can run arbitrary "
+                f"code); save the adapter with safe_serialization=True ({WEIGHTS_FILE})",
+                field=entry.name,
+            )
+    config_json = _read_file(directory / CONFIG_FILE, limit=MAX_CONFIG_BYTES)
+    weights_path = directory / WEIGHTS_FILE
+    if weights_path.is_file():
+        size = weights_path.stat().st_size
+        check_weight_file_size(size, max_bytes=max_bytes, what=WEIGHTS_FILE)
+    weights = _read_file(weights_path, limit=max_bytes)
+    return parse_adapter(
+        config_json, weights, base=base, max_lora_rank=max_lora_rank, max_bytes=max_bytes
+    )
+
+
+def parse_adapter(
+    config_json: bytes | str,
+    weights: bytes,
+    *,
+    base: BaseModelSpec,
+    max_lora_rank: int,
+    max_bytes: int,
+) -> LoraAdapter:
+    """Validate and normalize an adapter from its two files' contents (e.g. an upload)."""
+    config = parse_adapter_config(config_json)
+    check_no_head_targets(config)
+    check_weight_file_size(len(weights), max_bytes=max_bytes, what=WEIGHTS_FILE)
+    modules = pair_tensors(read_header(weights, what=WEIGHTS_FILE))
+    check_against_base(modules, base)
+    check_against_config(modules, config, base)
+    check_limits(modules, max_lora_rank=max_lora_rank, max_bytes=max_bytes)
+    return LoraAdapter(
+        config, {key: _read_module(weights, m, config) for key, m in modules.items()}
+    )
+
+
+def _read_module(data: bytes, m: ModuleTensors, config: AdapterConfig) -> LoraWeights:
+    a = to_float32(data, m.a)  # [r, in]
+    b = to_float32(data, m.b)  # [out, r]
+    check_finite(m.a.name, a)
+    check_finite(m.b.name, b)
+    alpha = config.alpha_for(m.key)
+    scaling = lora_scaling(rank=m.rank, alpha=alpha, use_rslora=config.use_rslora)
+    return LoraWeights(a=a, b=b, scaling=scaling, alpha=alpha)
+
+
+def _read_file(path: Path, *, limit: int) -> bytes:
+    """Read at most `limit` bytes, refusing a missing or longer file (no unbounded reads)."""
+    if not path.is_file():
+        raise InvalidAdapterError(f"{path.name} is missing from {path.parent}", field=path.name)
+    with path.open("rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise InvalidAdapterError(f"{path.name} is over {limit} bytes", field=path.name)
+    return data

@@ -1,0 +1,104 @@
+"""PEFT's tensor names ↔ (layer, projection, A or B).
+
+PEFT saves `base_model.model.<module name>.lora_A.weight` ([r, in]) and `...lora_B.weight`
+([out, r]), where `<module name>` is the name in the model PEFT wrapped: for a
+`LlamaForCausalLM`, `model.layers.3.self_attn.q_proj`. Anything else in the file is either a
+feature we refuse by name (DoRA, modules_to_save, embedding/lm_head LoRA, biases) or not a
+LoRA adapter at all.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from adapters.base_model import PROJECTIONS
+from adapters.errors import (
+    IncompatibleAdapterError,
+    InvalidAdapterError,
+    UnsupportedAdapterFeatureError,
+)
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+Side = Literal["A", "B"]
+
+_LORA_WEIGHT = re.compile(r"(?P<key>.+)\.lora_(?P<side>[AB])\.weight")
+# Module names of a Llama-family decoder projection, wrapped as a CausalLM or as the bare model.
+_PROJECTION_KEY = re.compile(
+    r"(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z0-9_]+)\.(?P<module>[A-Za-z0-9_]+)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraTensorName:
+    """One LoRA tensor's place: `key` is the module name PEFT matched its config against."""
+
+    key: str  # e.g. "model.layers.3.self_attn.q_proj"
+    layer: int
+    module: str  # a key of PROJECTIONS
+    side: Side
+
+
+def parse_tensor_name(name: str) -> LoraTensorName:
+    """Map a PEFT tensor name to its projection, or raise naming the tensor and why."""
+    if not name.startswith(PEFT_PREFIX):
+        raise InvalidAdapterError(
+            f"tensor {name!r} does not start with {PEFT_PREFIX!r}: not a PEFT adapter state dict",
+            field=name,
+        )
+    rest = name.removeprefix(PEFT_PREFIX)
+    segments = rest.split(".")
+    _refuse_unsupported_tensor(name, rest, segments)
+    match = _LORA_WEIGHT.fullmatch(rest)
+    if match is None:
+        raise InvalidAdapterError(
+            f"tensor {name!r} is not a LoRA weight (expected "
+            f"{PEFT_PREFIX}model.layers.<i>.<self_attn|mlp>.<proj>.lora_<A|B>.weight)",
+            field=name,
+        )
+    key = match.group("key")
+    projection = _PROJECTION_KEY.fullmatch(key)
+    if projection is None or PROJECTIONS.get(projection.group("module")) != projection.group(
+        "parent"
+    ):
+        expected = ", ".join(f"{parent}.{module}" for module, parent in PROJECTIONS.items())
+        raise IncompatibleAdapterError(
+            f"tensor {name!r} is for module {key!r}, which a Llama-family base model does not "
+            f"have (LoRA is served on model.layers.<i>.{{{expected}}})",
+            field=name,
+        )
+    side: Side = "A" if match.group("side") == "A" else "B"
+    return LoraTensorName(key, int(projection.group("layer")), projection.group("module"), side)
+
+
+def canonical_module_key(layer: int, module: str) -> str:
+    """The module's name in a `LlamaForCausalLM`, as stored adapters spell it."""
+    return f"model.layers.{layer}.{PROJECTIONS[module]}.{module}"
+
+
+def canonical_tensor_name(layer: int, module: str, side: Side) -> str:
+    return f"{PEFT_PREFIX}{canonical_module_key(layer, module)}.lora_{side}.weight"
+
+
+def _refuse_unsupported_tensor(name: str, rest: str, segments: list[str]) -> None:
+    def refuse(what: str, field: str) -> UnsupportedAdapterFeatureError:
+        return UnsupportedAdapterFeatureError(f"tensor {name!r}: {what} is not served", field=field)
+
+    if "lora_magnitude_vector" in segments:
+        raise refuse("DoRA (use_dora, lora_magnitude_vector)", "use_dora")
+    if "modules_to_save" in segments or "original_module" in segments:
+        raise refuse("a fully trained module copy (modules_to_save)", "modules_to_save")
+    if (
+        "embed_tokens" in segments
+        or "lm_head" in segments
+        or "lora_embedding_A" in segments
+        or ("lora_embedding_B" in segments)
+    ):
+        raise refuse("LoRA on the embedding or lm_head", "target_modules")
+    if rest.endswith((".lora_A.bias", ".lora_B.bias")):
+        raise refuse("a LoRA bias (lora_bias)", "lora_bias")
+    if rest.endswith(".bias"):
+        raise refuse("a trained base-layer bias (bias != 'none')", "bias")

@@ -1,0 +1,120 @@
+"""Where validated adapters live, addressed by their content id.
+
+The store persists only `LoraAdapter`s, i.e. adapters already read and validated (the
+gateway calls `load_adapter_dir` / `parse_adapter` once, at upload); it knows nothing about
+base models or limits. Because ids are content hashes, `put` is idempotent and concurrent
+puts of one adapter are harmless: whoever renames first wins, the other finds it done.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import shutil
+import stat
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Protocol
+
+from adapters.canonical import canonical_files
+from adapters.errors import AdapterNotFoundError
+from adapters.identity import check_adapter_id, is_adapter_id
+from adapters.lora import LoraAdapter
+
+# Group-readable so a gateway and a worker sharing a volume (same fsGroup) can both read;
+# nothing for others: tenants' adapters are private.
+DIR_MODE = 0o750
+FILE_MODE = 0o640
+
+
+class AdapterStore(Protocol):
+    """Adapters by id; `get` returns a local directory `load_adapter_dir` can read."""
+
+    def put(self, adapter: LoraAdapter) -> str: ...
+
+    def get(self, adapter_id: str) -> Path: ...
+
+    def exists(self, adapter_id: str) -> bool: ...
+
+    def delete(self, adapter_id: str) -> bool: ...
+
+    def list(self) -> builtins.list[str]: ...
+
+
+class FilesystemAdapterStore:
+    """`root/<adapter id>/{adapter_config.json, adapter_model.safetensors}`, written atomically."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            self.root.mkdir(parents=True, mode=DIR_MODE)
+            os.chmod(self.root, DIR_MODE)  # mkdir's mode is filtered by the umask
+        if self.root.stat().st_mode & stat.S_IWOTH:
+            # Anyone could plant or swap an adapter under a valid id.
+            raise PermissionError(f"adapter store root {self.root} is world-writable")
+
+    def put(self, adapter: LoraAdapter) -> str:
+        """Store `adapter` under its id (no-op if already there); returns the id."""
+        final = self.root / check_adapter_id(adapter.id)
+        if final.is_dir():
+            return adapter.id
+        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
+        try:
+            for name, data in canonical_files(adapter).items():
+                _write_durably(staging / name, data)
+            os.chmod(staging, DIR_MODE)
+            _fsync_dir(staging)
+            try:
+                os.rename(staging, final)  # atomic: readers see all of it or none of it
+            except OSError:
+                if not final.is_dir():  # anything but "a concurrent put won the race"
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        _fsync_dir(self.root)
+        return adapter.id
+
+    def get(self, adapter_id: str) -> Path:
+        path = self.root / check_adapter_id(adapter_id)
+        if not path.is_dir():
+            raise AdapterNotFoundError(
+                f"adapter {adapter_id} is not in the store", field="adapter_id"
+            )
+        return path
+
+    def exists(self, adapter_id: str) -> bool:
+        return (self.root / check_adapter_id(adapter_id)).is_dir()
+
+    def delete(self, adapter_id: str) -> bool:
+        """Remove an adapter; False if it was not there. Readers never see a half-deleted one."""
+        path = self.root / check_adapter_id(adapter_id)
+        trash = self.root / f".trash-{uuid.uuid4().hex}"
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:
+            return False
+        shutil.rmtree(trash)
+        _fsync_dir(self.root)
+        return True
+
+    def list(self) -> builtins.list[str]:
+        """Stored ids, sorted; staging and trash directories are not ids, so never listed."""
+        return sorted(p.name for p in self.root.iterdir() if is_adapter_id(p.name) and p.is_dir())
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(path, FILE_MODE)  # the umask may have narrowed it
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

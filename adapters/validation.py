@@ -1,0 +1,187 @@
+"""Checks that decide whether an adapter's tensors can be served on this base model.
+
+All of them run on the safetensors header alone (names, dtypes, shapes), before any tensor is
+read, except `check_finite`, which needs the values. Each error names the tensor or field and,
+for shapes, what was expected against what was found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from adapters.base_model import PROJECTIONS, BaseModelSpec
+from adapters.errors import (
+    AdapterTooLargeError,
+    IncompatibleAdapterError,
+    InvalidAdapterError,
+    UnsupportedAdapterFeatureError,
+)
+from adapters.peft_config import CONFIG_FILE, AdapterConfig
+from adapters.peft_names import PEFT_PREFIX, LoraTensorName, parse_tensor_name
+from adapters.safetensors_io import TensorInfo
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleTensors:
+    """The lora_A / lora_B pair of one projection, still unread."""
+
+    key: str  # module name as PEFT saw it, e.g. "model.layers.0.self_attn.q_proj"
+    layer: int
+    module: str
+    a: TensorInfo  # [r, in_features]
+    b: TensorInfo  # [out_features, r]
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+def check_weight_file_size(num_bytes: int, *, max_bytes: int, what: str) -> None:
+    if num_bytes > max_bytes:
+        raise AdapterTooLargeError(f"{what} is {num_bytes} bytes, over the limit of {max_bytes}")
+
+
+def pair_tensors(tensors: Mapping[str, TensorInfo]) -> dict[tuple[int, str], ModuleTensors]:
+    """Group tensors into A/B pairs per (layer, module); every A needs its B and vice versa."""
+    if not tensors:
+        raise InvalidAdapterError("adapter_model.safetensors holds no LoRA tensors")
+    found: dict[tuple[int, str], dict[str, tuple[LoraTensorName, TensorInfo]]] = {}
+    prefixes: set[bool] = set()
+    for name, info in tensors.items():
+        parsed = parse_tensor_name(name)
+        prefixes.add(parsed.key.startswith("model."))
+        sides = found.setdefault((parsed.layer, parsed.module), {})
+        if parsed.side in sides:
+            raise InvalidAdapterError(
+                f"tensors {sides[parsed.side][1].name!r} and {name!r} are both lora_{parsed.side} "
+                f"of layer {parsed.layer} {parsed.module}",
+                field=name,
+            )
+        sides[parsed.side] = (parsed, info)
+    if len(prefixes) > 1:
+        raise InvalidAdapterError(
+            "tensor names mix 'model.layers.' and bare 'layers.' module names", field="tensors"
+        )
+    pairs = {}
+    for (layer, module), sides in found.items():
+        for have, missing in (("A", "B"), ("B", "A")):
+            if have in sides and missing not in sides:
+                parsed, info = sides[have]
+                raise InvalidAdapterError(
+                    f"tensor {info.name!r} has no matching lora_{missing} "
+                    f"({PEFT_PREFIX}{parsed.key}.lora_{missing}.weight is missing)",
+                    field=info.name,
+                )
+        (parsed, a), (_, b) = sides["A"], sides["B"]
+        pairs[(layer, module)] = ModuleTensors(parsed.key, layer, module, a, b)
+    return pairs
+
+
+def check_against_base(
+    modules: Mapping[tuple[int, str], ModuleTensors], base: BaseModelSpec
+) -> None:
+    """Layer in range; A is [r, in] and B is [out, r] with one r; in/out as the base has them."""
+    for m in modules.values():
+        if m.layer >= base.num_layers:
+            raise IncompatibleAdapterError(
+                f"tensor {m.a.name!r} is for layer {m.layer}, but the base model has "
+                f"{base.num_layers} layers (0..{base.num_layers - 1})",
+                field=m.a.name,
+            )
+        for info in (m.a, m.b):
+            if len(info.shape) != 2:
+                raise InvalidAdapterError(
+                    f"tensor {info.name!r} has shape {list(info.shape)}; LoRA weights are 2-D",
+                    field=info.name,
+                )
+        if m.rank == 0 or m.a.shape[0] != m.b.shape[1]:
+            raise InvalidAdapterError(
+                f"{m.key}: lora_A {list(m.a.shape)} has rank {m.a.shape[0]} but lora_B "
+                f"{list(m.b.shape)} has rank {m.b.shape[1]} (they must be equal and positive)",
+                field=m.b.name,
+            )
+        in_features, out_features = base.projection_shape(m.module)
+        for info, expected in ((m.a, (m.rank, in_features)), (m.b, (out_features, m.rank))):
+            if info.shape != expected:
+                raise IncompatibleAdapterError(
+                    f"tensor {info.name!r} has shape {list(info.shape)}, expected "
+                    f"{list(expected)} for {m.module} of this base model "
+                    f"({base.model_type}, hidden {base.hidden_size})",
+                    field=info.name,
+                )
+
+
+def check_no_head_targets(config: AdapterConfig) -> None:
+    """Refuse, by the config field, targets on the embedding or lm_head (either name form)."""
+    for head in ("model.embed_tokens", "embed_tokens", "lm_head"):
+        if config.selects(head):
+            raise UnsupportedAdapterFeatureError(
+                f"{CONFIG_FILE}: target_modules {_show(config.target_modules)} selects {head!r}; "
+                "LoRA on the embedding or lm_head is not served",
+                field="target_modules",
+            )
+
+
+def check_against_config(
+    modules: Mapping[tuple[int, str], ModuleTensors], config: AdapterConfig, base: BaseModelSpec
+) -> None:
+    """The tensors are exactly the modules the config targets, with the ranks it gives them."""
+    prefix = "model." if next(iter(modules.values())).key.startswith("model.") else ""
+    for m in modules.values():
+        if not config.selects(m.key):
+            raise InvalidAdapterError(
+                f"tensor {m.a.name!r} is for {m.key!r}, which {CONFIG_FILE} does not target "
+                f"(target_modules {_show(config.target_modules)}, layers_to_transform "
+                f"{config.layers_to_transform!r})",
+                field=m.a.name,
+            )
+        if config.rank_for(m.key) != m.rank:
+            raise InvalidAdapterError(
+                f"{CONFIG_FILE} gives {m.key!r} rank {config.rank_for(m.key)} (r / rank_pattern) "
+                f"but tensor {m.a.name!r} has rank {m.rank}",
+                field="rank_pattern" if config.rank_pattern else "r",
+            )
+    for layer in range(base.num_layers):
+        for module, parent in PROJECTIONS.items():
+            key = f"{prefix}layers.{layer}.{parent}.{module}"
+            if (layer, module) not in modules and config.selects(key):
+                raise InvalidAdapterError(
+                    f"{CONFIG_FILE} targets {key!r} but adapter_model.safetensors has no "
+                    f"{PEFT_PREFIX}{key}.lora_A.weight / lora_B.weight",
+                    field="target_modules",
+                )
+
+
+def check_limits(
+    modules: Mapping[tuple[int, str], ModuleTensors], *, max_lora_rank: int, max_bytes: int
+) -> None:
+    """Deployment limits: every rank fits the device slots; float32 weights fit the byte bound."""
+    for m in modules.values():
+        if m.rank > max_lora_rank:
+            raise AdapterTooLargeError(
+                f"{m.key!r} has rank {m.rank}, over max_lora_rank={max_lora_rank}",
+                field=m.a.name,
+            )
+    float32_bytes = 4 * sum(m.a.num_elements + m.b.num_elements for m in modules.values())
+    if float32_bytes > max_bytes:
+        raise AdapterTooLargeError(
+            f"adapter weights take {float32_bytes} bytes as float32, over the limit of {max_bytes}"
+        )
+
+
+def check_finite(name: str, array: np.ndarray) -> None:
+    bad = ~np.isfinite(array)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise InvalidAdapterError(
+            f"tensor {name!r} holds {int(bad.sum())} non-finite values "
+            f"(first: {float(array[where])} at index {list(where)})",
+            field=name,
+        )
+
+
+def _show(targets: str | tuple[str, ...]) -> str:
+    return repr(targets) if isinstance(targets, str) else repr(sorted(targets))

@@ -1,0 +1,225 @@
+"""Multi-LoRA throughput: many adapters in one batch vs the base model vs peft, in one process.
+
+Workload: N requests x 128 prompt tokens x 128 output tokens (ignore_eos), each assigned an
+adapter (rank 8-16 on all seven projections of every layer) by a uniform or zipf draw over
+K distinct adapters. Baselines in the same run: the base model alone on the same requests,
+and peft serving the adapters the way people do today (one adapter at a time, each group a
+static batch through ``generate``), on a seeded subset. Also: cold load of an adapter from
+disk to usable (validated, in the host cache and in a device slot), p50 over the adapters.
+Usage: ``python -m bench.lora [--adapters 1,8,32,128] [--out results.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.workloads import fixed_lengths
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraRun:
+    name: str
+    num_requests: int
+    distinct_adapters: int
+    output_tokens: int
+    elapsed_s: float
+    output_tok_per_s: float
+    note: str = ""
+
+
+def make_adapters(model_path: Path, root: Path, count: int, seed: int = 0) -> list[Path]:
+    """``count`` PEFT adapters (adapter_config.json + safetensors) with random A and B.
+
+    One adapter is made with peft itself; the others reuse its file layout with fresh
+    random weights and ranks 8 or 16 (peft would take minutes to build 128 of them).
+    """
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    template = root / "template"
+    if not (template / "adapter_config.json").exists():
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        peft_model = get_peft_model(
+            base, LoraConfig(r=16, lora_alpha=32, target_modules=PROJECTIONS)
+        )
+        peft_model.save_pretrained(template, safe_serialization=True)
+    config = json.loads((template / "adapter_config.json").read_text())
+    from safetensors import safe_open
+
+    with safe_open(template / "adapter_model.safetensors", framework="pt") as f:
+        shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118
+    rng = torch.Generator().manual_seed(seed)
+    paths = []
+    for i in range(count):
+        path = root / f"adapter-{i:03d}"
+        rank = 8 if i % 2 else 16
+        if not (path / "adapter_model.safetensors").exists():
+            path.mkdir(parents=True, exist_ok=True)
+            tensors = {}
+            for name, (rows, cols) in shapes.items():
+                shape = (rank, cols) if "lora_A" in name else (rows, rank)
+                tensors[name] = (torch.randn(shape, generator=rng) * 0.02).to(torch.bfloat16)
+            save_file(tensors, path / "adapter_model.safetensors")
+            (path / "adapter_config.json").write_text(
+                json.dumps({**config, "r": rank, "lora_alpha": 2 * rank})
+            )
+        paths.append(path)
+    return paths
+
+
+def assign(num_requests: int, distinct: int, popularity: str, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    if popularity == "uniform":
+        picks = np.arange(num_requests) % distinct  # every adapter used, evenly
+        rng.shuffle(picks)
+        return picks.tolist()
+    weights = 1.0 / np.arange(1, distinct + 1) ** 1.0  # zipf, s = 1
+    return rng.choice(distinct, num_requests, p=weights / weights.sum()).tolist()
+
+
+def run_engine(engine, requests, adapters: list[str | None], name: str) -> LoraRun:
+    from worker import SamplingParams
+
+    start = time.monotonic()
+    for i, (r, adapter) in enumerate(zip(requests, adapters, strict=True)):
+        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        engine.add_request(f"{name}-{i}", r.prompt_token_ids, params, adapter=adapter)
+    tokens = 0
+    while engine.has_unfinished_requests:
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    elapsed = time.monotonic() - start
+    distinct = len({a for a in adapters if a is not None})
+    return LoraRun(name, len(requests), distinct, tokens, elapsed, tokens / elapsed)
+
+
+def run_peft(
+    model_path: Path, paths: list[Path], requests, picks: list[int], subset: int
+) -> LoraRun:
+    """peft as commonly deployed: group requests by adapter, one static batch per group."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    rng = np.random.default_rng(2)
+    chosen = sorted(rng.choice(len(requests), min(subset, len(requests)), replace=False).tolist())
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    groups: dict[int, list[int]] = {}
+    for i in chosen:
+        groups.setdefault(picks[i], []).append(i)
+    names = {k: f"a{k}" for k in groups}
+    first = next(iter(groups))
+    model = PeftModel.from_pretrained(base, paths[first], adapter_name=names[first])
+    for k in groups:
+        if k != first:
+            model.load_adapter(paths[k], adapter_name=names[k])
+    model.eval()
+    start = time.monotonic()
+    tokens = 0
+    for k, rows in groups.items():
+        model.set_adapter(names[k])
+        ids = torch.tensor([requests[i].prompt_token_ids for i in rows])
+        new = requests[rows[0]].output_len
+        config = GenerationConfig(
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        with torch.inference_mode():
+            model.generate(input_ids=ids, generation_config=config)
+        tokens += new * len(rows)
+    elapsed = time.monotonic() - start
+    note = f"seeded subset of {len(chosen)} requests in {len(groups)} adapter groups"
+    return LoraRun(
+        "peft one-adapter-at-a-time",
+        len(chosen),
+        len(groups),
+        tokens,
+        elapsed,
+        tokens / elapsed,
+        note,
+    )
+
+
+def cold_load_p50(engine, paths: list[Path]) -> float:
+    """Disk -> validated -> host cache -> device slot, per adapter; the median in seconds."""
+    times = []
+    for i, path in enumerate(paths):
+        start = time.monotonic()
+        adapter_id = engine.load_adapter(f"cold-{i}", path)
+        engine.lora_manager.prepare([adapter_id], all_decode=True)
+        times.append(time.monotonic() - start)
+    return float(np.median(times))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--adapters", default="1,8,32,128")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--max-loras", type=int, default=32)
+    parser.add_argument("--peft-subset", type=int, default=8)
+    parser.add_argument("--workdir", default="/tmp/switchboard-bench-lora")
+    parser.add_argument("--out", default="bench/results/lora.json")
+    args = parser.parse_args(argv)
+
+    from worker import LLMEngine
+    from worker.default_model import resolve_model_path
+
+    model_path = resolve_model_path(args.model)
+    counts = [int(c) for c in args.adapters.split(",")]
+    paths = make_adapters(model_path, Path(args.workdir), max(counts))
+    engine = LLMEngine(model_path, dtype=args.dtype, max_loras=args.max_loras, max_lora_rank=16)
+    for i, path in enumerate(paths):
+        engine.load_adapter(f"adapter-{i}", path)
+    report: dict = {"model": str(model_path), "dtype": args.dtype, "max_loras": args.max_loras}
+    warm = fixed_lengths(4, prompt_len=16, output_len=8, vocab=engine.config.vocab_size, seed=9)
+    run_engine(engine, warm, ["adapter-0", None, "adapter-1", None], "warmup")
+    runs = []
+    for count in counts:
+        num_requests = max(args.requests, count)
+        requests = fixed_lengths(
+            num_requests, prompt_len=128, output_len=128, vocab=engine.config.vocab_size
+        )
+        base = run_engine(engine, requests, [None] * num_requests, f"base x{num_requests}")
+        runs.append(base)
+        for popularity in ["uniform", "zipf"] if count > 1 else ["uniform"]:
+            picks = assign(num_requests, count, popularity)
+            names = [f"adapter-{k}" for k in picks]
+            run = run_engine(engine, requests, names, f"{count} adapters {popularity}")
+            run.note = f"{run.output_tok_per_s / base.output_tok_per_s:.1%} of base"
+            runs.append(run)
+            print(json.dumps(asdict(run)))
+        if count == 32:
+            peft = run_peft(
+                model_path,
+                paths,
+                requests,
+                assign(num_requests, count, "uniform"),
+                args.peft_subset,
+            )
+            runs.append(peft)
+            print(json.dumps(asdict(peft)))
+    report["runs"] = [asdict(r) for r in runs]
+    report["cold_load_p50_s"] = cold_load_p50(engine, paths[: min(16, len(paths))])
+    print(f"cold load p50: {report['cold_load_p50_s'] * 1e3:.1f} ms")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
