@@ -1,0 +1,452 @@
+"""The worker's gRPC service over loopback, against the offline ``LLM`` as the reference.
+
+A real grpc.aio server runs in the test's event loop with the engine loop in its thread;
+a real Redis holds the registry. The model is a tiny random checkpoint with a byte-level
+tokenizer, in fp32 so that greedy choices agree exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis.asyncio import Redis
+
+from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
+from rpc import worker_pb2, worker_pb2_grpc
+from switchboard import registry
+from worker import LLM, LLMEngine, SamplingParams
+from worker.server import WorkerServer
+
+ENGINE_KWARGS = dict(
+    dtype="float32", num_kv_blocks=48, max_num_seqs=8, max_loras=2, max_lora_rank=8
+)
+PROMPT = "hello world, the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("base"), vocab_size=512, seed=3)
+    return add_byte_level_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "qv": make_peft_adapter(base, root / "qv", rank=4, targets=["q_proj", "v_proj"], seed=1),
+        "mlp": make_peft_adapter(base, root / "mlp", rank=8, targets=["down_proj"], seed=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def offline(base, adapter_dirs):
+    """The reference: the offline API, no threads, no gRPC. Adapters named by content id."""
+    llm = LLM(base, **ENGINE_KWARGS)
+    llm.ids = {name: llm.load_adapter(name, path) for name, path in adapter_dirs.items()}
+    return llm
+
+
+@pytest.fixture
+def prompt_ids(offline) -> list[int]:
+    return offline.tokenizer.encode(PROMPT, add_special_tokens=False)
+
+
+async def start_worker(base, **kwargs) -> WorkerServer:
+    server = WorkerServer(lambda: LLMEngine(base, **ENGINE_KWARGS), model_name="tiny", **kwargs)
+    await server.start()
+    return server
+
+
+@pytest.fixture
+async def worker(base):
+    server = await start_worker(base)
+    yield server
+    await server.shutdown(drain_timeout=2.0)
+
+
+@pytest.fixture
+async def stub(worker):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        yield worker_pb2_grpc.WorkerStub(channel)
+
+
+def request(prompt_ids, **params) -> worker_pb2.GenerateRequest:
+    """A GenerateRequest as the gateway sends it (proto3 bools default to false)."""
+    params.setdefault("skip_special_tokens", True)
+    adapter_id = params.pop("adapter_id", "")
+    adapter_path = params.pop("adapter_path", "")
+    return worker_pb2.GenerateRequest(
+        request_id=params.pop("request_id", "r1"),
+        prompt_token_ids=prompt_ids,
+        params=worker_pb2.SamplingParams(**params),
+        adapter_id=adapter_id,
+        adapter_path=str(adapter_path),
+    )
+
+
+async def rest_of(call) -> list[worker_pb2.GenerateResponse]:
+    """The remaining messages of a call already read with ``read()``."""
+    messages = []
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        messages.append(msg)
+    return messages
+
+
+async def collect(stub, req) -> list[worker_pb2.GenerateResponse]:
+    return [msg async for msg in stub.Generate(req)]
+
+
+def joined(messages, index: int = 0) -> tuple[list[int], str]:
+    mine = [m for m in messages if m.index == index]
+    return [t for m in mine for t in m.token_ids], "".join(m.text for m in mine)
+
+
+async def wait_for(predicate, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.02)
+
+
+# --- Generate ----------------------------------------------------------------------------
+
+
+async def test_stream_matches_offline_generation(stub, offline, prompt_ids):
+    [expected] = offline.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=24))
+
+    messages = await collect(stub, request(prompt_ids, max_tokens=24))
+
+    assert len(messages) > 1  # deltas, not one final message
+    assert joined(messages) == (expected.token_ids, expected.text)
+    last = messages[-1]
+    assert last.finish_reason == expected.finish_reason
+    assert all(m.finish_reason == "" for m in messages[:-1])
+    assert last.prompt_tokens == len(prompt_ids)
+    assert last.completion_tokens == len(expected.token_ids)
+    assert [m.completion_tokens for m in messages] == sorted(m.completion_tokens for m in messages)
+
+
+async def test_n_samples_are_indexed_and_seeded_per_sample(stub, offline, prompt_ids):
+    params = dict(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    expected = [
+        offline.generate(prompt_ids, SamplingParams(**(params | {"seed": 7 + i})))[0]
+        for i in range(2)
+    ]
+
+    messages = await collect(stub, request(prompt_ids, n=2, **params))
+
+    assert {m.index for m in messages} == {0, 1}
+    for i in range(2):
+        assert joined(messages, i) == (expected[i].token_ids, expected[i].text)
+        assert [m.finish_reason for m in messages if m.index == i][-1] == "length"
+    assert expected[0].token_ids != expected[1].token_ids
+
+
+async def test_stop_string(stub, offline, prompt_ids):
+    [free] = offline.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=32))
+    stop = free.text[5:7]
+    assert stop.strip()
+    [expected] = offline.generate(
+        prompt_ids, SamplingParams(temperature=0.0, max_tokens=32, stop=[stop])
+    )
+
+    messages = await collect(stub, request(prompt_ids, max_tokens=32, stop=[stop]))
+
+    assert joined(messages)[1] == expected.text == free.text[: free.text.index(stop)]
+    assert messages[-1].finish_reason == "stop"
+    assert messages[-1].WhichOneof("stop_reason") == "stop_string"
+    assert messages[-1].stop_string == stop
+
+
+async def test_stop_token_id(stub, offline, prompt_ids):
+    [free] = offline.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=16))
+    stop_id = free.token_ids[3]
+
+    messages = await collect(stub, request(prompt_ids, max_tokens=16, stop_token_ids=[stop_id]))
+
+    tokens, _ = joined(messages)
+    assert tokens == free.token_ids[: free.token_ids.index(stop_id) + 1]
+    assert messages[-1].WhichOneof("stop_reason") == "stop_token_id"
+    assert messages[-1].stop_token_id == stop_id
+
+
+async def test_logprobs(stub, offline, prompt_ids):
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
+    [expected] = offline.generate(prompt_ids, params)
+
+    messages = await collect(stub, request(prompt_ids, max_tokens=8, logprobs=3))
+
+    logprobs = [lp for m in messages for lp in m.logprobs]
+    assert all(len(m.logprobs) == len(m.token_ids) for m in messages)
+    assert [lp.token_id for lp in logprobs] == expected.token_ids
+    for got, want in zip(logprobs, expected.logprobs, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [t.token_id for t in got.top] == [t for t, _ in want.top_logprobs]
+        assert got.top[0].logprob >= got.top[-1].logprob
+    # Without the option, none are sent.
+    plain = await collect(stub, request(prompt_ids, max_tokens=4, request_id="plain"))
+    assert all(len(m.logprobs) == 0 for m in plain)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "code", "message"),
+    [
+        ([], {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+        ([5, 10_000], {}, grpc.StatusCode.INVALID_ARGUMENT, "unknown token ids [10000]"),
+        ([5, 6], {"max_tokens": 0}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        ([5, 6], {"top_p": 1.5}, grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        ([5, 6], {"n": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "n must be"),
+        ([5, 6], {"max_tokens": 5000}, grpc.StatusCode.INVALID_ARGUMENT, "KV blocks"),
+        ([5, 6], {"adapter_id": "f" * 64}, grpc.StatusCode.NOT_FOUND, "not loaded"),
+    ],
+)
+async def test_invalid_requests(stub, worker, prompt, params, code, message):
+    params = {"max_tokens": 4} | params
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, request(prompt, **params))
+    assert info.value.code() == code
+    assert message in info.value.details()
+    assert worker.engine.num_requests == 0
+
+
+async def test_cancelling_a_stream_frees_every_kv_block(stub, prompt_ids):
+    call = stub.Generate(request(prompt_ids, max_tokens=400, ignore_eos=True))
+    received = 0
+    async for _ in call:
+        received += 1
+        if received == 3:
+            break
+    busy = await stub.Stats(worker_pb2.StatsRequest())
+    assert busy.running == 1 and busy.free_kv_blocks < busy.total_kv_blocks
+
+    call.cancel()
+
+    async def all_free():
+        stats = await stub.Stats(worker_pb2.StatsRequest())
+        return stats.running == 0 and stats.free_kv_blocks == stats.total_kv_blocks
+
+    assert await wait_for(all_free, timeout=3.0)
+
+
+async def test_concurrent_streams_with_mixed_adapters(stub, offline, adapter_dirs, prompt_ids):
+    qv = offline.ids["qv"]
+    await stub.LoadAdapter(
+        worker_pb2.LoadAdapterRequest(adapter_id=qv, path=str(adapter_dirs["qv"]))
+    )
+    prompts = [prompt_ids, prompt_ids[:4], prompt_ids[2:], prompt_ids]
+    names = [None, "qv", None, "qv"]
+    expected = offline.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), adapters=names
+    )
+
+    requests = [
+        request(p, max_tokens=20, ignore_eos=True, request_id=f"c{i}", adapter_id=a or "")
+        for i, (p, a) in enumerate(zip(prompts, [None, qv, None, qv], strict=True))
+    ]
+
+    results = await asyncio.gather(*(collect(stub, r) for r in requests))
+
+    for messages, want in zip(results, expected, strict=True):
+        assert joined(messages) == (want.token_ids, want.text)
+
+
+async def test_a_failing_step_ends_its_requests_with_internal_and_the_worker_recovers(
+    stub, worker, prompt_ids
+):
+    engine = worker.engine.engine
+    real_step = engine.step
+
+    def broken_step():
+        engine.step = real_step  # fail once
+        raise RuntimeError("boom")
+
+    engine.step = broken_step
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, request(prompt_ids, max_tokens=4))
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert "boom" in info.value.details()
+
+    messages = await collect(stub, request(prompt_ids, max_tokens=4, request_id="after"))
+    assert sum(len(m.token_ids) for m in messages) == 4
+    assert worker.engine.stats.free_kv_blocks == worker.engine.stats.total_kv_blocks
+
+
+async def test_an_idle_worker_does_not_spin(worker):
+    before = time.process_time()
+    await asyncio.sleep(1.0)
+    assert time.process_time() - before < 0.1
+
+
+# --- adapters ----------------------------------------------------------------------------
+
+
+async def test_load_adapter_then_generate_matches_offline(stub, offline, adapter_dirs, prompt_ids):
+    adapter_id = offline.ids["qv"]
+    [expected] = offline.generate(
+        prompt_ids, SamplingParams(temperature=0.0, max_tokens=16), adapters=["qv"]
+    )
+    [base_only] = offline.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=16))
+    assert expected.token_ids != base_only.token_ids  # the adapter matters
+
+    loaded = await stub.LoadAdapter(
+        worker_pb2.LoadAdapterRequest(adapter_id=adapter_id, path=str(adapter_dirs["qv"]))
+    )
+    messages = await collect(stub, request(prompt_ids, max_tokens=16, adapter_id=adapter_id))
+
+    assert loaded.adapter_id == adapter_id
+    assert joined(messages) == (expected.token_ids, expected.text)
+    stats = await stub.Stats(worker_pb2.StatsRequest())
+    assert list(stats.adapter_ids) == [adapter_id]
+
+
+async def test_generate_loads_an_adapter_from_its_path(stub, offline, adapter_dirs, prompt_ids):
+    adapter_id = offline.ids["mlp"]
+    [expected] = offline.generate(
+        prompt_ids, SamplingParams(temperature=0.0, max_tokens=16), adapters=["mlp"]
+    )
+
+    req = request(
+        prompt_ids, max_tokens=16, adapter_id=adapter_id, adapter_path=adapter_dirs["mlp"]
+    )
+    messages = await collect(stub, req)
+
+    assert joined(messages) == (expected.token_ids, expected.text)
+    await stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id))
+    assert list((await stub.Stats(worker_pb2.StatsRequest())).adapter_ids) == []
+
+
+async def test_adapter_errors(stub, offline, adapter_dirs, tmp_path):
+    wrong_id = offline.ids["mlp"]  # a valid id, but not the one in these files
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.LoadAdapter(
+            worker_pb2.LoadAdapterRequest(adapter_id=wrong_id, path=str(adapter_dirs["qv"]))
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert offline.ids["qv"] in info.value.details()
+
+    not_an_adapter = tmp_path / "empty"
+    not_an_adapter.mkdir()
+    cases = [
+        (wrong_id, str(tmp_path / "missing"), grpc.StatusCode.NOT_FOUND),
+        (wrong_id, "", grpc.StatusCode.NOT_FOUND),  # not loaded, and no path to load from
+        (wrong_id, str(not_an_adapter), grpc.StatusCode.INVALID_ARGUMENT),
+        ("", str(adapter_dirs["qv"]), grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+    for adapter_id, path, code in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id=adapter_id, path=path))
+        assert info.value.code() == code, (adapter_id, path)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=wrong_id))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert list((await stub.Stats(worker_pb2.StatsRequest())).adapter_ids) == []
+
+
+# --- health, registry, shutdown ----------------------------------------------------------
+
+
+async def health_status(port: int, service: str = "") -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        return reply.status
+
+
+async def test_health_is_serving(worker):
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert await health_status(worker.port) == serving
+    assert await health_status(worker.port, "switchboard.v1.Worker") == serving
+
+
+async def test_registry_heartbeats_and_deregisters_on_shutdown(base, redis_url, redis_prefix):
+    redis = Redis.from_url(redis_url)
+    server = await start_worker(
+        base, redis=redis, redis_prefix=redis_prefix, worker_id="w-test", ttl=1,
+        heartbeat_interval=0.2,
+    )  # fmt: skip
+    try:
+        [info] = await registry.live_workers(redis, redis_prefix)
+        assert (info.worker_id, info.address, info.model) == ("w-test", server.address, "tiny")
+        assert info.total_kv_blocks == info.free_kv_blocks == 48
+        await asyncio.sleep(1.3)  # past the TTL: only heartbeats keep it alive
+        [later] = await registry.live_workers(redis, redis_prefix)
+        assert later.heartbeat_at > info.heartbeat_at
+
+        await server.shutdown(drain_timeout=2.0)
+
+        assert await registry.live_workers(redis, redis_prefix) == []
+    finally:
+        await server.shutdown(drain_timeout=1.0)
+        await redis.aclose()
+
+
+async def test_drain_finishes_in_flight_and_refuses_new_calls(worker, stub, prompt_ids):
+    call = stub.Generate(request(prompt_ids, max_tokens=600, ignore_eos=True))
+    first = await call.read()
+    assert len(first.token_ids) == 1
+
+    shutdown = asyncio.create_task(worker.shutdown(drain_timeout=20.0))
+    await wait_for(lambda: asyncio.sleep(0, worker.servicer.draining))
+
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, request(prompt_ids, max_tokens=4, request_id="late"))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert await health_status(worker.port) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert not shutdown.done()
+
+    rest = await rest_of(call)
+    assert 1 + sum(len(m.token_ids) for m in rest) == 600
+    assert rest[-1].finish_reason == "length"
+    await asyncio.wait_for(shutdown, 10.0)
+
+
+async def test_drain_deadline_aborts_what_is_left(worker, stub, prompt_ids):
+    call = stub.Generate(request(prompt_ids, max_tokens=700, ignore_eos=True))
+    await call.read()
+
+    await worker.shutdown(drain_timeout=0.1)
+
+    rest = await rest_of(call)
+    assert rest[-1].finish_reason == "abort"
+    assert worker.engine.stats.free_kv_blocks == worker.engine.stats.total_kv_blocks
+
+
+async def test_cli_worker_registers_serves_and_drains_on_sigterm(
+    base, redis_url, redis_prefix, prompt_ids
+):
+    redis = Redis.from_url(redis_url)
+    command = [
+        sys.executable, "-c", "from switchboard.cli import main; raise SystemExit(main())",
+        "worker", "--model", str(base), "--port", "0", "--dtype", "float32",
+        "--redis-url", redis_url, "--redis-prefix", redis_prefix, "--worker-id", "cli",
+        "--kv-cache-memory-gb", "0.01", "--max-loras", "1", "--drain-timeout", "5",
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
+    try:
+        line = await asyncio.wait_for(process.stdout.readline(), 60.0)
+        address = line.decode().split()[-1]
+        [info] = await registry.live_workers(redis, redis_prefix)
+        assert (info.worker_id, info.address) == ("cli", address)
+        async with grpc.aio.insecure_channel(address) as channel:
+            messages = await collect(
+                worker_pb2_grpc.WorkerStub(channel), request(prompt_ids, max_tokens=4)
+            )
+        assert sum(len(m.token_ids) for m in messages) == 4
+
+        process.send_signal(signal.SIGTERM)
+
+        assert await asyncio.wait_for(process.wait(), 30.0) == 0
+        assert await registry.live_workers(redis, redis_prefix) == []
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await redis.aclose()

@@ -1,0 +1,352 @@
+"""The engine behind a server: its step loop in a thread of its own, asyncio in front.
+
+Only the loop thread touches the ``LLMEngine``. The asyncio side posts commands (add,
+abort, load/unload adapter) to a queue that the loop drains between steps, and waits on a
+future for each command's result; the loop hands every step's outputs back to the event
+loop with ``call_soon_threadsafe``, which routes each one to its request's ``asyncio.Queue``.
+The loop sleeps on a condition variable while there is neither work nor a command, so an
+idle worker burns no CPU. torch releases the GIL inside its ops, so the event loop keeps
+serving RPCs while a forward pass runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from adapters.errors import AdapterError, AdapterNotFoundError
+from worker.engine import LLMEngine
+from worker.errors import InvalidRequestError
+from worker.outputs import RequestOutput
+from worker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# OpenAI accepts n up to 128; more would only crowd out every other request.
+MAX_N = 128
+
+
+class AdapterMismatchError(AdapterError):
+    """The files at the given path hold another adapter than the requested content id."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine loop is not running (not started yet, or stopped)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot the loop thread publishes after every step and command batch."""
+
+    running: int
+    waiting: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    adapter_ids: tuple[str, ...]  # content ids of the loaded adapters
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    """One step's delta for sample ``index`` of a request (``n`` samples: index 0..n-1)."""
+
+    index: int
+    output: RequestOutput
+
+
+@dataclass(slots=True)
+class _Stream:
+    queue: asyncio.Queue  # of RequestOutput or BaseException
+    index: int
+
+
+class AsyncEngine:
+    """``start()`` in a running event loop, then ``generate``/``abort`` from it; ``stop()``."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Event-loop side only: engine request id -> its stream; request id -> engine ids.
+        self._streams: dict[str, _Stream] = {}
+        self._requests: dict[str, list[str]] = {}
+        self._stats = self._snapshot()
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop thread; outputs go to the event loop this is called from."""
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is already running")
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever is left, stop the loop thread and wait for it."""
+        thread = self._thread
+        if thread is None:
+            return
+        self.abort_all()
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    @property
+    def stats(self) -> EngineStats:
+        """The latest snapshot; safe to read from any thread."""
+        return self._stats
+
+    @property
+    def num_requests(self) -> int:
+        """Requests (not samples) with a stream open."""
+        return len(self._requests)
+
+    # --- requests -----------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        adapter_id: str | None = None,
+        adapter_path: str | Path | None = None,
+        n: int = 1,
+    ) -> AsyncIterator[SampleOutput]:
+        """Stream the deltas of ``n`` samples of one prompt, merged, until all have finished.
+
+        ``n > 1`` runs n engine requests ``f"{request_id}-{i}"`` (every request uses that
+        naming); with a seed, sample i uses ``seed + i`` so the samples differ yet are
+        reproducible. Each sample prefills the prompt by itself for now (copy-on-write
+        forking of the prompt's blocks comes later). ``adapter_path`` loads the adapter
+        first if it is not loaded. Invalid requests raise here, before any output.
+        Closing the iterator early (or cancelling its consumer) aborts what is left.
+        """
+        if not 1 <= n <= MAX_N:
+            raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {n}")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        engine_ids = [f"{request_id}-{i}" for i in range(n)]
+        queue: asyncio.Queue = asyncio.Queue()
+        self._requests[request_id] = engine_ids
+        for i, engine_id in enumerate(engine_ids):
+            self._streams[engine_id] = _Stream(queue, i)
+        unfinished = set(engine_ids)
+        try:
+            await self._call(
+                self._add_on_loop, engine_ids, prompt_token_ids, params, adapter_id, adapter_path
+            )
+            while unfinished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                stream = self._streams[item.request_id]
+                if item.finished:
+                    unfinished.discard(item.request_id)
+                yield SampleOutput(stream.index, item)
+        finally:
+            if unfinished:
+                leftover = sorted(unfinished)
+                self._post(lambda: self._abort_on_loop(leftover))
+            for engine_id in engine_ids:
+                self._streams.pop(engine_id, None)
+            self._requests.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks; its stream ends with ``"abort"``."""
+        engine_ids = self._requests.get(request_id)
+        if engine_ids:
+            self._post(lambda: self._abort_on_loop(engine_ids))
+
+    def abort_all(self) -> None:
+        """Abort every open request (the end of a drain deadline, or stop)."""
+        for request_id in list(self._requests):
+            self.abort(request_id)
+
+    # --- adapters -----------------------------------------------------------------------
+
+    async def load_adapter(self, adapter_id: str, path: str | Path) -> str:
+        """Load the adapter with content id ``adapter_id`` from ``path``, unless loaded."""
+        await self._call(self._load_on_loop, adapter_id, path)
+        return adapter_id
+
+    async def unload_adapter(self, adapter_id: str) -> None:
+        await self._call(self.engine.unload_adapter, adapter_id)
+
+    # --- the loop thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._wakeup:
+                while not (self._commands or engine.has_unfinished_requests or self._stopping):
+                    self._wakeup.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+                stopping = self._stopping
+            for command in commands:
+                try:
+                    command()
+                except Exception:  # a bug: log it, keep serving everyone else
+                    logger.exception("engine command failed")
+            if stopping:
+                self._abort_on_loop(list(engine.requests))
+                self._stats = self._snapshot()
+                return
+            if engine.has_unfinished_requests:
+                self._step()
+            self._stats = self._snapshot()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # A failed step would fail again with the same batch: end every request with
+            # the error rather than leave its caller waiting forever.
+            logger.exception("engine step failed; aborting %d requests", len(self.engine.requests))
+            failed = list(self.engine.requests)
+            for engine_id in failed:
+                self.engine.abort(engine_id)
+            self._deliver_error(failed, exc)
+            return
+        if outputs:
+            self._deliver([_detach(out) for out in outputs])
+
+    def _add_on_loop(
+        self,
+        engine_ids: list[str],
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        adapter_id: str | None,
+        adapter_path: str | Path | None,
+    ) -> None:
+        if adapter_id is not None and adapter_path:
+            self._load_on_loop(adapter_id, adapter_path)
+        added = []
+        try:
+            for i, engine_id in enumerate(engine_ids):
+                sample_params = params
+                if params.seed is not None and i > 0:
+                    sample_params = dataclasses.replace(params, seed=params.seed + i)
+                self.engine.add_request(
+                    engine_id, prompt_token_ids, sample_params, adapter=adapter_id
+                )
+                added.append(engine_id)
+        except BaseException:
+            for engine_id in added:
+                self.engine.abort(engine_id)
+            raise
+
+    def _load_on_loop(self, adapter_id: str, path: str | Path) -> None:
+        if self.engine.lora_manager is not None and adapter_id in self.engine.lora_manager.names:
+            return
+        if not Path(path).exists():
+            raise AdapterNotFoundError(f"no adapter files at {path}")
+        loaded = self.engine.load_adapter(adapter_id, path)
+        if loaded != adapter_id:
+            self.engine.unload_adapter(adapter_id)
+            raise AdapterMismatchError(
+                f"the adapter at {path} has content id {loaded}, not {adapter_id}"
+            )
+
+    def _abort_on_loop(self, engine_ids: list[str]) -> None:
+        aborted = [out for i in engine_ids if (out := self.engine.abort(i)) is not None]
+        if aborted:
+            self._deliver([_detach(out) for out in aborted])
+
+    def _snapshot(self) -> EngineStats:
+        engine = self.engine
+        names = engine.lora_manager.names if engine.lora_manager is not None else {}
+        return EngineStats(
+            running=len(engine.scheduler.running),
+            waiting=len(engine.scheduler.waiting),
+            free_kv_blocks=engine.block_manager.num_free_blocks,
+            total_kv_blocks=engine.block_manager.num_blocks,
+            adapter_ids=tuple(sorted(set(names.values()))),
+        )
+
+    # --- crossing threads ---------------------------------------------------------------
+
+    def _post(self, command: Callable[[], None]) -> None:
+        """Queue ``command`` to run on the loop thread before its next step."""
+        with self._wakeup:
+            self._commands.append(command)
+            self._wakeup.notify()
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the loop thread; its result or exception comes back here."""
+        if self._thread is None or self._loop is None:
+            raise EngineStoppedError("the engine loop is not running")
+        loop = self._loop
+        future = loop.create_future()
+
+        def command() -> None:
+            try:
+                result = fn(*args)
+            except Exception as exc:
+                self._to_event_loop(_settle, future, None, exc)
+            else:
+                # Publish the effect (an adapter loaded, a request queued) before the caller
+                # resumes, so a Stats call right after it sees it.
+                self._stats = self._snapshot()
+                self._to_event_loop(_settle, future, result, None)
+
+        self._post(command)
+        return await future
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        self._to_event_loop(self._route, outputs)
+
+    def _deliver_error(self, engine_ids: list[str], exc: BaseException) -> None:
+        self._to_event_loop(self._route_error, engine_ids, exc)
+
+    def _to_event_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is left to serve
+            logger.warning("the event loop closed under a running engine; stopping the loop")
+            self._stopping = True
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:  # None: the consumer is gone already
+                stream.queue.put_nowait(out)
+
+    def _route_error(self, engine_ids: list[str], exc: BaseException) -> None:
+        queues = {id(s.queue): s.queue for i in engine_ids if (s := self._streams.get(i))}
+        for queue in queues.values():
+            queue.put_nowait(exc)
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled meanwhile
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def _detach(out: RequestOutput) -> RequestOutput:
+    """Copy the lists the engine keeps appending to, so the event loop reads a stable view."""
+    return dataclasses.replace(
+        out,
+        token_ids=list(out.token_ids),
+        logprobs=list(out.logprobs) if out.logprobs is not None else None,
+        token_times=list(out.token_times),
+    )
