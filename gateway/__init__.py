@@ -1,1 +1,1 @@
-"""gateway."""
+"""The OpenAI-compatible gateway: tenants, API keys, routing to workers (no torch, no triton)."""

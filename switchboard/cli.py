@@ -109,6 +109,168 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(passes_options_through=True)
 
 
+def worker(args: argparse.Namespace) -> int:
+    """Serve one engine over gRPC until SIGTERM/SIGINT, then drain (see worker/server.py)."""
+    import asyncio
+    import logging
+
+    from worker.server import serve
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine_kwargs = {
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+    }
+    asyncio.run(
+        serve(
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            dtype=args.dtype,
+            redis_url=args.redis_url,
+            redis_prefix=args.redis_prefix,
+            worker_id=args.worker_id,
+            advertise_host=args.advertise_host,
+            drain_timeout=args.drain_timeout,
+            engine_kwargs=engine_kwargs,
+        )
+    )
+    return 0
+
+
+def _worker_arguments(parser: argparse.ArgumentParser) -> None:
+    import os
+
+    parser.add_argument("--model", default="default", help="checkpoint directory or 'default'")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free one)")
+    parser.add_argument(
+        "--advertise-host", help="host the gateway dials (default: --host, or the hostname)"
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("SWITCHBOARD_REDIS_URL"),
+        help="registry Redis (default: $SWITCHBOARD_REDIS_URL; unset: do not register)",
+    )
+    parser.add_argument("--redis-prefix", default=os.environ.get("SWITCHBOARD_KEY_PREFIX", "sb:"))
+    parser.add_argument("--worker-id", help="registry id (default: HOSTNAME-PORT)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--max-loras", type=int, default=8, help="adapter slots (0: no LoRA)")
+    parser.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    parser.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may finish"
+    )
+
+
+def gateway(args: argparse.Namespace) -> int:
+    """Serve the OpenAI-compatible gateway under uvicorn (settings: SWITCHBOARD_* variables)."""
+    import logging
+
+    from pydantic import ValidationError
+
+    from gateway.serve import serve
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return serve(args)
+    except ValidationError as exc:  # refused settings, e.g. a default admin token
+        messages = "; ".join(error["msg"] for error in exc.errors())
+        print(f"switchboard: error: gateway settings: {messages}", file=sys.stderr)
+        return 1
+
+
+def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="address to listen on (default: $SWITCHBOARD_HOST)")
+    parser.add_argument("--port", type=int, help="HTTP port (default: $SWITCHBOARD_PORT)")
+    parser.add_argument("--model", help="base checkpoint directory (default: $SWITCHBOARD_MODEL)")
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--graceful-s", type=float, default=10.0, help="seconds open streams get at shutdown"
+    )
+
+
+def _admin(name: str) -> Handler:
+    """The handler `gateway.admin_cli.<name>`, imported on use (httpx loads only then)."""
+
+    def run(args: argparse.Namespace) -> int:
+        from gateway import admin_cli
+
+        return getattr(admin_cli, name)(args)
+
+    return run
+
+
+def _admin_arguments(*positionals: str) -> Callable[[argparse.ArgumentParser], None]:
+    def add(parser: argparse.ArgumentParser) -> None:
+        import os
+
+        for positional in positionals:
+            parser.add_argument(positional)
+        parser.add_argument(
+            "--url",
+            default=os.environ.get("SWITCHBOARD_GATEWAY_URL", "http://127.0.0.1:8000"),
+            help="gateway base URL (default: $SWITCHBOARD_GATEWAY_URL or %(default)s)",
+        )
+        parser.add_argument(
+            "--admin-token",
+            default=os.environ.get("SWITCHBOARD_ADMIN_TOKEN", ""),
+            help="admin bearer token (default: $SWITCHBOARD_ADMIN_TOKEN)",
+        )
+
+    return add
+
+
+ADMIN_COMMANDS: tuple[Command, ...] = (
+    Command(
+        ("admin", "tenants", "create"),
+        "create a tenant",
+        _admin("tenants_create"),
+        _admin_arguments("name"),
+    ),
+    Command(
+        ("admin", "tenants", "list"), "list tenants", _admin("tenants_list"), _admin_arguments()
+    ),
+    Command(
+        ("admin", "keys", "create"),
+        "create an API key for a tenant (shown once)",
+        _admin("keys_create"),
+        _admin_arguments("tenant"),
+    ),
+    Command(
+        ("admin", "keys", "revoke"),
+        "revoke an API key by its key id",
+        _admin("keys_revoke"),
+        _admin_arguments("key_id"),
+    ),
+    Command(
+        ("admin", "adapters", "register"),
+        "validate, store and name a PEFT adapter directory for a tenant",
+        _admin("adapters_register"),
+        _admin_arguments("tenant", "name", "path"),
+    ),
+    Command(
+        ("admin", "adapters", "list"),
+        "list a tenant's adapters",
+        _admin("adapters_list"),
+        _admin_arguments("tenant"),
+    ),
+    Command(
+        ("admin", "adapters", "remove"),
+        "remove a tenant's adapter name",
+        _admin("adapters_remove"),
+        _admin_arguments("tenant", "name"),
+    ),
+)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         ("model", "prepare"),
@@ -124,6 +286,9 @@ COMMANDS: tuple[Command, ...] = (
         bench_throughput,
         _bench_arguments,
     ),
+    Command(("worker",), "serve the engine over gRPC", worker, _worker_arguments),
+    Command(("gateway",), "serve the OpenAI-compatible gateway", gateway, _gateway_arguments),
+    *ADMIN_COMMANDS,
 )
 
 

@@ -1,0 +1,76 @@
+"""The admin API under /admin (bearer admin token): tenants, API keys, adapters."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel
+
+from gateway.adapter_registration import register_adapter
+from gateway.deps import State, require_admin
+
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+
+
+class NewTenant(BaseModel):
+    name: str
+
+
+class NewAdapter(BaseModel):
+    name: str
+    path: str  # a PEFT adapter directory readable by the gateway
+
+
+@router.post("/tenants", status_code=201)
+async def create_tenant(body: NewTenant, state: State) -> dict[str, Any]:
+    return asdict(await state.tenants.create_tenant(body.name))
+
+
+@router.get("/tenants")
+async def list_tenants(state: State) -> dict[str, Any]:
+    return {"data": [asdict(t) for t in await state.tenants.list_tenants()]}
+
+
+@router.post("/tenants/{tenant}/keys", status_code=201)
+async def create_key(tenant: str, state: State) -> dict[str, Any]:
+    """The key is in this response only; Redis keeps its hash."""
+    return asdict(await state.tenants.create_key(tenant))
+
+
+@router.delete("/keys/{key_id}")
+async def revoke_key(key_id: str, state: State) -> dict[str, Any]:
+    await state.tenants.revoke_key(key_id)
+    return {"key_id": key_id, "deleted": True}
+
+
+@router.post("/tenants/{tenant}/adapters", status_code=201)
+async def add_adapter(tenant: str, body: NewAdapter, state: State) -> dict[str, Any]:
+    settings = state.settings
+    record = await register_adapter(
+        tenants=state.tenants,
+        tenant=tenant,
+        name=body.name,
+        path=body.path,
+        base=state.base,
+        store=state.adapter_store,
+        served_model_name=settings.served_model_name,
+        max_lora_rank=settings.max_lora_rank,
+        max_bytes=settings.max_adapter_bytes,
+    )
+    return asdict(record)
+
+
+@router.get("/tenants/{tenant}/adapters")
+async def list_adapters(tenant: str, state: State) -> dict[str, Any]:
+    await state.tenants.require_tenant(tenant)
+    return {"data": [asdict(a) for a in await state.tenants.list_adapters(tenant)]}
+
+
+@router.delete("/tenants/{tenant}/adapters/{name:path}")
+async def remove_adapter(tenant: str, name: str, state: State) -> dict[str, Any]:
+    """Forget the tenant's name for it; the stored content may be shared, so it stays."""
+    await state.tenants.require_tenant(tenant)
+    await state.tenants.remove_adapter(tenant, name)
+    return {"name": name, "deleted": True}

@@ -1,0 +1,106 @@
+"""The gateway's FastAPI app, built by `create_app(settings)`.
+
+The lifespan opens what requests share — the Redis pool, the tokenizer, the gRPC channels —
+and closes it on shutdown. Routes are thin; the logic lives in `gateway.serving`,
+`gateway.tenants` and `gateway.adapter_registration`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+
+from adapters import BaseModelSpec, FilesystemAdapterStore
+from gateway import admin_routes, openai_routes
+from gateway.deps import State
+from gateway.errors import install_error_handlers
+from gateway.routing import WorkerDirectory
+from gateway.settings import GatewaySettings
+from gateway.state import GatewayState
+from gateway.tenants import TenantStore
+from gateway.tokenizer import ChatTokenizer
+from gateway.worker_client import WorkerChannels
+
+
+def _context_length(config: dict[str, Any], configured: int) -> int:
+    if configured:
+        return configured
+    length = config.get("max_position_embeddings")
+    if not isinstance(length, int) or length <= 0:
+        raise ValueError(
+            "config.json has no max_position_embeddings; set SWITCHBOARD_MAX_MODEL_LEN"
+        )
+    return length
+
+
+async def open_state(settings: GatewaySettings) -> GatewayState:
+    """Everything the requests share; the caller closes it (`GatewayState.close`)."""
+    config = json.loads((settings.model / "config.json").read_text())
+    tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, settings.model)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        timeout=settings.redis_timeout_s,
+        socket_timeout=settings.redis_timeout_s,
+        socket_connect_timeout=settings.redis_timeout_s,
+        decode_responses=True,
+    )
+    client = aioredis.Redis(connection_pool=pool)
+    model_names = frozenset({settings.served_model_name, str(settings.model), settings.model.name})
+    return GatewayState(
+        settings=settings,
+        redis=client,
+        tenants=TenantStore(client, prefix=settings.key_prefix),
+        tokenizer=tokenizer,
+        base=BaseModelSpec.from_config_dict(config),
+        max_model_len=_context_length(config, settings.max_model_len),
+        adapter_store=FilesystemAdapterStore(settings.adapter_store),
+        workers=WorkerDirectory(
+            redis=client,
+            prefix=settings.key_prefix,
+            model_names=model_names,
+            heartbeat_ttl_s=settings.worker_heartbeat_ttl_s,
+            cache_s=settings.worker_cache_s,
+            load_factor=settings.route_load_factor,
+            load_slack=settings.route_load_slack,
+        ),
+        channels=WorkerChannels(),
+    )
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    """The app; `settings` default to the `SWITCHBOARD_*` environment."""
+    settings = settings or GatewaySettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = await open_state(settings)
+        app.state.gateway = state
+        try:
+            yield
+        finally:
+            await state.close()
+
+    app = FastAPI(title="Switchboard gateway", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(openai_routes.router)
+    app.include_router(admin_routes.router)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """Liveness: the process serves HTTP."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(state: State) -> dict[str, str]:
+        """Readiness: Redis answers (a Redis error becomes a 503 in OpenAI's format)."""
+        await state.redis.ping()
+        return {"status": "ready"}
+
+    return app

@@ -1,0 +1,42 @@
+"""FastAPI dependencies, as `Annotated` aliases the routes take as parameters."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from gateway.errors import AdminAuthenticationError
+from gateway.state import GatewayState
+from gateway.tenants import Caller
+
+
+def get_state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+State = Annotated[GatewayState, Depends(get_state)]
+
+
+def bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+async def current_tenant(request: Request, state: State) -> Caller:
+    return await state.tenants.authenticate(bearer_token(request))
+
+
+CurrentTenant = Annotated[Caller, Depends(current_tenant)]
+
+
+def require_admin(request: Request, state: State) -> None:
+    expected = state.settings.admin_token.get_secret_value().encode()
+    given = (bearer_token(request) or "").encode()
+    # Constant-time; an empty configured token (dev mode) never matches anything.
+    if not expected or not hmac.compare_digest(given, expected):
+        raise AdminAuthenticationError("a valid admin token is required: Authorization: Bearer …")

@@ -1,0 +1,160 @@
+"""From an OpenAI request to a `Job` the workers can run: resolve the model, tokenize,
+settle max_tokens against the context, and translate the sampling fields.
+
+max_tokens defaults (documented in README): completions 16 (OpenAI's default for the
+legacy endpoint), chat the whole remaining context; both are capped by the context, and an
+explicit value that does not fit is a 400, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+from gateway.errors import InvalidRequestError, ModelNotFoundError
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.tenants import Caller, TenantAdapter, TenantStore
+from gateway.tokenizer import ChatTokenizer
+from rpc import worker_pb2
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Tokenize long texts off the event loop so one big prompt does not stall every stream.
+INLINE_TOKENIZE_CHARS = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One request, ready to route: tokens, sampling, adapter, deadline (event-loop time)."""
+
+    request_id: str
+    created: int
+    model: str  # as the client named it; echoed in responses
+    tenant: str
+    prompt_ids: list[int]
+    params: worker_pb2.SamplingParams
+    adapter: TenantAdapter | None
+    deadline: float
+
+    @property
+    def adapter_id(self) -> str | None:
+        return self.adapter.adapter_id if self.adapter else None
+
+    def to_proto(self) -> worker_pb2.GenerateRequest:
+        return worker_pb2.GenerateRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids,
+            params=self.params,
+            adapter_id=self.adapter.adapter_id if self.adapter else "",
+            adapter_path=self.adapter.path if self.adapter else "",
+            tenant=self.tenant,
+        )
+
+
+async def resolve_model(
+    *, tenants: TenantStore, caller: Caller, model: str, served_model_name: str
+) -> TenantAdapter | None:
+    """None for the base model, else the caller's adapter of that name.
+
+    Adapter names are looked up only among the caller's own, so another tenant's adapter is
+    exactly as unknown as one that does not exist (same 404, same message).
+    """
+    if model == served_model_name:
+        return None
+    adapter = await tenants.get_adapter(caller.tenant, model)
+    if adapter is None:
+        raise ModelNotFoundError(model)
+    return adapter
+
+
+async def _encode(tokenizer: ChatTokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    if len(text) <= INLINE_TOKENIZE_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+
+async def completion_prompt_ids(body: CompletionRequest, *, tokenizer: ChatTokenizer) -> list[int]:
+    prompt = body.single_prompt()
+    if isinstance(prompt, str):
+        return await _encode(tokenizer, prompt, add_special_tokens=True)
+    vocab = tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in prompt):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    return list(prompt)
+
+
+async def chat_prompt_ids(body: ChatCompletionRequest, *, tokenizer: ChatTokenizer) -> list[int]:
+    messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+    text = tokenizer.render_chat(messages, add_generation_prompt=body.add_generation_prompt)
+    return await _encode(tokenizer, text, add_special_tokens=False)
+
+
+def settle_max_tokens(
+    *, requested: int | None, default: int | None, prompt_len: int, max_model_len: int
+) -> int:
+    """Tokens the request may generate; a prompt or request past the context is a 400."""
+    remaining = max_model_len - prompt_len
+    if remaining <= 0:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_len} tokens.",
+            param="messages",
+        )
+    if requested is None:
+        return remaining if default is None else min(default, remaining)
+    if requested > remaining:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+            f"{requested} for the completion). Reduce the prompt or max_tokens.",
+            param="max_tokens",
+        )
+    return requested
+
+
+def sampling_params(
+    body: SamplingFields, *, max_tokens: int, logprobs: int | None
+) -> worker_pb2.SamplingParams:
+    params = worker_pb2.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        stop=body.stop_strings,
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens,
+        n=body.n,
+    )
+    if body.seed is not None:
+        params.seed = body.seed
+    if logprobs is not None:
+        params.logprobs = logprobs
+    return params
+
+
+def new_job(
+    body: SamplingFields,
+    *,
+    id_prefix: str,
+    caller: Caller,
+    prompt_ids: list[int],
+    params: worker_pb2.SamplingParams,
+    adapter: TenantAdapter | None,
+    timeout_s: float,
+) -> Job:
+    return Job(
+        request_id=f"{id_prefix}-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=body.model,
+        tenant=caller.tenant,
+        prompt_ids=prompt_ids,
+        params=params,
+        adapter=adapter,
+        deadline=asyncio.get_running_loop().time() + timeout_s,
+    )

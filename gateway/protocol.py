@@ -1,0 +1,162 @@
+"""OpenAI request bodies (plus the sampling extras vLLM accepts), as pydantic models.
+
+Unknown fields are ignored, as vLLM does: clients and benchmark tools send many. Fields we
+accept but cannot honour are refused with a 400 by `check_supported`, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.errors import InvalidRequestError
+
+MAX_N = 64
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras.
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    skip_special_tokens: bool = True
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt; several (batched) prompts are refused: send one per request."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise InvalidRequestError(
+                    "a list of prompts is not supported; send one prompt per request",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        return prompt  # type: ignore[return-value]
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise InvalidRequestError("echo is not supported", param="echo")
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        """`{"role", "content"}` as chat templates expect; text parts are joined."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequestError(
+                        f"content part type {part.type!r} is not supported (text only)",
+                        param=f"messages.{index}.content",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        # Templates written before OpenAI's "developer" role know it as "system".
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = "text"
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM extra: False to continue the last message instead of opening an assistant turn.
+    add_generation_prompt: bool = True
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise InvalidRequestError("tools are not supported", param="tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequestError(
+                "only response_format type 'text' is supported", param="response_format"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError(
+                "top_logprobs requires logprobs to be true", param="top_logprobs"
+            )

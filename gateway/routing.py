@@ -1,0 +1,137 @@
+"""Which worker serves a request: adapter affinity by rendezvous hashing, bounded by load.
+
+Policy (`rank_workers`, a pure function over `WorkerInfo`s):
+1. Load = running + waiting (+ what this gateway sent since it last read the registry).
+   A worker is *within bound* while load <= least_load * load_factor + load_slack.
+2. Base-model requests: least loaded first.
+3. Adapter requests: workers within bound that already hold the adapter (least loaded
+   first), then the other workers within bound in rendezvous order — highest random weight
+   of hash(adapter_id, worker_id) (Thaler & Ravishankar, 1998) — so each adapter has a
+   stable favourite worker, then a stable second, and its traffic concentrates there
+   instead of loading it everywhere; then workers over the bound, least loaded first (the
+   spill-over when one adapter is hot).
+The caller tries the first worker and, if it fails before the first token, the second.
+
+`WorkerDirectory` reads the live list from the Redis registry at most once per `cache_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from redis.asyncio import Redis
+
+from gateway.errors import NoWorkerError
+from switchboard.registry import WorkerInfo, live_workers
+
+
+def rendezvous_score(adapter_id: str, worker_id: str) -> int:
+    """A stable pseudo-random weight of (adapter, worker); the highest wins."""
+    digest = hashlib.blake2b(f"{adapter_id}\0{worker_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rank_workers(
+    workers: Sequence[WorkerInfo],
+    *,
+    adapter_id: str | None,
+    extra_load: dict[str, int] | None = None,
+    load_factor: float = 1.5,
+    load_slack: int = 4,
+) -> list[WorkerInfo]:
+    """All `workers`, best first, for a request on `adapter_id` (None: the base model)."""
+    if not workers:
+        return []
+    extra = extra_load or {}
+
+    def load(w: WorkerInfo) -> int:
+        return w.running + w.waiting + extra.get(w.worker_id, 0)
+
+    by_load = sorted(workers, key=lambda w: (load(w), w.worker_id))
+    if adapter_id is None:
+        return by_load
+    bound = load(by_load[0]) * load_factor + load_slack
+    within = [w for w in workers if load(w) <= bound]
+    holders = sorted(
+        (w for w in within if adapter_id in w.adapters), key=lambda w: (load(w), w.worker_id)
+    )
+    others = sorted(
+        (w for w in within if adapter_id not in w.adapters),
+        key=lambda w: rendezvous_score(adapter_id, w.worker_id),
+        reverse=True,
+    )
+    spill = [w for w in by_load if load(w) > bound]
+    return holders + others + spill
+
+
+def serves_model(info: WorkerInfo, *, names: frozenset[str]) -> bool:
+    """Workers register their model by name or path; either identifies it."""
+    return info.model in names or Path(info.model).name in names
+
+
+@dataclass
+class WorkerDirectory:
+    """Live workers of one model, from the registry, cached for `cache_s` seconds."""
+
+    redis: Redis
+    prefix: str
+    model_names: frozenset[str]
+    heartbeat_ttl_s: float
+    cache_s: float = 1.0
+    load_factor: float = 1.5
+    load_slack: int = 4
+    _workers: list[WorkerInfo] = field(default_factory=list)
+    _read_at: float = float("-inf")
+    # Requests this gateway sent since the last read: the registry's load lags by up to one
+    # heartbeat, and without this a burst would all go to the same "least loaded" worker.
+    _sent: dict[str, int] = field(default_factory=dict)
+    # Workers that failed a request since the last read: skipped until the registry is read
+    # again (a dead worker's record outlives it by up to one TTL).
+    _failed: set[str] = field(default_factory=set)
+    # One registry read at a time: requests arriving while it runs reuse its result.
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def workers(self) -> list[WorkerInfo]:
+        if time.monotonic() - self._read_at >= self.cache_s:
+            async with self._lock:
+                if time.monotonic() - self._read_at >= self.cache_s:
+                    await self._refresh()
+        return [w for w in self._workers if w.worker_id not in self._failed]
+
+    async def _refresh(self) -> None:
+        every = await live_workers(self.redis, self.prefix)
+        fresh_after = time.time() - self.heartbeat_ttl_s
+        self._workers = [
+            w
+            for w in every
+            # heartbeat_at 0 means "not reported": the key's TTL alone decides then.
+            if (w.heartbeat_at <= 0 or w.heartbeat_at >= fresh_after)
+            and serves_model(w, names=self.model_names)
+        ]
+        self._read_at = time.monotonic()
+        self._sent.clear()
+        self._failed.clear()
+
+    async def candidates(self, *, adapter_id: str | None) -> list[WorkerInfo]:
+        """Workers to try, best first; NoWorkerError if none is alive."""
+        ranked = rank_workers(
+            await self.workers(),
+            adapter_id=adapter_id,
+            extra_load=self._sent,
+            load_factor=self.load_factor,
+            load_slack=self.load_slack,
+        )
+        if not ranked:
+            raise NoWorkerError("no worker is available for this model; retry later")
+        return ranked
+
+    def sent(self, worker_id: str) -> None:
+        self._sent[worker_id] = self._sent.get(worker_id, 0) + 1
+
+    def failed(self, worker_id: str) -> None:
+        self._failed.add(worker_id)

@@ -1,0 +1,29 @@
+"""`switchboard gateway`: the app under uvicorn, settings from the environment and flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    overrides = {
+        name: value
+        for name, value in (("host", args.host), ("port", args.port), ("model", args.model))
+        if value is not None
+    }
+    settings = GatewaySettings(**overrides)
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        # Ctrl-C / SIGTERM: stop accepting, let streams finish for a few seconds.
+        timeout_graceful_shutdown=args.graceful_s,
+    )
+    return 0

@@ -1,0 +1,177 @@
+"""The logic behind /v1: list models, and serve one completion or chat request end to end."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse
+
+from gateway.errors import ClientDisconnectedError
+from gateway.generation import collect, open_stream, stream_events
+from gateway.jobs import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    Job,
+    chat_prompt_ids,
+    completion_prompt_ids,
+    new_job,
+    resolve_model,
+    sampling_params,
+    settle_max_tokens,
+)
+from gateway.openai_format import ChatFormat, CompletionFormat, Header, OutputFormat
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.state import GatewayState
+from gateway.tenants import Caller
+
+T = TypeVar("T")
+# What proxies must not do to an event stream: cache it or buffer it.
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def list_models(*, state: GatewayState, caller: Caller) -> dict[str, Any]:
+    """The base model, then the caller's own adapters (shaped like vLLM's LoRA entries)."""
+    base_id = state.settings.served_model_name
+    base = {
+        "id": base_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "switchboard",
+        "root": base_id,
+        "parent": None,
+        "max_model_len": state.max_model_len,
+    }
+    adapters = [
+        {
+            "id": a.name,
+            "object": "model",
+            "created": a.created_at,
+            "owned_by": caller.tenant,
+            "root": a.adapter_id,
+            "parent": base_id,
+            "max_model_len": state.max_model_len,
+        }
+        for a in await state.tenants.list_adapters(caller.tenant)
+    ]
+    return {"object": "list", "data": [base, *adapters]}
+
+
+async def serve_completion(
+    body: CompletionRequest, *, state: GatewayState, caller: Caller, request: Request
+) -> Response:
+    body.check_supported()
+    adapter = await resolve_model(
+        tenants=state.tenants,
+        caller=caller,
+        model=body.model,
+        served_model_name=state.settings.served_model_name,
+    )
+    prompt_ids = await completion_prompt_ids(body, tokenizer=state.tokenizer)
+    max_tokens = settle_max_tokens(
+        requested=body.max_tokens,
+        default=COMPLETIONS_DEFAULT_MAX_TOKENS,
+        prompt_len=len(prompt_ids),
+        max_model_len=state.max_model_len,
+    )
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+    job = new_job(
+        body,
+        id_prefix="cmpl",
+        caller=caller,
+        prompt_ids=prompt_ids,
+        params=params,
+        adapter=adapter,
+        timeout_s=state.settings.request_timeout_s,
+    )
+    fmt = CompletionFormat(_header(job), state.tokenizer, body.logprobs)
+    return await respond(
+        job, fmt=fmt, stream=body.stream, include_usage=body.include_usage, state=state,
+        request=request,
+    )  # fmt: skip
+
+
+async def serve_chat(
+    body: ChatCompletionRequest, *, state: GatewayState, caller: Caller, request: Request
+) -> Response:
+    body.check_supported()
+    adapter = await resolve_model(
+        tenants=state.tenants,
+        caller=caller,
+        model=body.model,
+        served_model_name=state.settings.served_model_name,
+    )
+    prompt_ids = await chat_prompt_ids(body, tokenizer=state.tokenizer)
+    max_tokens = settle_max_tokens(
+        requested=body.requested_max_tokens,
+        default=None,  # the whole remaining context: chat answers end at EOS
+        prompt_len=len(prompt_ids),
+        max_model_len=state.max_model_len,
+    )
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+    job = new_job(
+        body,
+        id_prefix="chatcmpl",
+        caller=caller,
+        prompt_ids=prompt_ids,
+        params=params,
+        adapter=adapter,
+        timeout_s=state.settings.request_timeout_s,
+    )
+    fmt = ChatFormat(_header(job), state.tokenizer, body.logprobs)
+    return await respond(
+        job, fmt=fmt, stream=body.stream, include_usage=body.include_usage, state=state,
+        request=request,
+    )  # fmt: skip
+
+
+def _header(job: Job) -> Header:
+    return Header(id=job.request_id, created=job.created, model=job.model)
+
+
+async def respond(
+    job: Job,
+    *,
+    fmt: OutputFormat,
+    stream: bool,
+    include_usage: bool,
+    state: GatewayState,
+    request: Request,
+) -> Response:
+    """Stream (after the first token is in) or collect; a client gone early cancels the call."""
+    opened = open_stream(job, directory=state.workers, channels=state.channels)
+    if stream:
+        worker_stream = await until_disconnect(request, opened)
+        events = stream_events(worker_stream, job=job, fmt=fmt, include_usage=include_usage)
+        return EventSourceResponse(events, headers=SSE_HEADERS)
+
+    async def open_and_collect() -> dict[str, Any]:
+        return await collect(await opened, job=job, fmt=fmt)
+
+    return JSONResponse(await until_disconnect(request, open_and_collect()))
+
+
+async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` unless the client disconnects first; then cancel it (which cancels the
+    worker call) and raise ClientDisconnectedError."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnectedError("the client closed the connection")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read already, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

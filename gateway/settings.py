@@ -1,0 +1,82 @@
+"""The gateway's settings: one `BaseSettings`, read from `SWITCHBOARD_*` environment variables.
+
+Built by `create_app` (or the `switchboard gateway` command), never at import time, so tests
+and tools can construct several with different values side by side.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from switchboard.home import default_model_dir, switchboard_home
+
+# Secrets that appear in docs, examples and muscle memory: never acceptable outside dev mode.
+DEFAULT_SECRETS = frozenset({"", "admin", "changeme", "change-me", "secret", "password", "token"})
+MIN_ADMIN_TOKEN_CHARS = 16
+
+
+class GatewaySettings(BaseSettings):
+    """Everything the gateway process needs; `SWITCHBOARD_ADMIN_TOKEN=...` sets `admin_token`."""
+
+    model_config = SettingsConfigDict(env_prefix="SWITCHBOARD_", extra="ignore")
+
+    # Shared state: tenants, hashed keys, adapter metadata and the worker registry.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Waits for a free connection instead of failing past the limit (redis-py's default pool
+    # raises MaxConnectionsError at 100 concurrent commands).
+    redis_max_connections: int = Field(default=64, ge=1)
+    redis_timeout_s: float = Field(default=5.0, gt=0)
+    # Every key starts with it, so several deployments (or tests) can share one Redis.
+    key_prefix: str = "sb:"
+
+    admin_token: SecretStr = SecretStr("")
+    # Allows an empty or well-known admin token: for a laptop, never for a deployment.
+    dev_mode: bool = False
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+
+    # The base checkpoint directory: the gateway reads only its tokenizer, chat template and
+    # config.json (for the context length and to validate adapters), never its weights.
+    model: Path = Field(default_factory=default_model_dir)
+    # The name clients put in `model`; default: the checkpoint directory's name.
+    served_model_name: str = ""
+    # Context length; 0: the checkpoint's max_position_embeddings.
+    max_model_len: int = Field(default=0, ge=0)
+
+    # Whole-request deadline (queueing, prefill and every token), sent to the worker as the
+    # gRPC deadline; past it the client gets 504 (or an error event mid-stream).
+    request_timeout_s: float = Field(default=600.0, gt=0)
+
+    # Where registered adapters are stored by content id (a volume the workers read too).
+    adapter_store: Path = Field(default_factory=lambda: switchboard_home() / "adapters")
+    max_lora_rank: int = Field(default=64, ge=1)
+    max_adapter_bytes: int = Field(default=256 << 20, ge=1)
+
+    # Workers heartbeat with this TTL; a record whose heartbeat is older is treated as dead
+    # even if its key has not expired yet (a stuck worker still holding its key).
+    worker_heartbeat_ttl_s: float = Field(default=10.0, gt=0)
+    # How long one read of the live-worker list is reused: keeps per-request Redis work small.
+    worker_cache_s: float = Field(default=1.0, ge=0)
+    # Load bound for adapter affinity: a worker is eligible while its load (running + waiting)
+    # is at most least_load * factor + slack; above it the adapter spills to the next worker.
+    route_load_factor: float = Field(default=1.5, ge=1.0)
+    route_load_slack: int = Field(default=4, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewaySettings:
+        token = self.admin_token.get_secret_value()
+        weak = token.lower() in DEFAULT_SECRETS or len(token) < MIN_ADMIN_TOKEN_CHARS
+        if weak and not self.dev_mode:
+            raise ValueError(
+                "SWITCHBOARD_ADMIN_TOKEN is empty, a well-known value or shorter than "
+                f"{MIN_ADMIN_TOKEN_CHARS} characters; set a random one (e.g. `python -c "
+                '"import secrets; print(secrets.token_urlsafe(32))"`) or set '
+                "SWITCHBOARD_DEV_MODE=1 on a development machine"
+            )
+        if not self.served_model_name:
+            self.served_model_name = self.model.name
+        return self

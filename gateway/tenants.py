@@ -1,0 +1,174 @@
+"""Tenants, API keys and tenant-scoped adapter names, in Redis.
+
+A key is `sk-` + 32 random bytes (urlsafe base64), shown once at creation. Redis holds only
+its sha256: a request's key is hashed and looked up in one GET. Keys (all under the prefix):
+
+    tenants                      set of tenant names
+    tenant:{name}                hash {name, created_at}
+    tenant:{name}:keys           set of key ids
+    tenant:{name}:adapters       hash adapter name -> JSON {name, adapter_id, path, created_at}
+    apikey:{sha256 hex}          string: "{key_id} {tenant}"
+    keyid:{key_id}               hash {tenant, hash, created_at}
+
+sha256 (not a slow password hash) is right here: the key has 256 bits of entropy, so there is
+nothing to brute-force, and the lookup must be fast on every request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass
+
+import redis.asyncio as aioredis
+
+from gateway.errors import AuthenticationError, ConflictError, InvalidRequestError, NotFoundError
+
+KEY_PREFIX = "sk-"
+KEY_BYTES = 32
+TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    created_at: int
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request: the tenant and which of its keys (for usage and revocation)."""
+
+    tenant: str
+    key_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class NewKey:
+    """A freshly created key: `key` exists only in this object and the response showing it."""
+
+    key_id: str
+    key: str
+    tenant: str
+    created_at: int
+
+
+@dataclass(frozen=True, slots=True)
+class TenantAdapter:
+    """A tenant's name for a stored adapter."""
+
+    name: str
+    adapter_id: str
+    path: str
+    created_at: int
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def check_tenant_name(name: str) -> str:
+    if not TENANT_NAME.match(name):
+        raise InvalidRequestError(
+            "tenant name must be 1-63 characters of a-z, 0-9, '-' or '_', starting with a "
+            "letter or digit",
+            param="name",
+        )
+    return name
+
+
+class TenantStore:
+    """All tenant state; every method is one or a few Redis round trips."""
+
+    def __init__(self, client: aioredis.Redis, *, prefix: str) -> None:
+        self.redis = client
+        self.prefix = prefix
+
+    def _k(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    async def create_tenant(self, name: str) -> Tenant:
+        check_tenant_name(name)
+        if not await self.redis.sadd(self._k("tenants"), name):
+            raise ConflictError(f"tenant {name!r} already exists", param="name")
+        tenant = Tenant(name=name, created_at=int(time.time()))
+        await self.redis.hset(self._k("tenant", name), mapping=asdict(tenant))
+        return tenant
+
+    async def list_tenants(self) -> list[Tenant]:
+        names = sorted(await self.redis.smembers(self._k("tenants")))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hgetall(self._k("tenant", name))
+            rows = await pipe.execute()
+        return [Tenant(name=r["name"], created_at=int(r["created_at"])) for r in rows if r]
+
+    async def require_tenant(self, name: str) -> None:
+        if not await self.redis.sismember(self._k("tenants"), name):
+            raise NotFoundError(f"tenant {name!r} does not exist", param="tenant")
+
+    async def create_key(self, tenant: str) -> NewKey:
+        await self.require_tenant(tenant)
+        key = KEY_PREFIX + secrets.token_urlsafe(KEY_BYTES)
+        new = NewKey(
+            key_id="key_" + secrets.token_hex(12),
+            key=key,
+            tenant=tenant,
+            created_at=int(time.time()),
+        )
+        digest = hash_key(key)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._k("apikey", digest), f"{new.key_id} {tenant}")
+            pipe.hset(
+                self._k("keyid", new.key_id),
+                mapping={"tenant": tenant, "hash": digest, "created_at": new.created_at},
+            )
+            pipe.sadd(self._k("tenant", tenant, "keys"), new.key_id)
+            await pipe.execute()
+        return new
+
+    async def revoke_key(self, key_id: str) -> None:
+        record = await self.redis.hgetall(self._k("keyid", key_id))
+        if not record:
+            raise NotFoundError(f"key {key_id!r} does not exist", param="key_id")
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._k("apikey", record["hash"]))
+            pipe.delete(self._k("keyid", key_id))
+            pipe.srem(self._k("tenant", record["tenant"], "keys"), key_id)
+            await pipe.execute()
+
+    async def authenticate(self, key: str | None) -> Caller:
+        """The tenant owning `key`; AuthenticationError for a missing, unknown or revoked key."""
+        if not key:
+            raise AuthenticationError(
+                "You didn't provide an API key: send `Authorization: Bearer sk-...`."
+            )
+        found = await self.redis.get(self._k("apikey", hash_key(key)))
+        if found is None:
+            raise AuthenticationError("Incorrect API key provided.")
+        key_id, tenant = found.split(" ", 1)
+        return Caller(tenant=tenant, key_id=key_id)
+
+    async def add_adapter(self, tenant: str, adapter: TenantAdapter) -> None:
+        added = await self.redis.hsetnx(
+            self._k("tenant", tenant, "adapters"), adapter.name, json.dumps(asdict(adapter))
+        )
+        if not added:
+            raise ConflictError(
+                f"tenant {tenant!r} already has an adapter named {adapter.name!r}", param="name"
+            )
+
+    async def get_adapter(self, tenant: str, name: str) -> TenantAdapter | None:
+        raw = await self.redis.hget(self._k("tenant", tenant, "adapters"), name)
+        return TenantAdapter(**json.loads(raw)) if raw is not None else None
+
+    async def list_adapters(self, tenant: str) -> list[TenantAdapter]:
+        raw = await self.redis.hgetall(self._k("tenant", tenant, "adapters"))
+        return [TenantAdapter(**json.loads(raw[name])) for name in sorted(raw)]
+
+    async def remove_adapter(self, tenant: str, name: str) -> None:
+        if not await self.redis.hdel(self._k("tenant", tenant, "adapters"), name):
+            raise NotFoundError(f"tenant {tenant!r} has no adapter named {name!r}", param="name")

@@ -1,0 +1,127 @@
+"""gRPC client side of the gateway⇄worker contract: one channel per worker address, and
+`Generate` calls that the gateway can cancel (the worker then frees the KV blocks at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.errors import (
+    DeadlineExceededError,
+    GatewayError,
+    InvalidRequestError,
+    WorkerFailedError,
+)
+from rpc import worker_pb2, worker_pb2_grpc
+
+# Codes after which another worker may well succeed; the others are the request's own fault
+# (INVALID_ARGUMENT, OUT_OF_RANGE) or final (DEADLINE_EXCEEDED).
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,  # the worker shut down under us
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.NOT_FOUND,  # e.g. it could not read the adapter from its store
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
+
+
+class WorkerStreamError(Exception):
+    """A Generate call failed; `retryable` says whether another worker may succeed."""
+
+    def __init__(self, error: GatewayError, *, retryable: bool) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.retryable = retryable
+
+
+def translate_rpc_error(exc: grpc.RpcError, *, address: str) -> WorkerStreamError:
+    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        error: GatewayError = DeadlineExceededError("the request's deadline passed")
+        return WorkerStreamError(error, retryable=False)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+        return WorkerStreamError(InvalidRequestError(details or "invalid request"), retryable=False)
+    error = WorkerFailedError(f"worker {address} failed: {code.name}: {details}")
+    return WorkerStreamError(error, retryable=code in RETRYABLE)
+
+
+class WorkerChannels:
+    """A `grpc.aio` channel per worker address, opened on first use, closed together."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address)
+            self._channels[address] = channel
+            stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
+        return stub
+
+    async def close(self) -> None:
+        channels = list(self._channels.values())
+        self._channels.clear()
+        self._stubs.clear()
+        for channel in channels:
+            await channel.close(grace=None)
+
+
+@dataclass
+class WorkerStream:
+    """A started `Generate` call whose first response has already arrived."""
+
+    worker_id: str
+    address: str
+    call: grpc.aio.UnaryStreamCall
+    first: worker_pb2.GenerateResponse
+
+    async def responses(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """Every response, the first included; raises WorkerStreamError on failure."""
+        yield self.first
+        while True:
+            try:
+                message = await self.call.read()
+            except grpc.RpcError as exc:
+                raise translate_rpc_error(exc, address=self.address) from exc
+            if message is grpc.aio.EOF:
+                return
+            yield message
+
+    def cancel(self) -> None:
+        """Abort the call: the worker sees the cancellation and frees the request's blocks."""
+        self.call.cancel()
+
+
+async def start_generate(
+    channels: WorkerChannels,
+    *,
+    worker_id: str,
+    address: str,
+    request: worker_pb2.GenerateRequest,
+    timeout_s: float,
+) -> WorkerStream:
+    """Send `request` and wait for the first response (prefill done, first token out)."""
+    call = channels.stub(address).Generate(request, timeout=timeout_s)
+    try:
+        first = await call.read()
+    except grpc.RpcError as exc:
+        raise translate_rpc_error(exc, address=address) from exc
+    except BaseException:
+        call.cancel()  # our own caller was cancelled (client gone): tell the worker
+        raise
+    if first is grpc.aio.EOF:
+        error = WorkerFailedError(f"worker {address} ended the stream without a response")
+        raise WorkerStreamError(error, retryable=True)
+    return WorkerStream(worker_id=worker_id, address=address, call=call, first=first)

@@ -1,0 +1,180 @@
+"""Worker failures as the client sees them: a retry before the first token, an error event
+mid-stream, deadlines, and a client that leaves (the worker's call is cancelled)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+import redis.asyncio as aioredis
+from test_gateway_support import (
+    MODEL_NAME,
+    Mode,
+    ScriptedWorker,
+    delete_prefix,
+    gateway_settings,
+    make_model_dir,
+    running_gateway,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+async def env(redis_url, redis_prefix, model_dir, tmp_path):
+    """Start a gateway (with `**settings`) and workers; yields a factory."""
+    redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    workers: list[ScriptedWorker] = []
+    stack = []
+
+    async def start(*scripted: ScriptedWorker, loads=None, **settings):
+        for i, worker in enumerate(scripted):
+            await worker.start()
+            workers.append(worker)
+            await worker.register(redis, redis_prefix, running=(loads or [0] * 9)[i])
+        gw_cm = running_gateway(
+            gateway_settings(
+                redis_url=redis_url,
+                prefix=redis_prefix,
+                model_dir=model_dir,
+                store=tmp_path / "store",
+                **settings,
+            )
+        )
+        gw = await gw_cm.__aenter__()
+        stack.append(gw_cm)
+        async with httpx.AsyncClient(base_url=gw.url, headers=gw.admin_headers) as admin:
+            await admin.post("/admin/tenants", json={"name": "acme"})
+            key = (await admin.post("/admin/tenants/acme/keys")).json()["key"]
+        return gw, key
+
+    yield start
+    for cm in stack:
+        await cm.__aexit__(None, None, None)
+    for worker in workers:
+        await worker.stop()
+    await delete_prefix(redis_url, redis_prefix)
+    await redis.aclose()
+
+
+def http(gw, key, timeout=10.0) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=gw.url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout
+    )
+
+
+async def sse_lines(response: httpx.Response) -> list[str]:
+    return [line async for line in response.aiter_lines() if line]
+
+
+async def test_failure_before_first_token_is_retried_once_on_another_worker(env):
+    broken = ScriptedWorker("a-broken", mode=Mode.FAIL_BEFORE_FIRST)
+    healthy = ScriptedWorker("b-healthy")
+    gw, key = await env(broken, healthy, loads=[0, 3])  # the broken one looks least loaded
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+    async with client:
+        out = await client.completions.create(model=MODEL_NAME, prompt="hi")
+    assert out.choices[0].text == "Hello, world!"
+    assert (len(broken.requests), len(healthy.requests)) == (1, 1)
+    assert broken.requests[0].request_id == healthy.requests[0].request_id
+
+
+async def test_two_failures_before_first_token_are_502(env):
+    gw, key = await env(
+        ScriptedWorker("a", mode=Mode.FAIL_BEFORE_FIRST),
+        ScriptedWorker("b", mode=Mode.FAIL_BEFORE_FIRST),
+        ScriptedWorker("c", mode=Mode.FAIL_BEFORE_FIRST),
+    )
+    async with http(gw, key) as client:
+        for stream in (False, True):
+            body = {"model": MODEL_NAME, "prompt": "hi", "stream": stream}
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 502
+            assert response.json()["error"]["code"] == "worker_failed"
+
+
+async def test_failure_mid_stream_ends_with_an_error_event(env):
+    worker = ScriptedWorker("w", mode=Mode.FAIL_MID_STREAM, fail_after=2)
+    gw, key = await env(worker)
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with http(gw, key) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = await asyncio.wait_for(sse_lines(response), timeout=5)
+        contents = [json.loads(x[6:])["choices"][0]["delta"]["content"] for x in lines[:2]]
+        assert contents == ["Hello", ","]
+        error = json.loads(lines[2].removeprefix("data: "))["error"]
+        assert error["code"] == "worker_failed" and set(error) >= {"message", "type"}
+        assert lines[3:] == ["data: [DONE]"]
+        # Not streaming, the same failure is a 502.
+        response = await client.post("/v1/chat/completions", json={**body, "stream": False})
+        assert response.status_code == 502
+    client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+    async with client:
+        stream = await client.completions.create(model=MODEL_NAME, prompt="hi", stream=True)
+        with pytest.raises(openai.APIError):
+            async for _ in stream:
+                pass
+
+
+async def test_client_disconnect_mid_stream_cancels_the_worker_call(env):
+    worker = ScriptedWorker("w", mode=Mode.STALL)
+    gw, key = await env(worker)
+    body = {"model": MODEL_NAME, "prompt": "hi", "stream": True}
+    async with (
+        http(gw, key) as client,
+        client.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        first = await anext(response.aiter_lines())
+        assert json.loads(first.removeprefix("data: "))["choices"][0]["text"] == "Hello"
+    # Leaving the block closed the connection mid-stream.
+    await asyncio.wait_for(worker.cancelled.wait(), timeout=5)
+
+
+async def test_client_disconnect_while_waiting_cancels_the_worker_call(env):
+    worker = ScriptedWorker("w", mode=Mode.STALL)
+    gw, key = await env(worker)
+    async with http(gw, key, timeout=0.5) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"})
+    await asyncio.wait_for(worker.cancelled.wait(), timeout=5)
+
+
+async def test_deadline_is_504_or_an_error_event(env):
+    worker = ScriptedWorker("w", mode=Mode.STALL)
+    gw, key = await env(worker, request_timeout_s=0.5)
+    async with http(gw, key) as client:
+        response = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x"})
+        assert response.status_code == 504
+        assert response.json()["error"]["code"] == "deadline_exceeded"
+        body = {"model": MODEL_NAME, "prompt": "x", "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as streamed:
+            lines = await asyncio.wait_for(sse_lines(streamed), timeout=5)
+        assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "deadline_exceeded"
+        assert lines[-1] == "data: [DONE]"
+
+
+async def test_requests_for_an_adapter_go_to_the_worker_holding_it(env, tmp_path):
+    from test_gateway_support import write_adapter
+
+    holder, other = ScriptedWorker("holder"), ScriptedWorker("other")
+    gw, key = await env(holder, other)
+    async with httpx.AsyncClient(base_url=gw.url, headers=gw.admin_headers) as admin:
+        body = {"name": "sql", "path": str(write_adapter(tmp_path / "sql"))}
+        adapter_id = (await admin.post("/admin/tenants/acme/adapters", json=body)).json()[
+            "adapter_id"
+        ]
+    redis = aioredis.Redis.from_url(gw.settings.redis_url, decode_responses=True)
+    await holder.register(redis, gw.settings.key_prefix, adapters=(adapter_id,), running=2)
+    await redis.aclose()
+    async with http(gw, key) as client:
+        for _ in range(4):
+            response = await client.post("/v1/completions", json={"model": "sql", "prompt": "x"})
+            assert response.status_code == 200
+    assert (len(holder.requests), len(other.requests)) == (4, 0)

@@ -1,0 +1,121 @@
+"""The routing policy on synthetic workers, and the worker directory over the real registry."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import redis.asyncio as aioredis
+from test_gateway_support import delete_prefix
+
+from gateway.errors import NoWorkerError
+from gateway.routing import WorkerDirectory, rank_workers, rendezvous_score
+from switchboard.registry import WorkerInfo, register
+
+
+def make_worker(worker_id: str, *, load: int = 0, adapters=(), model="m") -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=worker_id,
+        address=f"127.0.0.1:{50000 + hash(worker_id) % 1000}",
+        model=model,
+        adapters=list(adapters),
+        running=load,
+        heartbeat_at=time.time(),
+    )
+
+
+def ids(workers) -> list[str]:
+    return [w.worker_id for w in workers]
+
+
+def test_base_model_goes_to_the_least_loaded():
+    workers = [make_worker("a", load=5), make_worker("b", load=1), make_worker("c", load=3)]
+    assert ids(rank_workers(workers, adapter_id=None)) == ["b", "c", "a"]
+    # What this gateway sent since its last registry read counts as load too.
+    ranked = rank_workers(workers, adapter_id=None, extra_load={"b": 3})
+    assert ids(ranked) == ["c", "b", "a"]
+
+
+def test_a_worker_holding_the_adapter_comes_first():
+    workers = [make_worker("a"), make_worker("b", load=2, adapters=["x"]), make_worker("c")]
+    assert ids(rank_workers(workers, adapter_id="x"))[0] == "b"
+
+
+def test_holder_over_the_load_bound_spills_to_the_rendezvous_order():
+    workers = [make_worker("a"), make_worker("b", load=20, adapters=["x"]), make_worker("c")]
+    ranked = ids(rank_workers(workers, adapter_id="x", load_factor=1.5, load_slack=4))
+    assert ranked[-1] == "b"
+    favourite = max(["a", "c"], key=lambda w: rendezvous_score("x", w))
+    assert ranked[0] == favourite
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3, 7])
+def test_rendezvous_is_stable_and_spreads_adapters(num_workers):
+    workers = [make_worker(f"w{i}") for i in range(num_workers)]
+    adapters = [f"{i:064x}" for i in range(400)]
+    first = {a: rank_workers(workers, adapter_id=a)[0].worker_id for a in adapters}
+    shuffled = random.Random(0).sample(workers, len(workers))
+    assert first == {a: rank_workers(shuffled, adapter_id=a)[0].worker_id for a in adapters}
+    counts = {w.worker_id: list(first.values()).count(w.worker_id) for w in workers}
+    expected = len(adapters) / num_workers
+    assert all(0.6 * expected <= c <= 1.4 * expected for c in counts.values()), counts
+
+
+def test_removing_a_worker_moves_only_its_own_adapters():
+    workers = [make_worker(f"w{i}") for i in range(5)]
+    adapters = [f"adapter-{i}" for i in range(300)]
+    before = {a: rank_workers(workers, adapter_id=a)[0].worker_id for a in adapters}
+    after = {a: rank_workers(workers[1:], adapter_id=a)[0].worker_id for a in adapters}
+    moved = {a for a in adapters if before[a] != after[a]}
+    assert moved == {a for a in adapters if before[a] == "w0"}
+
+
+def test_second_choice_is_another_worker():
+    workers = [make_worker("a"), make_worker("b")]
+    for adapter in (None, "x"):
+        assert set(ids(rank_workers(workers, adapter_id=adapter))) == {"a", "b"}
+    assert rank_workers([], adapter_id="x") == []
+
+
+@pytest.fixture
+async def redis(redis_url, redis_prefix):
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    await delete_prefix(redis_url, redis_prefix)
+    await client.aclose()
+
+
+def directory(redis, prefix, **kwargs) -> WorkerDirectory:
+    values = {"model_names": frozenset({"m"}), "heartbeat_ttl_s": 10.0, "cache_s": 0.0}
+    return WorkerDirectory(redis=redis, prefix=prefix, **{**values, **kwargs})
+
+
+async def test_directory_skips_dead_stale_and_foreign_workers(redis, redis_prefix):
+    await register(redis, redis_prefix, make_worker("live"), ttl=30)
+    await register(redis, redis_prefix, make_worker("other-model", model="n"), ttl=30)
+    stale = make_worker("stale")
+    stale.heartbeat_at = time.time() - 60
+    await register(redis, redis_prefix, stale, ttl=30)
+    await redis.sadd(f"{redis_prefix}workers", "expired")  # listed, but its key is gone
+    by_path = make_worker("by-path", model="/models/m")
+    await register(redis, redis_prefix, by_path, ttl=30)
+    found = await directory(redis, redis_prefix).workers()
+    assert sorted(ids(found)) == ["by-path", "live"]
+
+
+async def test_directory_caches_and_skips_failed_workers(redis, redis_prefix):
+    d = directory(redis, redis_prefix, cache_s=60.0)
+    with pytest.raises(NoWorkerError):
+        await d.candidates(adapter_id=None)
+    d = directory(redis, redis_prefix, cache_s=60.0)
+    await register(redis, redis_prefix, make_worker("a"), ttl=30)
+    await register(redis, redis_prefix, make_worker("b", load=1), ttl=30)
+    assert ids(await d.candidates(adapter_id=None)) == ["a", "b"]
+    await register(redis, redis_prefix, make_worker("c"), ttl=30)
+    assert ids(await d.candidates(adapter_id=None)) == ["a", "b"]  # cached
+    d.sent("a")
+    d.sent("a")
+    assert ids(await d.candidates(adapter_id=None)) == ["b", "a"]
+    d.failed("b")
+    assert ids(await d.candidates(adapter_id=None)) == ["a"]
