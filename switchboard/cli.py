@@ -228,6 +228,59 @@ def _admin_arguments(*positionals: str) -> Callable[[argparse.ArgumentParser], N
     return add
 
 
+def up(args: argparse.Namespace) -> int:
+    """Redis (reused or embedded), one worker and the gateway; a demo tenant; Ctrl-C stops."""
+    import signal
+
+    from switchboard.stack import Stack
+    from worker.default_model import resolve_model_path
+
+    model = resolve_model_path(args.model)
+    stack = Stack(model=model, num_workers=args.workers, gateway_port=args.port)
+    print("starting Redis, worker(s) and gateway ...", flush=True)
+    with stack:
+        key = stack.create_tenant_key(args.tenant)
+        print(_up_banner(stack, key, model.name), flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+        try:
+            while True:
+                time.sleep(1)
+                stack._check_children()
+        except KeyboardInterrupt:
+            print("\nstopping ...", flush=True)
+    return 0
+
+
+def _up_banner(stack, key: str, model_name: str) -> str:
+    base = stack.base_url
+    return f"""
+Switchboard is up: gateway {base}, Redis {stack.redis_url}
+  API key (tenant demo, shown once): {key}
+  admin token:                       {stack.admin_token}
+
+curl {base}/v1/chat/completions \\
+  -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
+  -d '{{"model": "{model_name}", "max_tokens": 32,
+       "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+python - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="{base}/v1", api_key="{key}")
+reply = client.chat.completions.create(
+    model="{model_name}", messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=32)
+print(reply.choices[0].message.content)
+PY
+
+Ctrl-C stops everything."""
+
+
+def _up_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="checkpoint directory (default: the default model)")
+    parser.add_argument("--port", type=int, default=8000, help="gateway port")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--tenant", default="demo", help="name of the demo tenant to create")
+
+
 ADMIN_COMMANDS: tuple[Command, ...] = (
     Command(
         ("admin", "tenants", "create"),
@@ -288,6 +341,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(("worker",), "serve the engine over gRPC", worker, _worker_arguments),
     Command(("gateway",), "serve the OpenAI-compatible gateway", gateway, _gateway_arguments),
+    Command(("up",), "run Redis, a worker and the gateway together", up, _up_arguments),
     *ADMIN_COMMANDS,
 )
 

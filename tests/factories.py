@@ -98,6 +98,10 @@ def add_byte_level_tokenizer(path: Path, *, vocab_size: int = 400) -> Path:
     )
     tokenizer.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
     fast.save_pretrained(path)
     return path
 

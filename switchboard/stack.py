@@ -1,0 +1,173 @@
+"""The whole system on one machine: Redis, workers and the gateway as child processes.
+
+``switchboard up`` (and ``make run``) use it, and so do the end-to-end tests, so what the
+tests exercise is exactly what a user starts. Every child binds to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from switchboard.embedded_redis import EmbeddedRedis, free_port
+
+
+@dataclass
+class Stack:
+    """``with Stack(model=...) as stack:`` — Redis (reused or embedded), workers, gateway."""
+
+    model: Path
+    num_workers: int = 1
+    redis_url: str | None = None  # None: $SWITCHBOARD_REDIS_URL, 127.0.0.1:6379, or embedded
+    gateway_port: int = 8000
+    dtype: str = "bfloat16"
+    key_prefix: str = "sb:"
+    admin_token: str = field(default_factory=lambda: "adm-" + secrets.token_urlsafe(24))
+    home: Path | None = None  # SWITCHBOARD_HOME for children (adapter store)
+    worker_args: list[str] = field(default_factory=list)
+    workers: dict[str, subprocess.Popen] = field(default_factory=dict)
+    worker_ports: dict[str, int] = field(default_factory=dict)
+    gateway: subprocess.Popen | None = None
+    _redis: EmbeddedRedis | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    def start(self, *, timeout: float = 180.0) -> Stack:
+        self.redis_url = self.redis_url or _reachable_redis()
+        if self.redis_url is None:
+            self._redis = EmbeddedRedis().start()
+            self.redis_url = self._redis.url
+        for i in range(self.num_workers):
+            self.start_worker(f"worker-{i}")
+        self.gateway = subprocess.Popen(
+            [*_switchboard_command(), "gateway", "--port", str(self.gateway_port)],
+            env=self._env(),
+        )
+        self.wait_ready(timeout=timeout)
+        return self
+
+    def start_worker(self, worker_id: str) -> subprocess.Popen:
+        port = free_port()
+        args = [
+            *_switchboard_command(), "worker",
+            "--model", str(self.model), "--port", str(port), "--dtype", self.dtype,
+            "--redis-url", str(self.redis_url), "--redis-prefix", self.key_prefix,
+            "--worker-id", worker_id, *self.worker_args,
+        ]  # fmt: skip
+        process = subprocess.Popen(args, env=self._env())
+        self.workers[worker_id] = process
+        self.worker_ports[worker_id] = port
+        return process
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            SWITCHBOARD_REDIS_URL=str(self.redis_url),
+            SWITCHBOARD_KEY_PREFIX=self.key_prefix,
+            SWITCHBOARD_ADMIN_TOKEN=self.admin_token,
+            SWITCHBOARD_MODEL=str(self.model),
+            PYTHONUNBUFFERED="1",
+        )
+        if self.home is not None:
+            env["SWITCHBOARD_HOME"] = str(self.home)
+        return env
+
+    def wait_ready(self, *, timeout: float) -> None:
+        """Until the gateway answers and every worker is in the registry."""
+        import redis
+
+        from switchboard.registry import DEFAULT_PREFIX  # noqa: F401 (format owner)
+
+        deadline = time.monotonic() + timeout
+        client = redis.Redis.from_url(str(self.redis_url), decode_responses=True)
+        while time.monotonic() < deadline:
+            self._check_children()
+            live = client.smembers(f"{self.key_prefix}workers")
+            alive = [w for w in self.workers if w in live and client.exists(self._worker_key(w))]
+            if len(alive) == len(self.workers) and self._gateway_ready():
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"the stack was not ready within {timeout:.0f} s")
+
+    def _worker_key(self, worker_id: str) -> str:
+        return f"{self.key_prefix}worker:{worker_id}"
+
+    def _gateway_ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.base_url}/ready", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _check_children(self) -> None:
+        for name, process in [*self.workers.items(), ("gateway", self.gateway)]:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {process.returncode}")
+
+    def admin(self, method: str, path: str, **kwargs) -> dict:
+        headers = {"Authorization": f"Bearer {self.admin_token}"}
+        response = httpx.request(
+            method, f"{self.base_url}/admin{path}", headers=headers, timeout=30.0, **kwargs
+        )
+        response.raise_for_status()
+        return response.json()
+
+    def create_tenant_key(self, tenant: str) -> str:
+        """Create a tenant and one API key for it; returns the key (shown only once)."""
+        self.admin("POST", "/tenants", json={"name": tenant})
+        return self.admin("POST", f"/tenants/{tenant}/keys")["key"]
+
+    def stop(self) -> None:
+        """SIGTERM everyone (workers drain), then kill whatever is left."""
+        children = [p for p in [self.gateway, *self.workers.values()] if p is not None]
+        for process in children:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in children:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self._redis is not None:
+            self._redis.stop()
+            self._redis = None
+
+    def __enter__(self) -> Stack:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _reachable_redis() -> str | None:
+    import redis
+
+    for url in filter(None, [os.environ.get("SWITCHBOARD_REDIS_URL"), "redis://127.0.0.1:6379/0"]):
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+            return url
+        except redis.RedisError:
+            continue
+    return None
+
+
+def _switchboard_command() -> list[str]:
+    """The ``switchboard`` console script of this interpreter's environment."""
+    script = Path(sys.executable).with_name("switchboard")
+    if not script.is_file():
+        raise RuntimeError(f"{script} is missing: install the project (make install)")
+    return [str(script)]

@@ -1,0 +1,204 @@
+"""End to end: real Redis, real worker processes (tiny model), the real gateway under uvicorn,
+and the official openai client — exactly the processes `switchboard up` starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+
+from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
+from switchboard.embedded_redis import free_port
+from switchboard.stack import Stack
+from worker import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = make_checkpoint(
+        tmp_path_factory.mktemp("e2e-model"), vocab_size=512, max_position_embeddings=512, seed=21
+    )
+    return add_byte_level_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, redis_url, tmp_path_factory):
+    prefix = f"sbe2e:{os.getpid()}:"
+    with Stack(
+        model=tiny_model,
+        num_workers=2,
+        redis_url=redis_url,
+        gateway_port=free_port(),
+        dtype="float32",
+        key_prefix=prefix,
+        home=tmp_path_factory.mktemp("home"),
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def api_key(stack):
+    return stack.create_tenant_key("acme")
+
+
+@pytest.fixture(scope="module")
+def client(stack, api_key):
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=api_key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    return LLM(tiny_model, dtype="float32")
+
+
+def test_chat_and_completions_match_the_engine(client, tiny_model, offline):
+    model = tiny_model.name
+    prompt = "the quick brown fox"
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    assert done.choices[0].text == expected.text
+    assert done.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert done.usage.completion_tokens == len(expected.token_ids)
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected.text
+    messages = [{"role": "user", "content": "hello"}]
+    chat_prompt = offline.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    expected_chat = offline.generate(
+        [chat_prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )[0]
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == expected_chat.text
+    assert chat.usage.prompt_tokens == len(expected_chat.prompt_token_ids)
+    assert chat.usage.completion_tokens == 8
+
+
+def test_streaming_chat_with_usage_n2_and_stop(client, tiny_model, offline):
+    model = tiny_model.name
+    full = client.completions.create(
+        model=model, prompt="hello world", max_tokens=30, temperature=0
+    )
+    text = full.choices[0].text
+    stop = text[10:13]
+    cut = client.completions.create(
+        model=model, prompt="hello world", max_tokens=30, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=6,
+            n=2,
+            seed=5,
+            temperature=1.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    indexes = {c.choices[0].index for c in chunks if c.choices}
+    assert indexes == {0, 1}
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+def test_adapter_requests_go_to_the_worker_that_holds_the_adapter(
+    stack, client, tiny_model, tmp_path_factory
+):
+    adapter_dir = make_peft_adapter(
+        tiny_model, tmp_path_factory.mktemp("lora") / "sql", rank=8, targets=["q_proj", "v_proj"]
+    )
+    stack.admin("POST", "/tenants/acme/adapters", json={"name": "sql", "path": str(adapter_dir)})
+    offline = LLM(tiny_model, dtype="float32")
+    offline.load_adapter("sql", adapter_dir)
+    expected = offline.generate(
+        ["select"], SamplingParams(temperature=0, max_tokens=10), adapters=["sql"]
+    )[0]
+    for _ in range(4):
+        out = client.completions.create(model="sql", prompt="select", max_tokens=10, temperature=0)
+        assert out.choices[0].text == expected.text
+    holders = _workers_holding(stack, offline.engine.lora_manager.resolve("sql"))
+    assert len(holders) == 1  # affinity: every request went to the same worker
+    assert "sql" in [m.id for m in client.models.list().data]
+
+
+def test_errors_come_back_in_openai_format(stack, client, tiny_model):
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert unknown.value.body["code"] == "model_not_found"
+    other_key = stack.create_tenant_key("other-tenant")
+    other = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=other_key, max_retries=0)
+    with pytest.raises(openai.NotFoundError):  # acme's adapter does not exist for them
+        other.completions.create(model="sql", prompt="x", max_tokens=2)
+    bad = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=tiny_model.name, prompt="x", max_tokens=10**6)
+
+
+def test_killing_a_worker_mid_stream_ends_the_stream_with_an_error(stack, api_key, tiny_model):
+    body = {
+        "model": tiny_model.name,
+        "prompt": "the quick brown fox",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {api_key}"}
+    events = []
+    with httpx.stream(
+        "POST", f"{stack.base_url}/v1/completions", json=body, headers=headers, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 3:
+                victim = _busiest_worker(stack)
+                os.kill(stack.workers[victim].pid, signal.SIGKILL)
+    assert events[-1] == "[DONE]"
+    assert "error" in json.loads(events[-2])
+    # New requests still succeed on the remaining worker.
+    time.sleep(0.5)
+    ok = httpx.post(
+        f"{stack.base_url}/v1/completions",
+        json={**body, "stream": False, "max_tokens": 4},
+        headers=headers,
+        timeout=60,
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def _registry(stack) -> list[dict]:
+    client = redis.Redis.from_url(str(stack.redis_url), decode_responses=True)
+    ids = client.smembers(f"{stack.key_prefix}workers")
+    raw = [client.get(f"{stack.key_prefix}worker:{i}") for i in ids]
+    return [json.loads(r) for r in raw if r]
+
+
+def _workers_holding(stack, adapter_id: str) -> list[str]:
+    time.sleep(2.5)  # one heartbeat publishes the loaded adapters
+    return [w["worker_id"] for w in _registry(stack) if adapter_id in w["adapters"]]
+
+
+def _busiest_worker(stack) -> str:
+    workers = _registry(stack)
+    busiest = max(workers, key=lambda w: w["running"] + w["waiting"])
+    return busiest["worker_id"]
