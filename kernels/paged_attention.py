@@ -34,14 +34,26 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decodes of similar context length, attended in one batched call.
+
+    Padding every decode to the batch's longest context would make a long chat pay for
+    its short neighbours; grouping by length keeps the padded work near the real work.
+    """
+
+    start: int  # first row of the group in the flattened batch
+    count: int  # number of decodes (rows) in the group
+    block_tables: torch.Tensor  # [count * max_blocks] int64: padded tables, back to back
+    mask: torch.Tensor  # [count, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything attention needs about the batch layout; built once a step, shared by layers."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block * size + offset) to write
     num_decodes: int  # the first num_decodes tokens are single-token decodes
-    # [num_decodes * max_blocks] int64: each decode's block table, padded, back to back.
-    decode_block_tables: torch.Tensor | None
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_groups: list[DecodeGroup]  # covering rows 0..num_decodes-1
     prefills: list[PrefillChunk]
 
 
@@ -76,16 +88,16 @@ def paged_attention(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
-    if meta.num_decodes:
-        d = meta.num_decodes
+    for g in meta.decode_groups:
+        rows = slice(g.start, g.start + g.count)
         # The query heads of one KV group stand in for the query-length axis, so one
-        # SDPA call serves every decode without repeating K/V: [d, kv_heads, group, dim].
-        q = query[:d].view(d, num_kv_heads, group, head_dim)
-        k = gather_blocks(key_cache, meta.decode_block_tables, d).transpose(1, 2)
-        v = gather_blocks(value_cache, meta.decode_block_tables, d).transpose(1, 2)
-        # k, v: [d, kv_heads, max_blocks * block_size, dim]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
-        out[:d] = o.reshape(d, num_heads, head_dim)
+        # SDPA call serves the group without repeating K/V: [count, kv_heads, group, dim].
+        q = query[rows].view(g.count, num_kv_heads, group, head_dim)
+        k = gather_blocks(key_cache, g.block_tables, g.count).transpose(1, 2)
+        v = gather_blocks(value_cache, g.block_tables, g.count).transpose(1, 2)
+        # k, v: [count, kv_heads, max_blocks * block_size, dim]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+        out[rows] = o.reshape(g.count, num_heads, head_dim)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_attention import AttentionMetadata, PrefillChunk
+from kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from worker.llama import LlamaModel
 from worker.lora_manager import LoraManager
 from worker.model_config import ModelConfig
@@ -70,7 +70,10 @@ class ModelRunner:
         return [s for s in inputs.order if s.samples], logits
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
-        decodes = [s for s in scheduled if s.num_tokens == 1 and s.start > 0]
+        # Decodes sorted by context length, so similar lengths share one attention call.
+        decodes = sorted(
+            (s for s in scheduled if s.num_tokens == 1 and s.start > 0), key=lambda s: s.start
+        )
         prefills = [s for s in scheduled if not (s.num_tokens == 1 and s.start > 0)]
         order = decodes + prefills
         bs = self.block_size
@@ -90,12 +93,9 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             num_decodes=len(decodes),
-            decode_block_tables=None,
-            decode_mask=None,
+            decode_groups=self._decode_groups(decodes),
             prefills=self._prefill_chunks(prefills, start=len(decodes)),
         )
-        if decodes:
-            meta.decode_block_tables, meta.decode_mask = self._decode_layout(decodes)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
@@ -104,17 +104,40 @@ class ModelRunner:
             order=order,
         )
 
-    def _decode_layout(self, decodes: list[ScheduledSequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decode's block table, padded to the longest and flattened; the padding mask."""
-        context_lens = [s.start + 1 for s in decodes]
+    def _decode_groups(self, decodes: list[ScheduledSequence]) -> list[DecodeGroup]:
+        """Split length-sorted decodes where padding to the group's longest would exceed
+        ~25% (plus two blocks) of the shortest one's blocks."""
+        groups: list[DecodeGroup] = []
+        start = 0
+        while start < len(decodes):
+            first_blocks = len(decodes[start].seq.block_table)
+            end = start + 1
+            while end < len(decodes) and len(decodes[end].seq.block_table) <= (
+                first_blocks * 1.25 + 2
+            ):
+                end += 1
+            groups.append(self._decode_group(decodes[start:end], start))
+            start = end
+        return groups
+
+    def _decode_group(self, decodes: list[ScheduledSequence], start: int) -> DecodeGroup:
+        """Block tables padded to the longest in the group and flattened; the padding mask."""
         # Every table holds exactly ceil(context / block_size) blocks; pad the shorter ones.
         num_blocks = max(len(s.seq.block_table) for s in decodes)
-        tables = [s.seq.block_table + [0] * (num_blocks - len(s.seq.block_table)) for s in decodes]
+        flat = [
+            b
+            for s in decodes
+            for b in s.seq.block_table + [0] * (num_blocks - len(s.seq.block_table))
+        ]
         span = num_blocks * self.block_size
-        lens = torch.tensor(context_lens, dtype=torch.int64)
-        mask = torch.arange(span).unsqueeze(0) < lens.unsqueeze(1)  # [d, span]
-        flat = torch.tensor([b for t in tables for b in t], dtype=torch.int64)
-        return flat, mask.view(len(decodes), 1, 1, span)
+        lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.int64)
+        mask = torch.arange(span).unsqueeze(0) < lens.unsqueeze(1)  # [count, span]
+        return DecodeGroup(
+            start=start,
+            count=len(decodes),
+            block_tables=torch.tensor(flat, dtype=torch.int64),
+            mask=mask.view(len(decodes), 1, 1, span),
+        )
 
     def _prefill_chunks(
         self, prefills: list[ScheduledSequence], *, start: int
