@@ -1,0 +1,474 @@
+"""Multi-LoRA ops: Triton kernels and CPU paths vs the torch references.
+
+The references themselves are checked against a per-token Python loop written here, so
+they cannot share a mistake with the kernels. Adapter mixes follow Punica's test set
+(distinct, uniform, zipf, identical, skewed) plus rows without an adapter.
+
+Where the Triton kernels run: on a CUDA device if there is one (compiled), else in
+Triton's CPU interpreter. ``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates, and
+that includes triton.language's own helpers (``tl.zeros``, ``tl.sum``), decorated when
+``triton`` is first imported. So without CUDA the flag is set first thing here, and stays
+set for the session (harmless: no compiled Triton kernel can launch without a GPU); with
+CUDA it is never set, so other tests keep compiled kernels. ``kernels.lora`` imports its
+Triton module only on the first CUDA call. When an earlier test module already imported
+triton without the flag (torch._dynamo does, e.g. under peft), the ``test_triton_*`` tests
+cannot run in this process: they are skipped here and ``test_kernels_in_a_fresh_process``
+runs them in a child pytest with the flag set from the start. Setting the flag in
+tests/conftest.py (CPU-only machines) avoids the extra process.
+"""
+
+import os
+
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import kernels.lora_reference as ref  # noqa: E402
+import kernels.lora_triton as tri  # noqa: E402
+from kernels.lora import LoraMapping, add_lora  # noqa: E402
+
+# The kernels and triton.language both in interpreter mode, or compiled for a GPU.
+TRITON_HERE = CUDA or (
+    type(tl.zeros).__name__ == "InterpretedFunction"
+    and type(tri._bgmv_shrink_kernel).__name__ == "InterpretedFunction"
+)
+triton_here = pytest.mark.skipif(
+    not TRITON_HERE,
+    reason="triton was imported without TRITON_INTERPRET=1 before this module; "
+    "test_kernels_in_a_fresh_process runs this test",
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if CUDA else "cpu"
+# The interpreter computes bf16 wrongly (TOOLCHAIN.md): bf16 kernels only on a GPU.
+TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+IN_FEATURES = 80  # > one SGMV BLOCK_K (64): the shrink loop runs twice
+OUT_FEATURES = 72  # > one SGMV BLOCK_N (64): two output blocks
+NUM_SLOTS = 4
+PATTERNS = ["distinct", "uniform", "zipf", "identical", "skewed", "with_base"]
+RANKS = [(1, 1), (1, 16), (8, 16), (16, 16), (64, 64)]  # (adapter rank, stack max_rank)
+# Against an fp32-accumulating reference.
+TOLERANCE = {
+    torch.float32: {"atol": 2e-5, "rtol": 2e-5},
+    torch.float16: {"atol": 1e-2, "rtol": 1e-2},
+    torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+}
+
+
+# --- factories --------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    seq_lens: list[int]  # tokens per sequence (0 = empty segment)
+    seq_slots: list[int]  # adapter slot per sequence, -1 = none
+
+    @property
+    def token_slots(self) -> torch.Tensor:  # [T] int64
+        return torch.repeat_interleave(torch.tensor(self.seq_slots), torch.tensor(self.seq_lens))
+
+    @property
+    def seg_starts(self) -> torch.Tensor:  # [num_seqs + 1] int64
+        return torch.tensor([0, *np.cumsum(self.seq_lens).tolist()], dtype=torch.int64)
+
+    @property
+    def seg_slots(self) -> torch.Tensor:  # [num_seqs] int64
+        return torch.tensor(self.seq_slots, dtype=torch.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seq_lens)
+
+
+def make_batch(pattern: str, *, num_tokens: int = 17, decode: bool, seed: int = 0) -> Batch:
+    """Decode: one token per sequence. Prefill: a few sequences of random lengths."""
+    rng = np.random.default_rng(seed)
+    if decode:
+        lens = [1] * num_tokens
+    elif pattern == "skewed":  # one long segment beside single tokens
+        lens = [num_tokens - 3, 1, 1, 1][-num_tokens:] if num_tokens > 3 else [num_tokens]
+    else:
+        cuts = np.sort(
+            rng.choice(np.arange(1, num_tokens), size=min(4, num_tokens - 1), replace=False)
+        )
+        lens = np.diff([0, *cuts.tolist(), num_tokens]).tolist()
+    n = len(lens)
+    zipf = 1.0 / np.arange(1, NUM_SLOTS + 1) ** 1.5
+    slots = {
+        "distinct": [i % NUM_SLOTS for i in range(n)],
+        "uniform": rng.integers(0, NUM_SLOTS, n).tolist(),
+        "zipf": rng.choice(NUM_SLOTS, size=n, p=zipf / zipf.sum()).tolist(),
+        "identical": [NUM_SLOTS - 1] * n,  # not slot 0: a wrong slot stride shows
+        "skewed": [1] + [2] * (n - 1),
+        "with_base": rng.integers(-1, NUM_SLOTS, n).tolist(),
+    }[pattern]
+    return Batch(lens, slots)
+
+
+def make_stacks(rank: int, max_rank: int, *, dtype=torch.float32, seed: int = 0):
+    """PEFT-shaped adapters zero-padded to max_rank; alpha/r differs per slot."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.zeros(NUM_SLOTS, max_rank, IN_FEATURES)
+    b = torch.zeros(NUM_SLOTS, OUT_FEATURES, max_rank)
+    a[:, :rank] = torch.randn(NUM_SLOTS, rank, IN_FEATURES, generator=gen) / IN_FEATURES**0.5
+    b[:, :, :rank] = torch.randn(NUM_SLOTS, OUT_FEATURES, rank, generator=gen) / rank**0.5
+    scales = torch.tensor([1.0, 2.0, 0.5, 4.0]) / rank
+    return a.to(dtype), b.to(dtype), scales
+
+
+def make_inputs(num_tokens: int, *, dtype=torch.float32, extra_cols: int = 0, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, IN_FEATURES, generator=gen).to(dtype)
+    y = torch.randn(num_tokens, OUT_FEATURES + extra_cols, generator=gen).to(dtype)
+    return x, y
+
+
+def loop_lora(y, x, a, b, scales, token_slots, *, rank: int, out_offset: int = 0):
+    """The independent oracle: a float64 Python loop over tokens, x[t] @ A.T @ B.T * scale."""
+    out = y.double().clone()
+    shrunk = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64)
+    for t, s in enumerate(token_slots.tolist()):
+        if s >= 0:
+            a_s, b_s = a[s, :rank].double(), b[s, :, :rank].double()
+            shrunk[t, :rank] = x[t].double() @ a_s.T
+            delta = x[t].double() @ a_s.T @ b_s.T * float(scales[s])
+            out[t, out_offset : out_offset + b.shape[1]] += delta
+    return shrunk, out
+
+
+def assert_close(actual, expected, dtype):
+    torch.testing.assert_close(actual.double(), expected.double(), **TOLERANCE[dtype])
+
+
+def assert_untouched(y_after, y_before, token_slots, out_offset: int):
+    """Rows without an adapter, and columns outside the projection's slice, keep their bits."""
+    base_rows = token_slots < 0
+    assert torch.equal(y_after[base_rows], y_before[base_rows])
+    cols = torch.ones(y_after.shape[1], dtype=torch.bool)
+    cols[out_offset : out_offset + OUT_FEATURES] = False
+    assert torch.equal(y_after[:, cols], y_before[:, cols])
+
+
+# --- the references against the per-token loop -----------------------------------------
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize(("rank", "max_rank"), RANKS)
+def test_references_match_a_per_token_loop(pattern, rank, max_rank):
+    batch = make_batch(pattern, decode=False)
+    a, b, scales = make_stacks(rank, max_rank)
+    x, y = make_inputs(batch.num_tokens, extra_cols=9)
+    slots = batch.token_slots
+    want_h, want_y = loop_lora(y, x, a, b, scales, slots, rank=rank, out_offset=5)
+
+    h = ref.bgmv_shrink(x, a, slots)
+    y_bgmv = y.clone()
+    ref.bgmv_expand(y_bgmv, h, b, slots, scales, out_offset=5)
+    h_sgmv = ref.sgmv_shrink(x, a, batch.seg_starts, batch.seg_slots)
+    y_sgmv = y.clone()
+    ref.sgmv_expand(y_sgmv, h_sgmv, b, batch.seg_starts, batch.seg_slots, scales, out_offset=5)
+
+    for got_h, got_y in ((h, y_bgmv), (h_sgmv, y_sgmv)):
+        assert_close(got_h, want_h, torch.float32)
+        assert_close(got_y, want_y, torch.float32)
+        assert_untouched(got_y, y, slots, out_offset=5)
+
+
+def test_reference_keeps_half_precision_dtypes():
+    a, b, scales = make_stacks(8, 16, dtype=torch.bfloat16)
+    x, y = make_inputs(3, dtype=torch.bfloat16)
+    slots = torch.tensor([0, -1, 2])
+    h = ref.bgmv_shrink(x, a, slots)
+    assert h.dtype == torch.bfloat16 and h.shape == (3, 16)
+    assert torch.equal(h[1], torch.zeros(16, dtype=torch.bfloat16))
+    _, want = loop_lora(y, x, a, b, scales, slots, rank=8)
+    ref.bgmv_expand(y, h, b, slots, scales)
+    assert y.dtype == torch.bfloat16
+    assert_close(y, want, torch.bfloat16)
+
+
+# --- Triton kernels (interpreter) against the references --------------------------------
+
+
+def run_triton(kind: str, batch: Batch, x, y, a, b, scales, *, out_offset: int):
+    """The Triton pair on DEVICE; y is updated in place and the shrink output returned."""
+    x_d, y_d, a_d, b_d, scales_d = (t.to(DEVICE) for t in (x, y, a, b, scales))
+    if kind == "bgmv":
+        slots = batch.token_slots.to(DEVICE)
+        h = tri.bgmv_shrink(x_d, a_d, slots)
+        tri.bgmv_expand(y_d, h, b_d, slots, scales_d, out_offset=out_offset)
+    else:
+        starts, slots = batch.seg_starts.to(DEVICE), batch.seg_slots.to(DEVICE)
+        longest = max(batch.seq_lens)
+        h = tri.sgmv_shrink(x_d, a_d, starts, slots, max_seg_len=longest)
+        tri.sgmv_expand(
+            y_d, h, b_d, starts, slots, scales_d, out_offset=out_offset, max_seg_len=longest
+        )
+    y.copy_(y_d)
+    return h.cpu()
+
+
+def run_reference(batch: Batch, x, y, a, b, scales, *, out_offset: int):
+    h = ref.bgmv_shrink(x, a, batch.token_slots)
+    ref.bgmv_expand(y, h, b, batch.token_slots, scales, out_offset=out_offset)
+    return h
+
+
+def check_triton(kind, pattern, rank, max_rank, dtype, num_tokens):
+    batch = make_batch(pattern, num_tokens=num_tokens, decode=kind == "bgmv")
+    a, b, scales = make_stacks(rank, max_rank, dtype=dtype)
+    x, y = make_inputs(num_tokens, dtype=dtype, extra_cols=7)
+    y_ref, y_tri = y.clone(), y.clone()
+    h_ref = run_reference(batch, x, y_ref, a, b, scales, out_offset=3)
+    h_tri = run_triton(kind, batch, x, y_tri, a, b, scales, out_offset=3)
+    assert h_tri.dtype == dtype and y_tri.dtype == dtype
+    assert_close(h_tri, h_ref, dtype)
+    assert_close(y_tri, y_ref, dtype)
+    assert_untouched(y_tri, y, batch.token_slots, out_offset=3)
+
+
+@triton_here
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize(("rank", "max_rank"), RANKS)
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
+def test_triton_matches_reference(kind, pattern, rank, max_rank, dtype):
+    check_triton(kind, pattern, rank, max_rank, dtype, num_tokens=17)
+
+
+@triton_here
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
+def test_triton_odd_small_batches(kind, num_tokens, dtype):
+    check_triton(kind, "uniform", 8, 16, dtype, num_tokens)
+
+
+@triton_here
+def test_triton_sgmv_skips_empty_and_adapterless_segments():
+    batch = Batch(seq_lens=[0, 5, 0, 0, 3, 1, 0, 8, 0], seq_slots=[1, 2, 0, -1, -1, 3, 2, 0, 3])
+    a, b, scales = make_stacks(16, 16)
+    x, y = make_inputs(batch.num_tokens, extra_cols=4)
+    _, want = loop_lora(y, x, a, b, scales, batch.token_slots, rank=16, out_offset=4)
+    starts, slots = batch.seg_starts, batch.seg_slots
+    got = y.clone()
+    h = ref.sgmv_shrink(x, a, starts, slots)
+    assert torch.equal(h[5:8], torch.zeros(3, 16))  # the adapterless segment
+    ref.sgmv_expand(got, h, b, starts, slots, scales, out_offset=4)
+    assert_close(got, want, torch.float32)
+    assert_untouched(got, y, batch.token_slots, out_offset=4)
+
+    x_d, y_d, a_d, b_d = x.to(DEVICE), y.to(DEVICE), a.to(DEVICE), b.to(DEVICE)
+    starts, slots = starts.to(DEVICE), slots.to(DEVICE)
+    h = tri.sgmv_shrink(x_d, a_d, starts, slots)  # no max_seg_len: the op finds it
+    assert torch.equal(h[5:8].cpu(), torch.zeros(3, 16))
+    tri.sgmv_expand(y_d, h, b_d, starts, slots, scales.to(DEVICE), out_offset=4)
+    assert_close(y_d.cpu(), want, torch.float32)
+    assert_untouched(y_d.cpu(), y, batch.token_slots, out_offset=4)
+
+
+@triton_here
+def test_triton_accepts_strided_inputs():
+    batch = make_batch("uniform", num_tokens=5, decode=True)
+    a, b, scales = make_stacks(8, 16)
+    x_wide, y = make_inputs(5)
+    x = torch.stack([x_wide, -x_wide], dim=2).flatten(1)[:, ::2]  # same values, column stride 2
+    assert not x.is_contiguous() and torch.equal(x, x_wide)
+    want, got = y.clone(), y.clone()
+    run_reference(batch, x_wide, want, a, b, scales, out_offset=0)
+    run_triton("bgmv", batch, x, got, a, b, scales, out_offset=0)
+    assert_close(got, want, torch.float32)
+
+
+@triton_here
+@pytest.mark.skipif(CUDA, reason="compiled kernels on this machine")
+def test_triton_runs_in_the_interpreter_without_cuda():
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    assert type(tri._sgmv_expand_kernel).__name__ == "InterpretedFunction"
+
+
+@pytest.mark.skipif(TRITON_HERE, reason="the test_triton_* tests ran in this process")
+def test_kernels_in_a_fresh_process():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_triton_"]
+    done = subprocess.run(
+        [*cmd, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
+
+
+# --- CPU torch paths and the dispatch ----------------------------------------------------
+
+# (activations, adapter stacks): the CPU dispatch accepts fp32 stacks for a bf16 model too.
+MODEL_AND_STACK_DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+]
+DTYPES_CPU = [  # (activations, stacks, compute)
+    (torch.float32, torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32, torch.bfloat16),
+]
+
+
+def cpu_candidates(mapping: LoraMapping):
+    plan = mapping.cpu
+    return {
+        "segments": lambda *args, **kw: ref.lora_segments(*args, plan.segments, **kw),
+        "gathered": lambda *args, **kw: ref.lora_gathered(*args, plan.rows, plan.row_slots, **kw),
+        "grouped": lambda *args, **kw: ref.lora_grouped(*args, plan.order, plan.groups, **kw),
+        "one_hot": lambda *args, **kw: ref.lora_one_hot(*args, plan.active, plan.one_hot, **kw),
+    }
+
+
+@pytest.mark.parametrize(("dtype", "stacks", "compute"), DTYPES_CPU)
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("candidate", ["segments", "gathered", "grouped", "one_hot"])
+def test_cpu_paths_match_reference(candidate, pattern, dtype, stacks, compute):
+    batch = make_batch(pattern, decode=False)
+    a, b, scales = make_stacks(8, 16, dtype=stacks)
+    x, y = make_inputs(batch.num_tokens, dtype=dtype, extra_cols=6)
+    want = y.clone()
+    run_reference(batch, x, want, a, b, scales, out_offset=2)
+    got = y.clone()
+    fn = cpu_candidates(LoraMapping.build(batch.token_slots))[candidate]
+    fn(got, x, a, b, scales, out_offset=2, compute_dtype=compute)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype)
+    assert_untouched(got, y, batch.token_slots, out_offset=2)
+
+
+@pytest.mark.parametrize(("dtype", "stacks"), MODEL_AND_STACK_DTYPES)
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize(
+    ("num_tokens", "decode"),
+    [(1, True), (3, True), (17, True), (17, False), (100, False), (300, False)],
+)
+def test_add_lora_on_cpu_matches_reference(num_tokens, decode, pattern, dtype, stacks):
+    """Covers every branch of the CPU dispatch (runs, one-hot, gathered, long runs, grouped)."""
+    batch = make_batch(pattern, num_tokens=num_tokens, decode=decode)
+    a, b, scales = make_stacks(16, 16, dtype=stacks)
+    x, y = make_inputs(num_tokens, dtype=dtype, extra_cols=5)
+    want, got = y.clone(), y.clone()
+    run_reference(batch, x, want, a, b, scales, out_offset=5)
+    add_lora(got, x, a, b, scales, LoraMapping.build(batch.token_slots), out_offset=5)
+    assert_close(got, want, dtype)
+    assert_untouched(got, y, batch.token_slots, out_offset=5)
+
+
+@pytest.mark.parametrize(("dtype", "stacks"), MODEL_AND_STACK_DTYPES)
+@pytest.mark.parametrize(
+    "token_slots",
+    [
+        [0, 1, 0, 2, 3],  # nearly one token per adapter, not contiguous: gathered
+        [3, -1, 1, 3, 2, -1],
+        [0] * 16 + [1] * 16 + [0] * 16 + [2] * 16,  # long runs, an adapter twice
+        [2] * 40 + [-1] * 5 + [2] * 40,  # one adapter around base rows
+    ],
+    ids=["mostly-distinct", "distinct-with-base", "long-runs", "split-run"],
+)
+def test_add_lora_on_cpu_scripted_mixes(token_slots, dtype, stacks):
+    slots = torch.tensor(token_slots)
+    a, b, scales = make_stacks(8, 16, dtype=stacks)
+    x, y = make_inputs(len(token_slots), dtype=dtype)
+    _, want = loop_lora(y, x, a, b, scales, slots, rank=8)
+    got = y.clone()
+    add_lora(got, x, a, b, scales, LoraMapping.build(token_slots))
+    assert_close(got, want, dtype)
+    assert_untouched(got, y, slots, out_offset=0)
+
+
+def test_add_lora_without_adapters_is_a_no_op():
+    a, b, scales = make_stacks(8, 8)
+    x, y = make_inputs(4)
+    got = y.clone()
+    add_lora(got, x, a, b, scales, LoraMapping.build([-1, -1, -1, -1]))
+    assert torch.equal(got, y)
+
+
+def test_mapping_describes_runs_groups_and_flags():
+    m = LoraMapping.build([2, 2, -1, 0, 0, 0, 2, -1, 1], all_decode=False)
+    assert m.token_slots.tolist() == [2, 2, -1, 0, 0, 0, 2, -1, 1]
+    assert m.seg_starts.tolist() == [0, 2, 3, 6, 7, 8, 9]
+    assert m.seg_slots.tolist() == [2, -1, 0, 2, -1, 1]
+    assert (m.max_seg_len, m.any_lora, m.all_decode, m.num_tokens) == (3, True, False, 9)
+    plan = m.cpu
+    assert plan.segments == [(0, 2, 2), (3, 6, 0), (6, 7, 2), (8, 9, 1)]
+    assert plan.groups == [(0, 3), (1, 1), (2, 3)]
+    assert plan.order.tolist() == [3, 4, 5, 8, 0, 1, 6]
+    assert plan.rows.tolist() == [0, 1, 3, 4, 5, 6, 8]
+    assert plan.row_slots.tolist() == [2, 2, 0, 0, 0, 2, 1]
+    assert plan.active.tolist() == [0, 1, 2]
+    assert plan.one_hot.sum(1).tolist() == [1, 1, 0, 1, 1, 1, 1, 0, 1]
+
+
+def test_mapping_of_an_empty_or_adapterless_batch():
+    empty = LoraMapping.build([])
+    assert (empty.num_tokens, empty.seg_starts.tolist(), empty.any_lora) == (0, [0], False)
+    base = LoraMapping.build([-1, -1], all_decode=True)
+    assert (base.any_lora, base.all_decode, base.cpu.segments) == (False, True, [])
+
+
+def check_shape_errors(module):
+    a, b, scales = make_stacks(8, 8)
+    x, y = make_inputs(3)
+    slots = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="does not match"):
+        module.bgmv_shrink(x[:, :10], a, slots)
+    with pytest.raises(ValueError, match="outside y"):
+        module.bgmv_expand(y, torch.zeros(3, 8), b, slots, scales, out_offset=1)
+    with pytest.raises(ValueError, match="differ in tokens"):
+        module.sgmv_expand(y[:2], torch.zeros(3, 8), b, torch.tensor([0, 3]), slots[:1], scales)
+
+
+def test_reference_shape_mismatches_raise():
+    check_shape_errors(ref)
+
+
+def test_triton_shape_mismatches_raise():
+    check_shape_errors(tri)  # checked before any launch: needs no interpreter
+
+
+def test_cpu_dispatch_never_imports_triton():
+    code = (
+        "import sys, torch\n"
+        "from kernels.lora import LoraMapping, add_lora\n"
+        "y = torch.zeros(2, 4)\n"
+        "add_lora(y, torch.ones(2, 3), torch.ones(1, 2, 3), torch.ones(1, 4, 2), torch.ones(1),\n"
+        "         LoraMapping.build([0, -1]))\n"
+        "assert y[0].tolist() == [6.0] * 4 and y[1].tolist() == [0.0] * 4, y\n"
+        "assert 'triton' not in sys.modules and 'kernels.lora_triton' not in sys.modules\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=120)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("all_decode", [True, False])
+def test_add_lora_on_cuda_matches_reference(all_decode, dtype):
+    batch = make_batch("with_base", num_tokens=40, decode=all_decode)
+    a, b, scales = make_stacks(16, 16, dtype=dtype)
+    x, y = make_inputs(batch.num_tokens, dtype=dtype, extra_cols=8)
+    want = y.clone()
+    run_reference(batch, x, want, a, b, scales, out_offset=8)
+    got = y.cuda()
+    mapping = LoraMapping.build(batch.token_slots, device="cuda", all_decode=all_decode)
+    add_lora(got, x.cuda(), a.cuda(), b.cuda(), scales.cuda(), mapping, out_offset=8)
+    assert_close(got.cpu(), want, dtype)
+    assert_untouched(got.cpu(), y, batch.token_slots, out_offset=8)
