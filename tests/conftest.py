@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton kernels run on CPU under the interpreter, which must be chosen before any
+# @triton.jit runs; peft imports triton early (through torch's compiler), so set it here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -99,8 +99,7 @@ class LlamaModel:
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
             qkv = layer.qkv(x)
             if adapters is not None:
-                adapters.add(qkv, x, ("q_proj", 0), ("k_proj", self.q_size))
-                adapters.add(qkv, x, ("v_proj", self.q_size + self.kv_size))
+                adapters.add(qkv, x, "qkv")
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # q and k rotate together: [num_tokens, heads + kv_heads, head_dim]
             qk = apply_rope(qk.view(num_tokens, -1, c.head_dim), cos, sin)
@@ -111,16 +110,16 @@ class LlamaModel:
             attn = attn.view(num_tokens, self.q_size)
             hidden = layer.o.add_to(attn, hidden)
             if adapters is not None:
-                adapters.add(hidden, attn, ("o_proj", 0))
+                adapters.add(hidden, attn, "o")
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate_up = layer.gate_up(x)
             if adapters is not None:
-                adapters.add(gate_up, x, ("gate_proj", 0), ("up_proj", c.intermediate_size))
+                adapters.add(gate_up, x, "gate_up")
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
             hidden = layer.down.add_to(act, hidden)
             if adapters is not None:
-                adapters.add(hidden, act, ("down_proj", 0))
+                adapters.add(hidden, act, "down")
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -138,11 +137,11 @@ class _LayerLora:
         self.mapping = lora.mapping
         self.stacks = lora.stacks[layer]
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, *targets: tuple[str, int]) -> None:
-        """``y[:, offset:offset + out] += LoRA_module(x)`` for each (module, offset)."""
-        for module, offset in targets:
-            s = self.stacks[module]
-            add_lora(y, x, s.a, s.b, s.scales, self.mapping, out_offset=offset)
+    def add(self, y: torch.Tensor, x: torch.Tensor, group: str) -> None:
+        """``y += LoRA_group(x)``: y is the group's fused projection output."""
+        s = self.stacks[group]
+        if s.used:
+            add_lora(y, x, s.a, s.b, s.scales, self.mapping)
 
 
 def load_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

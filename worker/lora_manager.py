@@ -6,6 +6,12 @@ mixes adapters (and requests with none) runs one batched LoRA op per projection.
 whose adapter lacks a projection or a layer holds zeros there, which adds nothing.
 Adapters of running requests are never evicted: the scheduler admits at most
 ``max_loras`` distinct adapters, and only slots outside the step's set are reused.
+
+Projections that share an input are fused into one LoRA group (q/k/v, gate/up): their A
+matrices stack along the rank and their B matrices form a block diagonal, with each
+module's scaling folded into its B block. On CPU each LoRA call has a fixed cost of tens of
+microseconds (bench/lora_ops.py), so four calls per layer instead of seven matter more than
+the zeros the block diagonal multiplies.
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from adapters.base_model import PROJECTIONS, BaseModelSpec
+from adapters.base_model import BaseModelSpec
 from adapters.lora import LoraAdapter
 from adapters.peft_format import load_adapter_dir
 from kernels.lora import LoraMapping
@@ -28,13 +35,27 @@ class UnknownAdapterError(InvalidRequestError):
     """A request named an adapter that is not loaded."""
 
 
+# LoRA groups of a layer: projections sharing one input, in their fused output order.
+LORA_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
 @dataclass(slots=True)
 class SlotStack:
-    """One projection of one layer, across all slots."""
+    """One LoRA group of one layer, across all slots.
 
-    a: torch.Tensor  # [max_loras, max_rank, in_features]
-    b: torch.Tensor  # [max_loras, out_features, max_rank]
-    scales: torch.Tensor  # [max_loras] float32
+    Module ``m`` (the m-th of the group) owns A rows and B columns ``m*R .. m*R + r`` and
+    B rows at its offset in the group's fused output; scaling is folded into B.
+    """
+
+    a: torch.Tensor  # [max_loras, modules * max_rank, in_features]
+    b: torch.Tensor  # [max_loras, fused_out_features, modules * max_rank]
+    scales: torch.Tensor  # [max_loras] float32, 1.0 for every filled slot
+    used: bool = False  # some adapter ever targeted this group (else skip the call)
 
 
 @dataclass(slots=True)
@@ -42,7 +63,7 @@ class LoraBatch:
     """What the model needs to apply LoRA in one step."""
 
     mapping: LoraMapping
-    stacks: list[dict[str, SlotStack]]  # per layer, by projection name
+    stacks: list[dict[str, SlotStack]]  # per layer, by LoRA group (LORA_GROUPS)
 
 
 class LoraManager:
@@ -124,18 +145,23 @@ class LoraManager:
 
     def _fill_slot(self, slot: int, adapter: LoraAdapter) -> None:
         assert self._stacks is not None
+        rank = self.max_lora_rank
         for layer, stacks in enumerate(self._stacks):
-            for module, stack in stacks.items():
+            for group, stack in stacks.items():
                 stack.a[slot].zero_()
                 stack.b[slot].zero_()
-                stack.scales[slot] = 0.0
-                weights = adapter.weights.get((layer, module))
-                if weights is None:
-                    continue
-                rank = weights.rank
-                stack.a[slot, :rank].copy_(torch.from_numpy(weights.a.copy()))
-                stack.b[slot, :, :rank].copy_(torch.from_numpy(weights.b.copy()))
-                stack.scales[slot] = weights.scaling
+                stack.scales[slot] = 1.0
+                row = 0
+                for m, module in enumerate(LORA_GROUPS[group]):
+                    out_features = self.spec.projection_shape(module)[1]
+                    weights = adapter.weights.get((layer, module))
+                    if weights is not None:
+                        r, cols = weights.rank, slice(m * rank, m * rank + weights.rank)
+                        stack.a[slot, cols].copy_(torch.from_numpy(weights.a.copy()))
+                        scaled_b = torch.from_numpy(weights.b * np.float32(weights.scaling))
+                        stack.b[slot, row : row + out_features, cols].copy_(scaled_b[:, :r])
+                        stack.used = True
+                    row += out_features
         self.slots[slot] = adapter.id
         self.num_slot_loads += 1
 
@@ -175,11 +201,13 @@ class LoraManager:
         stacks = []
         for _ in range(self.spec.num_layers):
             layer = {}
-            for module in PROJECTIONS:
-                in_features, out_features = self.spec.projection_shape(module)
-                layer[module] = SlotStack(
-                    a=torch.zeros(slots, rank, in_features, dtype=self.dtype),
-                    b=torch.zeros(slots, out_features, rank, dtype=self.dtype),
+            for group, modules in LORA_GROUPS.items():
+                in_features = self.spec.projection_shape(modules[0])[0]
+                out_features = sum(self.spec.projection_shape(m)[1] for m in modules)
+                width = rank * len(modules)
+                layer[group] = SlotStack(
+                    a=torch.zeros(slots, width, in_features, dtype=self.dtype),
+                    b=torch.zeros(slots, out_features, width, dtype=self.dtype),
                     scales=torch.zeros(slots, dtype=torch.float32),
                 )
             stacks.append(layer)
