@@ -154,3 +154,40 @@ def test_unknown_adapter_is_refused_and_unload_forgets_the_name(base, adapter_di
     with pytest.raises(UnknownAdapterError, match="'only' is not loaded"):
         llm.generate([[5, 6, 7]], greedy(), adapters=["only"])
     assert not llm.engine.has_unfinished_requests
+
+
+@pytest.mark.slow
+def test_default_model_mixed_adapters_match_peft(default_model_path, tmp_path):
+    """The real default model with three adapters and the base model in one batch (fp32)."""
+    specs = {
+        "attn": {"rank": 8, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "mlp": {"rank": 16, "targets": ["gate_proj", "up_proj", "down_proj"]},
+        "all": {"rank": 4, "targets": ALL},
+    }
+    dirs = {
+        name: make_peft_adapter(default_model_path, tmp_path / name, seed=i, **spec)
+        for i, (name, spec) in enumerate(specs.items())
+    }
+    prompts = random_prompts(4, min_len=6, max_len=12, vocab=49152, seed=3)
+    assignment = [None, "attn", "mlp", "all"]
+    llm = LLM(default_model_path, dtype="float32", max_loras=3)
+    for name, path in dirs.items():
+        llm.load_adapter(name, path)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate(prompts, params, adapters=assignment)
+
+    hf = load_hf_model(default_model_path)
+    hf.generation_config.eos_token_id = None
+    model = PeftModel.from_pretrained(hf, dirs["attn"], adapter_name="attn")
+    for name in ("mlp", "all"):
+        model.load_adapter(dirs[name], adapter_name=name)
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    for prompt, adapter, out in zip(prompts, assignment, outputs, strict=True):
+        ids = torch.tensor([prompt])
+        if adapter is None:
+            with model.disable_adapter():
+                expected = model.generate(input_ids=ids, generation_config=config)
+        else:
+            model.set_adapter(adapter)
+            expected = model.generate(input_ids=ids, generation_config=config)
+        assert out.token_ids == expected[0, len(prompt) :].tolist(), adapter
