@@ -298,7 +298,13 @@ def test_saved_checkpoint_reproduces_gguf_logits(
     with torch.no_grad():
         expected = reference(prompt_ids).logits  # [1, num_tokens, vocab]
         actual = saved_model(prompt_ids).logits
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    # Our own dequantized copy must match exactly. transformers' GGUF loader (with
+    # accelerate) was seen to differ by up to 1.1e-2 in logits of magnitude ~20 in some full
+    # suite runs and not in others; a wrong tensor mapping or transpose is off by whole units.
+    exact = load_reference is default_model.load_gguf_model
+    tolerance = 1e-5 if exact else 2e-2
+    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
+    assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() > 0.95
 
 
 @pytest.mark.slow
