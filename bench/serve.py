@@ -1,0 +1,202 @@
+"""Serving latency and throughput: through the gateway vs straight to the worker's gRPC.
+
+Starts its own stack (embedded or local Redis, one worker, the gateway) on free ports.
+Load A: N streaming requests at once (token-id prompts, ignore_eos), first through the
+gateway's OpenAI API (/v1/completions, SSE), then the same requests directly over the
+worker's gRPC Generate, in the same run: output tok/s, TTFT and inter-token latency
+p50/p99; the TTFT difference is what the gateway adds. Load B (admission and routing):
+``max_tokens=1`` requests from C concurrent clients for D seconds against a stack whose
+worker runs a 1-layer model (so the worker is not the bottleneck): authenticated requests/s.
+Usage: ``python -m bench.serve [--requests 64] [--out bench/results/serve.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench.workloads import fixed_lengths
+from switchboard.embedded_redis import free_port
+from switchboard.stack import Stack
+
+
+@dataclass
+class Timing:
+    ttft: float
+    itls: list[float]
+    tokens: int
+
+
+@dataclass
+class LoadResult:
+    name: str
+    requests: int
+    output_tok_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+
+
+async def via_gateway(client: httpx.AsyncClient, body: dict) -> Timing:
+    start = time.monotonic()
+    stamps = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    stamps.append(time.monotonic())
+    return Timing(stamps[0] - start, list(np.diff(stamps)), len(stamps))
+
+
+async def via_grpc(stub, request) -> Timing:
+    start = time.monotonic()
+    stamps = []
+    async for response in stub.Generate(request):
+        stamps.extend([time.monotonic()] * max(1, len(response.token_ids)))
+    return Timing(stamps[0] - start, list(np.diff(stamps)), len(stamps))
+
+
+def summarize(name: str, timings: list[Timing], elapsed: float) -> LoadResult:
+    ttft = [t.ttft * 1e3 for t in timings]
+    itl = [x * 1e3 for t in timings for x in t.itls]
+    return LoadResult(
+        name=name,
+        requests=len(timings),
+        output_tok_per_s=sum(t.tokens for t in timings) / elapsed,
+        ttft_p50_ms=float(np.percentile(ttft, 50)),
+        ttft_p99_ms=float(np.percentile(ttft, 99)),
+        itl_p50_ms=float(np.percentile(itl, 50)),
+        itl_p99_ms=float(np.percentile(itl, 99)),
+    )
+
+
+async def load_a(stack: Stack, key: str, model: str, num: int, vocab: int) -> list[LoadResult]:
+    from rpc import worker_pb2, worker_pb2_grpc
+
+    requests = fixed_lengths(num, prompt_len=128, output_len=128, vocab=vocab, seed=3)
+    headers = {"Authorization": f"Bearer {key}"}
+    limits = httpx.Limits(max_connections=num + 8)
+    async with httpx.AsyncClient(
+        base_url=stack.base_url, headers=headers, timeout=600, limits=limits
+    ) as client:
+        bodies = [
+            {"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len,
+             "temperature": 0, "ignore_eos": True, "stream": True}
+            for r in requests
+        ]  # fmt: skip
+        await via_gateway(client, {**bodies[0], "max_tokens": 4})  # warm-up
+        start = time.monotonic()
+        gateway = await asyncio.gather(*(via_gateway(client, b) for b in bodies))
+        gateway_result = summarize("gateway (OpenAI SSE)", gateway, time.monotonic() - start)
+    import grpc
+
+    port = next(iter(stack.worker_ports.values()))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        messages = [
+            worker_pb2.GenerateRequest(
+                request_id=f"direct-{i}",
+                prompt_token_ids=r.prompt_token_ids,
+                params=worker_pb2.SamplingParams(
+                    max_tokens=r.output_len, temperature=0, ignore_eos=True, n=1
+                ),
+            )
+            for i, r in enumerate(requests)
+        ]
+        start = time.monotonic()
+        direct = await asyncio.gather(*(via_grpc(stub, m) for m in messages))
+        direct_result = summarize("worker gRPC direct", direct, time.monotonic() - start)
+    return [gateway_result, direct_result]
+
+
+async def load_b(stack: Stack, key: str, model: str, concurrency: int, seconds: float) -> dict:
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"model": model, "prompt": [100, 200, 300], "max_tokens": 1}
+    done = 0
+    errors = 0
+    deadline = time.monotonic() + seconds
+    limits = httpx.Limits(max_connections=concurrency + 8)
+    async with httpx.AsyncClient(
+        base_url=stack.base_url, headers=headers, timeout=60, limits=limits
+    ) as client:
+
+        async def client_loop() -> None:
+            nonlocal done, errors
+            while time.monotonic() < deadline:
+                response = await client.post("/v1/completions", json=body)
+                if response.status_code == 200:
+                    done += 1
+                else:
+                    errors += 1
+
+        start = time.monotonic()
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        elapsed = time.monotonic() - start
+    return {"requests_per_s": done / elapsed, "requests": done, "errors": errors,
+            "concurrency": concurrency, "seconds": elapsed}  # fmt: skip
+
+
+def tiny_model(base: Path, out: Path) -> Path:
+    """A 1-layer random model sharing the base model's tokenizer: a worker that is fast."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(base)
+    config.num_hidden_layers, config.hidden_size, config.intermediate_size = 1, 64, 128
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, 32
+    LlamaForCausalLM(config).save_pretrained(out)
+    for f in base.iterdir():
+        if "token" in f.name or f.name.endswith(".jinja"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--out", default="bench/results/serve.json")
+    args = parser.parse_args(argv)
+    from worker.default_model import resolve_model_path
+
+    model_path = resolve_model_path(None)
+    report: dict = {}
+    prefix = f"sbbench:{uuid.uuid4().hex[:8]}:"  # a fresh namespace in a shared Redis
+    with Stack(model=model_path, gateway_port=free_port(), key_prefix=prefix + "a:") as stack:
+        key = stack.create_tenant_key("bench")
+        results = asyncio.run(load_a(stack, key, model_path.name, args.requests, 49152))
+        report["load_a"] = [asdict(r) for r in results]
+        report["gateway_added_ttft_ms"] = {
+            "p50": results[0].ttft_p50_ms - results[1].ttft_p50_ms,
+            "p99": results[0].ttft_p99_ms - results[1].ttft_p99_ms,
+        }
+        print(json.dumps(report, indent=1), flush=True)
+    with tempfile.TemporaryDirectory() as tmp, Stack(
+        model=tiny_model(model_path, Path(tmp) / "tiny"), gateway_port=free_port(),
+        dtype="float32", key_prefix=prefix + "b:",
+    ) as stack:  # fmt: skip
+        key = stack.create_tenant_key("bench")
+        report["load_b"] = asyncio.run(load_b(stack, key, "tiny", args.concurrency, args.seconds))
+        print(json.dumps(report["load_b"]), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
