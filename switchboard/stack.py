@@ -122,8 +122,16 @@ class Stack:
         return response.json()
 
     def create_tenant_key(self, tenant: str) -> str:
-        """Create a tenant and one API key for it; returns the key (shown only once)."""
-        self.admin("POST", "/tenants", json={"name": tenant})
+        """Create the tenant (if new) and one API key for it; returns the key (shown once).
+
+        A tenant left in a persistent Redis by an earlier run is reused, so `make run`
+        works every time.
+        """
+        try:
+            self.admin("POST", "/tenants", json={"name": tenant})
+        except httpx.HTTPStatusError as error:
+            if error.response.status_code != 409:  # 409: it already exists
+                raise
         return self.admin("POST", f"/tenants/{tenant}/keys")["key"]
 
     def stop(self) -> None:

@@ -144,6 +144,8 @@ def test_errors_come_back_in_openai_format(stack, client, tiny_model):
     other = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=other_key, max_retries=0)
     with pytest.raises(openai.NotFoundError):  # acme's adapter does not exist for them
         other.completions.create(model="sql", prompt="x", max_tokens=2)
+    again = stack.create_tenant_key("acme")  # a second `make run` on a persistent Redis
+    assert again.startswith("sk-") and again != other_key
     bad = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
