@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
+from worker.penalties import apply_penalties_
 from worker.sampler import (
     SampledToken,
     Sampler,
     SamplingRow,
     _pick,
-    apply_penalties_,
     filter_logits,
     make_generator,
 )

@@ -26,12 +26,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker.penalties import apply_penalties_
 from worker.sampling_params import SamplingParams
 
 # Below this temperature `logits / T` overflows fp32; such rows are sampled greedily (as vLLM).
@@ -114,38 +114,6 @@ class Sampler:
         if with_logprobs:
             _attach_logprobs(results, logits, with_logprobs, [params[i] for i in with_logprobs])
         return results
-
-
-def apply_penalties_(
-    logits: torch.Tensor,
-    *,
-    prompt_token_ids: Sequence[list[int]],
-    output_token_ids: Sequence[list[int]],
-    repetition_penalty: Sequence[float],
-    presence_penalty: Sequence[float],
-    frequency_penalty: Sequence[float],
-) -> torch.Tensor:
-    """Repetition, then frequency and presence penalties, in place; returns `logits`.
-
-    logits: [n, vocab] contiguous fp32; the other arguments have one entry per row. Only the
-    logits of tokens that occur are touched, so the cost follows the token counts, not vocab.
-    """
-    vocab = logits.shape[1]
-    flat = logits.view(-1)  # [n * vocab]
-    if any(r != 1.0 for r in repetition_penalty):
-        both = [[*p, *o] for p, o in zip(prompt_token_ids, output_token_ids, strict=True)]
-        seen = torch.unique(_flat_positions(both, vocab, logits.device))  # row * vocab + token
-        penalty = torch.tensor(repetition_penalty, device=logits.device)[seen // vocab]
-        values = flat[seen]
-        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
-    if any(f != 0.0 for f in frequency_penalty) or any(p != 0.0 for p in presence_penalty):
-        positions = _flat_positions(output_token_ids, vocab, logits.device)
-        positions, counts = torch.unique(positions, return_counts=True)
-        row = positions // vocab
-        frequency = torch.tensor(frequency_penalty, device=logits.device)[row]
-        presence = torch.tensor(presence_penalty, device=logits.device)[row]
-        flat[positions] -= frequency * counts + presence
-    return logits
 
 
 def filter_logits(
@@ -405,17 +373,6 @@ def _attach_logprobs(
         n = p.logprobs or 0
         results[i].logprob = chosen_logprobs[j]
         results[i].top_logprobs = list(zip(top_ids[j][:n], top_values[j][:n], strict=True))
-
-
-def _flat_positions(
-    token_ids: Sequence[list[int]], vocab: int, device: torch.device
-) -> torch.Tensor:
-    """row * vocab + token for every token of every row: [total]."""
-    lengths = [len(ids) for ids in token_ids]
-    # np.fromiter reads a list of ints ~4x faster than torch.tensor does.
-    tokens = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=sum(lengths))
-    starts = np.repeat(np.arange(len(token_ids), dtype=np.int64) * vocab, lengths)
-    return torch.from_numpy(starts + tokens).to(device)
 
 
 def _take(x: torch.Tensor, indices: list[int]) -> torch.Tensor:
