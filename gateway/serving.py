@@ -63,68 +63,87 @@ async def serve_completion(
     body: CompletionRequest, *, state: GatewayState, caller: Caller, request: Request
 ) -> Response:
     body.check_supported()
-    adapter = await resolve_model(
-        tenants=state.tenants,
-        caller=caller,
-        model=body.model,
-        served_model_name=state.settings.served_model_name,
-    )
+    adapter = await _resolve(body.model, state=state, caller=caller)
     prompt_ids = await completion_prompt_ids(body, tokenizer=state.tokenizer)
-    max_tokens = settle_max_tokens(
-        requested=body.max_tokens,
-        default=COMPLETIONS_DEFAULT_MAX_TOKENS,
-        prompt_len=len(prompt_ids),
-        max_model_len=state.max_model_len,
-    )
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
-    job = new_job(
+    return await _serve(
         body,
-        id_prefix="cmpl",
-        caller=caller,
-        prompt_ids=prompt_ids,
-        params=params,
         adapter=adapter,
-        timeout_s=state.settings.request_timeout_s,
-    )
-    fmt = CompletionFormat(_header(job), state.tokenizer, body.logprobs)
-    return await respond(
-        job, fmt=fmt, stream=body.stream, include_usage=body.include_usage, state=state,
+        prompt_ids=prompt_ids,
+        requested_max_tokens=body.max_tokens,
+        default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
+        logprobs=body.logprobs,
+        id_prefix="cmpl",
+        make_format=lambda job: CompletionFormat(_header(job), state.tokenizer, body.logprobs),
+        state=state,
+        caller=caller,
         request=request,
-    )  # fmt: skip
+    )
 
 
 async def serve_chat(
     body: ChatCompletionRequest, *, state: GatewayState, caller: Caller, request: Request
 ) -> Response:
     body.check_supported()
-    adapter = await resolve_model(
+    adapter = await _resolve(body.model, state=state, caller=caller)
+    prompt_ids = await chat_prompt_ids(body, tokenizer=state.tokenizer)
+    return await _serve(
+        body,
+        adapter=adapter,
+        prompt_ids=prompt_ids,
+        requested_max_tokens=body.requested_max_tokens,
+        default_max_tokens=None,  # the whole remaining context: chat answers end at EOS
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        id_prefix="chatcmpl",
+        make_format=lambda job: ChatFormat(_header(job), state.tokenizer, body.logprobs),
+        state=state,
+        caller=caller,
+        request=request,
+    )
+
+
+async def _resolve(model: str, *, state: GatewayState, caller: Caller):
+    return await resolve_model(
         tenants=state.tenants,
         caller=caller,
-        model=body.model,
+        model=model,
         served_model_name=state.settings.served_model_name,
     )
-    prompt_ids = await chat_prompt_ids(body, tokenizer=state.tokenizer)
+
+
+async def _serve(
+    body: CompletionRequest | ChatCompletionRequest,
+    *,
+    adapter,
+    prompt_ids: list[int],
+    requested_max_tokens: int | None,
+    default_max_tokens: int | None,
+    logprobs: int | None,
+    id_prefix: str,
+    make_format,
+    state: GatewayState,
+    caller: Caller,
+    request: Request,
+) -> Response:
+    """What completions and chat share once the prompt is tokens: budget, job, response."""
     max_tokens = settle_max_tokens(
-        requested=body.requested_max_tokens,
-        default=None,  # the whole remaining context: chat answers end at EOS
+        requested=requested_max_tokens,
+        default=default_max_tokens,
         prompt_len=len(prompt_ids),
         max_model_len=state.max_model_len,
     )
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
     job = new_job(
         body,
-        id_prefix="chatcmpl",
+        id_prefix=id_prefix,
         caller=caller,
         prompt_ids=prompt_ids,
         params=params,
         adapter=adapter,
         timeout_s=state.settings.request_timeout_s,
     )
-    fmt = ChatFormat(_header(job), state.tokenizer, body.logprobs)
     return await respond(
-        job, fmt=fmt, stream=body.stream, include_usage=body.include_usage, state=state,
-        request=request,
+        job, fmt=make_format(job), stream=body.stream, include_usage=body.include_usage,
+        state=state, request=request,
     )  # fmt: skip
 
 

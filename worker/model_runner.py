@@ -58,7 +58,8 @@ class ModelRunner:
         """Run one step; returns the sampling sequences and their logits [num_sampling, vocab]."""
         inputs = self.prepare(scheduled)
         lora = None
-        if self.lora_manager is not None:
+        # The per-token adapter list is only built when some sequence uses an adapter.
+        if self.lora_manager is not None and any(s.seq.adapter_id for s in inputs.order):
             token_adapters = [a for s in inputs.order for a in [s.seq.adapter_id] * s.num_tokens]
             lora = self.lora_manager.prepare(
                 token_adapters, all_decode=len(inputs.meta.prefills) == 0
