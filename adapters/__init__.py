@@ -9,6 +9,7 @@ Shared by the gateway (upload) and the worker (load); imports neither torch nor 
     store = FilesystemAdapterStore(root); store.put(adapter); store.get(adapter.id)
 """
 
+from adapters.archive import ArchiveLimits, unpack_adapter_archive
 from adapters.base_model import PROJECTIONS, BaseModelSpec
 from adapters.errors import (
     AdapterError,
@@ -17,6 +18,7 @@ from adapters.errors import (
     IncompatibleAdapterError,
     InvalidAdapterError,
     InvalidAdapterIdError,
+    UnsafeArchiveError,
     UnsupportedAdapterFeatureError,
 )
 from adapters.identity import check_adapter_id, compute_adapter_id, is_adapter_id
@@ -32,6 +34,7 @@ __all__ = [
     "AdapterNotFoundError",
     "AdapterStore",
     "AdapterTooLargeError",
+    "ArchiveLimits",
     "BaseModelSpec",
     "FilesystemAdapterStore",
     "IncompatibleAdapterError",
@@ -39,6 +42,7 @@ __all__ = [
     "InvalidAdapterIdError",
     "LoraAdapter",
     "LoraWeights",
+    "UnsafeArchiveError",
     "UnsupportedAdapterFeatureError",
     "check_adapter_id",
     "compute_adapter_id",
@@ -46,4 +50,5 @@ __all__ = [
     "load_adapter_dir",
     "parse_adapter",
     "parse_adapter_config",
+    "unpack_adapter_archive",
 ]

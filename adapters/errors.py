@@ -31,6 +31,10 @@ class AdapterTooLargeError(AdapterError):
     """The adapter exceeds a deployment limit (`max_lora_rank` or the byte bound)."""
 
 
+class UnsafeArchiveError(AdapterError):
+    """An uploaded archive tried something hostile: traversal, links, devices, pickles."""
+
+
 class InvalidAdapterIdError(AdapterError):
     """An adapter id that is not 64 lowercase hex digits (so it can never name a path)."""
 
