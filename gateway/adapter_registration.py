@@ -1,5 +1,6 @@
-"""Registering a tenant's PEFT adapter: validate it against the base model, store it by
-content id, and record the tenant's name for it in Redis.
+"""A tenant's adapters from the edge: upload (or, for admins, a server-side directory),
+validate against the base model, store by content id, name; and delete, unloading the
+adapter from every worker once no name points at it.
 
 Validation reads and checks every tensor (numpy work), so it runs in a thread, off the event
 loop. Adapter errors propagate as `adapters.AdapterError` and become 400/413 at the edge.
@@ -8,15 +9,27 @@ loop. Adapter errors propagate as `adapters.AdapterError` and become 400/413 at 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
-import time
+import shutil
+import tempfile
 from pathlib import Path
 
-from adapters import BaseModelSpec, FilesystemAdapterStore, load_adapter_dir
+from fastapi import Request
+
+from adapters import ArchiveLimits, load_adapter_dir
+from gateway.adapter_catalog import Removal
 from gateway.errors import InvalidRequestError
-from gateway.tenants import TenantAdapter, TenantStore
+from gateway.state import GatewayState
+from gateway.tenants import TenantAdapter
+from gateway.uploads import receive_adapter_upload
+from gateway.worker_client import unload_adapter
+
+log = logging.getLogger(__name__)
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+# Per worker; a worker that does not answer in time drops the adapter by LRU anyway.
+UNLOAD_TIMEOUT_S = 5.0
 
 
 def check_adapter_name(name: str, *, served_model_name: str) -> str:
@@ -33,44 +46,63 @@ def check_adapter_name(name: str, *, served_model_name: str) -> str:
     return name
 
 
-def _validate_and_store(
-    path: Path,
-    *,
-    base: BaseModelSpec,
-    store: FilesystemAdapterStore,
-    max_lora_rank: int,
-    max_bytes: int,
-) -> tuple[str, Path]:
-    adapter = load_adapter_dir(path, base=base, max_lora_rank=max_lora_rank, max_bytes=max_bytes)
-    adapter_id = store.put(adapter)
-    return adapter_id, store.get(adapter_id)
-
-
-async def register_adapter(
-    *,
-    tenants: TenantStore,
-    tenant: str,
-    name: str,
-    path: str,
-    base: BaseModelSpec,
-    store: FilesystemAdapterStore,
-    served_model_name: str,
-    max_lora_rank: int,
-    max_bytes: int,
+async def register_adapter_dir(
+    *, state: GatewayState, tenant: str, name: str, path: Path
 ) -> TenantAdapter:
     """Validate the adapter directory at `path`, store it, and name it for `tenant`."""
-    await tenants.require_tenant(tenant)
-    check_adapter_name(name, served_model_name=served_model_name)
-    adapter_id, stored = await asyncio.to_thread(
-        _validate_and_store,
-        Path(path),
-        base=base,
-        store=store,
-        max_lora_rank=max_lora_rank,
-        max_bytes=max_bytes,
+    settings = state.settings
+    check_adapter_name(name, served_model_name=settings.served_model_name)
+    await state.catalog.check_name_free(tenant, name)
+    adapter = await asyncio.to_thread(
+        load_adapter_dir,
+        path,
+        base=state.base,
+        max_lora_rank=settings.max_lora_rank,
+        max_bytes=settings.max_adapter_bytes,
     )
-    record = TenantAdapter(
-        name=name, adapter_id=adapter_id, path=str(stored), created_at=int(time.time())
-    )
-    await tenants.add_adapter(tenant, record)
-    return record
+    return await state.catalog.register(tenant, name, adapter)
+
+
+async def upload_adapter(request: Request, *, state: GatewayState, tenant: str) -> TenantAdapter:
+    """Receive a multipart upload into a private staging directory inside the store's volume,
+    register it, and remove the staging directory whatever happened."""
+    settings = state.settings
+    staging = Path(tempfile.mkdtemp(prefix=".upload-", dir=state.adapter_store.root))
+    try:
+        upload = await receive_adapter_upload(
+            request,
+            staging=staging,
+            max_upload_bytes=settings.max_upload_bytes,
+            archive_limits=ArchiveLimits(
+                max_members=settings.max_archive_members,
+                max_member_bytes=settings.max_adapter_bytes,
+                max_total_bytes=settings.max_adapter_bytes + (1 << 20),
+            ),
+        )
+        return await register_adapter_dir(
+            state=state, tenant=tenant, name=upload.name, path=upload.adapter_dir
+        )
+    finally:
+        await asyncio.to_thread(shutil.rmtree, staging, ignore_errors=True)
+
+
+async def delete_adapter(*, state: GatewayState, tenant: str, name: str) -> Removal:
+    """Forget the name at once (new requests get 404); unload from workers if it was the
+    content's last name. Requests already running on a worker finish with their weights."""
+    removal = await state.catalog.remove(tenant, name)
+    if removal.last_reference:
+        workers = await state.workers.workers()
+        await asyncio.gather(
+            *(
+                unload_adapter(
+                    state.channels,
+                    address=w.address,
+                    adapter_id=removal.record.adapter_id,
+                    timeout_s=UNLOAD_TIMEOUT_S,
+                )
+                # Every live worker, not only those whose last heartbeat listed it: one
+                # may have loaded it since.
+                for w in workers
+            )
+        )
+    return removal

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 
-from gateway.adapter_registration import register_adapter
+from gateway.adapter_registration import delete_adapter, register_adapter_dir
 from gateway.deps import State, require_admin
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
@@ -47,17 +48,9 @@ async def revoke_key(key_id: str, state: State) -> dict[str, Any]:
 
 @router.post("/tenants/{tenant}/adapters", status_code=201)
 async def add_adapter(tenant: str, body: NewAdapter, state: State) -> dict[str, Any]:
-    settings = state.settings
-    record = await register_adapter(
-        tenants=state.tenants,
-        tenant=tenant,
-        name=body.name,
-        path=body.path,
-        base=state.base,
-        store=state.adapter_store,
-        served_model_name=settings.served_model_name,
-        max_lora_rank=settings.max_lora_rank,
-        max_bytes=settings.max_adapter_bytes,
+    await state.tenants.require_tenant(tenant)
+    record = await register_adapter_dir(
+        state=state, tenant=tenant, name=body.name, path=Path(body.path)
     )
     return asdict(record)
 
@@ -70,7 +63,7 @@ async def list_adapters(tenant: str, state: State) -> dict[str, Any]:
 
 @router.delete("/tenants/{tenant}/adapters/{name:path}")
 async def remove_adapter(tenant: str, name: str, state: State) -> dict[str, Any]:
-    """Forget the tenant's name for it; the stored content may be shared, so it stays."""
+    """Forget the tenant's name for it; the content goes when no name points at it."""
     await state.tenants.require_tenant(tenant)
-    await state.tenants.remove_adapter(tenant, name)
-    return {"name": name, "deleted": True}
+    removal = await delete_adapter(state=state, tenant=tenant, name=name)
+    return {"name": name, "deleted": True, "content_deleted": removal.last_reference}

@@ -17,7 +17,8 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from adapters import BaseModelSpec, FilesystemAdapterStore
-from gateway import admin_routes, openai_routes
+from gateway import adapter_routes, admin_routes, openai_routes
+from gateway.adapter_catalog import AdapterCatalog
 from gateway.deps import State
 from gateway.errors import install_error_handlers
 from gateway.routing import WorkerDirectory
@@ -53,14 +54,19 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
     )
     client = aioredis.Redis(connection_pool=pool)
     model_names = frozenset({settings.served_model_name, str(settings.model), settings.model.name})
+    tenants = TenantStore(client, prefix=settings.key_prefix)
+    store = FilesystemAdapterStore(settings.adapter_store)
     return GatewayState(
         settings=settings,
         redis=client,
-        tenants=TenantStore(client, prefix=settings.key_prefix),
+        tenants=tenants,
         tokenizer=tokenizer,
         base=BaseModelSpec.from_config_dict(config),
         max_model_len=_context_length(config, settings.max_model_len),
-        adapter_store=FilesystemAdapterStore(settings.adapter_store),
+        adapter_store=store,
+        catalog=AdapterCatalog(
+            redis=client, prefix=settings.key_prefix, tenants=tenants, store=store
+        ),
         workers=WorkerDirectory(
             redis=client,
             prefix=settings.key_prefix,
@@ -90,6 +96,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app = FastAPI(title="Switchboard gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(adapter_routes.router)
     app.include_router(admin_routes.router)
 
     @app.get("/health")

@@ -78,6 +78,12 @@ class ConflictError(GatewayError):
     code = "conflict"
 
 
+class PayloadTooLargeError(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
 class NoWorkerError(GatewayError):
     """No live worker serves the model."""
 

@@ -47,7 +47,6 @@ class Job:
             prompt_token_ids=self.prompt_ids,
             params=self.params,
             adapter_id=self.adapter.adapter_id if self.adapter else "",
-            adapter_path=self.adapter.path if self.adapter else "",
             tenant=self.tenant,
         )
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from switchboard.home import default_model_dir, switchboard_home
+from switchboard.home import default_adapter_store, default_model_dir
 
 # Secrets that appear in docs, examples and muscle memory: never acceptable outside dev mode.
 DEFAULT_SECRETS = frozenset({"", "admin", "changeme", "change-me", "secret", "password", "token"})
@@ -52,9 +52,13 @@ class GatewaySettings(BaseSettings):
     request_timeout_s: float = Field(default=600.0, gt=0)
 
     # Where registered adapters are stored by content id (a volume the workers read too).
-    adapter_store: Path = Field(default_factory=lambda: switchboard_home() / "adapters")
+    adapter_store: Path = Field(default_factory=default_adapter_store)
     max_lora_rank: int = Field(default=64, ge=1)
     max_adapter_bytes: int = Field(default=256 << 20, ge=1)
+    # A whole upload request (multipart body); past it: 413, before or while it streams.
+    max_upload_bytes: int = Field(default=256 << 20, ge=1)
+    # Entries an uploaded archive may hold (READMEs and folders count too).
+    max_archive_members: int = Field(default=32, ge=2)
 
     # Workers heartbeat with this TTL; a record whose heartbeat is older is treated as dead
     # even if its key has not expired yet (a stuck worker still holding its key).

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from adapters import BaseModelSpec, FilesystemAdapterStore
+from gateway.adapter_catalog import AdapterCatalog
 from gateway.routing import WorkerDirectory
 from gateway.settings import GatewaySettings
 from gateway.tenants import TenantStore
@@ -23,6 +24,7 @@ class GatewayState:
     base: BaseModelSpec
     max_model_len: int
     adapter_store: FilesystemAdapterStore
+    catalog: AdapterCatalog
     workers: WorkerDirectory
     channels: WorkerChannels
 

@@ -6,7 +6,7 @@ its sha256: a request's key is hashed and looked up in one GET. Keys (all under 
     tenants                      set of tenant names
     tenant:{name}                hash {name, created_at}
     tenant:{name}:keys           set of key ids
-    tenant:{name}:adapters       hash adapter name -> JSON {name, adapter_id, path, created_at}
+    tenant:{name}:adapters       hash adapter name -> JSON TenantAdapter
     apikey:{sha256 hex}          string: "{key_id} {tenant}"
     keyid:{key_id}               hash {tenant, hash, created_at}
 
@@ -21,7 +21,7 @@ import json
 import re
 import secrets
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 import redis.asyncio as aioredis
 
@@ -58,12 +58,23 @@ class NewKey:
 
 @dataclass(frozen=True, slots=True)
 class TenantAdapter:
-    """A tenant's name for a stored adapter."""
+    """A tenant's name for a stored adapter (workers fetch it from the store by id)."""
 
     name: str
     adapter_id: str
-    path: str
     created_at: int
+    rank: int = 0  # the largest rank of any module
+    target_modules: list[str] = field(default_factory=list)
+    num_bytes: int = 0  # float32 bytes of all A and B (what a worker's host cache holds)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str) -> TenantAdapter:
+        """Fields this version knows; records written by older versions still load."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
 
 
 def hash_key(key: str) -> str:
@@ -80,12 +91,22 @@ def check_tenant_name(name: str) -> str:
     return name
 
 
+# HDEL only if the field still holds the expected value (a compare-and-delete).
+DELETE_IF_EQUAL = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+
 class TenantStore:
     """All tenant state; every method is one or a few Redis round trips."""
 
     def __init__(self, client: aioredis.Redis, *, prefix: str) -> None:
         self.redis = client
         self.prefix = prefix
+        self._delete_if_equal = client.register_script(DELETE_IF_EQUAL)
 
     def _k(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -152,23 +173,22 @@ class TenantStore:
         key_id, tenant = found.split(" ", 1)
         return Caller(tenant=tenant, key_id=key_id)
 
-    async def add_adapter(self, tenant: str, adapter: TenantAdapter) -> None:
-        added = await self.redis.hsetnx(
-            self._k("tenant", tenant, "adapters"), adapter.name, json.dumps(asdict(adapter))
-        )
-        if not added:
-            raise ConflictError(
-                f"tenant {tenant!r} already has an adapter named {adapter.name!r}", param="name"
-            )
+    async def add_adapter(self, tenant: str, adapter: TenantAdapter) -> bool:
+        """Record the name unless the tenant already uses it; False if it does."""
+        key = self._k("tenant", tenant, "adapters")
+        return bool(await self.redis.hsetnx(key, adapter.name, adapter.to_json()))
 
     async def get_adapter(self, tenant: str, name: str) -> TenantAdapter | None:
         raw = await self.redis.hget(self._k("tenant", tenant, "adapters"), name)
-        return TenantAdapter(**json.loads(raw)) if raw is not None else None
+        return TenantAdapter.from_json(raw) if raw is not None else None
 
     async def list_adapters(self, tenant: str) -> list[TenantAdapter]:
         raw = await self.redis.hgetall(self._k("tenant", tenant, "adapters"))
-        return [TenantAdapter(**json.loads(raw[name])) for name in sorted(raw)]
+        return [TenantAdapter.from_json(raw[name]) for name in sorted(raw)]
 
-    async def remove_adapter(self, tenant: str, name: str) -> None:
-        if not await self.redis.hdel(self._k("tenant", tenant, "adapters"), name):
-            raise NotFoundError(f"tenant {tenant!r} has no adapter named {name!r}", param="name")
+    async def remove_adapter_record(self, tenant: str, adapter: TenantAdapter) -> bool:
+        """Delete the name if it still holds exactly `adapter`; False if it changed or went."""
+        removed = await self._delete_if_equal(
+            keys=[self._k("tenant", tenant, "adapters")], args=[adapter.name, adapter.to_json()]
+        )
+        return bool(removed)

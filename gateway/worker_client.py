@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from gateway.errors import (
     WorkerFailedError,
 )
 from rpc import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 # Codes after which another worker may well succeed; the others are the request's own fault
 # (INVALID_ARGUMENT, OUT_OF_RANGE) or final (DEADLINE_EXCEEDED).
@@ -125,3 +128,19 @@ async def start_generate(
         error = WorkerFailedError(f"worker {address} ended the stream without a response")
         raise WorkerStreamError(error, retryable=True)
     return WorkerStream(worker_id=worker_id, address=address, call=call, first=first)
+
+
+async def unload_adapter(
+    channels: WorkerChannels, *, address: str, adapter_id: str, timeout_s: float
+) -> bool:
+    """Ask one worker to drop an adapter; False (logged) if it failed. Not loaded is fine."""
+    request = worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id)
+    try:
+        await channels.stub(address).UnloadAdapter(request, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+        if code == grpc.StatusCode.NOT_FOUND:
+            return True
+        log.warning("unloading adapter %s from %s failed: %s", adapter_id, address, exc)
+        return False
+    return True

@@ -113,6 +113,7 @@ def worker(args: argparse.Namespace) -> int:
     """Serve one engine over gRPC until SIGTERM/SIGINT, then drain (see worker/server.py)."""
     import asyncio
     import logging
+    from pathlib import Path
 
     from worker.server import serve
 
@@ -137,6 +138,7 @@ def worker(args: argparse.Namespace) -> int:
             advertise_host=args.advertise_host,
             drain_timeout=args.drain_timeout,
             engine_kwargs=engine_kwargs,
+            adapter_store=Path(args.adapter_store),
         )
     )
     return 0
@@ -144,6 +146,8 @@ def worker(args: argparse.Namespace) -> int:
 
 def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     import os
+
+    from switchboard.home import default_adapter_store
 
     parser.add_argument("--model", default="default", help="checkpoint directory or 'default'")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -165,6 +169,12 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may finish"
+    )
+    parser.add_argument(
+        "--adapter-store",
+        default=os.environ.get("SWITCHBOARD_ADAPTER_STORE") or str(default_adapter_store()),
+        help="where the gateway stores adapters by content id (default: "
+        "$SWITCHBOARD_ADAPTER_STORE, else $SWITCHBOARD_HOME/adapters)",
     )
 
 

@@ -23,3 +23,8 @@ def switchboard_home() -> Path:
 def default_model_dir(home: Path | None = None) -> Path:
     """The converted default model's checkpoint directory (it may not exist yet)."""
     return (home or switchboard_home()) / "models" / DEFAULT_MODEL_NAME
+
+
+def default_adapter_store(home: Path | None = None) -> Path:
+    """Where the gateway writes adapters by content id and workers read them."""
+    return (home or switchboard_home()) / "adapters"

@@ -138,7 +138,8 @@ async def test_adapters_are_tenant_scoped(admin, gw, tmp_path):
     assert registered.status_code == 201, registered.text
     record = registered.json()
     assert len(record["adapter_id"]) == 64
-    assert record["path"].endswith(record["adapter_id"])
+    assert (gw.settings.adapter_store / record["adapter_id"] / "adapter_config.json").is_file()
+    assert (record["rank"], record["target_modules"]) == (4, ["q_proj", "v_proj"])
     listed = (await admin.get("/admin/tenants/alice/adapters")).json()["data"]
     assert [a["name"] for a in listed] == ["sql"]
 
@@ -166,8 +167,9 @@ async def test_adapters_are_tenant_scoped(admin, gw, tmp_path):
         ].replace("nope", "X")
 
     removed = await admin.delete("/admin/tenants/alice/adapters/sql")
-    assert removed.status_code == 200
+    assert removed.status_code == 200 and removed.json()["content_deleted"] is True
     assert (await admin.get("/admin/tenants/alice/adapters")).json()["data"] == []
+    assert not (gw.settings.adapter_store / record["adapter_id"]).exists()
 
 
 async def test_adapter_registration_errors(admin, tmp_path):

@@ -233,7 +233,8 @@ async def test_adapter_request_carries_the_adapter(stack, tmp_path):
         out = await client.completions.create(model="sql", prompt="SELECT")
     assert out.model == "sql"
     sent = stack.worker.requests[-1]
-    assert (sent.adapter_id, sent.adapter_path) == (record["adapter_id"], record["path"])
+    # By content id only: the worker reads the adapter from the shared store.
+    assert (sent.adapter_id, sent.adapter_path) == (record["adapter_id"], "")
 
 
 async def test_request_errors_in_openai_format(stack):

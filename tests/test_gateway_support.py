@@ -134,6 +134,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     mode: Mode = Mode.OK
     fail_after: int = 2
     requests: list[worker_pb2.GenerateRequest] = field(default_factory=list)
+    unloaded: list[str] = field(default_factory=list)  # adapter ids, in order
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     address: str = ""
     _server: grpc.aio.Server | None = None
@@ -146,6 +147,10 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         except asyncio.CancelledError:
             self.cancelled.set()  # the gateway cancelled the call
             raise
+
+    async def UnloadAdapter(self, request, context):
+        self.unloaded.append(request.adapter_id)
+        return worker_pb2.UnloadAdapterResponse()
 
     async def _script(self, request, context):
         if self.mode is Mode.FAIL_BEFORE_FIRST:

@@ -8,6 +8,7 @@ tokenizer, in fp32 so that greedy choices agree exactly.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 import time
@@ -321,6 +322,37 @@ async def test_generate_loads_an_adapter_from_its_path(stub, offline, adapter_di
     assert joined(messages) == (expected.token_ids, expected.text)
     await stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id))
     assert list((await stub.Stats(worker_pb2.StatsRequest())).adapter_ids) == []
+
+
+async def test_generate_reads_an_adapter_from_the_store_by_content_id(
+    base, offline, adapter_dirs, prompt_ids, tmp_path
+):
+    """What the gateway sends: a content id only; the worker finds it in the shared store,
+    and an id that is not there is NOT_FOUND (so the gateway may retry elsewhere)."""
+    from adapters import FilesystemAdapterStore, load_adapter_dir
+    from adapters.base_model import BaseModelSpec
+
+    store = FilesystemAdapterStore(tmp_path / "store")
+    spec = BaseModelSpec.from_config_dict(json.loads((base / "config.json").read_text()))
+    adapter = load_adapter_dir(adapter_dirs["qv"], base=spec, max_lora_rank=64, max_bytes=1 << 24)
+    adapter_id = store.put(adapter)
+    assert adapter_id == offline.ids["qv"]
+    [expected] = offline.generate(
+        prompt_ids, SamplingParams(temperature=0.0, max_tokens=16), adapters=["qv"]
+    )
+    server = await start_worker(base, adapter_store=store.root)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            messages = await collect(
+                stub, request(prompt_ids, max_tokens=16, adapter_id=adapter_id)
+            )
+            assert joined(messages) == (expected.token_ids, expected.text)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(stub, request(prompt_ids, max_tokens=4, adapter_id="0" * 64))
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await server.shutdown(drain_timeout=2.0)
 
 
 async def test_adapter_errors(stub, offline, adapter_dirs, tmp_path):

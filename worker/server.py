@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from adapters.errors import AdapterError, AdapterNotFoundError
+from adapters.identity import check_adapter_id
 from rpc import worker_pb2, worker_pb2_grpc
 from switchboard import registry
 from worker.async_engine import AsyncEngine, EngineStoppedError, SampleOutput
@@ -109,8 +110,11 @@ def status_for(exc: Exception) -> grpc.StatusCode:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """The ``Worker`` service over an ``AsyncEngine`` (None until the model has loaded)."""
 
-    def __init__(self, *, model_name: str) -> None:
+    def __init__(self, *, model_name: str, adapter_store: Path | None = None) -> None:
         self.model_name = model_name
+        # The store the gateway writes validated adapters to: requests name adapters by
+        # content id, and the worker reads them from here (`adapter_path` overrides it).
+        self.adapter_store = adapter_store
         self.engine: AsyncEngine | None = None
         self.draining = False
         self.on_adapters_changed: Callable[[], None] = lambda: None
@@ -129,18 +133,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # An adapter this call loads should reach the registry now, not at the next beat.
-        loads_adapter = bool(request.adapter_path) and (
+        loads_adapter = bool(request.adapter_id) and (
             request.adapter_id not in engine.stats.adapter_ids
         )
         self._in_flight += 1
         self._idle.clear()
         try:
+            adapter_path = None
+            if loads_adapter:
+                adapter_path = request.adapter_path or self._stored(request.adapter_id)
             samples = engine.generate(
                 request.request_id or uuid.uuid4().hex,
                 list(request.prompt_token_ids),
                 params,
                 adapter_id=request.adapter_id or None,
-                adapter_path=request.adapter_path or None,
+                adapter_path=adapter_path,
                 n=request.params.n or 1,
             )
             async with contextlib.aclosing(samples):
@@ -161,12 +168,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not request.adapter_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "adapter_id is required")
         try:
-            if request.path:
-                await engine.load_adapter(request.adapter_id, request.path)
-            elif request.adapter_id not in engine.stats.adapter_ids:
-                raise UnknownAdapterError(
-                    f"adapter {request.adapter_id!r} is not loaded and no path was given"
-                )
+            if request.adapter_id not in engine.stats.adapter_ids or request.path:
+                path = request.path or self._stored(request.adapter_id)
+                await engine.load_adapter(request.adapter_id, path)
         except Exception as exc:
             await self._abort_with(context, exc)
         self.on_adapters_changed()
@@ -192,6 +196,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             total_kv_blocks=stats.total_kv_blocks,
             adapter_ids=stats.adapter_ids,
         )
+
+    def _stored(self, adapter_id: str) -> Path:
+        """The adapter's directory in the store; AdapterNotFoundError if it is not there."""
+        if self.adapter_store is None:
+            raise UnknownAdapterError(
+                f"adapter {adapter_id!r} is not loaded and this worker has no adapter store"
+            )
+        path = self.adapter_store / check_adapter_id(adapter_id)
+        if not path.is_dir():
+            raise AdapterNotFoundError(f"adapter {adapter_id} is not in the store")
+        return path
 
     async def _engine_or_abort(self, context, *, refuse_while_draining: bool = True):
         if self.engine is None:
@@ -223,6 +238,7 @@ class WorkerServer:
         redis_prefix: str = registry.DEFAULT_PREFIX,
         ttl: float = registry.DEFAULT_TTL_S,
         heartbeat_interval: float = registry.HEARTBEAT_INTERVAL_S,
+        adapter_store: Path | None = None,
     ) -> None:
         self._engine_factory = engine_factory
         self.model_name = model_name
@@ -234,7 +250,7 @@ class WorkerServer:
         self.redis_prefix = redis_prefix
         self.ttl = ttl
         self.heartbeat_interval = heartbeat_interval
-        self.servicer = WorkerServicer(model_name=model_name)
+        self.servicer = WorkerServicer(model_name=model_name, adapter_store=adapter_store)
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server()
         self.engine: AsyncEngine | None = None
@@ -359,6 +375,7 @@ async def serve(
     advertise_host: str | None = None,
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
     engine_kwargs: dict | None = None,
+    adapter_store: Path | None = None,
 ) -> None:
     """Run a worker until SIGTERM or SIGINT, then drain and stop (``switchboard worker``)."""
     from switchboard.home import DEFAULT_MODEL_NAME
@@ -380,6 +397,7 @@ async def serve(
         advertise_host=advertise_host,
         redis=redis,
         redis_prefix=redis_prefix,
+        adapter_store=adapter_store,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

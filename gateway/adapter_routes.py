@@ -1,0 +1,60 @@
+"""Tenants manage their own adapters under /v1/adapters; names are scoped to the tenant.
+
+Another tenant's adapter is answered exactly like one that does not exist (same 404, same
+message), so a tenant can never learn that a name is used elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from gateway.adapter_catalog import adapter_not_found
+from gateway.adapter_registration import delete_adapter, upload_adapter
+from gateway.deps import CurrentTenant, State
+from gateway.tenants import TenantAdapter
+
+router = APIRouter(prefix="/v1/adapters")
+
+
+def adapter_object(record: TenantAdapter, *, base_model: str) -> dict[str, Any]:
+    return {
+        "id": record.name,
+        "object": "adapter",
+        "name": record.name,
+        "adapter_id": record.adapter_id,
+        "base_model": base_model,
+        "created_at": record.created_at,
+        "rank": record.rank,
+        "target_modules": record.target_modules,
+        "num_bytes": record.num_bytes,
+    }
+
+
+@router.post("", status_code=201)
+async def create(request: Request, caller: CurrentTenant, state: State) -> dict[str, Any]:
+    """Multipart: `name` plus a `file` archive, or `adapter_config` and `adapter_model`."""
+    record = await upload_adapter(request, state=state, tenant=caller.tenant)
+    return adapter_object(record, base_model=state.settings.served_model_name)
+
+
+@router.get("")
+async def list_(caller: CurrentTenant, state: State) -> dict[str, Any]:
+    base = state.settings.served_model_name
+    records = await state.tenants.list_adapters(caller.tenant)
+    return {"object": "list", "data": [adapter_object(r, base_model=base) for r in records]}
+
+
+@router.get("/{name:path}")
+async def get(name: str, caller: CurrentTenant, state: State) -> dict[str, Any]:
+    record = await state.tenants.get_adapter(caller.tenant, name)
+    if record is None:
+        raise adapter_not_found(name)
+    return adapter_object(record, base_model=state.settings.served_model_name)
+
+
+@router.delete("/{name:path}")
+async def delete(name: str, caller: CurrentTenant, state: State) -> dict[str, Any]:
+    await delete_adapter(state=state, tenant=caller.tenant, name=name)
+    return {"id": name, "object": "adapter", "deleted": True}
