@@ -3,20 +3,34 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.adapter_registration import delete_adapter, register_adapter_dir
 from gateway.deps import State, require_admin
+from gateway.quotas import Quota
+from gateway.usage import day_range, read_usage
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 
 class NewTenant(BaseModel):
     name: str
+
+
+class QuotaBody(BaseModel):
+    """A tenant's limits; a field left out or null is unlimited."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    max_concurrent_requests: int | None = Field(default=None, ge=1)
+    daily_tokens: int | None = Field(default=None, ge=1)
 
 
 class NewAdapter(BaseModel):
@@ -67,3 +81,37 @@ async def remove_adapter(tenant: str, name: str, state: State) -> dict[str, Any]
     await state.tenants.require_tenant(tenant)
     removal = await delete_adapter(state=state, tenant=tenant, name=name)
     return {"name": name, "deleted": True, "content_deleted": removal.last_reference}
+
+
+@router.put("/tenants/{tenant}/quotas")
+async def set_quotas(tenant: str, body: QuotaBody, state: State) -> dict[str, Any]:
+    """Replace the tenant's limits (they apply to the next admission decision)."""
+    await state.tenants.require_tenant(tenant)
+    await state.quotas.set_quota(tenant, Quota(**body.model_dump()))
+    return {"tenant": tenant, **asdict(await state.quotas.get_quota(tenant))}
+
+
+@router.get("/tenants/{tenant}/quotas")
+async def get_quotas(tenant: str, state: State) -> dict[str, Any]:
+    await state.tenants.require_tenant(tenant)
+    return {"tenant": tenant, **asdict(await state.quotas.get_quota(tenant))}
+
+
+@router.get("/usage")
+async def usage(
+    state: State,
+    start_date: str | None = None,
+    end_date: str | None = None,
+    tenant: str | None = None,
+) -> dict[str, Any]:
+    """Usage across tenants (or one), per tenant, day and model."""
+    if tenant is not None:
+        await state.tenants.require_tenant(tenant)
+        tenants = [tenant]
+    else:
+        tenants = [t.name for t in await state.tenants.list_tenants()]
+    days = day_range(start_date, end_date, today=datetime.now(UTC).date())
+    rows = await read_usage(
+        state.redis, prefix=state.settings.key_prefix, tenants=tenants, days=days
+    )
+    return {"object": "list", "data": rows}

@@ -14,13 +14,15 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import redis.asyncio as aioredis
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from adapters import BaseModelSpec, FilesystemAdapterStore
 from gateway import adapter_routes, admin_routes, openai_routes
 from gateway.adapter_catalog import AdapterCatalog
 from gateway.deps import State
 from gateway.errors import install_error_handlers
+from gateway.quotas import QuotaService
 from gateway.routing import WorkerDirectory
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
@@ -67,6 +69,12 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
         catalog=AdapterCatalog(
             redis=client, prefix=settings.key_prefix, tenants=tenants, store=store
         ),
+        quotas=QuotaService(
+            client,
+            prefix=settings.key_prefix,
+            lease_s=settings.quota_lease_s,
+            fail_open=settings.quota_fail_mode == "open",
+        ),
         workers=WorkerDirectory(
             redis=client,
             prefix=settings.key_prefix,
@@ -103,6 +111,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     async def health() -> dict[str, str]:
         """Liveness: the process serves HTTP."""
         return {"status": "ok"}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        """Prometheus exposition of this process's `switchboard_…` metrics."""
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/ready")
     async def ready(state: State) -> dict[str, str]:

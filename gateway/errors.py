@@ -27,6 +27,7 @@ class GatewayError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    headers: dict[str, str] | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -82,6 +83,19 @@ class PayloadTooLargeError(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class RateLimitError(GatewayError):
+    """A quota refused the request (429), with OpenAI's rate-limit and Retry-After headers.
+    `kind` is OpenAI's error type: "requests", "tokens" or "insufficient_quota"."""
+
+    status = 429
+
+    def __init__(self, message: str, *, kind: str, headers: dict[str, str]) -> None:
+        super().__init__(message)
+        self.type = kind
+        self.code = "insufficient_quota" if kind == "insufficient_quota" else "rate_limit_exceeded"
+        self.headers = headers
 
 
 class NoWorkerError(GatewayError):
@@ -152,7 +166,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _gateway(request: Request, exc: GatewayError) -> JSONResponse:
         if exc.status >= 500:
             log.warning("%s %s: %s", request.method, request.url.path, exc.message)
-        return JSONResponse(gateway_error_body(exc), status_code=exc.status)
+        return JSONResponse(gateway_error_body(exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(AdapterError)
     async def _adapter(request: Request, exc: AdapterError) -> JSONResponse:

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi.sse import format_sse_event
 
@@ -68,6 +69,24 @@ async def open_stream(
     raise error
 
 
+@dataclass(slots=True)
+class Tally:
+    """What a request consumed so far, for quota settlement and usage, whatever its end."""
+
+    started: bool = False  # the worker answered: the prompt was processed
+    completion: dict[int, int] = field(default_factory=dict)  # sample index → tokens
+    cached_tokens: int = 0
+
+    def record(self, message: worker_pb2.GenerateResponse) -> None:
+        self.started = True
+        self.completion[message.index] = message.completion_tokens
+        self.cached_tokens = max(self.cached_tokens, message.cached_tokens)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.completion.values())
+
+
 def _check_not_aborted(message: worker_pb2.GenerateResponse, *, address: str) -> None:
     if message.finish_reason == "abort":
         raise WorkerStreamError(
@@ -76,12 +95,13 @@ def _check_not_aborted(message: worker_pb2.GenerateResponse, *, address: str) ->
 
 
 async def _responses(
-    stream: WorkerStream, *, deadline: float
+    stream: WorkerStream, *, deadline: float, tally: Tally
 ) -> AsyncIterator[worker_pb2.GenerateResponse]:
     """The worker's responses, as GatewayErrors on failure; the call is cancelled on exit."""
     try:
         async with asyncio.timeout(max(_remaining(deadline), 0.0)):
             async for message in stream.responses():
+                tally.record(message)
                 _check_not_aborted(message, address=stream.address)
                 yield message
     except TimeoutError as exc:
@@ -94,16 +114,14 @@ async def _responses(
         stream.cancel()
 
 
-async def collect(stream: WorkerStream, *, job: Job, fmt: OutputFormat) -> dict:
+async def collect(stream: WorkerStream, *, job: Job, fmt: OutputFormat, tally: Tally) -> dict:
     """The whole non-streaming response body."""
     samples = {i: Sample(index=i) for i in range(max(job.params.n, 1))}
-    cached = 0
-    async for message in _responses(stream, deadline=job.deadline):
+    async for message in _responses(stream, deadline=job.deadline, tally=tally):
         sample = samples.setdefault(message.index, Sample(index=message.index))
         sample.text += message.text
         sample.logprobs.extend(message.logprobs)
         sample.completion_tokens = max(sample.completion_tokens, message.completion_tokens)
-        cached = max(cached, message.cached_tokens)
         if message.finish_reason:
             sample.finish_reason = message.finish_reason
             sample.stop_reason = stop_reason_of(message)
@@ -113,7 +131,7 @@ async def collect(stream: WorkerStream, *, job: Job, fmt: OutputFormat) -> dict:
     usage = Usage(
         prompt_tokens=len(job.prompt_ids),
         completion_tokens=sum(s.completion_tokens for s in ordered),
-        cached_tokens=cached,
+        cached_tokens=tally.cached_tokens,
     )
     return fmt.response(ordered, usage)
 
@@ -131,20 +149,16 @@ DONE = sse("[DONE]")
 
 
 async def stream_events(
-    stream: WorkerStream, *, job: Job, fmt: OutputFormat, include_usage: bool
+    stream: WorkerStream, *, job: Job, fmt: OutputFormat, include_usage: bool, tally: Tally
 ) -> AsyncIterator[bytes]:
     """SSE bytes: a chunk per worker delta, the usage chunk if asked, then `[DONE]`.
 
     On failure mid-stream: an error event in OpenAI's format, then `[DONE]`.
     """
     started: set[int] = set()
-    completion: dict[int, int] = {}
     offsets: dict[int, int] = {}
-    cached = 0
     try:
-        async for message in _responses(stream, deadline=job.deadline):
-            completion[message.index] = message.completion_tokens
-            cached = max(cached, message.cached_tokens)
+        async for message in _responses(stream, deadline=job.deadline, tally=tally):
             if not (message.text or message.finish_reason or message.logprobs):
                 continue  # tokens the detokenizer holds back (partial UTF-8, stop prefix)
             first = message.index not in started
@@ -160,8 +174,8 @@ async def stream_events(
         if include_usage:
             usage = Usage(
                 prompt_tokens=len(job.prompt_ids),
-                completion_tokens=sum(completion.values()),
-                cached_tokens=cached,
+                completion_tokens=tally.completion_tokens,
+                cached_tokens=tally.cached_tokens,
             )
             yield sse(json.dumps(fmt.usage_chunk(usage), separators=(",", ":")))
     except GatewayError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -10,6 +11,7 @@ from fastapi.responses import Response
 from gateway.deps import CurrentTenant, State
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.serving import list_models, serve_chat, serve_completion
+from gateway.usage import day_range, read_usage
 
 router = APIRouter(prefix="/v1")
 
@@ -31,3 +33,15 @@ async def chat_completions(
     body: ChatCompletionRequest, caller: CurrentTenant, state: State, request: Request
 ) -> Response:
     return await serve_chat(body, state=state, caller=caller, request=request)
+
+
+@router.get("/usage")
+async def usage(
+    caller: CurrentTenant, state: State, start_date: str | None = None, end_date: str | None = None
+) -> dict[str, Any]:
+    """The caller's usage per day and model (dates are UTC, YYYY-MM-DD, default today)."""
+    days = day_range(start_date, end_date, today=datetime.now(UTC).date())
+    rows = await read_usage(
+        state.redis, prefix=state.settings.key_prefix, tenants=[caller.tenant], days=days
+    )
+    return {"object": "list", "data": [{k: v for k, v in r.items() if k != "tenant"} for r in rows]}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 
 from gateway.errors import ClientDisconnectedError
-from gateway.generation import collect, open_stream, stream_events
+from gateway.generation import Tally, collect, open_stream, stream_events
 from gateway.jobs import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     Job,
@@ -26,6 +26,7 @@ from gateway.openai_format import ChatFormat, CompletionFormat, Header, OutputFo
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
 from gateway.tenants import Caller
+from gateway.usage import UsageDelta
 
 T = TypeVar("T")
 # What proxies must not do to an event stream: cache it or buffer it.
@@ -124,7 +125,8 @@ async def _serve(
     caller: Caller,
     request: Request,
 ) -> Response:
-    """What completions and chat share once the prompt is tokens: budget, job, response."""
+    """What completions and chat share once the prompt is tokens: budget, admission, job,
+    response, and settlement of the quota reservation however the request ends."""
     max_tokens = settle_max_tokens(
         requested=requested_max_tokens,
         default=default_max_tokens,
@@ -141,14 +143,56 @@ async def _serve(
         adapter=adapter,
         timeout_s=state.settings.request_timeout_s,
     )
-    return await respond(
-        job, fmt=make_format(job), stream=body.stream, include_usage=body.include_usage,
-        state=state, request=request,
-    )  # fmt: skip
+    reservation = await state.quotas.admit(
+        caller.tenant,
+        request_id=job.request_id,
+        tokens=len(prompt_ids) + max_tokens * max(params.n, 1),
+    )
+    tally = Tally()
+
+    async def settle() -> None:
+        used = (len(prompt_ids) if tally.started else 0) + tally.completion_tokens
+        usage = UsageDelta(
+            model=job.model,
+            prompt_tokens=len(prompt_ids) if tally.started else 0,
+            completion_tokens=tally.completion_tokens,
+            cached_tokens=tally.cached_tokens,
+        )
+        # Shielded: a cancelled request (server shutdown) still gives its slot back.
+        await asyncio.shield(state.quotas.settle(reservation, used_tokens=used, usage=usage))
+
+    try:
+        return await respond(
+            job, fmt=make_format(job), stream=body.stream, include_usage=body.include_usage,
+            state=state, request=request, tally=tally, headers=reservation.headers,
+            on_close=settle,
+        )  # fmt: skip
+    except BaseException:
+        await settle()
+        raise
 
 
 def _header(job: Job) -> Header:
     return Header(id=job.request_id, created=job.created, model=job.model)
+
+
+class ClosingEventStream(EventSourceResponse):
+    """An SSE response that runs `on_close` once it ends, however it ends (finished, client
+    gone, error): the one place a streamed request's quota reservation is settled."""
+
+    def __init__(self, events: AsyncGenerator[bytes], *, on_close, headers) -> None:
+        super().__init__(events, headers=headers)
+        self.events = events
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Closing the generator cancels the worker call (a client that left mid-stream
+            # leaves it suspended); only then is the tally final.
+            await self.events.aclose()
+            await self.on_close()
 
 
 async def respond(
@@ -159,18 +203,26 @@ async def respond(
     include_usage: bool,
     state: GatewayState,
     request: Request,
+    tally: Tally,
+    headers: dict[str, str],
+    on_close: Callable[[], Awaitable[None]],
 ) -> Response:
-    """Stream (after the first token is in) or collect; a client gone early cancels the call."""
+    """Stream (after the first token is in) or collect; a client gone early cancels the call.
+    `on_close` runs when the response is over (for a stream: when the stream ends)."""
     opened = open_stream(job, directory=state.workers, channels=state.channels)
     if stream:
         worker_stream = await until_disconnect(request, opened)
-        events = stream_events(worker_stream, job=job, fmt=fmt, include_usage=include_usage)
-        return EventSourceResponse(events, headers=SSE_HEADERS)
+        events = stream_events(
+            worker_stream, job=job, fmt=fmt, include_usage=include_usage, tally=tally
+        )
+        return ClosingEventStream(events, on_close=on_close, headers={**SSE_HEADERS, **headers})
 
     async def open_and_collect() -> dict[str, Any]:
-        return await collect(await opened, job=job, fmt=fmt)
+        return await collect(await opened, job=job, fmt=fmt, tally=tally)
 
-    return JSONResponse(await until_disconnect(request, open_and_collect()))
+    body = await until_disconnect(request, open_and_collect())
+    await on_close()
+    return JSONResponse(body, headers=headers)
 
 
 async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:

@@ -7,6 +7,7 @@ and tools can construct several with different values side by side.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -59,6 +60,13 @@ class GatewaySettings(BaseSettings):
     max_upload_bytes: int = Field(default=256 << 20, ge=1)
     # Entries an uploaded archive may hold (READMEs and folders count too).
     max_archive_members: int = Field(default=32, ge=2)
+
+    # A running request's concurrency slot is leased for this long and renewed every third
+    # of it; a gateway that dies stops renewing, and its slots come back after at most this.
+    quota_lease_s: float = Field(default=60.0, gt=0)
+    # When Redis fails during a quota check: "closed" refuses the request (503), "open" admits
+    # it unmetered. Either way it is logged and counted (switchboard_quota_redis_errors_total).
+    quota_fail_mode: Literal["closed", "open"] = "closed"
 
     # Workers heartbeat with this TTL; a record whose heartbeat is older is treated as dead
     # even if its key has not expired yet (a stuck worker still holding its key).

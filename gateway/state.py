@@ -8,6 +8,7 @@ import redis.asyncio as aioredis
 
 from adapters import BaseModelSpec, FilesystemAdapterStore
 from gateway.adapter_catalog import AdapterCatalog
+from gateway.quotas import QuotaService
 from gateway.routing import WorkerDirectory
 from gateway.settings import GatewaySettings
 from gateway.tenants import TenantStore
@@ -25,6 +26,7 @@ class GatewayState:
     max_model_len: int
     adapter_store: FilesystemAdapterStore
     catalog: AdapterCatalog
+    quotas: QuotaService
     workers: WorkerDirectory
     channels: WorkerChannels
 

@@ -1,0 +1,281 @@
+"""Per-tenant quotas: requests and tokens per minute, concurrent requests, a daily token
+budget. One atomic Lua script per decision (`gateway.quota_scripts`), so they hold exactly
+across gateway replicas.
+
+A request reserves prompt tokens + n * max_tokens at admission; when it ends, `settle`
+refunds what it did not use, releases its concurrency slot and counts its usage. While it
+runs, a task renews its slot's lease; if the gateway dies, the lease expires and the slot
+comes back by itself.
+
+When Redis fails at admission, `fail_open` decides: refuse (503, the default) or admit
+unmetered. Either way it is logged and counted in a metric, never silently absorbed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from gateway import metrics
+from gateway.errors import RateLimitError, StateUnavailableError
+from gateway.quota_scripts import ADMIT, RENEW, SETTLE
+from gateway.usage import UsageDelta, usage_key
+
+log = logging.getLogger(__name__)
+
+WINDOW_MS = 60_000
+DAILY_KEY_TTL_S = 2 * 86400
+USAGE_TTL_S = 400 * 86400
+QUOTA_FIELDS = {  # Quota attribute → field in the quota hash
+    "requests_per_minute": "rpm",
+    "tokens_per_minute": "tpm",
+    "max_concurrent_requests": "concurrency",
+    "daily_tokens": "daily_tokens",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """A tenant's limits; None means unlimited."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent_requests: int | None = None
+    daily_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class Reservation:
+    """An admitted request's claim on its tenant's quotas, until `QuotaService.settle`."""
+
+    tenant: str
+    request_id: str
+    tokens: int
+    day: str  # the daily-budget key's day: the refund goes to the day that was charged
+    daily_charged: bool
+    metered: bool  # False when admitted unmetered because Redis failed (fail open)
+    headers: dict[str, str] = field(default_factory=dict)
+    renewal: asyncio.Task | None = None
+    settled: bool = False
+
+
+def tenant_key(prefix: str, tenant: str, name: str) -> str:
+    """`{prefix}{tenant}:name`: the hash tag keeps a tenant's keys in one Cluster slot."""
+    return f"{prefix}{{{tenant}}}:{name}"
+
+
+def utc_day(now: datetime | None = None) -> str:
+    return (now or datetime.now(UTC)).strftime("%Y-%m-%d")
+
+
+class QuotaService:
+    def __init__(
+        self, client: aioredis.Redis, *, prefix: str, lease_s: float, fail_open: bool
+    ) -> None:
+        self.redis = client
+        self.prefix = prefix
+        self.lease_ms = max(1, int(lease_s * 1000))
+        self.fail_open = fail_open
+        self._admit = client.register_script(ADMIT)
+        self._settle = client.register_script(SETTLE)
+        self._renew = client.register_script(RENEW)
+
+    def _k(self, tenant: str, name: str) -> str:
+        return tenant_key(self.prefix, tenant, name)
+
+    async def set_quota(self, tenant: str, quota: Quota) -> None:
+        """Replace the tenant's limits; fields left None become unlimited."""
+        values = {QUOTA_FIELDS[k]: v for k, v in asdict(quota).items() if v is not None}
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._k(tenant, "quota"))
+            if values:
+                pipe.hset(self._k(tenant, "quota"), mapping=values)
+            await pipe.execute()
+
+    async def get_quota(self, tenant: str) -> Quota:
+        raw = await self.redis.hgetall(self._k(tenant, "quota"))
+        return Quota(**{k: int(raw[f]) for k, f in QUOTA_FIELDS.items() if f in raw})
+
+    async def admit(self, tenant: str, *, request_id: str, tokens: int) -> Reservation:
+        """Reserve `tokens` for a request, or raise RateLimitError (429)."""
+        day = utc_day()
+        keys = [
+            self._k(tenant, "quota"),
+            self._k(tenant, "requests"),
+            self._k(tenant, "tokens"),
+            self._k(tenant, "tokens_total"),
+            self._k(tenant, "inflight"),
+            self._k(tenant, f"daily:{day}"),
+        ]
+        args = [request_id, tokens, self.lease_ms, WINDOW_MS, DAILY_KEY_TTL_S]
+        try:
+            reply = await self._admit(keys=keys, args=args)
+        except redis.exceptions.RedisError as exc:
+            return self._redis_failed(exc, tenant=tenant, request_id=request_id, day=day)
+        decision = Decision.from_reply(reply, tokens=tokens)
+        if not decision.admitted:
+            metrics.QUOTA_REJECTIONS.labels(tenant=tenant, reason=decision.reason).inc()
+            raise decision.error(tenant)
+        reservation = Reservation(
+            tenant=tenant,
+            request_id=request_id,
+            tokens=tokens,
+            day=day,
+            daily_charged=decision.daily >= 0,
+            metered=True,
+            headers=decision.headers(),
+        )
+        if decision.concurrency >= 0:
+            reservation.renewal = asyncio.create_task(self._keep_leased(reservation))
+        return reservation
+
+    def _redis_failed(
+        self, exc: Exception, *, tenant: str, request_id: str, day: str
+    ) -> Reservation:
+        outcome = "admitted" if self.fail_open else "refused"
+        metrics.QUOTA_REDIS_ERRORS.labels(outcome=outcome).inc()
+        log.error("quota check failed for %s (%s, fail %s): %r", tenant, request_id, outcome, exc)
+        if not self.fail_open:
+            raise StateUnavailableError("quota state (Redis) is unavailable; retry later") from exc
+        return Reservation(
+            tenant=tenant, request_id=request_id, tokens=0, day=day, daily_charged=False,
+            metered=False,
+        )  # fmt: skip
+
+    async def _keep_leased(self, reservation: Reservation) -> None:
+        key = self._k(reservation.tenant, "inflight")
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            try:
+                await self._renew(keys=[key], args=[reservation.request_id, self.lease_ms])
+            except redis.exceptions.RedisError as exc:
+                metrics.QUOTA_REDIS_ERRORS.labels(outcome="renew_failed").inc()
+                log.warning("lease renewal failed for %s: %r", reservation.request_id, exc)
+
+    async def settle(
+        self, reservation: Reservation, *, used_tokens: int, usage: UsageDelta
+    ) -> None:
+        """Refund the unused tokens, release the slot, count usage. Idempotent; never raises
+        (the response is already on its way): failures are logged and counted."""
+        if reservation.settled:
+            return
+        reservation.settled = True
+        if reservation.renewal is not None:
+            reservation.renewal.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reservation.renewal
+        tenant = reservation.tenant
+        keys = [
+            self._k(tenant, "tokens"),
+            self._k(tenant, "tokens_total"),
+            self._k(tenant, "inflight"),
+            self._k(tenant, f"daily:{reservation.day}"),
+            usage_key(self.prefix, tenant, utc_day()),
+        ]
+        reserved = reservation.tokens if reservation.metered else used_tokens
+        args: list[str | int] = [
+            reservation.request_id,
+            reserved,
+            min(used_tokens, reserved),
+            "1" if reservation.daily_charged else "0",
+            USAGE_TTL_S,
+            *usage.increments(),
+        ]
+        try:
+            await self._settle(keys=keys, args=args)
+        except redis.exceptions.RedisError as exc:
+            metrics.QUOTA_REDIS_ERRORS.labels(outcome="settle_failed").inc()
+            log.error("settling %s failed (its lease will expire): %r", reservation.request_id, exc)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The admission script's answer (see ADMIT's Returns)."""
+
+    admitted: bool
+    reason: str
+    rpm: int
+    requests_used: int
+    request_reset_ms: int
+    tpm: int
+    tokens_used: int
+    token_reset_ms: int
+    retry_ms: int
+    concurrency: int
+    running: int
+    daily: int
+    daily_used: int
+    tokens: int  # what this request asked for
+
+    @classmethod
+    def from_reply(cls, reply: list, *, tokens: int) -> Decision:
+        admitted, reason, *numbers = reply
+        return cls(bool(admitted), str(reason), *(int(n) for n in numbers), tokens=tokens)
+
+    def headers(self) -> dict[str, str]:
+        """OpenAI's rate-limit headers, for the limits this tenant has."""
+        headers = {}
+        this = 1 if self.admitted else 0
+        if self.rpm >= 0:
+            headers["x-ratelimit-limit-requests"] = str(self.rpm)
+            remaining = max(0, self.rpm - self.requests_used - this)
+            headers["x-ratelimit-remaining-requests"] = str(remaining)
+            headers["x-ratelimit-reset-requests"] = duration(self.request_reset_ms)
+        if self.tpm >= 0:
+            headers["x-ratelimit-limit-tokens"] = str(self.tpm)
+            remaining = max(0, self.tpm - self.tokens_used - this * self.tokens)
+            headers["x-ratelimit-remaining-tokens"] = str(remaining)
+            headers["x-ratelimit-reset-tokens"] = duration(self.token_reset_ms)
+        return headers
+
+    def error(self, tenant: str) -> RateLimitError:
+        headers = self.headers()
+        wait = f" Please try again in {duration(self.retry_ms)}." if self.retry_ms else ""
+        if self.reason == "too_large":
+            headers["x-should-retry"] = "false"  # the official clients honour it
+            message = (
+                f"Request too large for tokens per minute (TPM): Limit {self.tpm}, Requested "
+                f"{self.tokens} (prompt + max_tokens x n). Reduce the prompt or max_tokens."
+            )
+            return RateLimitError(message, kind="tokens", headers=headers)
+        headers["retry-after"] = str(max(1, math.ceil(self.retry_ms / 1000)))
+        headers["retry-after-ms"] = str(self.retry_ms)
+        if self.reason == "concurrency":
+            message = (
+                f"Too many concurrent requests for tenant {tenant}: Limit "
+                f"{self.concurrency}, Running {self.running}.{wait}"
+            )
+            return RateLimitError(message, kind="requests", headers=headers)
+        if self.reason == "requests":
+            message = (
+                f"Rate limit reached for requests per minute (RPM) for tenant {tenant}: Limit "
+                f"{self.rpm}, Used {self.requests_used}, Requested 1.{wait}"
+            )
+            return RateLimitError(message, kind="requests", headers=headers)
+        if self.reason == "tokens":
+            message = (
+                f"Rate limit reached for tokens per minute (TPM) for tenant {tenant}: Limit "
+                f"{self.tpm}, Used {self.tokens_used}, Requested {self.tokens}.{wait}"
+            )
+            return RateLimitError(message, kind="tokens", headers=headers)
+        message = (
+            f"Daily token budget exhausted for tenant {tenant}: Limit {self.daily}, Used "
+            f"{self.daily_used}, Requested {self.tokens}. It resets at 00:00 UTC.{wait}"
+        )
+        return RateLimitError(message, kind="insufficient_quota", headers=headers)
+
+
+def duration(ms: int) -> str:
+    """OpenAI's reset format: `20ms`, `1s`, `6.5s`, `1m0s`."""
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, rest_ms = divmod(ms, 60_000)
+    seconds = f"{rest_ms / 1000:.3f}".rstrip("0").rstrip(".")
+    return f"{minutes}m{seconds}s" if minutes else f"{seconds}s"
