@@ -310,7 +310,8 @@ def test_gateway_probes_hit_its_health_routes(manifest):
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert gw[probe]["httpGet"]["port"] == "http", probe
         assert gw[probe]["httpGet"]["path"] in routes, probe
-    assert gw["readinessProbe"]["httpGet"]["path"] == "/ready"  # checks Redis
+    # Redis down must give clients the gateway's 503, not an empty Service.
+    assert gw["readinessProbe"]["httpGet"]["path"] != "/ready"
 
 
 def test_worker_grace_period_covers_its_sigterm_drain(manifest):
