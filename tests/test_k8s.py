@@ -1,0 +1,631 @@
+"""The Kubernetes manifests (k8s/) and images (docker/): every overlay renders, passes strict
+offline schema validation, and keeps the promises the processes depend on (ports, probes,
+drain deadline, secrets, non-root read-only pods, who may reach whom).
+
+Rendering uses real kustomize: `kustomize build`, or `kubectl kustomize` (kustomize v5 built
+in). No Python 3.11 distribution on PyPI ships it (pykustomize bundles kustomize but needs
+Python >= 3.14; the PyPI package named `kustomize` is an unrelated generator), and
+re-implementing kustomize's merge rules in a test would check our reading of kustomize, not
+kustomize. So the binary comes with the machine (kubectl is installed on these machines and
+in CI); without it these tests skip on a laptop and fail in CI (CI=true), never silently pass.
+Validation uses `kubernetes-validate` (a dev dependency) in strict mode, offline.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "k8s"
+OVERLAYS = ("cpu", "gpu")
+# Native gRPC probes are GA since 1.27; validate against it and the newest bundled schemas.
+K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
+# worker/server.py `_drain_and_stop`: after --drain-timeout it aborts what is left and waits
+# up to 5 s for those calls, then stops the gRPC server with 1 s of grace.
+WORKER_POST_DRAIN_S = 5 + 1
+SHUTDOWN_MARGIN_S = 3
+SECRET_NAME = re.compile(r"(TOKEN|PASSWORD|SECRET|API_KEY|CREDENTIALS?)$")
+VAR_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def kustomize_command() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+def render(path: Path) -> list[dict[str, Any]]:
+    command = kustomize_command()
+    if command is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI needs kustomize or kubectl (kustomize v5) to render k8s/")
+        pytest.skip("neither kustomize nor kubectl is installed")
+    result = subprocess.run(
+        [*command, str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@dataclass
+class Manifest:
+    """One rendered overlay, with lookups by kind and name."""
+
+    overlay: str
+    docs: list[dict[str, Any]]
+
+    def all(self, kind: str) -> list[dict[str, Any]]:
+        return [doc for doc in self.docs if doc["kind"] == kind]
+
+    def one(self, kind: str, name: str) -> dict[str, Any]:
+        found = [doc for doc in self.all(kind) if doc["metadata"]["name"] == name]
+        assert len(found) == 1, f"{self.overlay}: expected one {kind}/{name}, found {len(found)}"
+        return found[0]
+
+    def workloads(self) -> list[dict[str, Any]]:
+        return self.all("Deployment") + self.all("StatefulSet")
+
+    def config_map(self, name: str) -> dict[str, str]:
+        """Data of a generated ConfigMap, found by its name before the hash suffix."""
+        found = [
+            doc
+            for doc in self.all("ConfigMap")
+            if re.fullmatch(rf"{name}(-[a-z0-9]{{10}})?", doc["metadata"]["name"])
+        ]
+        assert len(found) == 1, f"{self.overlay}: ConfigMap {name}"
+        return found[0].get("data", {})
+
+    def config_map_by_full_name(self, name: str) -> dict[str, str]:
+        return self.one("ConfigMap", name).get("data", {})
+
+
+def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    return workload["spec"]["template"]["spec"]
+
+
+def pod_labels(workload: dict[str, Any]) -> dict[str, str]:
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
+def container(workload: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [c for c in pod_spec(workload)["containers"] if c["name"] == name]
+    return found
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """matchLabels semantics (the only form these manifests use)."""
+    assert set(selector) <= {"matchLabels"}, selector
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def named_port(c: dict[str, Any], name: str) -> int:
+    (port,) = [p["containerPort"] for p in c.get("ports", []) if p["name"] == name]
+    return port
+
+
+def env_value(c: dict[str, Any], name: str) -> str:
+    (entry,) = [e for e in c.get("env", []) if e["name"] == name]
+    return entry["value"]
+
+
+def flag(c: dict[str, Any], name: str) -> str:
+    """The value of `--name=value` in a container's args."""
+    (value,) = [a.split("=", 1)[1] for a in c["args"] if a.startswith(f"--{name}=")]
+    return value
+
+
+def prestop_seconds(c: dict[str, Any]) -> int:
+    """How long a preStop hook delays SIGTERM: `sleep N` (exec) or the native sleep action."""
+    hook = c.get("lifecycle", {}).get("preStop")
+    if hook is None:
+        return 0
+    if "sleep" in hook:
+        return int(hook["sleep"]["seconds"])
+    command = hook["exec"]["command"]
+    assert command[0] == "sleep", f"unexpected preStop hook {command}"
+    return int(command[1])
+
+
+def ports_source() -> dict[str, int]:
+    doc = yaml.safe_load((K8S / "base" / "ports.yaml").read_text())
+    return {key: int(value) for key, value in doc["data"].items()}
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def manifest(request) -> Manifest:
+    return Manifest(request.param, render(K8S / "overlays" / request.param))
+
+
+# --- rendering and schemas -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_object_passes_strict_schema_validation(manifest, version):
+    for doc in manifest.docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_strict_validation_rejects_an_unknown_field(manifest):
+    """Guards the test above: a misspelt field must fail, not pass silently."""
+    broken = yaml.safe_load(yaml.safe_dump(manifest.one("Deployment", "switchboard-worker")))
+    pod_spec(broken)["containers"][0]["readinessProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSIONS[-1], strict=True)
+
+
+def test_the_overlay_holds_the_whole_system(manifest):
+    names = {(doc["kind"], doc["metadata"]["name"]) for doc in manifest.docs}
+    for expected in [
+        ("Deployment", "switchboard-gateway"),
+        ("Service", "switchboard-gateway"),
+        ("HorizontalPodAutoscaler", "switchboard-gateway"),
+        ("Deployment", "switchboard-worker"),
+        ("Service", "switchboard-worker"),
+        ("StatefulSet", "switchboard-redis"),
+        ("Service", "switchboard-redis"),
+        ("PersistentVolumeClaim", "switchboard-adapters"),
+    ]:
+        assert expected in names, f"{manifest.overlay}: {expected} missing"
+    # ports.yaml is a kustomize-only source, never applied.
+    assert ("ConfigMap", "switchboard-ports") not in names
+    namespaces = {doc["metadata"].get("namespace") for doc in manifest.docs} - {None}
+    assert len(namespaces) == 1, namespaces
+
+
+# --- ports: one source, consistent everywhere, equal to the app's defaults -----------------
+
+
+def test_ports_source_matches_the_apps_own_defaults():
+    from gateway.settings import GatewaySettings
+    from switchboard.cli import build_parser
+
+    ports = ports_source()
+    fields = GatewaySettings.model_fields
+    assert ports["gateway-http"] == fields["port"].default
+    assert ports["worker-grpc"] == build_parser().parse_args(["worker"]).port
+    assert ports["redis"] == int(fields["redis_url"].default.rsplit(":", 1)[1].split("/")[0])
+
+
+def check_ports(m: Manifest, ports: dict[str, int]) -> None:
+    """Every place a port number appears agrees with `ports` (ports.yaml's values)."""
+    gateway = m.one("Deployment", "switchboard-gateway")
+    worker = m.one("Deployment", "switchboard-worker")
+    redis = m.one("StatefulSet", "switchboard-redis")
+    gw, wk, rd = (
+        container(gateway, "gateway"),
+        container(worker, "worker"),
+        container(redis, "redis"),
+    )
+
+    http = ports["gateway-http"]
+    assert named_port(gw, "http") == http
+    assert int(env_value(gw, "SWITCHBOARD_PORT")) == http
+    assert gateway["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(http)
+
+    grpc = ports["worker-grpc"]
+    assert named_port(wk, "grpc") == grpc
+    assert int(flag(wk, "port")) == grpc
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert wk[probe]["grpc"]["port"] == grpc, probe
+
+    assert named_port(rd, "redis") == ports["redis"]
+    assert int(env_value(rd, "REDIS_PORT")) == ports["redis"]
+    assert rd["args"][rd["args"].index("--port") + 1] == str(ports["redis"])
+    for c in (gw, wk):
+        url = env_value(c, "SWITCHBOARD_REDIS_URL")
+        assert url == f"redis://switchboard-redis:{ports['redis']}", url
+
+    expected_service_port = {
+        "switchboard-gateway": http,
+        "switchboard-worker": grpc,
+        "switchboard-redis": ports["redis"],
+    }
+    for service in m.all("Service"):
+        name = service["metadata"]["name"]
+        (target,) = [
+            w
+            for w in m.workloads()
+            if selects({"matchLabels": service["spec"]["selector"]}, pod_labels(w))
+        ]
+        for port in service["spec"]["ports"]:
+            assert port["port"] == expected_service_port[name]
+            # A named targetPort that a container of the selected pods declares.
+            resolved = [named_port(c, port["targetPort"]) for c in pod_spec(target)["containers"]]
+            assert resolved == [port["port"]], (name, port)
+
+    policy_port = {
+        "switchboard-gateway": http,
+        "switchboard-worker": grpc,
+        "switchboard-redis": ports["redis"],
+    }
+    for policy in m.all("NetworkPolicy"):
+        for rule in policy["spec"].get("ingress", []):
+            for port in rule["ports"]:
+                assert port["port"] == policy_port[policy["metadata"]["name"]]
+
+
+def test_ports_agree_everywhere(manifest):
+    check_ports(manifest, ports_source())
+
+
+def test_changing_ports_yaml_moves_every_port(tmp_path):
+    """ports.yaml is the single place: new numbers reach every field, none of the old stay."""
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    old = ports_source()
+    new = {"gateway-http": 8081, "worker-grpc": 50061, "redis": 6390}
+    text = (copy / "base" / "ports.yaml").read_text()
+    for key, value in new.items():
+        text = text.replace(f'{key}: "{old[key]}"', f'{key}: "{value}"')
+    (copy / "base" / "ports.yaml").write_text(text)
+    for overlay in OVERLAYS:
+        docs = render(copy / "overlays" / overlay)
+        check_ports(Manifest(overlay, docs), new)
+        rendered = yaml.safe_dump_all(docs)
+        for value in old.values():
+            assert not re.search(rf"\b{value}\b", rendered), f"{value} left in {overlay}"
+
+
+# --- probes, drain and shutdown ------------------------------------------------------------
+
+
+def test_worker_probes_use_grpc_health(manifest):
+    from rpc import worker_pb2
+
+    service = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+    wk = container(manifest.one("Deployment", "switchboard-worker"), "worker")
+    # Readiness and startup ask for the Worker service, which the server marks NOT_SERVING
+    # while loading and draining; liveness asks for the server as a whole.
+    assert wk["startupProbe"]["grpc"]["service"] == service
+    assert wk["readinessProbe"]["grpc"]["service"] == service
+    assert wk["livenessProbe"]["grpc"].get("service", "") == ""
+    # Liveness waits for the model to load: the startup probe must allow minutes.
+    startup = wk["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+
+
+def test_gateway_probes_hit_its_health_routes(manifest):
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    app = create_app(GatewaySettings(dev_mode=True))
+    routes = {path for route in app.routes if isinstance(path := getattr(route, "path", None), str)}
+    gw = container(manifest.one("Deployment", "switchboard-gateway"), "gateway")
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert gw[probe]["httpGet"]["port"] == "http", probe
+        assert gw[probe]["httpGet"]["path"] in routes, probe
+    # Redis down must give clients the gateway's 503, not an empty Service.
+    assert gw["readinessProbe"]["httpGet"]["path"] != "/ready"
+
+
+def test_worker_grace_period_covers_its_sigterm_drain(manifest):
+    worker = manifest.one("Deployment", "switchboard-worker")
+    wk = container(worker, "worker")
+    drain = float(flag(wk, "drain-timeout"))
+    needed = prestop_seconds(wk) + drain + WORKER_POST_DRAIN_S + SHUTDOWN_MARGIN_S
+    grace = pod_spec(worker)["terminationGracePeriodSeconds"]
+    # Long enough that SIGKILL never cuts a drain short; not so long that it means nothing.
+    assert needed <= grace <= needed + 30, (drain, grace)
+
+
+def test_gateway_grace_period_covers_prestop_and_graceful_shutdown(manifest):
+    gateway = manifest.one("Deployment", "switchboard-gateway")
+    gw = container(gateway, "gateway")
+    assert prestop_seconds(gw) > 0  # endpoints are removed asynchronously: keep serving
+    needed = prestop_seconds(gw) + float(flag(gw, "graceful-s")) + SHUTDOWN_MARGIN_S
+    assert needed <= pod_spec(gateway)["terminationGracePeriodSeconds"]
+
+
+def test_worker_advertises_its_pod_ip(manifest):
+    wk = container(manifest.one("Deployment", "switchboard-worker"), "worker")
+    assert flag(wk, "host") == "0.0.0.0"
+    assert flag(wk, "advertise-host") == "$(POD_IP)"
+    (pod_ip,) = [e for e in wk["env"] if e["name"] == "POD_IP"]
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+# --- configuration and secrets --------------------------------------------------------------
+
+
+def env_names(m: Manifest, c: dict[str, Any]) -> set[str]:
+    names = {e["name"] for e in c.get("env", [])}
+    for source in c.get("envFrom", []):
+        names |= set(m.config_map_by_full_name(source["configMapRef"]["name"]))
+    return names
+
+
+def test_variable_references_are_all_defined(manifest):
+    """Kubernetes leaves an undefined $(VAR) as literal text: `--port=$(TYPO)` would crash."""
+    for workload in manifest.workloads():
+        for c in pod_spec(workload)["containers"]:
+            defined = env_names(manifest, c)
+            texts = [*c.get("args", []), *c.get("command", [])]
+            texts += [e["value"] for e in c.get("env", []) if "value" in e]
+            for text in texts:
+                for name in VAR_REFERENCE.findall(text):
+                    assert name in defined, f"{c['name']}: $({name}) is not defined"
+
+
+def test_gateway_and_workers_agree_on_shared_settings(manifest):
+    gw = container(manifest.one("Deployment", "switchboard-gateway"), "gateway")
+    wk = container(manifest.one("Deployment", "switchboard-worker"), "worker")
+    shared = manifest.config_map("switchboard")
+    for c in (gw, wk):
+        sources = [
+            manifest.config_map_by_full_name(s["configMapRef"]["name"]) for s in c["envFrom"]
+        ]
+        assert shared in sources, c["name"]
+    assert env_value(wk, "SWITCHBOARD_REDIS_URL") == env_value(gw, "SWITCHBOARD_REDIS_URL")
+    # The gateway refuses adapters above its SWITCHBOARD_MAX_LORA_RANK; workers pad to theirs.
+    assert flag(wk, "max-lora-rank") == "$(SWITCHBOARD_MAX_LORA_RANK)"
+    assert "SWITCHBOARD_MAX_LORA_RANK" in shared
+    assert "SWITCHBOARD_KEY_PREFIX" in shared  # gateway and registry share one key prefix
+
+
+def test_no_secret_is_written_in_the_manifests(manifest):
+    assert manifest.all("Secret") == []  # created by the operator (k8s/README.md)
+    for cm in manifest.all("ConfigMap"):
+        for key in cm.get("data", {}):
+            assert not SECRET_NAME.search(key), f"{key} in ConfigMap {cm['metadata']['name']}"
+    for workload in manifest.workloads():
+        for c in pod_spec(workload)["containers"]:
+            for entry in c.get("env", []):
+                if SECRET_NAME.search(entry["name"]):
+                    assert "value" not in entry, f"{entry['name']} is a literal"
+    gw = container(manifest.one("Deployment", "switchboard-gateway"), "gateway")
+    (token,) = [e for e in gw["env"] if e["name"] == "SWITCHBOARD_ADMIN_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "switchboard-admin", "key": "token"}
+
+
+# --- security, resources, storage ----------------------------------------------------------
+
+
+def test_every_pod_is_non_root_with_a_read_only_root(manifest):
+    for workload in manifest.workloads():
+        spec = pod_spec(workload)
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] > 0
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        assert spec["automountServiceAccountToken"] is False
+        empty_dirs = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}
+        for c in spec["containers"]:
+            security = c["securityContext"]
+            assert security["readOnlyRootFilesystem"] is True
+            assert security["allowPrivilegeEscalation"] is False
+            assert security["capabilities"]["drop"] == ["ALL"]
+            # Writable scratch (HOME, caches) lives on an emptyDir mounted at /tmp.
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            assert mounts.get("/tmp") in empty_dirs, c["name"]
+            for e in c.get("env", []):
+                if e["name"] in ("HOME", "TRITON_CACHE_DIR"):
+                    assert e["value"].startswith("/tmp"), e
+
+
+def test_every_container_has_requests_and_limits(manifest):
+    for workload in manifest.workloads():
+        for c in pod_spec(workload)["containers"]:
+            for bound in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(c["resources"][bound]), (c["name"], bound)
+
+
+def test_gpu_overlay_requests_one_gpu_per_worker(manifest):
+    worker = manifest.one("Deployment", "switchboard-worker")
+    resources = container(worker, "worker")["resources"]
+    gpus = {bound: resources[bound].get("nvidia.com/gpu") for bound in ("requests", "limits")}
+    if manifest.overlay == "gpu":
+        assert gpus == {"requests": 1, "limits": 1}
+        assert worker["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0  # no spare GPU
+    else:
+        assert gpus == {"requests": None, "limits": None}
+
+
+def test_adapter_store_is_shared_at_one_path(manifest):
+    """The gateway sends workers the stored path, so both mount the store at the same place."""
+    gateway = manifest.one("Deployment", "switchboard-gateway")
+    worker = manifest.one("Deployment", "switchboard-worker")
+
+    def store_mount(workload, name):
+        (volume,) = [
+            v
+            for v in pod_spec(workload)["volumes"]
+            if v.get("persistentVolumeClaim", {}).get("claimName") == "switchboard-adapters"
+        ]
+        (mount,) = [
+            m for m in container(workload, name)["volumeMounts"] if m["name"] == volume["name"]
+        ]
+        return volume, mount
+
+    _, gateway_mount = store_mount(gateway, "gateway")
+    worker_volume, worker_mount = store_mount(worker, "worker")
+    assert gateway_mount["mountPath"] == worker_mount["mountPath"]
+    assert not gateway_mount.get("readOnly", False)
+    assert worker_mount["readOnly"] and worker_volume["persistentVolumeClaim"]["readOnly"]
+    store = Path(manifest.config_map("switchboard")["SWITCHBOARD_ADAPTER_STORE"])
+    assert store.is_relative_to(gateway_mount["mountPath"])
+    # Adapters are written group-readable: gateway and workers must share the group.
+    groups = {pod_spec(w)["securityContext"]["fsGroup"] for w in (gateway, worker)}
+    assert len(groups) == 1
+    pvc = manifest.one("PersistentVolumeClaim", "switchboard-adapters")
+    # The cpu overlay targets single-node dev clusters, where ReadWriteOnce is enough.
+    expected = "ReadWriteOnce" if manifest.overlay == "cpu" else "ReadWriteMany"
+    assert pvc["spec"]["accessModes"] == [expected]
+
+
+# --- who may reach whom, disruption budgets, autoscaling -----------------------------------
+
+
+def test_network_policies_let_only_the_gateway_reach_workers(manifest):
+    workloads = {w["metadata"]["name"]: pod_labels(w) for w in manifest.workloads()}
+
+    def allowed_sources(policy_name: str) -> set[str]:
+        policy = manifest.one("NetworkPolicy", policy_name)
+        sources = set()
+        for rule in policy["spec"]["ingress"]:
+            if "from" not in rule:
+                return {"*"}
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}, peer  # same namespace, named pods only
+                sources |= {
+                    n for n, labels in workloads.items() if selects(peer["podSelector"], labels)
+                }
+        return sources
+
+    (deny,) = [p for p in manifest.all("NetworkPolicy") if p["spec"]["podSelector"] == {}]
+    assert deny["spec"]["policyTypes"] == ["Ingress"] and "ingress" not in deny["spec"]
+    assert allowed_sources("switchboard-worker") == {"switchboard-gateway"}
+    assert allowed_sources("switchboard-redis") == {"switchboard-gateway", "switchboard-worker"}
+    assert allowed_sources("switchboard-gateway") == {"*"}
+    for name, labels in workloads.items():
+        policy = manifest.one("NetworkPolicy", name)
+        assert selects(policy["spec"]["podSelector"], labels), name
+
+
+def test_replicated_workloads_have_disruption_budgets(manifest):
+    budgets = manifest.all("PodDisruptionBudget")
+    for deployment in manifest.all("Deployment"):
+        matching = [b for b in budgets if selects(b["spec"]["selector"], pod_labels(deployment))]
+        assert len(matching) == 1, deployment["metadata"]["name"]
+        assert matching[0]["spec"].get("maxUnavailable") == 1
+    # Redis is one pod: a budget would block every node drain (see k8s/base/redis.yaml).
+    redis = manifest.one("StatefulSet", "switchboard-redis")
+    assert not [b for b in budgets if selects(b["spec"]["selector"], pod_labels(redis))]
+
+
+def test_gateway_autoscales_on_cpu_and_the_hpa_owns_its_replicas(manifest):
+    hpa = manifest.one("HorizontalPodAutoscaler", "switchboard-gateway")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "switchboard-gateway"
+    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    assert "replicas" not in manifest.one("Deployment", "switchboard-gateway")["spec"]
+    # CPU utilisation is measured against requests: there must be some.
+    gw = container(manifest.one("Deployment", "switchboard-gateway"), "gateway")
+    assert gw["resources"]["requests"]["cpu"]
+
+
+# --- images ---------------------------------------------------------------------------------
+
+GATEWAY_ENTRY_MODULES = ("gateway.serve", "gateway.admin_cli", "worker.errors")
+FIRST_PARTY = {"switchboard", "worker", "kernels", "adapters", "gateway", "bench", "rpc"}
+HEAVY = {"torch", "triton", "transformers"}  # import names and distribution names alike
+
+
+def module_file(name: str) -> Path | None:
+    path = ROOT.joinpath(*name.split("."))
+    for candidate in (path / "__init__.py", path.with_suffix(".py")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def third_party_imports(entry_modules: tuple[str, ...]) -> set[str]:
+    """Top-level third-party modules any import statement reachable from the entries names,
+    function-level imports included (a superset of what runs: safe for an image)."""
+    seen: set[str] = set()
+    todo = list(entry_modules)
+    found: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        file = module_file(name)
+        if file is None:
+            continue
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for imported in names:
+                top = imported.split(".")[0]
+                if top in FIRST_PARTY:
+                    parts = imported.split(".")
+                    todo += [".".join(parts[: i + 1]) for i in range(len(parts))]
+                elif top not in sys.stdlib_module_names:
+                    found.add(top)
+    return found
+
+
+def load_select_requirements():
+    """docker/select_requirements.py, the script the gateway image build runs."""
+    path = ROOT / "docker" / "select_requirements.py"
+    spec = importlib.util.spec_from_file_location("select_requirements", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+select_requirements = load_select_requirements()
+
+
+def distribution_closure(names: list[str]) -> set[str]:
+    """`names` and everything they require (unconditionally), per installed metadata."""
+    closure: set[str] = set()
+    todo = [select_requirements.normalize(n) for n in names]
+    while todo:
+        name = todo.pop()
+        if name in closure:
+            continue
+        try:
+            requirements = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            # Not installed here: a requirement behind a platform marker (e.g. Windows only).
+            listed = {select_requirements.normalize(n) for n in names}
+            assert name not in listed, f"{name} is listed but not installed"
+            continue
+        closure.add(name)
+        for requirement in requirements:
+            if "extra ==" not in requirement:
+                todo.append(select_requirements.requirement_name(requirement))
+    return closure
+
+
+def test_gateway_image_requirements_cover_its_imports_without_torch():
+    names = select_requirements.read_names(ROOT / "docker" / "gateway-requirements.txt")
+    # Every name is a project dependency, so its version constraint comes from pyproject.
+    lines = select_requirements.select(ROOT / "pyproject.toml", names)
+    assert len(lines) == len(names)
+    closure = distribution_closure(names)
+    assert not HEAVY & closure
+    providers = importlib.metadata.packages_distributions()
+    imports = third_party_imports(GATEWAY_ENTRY_MODULES)
+    assert "fastapi" in imports and not imports & HEAVY
+    for module in imports:
+        dists = {select_requirements.normalize(d) for d in providers.get(module, [])}
+        assert dists & closure, f"the gateway imports {module}; no listed requirement brings it"
+
+
+def test_images_run_as_the_uid_the_pods_expect():
+    users = set()
+    for dockerfile in ("gateway.Dockerfile", "worker.Dockerfile"):
+        text = (ROOT / "docker" / dockerfile).read_text()
+        (user,) = re.findall(r"^USER (\d+):(\d+)$", text, flags=re.MULTILINE)
+        users.add(user)
+    for manifest_file in ("gateway.yaml", "worker.yaml"):
+        docs = yaml.safe_load_all((K8S / "base" / manifest_file).read_text())
+        security = pod_spec(next(d for d in docs if d["kind"] == "Deployment"))["securityContext"]
+        assert users == {(str(security["runAsUser"]), str(security["runAsGroup"]))}
+
+
+def test_gateway_image_never_installs_torch():
+    text = (ROOT / "docker" / "gateway.Dockerfile").read_text()
+    installs = [line for line in text.splitlines() if "pip install" in line]
+    assert installs and not any("torch" in line for line in installs)
+    assert "pip install --no-deps /src" in text  # the package's own torch pin is skipped
