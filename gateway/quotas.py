@@ -77,10 +77,17 @@ def utc_day(now: datetime | None = None) -> str:
 
 class QuotaService:
     def __init__(
-        self, client: aioredis.Redis, *, prefix: str, lease_s: float, fail_open: bool
+        self,
+        client: aioredis.Redis,
+        *,
+        prefix: str,
+        lease_s: float,
+        fail_open: bool,
+        window_ms: int = WINDOW_MS,  # "per minute"; shorter only to test expiry quickly
     ) -> None:
         self.redis = client
         self.prefix = prefix
+        self.window_ms = window_ms
         self.lease_ms = max(1, int(lease_s * 1000))
         self.fail_open = fail_open
         self._admit = client.register_script(ADMIT)
@@ -114,7 +121,7 @@ class QuotaService:
             self._k(tenant, "inflight"),
             self._k(tenant, f"daily:{day}"),
         ]
-        args = [request_id, tokens, self.lease_ms, WINDOW_MS, DAILY_KEY_TTL_S]
+        args = [request_id, tokens, self.lease_ms, self.window_ms, DAILY_KEY_TTL_S]
         try:
             reply = await self._admit(keys=keys, args=args)
         except redis.exceptions.RedisError as exc:
