@@ -50,7 +50,7 @@ class Stack:
         for i in range(self.num_workers):
             self.start_worker(f"worker-{i}")
         self.gateway = subprocess.Popen(
-            [*_switchboard_command(), "gateway", "--port", str(self.gateway_port)],
+            [*switchboard_command(), "gateway", "--port", str(self.gateway_port)],
             env=self._env(),
         )
         self.wait_ready(timeout=timeout)
@@ -59,7 +59,7 @@ class Stack:
     def start_worker(self, worker_id: str) -> subprocess.Popen:
         port = free_port()
         args = [
-            *_switchboard_command(), "worker",
+            *switchboard_command(), "worker",
             "--model", str(self.model), "--port", str(port), "--dtype", self.dtype,
             "--redis-url", str(self.redis_url), "--redis-prefix", self.key_prefix,
             "--worker-id", worker_id, *self.worker_args,
@@ -173,7 +173,7 @@ def _reachable_redis() -> str | None:
     return None
 
 
-def _switchboard_command() -> list[str]:
+def switchboard_command() -> list[str]:
     """The ``switchboard`` console script of this interpreter's environment."""
     script = Path(sys.executable).with_name("switchboard")
     if not script.is_file():
