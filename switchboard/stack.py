@@ -43,7 +43,7 @@ class Stack:
         return f"http://127.0.0.1:{self.gateway_port}"
 
     def start(self, *, timeout: float = 180.0) -> Stack:
-        self.redis_url = self.redis_url or _reachable_redis()
+        self.redis_url = self.redis_url or reachable_redis()
         if self.redis_url is None:
             self._redis = EmbeddedRedis().start()
             self.redis_url = self._redis.url
@@ -161,7 +161,7 @@ class Stack:
         self.stop()
 
 
-def _reachable_redis() -> str | None:
+def reachable_redis() -> str | None:
     import redis
 
     for url in filter(None, [os.environ.get("SWITCHBOARD_REDIS_URL"), "redis://127.0.0.1:6379/0"]):

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 import redis
+from archive_factories import adapter_members, tar_bytes
 
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
 from switchboard.embedded_redis import free_port
@@ -134,6 +135,42 @@ def test_adapter_requests_go_to_the_worker_that_holds_the_adapter(
     holders = _workers_holding(stack, offline.engine.lora_manager.resolve("sql"))
     assert len(holders) == 1  # affinity: every request went to the same worker
     assert "sql" in [m.id for m in client.models.list().data]
+
+
+def test_uploaded_adapter_serves_at_once_and_deletion_unloads_it(
+    stack, client, api_key, tiny_model, tmp_path_factory
+):
+    """A tenant uploads an archive over HTTP; the real worker reads it from the store by
+    content id; deleting it answers 404 from then on and unloads it from the workers."""
+    adapter_dir = make_peft_adapter(
+        tiny_model, tmp_path_factory.mktemp("upload") / "mine", rank=4, targets=["o_proj"], seed=9
+    )
+    offline = LLM(tiny_model, dtype="float32")
+    adapter_id = offline.load_adapter("mine", adapter_dir)
+    expected = offline.generate(
+        ["hello"], SamplingParams(temperature=0, max_tokens=10), adapters=["mine"]
+    )[0]
+    archive = tar_bytes(adapter_members(adapter_dir, folder="mine"))
+    headers = {"Authorization": f"Bearer {api_key}"}
+    created = httpx.post(
+        f"{stack.base_url}/v1/adapters",
+        headers=headers,
+        data={"name": "mine"},
+        files={"file": ("mine.tar.gz", archive)},
+        timeout=30,
+    )
+    assert created.status_code == 201, created.text
+    assert created.json()["adapter_id"] == adapter_id
+
+    out = client.completions.create(model="mine", prompt="hello", max_tokens=10, temperature=0)
+    assert out.choices[0].text == expected.text
+    assert _workers_holding(stack, adapter_id) != []
+
+    deleted = httpx.delete(f"{stack.base_url}/v1/adapters/mine", headers=headers, timeout=30)
+    assert deleted.status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="mine", prompt="hello", max_tokens=2)
+    assert _workers_holding(stack, adapter_id) == []
 
 
 def test_errors_come_back_in_openai_format(stack, client, tiny_model):
