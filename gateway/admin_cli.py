@@ -11,11 +11,18 @@ from typing import Any
 import httpx
 
 
-def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> int:
+def _call(
+    args: argparse.Namespace, method: str, path: str, body: Any = None, params: Any = None
+) -> int:
     headers = {"Authorization": f"Bearer {args.admin_token}"}
     try:
         response = httpx.request(
-            method, args.url.rstrip("/") + path, json=body, headers=headers, timeout=60.0
+            method,
+            args.url.rstrip("/") + path,
+            json=body,
+            params=params,
+            headers=headers,
+            timeout=60.0,
         )
     except httpx.HTTPError as exc:
         print(f"switchboard: cannot reach the gateway at {args.url}: {exc}", file=sys.stderr)
@@ -60,3 +67,33 @@ def adapters_list(args: argparse.Namespace) -> int:
 
 def adapters_remove(args: argparse.Namespace) -> int:
     return _call(args, "DELETE", f"/admin/tenants/{args.tenant}/adapters/{args.name}")
+
+
+QUOTA_OPTIONS = (
+    "requests_per_minute",
+    "tokens_per_minute",
+    "max_concurrent_requests",
+    "daily_tokens",
+)
+
+
+def quotas_set(args: argparse.Namespace) -> int:
+    body = {name: getattr(args, name) for name in QUOTA_OPTIONS}
+    return _call(args, "PUT", f"/admin/tenants/{args.tenant}/quotas", body)
+
+
+def quotas_get(args: argparse.Namespace) -> int:
+    return _call(args, "GET", f"/admin/tenants/{args.tenant}/quotas")
+
+
+def usage(args: argparse.Namespace) -> int:
+    params = {
+        k: v
+        for k, v in (
+            ("tenant", args.tenant),
+            ("start_date", args.start_date),
+            ("end_date", args.end_date),
+        )
+        if v is not None
+    }
+    return _call(args, "GET", "/admin/usage", params=params)

@@ -218,12 +218,18 @@ def _admin(name: str) -> Handler:
     return run
 
 
-def _admin_arguments(*positionals: str) -> Callable[[argparse.ArgumentParser], None]:
+def _admin_arguments(
+    *positionals: str, options: tuple[tuple[str, type, str], ...] = ()
+) -> Callable[[argparse.ArgumentParser], None]:
+    """Positionals, optional `(flag, type, help)` options, and the gateway URL and token."""
+
     def add(parser: argparse.ArgumentParser) -> None:
         import os
 
         for positional in positionals:
             parser.add_argument(positional)
+        for flag, kind, text in options:
+            parser.add_argument(flag, type=kind, help=text)
         parser.add_argument(
             "--url",
             default=os.environ.get("SWITCHBOARD_GATEWAY_URL", "http://127.0.0.1:8000"),
@@ -330,6 +336,38 @@ ADMIN_COMMANDS: tuple[Command, ...] = (
         "remove a tenant's adapter name",
         _admin("adapters_remove"),
         _admin_arguments("tenant", "name"),
+    ),
+    Command(
+        ("admin", "quotas", "set"),
+        "replace a tenant's limits (a limit left out is unlimited)",
+        _admin("quotas_set"),
+        _admin_arguments(
+            "tenant",
+            options=(
+                ("--requests-per-minute", int, "requests per sliding minute"),
+                ("--tokens-per-minute", int, "prompt + max_tokens per sliding minute"),
+                ("--max-concurrent-requests", int, "requests running at once"),
+                ("--daily-tokens", int, "tokens per UTC day"),
+            ),
+        ),
+    ),
+    Command(
+        ("admin", "quotas", "get"),
+        "show a tenant's limits",
+        _admin("quotas_get"),
+        _admin_arguments("tenant"),
+    ),
+    Command(
+        ("admin", "usage"),
+        "usage per tenant, day and model",
+        _admin("usage"),
+        _admin_arguments(
+            options=(
+                ("--tenant", str, "one tenant (default: all)"),
+                ("--start-date", str, "YYYY-MM-DD (default: today, UTC)"),
+                ("--end-date", str, "YYYY-MM-DD (default: today, UTC)"),
+            )
+        ),
     ),
 )
 

@@ -217,3 +217,18 @@ async def test_admin_cli_wraps_the_api(gw, tmp_path, capsys):
     assert status == 0
     status, out = await asyncio.to_thread(cli, "admin", "keys", "revoke", key["key_id"])
     assert status == 1 and "error 404" in out
+    status, out = await asyncio.to_thread(
+        cli, "admin", "quotas", "set", "dave", "--requests-per-minute", "60", "--daily-tokens", "9"
+    )
+    assert status == 0
+    assert json.loads(out) == {
+        "tenant": "dave",
+        "requests_per_minute": 60,
+        "tokens_per_minute": None,
+        "max_concurrent_requests": None,
+        "daily_tokens": 9,
+    }
+    status, out = await asyncio.to_thread(cli, "admin", "quotas", "get", "dave")
+    assert status == 0 and json.loads(out)["requests_per_minute"] == 60
+    status, out = await asyncio.to_thread(cli, "admin", "usage", "--tenant", "dave")
+    assert status == 0 and json.loads(out) == {"object": "list", "data": []}

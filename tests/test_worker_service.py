@@ -355,6 +355,27 @@ async def test_generate_reads_an_adapter_from_the_store_by_content_id(
         await server.shutdown(drain_timeout=2.0)
 
 
+async def test_unloading_lets_running_requests_finish(stub, offline, adapter_dirs, prompt_ids):
+    """What deleting an adapter does on a worker: new requests can no longer use it, the
+    ones already running finish with its weights, token for token."""
+    adapter_id = offline.ids["qv"]
+    [expected] = offline.generate(
+        prompt_ids, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), adapters=["qv"]
+    )
+    req = request(
+        prompt_ids, max_tokens=24, ignore_eos=True, adapter_id=adapter_id,
+        adapter_path=adapter_dirs["qv"],
+    )  # fmt: skip
+    call = stub.Generate(req)
+    first = await call.read()
+    await stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id))
+    messages = [first, *await rest_of(call)]
+    assert joined(messages) == (expected.token_ids, expected.text)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, request(prompt_ids, max_tokens=2, adapter_id=adapter_id))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 async def test_adapter_errors(stub, offline, adapter_dirs, tmp_path):
     wrong_id = offline.ids["mlp"]  # a valid id, but not the one in these files
     with pytest.raises(grpc.aio.AioRpcError) as info:
