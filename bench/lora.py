@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.report import write_report
 from bench.workloads import fixed_lengths
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -214,11 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["runs"] = [asdict(r) for r in runs]
     report["cold_load_p50_s"] = cold_load_p50(engine, paths[: min(16, len(paths))])
     print(f"cold load p50: {report['cold_load_p50_s'] * 1e3:.1f} ms")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
-    return report
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.report import write_report
 from bench.workloads import fixed_lengths
 from switchboard.embedded_redis import free_port
 from switchboard.stack import Stack
@@ -191,11 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         key = stack.create_tenant_key("bench")
         report["load_b"] = asyncio.run(load_b(stack, key, "tiny", args.concurrency, args.seconds))
         print(json.dumps(report["load_b"]), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
-    return report
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import numpy as np
 import redis.asyncio as aioredis
 from safetensors.numpy import save_file
 
+from bench.report import write_report
 from gateway.quotas import Quota, QuotaService
 from gateway.usage import UsageDelta
 from switchboard.embedded_redis import EmbeddedRedis, free_port
@@ -235,11 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if embedded is not None:
             embedded.stop()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
-    return report
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.report import write_report
 from bench.workloads import BenchRequest, fixed_lengths, long_tailed
 
 
@@ -194,11 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{best.output_tok_per_s:.1f} tok/s -> {entry['speedup_vs_hf']:.2f}x"
             )
         report[name] = entry
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
-    return report
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

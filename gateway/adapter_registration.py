@@ -15,21 +15,23 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import grpc
 from fastapi import Request
 
 from adapters import ArchiveLimits, load_adapter_dir
 from gateway.adapter_catalog import Removal
-from gateway.errors import InvalidRequestError
+from gateway.errors import GatewayError, InvalidRequestError
 from gateway.state import GatewayState
 from gateway.tenants import TenantAdapter
 from gateway.uploads import receive_adapter_upload
-from gateway.worker_client import unload_adapter
+from gateway.worker_client import load_adapter, unload_adapter
 
 log = logging.getLogger(__name__)
 
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 # Per worker; a worker that does not answer in time drops the adapter by LRU anyway.
 UNLOAD_TIMEOUT_S = 5.0
+PRELOAD_TIMEOUT_S = 30.0
 
 
 def check_adapter_name(name: str, *, served_model_name: str) -> str:
@@ -79,11 +81,29 @@ async def upload_adapter(request: Request, *, state: GatewayState, tenant: str) 
                 max_total_bytes=settings.max_adapter_bytes + (1 << 20),
             ),
         )
-        return await register_adapter_dir(
+        record = await register_adapter_dir(
             state=state, tenant=tenant, name=upload.name, path=upload.adapter_dir
         )
     finally:
         await asyncio.to_thread(shutil.rmtree, staging, ignore_errors=True)
+    state.spawn(preload(state=state, adapter_id=record.adapter_id))
+    return record
+
+
+async def preload(*, state: GatewayState, adapter_id: str) -> None:
+    """Load a new adapter on the worker its first request will be routed to, while the
+    upload's response travels back: the first request then finds it loaded. Best effort:
+    a failure only means the first request loads it itself."""
+    try:
+        favourite = (await state.workers.candidates(adapter_id=adapter_id))[0]
+        await load_adapter(
+            state.channels,
+            address=favourite.address,
+            adapter_id=adapter_id,
+            timeout_s=PRELOAD_TIMEOUT_S,
+        )
+    except (GatewayError, grpc.RpcError) as exc:
+        log.info("preloading adapter %s skipped: %s", adapter_id, exc)
 
 
 async def delete_adapter(*, state: GatewayState, tenant: str, name: str) -> Removal:

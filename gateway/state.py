@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -29,7 +32,18 @@ class GatewayState:
     quotas: QuotaService
     workers: WorkerDirectory
     channels: WorkerChannels
+    # Fire-and-forget work (adapter preloads), held so it is not garbage-collected mid-way
+    # and cancelled at shutdown.
+    background: set[asyncio.Task] = field(default_factory=set)
+
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     async def close(self) -> None:
+        for task in list(self.background):
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
         await self.channels.close()
         await self.redis.aclose()

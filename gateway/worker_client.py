@@ -130,6 +130,14 @@ async def start_generate(
     return WorkerStream(worker_id=worker_id, address=address, call=call, first=first)
 
 
+async def load_adapter(
+    channels: WorkerChannels, *, address: str, adapter_id: str, timeout_s: float
+) -> None:
+    """Ask one worker to load an adapter from its store by content id (raises grpc errors)."""
+    request = worker_pb2.LoadAdapterRequest(adapter_id=adapter_id)
+    await channels.stub(address).LoadAdapter(request, timeout=timeout_s)
+
+
 async def unload_adapter(
     channels: WorkerChannels, *, address: str, adapter_id: str, timeout_s: float
 ) -> bool:

@@ -28,8 +28,8 @@ from tests.test_gateway_support import (
     ScriptedWorker,
     delete_prefix,
     gateway_settings,
+    gateway_with_worker,
     make_model_dir,
-    running_gateway,
 )
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
@@ -78,16 +78,8 @@ async def env(redis_url, redis_prefix, model_dir, tmp_path):
         store=tmp_path / "store",
         quota_lease_s=1.0,
     )
-    worker = await ScriptedWorker("w1").start()
-    redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        await worker.register(redis, redis_prefix)
-        async with running_gateway(settings) as gw:
-            yield Env([gw.url], worker, redis, redis_prefix, await _tenant_key(gw.url))
-    finally:
-        await worker.stop()
-        await delete_prefix(redis_url, redis_prefix)
-        await redis.aclose()
+    async with gateway_with_worker(settings) as live:
+        yield Env([live.gw.url], live.worker, live.redis, live.prefix, live.keys["acme"])
 
 
 async def test_429_is_openai_shaped_with_rate_limit_headers(env):
@@ -260,6 +252,8 @@ def _spawn_gateway(*, redis_url, prefix, model_dir, store, lease_s) -> tuple[sub
         "SWITCHBOARD_SERVED_MODEL_NAME": MODEL_NAME,
         "SWITCHBOARD_ADAPTER_STORE": str(store),
         "SWITCHBOARD_WORKER_CACHE_S": "0",
+        # The ScriptedWorker registers once, without heartbeats: never let it look stale.
+        "SWITCHBOARD_WORKER_HEARTBEAT_TTL_S": "600",
         "SWITCHBOARD_QUOTA_LEASE_S": str(lease_s),
         "SWITCHBOARD_REDIS_MAX_CONNECTIONS": "256",
     }
@@ -297,7 +291,6 @@ async def two_gateways(redis_url, redis_prefix, model_dir, tmp_path):
     redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
     processes = []
     try:
-        await worker.register(redis, redis_prefix)
         urls = []
         for _ in range(2):
             process, url = _spawn_gateway(
@@ -311,6 +304,7 @@ async def two_gateways(redis_url, redis_prefix, model_dir, tmp_path):
             urls.append(url)
         for process, url in zip(processes, urls, strict=True):
             await _wait_healthy(url, process)
+        await worker.register(redis, redis_prefix)  # fresh, once the gateways are up
         env = Env(urls, worker, redis, redis_prefix, await _tenant_key(urls[0]))
         env.processes = processes
         yield env

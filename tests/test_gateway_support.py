@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 import redis.asyncio as aioredis
 import uvicorn
@@ -135,6 +136,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     fail_after: int = 2
     requests: list[worker_pb2.GenerateRequest] = field(default_factory=list)
     unloaded: list[str] = field(default_factory=list)  # adapter ids, in order
+    loaded: list[str] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     address: str = ""
     _server: grpc.aio.Server | None = None
@@ -147,6 +149,10 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         except asyncio.CancelledError:
             self.cancelled.set()  # the gateway cancelled the call
             raise
+
+    async def LoadAdapter(self, request, context):
+        self.loaded.append(request.adapter_id)
+        return worker_pb2.LoadAdapterResponse(adapter_id=request.adapter_id)
 
     async def UnloadAdapter(self, request, context):
         self.unloaded.append(request.adapter_id)
@@ -283,3 +289,39 @@ async def delete_prefix(redis_url: str, prefix: str) -> None:
             await client.delete(*keys)
     finally:
         await client.aclose()
+
+
+@dataclass
+class LiveGateway:
+    """A running gateway, a registered ScriptedWorker, a Redis client and tenants' keys."""
+
+    gw: RunningGateway
+    worker: ScriptedWorker
+    redis: aioredis.Redis
+    prefix: str
+    keys: dict[str, str]
+
+
+async def create_tenant_key(gw: RunningGateway, tenant: str) -> str:
+    async with httpx.AsyncClient(base_url=gw.url, headers=gw.admin_headers) as admin:
+        await admin.post("/admin/tenants", json={"name": tenant})
+        return (await admin.post(f"/admin/tenants/{tenant}/keys")).json()["key"]
+
+
+@contextlib.asynccontextmanager
+async def gateway_with_worker(
+    settings: GatewaySettings, *, tenants: tuple[str, ...] = ("acme",)
+) -> AsyncIterator[LiveGateway]:
+    """`running_gateway` plus a ScriptedWorker in the registry and a key per tenant; every
+    key under the settings' prefix is deleted afterwards."""
+    worker = await ScriptedWorker("w1").start()
+    redis = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
+    try:
+        await worker.register(redis, settings.key_prefix)
+        async with running_gateway(settings) as gw:
+            keys = {tenant: await create_tenant_key(gw, tenant) for tenant in tenants}
+            yield LiveGateway(gw, worker, redis, settings.key_prefix, keys)
+    finally:
+        await worker.stop()
+        await delete_prefix(settings.redis_url, settings.key_prefix)
+        await redis.aclose()

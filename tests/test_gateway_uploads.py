@@ -4,13 +4,13 @@ errors, and leave nothing behind: no blob, no staging directory, no name in Redi
 
 from __future__ import annotations
 
+import asyncio
 import io
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-import redis.asyncio as aioredis
 from safetensors.numpy import load_file, save_file
 
 from tests.archive_factories import (
@@ -23,11 +23,9 @@ from tests.archive_factories import (
 )
 from tests.test_gateway_support import (
     MODEL_NAME,
-    ScriptedWorker,
-    delete_prefix,
     gateway_settings,
+    gateway_with_worker,
     make_model_dir,
-    running_gateway,
     write_adapter,
 )
 
@@ -75,23 +73,8 @@ async def env(redis_url, redis_prefix, model_dir, tmp_path):
         max_lora_rank=8,
         max_archive_members=8,
     )
-    worker = await ScriptedWorker("w1").start()
-    redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        await worker.register(redis, redis_prefix)
-        async with (
-            running_gateway(settings) as gw,
-            httpx.AsyncClient(base_url=gw.url, headers=gw.admin_headers) as admin,
-        ):
-            keys = {}
-            for tenant in ("alice", "bob"):
-                await admin.post("/admin/tenants", json={"name": tenant})
-                keys[tenant] = (await admin.post(f"/admin/tenants/{tenant}/keys")).json()["key"]
-            yield Env(gw, worker, redis, redis_prefix, keys)
-    finally:
-        await worker.stop()
-        await delete_prefix(redis_url, redis_prefix)
-        await redis.aclose()
+    async with gateway_with_worker(settings, tenants=("alice", "bob")) as live:
+        yield Env(live.gw, live.worker, live.redis, live.prefix, live.keys)
 
 
 def archive_upload(name: str, data: bytes, filename: str = "adapter.tar.gz") -> dict:
@@ -127,6 +110,13 @@ def assert_error(response: httpx.Response, status: int, *, code=None, param=None
     return error
 
 
+async def _until(condition, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.02)
+
+
 # --- the happy paths ---------------------------------------------------------------------
 
 
@@ -146,6 +136,8 @@ async def test_upload_then_use_list_get_delete(env, adapter_dir, shape):
         assert record["base_model"] == MODEL_NAME and record["rank"] == 4
         assert record["target_modules"] == ["q_proj", "v_proj"]
         assert env.store_entries() == [record["adapter_id"]]  # no staging left behind
+        # Preloaded on the worker its requests will go to, while the response went back.
+        await _until(lambda: env.worker.loaded == [record["adapter_id"]])
 
         # Usable as `model` as soon as the upload returned.
         used = await alice.post("/v1/completions", json={"model": "sql", "prompt": "x"})

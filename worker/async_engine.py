@@ -146,6 +146,8 @@ class AsyncEngine:
             self._streams[engine_id] = _Stream(queue, i)
         unfinished = set(engine_ids)
         try:
+            if adapter_id is not None and adapter_path and not self._has_adapter(adapter_id):
+                await self.load_adapter(adapter_id, adapter_path)
             await self._call(
                 self._add_on_loop, engine_ids, prompt_token_ids, params, adapter_id, adapter_path
             )
@@ -179,9 +181,26 @@ class AsyncEngine:
     # --- adapters -----------------------------------------------------------------------
 
     async def load_adapter(self, adapter_id: str, path: str | Path) -> str:
-        """Load the adapter with content id ``adapter_id`` from ``path``, unless loaded."""
-        await self._call(self._load_on_loop, adapter_id, path)
+        """Load the adapter with content id ``adapter_id`` from ``path``, unless loaded.
+
+        Reading and validating the files (tens of ms for a large adapter) happens in a
+        worker thread, so the step loop keeps decoding meanwhile; only naming it runs on
+        the loop."""
+        manager = self.engine.lora_manager
+        if manager is None or self._has_adapter(adapter_id) or not Path(path).exists():
+            await self._call(self._load_on_loop, adapter_id, path)  # its errors, on the loop
+            return adapter_id
+        adapter = await asyncio.to_thread(manager.read, path)
+        if adapter.id != adapter_id:
+            raise AdapterMismatchError(
+                f"the adapter at {path} has content id {adapter.id}, not {adapter_id}"
+            )
+        await self._call(self.engine.add_adapter, adapter_id, adapter, path)
         return adapter_id
+
+    def _has_adapter(self, adapter_id: str) -> bool:
+        manager = self.engine.lora_manager
+        return manager is not None and adapter_id in manager.names
 
     async def unload_adapter(self, adapter_id: str) -> None:
         await self._call(self.engine.unload_adapter, adapter_id)

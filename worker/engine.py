@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from adapters.lora import LoraAdapter
 from worker.block_manager import BlockManager
 from worker.errors import InvalidRequestError, RequestTooLargeError
 from worker.llama import LlamaModel
@@ -101,6 +102,13 @@ class LLMEngine:
         if self.lora_manager is None:
             raise InvalidRequestError("LoRA is disabled on this engine (max_loras=0)")
         return self.lora_manager.load(name, path)
+
+    def add_adapter(self, name: str, adapter: LoraAdapter, path: str | Path) -> str:
+        """Name an adapter read (and validated) elsewhere, e.g. in a thread off the step
+        loop with `lora_manager.read(path)`; returns its content id."""
+        if self.lora_manager is None:
+            raise InvalidRequestError("LoRA is disabled on this engine (max_loras=0)")
+        return self.lora_manager.add(name, adapter, path)
 
     def unload_adapter(self, name: str) -> None:
         """Forget a name; requests already running with it finish normally."""

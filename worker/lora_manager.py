@@ -101,7 +101,19 @@ class LoraManager:
         Loading new weights under a known name re-points the name: requests already
         running keep the old adapter, new ones get the new one.
         """
-        adapter = self._read(Path(path))
+        return self.add(name, self.read(path), path)
+
+    def read(self, path: str | Path) -> LoraAdapter:
+        """Read and validate an adapter's files (no state touched: safe off the step loop)."""
+        return load_adapter_dir(
+            Path(path),
+            base=self.spec,
+            max_lora_rank=self.max_lora_rank,
+            max_bytes=self.max_adapter_bytes,
+        )
+
+    def add(self, name: str, adapter: LoraAdapter, path: str | Path) -> str:
+        """Name an adapter already read by `read` from `path` (kept to reload it later)."""
         self.names[name] = adapter.id
         self.paths[adapter.id] = Path(path)
         self._cache(adapter)
@@ -172,7 +184,7 @@ class LoraManager:
         if adapter is not None:
             self.host.move_to_end(adapter_id)
             return adapter
-        adapter = self._read(self.paths[adapter_id])
+        adapter = self.read(self.paths[adapter_id])
         if adapter.id != adapter_id:
             raise InvalidRequestError(
                 f"adapter files in {self.paths[adapter_id]} changed since they were loaded"
@@ -187,14 +199,6 @@ class LoraManager:
         while total > self.host_cache_bytes and len(self.host) > 1:
             _, evicted = self.host.popitem(last=False)
             total -= evicted.num_bytes
-
-    def _read(self, path: Path) -> LoraAdapter:
-        return load_adapter_dir(
-            path,
-            base=self.spec,
-            max_lora_rank=self.max_lora_rank,
-            max_bytes=self.max_adapter_bytes,
-        )
 
     def _allocate(self) -> list[dict[str, SlotStack]]:
         rank, slots = self.max_lora_rank, self.max_loras
