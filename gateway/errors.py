@@ -7,6 +7,7 @@ is the only place that turns them into responses.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapters import AdapterError, AdapterNotFoundError, AdapterTooLargeError
+from gateway import metrics
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +156,19 @@ def adapter_error_status(exc: AdapterError) -> int:
     return 400
 
 
+def status_of(exc: BaseException) -> int:
+    """The HTTP status an exception becomes at the edge (for metrics, before it gets there)."""
+    if isinstance(exc, GatewayError):
+        return exc.status
+    if isinstance(exc, AdapterError):
+        return adapter_error_status(exc)
+    if isinstance(exc, redis.exceptions.RedisError):
+        return StateUnavailableError.status
+    if isinstance(exc, asyncio.CancelledError):
+        return ClientDisconnectedError.status
+    return 500
+
+
 def _validation_param(loc: tuple[Any, ...]) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts) or None
@@ -201,5 +216,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(redis.exceptions.RedisError)
     async def _redis(request: Request, exc: redis.exceptions.RedisError) -> JSONResponse:
         log.error("redis error on %s %s: %r", request.method, request.url.path, exc)
+        metrics.REDIS_ERRORS.inc()
         error = StateUnavailableError("shared state (Redis) is unavailable; retry later")
         return JSONResponse(gateway_error_body(error), status_code=error.status)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi.sse import format_sse_event
 
+from gateway import metrics
 from gateway.errors import (
+    ClientDisconnectedError,
     DeadlineExceededError,
     GatewayError,
     WorkerFailedError,
@@ -73,14 +76,31 @@ async def open_stream(
 class Tally:
     """What a request consumed so far, for quota settlement and usage, whatever its end."""
 
+    arrived: float = field(default_factory=time.monotonic)  # when the gateway got it
     started: bool = False  # the worker answered: the prompt was processed
     completion: dict[int, int] = field(default_factory=dict)  # sample index → tokens
     cached_tokens: int = 0
+    last_message_at: float = 0.0
+    error_status: int | None = None  # a failure after the response started
+    finished: bool = False  # the whole response was produced
 
     def record(self, message: worker_pb2.GenerateResponse) -> None:
+        now = time.monotonic()
+        if self.started:
+            metrics.INTER_TOKEN_LATENCY.observe(now - self.last_message_at)
+        else:
+            metrics.TIME_TO_FIRST_TOKEN.observe(now - self.arrived)
         self.started = True
+        self.last_message_at = now
         self.completion[message.index] = message.completion_tokens
         self.cached_tokens = max(self.cached_tokens, message.cached_tokens)
+
+    @property
+    def status(self) -> int:
+        """The request's outcome as an HTTP status, once its response is over."""
+        if self.error_status is not None:
+            return self.error_status
+        return 200 if self.finished else ClientDisconnectedError.status
 
     @property
     def completion_tokens(self) -> int:
@@ -125,6 +145,7 @@ async def collect(stream: WorkerStream, *, job: Job, fmt: OutputFormat, tally: T
         if message.finish_reason:
             sample.finish_reason = message.finish_reason
             sample.stop_reason = stop_reason_of(message)
+    tally.finished = True
     ordered = [samples[i] for i in sorted(samples)]
     if any(s.finish_reason is None for s in ordered):
         raise WorkerFailedError(f"worker {stream.address} ended the stream before every sample")
@@ -180,5 +201,7 @@ async def stream_events(
             yield sse(json.dumps(fmt.usage_chunk(usage), separators=(",", ":")))
     except GatewayError as exc:
         log.warning("request %s failed mid-stream: %s", job.request_id, exc.message)
+        tally.error_status = exc.status
         yield sse(json.dumps(gateway_error_body(exc)))
     yield DONE
+    tally.finished = True

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Gauge, Histogram
 
 QUOTA_REJECTIONS = Counter(
     "switchboard_quota_rejections_total",
@@ -14,3 +17,54 @@ QUOTA_REDIS_ERRORS = Counter(
     "Quota operations that failed on Redis, by what happened to the request.",
     ["outcome"],
 )
+REQUESTS = Counter(
+    "switchboard_requests_total",
+    "Completion and chat requests by tenant, model (base or adapter name), endpoint and final "
+    "status (499: the client left; a stream that failed mid-way counts its error's status).",
+    ["tenant", "model", "endpoint", "status"],
+)
+REQUESTS_IN_FLIGHT = Gauge(
+    "switchboard_requests_in_flight", "Completion and chat requests being served now."
+)
+REQUEST_DURATION = Histogram(
+    "switchboard_request_duration_seconds",
+    "End-to-end time of a completion or chat request, from routing to its last byte.",
+    ["endpoint"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320),
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "switchboard_time_to_first_token_seconds",
+    "From the request's arrival at the gateway to the worker's first token.",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40),
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "switchboard_inter_token_latency_seconds",
+    "Gap between consecutive streamed deltas of one request.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+REDIS_ERRORS = Counter(
+    "switchboard_redis_errors_total",
+    "Requests that failed because Redis did not answer (503 state_unavailable).",
+)
+
+
+@dataclass(slots=True)
+class RequestObservation:
+    """One completion or chat request, from arrival to `finish` (called once, any path)."""
+
+    tenant: str
+    model: str
+    endpoint: str
+    started: float = field(default_factory=time.monotonic)
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        REQUESTS_IN_FLIGHT.inc()
+
+    def finish(self, status: int) -> None:
+        if self.done:
+            return
+        self.done = True
+        REQUESTS_IN_FLIGHT.dec()
+        REQUESTS.labels(self.tenant, self.model, self.endpoint, str(status)).inc()
+        REQUEST_DURATION.labels(self.endpoint).observe(time.monotonic() - self.started)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 
-from gateway.errors import ClientDisconnectedError
+from gateway.errors import ClientDisconnectedError, status_of
 from gateway.generation import Tally, collect, open_stream, stream_events
 from gateway.jobs import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -22,6 +23,7 @@ from gateway.jobs import (
     sampling_params,
     settle_max_tokens,
 )
+from gateway.metrics import RequestObservation
 from gateway.openai_format import ChatFormat, CompletionFormat, Header, OutputFormat
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
@@ -63,43 +65,65 @@ async def list_models(*, state: GatewayState, caller: Caller) -> dict[str, Any]:
 async def serve_completion(
     body: CompletionRequest, *, state: GatewayState, caller: Caller, request: Request
 ) -> Response:
-    body.check_supported()
-    adapter = await _resolve(body.model, state=state, caller=caller)
-    prompt_ids = await completion_prompt_ids(body, tokenizer=state.tokenizer)
-    return await _serve(
-        body,
-        adapter=adapter,
-        prompt_ids=prompt_ids,
-        requested_max_tokens=body.max_tokens,
-        default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
-        logprobs=body.logprobs,
-        id_prefix="cmpl",
-        make_format=lambda job: CompletionFormat(_header(job), state.tokenizer, body.logprobs),
-        state=state,
-        caller=caller,
-        request=request,
-    )
+    tally = Tally()
+    with _observed(caller, body.model, "completions", tally) as observation:
+        body.check_supported()
+        adapter = await _resolve(body.model, state=state, caller=caller)
+        prompt_ids = await completion_prompt_ids(body, tokenizer=state.tokenizer)
+        return await _serve(
+            body,
+            adapter=adapter,
+            prompt_ids=prompt_ids,
+            requested_max_tokens=body.max_tokens,
+            default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
+            logprobs=body.logprobs,
+            id_prefix="cmpl",
+            make_format=lambda job: CompletionFormat(_header(job), state.tokenizer, body.logprobs),
+            state=state,
+            caller=caller,
+            request=request,
+            tally=tally,
+            observation=observation,
+        )
 
 
 async def serve_chat(
     body: ChatCompletionRequest, *, state: GatewayState, caller: Caller, request: Request
 ) -> Response:
-    body.check_supported()
-    adapter = await _resolve(body.model, state=state, caller=caller)
-    prompt_ids = await chat_prompt_ids(body, tokenizer=state.tokenizer)
-    return await _serve(
-        body,
-        adapter=adapter,
-        prompt_ids=prompt_ids,
-        requested_max_tokens=body.requested_max_tokens,
-        default_max_tokens=None,  # the whole remaining context: chat answers end at EOS
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        id_prefix="chatcmpl",
-        make_format=lambda job: ChatFormat(_header(job), state.tokenizer, body.logprobs),
-        state=state,
-        caller=caller,
-        request=request,
-    )
+    tally = Tally()
+    with _observed(caller, body.model, "chat", tally) as observation:
+        body.check_supported()
+        adapter = await _resolve(body.model, state=state, caller=caller)
+        prompt_ids = await chat_prompt_ids(body, tokenizer=state.tokenizer)
+        return await _serve(
+            body,
+            adapter=adapter,
+            prompt_ids=prompt_ids,
+            requested_max_tokens=body.requested_max_tokens,
+            default_max_tokens=None,  # the whole remaining context: chat answers end at EOS
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            id_prefix="chatcmpl",
+            make_format=lambda job: ChatFormat(_header(job), state.tokenizer, body.logprobs),
+            state=state,
+            caller=caller,
+            request=request,
+            tally=tally,
+            observation=observation,
+        )
+
+
+@contextlib.contextmanager
+def _observed(
+    caller: Caller, model: str, endpoint: str, tally: Tally
+) -> Iterator[RequestObservation]:
+    """Count the request once, with its final status: here if it fails before its response
+    exists; for a response, when the response is over (see `_serve`)."""
+    observation = RequestObservation(tenant=caller.tenant, model=model, endpoint=endpoint)
+    try:
+        yield observation
+    except BaseException as exc:
+        observation.finish(status_of(exc))
+        raise
 
 
 async def _resolve(model: str, *, state: GatewayState, caller: Caller):
@@ -124,6 +148,8 @@ async def _serve(
     state: GatewayState,
     caller: Caller,
     request: Request,
+    tally: Tally,
+    observation: RequestObservation,
 ) -> Response:
     """What completions and chat share once the prompt is tokens: budget, admission, job,
     response, and settlement of the quota reservation however the request ends."""
@@ -148,9 +174,9 @@ async def _serve(
         request_id=job.request_id,
         tokens=len(prompt_ids) + max_tokens * max(params.n, 1),
     )
-    tally = Tally()
 
     async def settle() -> None:
+        observation.finish(tally.status)
         used = (len(prompt_ids) if tally.started else 0) + tally.completion_tokens
         usage = UsageDelta(
             model=job.model,
@@ -167,7 +193,8 @@ async def _serve(
             state=state, request=request, tally=tally, headers=reservation.headers,
             on_close=settle,
         )  # fmt: skip
-    except BaseException:
+    except BaseException as exc:
+        observation.finish(status_of(exc))
         await settle()
         raise
 
