@@ -112,6 +112,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.num_preemptions = 0  # since start, for metrics and tests
+        self.num_swap_outs = 0  # of which by swapping
 
     @property
     def has_work(self) -> bool:
@@ -308,6 +309,7 @@ class Scheduler:
             )
             self.block_manager.free(seq.block_table)
             seq.num_registered_blocks = 0
+            self.num_swap_outs += 1
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
             return
