@@ -180,3 +180,17 @@ def test_a_refused_allocation_takes_nothing():
     assert pool.blocks_needed([], 12, cached=hits) == 1
     assert not pool.can_allocate([], 12, cached=hits)
     assert [pool.blocks[i].ref_count for i in range(3)] == [1, 1, 1]
+
+
+def test_reset_forgets_every_prefix_and_keeps_blocks_in_use():
+    pool = make_pool()
+    held = run(pool, PROMPT)  # [0, 1, 2], 0 and 1 cached
+    pool.free(run(pool, [*list(range(50, 58)), 1]))  # [3, 4 cached, 5]
+    pool.reset_cache()
+    assert pool.stats.cached_blocks == 0 and pool.num_free_blocks == 5
+    assert pool.match_prefix(hashes(PROMPT)) == []
+    pool.free(held)
+    assert pool.num_free_blocks == 8
+    table: list[int] = []
+    pool.allocate(table, 8 * BS)
+    assert sorted(table) == list(range(8)) and pool.stats.evictions == 0

@@ -193,6 +193,17 @@ class BlockManager:
                 raise RuntimeError(f"block {block_id} freed twice")
         block_table.clear()
 
+    def reset_cache(self) -> None:
+        """Forget every cached prefix (benchmarks, or after weights change in place)."""
+        for block in self.blocks:
+            if block.block_hash is not None:
+                block.block_hash = None
+                if block.ref_count == 0:
+                    self._clean.append(block.block_id)
+        self._evictable.clear()
+        self._cached.clear()
+        self.stats.cached_blocks = 0
+
     def slot(self, block_table: list[int], position: int) -> int:
         """Flat KV slot (``block_id * block_size + offset``) of token ``position``."""
         return block_table[position // self.block_size] * self.block_size + (

@@ -127,6 +127,10 @@ class LLMEngine:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.block_manager.stats
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; running requests keep their blocks."""
+        self.block_manager.reset_cache()
+
     def load_adapter(self, name: str, path: str | Path) -> str:
         """Load, validate and name a PEFT LoRA adapter; returns its content id."""
         if self.lora_manager is None:
