@@ -3,8 +3,9 @@
 chat: ``--sessions`` chats x ``--turns`` turns. Every prompt is the same ``--system-tokens``
 system prompt, the session's history (its earlier messages and the model's own answers)
 and a new user message (seeded, 20-60 tokens); answers are ``--answer-tokens`` long
-(greedy, ignore_eos). Sessions run at once, closed loop: a session's next turn is queued
-when its answer ends. TTFT is measured from that moment.
+(greedy, ignore_eos). Sessions run at once; a session's next turn is queued a seeded
+think time (exponential, mean ``--think-time-s``; 0: at once) after its answer ends, and its
+TTFT is measured from that moment.
 document: ``--doc-requests`` requests sharing one ``--doc-tokens`` document, each with its
 own question (seeded, 10-40 tokens) and ``--doc-output-tokens`` output tokens, all at once.
 Each workload runs with the cache off, then on (reset first), back to back.
@@ -14,6 +15,7 @@ Usage: ``python -m bench.prefix [--workload chat|document|all] [--out results.js
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -61,9 +63,14 @@ def run_chat(engine, args) -> RunResult:
     from worker import SamplingParams
 
     system, users = chat_turns(args, engine.config.vocab_size)
+    rng = np.random.default_rng(2)
+    # Seconds each user takes before the next message (exponential, seeded: the same in
+    # both runs); 0 makes the loop closed, and the sessions move in lockstep.
+    think = rng.exponential(args.think_time_s, (len(users), args.turns)) * (args.think_time_s > 0)
     params = SamplingParams(temperature=0.0, max_tokens=args.answer_tokens, ignore_eos=True)
     history = [list(system) for _ in users]
     turn_of: dict[str, tuple[int, int]] = {}
+    due: list[tuple[float, int, int]] = []  # heap of (time, session, turn) not sent yet
 
     def send(session: int, turn: int) -> None:
         history[session] += users[session][turn]
@@ -75,7 +82,13 @@ def run_chat(engine, args) -> RunResult:
     start = time.monotonic()
     for session in range(len(users)):
         send(session, 0)
-    while engine.has_unfinished_requests:
+    while engine.has_unfinished_requests or due:
+        while due and due[0][0] <= time.monotonic():
+            _, session, turn = heapq.heappop(due)
+            send(session, turn)
+        if not engine.has_unfinished_requests:
+            time.sleep(max(0.0, due[0][0] - time.monotonic()))
+            continue
         for out in engine.step():
             if not out.finished:
                 continue
@@ -83,7 +96,7 @@ def run_chat(engine, args) -> RunResult:
             done.append((turn, out))
             history[session] += out.token_ids
             if turn + 1 < args.turns:
-                send(session, turn + 1)
+                heapq.heappush(due, (time.monotonic() + think[session, turn], session, turn + 1))
     result = summarize(engine, done, time.monotonic() - start)
     by_turn = {t + 1: p50([o.metrics.ttft for tt, o in done if tt == t]) for t in range(args.turns)}
     result.ttft_p50_by_turn_s = by_turn
@@ -176,6 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=600)
     parser.add_argument("--answer-tokens", type=int, default=32)
+    parser.add_argument(
+        "--think-time-s", type=float, default=1.0, help="mean user think time between turns"
+    )
     parser.add_argument("--doc-requests", type=int, default=64)
     parser.add_argument("--doc-tokens", type=int, default=1000)
     parser.add_argument("--doc-output-tokens", type=int, default=16)
@@ -190,7 +206,9 @@ def main(argv: list[str] | None = None) -> dict:
     engine = LLMEngine(
         model_path, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens
     )
-    warmup = argparse.Namespace(**{**vars(args), "sessions": 2, "turns": 2, "answer_tokens": 4})
+    warmup = argparse.Namespace(
+        **{**vars(args), "sessions": 2, "turns": 2, "answer_tokens": 4, "think_time_s": 0.0}
+    )
     warmup.system_tokens = 48
     run_chat(engine, warmup)  # oneDNN weight packing and allocator warm-up, not measured
     report: dict = {
