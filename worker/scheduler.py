@@ -135,7 +135,10 @@ class Scheduler:
         self.block_manager.free(seq.block_table)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Start ``child`` (same prompt) where ``parent`` is, sharing all its blocks."""
+        """Start ``child`` (same prompt) where ``parent`` is, sharing all its blocks.
+
+        Samples of one request join together, so ``max_num_seqs`` can be exceeded by up to
+        n - 1 until they finish (refusing a fork would mean prefilling the prompt again)."""
         child.block_table = self.block_manager.fork(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
