@@ -18,7 +18,7 @@ def fixed_lengths(
 ) -> list[BenchRequest]:
     """W1-style: every request has the same prompt and output length."""
     rng = np.random.default_rng(seed)
-    return [BenchRequest(_tokens(rng, prompt_len, vocab), output_len) for _ in range(num)]
+    return [BenchRequest(random_tokens(rng, prompt_len, vocab), output_len) for _ in range(num)]
 
 
 def long_tailed(
@@ -38,11 +38,11 @@ def long_tailed(
     prompts = np.clip(rng.lognormal(np.log(200), 0.9, num), *prompt_range).astype(int)
     outputs = np.clip(rng.lognormal(np.log(120), 0.9, num), *output_range).astype(int)
     return [
-        BenchRequest(_tokens(rng, int(p), vocab), int(o))
+        BenchRequest(random_tokens(rng, int(p), vocab), int(o))
         for p, o in zip(prompts, outputs, strict=True)
     ]
 
 
-def _tokens(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
+def random_tokens(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
     # Skip the lowest ids, where tokenizers keep their special tokens.
     return rng.integers(100, vocab, length).tolist()

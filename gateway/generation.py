@@ -26,7 +26,7 @@ from gateway.errors import (
 )
 from gateway.jobs import Job
 from gateway.openai_format import OutputFormat, Sample, Usage, stop_reason_of
-from gateway.routing import WorkerDirectory
+from gateway.routing import WorkerDirectory, prefix_affinity_key
 from gateway.worker_client import WorkerChannels, WorkerStream, WorkerStreamError, start_generate
 from rpc import worker_pb2
 
@@ -44,7 +44,10 @@ async def open_stream(
     job: Job, *, directory: WorkerDirectory, channels: WorkerChannels
 ) -> WorkerStream:
     """A Generate call on the best worker that answers, with its first response in hand."""
-    candidates = await directory.candidates(adapter_id=job.adapter_id)
+    affinity = prefix_affinity_key(
+        tenant=job.tenant, adapter_id=job.adapter_id, prompt_ids=job.prompt_ids
+    )
+    candidates = await directory.candidates(adapter_id=job.adapter_id, affinity_key=affinity)
     request = job.to_proto()
     error: GatewayError = WorkerFailedError("no worker answered")
     for worker in candidates[:MAX_TRIES]:

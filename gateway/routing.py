@@ -1,16 +1,25 @@
-"""Which worker serves a request: adapter affinity by rendezvous hashing, bounded by load.
+"""Which worker serves a request: adapter and prefix affinity by rendezvous hashing,
+bounded by load.
 
 Policy (`rank_workers`, a pure function over `WorkerInfo`s):
 1. Load = running + waiting (+ what this gateway sent since it last read the registry).
    A worker is *within bound* while load <= least_load * load_factor + load_slack.
-2. Base-model requests: least loaded first.
+2. Base-model requests: least loaded first; with a prefix affinity key (below), the
+   workers within bound in the key's rendezvous order instead.
 3. Adapter requests: workers within bound that already hold the adapter (least loaded
-   first), then the other workers within bound in rendezvous order — highest random weight
-   of hash(adapter_id, worker_id) (Thaler & Ravishankar, 1998) — so each adapter has a
-   stable favourite worker, then a stable second, and its traffic concentrates there
-   instead of loading it everywhere; then workers over the bound, least loaded first (the
-   spill-over when one adapter is hot).
+   first, or in the key's rendezvous order when there is one), then the other workers
+   within bound in rendezvous order — highest random weight of hash(adapter_id, worker_id)
+   (Thaler & Ravishankar, 1998) — so each adapter has a stable favourite worker, then a
+   stable second, and its traffic concentrates there instead of loading it everywhere;
+   then workers over the bound, least loaded first (the spill-over when one adapter is hot).
 The caller tries the first worker and, if it fails before the first token, the second.
+
+Prefix affinity: a conversation resends its history every turn, and a worker's prefix
+cache holds that history's K/V. `prefix_affinity_key` names a conversation by its tenant,
+adapter and first `AFFINITY_BLOCKS` blocks of tokens, so every turn — and every gateway
+replica, with no shared state — sends it to the same worker while that worker is within
+bound. Prompts shorter than one block get no key; those shorter than `AFFINITY_BLOCKS`
+blocks may move once as they grow, which costs little (their prefill is short).
 
 `WorkerDirectory` reads the live list from the Redis registry at most once per `cache_s`.
 """
@@ -20,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,22 +39,42 @@ from redis.asyncio import Redis
 from gateway.errors import NoWorkerError
 from switchboard.registry import WorkerInfo, live_workers
 
+# The workers' KV block size, and how many leading blocks name a conversation.
+AFFINITY_BLOCK_SIZE = 16
+AFFINITY_BLOCKS = 4
 
-def rendezvous_score(adapter_id: str, worker_id: str) -> int:
-    """A stable pseudo-random weight of (adapter, worker); the highest wins."""
-    digest = hashlib.blake2b(f"{adapter_id}\0{worker_id}".encode(), digest_size=8).digest()
+
+def rendezvous_score(key: str, worker_id: str) -> int:
+    """A stable pseudo-random weight of (adapter or affinity key, worker); the highest wins."""
+    digest = hashlib.blake2b(f"{key}\0{worker_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
+
+
+def prefix_affinity_key(
+    *, tenant: str, adapter_id: str | None, prompt_ids: Sequence[int]
+) -> str | None:
+    """The conversation's routing key: tenant, adapter and leading full blocks of tokens."""
+    num_blocks = min(len(prompt_ids) // AFFINITY_BLOCK_SIZE, AFFINITY_BLOCKS)
+    if num_blocks == 0:
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    for part in (tenant, adapter_id or ""):
+        h.update(part.encode() + b"\0")
+    h.update(array("q", prompt_ids[: num_blocks * AFFINITY_BLOCK_SIZE]).tobytes())
+    return "prefix:" + h.hexdigest()
 
 
 def rank_workers(
     workers: Sequence[WorkerInfo],
     *,
     adapter_id: str | None,
+    affinity_key: str | None = None,
     extra_load: dict[str, int] | None = None,
     load_factor: float = 1.5,
     load_slack: int = 4,
 ) -> list[WorkerInfo]:
-    """All `workers`, best first, for a request on `adapter_id` (None: the base model)."""
+    """All `workers`, best first, for a request on `adapter_id` (None: the base model)
+    continuing the conversation `affinity_key` (None: no affinity)."""
     if not workers:
         return []
     extra = extra_load or {}
@@ -52,20 +82,25 @@ def rank_workers(
     def load(w: WorkerInfo) -> int:
         return w.running + w.waiting + extra.get(w.worker_id, 0)
 
+    def preference(w: WorkerInfo) -> tuple:
+        if affinity_key is None:
+            return (load(w), w.worker_id)
+        return (-rendezvous_score(affinity_key, w.worker_id),)
+
     by_load = sorted(workers, key=lambda w: (load(w), w.worker_id))
-    if adapter_id is None:
+    if adapter_id is None and affinity_key is None:
         return by_load
     bound = load(by_load[0]) * load_factor + load_slack
     within = [w for w in workers if load(w) <= bound]
-    holders = sorted(
-        (w for w in within if adapter_id in w.adapters), key=lambda w: (load(w), w.worker_id)
-    )
+    spill = [w for w in by_load if load(w) > bound]
+    if adapter_id is None:
+        return sorted(within, key=preference) + spill
+    holders = sorted((w for w in within if adapter_id in w.adapters), key=preference)
     others = sorted(
         (w for w in within if adapter_id not in w.adapters),
         key=lambda w: rendezvous_score(adapter_id, w.worker_id),
         reverse=True,
     )
-    spill = [w for w in by_load if load(w) > bound]
     return holders + others + spill
 
 
@@ -117,11 +152,14 @@ class WorkerDirectory:
         self._sent.clear()
         self._failed.clear()
 
-    async def candidates(self, *, adapter_id: str | None) -> list[WorkerInfo]:
+    async def candidates(
+        self, *, adapter_id: str | None, affinity_key: str | None = None
+    ) -> list[WorkerInfo]:
         """Workers to try, best first; NoWorkerError if none is alive."""
         ranked = rank_workers(
             await self.workers(),
             adapter_id=adapter_id,
+            affinity_key=affinity_key,
             extra_load=self._sent,
             load_factor=self.load_factor,
             load_slack=self.load_slack,

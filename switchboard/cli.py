@@ -104,8 +104,16 @@ def bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_prefix(args: argparse.Namespace) -> int:
+    """Prefix cache on vs off: multi-turn chats and a shared document (see bench/README.md)."""
+    from bench.prefix import main as run_benchmark
+
+    run_benchmark(args.extra_options)
+    return 0
+
+
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    # Every option goes on to bench/throughput.py, which documents them (--help there).
+    # Every option goes on to the benchmark module, which documents them (--help there).
     parser.set_defaults(passes_options_through=True)
 
 
@@ -125,6 +133,10 @@ def worker(args: argparse.Namespace) -> int:
         "max_lora_rank": args.max_lora_rank,
         "max_num_seqs": args.max_num_seqs,
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "share_base_model_prefixes": args.share_base_model_prefixes,
+        "preemption_mode": args.preemption_mode,
+        "swap_space_gb": args.swap_space_gb,
     }
     asyncio.run(
         serve(
@@ -167,6 +179,23 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true", help="turn automatic prefix caching off"
+    )
+    parser.add_argument(
+        "--share-base-model-prefixes",
+        action="store_true",
+        help="let tenants share cached base-model prefixes (default: isolated per tenant)",
+    )
+    parser.add_argument(
+        "--preemption-mode",
+        choices=("recompute", "swap"),
+        default="recompute",
+        help="what happens to a preempted request's KV cache",
+    )
+    parser.add_argument(
+        "--swap-space-gb", type=float, default=1.0, help="host memory for swapped-out KV blocks"
+    )
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may finish"
     )
@@ -385,6 +414,12 @@ COMMANDS: tuple[Command, ...] = (
         ("bench", "throughput"),
         "engine vs HF generate throughput",
         bench_throughput,
+        _bench_arguments,
+    ),
+    Command(
+        ("bench", "prefix"),
+        "prefix cache on vs off (multi-turn chat, shared document)",
+        bench_prefix,
         _bench_arguments,
     ),
     Command(("worker",), "serve the engine over gRPC", worker, _worker_arguments),

@@ -2,18 +2,21 @@
 
 from worker.block_manager import BlockManager
 from worker.sampling_params import SamplingParams
-from worker.scheduler import Scheduler
+from worker.scheduler import BlockMove, MoveKind, Scheduler
 from worker.sequence import Sequence, SequenceStatus
 
 
 def make_scheduler(
-    *, num_blocks=16, block_size=4, max_num_seqs=8, max_tokens=32, max_loras=0
+    *, num_blocks=16, block_size=4, max_num_seqs=8, max_tokens=32, max_loras=0, host_blocks=0
 ) -> Scheduler:
+    host = BlockManager(num_blocks=host_blocks, block_size=block_size) if host_blocks else None
     return Scheduler(
         block_manager=BlockManager(num_blocks=num_blocks, block_size=block_size),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_tokens,
         max_loras=max_loras,
+        preemption_mode="swap" if host_blocks else "recompute",
+        host_block_manager=host,
     )
 
 
@@ -151,3 +154,93 @@ def test_a_stream_of_requests_for_running_adapters_cannot_starve_another_adapter
     run_step(sched)
     assert running_ids(sched) == ["r1"]
     assert late_a.status is SequenceStatus.WAITING  # B holds the only slot now
+
+
+def run_step_with_cache(sched: Scheduler) -> list[tuple[str, int, int]]:
+    """Like run_step, but through ``mark_computed``, so full blocks get cached."""
+    out = sched.schedule()
+    plan = [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled]
+    sched.mark_computed(out)
+    for s in out.scheduled:
+        if s.samples:
+            s.seq.append_token(7)
+    return plan
+
+
+def test_a_cached_prefix_is_skipped_and_costs_no_budget():
+    sched = make_scheduler(max_tokens=4)
+    first = make_seq(0, 10)
+    sched.add(first)
+    assert run_step_with_cache(sched) == [("r0", 0, 4)]
+    assert run_step_with_cache(sched) == [("r0", 4, 4)]
+    assert run_step_with_cache(sched) == [("r0", 8, 2)]
+    sched.remove(first)
+    again = make_seq(1, 10)  # same tokens
+    sched.add(again)
+    # Two full blocks (8 tokens) come from the cache: only the last 2 are computed.
+    assert run_step_with_cache(sched) == [("r1", 8, 2)]
+    assert again.num_cached_tokens == 8 and again.block_table[:2] == [0, 1]
+    stats = sched.block_manager.stats
+    assert (stats.queries, stats.hits) == (20, 8) and stats.hit_rate == 0.4
+
+
+def test_swap_preemption_keeps_the_computed_tokens_and_resumes_before_new_arrivals():
+    # 4 blocks of 4: two 8-token prompts fill the pool; the host pool has room for one.
+    sched = make_scheduler(num_blocks=4, block_size=4, max_tokens=64, host_blocks=2)
+    a, b = make_seq(0, 8), make_seq(1, 8)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    assert a.block_table == [0, 1] and b.block_table == [2, 3]
+    out = sched.schedule()
+    # b (latest) is swapped out: its blocks go to host blocks 0 and 1, its progress stays.
+    assert out.preempted == [b] and b.status is SequenceStatus.SWAPPED
+    assert out.moves == [BlockMove(MoveKind.SWAP_OUT, 2, 0), BlockMove(MoveKind.SWAP_OUT, 3, 1)]
+    assert b.num_computed_tokens == 8 and b.block_table == [] and b.host_block_table == [0, 1]
+    assert [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled] == [("r0", 8, 1)]
+    a.num_computed_tokens += 1
+    a.append_token(7)
+    late = make_seq(2, 2)
+    sched.add(late)
+    sched.remove(a)
+    # b comes back before the new arrival, decoding its one uncomputed token at once.
+    out = sched.schedule()
+    assert [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled] == [
+        ("r1", 8, 1),
+        ("r2", 0, 2),
+    ]
+    assert out.moves[:2] == [
+        BlockMove(MoveKind.SWAP_IN, 0, b.block_table[0]),
+        BlockMove(MoveKind.SWAP_IN, 1, b.block_table[1]),
+    ]
+    assert sched.host_block_manager.num_free_blocks == 2
+    assert sched.num_preemptions == 1 and b.status is SequenceStatus.RUNNING
+
+
+def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_tokens=64, host_blocks=1)
+    a, b = make_seq(0, 8), make_seq(1, 8)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    out = sched.schedule()
+    assert out.preempted == [b] and b.status is SequenceStatus.WAITING
+    assert b.num_computed_tokens == 0 and out.moves == []
+
+
+def test_a_forked_sequence_copies_the_shared_partial_block_on_its_first_write():
+    sched = make_scheduler(num_blocks=8, block_size=4)
+    parent = make_seq(0, 6)
+    sched.add(parent)
+    run_step_with_cache(sched)  # prompt computed: blocks [0, 1], one token sampled
+    child = make_seq(1, 6)
+    sched.fork(parent, child)
+    child.append_token(9)  # its own first sample
+    out = sched.schedule()
+    assert [(s.seq.request_id, s.start) for s in out.scheduled] == [("r0", 6), ("r1", 6)]
+    # The parent writes first and copies; the child is then the only holder of block 1.
+    assert out.moves == [BlockMove(MoveKind.COPY, 1, 2)]
+    assert parent.block_table == [0, 2] and child.block_table == [0, 1]
+    sched.remove(parent)
+    sched.remove(child)
+    assert sched.block_manager.num_free_blocks == 8

@@ -82,12 +82,14 @@ def request(prompt_ids, **params) -> worker_pb2.GenerateRequest:
     params.setdefault("skip_special_tokens", True)
     adapter_id = params.pop("adapter_id", "")
     adapter_path = params.pop("adapter_path", "")
+    tenant = params.pop("tenant", "")
     return worker_pb2.GenerateRequest(
         request_id=params.pop("request_id", "r1"),
         prompt_token_ids=prompt_ids,
         params=worker_pb2.SamplingParams(**params),
         adapter_id=adapter_id,
         adapter_path=str(adapter_path),
+        tenant=tenant,
     )
 
 
@@ -149,6 +151,17 @@ async def test_n_samples_are_indexed_and_seeded_per_sample(stub, offline, prompt
         assert joined(messages, i) == (expected[i].token_ids, expected[i].text)
         assert [m.finish_reason for m in messages if m.index == i][-1] == "length"
     assert expected[0].token_ids != expected[1].token_ids
+
+
+async def test_cached_prompt_tokens_are_reported_and_isolated_per_tenant(stub, prompt_ids):
+    prompt = prompt_ids * 4
+    cached = []
+    for tenant in ("acme", "acme", "globex"):
+        messages = await collect(stub, request(prompt, max_tokens=4, tenant=tenant))
+        cached.append(messages[-1].cached_tokens)
+    # Every full block but the one holding the last prompt token, whose logits are needed.
+    assert cached == [0, (len(prompt) - 1) // 16 * 16, 0]
+    assert cached[1] > 0
 
 
 async def test_stop_string(stub, offline, prompt_ids):

@@ -25,6 +25,7 @@ from adapters.errors import AdapterError, AdapterNotFoundError
 from worker.engine import LLMEngine
 from worker.errors import InvalidRequestError
 from worker.outputs import RequestOutput
+from worker.prefix_cache import PrefixCacheStats
 from worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class EngineStats:
     free_kv_blocks: int
     total_kv_blocks: int
     adapter_ids: tuple[str, ...]  # content ids of the loaded adapters
+    prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)
 
 
 @dataclass(slots=True)
@@ -125,14 +127,15 @@ class AsyncEngine:
         adapter_id: str | None = None,
         adapter_path: str | Path | None = None,
         n: int = 1,
+        tenant: str | None = None,
     ) -> AsyncIterator[SampleOutput]:
         """Stream the deltas of ``n`` samples of one prompt, merged, until all have finished.
 
         ``n > 1`` runs n engine requests ``f"{request_id}-{i}"`` (every request uses that
         naming); with a seed, sample i uses ``seed + i`` so the samples differ yet are
-        reproducible. Each sample prefills the prompt by itself for now (copy-on-write
-        forking of the prompt's blocks comes later). ``adapter_path`` loads the adapter
-        first if it is not loaded. Invalid requests raise here, before any output.
+        reproducible. The prompt is computed once; the samples then share its KV blocks
+        (copy-on-write). ``adapter_path`` loads the adapter first if it is not loaded;
+        ``tenant`` isolates the prefix cache. Invalid requests raise here, before any output.
         Closing the iterator early (or cancelling its consumer) aborts what is left.
         """
         if not 1 <= n <= MAX_N:
@@ -149,7 +152,13 @@ class AsyncEngine:
             if adapter_id is not None and adapter_path and not self._has_adapter(adapter_id):
                 await self.load_adapter(adapter_id, adapter_path)
             await self._call(
-                self._add_on_loop, engine_ids, prompt_token_ids, params, adapter_id, adapter_path
+                self._add_on_loop,
+                engine_ids,
+                prompt_token_ids,
+                params,
+                adapter_id,
+                adapter_path,
+                tenant,
             )
             while unfinished:
                 item = await queue.get()
@@ -251,23 +260,17 @@ class AsyncEngine:
         params: SamplingParams,
         adapter_id: str | None,
         adapter_path: str | Path | None,
+        tenant: str | None,
     ) -> None:
         if adapter_id is not None and adapter_path:
             self._load_on_loop(adapter_id, adapter_path)
-        added = []
-        try:
-            for i, engine_id in enumerate(engine_ids):
-                sample_params = params
-                if params.seed is not None and i > 0:
-                    sample_params = dataclasses.replace(params, seed=params.seed + i)
-                self.engine.add_request(
-                    engine_id, prompt_token_ids, sample_params, adapter=adapter_id
-                )
-                added.append(engine_id)
-        except BaseException:
-            for engine_id in added:
-                self.engine.abort(engine_id)
-            raise
+        per_sample = [
+            dataclasses.replace(params, seed=params.seed + i) if params.seed is not None else params
+            for i in range(len(engine_ids))
+        ]
+        self.engine.add_samples(
+            engine_ids, prompt_token_ids, per_sample, adapter=adapter_id, tenant=tenant
+        )
 
     def _load_on_loop(self, adapter_id: str, path: str | Path) -> None:
         if self.engine.lora_manager is not None and adapter_id in self.engine.lora_manager.names:
@@ -295,6 +298,7 @@ class AsyncEngine:
             free_kv_blocks=engine.block_manager.num_free_blocks,
             total_kv_blocks=engine.block_manager.num_blocks,
             adapter_ids=tuple(sorted(set(names.values()))),
+            prefix_cache=dataclasses.replace(engine.prefix_cache_stats),
         )
 
     # --- crossing threads ---------------------------------------------------------------

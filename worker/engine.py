@@ -20,9 +20,10 @@ from worker.lora_manager import LoraManager, UnknownAdapterError
 from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.outputs import RequestOutput
 from worker.postprocess import Postprocessor
+from worker.prefix_cache import PrefixCacheStats, root_hash
 from worker.sampler import Sampler, SamplingRow
 from worker.sampling_params import SamplingParams
-from worker.scheduler import Scheduler
+from worker.scheduler import PreemptionMode, ScheduledSequence, Scheduler
 from worker.sequence import FinishReason, Sequence, SequenceStatus
 from worker.tokenizer import load_tokenizer
 
@@ -52,22 +53,44 @@ class LLMEngine:
         max_loras: int = 8,
         max_lora_rank: int = 32,
         lora_host_cache_gb: float = 2.0,
+        enable_prefix_caching: bool = True,
+        share_base_model_prefixes: bool = False,
+        preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE,
+        swap_space_gb: float = 1.0,
+        num_host_blocks: int | None = None,
     ) -> None:
+        """``share_base_model_prefixes``: base-model requests of different tenants share
+        cached prefixes (faster; but one tenant can then time another's prompts). Adapter
+        requests are always isolated per tenant. ``swap_space_gb`` (or ``num_host_blocks``)
+        sizes the host pool used when ``preemption_mode`` is ``"swap"``."""
         torch_dtype = resolve_dtype(dtype)
         self.model = LlamaModel.from_pretrained(model, dtype=torch_dtype)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(model)
         self.max_model_len = min(max_model_len or 10**9, self.config.max_position_embeddings)
+        block_bytes = kv_bytes_per_block(self.config, block_size, torch_dtype)
         if num_kv_blocks is None:
-            block_bytes = kv_bytes_per_block(self.config, block_size, torch_dtype)
             num_kv_blocks = max(1, int(kv_cache_memory_gb * 2**30) // block_bytes)
-        self.block_manager = BlockManager(num_blocks=num_kv_blocks, block_size=block_size)
+        self.block_manager = BlockManager(
+            num_blocks=num_kv_blocks, block_size=block_size, enable_caching=enable_prefix_caching
+        )
+        self.share_base_model_prefixes = share_base_model_prefixes
+        host_pool = None
+        preemption_mode = PreemptionMode(preemption_mode)
+        if preemption_mode is PreemptionMode.SWAP:
+            if num_host_blocks is None:
+                num_host_blocks = max(1, int(swap_space_gb * 2**30) // block_bytes)
+            host_pool = BlockManager(
+                num_blocks=num_host_blocks, block_size=block_size, enable_caching=False
+            )
         self.scheduler = Scheduler(
             block_manager=self.block_manager,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             watermark_blocks=num_kv_blocks // 100,
             max_loras=max_loras,
+            preemption_mode=preemption_mode,
+            host_block_manager=host_pool,
         )
         # max_loras=0 turns LoRA off (no slot buffers are ever allocated).
         self.lora_manager = None
@@ -84,6 +107,7 @@ class LLMEngine:
             num_blocks=num_kv_blocks,
             block_size=block_size,
             lora_manager=self.lora_manager,
+            num_host_blocks=host_pool.num_blocks if host_pool is not None else 0,
         )
         self.sampler = Sampler()
         self.postprocessor = Postprocessor(
@@ -91,11 +115,22 @@ class LLMEngine:
         )
         self.requests: dict[str, Sequence] = {}
         self._rows: dict[str, SamplingRow] = {}
+        # n > 1: samples waiting for their first sibling's prompt to be computed, by the
+        # request id of that sibling (see add_samples).
+        self._forks: dict[str, list[Sequence]] = {}
         self._arrivals = itertools.count()
 
     @property
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.block_manager.stats
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; running requests keep their blocks."""
+        self.block_manager.reset_cache()
 
     def load_adapter(self, name: str, path: str | Path) -> str:
         """Load, validate and name a PEFT LoRA adapter; returns its content id."""
@@ -123,36 +158,68 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         adapter: str | None = None,
+        tenant: str | None = None,
     ) -> None:
         """Validate and queue a request; raises ``InvalidRequestError`` and queues nothing.
 
-        ``adapter`` names a loaded LoRA adapter; None runs the base model.
+        ``adapter`` names a loaded LoRA adapter; None runs the base model. ``tenant``
+        isolates the request's prefix cache from other tenants'.
         """
-        params = params or SamplingParams()
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.add_samples(
+            [request_id], prompt, [params or SamplingParams()], adapter=adapter, tenant=tenant
+        )
+
+    def add_samples(
+        self,
+        request_ids: list[str],
+        prompt: str | list[int],
+        params: list[SamplingParams],
+        *,
+        adapter: str | None = None,
+        tenant: str | None = None,
+    ) -> None:
+        """Several samples of one prompt (``n > 1``), each its own request with its own params.
+
+        The prompt is computed once, by the first; when its prefill ends the others fork
+        from it, sharing its blocks (the partly filled last one is copied on first write),
+        and sample their first tokens from the same logits. Validates all, queues all or none.
+        """
+        if len(params) != len(request_ids) or not request_ids:
+            raise InvalidRequestError("one sampling params per sample id is required")
+        for request_id in request_ids:
+            if request_id in self.requests or request_ids.count(request_id) > 1:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
         adapter_id = None
         if adapter is not None:
             if self.lora_manager is None:
                 raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
             adapter_id = self.lora_manager.resolve(adapter)
         prompt_ids = self._tokenize(prompt)
-        self._validate(prompt_ids, params)
-        seq = Sequence(
-            request_id,
-            prompt_ids,
-            params,
-            arrival_order=next(self._arrivals),
-            adapter_id=adapter_id,
-        )
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
-        self.postprocessor.attach(seq, self.tokenizer)
-        self.requests[request_id] = seq
-        self._rows[request_id] = SamplingRow(
-            params, seq.output_token_ids, seq.prompt_token_ids, seq.generator
-        )
-        self.scheduler.add(seq)
+        for p in params:
+            self._validate(prompt_ids, p)
+        salt = None if adapter_id is None and self.share_base_model_prefixes else tenant
+        root = root_hash(adapter_id, salt)
+        seqs = []
+        for request_id, p in zip(request_ids, params, strict=True):
+            seq = Sequence(
+                request_id,
+                prompt_ids,
+                p,
+                arrival_order=next(self._arrivals),
+                adapter_id=adapter_id,
+                cache_root=root,
+            )
+            if p.seed is not None:
+                seq.generator = torch.Generator().manual_seed(p.seed)
+            self.postprocessor.attach(seq, self.tokenizer)
+            self.requests[request_id] = seq
+            self._rows[request_id] = SamplingRow(
+                p, seq.output_token_ids, seq.prompt_token_ids, seq.generator
+            )
+            seqs.append(seq)
+        self.scheduler.add(seqs[0])
+        if len(seqs) > 1:
+            self._forks[seqs[0].request_id] = seqs[1:]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; None if it is unknown or already done."""
@@ -166,11 +233,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: the outputs of every request that produced a token or finished."""
         sched = self.scheduler.schedule()
+        self.runner.move_blocks(sched.moves)
         if sched.is_empty:
             return []
         sampling, logits = self.runner.execute(sched.scheduled)
-        for s in sched.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
+        self.scheduler.mark_computed(sched)
+        if self._forks:
+            sampling, logits = self._fork_samples(sampling, logits)
         sampled = self.sampler(logits, [self._rows[s.seq.request_id] for s in sampling])
         now = time.monotonic()
         outputs = []
@@ -183,12 +252,49 @@ class LLMEngine:
             outputs.append(self.postprocessor.output(seq, new_tokens=1, new_text=new_text))
         return outputs
 
+    def _fork_samples(
+        self, sampling: list[ScheduledSequence], logits: torch.Tensor
+    ) -> tuple[list[ScheduledSequence], torch.Tensor]:
+        """Siblings of a sequence whose prompt just got computed join it here, each to
+        sample its own first token from the same logits row."""
+        rows = list(range(len(sampling)))
+        added = []
+        for row, s in enumerate(sampling):
+            children = (
+                self._forks.pop(s.seq.request_id, None) if not s.seq.output_token_ids else None
+            )
+            for child in children or ():
+                self.scheduler.fork(s.seq, child)
+                added.append(ScheduledSequence(child, s.start, s.num_tokens))
+                rows.append(row)
+        if not added:
+            return sampling, logits
+        return sampling + added, logits[torch.tensor(rows)]
+
     def _finish(self, seq: Sequence) -> None:
+        self._release_forks(seq)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.metrics.finished_time = time.monotonic()
         del self.requests[seq.request_id]
         del self._rows[seq.request_id]
+
+    def _release_forks(self, seq: Sequence) -> None:
+        """A sample leaving before its fork: drop it; if it was the one computing the
+        prompt, the next sibling takes over (queued, sharing whatever is cached)."""
+        children = self._forks.pop(seq.request_id, None)
+        if children:
+            heir, rest = children[0], children[1:]
+            self.scheduler.add(heir)
+            if rest:
+                self._forks[heir.request_id] = rest
+            return
+        for parent_id, siblings in self._forks.items():
+            if seq in siblings:
+                siblings.remove(seq)
+                if not siblings:
+                    del self._forks[parent_id]
+                return
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

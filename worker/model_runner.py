@@ -14,7 +14,7 @@ from kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from worker.llama import LlamaModel
 from worker.lora_manager import LoraManager
 from worker.model_config import ModelConfig
-from worker.scheduler import ScheduledSequence
+from worker.scheduler import BlockMove, MoveKind, ScheduledSequence
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -40,6 +40,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         lora_manager: LoraManager | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
         self.model = model
         self.lora_manager = lora_manager
@@ -50,6 +51,35 @@ class ModelRunner:
             (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
             for _ in range(c.num_layers)
         ]
+        # The swap pool: same layout in host memory (pinned when the cache is on a GPU).
+        host_shape = (num_host_blocks, *shape[1:])
+        pin = self.kv_caches[0][0].is_cuda
+        self.host_caches = [
+            (
+                torch.zeros(host_shape, dtype=model.dtype, pin_memory=pin),
+                torch.zeros(host_shape, dtype=model.dtype, pin_memory=pin),
+            )
+            for _ in range(c.num_layers if num_host_blocks else 0)
+        ]
+
+    @torch.inference_mode()
+    def move_blocks(self, moves: list[BlockMove]) -> None:
+        """Make the scheduler's block moves in order, a run of moves of one kind at a time."""
+        start = 0
+        while start < len(moves):
+            kind = moves[start].kind
+            end = start + 1
+            while end < len(moves) and moves[end].kind is kind:
+                end += 1
+            src = torch.tensor([m.src for m in moves[start:end]], dtype=torch.int64)
+            dst = torch.tensor([m.dst for m in moves[start:end]], dtype=torch.int64)
+            for layer, device in enumerate(self.kv_caches):
+                host = self.host_caches[layer] if kind is not MoveKind.COPY else device
+                source, target = (host, device) if kind is MoveKind.SWAP_IN else (device, host)
+                for s, t in zip(source, target, strict=True):  # keys, then values
+                    picked = s.index_select(0, src.to(s.device))  # [n, block, kv_heads, dim]
+                    t.index_copy_(0, dst.to(t.device), picked.to(t.device))
+            start = end
 
     @torch.inference_mode()
     def execute(

@@ -25,6 +25,7 @@ class RequestOutput:
     logprobs: list[SampledToken] | None = None
     metrics: RequestMetrics | None = None
     token_times: list[float] = field(default_factory=list)
+    # Prompt tokens whose K/V came from the prefix cache (OpenAI's usage.cached_tokens).
     num_cached_tokens: int = 0
 
     @property

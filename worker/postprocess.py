@@ -86,4 +86,5 @@ class Postprocessor:
             logprobs=seq.logprobs,
             metrics=seq.metrics,
             token_times=seq.token_times,
+            num_cached_tokens=seq.num_cached_tokens,
         )

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted, its K/V parked in the host pool
     FINISHED = "finished"
 
 
@@ -69,6 +70,15 @@ class Sequence:
     # Tokens whose K/V are in the cache; the rest still need a forward pass.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # While SWAPPED: the host-pool blocks holding the K/V of its computed tokens.
+    host_block_table: list[int] = field(default_factory=list)
+    # Prefix caching: the hash chain's seed (adapter, salt), the hashes of the full blocks
+    # of ``tokens`` computed so far, how many leading blocks of ``block_table`` are
+    # registered in the cache, and how many prompt tokens the first admission found cached.
+    cache_root: bytes = b""
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0

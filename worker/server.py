@@ -149,6 +149,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 adapter_id=request.adapter_id or None,
                 adapter_path=adapter_path,
                 n=request.params.n or 1,
+                tenant=request.tenant or None,
             )
             async with contextlib.aclosing(samples):
                 async for sample in samples:
