@@ -19,11 +19,11 @@ import heapq
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from bench.report import write_report
 from bench.workloads import random_tokens
 
 
@@ -225,11 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
         report[name] = compare(off, on)
         summary = {k: v for k, v in report[name].items() if k not in ("off", "on")}
         print(f"{name}: {json.dumps(summary)}", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
-    return report
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":
