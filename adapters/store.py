@@ -48,8 +48,11 @@ class FilesystemAdapterStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
-            self.root.mkdir(parents=True, mode=DIR_MODE)
-            os.chmod(self.root, DIR_MODE)  # mkdir's mode is filtered by the umask
+            try:
+                self.root.mkdir(parents=True, mode=DIR_MODE)
+                os.chmod(self.root, DIR_MODE)  # mkdir's mode is filtered by the umask
+            except FileExistsError:
+                pass  # another gateway replica, starting at the same moment, made it
         if self.root.stat().st_mode & stat.S_IWOTH:
             # Anyone could plant or swap an adapter under a valid id.
             raise PermissionError(f"adapter store root {self.root} is world-writable")

@@ -176,3 +176,26 @@ def test_adapters_never_import_torch(saved: Path, tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert len(modules) >= 8, modules
+
+
+def test_replicas_creating_the_root_at_once_all_succeed(tmp_path: Path) -> None:
+    """Gateway replicas starting together on a fresh shared volume race to create it."""
+    import threading
+
+    root = tmp_path / "shared" / "store"
+    barrier = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def open_store() -> None:
+        barrier.wait()
+        try:
+            FilesystemAdapterStore(root)
+        except BaseException as exc:  # collected, asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_store) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and root.is_dir()

@@ -325,6 +325,9 @@ async def two_gateways(redis_url, redis_prefix, model_dir, tmp_path):
 @pytest.mark.timeout(120)
 async def test_rpm_is_exact_across_two_gateway_processes(two_gateways):
     env = two_gateways
+    for url in env.urls:  # warm both up (template, scripts, channels) before the burst
+        async with env.http(url) as client:
+            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
     await env.set_quota(requests_per_minute=50)
     limits = httpx.Limits(max_connections=200)
     async with (

@@ -236,9 +236,12 @@ class AsyncEngine:
                 return
             if engine.has_unfinished_requests:
                 self._step()
-            self._stats = self._snapshot()
+            else:
+                self._stats = self._snapshot()
 
     def _step(self) -> None:
+        """One engine step. The stats snapshot is taken before results are delivered, so a
+        caller that sees its request finish also sees the blocks it freed."""
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -248,8 +251,10 @@ class AsyncEngine:
             failed = list(self.engine.requests)
             for engine_id in failed:
                 self.engine.abort(engine_id)
+            self._stats = self._snapshot()
             self._deliver_error(failed, exc)
             return
+        self._stats = self._snapshot()
         if outputs:
             self._deliver([_detach(out) for out in outputs])
 
