@@ -389,6 +389,23 @@ async def test_unloading_lets_running_requests_finish(stub, offline, adapter_dir
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_concurrent_loads_of_one_adapter_read_it_once(worker, offline, adapter_dirs):
+    """The gateway's preload and the first request race to load a new adapter: one read."""
+    engine = worker.engine
+    manager = engine.engine.lora_manager
+    reads = []
+    real_read = manager.read
+
+    def counting_read(path):
+        reads.append(path)
+        return real_read(path)
+
+    manager.read = counting_read
+    adapter_id = offline.ids["mlp"]
+    await asyncio.gather(*(engine.load_adapter(adapter_id, adapter_dirs["mlp"]) for _ in range(3)))
+    assert len(reads) == 1 and adapter_id in engine.stats.adapter_ids
+
+
 async def test_adapter_errors(stub, offline, adapter_dirs, tmp_path):
     wrong_id = offline.ids["mlp"]  # a valid id, but not the one in these files
     with pytest.raises(grpc.aio.AioRpcError) as info:

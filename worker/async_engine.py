@@ -81,6 +81,9 @@ class AsyncEngine:
         # Event-loop side only: engine request id -> its stream; request id -> engine ids.
         self._streams: dict[str, _Stream] = {}
         self._requests: dict[str, list[str]] = {}
+        # Adapter loads in progress, by content id: a second caller (a request arriving
+        # while the gateway's preload runs) waits for the first instead of reading again.
+        self._loading: dict[str, asyncio.Future] = {}
         self._stats = self._snapshot()
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -199,13 +202,23 @@ class AsyncEngine:
         if manager is None or self._has_adapter(adapter_id) or not Path(path).exists():
             await self._call(self._load_on_loop, adapter_id, path)  # its errors, on the loop
             return adapter_id
+        loading = self._loading.get(adapter_id)
+        if loading is None:
+            loading = asyncio.ensure_future(self._read_and_add(adapter_id, path))
+            self._loading[adapter_id] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(adapter_id, None))
+        await asyncio.shield(loading)
+        return adapter_id
+
+    async def _read_and_add(self, adapter_id: str, path: str | Path) -> None:
+        manager = self.engine.lora_manager
+        assert manager is not None
         adapter = await asyncio.to_thread(manager.read, path)
         if adapter.id != adapter_id:
             raise AdapterMismatchError(
                 f"the adapter at {path} has content id {adapter.id}, not {adapter_id}"
             )
         await self._call(self.engine.add_adapter, adapter_id, adapter, path)
-        return adapter_id
 
     def _has_adapter(self, adapter_id: str) -> bool:
         manager = self.engine.lora_manager
