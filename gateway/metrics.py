@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Gauge, Histogram
+
+log = logging.getLogger(__name__)
 
 QUOTA_REJECTIONS = Counter(
     "switchboard_quota_rejections_total",
@@ -66,5 +69,9 @@ class RequestObservation:
             return
         self.done = True
         REQUESTS_IN_FLIGHT.dec()
+        elapsed = time.monotonic() - self.started
         REQUESTS.labels(self.tenant, self.model, self.endpoint, str(status)).inc()
-        REQUEST_DURATION.labels(self.endpoint).observe(time.monotonic() - self.started)
+        REQUEST_DURATION.labels(self.endpoint).observe(elapsed)
+        log.info(
+            "%s %s for %s: %d in %.3f s", self.endpoint, self.model, self.tenant, status, elapsed
+        )

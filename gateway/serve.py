@@ -23,6 +23,7 @@ def serve(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,
+        log_config=None,  # keep the process's logging (JSON lines with request ids)
         # Ctrl-C / SIGTERM: stop accepting, let streams finish for a few seconds.
         timeout_graceful_shutdown=args.graceful_s,
     )

@@ -29,6 +29,7 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
 from gateway.tenants import Caller
 from gateway.usage import UsageDelta
+from switchboard.logs import REQUEST_ID
 
 T = TypeVar("T")
 # What proxies must not do to an event stream: cache it or buffer it.
@@ -169,6 +170,7 @@ async def _serve(
         adapter=adapter,
         timeout_s=state.settings.request_timeout_s,
     )
+    REQUEST_ID.set(job.request_id)  # every log line of this request carries it from here
     reservation = await state.quotas.admit(
         caller.tenant,
         request_id=job.request_id,

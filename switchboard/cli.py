@@ -117,17 +117,24 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(passes_options_through=True)
 
 
+def _json_logs() -> bool:
+    """`SWITCHBOARD_LOG_FORMAT`: json or text; by default JSON unless stderr is a terminal."""
+    import os
+
+    wanted = os.environ.get("SWITCHBOARD_LOG_FORMAT", "auto").lower()
+    return wanted == "json" or (wanted == "auto" and not sys.stderr.isatty())
+
+
 def worker(args: argparse.Namespace) -> int:
     """Serve one engine over gRPC until SIGTERM/SIGINT, then drain (see worker/server.py)."""
     import asyncio
     import logging
     from pathlib import Path
 
+    from switchboard.logs import configure_logging
     from worker.server import serve
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(level=logging.INFO, json_lines=_json_logs())
     engine_kwargs = {
         "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank,
@@ -151,6 +158,7 @@ def worker(args: argparse.Namespace) -> int:
             drain_timeout=args.drain_timeout,
             engine_kwargs=engine_kwargs,
             adapter_store=Path(args.adapter_store),
+            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         )
     )
     return 0
@@ -200,6 +208,12 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may finish"
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9400,
+        help="Prometheus /metrics HTTP port on --host (0: any free one, -1: off)",
+    )
+    parser.add_argument(
         "--adapter-store",
         default=os.environ.get("SWITCHBOARD_ADAPTER_STORE") or str(default_adapter_store()),
         help="where the gateway stores adapters by content id (default: "
@@ -214,10 +228,9 @@ def gateway(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from gateway.serve import serve
+    from switchboard.logs import configure_logging
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(level=logging.INFO, json_lines=_json_logs())
     try:
         return serve(args)
     except ValidationError as exc:  # refused settings, e.g. a default admin token

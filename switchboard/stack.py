@@ -62,7 +62,7 @@ class Stack:
             *switchboard_command(), "worker",
             "--model", str(self.model), "--port", str(port), "--dtype", self.dtype,
             "--redis-url", str(self.redis_url), "--redis-prefix", self.key_prefix,
-            "--worker-id", worker_id, *self.worker_args,
+            "--worker-id", worker_id, "--metrics-port", "0", *self.worker_args,
         ]  # fmt: skip
         process = subprocess.Popen(args, env=self._env())
         self.workers[worker_id] = process

@@ -29,10 +29,12 @@ from adapters.errors import AdapterError, AdapterNotFoundError
 from adapters.identity import check_adapter_id
 from rpc import worker_pb2, worker_pb2_grpc
 from switchboard import registry
+from switchboard.logs import REQUEST_ID
 from worker.async_engine import AsyncEngine, EngineStoppedError, SampleOutput
 from worker.engine import LLMEngine
 from worker.errors import InvalidRequestError
 from worker.lora_manager import UnknownAdapterError
+from worker.metrics import WorkerMetrics
 from worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -110,8 +112,11 @@ def status_for(exc: Exception) -> grpc.StatusCode:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """The ``Worker`` service over an ``AsyncEngine`` (None until the model has loaded)."""
 
-    def __init__(self, *, model_name: str, adapter_store: Path | None = None) -> None:
+    def __init__(
+        self, *, model_name: str, metrics: WorkerMetrics, adapter_store: Path | None = None
+    ) -> None:
         self.model_name = model_name
+        self.metrics = metrics
         # The store the gateway writes validated adapters to: requests name adapters by
         # content id, and the worker reads them from here (`adapter_path` overrides it).
         self.adapter_store = adapter_store
@@ -132,34 +137,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             params = sampling_params_from_proto(request.params)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        # An adapter this call loads should reach the registry now, not at the next beat.
-        loads_adapter = bool(request.adapter_id) and (
-            request.adapter_id not in engine.stats.adapter_ids
-        )
         self._in_flight += 1
         self._idle.clear()
+        outcome = "cancelled"  # unless the stream ends or fails
+        token = REQUEST_ID.set(request.request_id or "-")
+        tokens = 0
         try:
-            adapter_path = None
-            if loads_adapter:
-                adapter_path = request.adapter_path or self._stored(request.adapter_id)
+            if request.adapter_id and request.adapter_id not in engine.stats.adapter_ids:
+                path = request.adapter_path or self._stored(request.adapter_id)
+                await self._load_adapter(engine, request.adapter_id, path)
             samples = engine.generate(
                 request.request_id or uuid.uuid4().hex,
                 list(request.prompt_token_ids),
                 params,
                 adapter_id=request.adapter_id or None,
-                adapter_path=adapter_path,
                 n=request.params.n or 1,
                 tenant=request.tenant or None,
             )
             async with contextlib.aclosing(samples):
                 async for sample in samples:
-                    if loads_adapter:
-                        self.on_adapters_changed()
-                        loads_adapter = False
-                    yield response_from_sample(sample)
+                    response = response_from_sample(sample)
+                    tokens += len(response.token_ids)
+                    self.metrics.generated_tokens.inc(len(response.token_ids))
+                    yield response
+            outcome = "ok"
         except Exception as exc:
+            outcome = status_for(exc).name
             await self._abort_with(context, exc)
         finally:
+            self.metrics.requests.labels(outcome).inc()
+            logger.info(
+                "generate %s: %d prompt tokens, %d generated, adapter %s",
+                outcome, len(request.prompt_token_ids), tokens, request.adapter_id or "-",
+            )  # fmt: skip
+            REQUEST_ID.reset(token)
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
@@ -171,11 +182,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             if request.adapter_id not in engine.stats.adapter_ids or request.path:
                 path = request.path or self._stored(request.adapter_id)
-                await engine.load_adapter(request.adapter_id, path)
+                await self._load_adapter(engine, request.adapter_id, path)
         except Exception as exc:
             await self._abort_with(context, exc)
-        self.on_adapters_changed()
         return worker_pb2.LoadAdapterResponse(adapter_id=request.adapter_id)
+
+    async def _load_adapter(self, engine: AsyncEngine, adapter_id: str, path: Path | str) -> None:
+        """Load (timed and counted), then tell the registry now rather than at the next beat."""
+        started = time.monotonic()
+        try:
+            await engine.load_adapter(adapter_id, path)
+        except Exception:
+            self.metrics.adapter_loads.labels("failed").inc()
+            raise
+        self.metrics.adapter_loads.labels("ok").inc()
+        self.metrics.adapter_load_seconds.observe(time.monotonic() - started)
+        self.on_adapters_changed()
 
     async def UnloadAdapter(self, request, context):
         engine = await self._engine_or_abort(context)
@@ -183,6 +205,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await engine.unload_adapter(request.adapter_id)
         except Exception as exc:
             await self._abort_with(context, exc)
+        self.metrics.adapter_unloads.inc()
         self.on_adapters_changed()
         return worker_pb2.UnloadAdapterResponse()
 
@@ -251,7 +274,10 @@ class WorkerServer:
         self.redis_prefix = redis_prefix
         self.ttl = ttl
         self.heartbeat_interval = heartbeat_interval
-        self.servicer = WorkerServicer(model_name=model_name, adapter_store=adapter_store)
+        self.metrics = WorkerMetrics(lambda: self.engine.stats if self.engine else None)
+        self.servicer = WorkerServicer(
+            model_name=model_name, metrics=self.metrics, adapter_store=adapter_store
+        )
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server()
         self.engine: AsyncEngine | None = None
@@ -377,6 +403,7 @@ async def serve(
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
     engine_kwargs: dict | None = None,
     adapter_store: Path | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     """Run a worker until SIGTERM or SIGINT, then drain and stop (``switchboard worker``)."""
     from switchboard.home import DEFAULT_MODEL_NAME
@@ -407,6 +434,9 @@ async def serve(
     try:
         await server.start()
         print(f"worker {server.worker_id} listening on {server.address}", flush=True)
+        if metrics_port is not None:
+            bound = server.metrics.serve(metrics_port, host=host)
+            logger.info("metrics on http://%s:%d/metrics", host, bound)
         await stop.wait()
         logger.info("shutting down: draining for up to %.0f s", drain_timeout)
         await server.shutdown(drain_timeout)

@@ -1,0 +1,115 @@
+"""Observability across the gateway → worker hop: the worker's /metrics moves with real
+requests and adapter loads, and one request id marks the JSON log lines of both processes'
+code paths (here both run in this process: the real gateway app and a real WorkerServer)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
+
+from adapters import FilesystemAdapterStore, load_adapter_dir
+from adapters.base_model import BaseModelSpec
+from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
+from switchboard.logs import configure_logging
+from tests.test_gateway_support import delete_prefix, gateway_settings, running_gateway
+from worker.engine import LLMEngine
+from worker.server import WorkerServer
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("obs-base"), vocab_size=512, seed=4)
+    return add_byte_level_tokenizer(path)
+
+
+def scrape(text: str) -> dict[tuple[str, tuple], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+@pytest.fixture
+def json_logs():
+    """A function returning the JSON log lines written so far during the test, parsed."""
+    root = logging.getLogger()
+    saved_handlers, saved_level = root.handlers[:], root.level
+    stream = io.StringIO()
+    configure_logging(level="INFO", json_lines=True, stream=stream)
+    yield lambda: [json.loads(line) for line in stream.getvalue().splitlines()]
+    root.handlers[:] = saved_handlers
+    root.setLevel(saved_level)
+
+
+async def test_worker_metrics_and_request_ids_across_the_hop(
+    base, redis_url, redis_prefix, tmp_path, json_logs
+):
+    store = FilesystemAdapterStore(tmp_path / "store")
+    spec = BaseModelSpec.from_config_dict(json.loads((base / "config.json").read_text()))
+    adapter_dir = make_peft_adapter(base, tmp_path / "a", rank=4, targets=["q_proj"], seed=3)
+    adapter = load_adapter_dir(adapter_dir, base=spec, max_lora_rank=64, max_bytes=1 << 24)
+    store.put(adapter)
+
+    redis = aioredis.Redis.from_url(redis_url)
+    worker = WorkerServer(
+        lambda: LLMEngine(base, dtype="float32", num_kv_blocks=64),
+        model_name=base.name,
+        redis=redis,
+        redis_prefix=redis_prefix,
+        worker_id="obs",
+        adapter_store=store.root,
+    )
+    settings = gateway_settings(
+        redis_url=redis_url, prefix=redis_prefix, model_dir=base, store=store.root,
+        served_model_name=base.name,
+    )  # fmt: skip
+    try:
+        await worker.start()
+        metrics_port = worker.metrics.serve(0, host="127.0.0.1")
+        async with (
+            running_gateway(settings) as gw,
+            httpx.AsyncClient(base_url=gw.url, headers=gw.admin_headers, timeout=30) as admin,
+        ):
+            await admin.post("/admin/tenants", json={"name": "obs"})
+            key = (await admin.post("/admin/tenants/obs/keys")).json()["key"]
+            await admin.post(
+                "/admin/tenants/obs/adapters", json={"name": "qa", "path": str(adapter_dir)}
+            )
+            headers = {"Authorization": f"Bearer {key}"}
+            async with httpx.AsyncClient(base_url=gw.url, headers=headers, timeout=30) as client:
+                body = {"model": "qa", "prompt": "hello", "max_tokens": 5, "ignore_eos": True}
+                reply = await client.post("/v1/completions", json=body)
+                assert reply.status_code == 200, reply.text
+            request_id = reply.json()["id"]
+            async with httpx.AsyncClient() as scraper:
+                text = (await scraper.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+    finally:
+        await worker.shutdown(drain_timeout=2.0)
+        await redis.aclose()
+        await delete_prefix(redis_url, redis_prefix)
+
+    values = scrape(text)
+    assert values[("switchboard_worker_requests_total", (("outcome", "ok"),))] == 1
+    assert values[("switchboard_worker_generated_tokens_total", ())] == 5
+    assert values[("switchboard_worker_adapter_loads_total", (("outcome", "ok"),))] == 1
+    assert values[("switchboard_worker_adapter_load_seconds_count", ())] == 1
+    assert values[("switchboard_worker_adapters_loaded", ())] == 1
+    assert values[("switchboard_worker_kv_blocks_total", ())] == 64
+    assert values[("switchboard_worker_running_sequences", ())] == 0
+    assert values[("switchboard_worker_prefix_cache_queries_total", ())] > 0
+
+    # The same id on the gateway's line and the worker's line for this request.
+    every = json_logs()
+    mine = [line for line in every if line.get("request_id") == request_id]
+    loggers = {line["logger"] for line in mine}
+    assert {"gateway.metrics", "worker.server"} <= loggers, mine
+    worker_line = next(line for line in mine if line["logger"] == "worker.server")
+    assert "ok: " in worker_line["message"] and "5 generated" in worker_line["message"]
+    assert {"time", "level", "message"} <= set(worker_line)

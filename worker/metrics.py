@@ -1,0 +1,99 @@
+"""The worker's Prometheus metrics (`switchboard_worker_…`), served on `--metrics-port`.
+
+Engine state (queue, running sequences, KV blocks, prefix cache, adapters) is read from the
+engine's published stats snapshot when Prometheus scrapes, so the step loop pays nothing for
+it. Events the gRPC side sees (requests, tokens, adapter loads) are counted as they happen.
+Each `WorkerMetrics` has its own registry: several workers in one process (tests) never
+collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from worker.async_engine import EngineStats
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters from `EngineStats`, read at scrape time (None: still loading)."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        if stats is None:
+            return
+        yield _gauge("running_sequences", "Sequences in the running batch.", stats.running)
+        yield _gauge(
+            "waiting_sequences", "Sequences queued for admission (queue length).", stats.waiting
+        )
+        yield _gauge("kv_blocks_total", "KV cache blocks in the pool.", stats.total_kv_blocks)
+        yield _gauge("kv_blocks_free", "KV cache blocks free now.", stats.free_kv_blocks)
+        used = 1.0 - stats.free_kv_blocks / stats.total_kv_blocks if stats.total_kv_blocks else 0
+        yield _gauge("kv_usage_ratio", "Fraction of KV cache blocks in use.", used)
+        cache = stats.prefix_cache
+        yield _counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", cache.queries
+        )
+        yield _counter("prefix_cache_hits", "Prompt tokens served from the cache.", cache.hits)
+        yield _counter(
+            "prefix_cache_evictions", "Cached blocks reclaimed for new content.", cache.evictions
+        )
+        yield _gauge(
+            "prefix_cache_blocks", "Blocks whose content is reusable now.", cache.cached_blocks
+        )
+        yield _gauge("adapters_loaded", "LoRA adapters loaded (named).", len(stats.adapter_ids))
+
+
+def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"switchboard_worker_{name}", text, value=value)
+
+
+def _counter(name: str, text: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"switchboard_worker_{name}", text, value=value)
+
+
+class WorkerMetrics:
+    """Everything one worker exports; `serve(port)` starts the /metrics HTTP endpoint."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineStatsCollector(stats))
+        self.requests = Counter(
+            "switchboard_worker_requests",
+            "Generate calls by outcome (ok, error code, cancelled).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.generated_tokens = Counter(
+            "switchboard_worker_generated_tokens",
+            "Tokens generated, all samples of all requests.",
+            registry=self.registry,
+        )
+        self.adapter_loads = Counter(
+            "switchboard_worker_adapter_loads",
+            "Adapters read from the store into the host cache, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.adapter_unloads = Counter(
+            "switchboard_worker_adapter_unloads",
+            "Adapters unloaded on request (deleted by their last owner).",
+            registry=self.registry,
+        )
+        self.adapter_load_seconds = Histogram(
+            "switchboard_worker_adapter_load_seconds",
+            "Time to read, validate and register an adapter.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=self.registry,
+        )
+
+    def serve(self, port: int, *, host: str) -> int:
+        """Serve /metrics on `host:port` (0: any free port) in a daemon thread; the port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
