@@ -198,7 +198,9 @@ def test_ports_source_matches_the_apps_own_defaults():
     ports = ports_source()
     fields = GatewaySettings.model_fields
     assert ports["gateway-http"] == fields["port"].default
-    assert ports["worker-grpc"] == build_parser().parse_args(["worker"]).port
+    worker_defaults = build_parser().parse_args(["worker"])
+    assert ports["worker-grpc"] == worker_defaults.port
+    assert ports["worker-metrics"] == worker_defaults.metrics_port
     assert ports["redis"] == int(fields["redis_url"].default.rsplit(":", 1)[1].split("/")[0])
 
 
@@ -221,6 +223,14 @@ def check_ports(m: Manifest, ports: dict[str, int]) -> None:
     grpc = ports["worker-grpc"]
     assert named_port(wk, "grpc") == grpc
     assert int(flag(wk, "port")) == grpc
+    metrics = ports["worker-metrics"]
+    assert named_port(wk, "metrics") == metrics
+    assert int(flag(wk, "metrics-port")) == metrics
+    annotations = worker["spec"]["template"]["metadata"]["annotations"]
+    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"]) == (
+        "true",
+        str(metrics),
+    )
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert wk[probe]["grpc"]["port"] == grpc, probe
 
@@ -249,15 +259,15 @@ def check_ports(m: Manifest, ports: dict[str, int]) -> None:
             resolved = [named_port(c, port["targetPort"]) for c in pod_spec(target)["containers"]]
             assert resolved == [port["port"]], (name, port)
 
-    policy_port = {
-        "switchboard-gateway": http,
-        "switchboard-worker": grpc,
-        "switchboard-redis": ports["redis"],
+    policy_ports = {
+        "switchboard-gateway": [http],
+        "switchboard-worker": [grpc, metrics],
+        "switchboard-redis": [ports["redis"]],
     }
     for policy in m.all("NetworkPolicy"):
-        for rule in policy["spec"].get("ingress", []):
-            for port in rule["ports"]:
-                assert port["port"] == policy_port[policy["metadata"]["name"]]
+        rules = policy["spec"].get("ingress", [])
+        found = [port["port"] for rule in rules for port in rule["ports"]]
+        assert found == policy_ports.get(policy["metadata"]["name"], []), policy["metadata"]
 
 
 def test_ports_agree_everywhere(manifest):
@@ -269,7 +279,7 @@ def test_changing_ports_yaml_moves_every_port(tmp_path):
     copy = tmp_path / "k8s"
     shutil.copytree(K8S, copy)
     old = ports_source()
-    new = {"gateway-http": 8081, "worker-grpc": 50061, "redis": 6390}
+    new = {"gateway-http": 8081, "worker-grpc": 50061, "worker-metrics": 9411, "redis": 6390}
     text = (copy / "base" / "ports.yaml").read_text()
     for key, value in new.items():
         text = text.replace(f'{key}: "{old[key]}"', f'{key}: "{value}"')
@@ -472,11 +482,14 @@ def test_adapter_store_is_shared_at_one_path(manifest):
 
 def test_network_policies_let_only_the_gateway_reach_workers(manifest):
     workloads = {w["metadata"]["name"]: pod_labels(w) for w in manifest.workloads()}
+    metrics_port = ports_source()["worker-metrics"]
 
-    def allowed_sources(policy_name: str) -> set[str]:
+    def allowed_sources(policy_name: str, *, skip_port: int | None = None) -> set[str]:
         policy = manifest.one("NetworkPolicy", policy_name)
         sources = set()
         for rule in policy["spec"]["ingress"]:
+            if [p["port"] for p in rule["ports"]] == [skip_port]:
+                continue
             if "from" not in rule:
                 return {"*"}
             for peer in rule["from"]:
@@ -488,7 +501,11 @@ def test_network_policies_let_only_the_gateway_reach_workers(manifest):
 
     (deny,) = [p for p in manifest.all("NetworkPolicy") if p["spec"]["podSelector"] == {}]
     assert deny["spec"]["policyTypes"] == ["Ingress"] and "ingress" not in deny["spec"]
-    assert allowed_sources("switchboard-worker") == {"switchboard-gateway"}
+    # gRPC from gateways only; the metrics port (and only it) from Prometheus' namespace.
+    assert allowed_sources("switchboard-worker", skip_port=metrics_port) == {"switchboard-gateway"}
+    worker_rules = manifest.one("NetworkPolicy", "switchboard-worker")["spec"]["ingress"]
+    (scrape,) = [r for r in worker_rules if [p["port"] for p in r["ports"]] == [metrics_port]]
+    assert scrape["from"] == [{"namespaceSelector": {}}]
     assert allowed_sources("switchboard-redis") == {"switchboard-gateway", "switchboard-worker"}
     assert allowed_sources("switchboard-gateway") == {"*"}
     for name, labels in workloads.items():
@@ -629,3 +646,35 @@ def test_gateway_image_never_installs_torch():
     installs = [line for line in text.splitlines() if "pip install" in line]
     assert installs and not any("torch" in line for line in installs)
     assert "pip install --no-deps /src" in text  # the package's own torch pin is skipped
+
+
+def test_grafana_dashboard_queries_only_series_we_export():
+    """Every switchboard_… series the dashboard queries is one the gateway or worker exports
+    (a renamed metric would otherwise leave an empty panel)."""
+    import json
+
+    from prometheus_client import REGISTRY
+
+    import gateway.metrics  # noqa: F401  (defines the gateway's metrics)
+    from worker.async_engine import EngineStats
+    from worker.metrics import EngineStatsCollector, WorkerMetrics
+
+    dashboard = json.loads((K8S / "grafana-dashboard.json").read_text())
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"switchboard_[a-z_]+", target["expr"])
+    }
+    stats = EngineStats(running=0, waiting=0, free_kv_blocks=1, total_kv_blocks=1, adapter_ids=())
+    families = [
+        *REGISTRY.collect(),
+        *WorkerMetrics(lambda: None).registry.collect(),
+        *EngineStatsCollector(lambda: stats).collect(),
+    ]
+    exported = {f.name for f in families if f.name.startswith("switchboard_")}
+    # A family `x` is queried as x, x_total (counters) or x_bucket/_count/_sum (histograms).
+    unknown = {
+        name for name in queried if re.sub(r"_(total|bucket|count|sum)$", "", name) not in exported
+    }
+    assert unknown == set()
