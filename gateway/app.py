@@ -16,6 +16,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from adapters import BaseModelSpec, FilesystemAdapterStore
 from gateway import adapter_routes, admin_routes, openai_routes
@@ -54,7 +56,11 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
         socket_connect_timeout=settings.redis_timeout_s,
         decode_responses=True,
     )
-    client = aioredis.Redis(connection_pool=pool)
+    # Two quick retries ride out a Redis restart or failover blip; past them the request
+    # gets its 503 in well under a second instead of redis-py's default multi-second backoff.
+    client = aioredis.Redis(
+        connection_pool=pool, retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2)
+    )
     model_names = frozenset({settings.served_model_name, str(settings.model), settings.model.name})
     tenants = TenantStore(client, prefix=settings.key_prefix)
     store = FilesystemAdapterStore(settings.adapter_store)

