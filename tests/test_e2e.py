@@ -16,6 +16,7 @@ from archive_factories import adapter_members, tar_bytes
 
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
 from switchboard.embedded_redis import free_port
+from switchboard.registry import DEFAULT_TTL_S
 from switchboard.stack import Stack
 from worker import LLM, SamplingParams
 
@@ -210,7 +211,8 @@ def test_killing_a_worker_mid_stream_ends_the_stream_with_an_error(stack, api_ke
                 continue
             events.append(line[6:])
             if len(events) == 1:  # the first token is out: kill whoever is serving it
-                os.kill(stack.workers[_serving_worker(stack)].pid, signal.SIGKILL)
+                killed = _serving_worker(stack)
+                os.kill(stack.workers[killed].pid, signal.SIGKILL)
     assert events[-1] == "[DONE]"
     assert "error" in json.loads(events[-2])
     # New requests still succeed on the remaining worker.
@@ -222,6 +224,11 @@ def test_killing_a_worker_mid_stream_ends_the_stream_with_an_error(stack, api_ke
         timeout=60,
     )
     assert ok.status_code == 200, ok.text
+    # The dead worker never deregistered; its record leaves the registry by its TTL.
+    deadline = time.monotonic() + DEFAULT_TTL_S + 5
+    while killed in {w["worker_id"] for w in _registry(stack)}:
+        assert time.monotonic() < deadline, "the dead worker's record outlived its TTL"
+        time.sleep(0.5)
 
 
 def _serving_worker(stack) -> str:
