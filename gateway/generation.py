@@ -150,14 +150,26 @@ async def collect(stream: WorkerStream, *, job: Job, fmt: OutputFormat, tally: T
             sample.stop_reason = stop_reason_of(message)
     tally.finished = True
     ordered = [samples[i] for i in sorted(samples)]
+    if job.keep is not None:
+        ordered = most_likely(ordered, job.keep)
     if any(s.finish_reason is None for s in ordered):
         raise WorkerFailedError(f"worker {stream.address} ended the stream before every sample")
     usage = Usage(
         prompt_tokens=len(job.prompt_ids),
-        completion_tokens=sum(s.completion_tokens for s in ordered),
+        completion_tokens=tally.completion_tokens,  # every sample, with best_of too (billed)
         cached_tokens=tally.cached_tokens,
     )
     return fmt.response(ordered, usage)
+
+
+def most_likely(samples: list[Sample], keep: int) -> list[Sample]:
+    """best_of: the `keep` samples with the highest cumulative logprob, re-indexed 0..keep-1
+    in that order (ties: the earlier sample)."""
+    ranked = sorted(samples, key=lambda s: (-sum(lp.logprob for lp in s.logprobs), s.index))
+    kept = ranked[:keep]
+    for index, sample in enumerate(kept):
+        sample.index = index
+    return kept
 
 
 def sse(data: str) -> bytes:

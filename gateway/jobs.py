@@ -36,6 +36,7 @@ class Job:
     params: worker_pb2.SamplingParams
     adapter: TenantAdapter | None
     deadline: float
+    keep: int | None = None  # best_of: return only the `keep` most likely samples
 
     @property
     def adapter_id(self) -> str | None:
@@ -113,8 +114,9 @@ def settle_max_tokens(
 
 
 def sampling_params(
-    body: SamplingFields, *, max_tokens: int, logprobs: int | None
+    body: SamplingFields, *, max_tokens: int, logprobs: int | None, n: int | None = None
 ) -> worker_pb2.SamplingParams:
+    """The worker's params; `n` overrides the body's (best_of generates more than it keeps)."""
     params = worker_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -128,7 +130,7 @@ def sampling_params(
         stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,
         skip_special_tokens=body.skip_special_tokens,
-        n=body.n,
+        n=n or body.n,
     )
     if body.seed is not None:
         params.seed = body.seed
@@ -146,6 +148,7 @@ def new_job(
     params: worker_pb2.SamplingParams,
     adapter: TenantAdapter | None,
     timeout_s: float,
+    keep: int | None = None,
 ) -> Job:
     return Job(
         request_id=f"{id_prefix}-{uuid.uuid4().hex}",
@@ -156,4 +159,5 @@ def new_job(
         params=params,
         adapter=adapter,
         deadline=asyncio.get_running_loop().time() + timeout_s,
+        keep=keep,
     )

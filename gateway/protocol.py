@@ -70,7 +70,12 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    # Generate best_of samples, return the n with the highest cumulative logprob.
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+
+    @property
+    def samples_to_generate(self) -> int:
+        return max(self.best_of or self.n, self.n)
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt; several (batched) prompts are refused: send one per request."""
@@ -92,8 +97,11 @@ class CompletionRequest(SamplingFields):
             raise InvalidRequestError("echo is not supported", param="echo")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequestError("best_of must be at least n", param="best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            # As OpenAI: the best samples are known only once all of them have finished.
+            raise InvalidRequestError("best_of cannot be used with stream", param="best_of")
 
 
 class TextPart(BaseModel):

@@ -71,13 +71,16 @@ async def serve_completion(
         body.check_supported()
         adapter = await _resolve(body.model, state=state, caller=caller)
         prompt_ids = await completion_prompt_ids(body, tokenizer=state.tokenizer)
+        best_of = body.samples_to_generate if body.samples_to_generate > body.n else None
         return await _serve(
             body,
             adapter=adapter,
             prompt_ids=prompt_ids,
             requested_max_tokens=body.max_tokens,
             default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
-            logprobs=body.logprobs,
+            # best_of ranks samples by cumulative logprob: the worker must send them.
+            logprobs=body.logprobs if body.logprobs is not None or not best_of else 0,
+            best_of=best_of,
             id_prefix="cmpl",
             make_format=lambda job: CompletionFormat(_header(job), state.tokenizer, body.logprobs),
             state=state,
@@ -151,6 +154,7 @@ async def _serve(
     request: Request,
     tally: Tally,
     observation: RequestObservation,
+    best_of: int | None = None,
 ) -> Response:
     """What completions and chat share once the prompt is tokens: budget, admission, job,
     response, and settlement of the quota reservation however the request ends."""
@@ -160,7 +164,7 @@ async def _serve(
         prompt_len=len(prompt_ids),
         max_model_len=state.max_model_len,
     )
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, n=best_of)
     job = new_job(
         body,
         id_prefix=id_prefix,
@@ -169,6 +173,7 @@ async def _serve(
         params=params,
         adapter=adapter,
         timeout_s=state.settings.request_timeout_s,
+        keep=body.n if best_of else None,
     )
     REQUEST_ID.set(job.request_id)  # every log line of this request carries it from here
     reservation = await state.quotas.admit(

@@ -118,6 +118,24 @@ def test_streaming_chat_with_usage_n2_and_stop(client, tiny_model, offline):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
 
 
+def test_best_of_returns_the_most_likely_of_the_seeded_samples(client, tiny_model, offline):
+    """best_of=4 returns, of the four samples the worker draws (seeds s..s+3, prompt
+    prefilled once and forked), the one the offline engine finds most likely."""
+    prompt, seed = "the cat", 11
+    candidates = [
+        offline.generate(
+            [prompt], SamplingParams(temperature=1.0, max_tokens=8, seed=seed + i, logprobs=0)
+        )[0]
+        for i in range(4)
+    ]
+    best = max(candidates, key=lambda c: sum(lp.logprob for lp in c.logprobs))
+    out = client.completions.create(
+        model=tiny_model.name, prompt=prompt, max_tokens=8, temperature=1.0, seed=seed, best_of=4
+    )
+    assert [c.text for c in out.choices] == [best.text]
+    assert out.usage.completion_tokens == sum(len(c.token_ids) for c in candidates)
+
+
 def test_adapter_requests_go_to_the_worker_that_holds_the_adapter(
     stack, client, tiny_model, tmp_path_factory
 ):

@@ -174,6 +174,33 @@ async def test_n_samples(stack, stream):
     assert usage.completion_tokens == 8
 
 
+async def test_best_of_generates_more_and_returns_the_most_likely(stack):
+    async with stack.client() as client:
+        out = await client.completions.create(
+            model=MODEL_NAME, prompt="hi", best_of=3, n=1, logprobs=1
+        )
+        plain = await client.completions.create(model=MODEL_NAME, prompt="hi", best_of=3)
+    sent = stack.worker.requests[-2]
+    assert (sent.params.n, sent.params.logprobs) == (3, 1)
+    [choice] = out.choices
+    assert choice.index == 0 and choice.text == "Hello, world!"
+    # The scripted worker makes sample 2 of 3 the most likely: -0.25 per token.
+    assert choice.logprobs.token_logprobs == [-0.25] * 4
+    assert out.usage.completion_tokens == 12  # all three samples were generated
+    assert stack.worker.requests[-1].params.logprobs == 0  # needed to rank, not returned
+    assert plain.choices[0].logprobs is None
+    async with stack.http() as http:
+        streamed = await http.post(
+            "/v1/completions",
+            json={"model": MODEL_NAME, "prompt": "hi", "best_of": 2, "stream": True},
+        )
+        fewer = await http.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "best_of": 1, "n": 2}
+        )
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "best_of"
+    assert fewer.status_code == 400 and "at least n" in fewer.json()["error"]["message"]
+
+
 async def test_sampling_fields_reach_the_worker(stack):
     async with stack.client() as client:
         await client.chat.completions.create(

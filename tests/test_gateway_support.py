@@ -191,8 +191,10 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
                 worker_pb2.TopLogprob(token_id=token_id + k, logprob=-0.25 - k)
                 for k in range(request.params.logprobs)
             ]
+            # The last of n samples is the most likely one (what best_of must pick).
+            logprob = -0.25 * (max(request.params.n, 1) - index)
             message.logprobs.append(
-                worker_pb2.TokenLogprob(token_id=token_id, logprob=-0.25, top=top)
+                worker_pb2.TokenLogprob(token_id=token_id, logprob=logprob, top=top)
             )
         return message
 
