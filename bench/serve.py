@@ -5,8 +5,10 @@ Load A: N streaming requests at once (token-id prompts, ignore_eos), first throu
 gateway's OpenAI API (/v1/completions, SSE), then the same requests directly over the
 worker's gRPC Generate, in the same run: output tok/s, TTFT and inter-token latency
 p50/p99; the TTFT difference is what the gateway adds. Load B (admission and routing):
-``max_tokens=1`` requests from C concurrent clients for D seconds against a stack whose
-worker runs a 1-layer model (so the worker is not the bottleneck): authenticated requests/s.
+``max_tokens=1`` requests from C concurrent keep-alive clients for D seconds against a stack
+whose worker runs a 1-layer model (so the worker is not the bottleneck): authenticated
+requests/s. Load C: load A's comparison (N streams, 32/64 tokens) against that fast worker,
+where the gateway's own per-token cost is not hidden in engine queueing.
 Usage: ``python -m bench.serve [--requests 64] [--out bench/results/serve.json]``.
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.http_load import keep_alive_client, post_request
 from bench.report import write_report
 from bench.workloads import fixed_lengths
 from switchboard.embedded_redis import free_port
@@ -84,10 +87,12 @@ def summarize(name: str, timings: list[Timing], elapsed: float) -> LoadResult:
     )
 
 
-async def load_a(stack: Stack, key: str, model: str, num: int, vocab: int) -> list[LoadResult]:
+async def load_a(
+    stack: Stack, key: str, model: str, num: int, vocab: int, *, prompt_len=128, output_len=128
+) -> list[LoadResult]:
     from rpc import worker_pb2, worker_pb2_grpc
 
-    requests = fixed_lengths(num, prompt_len=128, output_len=128, vocab=vocab, seed=3)
+    requests = fixed_lengths(num, prompt_len=prompt_len, output_len=output_len, vocab=vocab, seed=3)
     headers = {"Authorization": f"Bearer {key}"}
     limits = httpx.Limits(max_connections=num + 8)
     async with httpx.AsyncClient(
@@ -124,30 +129,23 @@ async def load_a(stack: Stack, key: str, model: str, num: int, vocab: int) -> li
 
 
 async def load_b(stack: Stack, key: str, model: str, concurrency: int, seconds: float) -> dict:
-    headers = {"Authorization": f"Bearer {key}"}
+    """Admission and routing: `max_tokens=1` completions on keep-alive connections."""
     body = {"model": model, "prompt": [100, 200, 300], "max_tokens": 1}
-    done = 0
-    errors = 0
+    request = post_request("/v1/completions", body, key=key)
+    counts: dict[int, int] = {}
     deadline = time.monotonic() + seconds
-    limits = httpx.Limits(max_connections=concurrency + 8)
-    async with httpx.AsyncClient(
-        base_url=stack.base_url, headers=headers, timeout=60, limits=limits
-    ) as client:
-
-        async def client_loop() -> None:
-            nonlocal done, errors
-            while time.monotonic() < deadline:
-                response = await client.post("/v1/completions", json=body)
-                if response.status_code == 200:
-                    done += 1
-                else:
-                    errors += 1
-
-        start = time.monotonic()
-        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-        elapsed = time.monotonic() - start
-    return {"requests_per_s": done / elapsed, "requests": done, "errors": errors,
-            "concurrency": concurrency, "seconds": elapsed}  # fmt: skip
+    start = time.monotonic()
+    await asyncio.gather(
+        *(
+            keep_alive_client(stack.gateway_port, request, deadline=deadline, counts=counts)
+            for _ in range(concurrency)
+        )
+    )
+    elapsed = time.monotonic() - start
+    done = counts.get(200, 0)
+    return {"requests_per_s": done / elapsed, "requests": done,
+            "errors": sum(counts.values()) - done, "concurrency": concurrency,
+            "seconds": elapsed}  # fmt: skip
 
 
 def tiny_model(base: Path, out: Path) -> Path:
@@ -170,21 +168,25 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--out", default="bench/results/serve.json")
+    parser.add_argument(
+        "--fast-worker-only", action="store_true", help="loads B and C only (skip load A)"
+    )
     args = parser.parse_args(argv)
     from worker.default_model import resolve_model_path
 
     model_path = resolve_model_path(None)
     report: dict = {}
     prefix = f"sbbench:{uuid.uuid4().hex[:8]}:"  # a fresh namespace in a shared Redis
-    with Stack(model=model_path, gateway_port=free_port(), key_prefix=prefix + "a:") as stack:
-        key = stack.create_tenant_key("bench")
-        results = asyncio.run(load_a(stack, key, model_path.name, args.requests, 49152))
-        report["load_a"] = [asdict(r) for r in results]
-        report["gateway_added_ttft_ms"] = {
-            "p50": results[0].ttft_p50_ms - results[1].ttft_p50_ms,
-            "p99": results[0].ttft_p99_ms - results[1].ttft_p99_ms,
-        }
-        print(json.dumps(report, indent=1), flush=True)
+    if not args.fast_worker_only:
+        with Stack(model=model_path, gateway_port=free_port(), key_prefix=prefix + "a:") as stack:
+            key = stack.create_tenant_key("bench")
+            results = asyncio.run(load_a(stack, key, model_path.name, args.requests, 49152))
+            report["load_a"] = [asdict(r) for r in results]
+            report["gateway_added_ttft_ms"] = {
+                "p50": results[0].ttft_p50_ms - results[1].ttft_p50_ms,
+                "p99": results[0].ttft_p99_ms - results[1].ttft_p99_ms,
+            }
+            print(json.dumps(report, indent=1), flush=True)
     with tempfile.TemporaryDirectory() as tmp, Stack(
         model=tiny_model(model_path, Path(tmp) / "tiny"), gateway_port=free_port(),
         dtype="float32", key_prefix=prefix + "b:",
@@ -192,6 +194,18 @@ def main(argv: list[str] | None = None) -> dict:
         key = stack.create_tenant_key("bench")
         report["load_b"] = asyncio.run(load_b(stack, key, "tiny", args.concurrency, args.seconds))
         print(json.dumps(report["load_b"]), flush=True)
+        # Load C: what the gateway adds per token when the engine is not the bottleneck.
+        fast = asyncio.run(
+            load_a(stack, key, "tiny", args.requests, 49152, prompt_len=32, output_len=64)
+        )
+        report["load_c"] = [asdict(r) for r in fast]
+        report["gateway_added_fast_worker_ms"] = {
+            "ttft_p50": fast[0].ttft_p50_ms - fast[1].ttft_p50_ms,
+            "ttft_p99": fast[0].ttft_p99_ms - fast[1].ttft_p99_ms,
+            "itl_p50": fast[0].itl_p50_ms - fast[1].itl_p50_ms,
+            "itl_p99": fast[0].itl_p99_ms - fast[1].itl_p99_ms,
+        }
+        print(json.dumps(report["gateway_added_fast_worker_ms"]), flush=True)
     return write_report(report, args.out)
 
 

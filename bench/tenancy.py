@@ -34,6 +34,7 @@ import redis.asyncio as aioredis
 import uvloop
 from safetensors.numpy import save_file
 
+from bench.http_load import keep_alive_client, post_request
 from bench.report import write_report
 from gateway.quotas import Quota, QuotaService, Reservation
 from gateway.tenants import TenantAdapter, TenantStore
@@ -120,12 +121,11 @@ async def quota_decisions(redis_url: str, *, concurrency: int, seconds: float) -
 
 async def http_admissions(stack: Stack, key: str, *, concurrency: int, seconds: float) -> dict:
     stack.admin("PUT", "/tenants/bench/quotas", json={"requests_per_minute": 1})
-    body = json.dumps({"model": stack.model.name, "messages": CHAT, "max_tokens": 1}).encode()
-    request = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        f"Authorization: Bearer {key}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
+    request = post_request(
+        "/v1/chat/completions",
+        {"model": stack.model.name, "messages": CHAT, "max_tokens": 1},
+        key=key,
+    )
     counts: dict[int, int] = {}
     deadline = time.monotonic() + seconds
     start = time.monotonic()
@@ -142,28 +142,6 @@ async def http_admissions(stack: Stack, key: str, *, concurrency: int, seconds: 
         "statuses": {str(k): v for k, v in counts.items()},
         "concurrency": concurrency,
     }
-
-
-async def keep_alive_client(
-    port: int, request: bytes, *, deadline: float, counts: dict[int, int]
-) -> None:
-    """Send `request` over one keep-alive HTTP/1.1 connection until `deadline`, counting
-    response statuses. By hand, not httpx: on these 2 cores httpx's connection pool costs
-    more CPU per request than the gateway under test, and would measure itself."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        while time.monotonic() < deadline:
-            writer.write(request)
-            status = int((await reader.readline()).split()[1])
-            length = 0
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            await reader.readexactly(length)
-            counts[status] = counts.get(status, 0) + 1
-    finally:
-        writer.close()
 
 
 def write_rank16_adapter(path: Path, config: dict, *, seed: int) -> Path:

@@ -1,0 +1,42 @@
+"""A lean HTTP/1.1 load generator for request-rate benchmarks.
+
+By hand, not httpx: on these 2 cores httpx's connection pool costs more CPU per request
+than the gateway under test, so a benchmark driven by it would mostly measure itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+
+def post_request(path: str, body: dict, *, key: str) -> bytes:
+    """The bytes of one keep-alive POST of `body` as JSON, with a bearer key."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    return head.encode() + payload
+
+
+async def keep_alive_client(
+    port: int, request: bytes, *, deadline: float, counts: dict[int, int]
+) -> None:
+    """Send `request` over one keep-alive connection until `deadline`, counting statuses
+    (responses must carry a Content-Length: JSON bodies, not streams)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        while time.monotonic() < deadline:
+            writer.write(request)
+            status = int((await reader.readline()).split()[1])
+            length = 0
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            await reader.readexactly(length)
+            counts[status] = counts.get(status, 0) + 1
+    finally:
+        writer.close()
