@@ -12,7 +12,9 @@ from gateway.state import GatewayState
 from gateway.tenants import Caller
 
 
-def get_state(request: Request) -> GatewayState:
+# Dependencies are `async def` even when they do not await: FastAPI runs a plain `def`
+# dependency in a worker thread, a hand-off that cost more than the rest of admission.
+async def get_state(request: Request) -> GatewayState:
     return request.app.state.gateway
 
 
@@ -34,7 +36,7 @@ async def current_tenant(request: Request, state: State) -> Caller:
 CurrentTenant = Annotated[Caller, Depends(current_tenant)]
 
 
-def require_admin(request: Request, state: State) -> None:
+async def require_admin(request: Request, state: State) -> None:
     expected = state.settings.admin_token.get_secret_value().encode()
     given = (bearer_token(request) or "").encode()
     # Constant-time; an empty configured token (dev mode) never matches anything.
