@@ -6,7 +6,7 @@ accept but cannot honour are refused with a 400 by `check_supported`, never sile
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,6 +14,11 @@ from gateway.errors import InvalidRequestError
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
+# The wire format's integer widths (proto/rpc/worker.proto): larger values are refused here
+# with a 422 rather than failing inside the gateway with a 500.
+INT32_MAX = 2**31 - 1
+INT64 = {"ge": -(2**63), "le": 2**63 - 1}
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class StreamOptions(BaseModel):
@@ -30,20 +35,20 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, **INT64)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras.
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     skip_special_tokens: bool = True
 
     @property
@@ -144,7 +149,7 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None

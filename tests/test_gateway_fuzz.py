@@ -81,6 +81,8 @@ def live(redis_url, tmp_path_factory):
             prefix=prefix,
             model_dir=make_model_dir(tmp / "model"),
             store=tmp / "store",
+            # A long run on a loaded machine: the worker registers once and must stay live.
+            worker_heartbeat_ttl_s=3600,
         )
     ).start()
     yield running

@@ -341,9 +341,8 @@ async def test_rpm_is_exact_across_two_gateway_processes(two_gateways):
     statuses = collections.Counter(r.status_code for r in replies)
     assert statuses == {200: 50, 429: 150}
     assert all(r.json()["error"]["type"] == "requests" for r in replies if r.status_code == 429)
-    # Both processes admitted some: the limit is shared, not per replica.
-    by_gateway = collections.Counter(i % 2 for i, r in enumerate(replies) if r.status_code == 200)
-    assert set(by_gateway) == {0, 1}
+    # Each process decided on its 100 requests; per-replica limits would have admitted 100.
+    # (Which process wins the 50 depends on OS scheduling, so it is not asserted.)
 
 
 @pytest.mark.timeout(120)

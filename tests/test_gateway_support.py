@@ -221,6 +221,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         adapters: tuple[str, ...] = (),
         running: int = 0,
         model: str = MODEL_NAME,
+        ttl: float = 30,
     ) -> None:
         info = WorkerInfo(
             worker_id=self.name,
@@ -230,7 +231,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
             running=running,
             heartbeat_at=time.time(),
         )
-        await register(redis, prefix, info, ttl=30)
+        await register(redis, prefix, info, ttl=ttl)
 
 
 def gateway_settings(
@@ -315,11 +316,12 @@ async def gateway_with_worker(
     settings: GatewaySettings, *, tenants: tuple[str, ...] = ("acme",)
 ) -> AsyncIterator[LiveGateway]:
     """`running_gateway` plus a ScriptedWorker in the registry and a key per tenant; every
-    key under the settings' prefix is deleted afterwards."""
+    key under the settings' prefix is deleted afterwards. The worker registers once, with
+    no heartbeats after: its record lives as long as the settings' heartbeat TTL allows."""
     worker = await ScriptedWorker("w1").start()
     redis = aioredis.Redis.from_url(settings.redis_url, decode_responses=True)
     try:
-        await worker.register(redis, settings.key_prefix)
+        await worker.register(redis, settings.key_prefix, ttl=settings.worker_heartbeat_ttl_s)
         async with running_gateway(settings) as gw:
             keys = {tenant: await create_tenant_key(gw, tenant) for tenant in tenants}
             yield LiveGateway(gw, worker, redis, settings.key_prefix, keys)
