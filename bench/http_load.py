@@ -40,3 +40,19 @@ async def keep_alive_client(
             counts[status] = counts.get(status, 0) + 1
     finally:
         writer.close()
+
+
+async def hammer(
+    port: int, request: bytes, *, concurrency: int, seconds: float
+) -> tuple[dict[int, int], float]:
+    """`concurrency` keep-alive clients sending `request` for `seconds`: (statuses, elapsed)."""
+    counts: dict[int, int] = {}
+    deadline = time.monotonic() + seconds
+    start = time.monotonic()
+    await asyncio.gather(
+        *(
+            keep_alive_client(port, request, deadline=deadline, counts=counts)
+            for _ in range(concurrency)
+        )
+    )
+    return counts, time.monotonic() - start

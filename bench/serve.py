@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.http_load import keep_alive_client, post_request
+from bench.http_load import hammer, post_request
 from bench.report import write_report
 from bench.workloads import fixed_lengths
 from switchboard.embedded_redis import free_port
@@ -132,16 +132,9 @@ async def load_b(stack: Stack, key: str, model: str, concurrency: int, seconds: 
     """Admission and routing: `max_tokens=1` completions on keep-alive connections."""
     body = {"model": model, "prompt": [100, 200, 300], "max_tokens": 1}
     request = post_request("/v1/completions", body, key=key)
-    counts: dict[int, int] = {}
-    deadline = time.monotonic() + seconds
-    start = time.monotonic()
-    await asyncio.gather(
-        *(
-            keep_alive_client(stack.gateway_port, request, deadline=deadline, counts=counts)
-            for _ in range(concurrency)
-        )
+    counts, elapsed = await hammer(
+        stack.gateway_port, request, concurrency=concurrency, seconds=seconds
     )
-    elapsed = time.monotonic() - start
     done = counts.get(200, 0)
     return {"requests_per_s": done / elapsed, "requests": done,
             "errors": sum(counts.values()) - done, "concurrency": concurrency,

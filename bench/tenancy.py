@@ -34,7 +34,7 @@ import redis.asyncio as aioredis
 import uvloop
 from safetensors.numpy import save_file
 
-from bench.http_load import keep_alive_client, post_request
+from bench.http_load import hammer, post_request
 from bench.report import write_report
 from gateway.quotas import Quota, QuotaService, Reservation
 from gateway.tenants import TenantAdapter, TenantStore
@@ -126,16 +126,9 @@ async def http_admissions(stack: Stack, key: str, *, concurrency: int, seconds: 
         {"model": stack.model.name, "messages": CHAT, "max_tokens": 1},
         key=key,
     )
-    counts: dict[int, int] = {}
-    deadline = time.monotonic() + seconds
-    start = time.monotonic()
-    await asyncio.gather(
-        *(
-            keep_alive_client(stack.gateway_port, request, deadline=deadline, counts=counts)
-            for _ in range(concurrency)
-        )
+    counts, elapsed = await hammer(
+        stack.gateway_port, request, concurrency=concurrency, seconds=seconds
     )
-    elapsed = time.monotonic() - start
     stack.admin("PUT", "/tenants/bench/quotas", json={})
     return {
         "decisions_per_s": sum(counts.values()) / elapsed,
