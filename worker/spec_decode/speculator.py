@@ -57,7 +57,10 @@ class Speculator:
         decoding = [
             s
             for s in running
-            if s.status is SequenceStatus.RUNNING and s.num_uncomputed_tokens == 1
+            # Past the prompt: a prompt's last token is sampled plainly, where n > 1 forks.
+            if s.status is SequenceStatus.RUNNING
+            and s.num_uncomputed_tokens == 1
+            and s.output_token_ids
         ]
         if not decoding:
             return
