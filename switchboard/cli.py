@@ -128,16 +128,7 @@ def worker(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    engine_kwargs = {
-        "max_loras": args.max_loras,
-        "max_lora_rank": args.max_lora_rank,
-        "max_num_seqs": args.max_num_seqs,
-        "kv_cache_memory_gb": args.kv_cache_memory_gb,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "share_base_model_prefixes": args.share_base_model_prefixes,
-        "preemption_mode": args.preemption_mode,
-        "swap_space_gb": args.swap_space_gb,
-    }
+    engine_kwargs = worker_engine_kwargs(args)
     asyncio.run(
         serve(
             model=args.model,
@@ -154,6 +145,24 @@ def worker(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def worker_engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine's keyword arguments from the worker's flags."""
+    return {
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "share_base_model_prefixes": args.share_base_model_prefixes,
+        "preemption_mode": args.preemption_mode,
+        "swap_space_gb": args.swap_space_gb,
+        "speculative_model": args.speculative_model,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "speculative_max_batch_size": args.speculative_max_batch_size,
+        "speculative_min_acceptance": args.speculative_min_acceptance,
+    }
 
 
 def _worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -196,6 +205,7 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--swap-space-gb", type=float, default=1.0, help="host memory for swapped-out KV blocks"
     )
+    _speculative_arguments(parser)
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may finish"
     )
@@ -204,6 +214,29 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("SWITCHBOARD_ADAPTER_STORE") or str(default_adapter_store()),
         help="where the gateway stores adapters by content id (default: "
         "$SWITCHBOARD_ADAPTER_STORE, else $SWITCHBOARD_HOME/adapters)",
+    )
+
+
+def _speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-model",
+        help="speculative decoding: 'ngram' (prompt lookup) or a draft checkpoint directory "
+        "sharing the model's vocabulary (default: off)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, help="draft tokens per step, k (default: 4)"
+    )
+    parser.add_argument(
+        "--speculative-max-batch-size",
+        type=int,
+        default=8,
+        help="no speculation in steps with more decoding requests than this",
+    )
+    parser.add_argument(
+        "--speculative-min-acceptance",
+        type=float,
+        default=0.2,
+        help="a request whose drafts are accepted less often pauses speculating",
     )
 
 

@@ -329,3 +329,16 @@ def test_mismatched_vocabulary_and_invalid_k_are_refused(target, tmp_path):
 )
 def test_prompt_lookup_proposes_what_followed_the_latest_longest_match(tokens, k, expected):
     assert lookup(tokens, k, max_n=3, min_n=1) == expected
+
+
+def test_worker_flags_reach_the_engine(target):
+    from switchboard.cli import build_parser, worker_engine_kwargs
+
+    args = build_parser().parse_args(
+        ["worker", "--speculative-model", "ngram", "--num-speculative-tokens", "3"]
+    )
+    kwargs = worker_engine_kwargs(args)
+    engine = LLMEngine(target, dtype="float32", **kwargs)
+    assert engine.speculator is not None and engine.speculator.k == 3
+    off = worker_engine_kwargs(build_parser().parse_args(["worker"]))
+    assert LLMEngine(target, dtype="float32", **off).spec_decode_stats is None
