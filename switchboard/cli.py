@@ -112,6 +112,50 @@ def bench_prefix(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_spec(args: argparse.Namespace) -> int:
+    """Speculative decoding on vs off, batch 1 and 16 (see bench/README.md)."""
+    from bench.spec import main as run_benchmark
+
+    run_benchmark(args.extra_options)
+    return 0
+
+
+def draft_distill(args: argparse.Namespace) -> int:
+    """Distill a small draft model from the target, for speculative decoding."""
+    import logging
+    from pathlib import Path
+
+    from worker.default_model import resolve_model_path
+    from worker.spec_decode.distill import default_draft_path, distill
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    target = resolve_model_path(args.model)
+    out = Path(args.out) if args.out else default_draft_path()
+    result = distill(
+        target,
+        out,
+        num_layers=args.num_layers,
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        train_minutes=args.train_minutes,
+    )
+    print(
+        f"draft saved to {result.path}: {result.generated_tokens} generated tokens, "
+        f"{result.train_steps} steps, final KL {result.final_loss:.3f}, "
+        f"{result.elapsed_s / 60:.1f} min"
+    )
+    return 0
+
+
+def _draft_distill_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="target checkpoint (default: the default model)")
+    parser.add_argument("--out", help="where to save the draft (default: beside the model)")
+    parser.add_argument("--num-layers", type=int, default=4, help="decoder layers kept")
+    parser.add_argument("--num-prompts", type=int, default=160, help="answers to generate")
+    parser.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
+    parser.add_argument("--train-minutes", type=float, default=10.0, help="training budget")
+
+
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     # Every option goes on to the benchmark module, which documents them (--help there).
     parser.set_defaults(passes_options_through=True)
@@ -454,6 +498,18 @@ COMMANDS: tuple[Command, ...] = (
         "prefix cache on vs off (multi-turn chat, shared document)",
         bench_prefix,
         _bench_arguments,
+    ),
+    Command(
+        ("bench", "spec"),
+        "speculative decoding on vs off (batch 1 and 16)",
+        bench_spec,
+        _bench_arguments,
+    ),
+    Command(
+        ("draft", "distill"),
+        "distill a small draft model for speculative decoding",
+        draft_distill,
+        _draft_distill_arguments,
     ),
     Command(("worker",), "serve the engine over gRPC", worker, _worker_arguments),
     Command(("gateway",), "serve the OpenAI-compatible gateway", gateway, _gateway_arguments),
