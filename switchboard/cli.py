@@ -141,7 +141,7 @@ def draft_distill(args: argparse.Namespace) -> int:
     )
     print(
         f"draft saved to {result.path}: {result.generated_tokens} generated tokens, "
-        f"{result.train_steps} steps, final KL {result.final_loss:.3f}, "
+        f"{result.train_steps} steps, KL {result.first_loss:.3f} -> {result.final_loss:.3f}, "
         f"{result.elapsed_s / 60:.1f} min"
     )
     return 0

@@ -72,6 +72,7 @@ class DistillResult:
     path: Path
     generated_tokens: int
     train_steps: int
+    first_loss: float  # KL(target || draft) of the first batch, before any update
     final_loss: float
     elapsed_s: float
 
@@ -164,7 +165,7 @@ def distill(
     chunks = torch.tensor(stream[: len(stream) // seq_len * seq_len]).view(-1, seq_len)
     max_steps = 4 * math.ceil(len(chunks) / batch_size)
     deadline = time.monotonic() + train_minutes * 60
-    step, loss_value = 0, float("nan")
+    step, loss_value, first_loss = 0, float("nan"), float("nan")
     draft.train()
     while step < max_steps and time.monotonic() < deadline:
         order = torch.randperm(len(chunks))
@@ -187,9 +188,12 @@ def distill(
             optimizer.step()
             step += 1
             loss_value = loss.item()
+            if step == 1:
+                first_loss = loss_value
             if step % 10 == 0:
                 logger.info("step %d: KL %.3f", step, loss_value)
     out.mkdir(parents=True, exist_ok=True)
     draft.eval().save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(target).save_pretrained(out)
-    return DistillResult(out, len(stream), step, loss_value, time.monotonic() - start)
+    elapsed = time.monotonic() - start
+    return DistillResult(out, len(stream), step, first_loss, loss_value, elapsed)

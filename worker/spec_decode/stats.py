@@ -64,16 +64,23 @@ class SpecDecodeStats:
 
 @dataclass(slots=True)
 class _Track:
-    acceptance: float = 1.0  # moving average of the accepted fraction, optimistic start
+    acceptance: float = 0.5  # moving average of the accepted fraction
     pause: int = 0  # steps left without speculating
+    next_pause: int = 0  # length of the next pause: doubles while drafts keep failing
 
 
 class BackoffPolicy:
     """When speculation pays: not in large batches (verification then costs real compute),
-    and not for a sequence whose drafts keep being rejected (it pauses, then retries)."""
+    and not for a sequence whose drafts keep being rejected: it pauses, then retries, and
+    each failed retry doubles the pause (up to ``max_pause_steps``)."""
 
     def __init__(
-        self, *, max_batch_size: int, min_acceptance: float, pause_steps: int = 16
+        self,
+        *,
+        max_batch_size: int,
+        min_acceptance: float,
+        pause_steps: int = 8,
+        max_pause_steps: int = 256,
     ) -> None:
         # At or below this many decoding sequences a step is bound by reading the weights,
         # so verifying k + 1 positions costs about what one does.
@@ -81,6 +88,7 @@ class BackoffPolicy:
         # Below this moving-average acceptance the drafts cost more than they save.
         self.min_acceptance = min_acceptance
         self.pause_steps = pause_steps
+        self.max_pause_steps = max_pause_steps
         self._tracks: dict[Sequence, _Track] = {}
 
     def allows_batch(self, num_decodes: int) -> bool:
@@ -94,12 +102,14 @@ class BackoffPolicy:
         return False
 
     def update(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
-        track = self._tracks.setdefault(seq, _Track())
+        track = self._tracks.setdefault(seq, _Track(next_pause=self.pause_steps))
         track.acceptance = 0.7 * track.acceptance + 0.3 * (num_accepted / num_proposed)
         if track.acceptance < self.min_acceptance:
-            track.pause = self.pause_steps
+            track.pause = track.next_pause
+            track.next_pause = min(2 * track.next_pause, self.max_pause_steps)
             track.acceptance = self.min_acceptance  # retry from the threshold, not below
-        return None
+        elif track.acceptance >= 2 * self.min_acceptance:
+            track.next_pause = self.pause_steps
 
     def release(self, seq: Sequence) -> None:
         self._tracks.pop(seq, None)
