@@ -342,3 +342,25 @@ def test_worker_flags_reach_the_engine(target):
     assert engine.speculator is not None and engine.speculator.k == 3
     off = worker_engine_kwargs(build_parser().parse_args(["worker"]))
     assert LLMEngine(target, dtype="float32", **off).spec_decode_stats is None
+
+
+def test_backoff_pauses_a_failing_sequence_and_starts_newcomers_paused():
+    from worker.sequence import Sequence
+    from worker.spec_decode.stats import BackoffPolicy
+
+    policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.2, pause_steps=4)
+    first = Sequence("a", [1], SamplingParams(), 0)
+    assert policy.allows(first)
+    tries = 0
+    while policy.allows(first) and tries < 10:
+        policy.update(first, 4, 0)  # every draft rejected
+        tries += 1
+    assert tries == 3  # 0.5 -> 0.35 -> 0.245 -> 0.17: paused
+    assert [policy.allows(first) for _ in range(4)] == [False] * 3 + [True]
+    policy.update(first, 4, 0)  # the retry fails: the next pause is twice as long
+    assert sum(not policy.allows(first) for _ in range(8)) == 8
+    for _ in range(40):
+        policy.update(first, 4, 0)
+    assert policy.acceptance < 0.2
+    newcomer = Sequence("b", [1], SamplingParams(), 1)
+    assert not policy.allows(newcomer)  # drafts mostly fail: newcomers start paused

@@ -72,7 +72,9 @@ class _Track:
 class BackoffPolicy:
     """When speculation pays: not in large batches (verification then costs real compute),
     and not for a sequence whose drafts keep being rejected: it pauses, then retries, and
-    each failed retry doubles the pause (up to ``max_pause_steps``)."""
+    each failed retry doubles the pause (up to ``max_pause_steps``). A new sequence starts
+    from the engine-wide acceptance: while drafts mostly fail (a poor draft model for this
+    traffic), newcomers start paused too, so they only probe now and then."""
 
     def __init__(
         self,
@@ -90,20 +92,25 @@ class BackoffPolicy:
         self.pause_steps = pause_steps
         self.max_pause_steps = max_pause_steps
         self._tracks: dict[Sequence, _Track] = {}
+        self.acceptance = 0.5  # engine-wide moving average, over every verification
 
     def allows_batch(self, num_decodes: int) -> bool:
         return num_decodes <= self.max_batch_size
 
     def allows(self, seq: Sequence) -> bool:
         track = self._tracks.get(seq)
-        if track is None or track.pause == 0:
+        if track is None:
+            track = self._tracks[seq] = self._new_track()
+        if track.pause == 0:
             return True
         track.pause -= 1
         return False
 
     def update(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
-        track = self._tracks.setdefault(seq, _Track(next_pause=self.pause_steps))
-        track.acceptance = 0.7 * track.acceptance + 0.3 * (num_accepted / num_proposed)
+        track = self._tracks.get(seq) or self._tracks.setdefault(seq, self._new_track())
+        rate = num_accepted / num_proposed
+        self.acceptance = 0.95 * self.acceptance + 0.05 * rate
+        track.acceptance = 0.7 * track.acceptance + 0.3 * rate
         if track.acceptance < self.min_acceptance:
             track.pause = track.next_pause
             track.next_pause = min(2 * track.next_pause, self.max_pause_steps)
@@ -113,3 +120,9 @@ class BackoffPolicy:
 
     def release(self, seq: Sequence) -> None:
         self._tracks.pop(seq, None)
+
+    def _new_track(self) -> _Track:
+        if self.acceptance >= self.min_acceptance:
+            return _Track(acceptance=max(0.5, self.acceptance), next_pause=self.pause_steps)
+        # Start paused, as if the first try had failed already.
+        return _Track(self.min_acceptance, pause=self.pause_steps, next_pause=2 * self.pause_steps)
