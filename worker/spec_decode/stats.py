@@ -109,7 +109,7 @@ class BackoffPolicy:
     def update(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         track = self._tracks.get(seq) or self._tracks.setdefault(seq, self._new_track())
         rate = num_accepted / num_proposed
-        self.acceptance = 0.95 * self.acceptance + 0.05 * rate
+        self.acceptance = 0.8 * self.acceptance + 0.2 * rate
         track.acceptance = 0.7 * track.acceptance + 0.3 * rate
         if track.acceptance < self.min_acceptance:
             track.pause = track.next_pause
