@@ -112,6 +112,51 @@ def bench_prefix(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_spec(args: argparse.Namespace) -> int:
+    """Speculative decoding on vs off, batch 1 and 16 (see bench/README.md)."""
+    from bench.spec import main as run_benchmark
+
+    run_benchmark(args.extra_options)
+    return 0
+
+
+def draft_distill(args: argparse.Namespace) -> int:
+    """Distill a small draft model from the target, for speculative decoding."""
+    import logging
+    from pathlib import Path
+
+    from switchboard.logs import configure_logging
+    from worker.default_model import resolve_model_path
+    from worker.spec_decode.distill import default_draft_path, distill
+
+    configure_logging(level=logging.INFO, json_lines=_json_logs())
+    target = resolve_model_path(args.model)
+    out = Path(args.out) if args.out else default_draft_path()
+    result = distill(
+        target,
+        out,
+        num_layers=args.num_layers,
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        train_minutes=args.train_minutes,
+    )
+    print(
+        f"draft saved to {result.path}: {result.generated_tokens} generated tokens, "
+        f"{result.train_steps} steps, KL {result.first_loss:.3f} -> {result.final_loss:.3f}, "
+        f"{result.elapsed_s / 60:.1f} min"
+    )
+    return 0
+
+
+def _draft_distill_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="target checkpoint (default: the default model)")
+    parser.add_argument("--out", help="where to save the draft (default: beside the model)")
+    parser.add_argument("--num-layers", type=int, default=4, help="decoder layers kept")
+    parser.add_argument("--num-prompts", type=int, default=160, help="answers to generate")
+    parser.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
+    parser.add_argument("--train-minutes", type=float, default=10.0, help="training budget")
+
+
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     # Every option goes on to the benchmark module, which documents them (--help there).
     parser.set_defaults(passes_options_through=True)
@@ -135,16 +180,7 @@ def worker(args: argparse.Namespace) -> int:
     from worker.server import serve
 
     configure_logging(level=logging.INFO, json_lines=_json_logs())
-    engine_kwargs = {
-        "max_loras": args.max_loras,
-        "max_lora_rank": args.max_lora_rank,
-        "max_num_seqs": args.max_num_seqs,
-        "kv_cache_memory_gb": args.kv_cache_memory_gb,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "share_base_model_prefixes": args.share_base_model_prefixes,
-        "preemption_mode": args.preemption_mode,
-        "swap_space_gb": args.swap_space_gb,
-    }
+    engine_kwargs = worker_engine_kwargs(args)
     asyncio.run(
         serve(
             model=args.model,
@@ -162,6 +198,24 @@ def worker(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def worker_engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine's keyword arguments from the worker's flags."""
+    return {
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "share_base_model_prefixes": args.share_base_model_prefixes,
+        "preemption_mode": args.preemption_mode,
+        "swap_space_gb": args.swap_space_gb,
+        "speculative_model": args.speculative_model,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "speculative_max_batch_size": args.speculative_max_batch_size,
+        "speculative_min_acceptance": args.speculative_min_acceptance,
+    }
 
 
 def _worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -204,6 +258,7 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--swap-space-gb", type=float, default=1.0, help="host memory for swapped-out KV blocks"
     )
+    _speculative_arguments(parser)
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may finish"
     )
@@ -218,6 +273,29 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("SWITCHBOARD_ADAPTER_STORE") or str(default_adapter_store()),
         help="where the gateway stores adapters by content id (default: "
         "$SWITCHBOARD_ADAPTER_STORE, else $SWITCHBOARD_HOME/adapters)",
+    )
+
+
+def _speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-model",
+        help="speculative decoding: 'ngram' (prompt lookup) or a draft checkpoint directory "
+        "sharing the model's vocabulary (default: off)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, help="draft tokens per step, k (default: 4)"
+    )
+    parser.add_argument(
+        "--speculative-max-batch-size",
+        type=int,
+        default=8,
+        help="no speculation in steps with more decoding requests than this",
+    )
+    parser.add_argument(
+        "--speculative-min-acceptance",
+        type=float,
+        default=0.2,
+        help="a request whose drafts are accepted less often pauses speculating",
     )
 
 
@@ -434,6 +512,18 @@ COMMANDS: tuple[Command, ...] = (
         "prefix cache on vs off (multi-turn chat, shared document)",
         bench_prefix,
         _bench_arguments,
+    ),
+    Command(
+        ("bench", "spec"),
+        "speculative decoding on vs off (batch 1 and 16)",
+        bench_spec,
+        _bench_arguments,
+    ),
+    Command(
+        ("draft", "distill"),
+        "distill a small draft model for speculative decoding",
+        draft_distill,
+        _draft_distill_arguments,
     ),
     Command(("worker",), "serve the engine over gRPC", worker, _worker_arguments),
     Command(("gateway",), "serve the OpenAI-compatible gateway", gateway, _gateway_arguments),

@@ -132,3 +132,21 @@ def make_peft_adapter(
                 param.copy_(torch.randn(param.shape, generator=g) * 0.3 / param.shape[-1] ** 0.5)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def make_perturbed_checkpoint(source: Path, out: Path, *, noise: float, seed: int = 0) -> Path:
+    """A copy of ``source`` with Gaussian noise (``noise`` x each tensor's std) on every
+    weight: a draft model that agrees with its target often, but not always."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source / "config.json", out / "config.json")
+    g = torch.Generator().manual_seed(seed)
+    weights = load_file(source / "model.safetensors")
+    noisy = {
+        name: w + noise * w.std() * torch.randn(w.shape, generator=g) for name, w in weights.items()
+    }
+    save_file(noisy, out / "model.safetensors")
+    return out

@@ -88,3 +88,28 @@ def test_blocks_needed(block_size):
     assert pool.blocks_needed([], block_size) == 1
     assert pool.blocks_needed([], block_size + 1) == 2
     assert pool.blocks_needed([7], block_size) == 0
+
+
+def test_trim_frees_the_tail_blocks_of_rejected_speculative_tokens():
+    pool = make_pool(num_blocks=8, block_size=4)
+    table: list[int] = []
+    pool.allocate(table, 6)  # [0, 1]: 6 computed tokens
+    pool.cache_blocks(table, [b"h0"])  # the one full block is cached
+    pool.allocate(table, 6 + 1 + 4, write_from=6)  # last token + 4 drafts: [0, 1, 2]
+    assert table == [0, 1, 2]
+    pool.trim(table, 6 + 1)  # one draft accepted: 7 tokens hold K/V
+    assert table == [0, 1] and pool.num_free_blocks == 6
+    assert pool.blocks[2].ref_count == 0 and pool.blocks[2].block_hash is None
+    pool.trim(table, 8)  # nothing past the table: no-op
+    assert table == [0, 1]
+    assert pool.match_prefix([b"h0"]) == [0]  # the cached head is untouched
+
+
+def test_trim_of_a_shared_table_only_drops_this_tables_references():
+    pool = make_pool(num_blocks=8, block_size=4)
+    parent: list[int] = []
+    pool.allocate(parent, 8)  # [0, 1]
+    child = pool.fork(parent)
+    pool.trim(child, 4)
+    assert child == [0] and parent == [0, 1]
+    assert [pool.blocks[i].ref_count for i in (0, 1)] == [2, 1]

@@ -193,6 +193,16 @@ class BlockManager:
                 raise RuntimeError(f"block {block_id} freed twice")
         block_table.clear()
 
+    def trim(self, block_table: list[int], num_tokens: int) -> None:
+        """Drop the table's blocks past the first ``num_tokens`` tokens (rejected speculative
+        tokens' slots). Those blocks were never registered in the cache: only blocks of
+        computed tokens are."""
+        keep = -(-num_tokens // self.block_size)
+        if keep < len(block_table):
+            tail = block_table[keep:]
+            del block_table[keep:]
+            self.free(tail)
+
     def reset_cache(self) -> None:
         """Forget every cached prefix (benchmarks, or after weights change in place)."""
         for block in self.blocks:

@@ -21,10 +21,13 @@ from worker.model_runner import ModelRunner, kv_bytes_per_block
 from worker.outputs import RequestOutput
 from worker.postprocess import Postprocessor
 from worker.prefix_cache import PrefixCacheStats, root_hash
-from worker.sampler import Sampler, SamplingRow
+from worker.sampler import SampledToken, Sampler, SamplingRow
 from worker.sampling_params import SamplingParams
 from worker.scheduler import PreemptionMode, ScheduledSequence, Scheduler
 from worker.sequence import FinishReason, Sequence, SequenceStatus
+from worker.spec_decode.setup import build_speculator
+from worker.spec_decode.speculator import Verified
+from worker.spec_decode.stats import SpecDecodeStats
 from worker.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,11 +61,20 @@ class LLMEngine:
         preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE,
         swap_space_gb: float = 1.0,
         num_host_blocks: int | None = None,
+        speculative_model: str | Path | None = None,
+        num_speculative_tokens: int | None = None,
+        speculative_max_batch_size: int = 8,
+        speculative_min_acceptance: float = 0.2,
     ) -> None:
         """``share_base_model_prefixes``: base-model requests of different tenants share
         cached prefixes (faster; but one tenant can then time another's prompts). Adapter
         requests are always isolated per tenant. ``swap_space_gb`` (or ``num_host_blocks``)
-        sizes the host pool used when ``preemption_mode`` is ``"swap"``."""
+        sizes the host pool used when ``preemption_mode`` is ``"swap"``.
+
+        Speculative decoding: ``speculative_model`` is ``"ngram"`` (prompt lookup) or a draft
+        checkpoint sharing the target's vocabulary; ``num_speculative_tokens`` is k. It is
+        off for steps with more than ``speculative_max_batch_size`` decoding sequences, and
+        paused for a sequence whose acceptance falls below ``speculative_min_acceptance``."""
         torch_dtype = resolve_dtype(dtype)
         self.model = LlamaModel.from_pretrained(model, dtype=torch_dtype)
         self.config = self.model.config
@@ -110,6 +122,17 @@ class LLMEngine:
             num_host_blocks=host_pool.num_blocks if host_pool is not None else 0,
         )
         self.sampler = Sampler()
+        self.speculator = build_speculator(
+            speculative_model,
+            num_speculative_tokens,
+            dtype=torch_dtype,
+            block_manager=self.block_manager,
+            max_model_len=self.max_model_len,
+            vocab_size=self.config.vocab_size,
+            tokenizer=self.tokenizer,
+            max_batch_size=speculative_max_batch_size,
+            min_acceptance=speculative_min_acceptance,
+        )
         self.postprocessor = Postprocessor(
             eos_token_ids=self.config.eos_token_ids, max_model_len=self.max_model_len
         )
@@ -123,6 +146,11 @@ class LLMEngine:
     @property
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding counters; None when speculation is off."""
+        return self.speculator.stats if self.speculator is not None else None
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -232,25 +260,45 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: the outputs of every request that produced a token or finished."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self._rows)
         sched = self.scheduler.schedule()
         self.runner.move_blocks(sched.moves)
         if sched.is_empty:
             return []
         sampling, logits = self.runner.execute(sched.scheduled)
         self.scheduler.mark_computed(sched)
+        verified: list[Verified] = []
+        if self.speculator is not None:
+            sampling, logits, verified = self.speculator.verify(sampling, logits, self._rows)
         if self._forks:
             sampling, logits = self._fork_samples(sampling, logits)
         sampled = self.sampler(logits, [self._rows[s.seq.request_id] for s in sampling])
         now = time.monotonic()
-        outputs = []
-        for s, token in zip(sampling, sampled, strict=True):
-            seq = s.seq
-            new_text = self.postprocessor.add_token(seq, token, now)
-            if seq.finish_reason is not None:
-                new_text += self.postprocessor.flush(seq)
-                self._finish(seq)
-            outputs.append(self.postprocessor.output(seq, new_tokens=1, new_text=new_text))
+        outputs = [
+            self._emit(s.seq, [token], now) for s, token in zip(sampling, sampled, strict=True)
+        ]
+        outputs += [self._emit(v.seq, v.tokens, now, verified=True) for v in verified]
         return outputs
+
+    def _emit(
+        self, seq: Sequence, tokens: list[SampledToken], now: float, *, verified: bool = False
+    ) -> RequestOutput:
+        """Append tokens until the request finishes; a verified sequence then rolls back."""
+        new_text = ""
+        count = 0
+        for token in tokens:
+            new_text += self.postprocessor.add_token(seq, token, now)
+            count += 1
+            if seq.finish_reason is not None:
+                break
+        if seq.finish_reason is not None:
+            new_text += self.postprocessor.flush(seq)
+            self._finish(seq)
+        elif verified:
+            assert self.speculator is not None
+            self.speculator.commit(seq, count)
+        return self.postprocessor.output(seq, new_tokens=count, new_text=new_text)
 
     def _fork_samples(
         self, sampling: list[ScheduledSequence], logits: torch.Tensor
@@ -273,6 +321,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self._release_forks(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.metrics.finished_time = time.monotonic()

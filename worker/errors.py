@@ -15,3 +15,7 @@ class RequestTooLargeError(InvalidRequestError):
 
 class ModelLoadError(EngineError):
     """A checkpoint is missing, unreadable, or not of the Llama family."""
+
+
+class SpeculativeConfigError(EngineError, ValueError):
+    """Speculative decoding is misconfigured: bad k, or a draft model the target can't use."""

@@ -85,12 +85,14 @@ class ModelRunner:
     def execute(
         self, scheduled: list[ScheduledSequence]
     ) -> tuple[list[ScheduledSequence], torch.Tensor]:
-        """Run one step; returns the sampling sequences and their logits [num_sampling, vocab]."""
+        """Run one step; returns the sampling sequences and their logits, one row per
+        sampling sequence, or ``num_spec + 1`` consecutive rows for one verifying draft
+        tokens: [sum of rows, vocab]."""
         inputs = self.prepare(scheduled)
         lora = None
         # The per-token adapter list is only built when some sequence uses an adapter.
         if self.lora_manager is not None and any(s.seq.adapter_id for s in inputs.order):
-            token_adapters = [a for s in inputs.order for a in [s.seq.adapter_id] * s.num_tokens]
+            token_adapters = [a for s in inputs.order for a in [s.seq.adapter_id] * s.num_fed]
             lora = self.lora_manager.prepare(
                 token_adapters, all_decode=len(inputs.meta.prefills) == 0
             )
@@ -103,9 +105,9 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
         # Decodes sorted by context length, so similar lengths share one attention call.
         decodes = sorted(
-            (s for s in scheduled if s.num_tokens == 1 and s.start > 0), key=lambda s: s.start
+            (s for s in scheduled if s.num_fed == 1 and s.start > 0), key=lambda s: s.start
         )
-        prefills = [s for s in scheduled if not (s.num_tokens == 1 and s.start > 0)]
+        prefills = [s for s in scheduled if not (s.num_fed == 1 and s.start > 0)]
         order = decodes + prefills
         bs = self.block_size
         ids: list[int] = []
@@ -114,13 +116,14 @@ class ModelRunner:
         logit_rows: list[int] = []
         for s in order:
             table = s.seq.block_table
-            end = s.start + s.num_tokens
-            ids.extend(s.seq.tokens[s.start : end])
-            span = range(s.start, end)
+            ids.extend(s.seq.tokens[s.start : s.start + s.num_tokens])
+            ids.extend(s.seq.spec_token_ids[: s.num_spec])
+            span = range(s.start, s.start + s.num_fed)
             positions.extend(span)
             slots.extend(table[p // bs] * bs + p % bs for p in span)
             if s.samples:
-                logit_rows.append(len(ids) - 1)
+                # The last real token's row, then one row per draft token.
+                logit_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             num_decodes=len(decodes),
@@ -180,8 +183,8 @@ class ModelRunner:
                 table = torch.tensor(s.seq.block_table, dtype=torch.int64)
                 span = len(s.seq.block_table) * self.block_size
                 # Query i (absolute position start + i) sees keys 0..start + i.
-                query_pos = torch.arange(s.start, s.start + s.num_tokens).unsqueeze(1)
+                query_pos = torch.arange(s.start, s.start + s.num_fed).unsqueeze(1)
                 mask = torch.arange(span).unsqueeze(0) <= query_pos  # [n, span]
-            chunks.append(PrefillChunk(start, s.num_tokens, s.start, table, mask))
-            start += s.num_tokens
+            chunks.append(PrefillChunk(start, s.num_fed, s.start, table, mask))
+            start += s.num_fed
         return chunks

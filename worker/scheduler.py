@@ -45,9 +45,16 @@ class BlockMove:
 @dataclass(slots=True)
 class ScheduledSequence:
     seq: Sequence
-    # Tokens ``seq.tokens[start:start + num_tokens]`` get computed this step.
+    # Tokens ``seq.tokens[start:start + num_tokens]`` get computed this step, followed by
+    # ``seq.spec_token_ids[:num_spec]`` (draft tokens to verify; not counted as computed).
     start: int
     num_tokens: int
+    num_spec: int = 0
+
+    @property
+    def num_fed(self) -> int:
+        """Tokens this sequence puts through the forward pass."""
+        return self.num_tokens + self.num_spec
 
     @property
     def samples(self) -> bool:
@@ -61,17 +68,17 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # K/V block moves to make, in this order, before the forward pass.
     moves: list[BlockMove] = field(default_factory=list)
-    num_tokens: int = 0  # kept equal to the sum of scheduled num_tokens
+    num_tokens: int = 0  # kept equal to the sum of scheduled num_fed
 
     def add(self, placed: ScheduledSequence) -> None:
         self.scheduled.append(placed)
-        self.num_tokens += placed.num_tokens
+        self.num_tokens += placed.num_fed
 
     def drop(self, seq: Sequence) -> None:
         """Take back ``seq``'s place, if it has one this step."""
         for i, placed in enumerate(self.scheduled):
             if placed.seq is seq:
-                self.num_tokens -= placed.num_tokens
+                self.num_tokens -= placed.num_fed
                 del self.scheduled[i]
                 return
 
@@ -161,7 +168,8 @@ class Scheduler:
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(seq, num_tokens, out):
                 continue
-            out.add(self._schedule(seq, num_tokens, out))
+            num_spec = self._fit_speculation(seq, num_tokens, budget)
+            out.add(self._schedule(seq, num_tokens, out, num_spec))
             budget = self.max_num_batched_tokens - out.num_tokens
         if not out.preempted:
             adapters = AdapterGate(
@@ -199,6 +207,19 @@ class Scheduler:
             if victim is seq:
                 return False
         return True
+
+    def _fit_speculation(self, seq: Sequence, num_tokens: int, budget: int) -> int:
+        """How many of ``seq``'s draft tokens ride along: only on a decode, only within the
+        token budget, and only in blocks that are free now (speculation never preempts)."""
+        if not seq.spec_token_ids or num_tokens != seq.num_uncomputed_tokens:
+            return 0
+        num_spec = min(len(seq.spec_token_ids), budget - num_tokens)
+        start = seq.num_computed_tokens
+        while num_spec > 0 and not self.block_manager.can_allocate(
+            seq.block_table, start + num_tokens + num_spec, write_from=start
+        ):
+            num_spec -= 1
+        return max(num_spec, 0)
 
     def _resume_swapped(self, budget: int, out: SchedulerOutput, adapters: AdapterGate) -> int:
         """Swap sequences back in, earliest arrival first, while budget, seats and blocks last."""
@@ -282,11 +303,14 @@ class Scheduler:
         if seq.metrics.first_scheduled_time is None:
             seq.metrics.first_scheduled_time = time.monotonic()
 
-    def _schedule(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> ScheduledSequence:
+    def _schedule(
+        self, seq: Sequence, num_tokens: int, out: SchedulerOutput, num_spec: int = 0
+    ) -> ScheduledSequence:
         start = seq.num_computed_tokens
-        copies = self.block_manager.allocate(seq.block_table, start + num_tokens, write_from=start)
+        end = start + num_tokens + num_spec
+        copies = self.block_manager.allocate(seq.block_table, end, write_from=start)
         out.moves.extend(BlockMove(MoveKind.COPY, c.src, c.dst) for c in copies)
-        return ScheduledSequence(seq, start, num_tokens)
+        return ScheduledSequence(seq, start, num_tokens, num_spec)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap ``seq`` out if the policy and the host pool allow, else drop its K/V for a
@@ -294,6 +318,7 @@ class Scheduler:
         self.running.remove(seq)
         out.preempted.append(seq)
         out.drop(seq)  # it may already hold a place in this step
+        seq.spec_token_ids.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         host = self.host_block_manager

@@ -84,6 +84,9 @@ class Sequence:
     num_preemptions: int = 0
     # Steps this request was passed over for want of a free adapter slot.
     lora_wait_steps: int = 0
+    # Speculative decoding: draft tokens proposed for this step, verified after it (never
+    # part of ``tokens``: only accepted ones are appended).
+    spec_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     stop_checker: StopChecker | None = None

@@ -1,0 +1,366 @@
+"""Speculative decoding in the engine (tiny models, fp32) against plain decoding.
+
+The oracle is always the engine without speculation (itself checked against transformers):
+greedy tokens must be identical whatever the proposer proposes; sampled tokens must follow
+the exact target distribution, computed here from transformers. Every scenario ends with
+no KV block held, in the target's pool or the draft's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from factories import (
+    load_hf_model,
+    make_checkpoint,
+    make_peft_adapter,
+    make_perturbed_checkpoint,
+    random_prompts,
+)
+from worker import LLM, SamplingParams
+from worker.engine import LLMEngine
+from worker.errors import SpeculativeConfigError
+from worker.spec_decode.ngram import lookup
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("target"), seed=21)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """Same vocabulary, other weights: disagrees with the target most of the time."""
+    return make_checkpoint(tmp_path_factory.mktemp("draft"), seed=99, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def close_draft(target, tmp_path_factory):
+    """The target with noise on its weights: accepts about 60% of sampled drafts."""
+    return make_perturbed_checkpoint(target, tmp_path_factory.mktemp("close"), noise=0.1)
+
+
+@pytest.fixture(scope="module")
+def adapters(target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: make_peft_adapter(
+            target, root / name, rank=4, targets=["q_proj", "v_proj", "down_proj"], seed=i
+        )
+        for i, name in enumerate(["one", "two"])
+    }
+
+
+def greedy(max_tokens: int = MAX_NEW) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def copying_prompts(num: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat themselves, so prompt lookup finds matches."""
+    return [p * 3 for p in random_prompts(num, min_len=3, max_len=10, seed=seed)]
+
+
+def drain(engine: LLMEngine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def assert_no_leaks(engine: LLMEngine) -> None:
+    pool = engine.block_manager
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(block.ref_count == 0 for block in pool.blocks)
+    draft = getattr(engine.speculator.proposer, "block_manager", None)
+    if draft is not None:
+        assert draft.num_free_blocks == draft.num_blocks
+    assert not engine.scheduler.has_work
+
+
+def speculative(target, spec: str, k: int = 4, **kwargs) -> LLM:
+    return LLM(target, dtype="float32", speculative_model=spec, num_speculative_tokens=k, **kwargs)
+
+
+def proposer_path(name: str, target, other_draft) -> str:
+    return {"ngram": "ngram", "draft-disagrees": str(other_draft), "draft-is-target": str(target)}[
+        name
+    ]
+
+
+PROPOSERS = ["ngram", "draft-disagrees", "draft-is-target"]
+VARIANTS = {
+    "default": {},
+    "block-size-4-chunked": {"block_size": 4, "max_num_batched_tokens": 19},
+    "preemption": {"block_size": 4, "num_kv_blocks": 40},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_greedy_tokens_are_identical_with_and_without_speculation(
+    target, other_draft, proposer, variant
+):
+    prompts = copying_prompts(3, seed=1) + random_prompts(3, min_len=1, max_len=30, seed=2)
+    expected = LLM(target, dtype="float32").generate(prompts, greedy())
+    llm = speculative(target, proposer_path(proposer, target, other_draft), **VARIANTS[variant])
+    outputs = llm.generate(prompts, greedy())
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_verifications > 0 and stats.num_proposed > 0
+    if proposer == "draft-is-target":
+        assert stats.acceptance_rate == 1.0
+        assert stats.mean_accepted_length > 3
+    if proposer == "draft-disagrees":
+        assert stats.acceptance_rate < 0.5
+    if variant == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft-is-target"])
+def test_greedy_with_adapters_mixed_in_one_batch(target, other_draft, adapters, proposer):
+    prompts = copying_prompts(6, seed=4)
+    names = ["one", None, "two", "one", "two", None]
+    plain = LLM(target, dtype="float32", max_loras=2)
+    llm = speculative(target, proposer_path(proposer, target, other_draft), max_loras=2)
+    for engine in (plain, llm):
+        for name, path in adapters.items():
+            engine.load_adapter(name, path)
+    expected = plain.generate(prompts, greedy(), adapters=names)
+    outputs = llm.generate(prompts, greedy(), adapters=names)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    # The adapters change the outputs (else this test would not test them).
+    base = plain.generate(prompts, greedy())
+    assert [o.token_ids for o in base] != [o.token_ids for o in expected]
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_accepted > 0
+    if proposer == "draft-is-target":  # the draft runs the base model only
+        assert stats.acceptance_rate < 1.0
+    assert_no_leaks(llm.engine)
+
+
+def test_verification_shares_steps_with_other_requests_prefills(target):
+    """Requests arrive while others speculate; verify rows ride in the same forward pass."""
+    prompts = copying_prompts(5, seed=6)
+    expected = LLM(target, dtype="float32").generate(prompts, greedy())
+    llm = speculative(target, str(target))
+    engine = llm.engine
+    mixed_steps = 0
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        nonlocal mixed_steps
+        out = schedule()
+        kinds = {
+            "verify" if s.num_spec else "prefill"
+            for s in out.scheduled
+            if s.num_spec or s.start == 0
+        }
+        mixed_steps += kinds == {"verify", "prefill"}
+        return out
+
+    engine.scheduler.schedule = spy
+    done = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, greedy())
+        for _ in range(3):
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+    done.update(drain(engine))
+    assert [done[f"r{i}"].token_ids for i in range(len(prompts))] == [o.token_ids for o in expected]
+    assert mixed_steps > 0
+    assert_no_leaks(engine)
+
+
+def test_multi_turn_chats_with_prefix_caching_match_and_hit(target):
+    """Rejected drafts' slots never reach the prefix cache: later turns reuse cached blocks
+    and still produce the plain engine's tokens."""
+    sessions = copying_prompts(3, seed=8)
+    news = random_prompts(6, min_len=2, max_len=6, seed=9)
+    transcripts = {}
+    for spec in (None, str(target), "ngram"):
+        kwargs = {"speculative_model": spec} if spec else {}
+        llm = LLM(target, dtype="float32", block_size=4, **kwargs)
+        history = [list(s) for s in sessions]
+        transcript = []
+        for turn in range(2):
+            outs = llm.generate(history, greedy(12))
+            transcript.append([o.token_ids for o in outs])
+            for i, out in enumerate(outs):
+                history[i] = history[i] + out.token_ids + news[turn * 3 + i]
+        transcripts[spec] = transcript
+        assert llm.engine.prefix_cache_stats.hits > 0
+        if spec is not None:
+            assert_no_leaks(llm.engine)
+    assert len({str(t) for t in transcripts.values()}) == 1
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft-is-target"])
+def test_n_samples_speculate_independently(target, other_draft, proposer):
+    prompt = copying_prompts(1, seed=10)[0]
+    expected = LLM(target, dtype="float32").generate(prompt, greedy())[0].token_ids
+    llm = speculative(target, proposer_path(proposer, target, other_draft), block_size=4)
+    engine = llm.engine
+    engine.add_samples(["a", "b", "c"], prompt, [greedy()] * 3)
+    engine.add_samples(
+        ["x", "y"],
+        prompt,
+        [SamplingParams(max_tokens=MAX_NEW, seed=s, top_k=5, ignore_eos=True) for s in (1, 2)],
+    )
+    outs = drain(engine)
+    assert [outs[i].token_ids for i in "abc"] == [expected] * 3
+    assert all(len(outs[i].token_ids) == MAX_NEW for i in "xy")
+    assert engine.spec_decode_stats.num_verifications > 0
+    assert_no_leaks(engine)
+
+
+def test_logprobs_stop_tokens_and_max_tokens_under_speculation(target):
+    prompts = copying_prompts(3, seed=11)
+    plain = LLM(target, dtype="float32").generate(prompts, greedy())
+    stop_at = plain[0].token_ids[7]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=13, logprobs=2, stop_token_ids=[stop_at], ignore_eos=True
+    )
+    expected = LLM(target, dtype="float32").generate(prompts, params)
+    outputs = speculative(target, str(target)).generate(prompts, params)
+    for out, exp in zip(outputs, expected, strict=True):
+        assert out.token_ids == exp.token_ids and out.finish_reason == exp.finish_reason
+        for got, want in zip(out.logprobs, exp.logprobs, strict=True):
+            assert got.token_id == want.token_id
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in got.top_logprobs] == [t for t, _ in want.top_logprobs]
+
+
+def exact_joint(target, prompt, *, temperature, top_k, repetition_penalty):
+    """P(t1, t2, t3) of plain sampling, from transformers' logits processed by hand."""
+    model = load_hf_model(target)
+
+    def dist(tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, -1].double()
+        seen = torch.tensor(sorted(set(tokens)))
+        values = logits[seen]
+        logits[seen] = torch.where(
+            values > 0, values / repetition_penalty, values * repetition_penalty
+        )
+        logits = logits / temperature
+        kth = logits.topk(top_k).values[-1]
+        logits[logits < kth] = -torch.inf
+        return logits.softmax(-1)
+
+    joint = {}
+    p1 = dist(prompt)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = dist([*prompt, a])
+        for b in p2.nonzero().flatten().tolist():
+            p3 = dist([*prompt, a, b])
+            for c in p3.nonzero().flatten().tolist():
+                joint[(a, b, c)] = (p1[a] * p2[b] * p3[c]).item()
+    return joint
+
+
+def test_sampled_sequences_follow_the_target_distribution(target, close_draft):
+    """Three sampled tokens (top-k 3, temperature, repetition penalty): the joint law of
+    4,000 speculative samples is within sampling noise of the exact target law. The draft
+    is close to the target, so both accepted drafts and corrections occur. (Prompt lookup's
+    one-hot proposals are checked in tests/test_rejection_sampler.py.)"""
+    prompt = [7, 8, 9, 129, 38, 163, 119, 119, 119, 75, 18, 14]
+    settings = {"temperature": 1.5, "top_k": 3, "repetition_penalty": 1.2}
+    joint = exact_joint(target, prompt, **settings)
+    llm = speculative(
+        target,
+        str(close_draft),
+        k=2,
+        max_num_seqs=512,
+        speculative_max_batch_size=10_000,
+        speculative_min_acceptance=0.0,
+    )
+    num = 4_000
+    params = [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, **settings) for s in range(num)]
+    outs = llm.generate([prompt] * num, params)
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    tv = 0.5 * sum(
+        abs(counts.get(x, 0) / num - joint.get(x, 0.0)) for x in set(joint) | set(counts)
+    )
+    # 27 outcomes and 4,000 samples: sampling noise alone gives TV ~ 0.04.
+    assert tv < 0.07, tv
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_proposed > 3_000 and 0.3 < stats.acceptance_rate < 0.9
+    assert_no_leaks(llm.engine)
+
+
+def test_backoff_skips_speculation_in_large_batches(target):
+    prompts = copying_prompts(6, seed=12)
+    llm = speculative(target, "ngram", speculative_max_batch_size=4)
+    outputs = llm.generate(prompts, greedy())
+    expected = LLM(target, dtype="float32").generate(prompts, greedy())
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_backoff_steps > 0
+
+
+def test_mismatched_vocabulary_and_invalid_k_are_refused(target, tmp_path):
+    bigger = make_checkpoint(tmp_path / "bigger", vocab_size=320)
+    with pytest.raises(SpeculativeConfigError, match="vocabulary of 320 tokens, the target 256"):
+        LLMEngine(target, dtype="float32", speculative_model=bigger, num_speculative_tokens=2)
+    for k in (0, -1, 17, 2.5, True):
+        with pytest.raises(SpeculativeConfigError, match="num_speculative_tokens must be"):
+            LLMEngine(target, dtype="float32", speculative_model="ngram", num_speculative_tokens=k)
+    with pytest.raises(SpeculativeConfigError, match="speculative_model is not"):
+        LLMEngine(target, dtype="float32", num_speculative_tokens=3)
+    with pytest.raises(SpeculativeConfigError, match=r"no config\.json"):
+        LLMEngine(target, dtype="float32", speculative_model=tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "expected"),
+    [
+        ([1, 2, 3, 4, 1, 2, 3], 3, [4, 1, 2]),  # longest suffix [1, 2, 3] matched
+        ([5, 1, 2, 9, 1, 2, 7, 1, 2], 2, [7, 1]),  # the latest earlier match wins
+        ([1, 2, 3], 2, []),  # nothing repeats
+        ([4, 4, 4], 5, [4]),  # overlapping match; only what follows is proposed
+    ],
+)
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match(tokens, k, expected):
+    assert lookup(tokens, k, max_n=3, min_n=1) == expected
+
+
+def test_worker_flags_reach_the_engine(target):
+    from switchboard.cli import build_parser, worker_engine_kwargs
+
+    args = build_parser().parse_args(
+        ["worker", "--speculative-model", "ngram", "--num-speculative-tokens", "3"]
+    )
+    kwargs = worker_engine_kwargs(args)
+    engine = LLMEngine(target, dtype="float32", **kwargs)
+    assert engine.speculator is not None and engine.speculator.k == 3
+    off = worker_engine_kwargs(build_parser().parse_args(["worker"]))
+    assert LLMEngine(target, dtype="float32", **off).spec_decode_stats is None
+
+
+def test_backoff_pauses_a_failing_sequence_and_starts_newcomers_paused():
+    from worker.sequence import Sequence
+    from worker.spec_decode.stats import BackoffPolicy
+
+    policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.2, pause_steps=4)
+    first = Sequence("a", [1], SamplingParams(), 0)
+    assert policy.allows(first)
+    tries = 0
+    while policy.allows(first) and tries < 10:
+        policy.update(first, 4, 0)  # every draft rejected
+        tries += 1
+    assert tries == 3  # 0.5 -> 0.35 -> 0.245 -> 0.17: paused
+    assert [policy.allows(first) for _ in range(4)] == [False] * 3 + [True]
+    policy.update(first, 4, 0)  # the retry fails: the next pause is twice as long
+    assert sum(not policy.allows(first) for _ in range(8)) == 8
+    for _ in range(40):
+        policy.update(first, 4, 0)
+    assert policy.acceptance < 0.2
+    newcomer = Sequence("b", [1], SamplingParams(), 1)
+    assert not policy.allows(newcomer)  # drafts mostly fail: newcomers start paused

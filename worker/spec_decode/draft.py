@@ -1,0 +1,146 @@
+"""Draft-model proposer: a small Llama-family model with its own paged KV cache.
+
+The draft runs the base model (no LoRA) on a shadow of each speculating sequence, held in
+its own block manager. Each step it first catches up on the tokens the target accepted
+since last time (its K/V for rejected drafts are rolled back), then decodes k tokens, all
+speculating sequences batched in one forward pass per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker.block_manager import BlockManager
+from worker.errors import SpeculativeConfigError
+from worker.llama import LlamaModel
+from worker.model_runner import ModelRunner
+from worker.sampler import SamplingRow
+from worker.scheduler import ScheduledSequence
+from worker.sequence import Sequence
+from worker.spec_decode import distributions as dist
+from worker.spec_decode.proposal import Proposal
+from worker.spec_decode.rejection_sampler import draw
+
+
+class VocabularyMismatchError(SpeculativeConfigError):
+    """The draft model does not share the target's vocabulary."""
+
+
+@dataclass(slots=True)
+class _Shadow:
+    seq: Sequence  # the draft's copy: its tokens, block table, computed count
+    synced: int = 0  # leading tokens known to equal the target sequence's
+
+
+class DraftProposer:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+        target_vocab_size: int,
+        target_tokenizer=None,
+    ) -> None:
+        self.model = LlamaModel.from_pretrained(path, dtype=dtype)
+        check_vocabulary(path, self.model.config.vocab_size, target_vocab_size, target_tokenizer)
+        self.block_manager = BlockManager(
+            num_blocks=num_blocks, block_size=block_size, enable_caching=False
+        )
+        self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=block_size)
+        self._shadows: dict[Sequence, _Shadow] = {}
+
+    def release(self, seq: Sequence) -> None:
+        shadow = self._shadows.pop(seq, None)
+        if shadow is not None:
+            self.block_manager.free(shadow.seq.block_table)
+
+    def propose(
+        self, seqs: list[Sequence], ks: list[int], rows: list[SamplingRow]
+    ) -> list[Proposal]:
+        proposals = [Proposal([]) for _ in seqs]
+        # The k-th draft is never fed back, so the draft holds len(tokens) + k - 1 tokens.
+        live = [i for i, s in enumerate(seqs) if self._prepare(s, s.num_tokens + ks[i] - 1)]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for step in range(max((ks[i] for i in live), default=0)):
+            active = [i for i in live if step < ks[i]]
+            shadows = [self._shadows[seqs[i]].seq for i in active]
+            scheduled = [
+                ScheduledSequence(s, s.num_computed_tokens, s.num_uncomputed_tokens)
+                for s in shadows
+            ]
+            order, logits = self.runner.execute(scheduled)  # [len(active), vocab]
+            # The runner reorders the batch (decodes first): map rows back by shadow.
+            index = {id(s): i for s, i in zip(shadows, active, strict=True)}
+            for row, placed in zip(logits, order, strict=True):
+                shadow = placed.seq
+                i = index[id(shadow)]
+                shadow.num_computed_tokens = shadow.num_tokens
+                drafts = proposals[i].token_ids
+                token, p = _pick(row, rows[i], drafts)
+                drafts.append(token)
+                shadow.tokens.append(token)
+                if p is not None:
+                    probs[i].append(p)
+        for i in live:
+            if probs[i]:
+                proposals[i].probs = torch.stack(probs[i])
+        return proposals
+
+    def _prepare(self, seq: Sequence, num_tokens: int) -> bool:
+        """Roll the shadow back to what still matches ``seq`` and make room for
+        ``num_tokens``; False (shadow dropped) if the draft's cache is full."""
+        shadow = self._shadows.get(seq)
+        if shadow is None:
+            shadow = _Shadow(Sequence(seq.request_id, [], seq.params, 0))
+            self._shadows[seq] = shadow
+        draft = shadow.seq
+        common = shadow.synced
+        limit = min(draft.num_computed_tokens, seq.num_tokens - 1)  # feed at least one
+        while common < limit and draft.tokens[common] == seq.tokens[common]:
+            common += 1
+        draft.num_computed_tokens = common
+        draft.tokens = list(seq.tokens)
+        shadow.synced = common
+        self.block_manager.trim(draft.block_table, common)
+        if not self.block_manager.can_allocate(draft.block_table, num_tokens):
+            self.release(seq)
+            return False
+        self.block_manager.allocate(draft.block_table, num_tokens)
+        return True
+
+
+def _pick(
+    logits: torch.Tensor, row: SamplingRow, drafts: list[int]
+) -> tuple[int, torch.Tensor | None]:
+    """The draft token at the next position, and q (None for greedy: q is one-hot)."""
+    rows = dist.position_rows(row, drafts)[-1:]
+    x = dist.processed_logits(logits[None], rows)
+    if dist.is_greedy(row):
+        return dist.argmax(x)[0], None
+    q = dist.probabilities(x, rows)  # [1, vocab]
+    u = torch.rand(1, dtype=torch.float64, generator=row.generator)
+    return int(draw(q, u)[0]), q[0]
+
+
+def check_vocabulary(path, draft_vocab: int, target_vocab: int, target_tokenizer) -> None:
+    """Refuse a draft whose token ids mean something else than the target's."""
+    if draft_vocab != target_vocab:
+        raise VocabularyMismatchError(
+            f"the draft model at {path} has a vocabulary of {draft_vocab} tokens, the target "
+            f"{target_vocab}: speculative decoding needs the same vocabulary"
+        )
+    if target_tokenizer is None:
+        return
+    from worker.tokenizer import load_tokenizer
+
+    draft_tokenizer = load_tokenizer(path)
+    if draft_tokenizer is not None and draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise VocabularyMismatchError(
+            f"the draft model at {path} has a different tokenizer than the target: "
+            "speculative decoding needs the same vocabulary"
+        )

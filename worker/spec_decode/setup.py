@@ -1,0 +1,76 @@
+"""Building the speculator from the engine's keyword arguments, refusing bad settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from worker.block_manager import BlockManager
+from worker.errors import SpeculativeConfigError
+from worker.spec_decode.ngram import NgramProposer
+from worker.spec_decode.proposal import Proposer
+from worker.spec_decode.speculator import MAX_SPECULATIVE_TOKENS, Speculator
+from worker.spec_decode.stats import BackoffPolicy
+
+NGRAM = "ngram"
+
+
+def build_speculator(
+    speculative_model: str | Path | None,
+    num_speculative_tokens: int | None,
+    *,
+    dtype: torch.dtype,
+    block_manager: BlockManager,
+    max_model_len: int,
+    vocab_size: int,
+    tokenizer,
+    max_batch_size: int,
+    min_acceptance: float,
+) -> Speculator | None:
+    """None when speculation is off. ``speculative_model``: ``"ngram"`` (prompt lookup) or a
+    draft checkpoint directory; ``num_speculative_tokens`` (k) defaults to 4 with either."""
+    if speculative_model is None:
+        if num_speculative_tokens:
+            raise SpeculativeConfigError(
+                "num_speculative_tokens is set but speculative_model is not: "
+                "give a draft checkpoint path or 'ngram'"
+            )
+        return None
+    k = 4 if num_speculative_tokens is None else num_speculative_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise SpeculativeConfigError(
+            f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
+            f"got {k!r}"
+        )
+    if max_batch_size < 0 or not 0.0 <= min_acceptance <= 1.0:
+        raise SpeculativeConfigError(
+            "speculative_max_batch_size must be >= 0 and speculative_min_acceptance in [0, 1]"
+        )
+    proposer: Proposer
+    if str(speculative_model) == NGRAM:
+        proposer = NgramProposer()
+    else:
+        path = Path(speculative_model)
+        if not (path / "config.json").is_file():
+            raise SpeculativeConfigError(
+                f"speculative_model must be 'ngram' or a checkpoint directory; {path} has no "
+                "config.json"
+            )
+        from worker.spec_decode.draft import DraftProposer
+
+        proposer = DraftProposer(
+            path,
+            dtype=dtype,
+            num_blocks=block_manager.num_blocks,
+            block_size=block_manager.block_size,
+            target_vocab_size=vocab_size,
+            target_tokenizer=tokenizer,
+        )
+    return Speculator(
+        proposer,
+        num_speculative_tokens=k,
+        block_manager=block_manager,
+        max_model_len=max_model_len,
+        policy=BackoffPolicy(max_batch_size=max_batch_size, min_acceptance=min_acceptance),
+    )

@@ -1,0 +1,170 @@
+"""The engine's side of speculative decoding: propose before a step, verify after it.
+
+Before scheduling, each decoding sequence the back-off policy allows gets up to k draft
+tokens (``seq.spec_token_ids``); the scheduler feeds them after the sequence's last token,
+so the target scores all k + 1 positions in the step's one forward pass, beside other
+requests' prefills and decodes. After the pass, ``verify`` turns those k + 1 logits rows
+into the tokens to emit, and ``commit`` rolls back the K/V slots of rejected drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.block_manager import BlockManager
+from worker.sampler import SampledToken, SamplingRow
+from worker.scheduler import ScheduledSequence
+from worker.sequence import Sequence, SequenceStatus
+from worker.spec_decode import distributions as dist
+from worker.spec_decode.proposal import Proposal, Proposer
+from worker.spec_decode.rejection_sampler import rejection_sample
+from worker.spec_decode.stats import BackoffPolicy, SpecDecodeStats
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(slots=True)
+class Verified:
+    seq: Sequence
+    tokens: list[SampledToken]  # accepted drafts, then the target's own token
+
+
+class Speculator:
+    def __init__(
+        self,
+        proposer: Proposer,
+        *,
+        num_speculative_tokens: int,
+        block_manager: BlockManager,
+        max_model_len: int,
+        policy: BackoffPolicy,
+    ) -> None:
+        self.proposer = proposer
+        self.k = num_speculative_tokens
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.stats = SpecDecodeStats()
+        self._proposals: dict[Sequence, Proposal] = {}
+
+    def propose(self, running: list[Sequence], rows: dict[str, SamplingRow]) -> None:
+        """Give each decoding sequence that may speculate its draft tokens for this step."""
+        self._proposals.clear()
+        for seq in running:
+            seq.spec_token_ids = []
+        decoding = [
+            s
+            for s in running
+            # Past the prompt: a prompt's last token is sampled plainly, where n > 1 forks.
+            if s.status is SequenceStatus.RUNNING
+            and s.num_uncomputed_tokens == 1
+            and s.output_token_ids
+        ]
+        if not decoding:
+            return
+        if not self.policy.allows_batch(len(decoding)):
+            self.stats.num_backoff_steps += 1
+            return
+        chosen, ks = [], []
+        for seq in decoding:
+            k = self._room(seq)
+            if k > 0 and self.policy.allows(seq):
+                chosen.append(seq)
+                ks.append(k)
+        if not chosen:
+            return
+        proposals = self.proposer.propose(chosen, ks, [rows[s.request_id] for s in chosen])
+        for seq, proposal in zip(chosen, proposals, strict=True):
+            if proposal.token_ids:
+                seq.spec_token_ids = proposal.token_ids
+                self._proposals[seq] = proposal
+
+    def _room(self, seq: Sequence) -> int:
+        """Drafts worth proposing: the step also emits one token of the target's own."""
+        left = min(
+            seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens
+        )
+        return max(0, min(self.k, left - 1))
+
+    def verify(
+        self,
+        sampling: list[ScheduledSequence],
+        logits: torch.Tensor,
+        rows: dict[str, SamplingRow],
+    ) -> tuple[list[ScheduledSequence], torch.Tensor, list[Verified]]:
+        """Split the step's logits: plain rows (one per sequence, for the sampler) and the
+        verified tokens of every speculating sequence."""
+        plain, plain_rows, verified = [], [], []
+        row = 0
+        for s in sampling:
+            if s.num_spec == 0:
+                plain.append(s)
+                plain_rows.append(row)
+                row += 1
+                continue
+            block = logits[row : row + s.num_spec + 1]  # [num_spec + 1, vocab]
+            row += s.num_spec + 1
+            tokens = self._verify_one(s.seq, s.num_spec, block, rows[s.seq.request_id])
+            verified.append(Verified(s.seq, tokens))
+        if len(plain) != len(sampling):
+            logits = logits[torch.tensor(plain_rows, dtype=torch.int64)]
+        return plain, logits, verified
+
+    def _verify_one(
+        self, seq: Sequence, num_spec: int, logits: torch.Tensor, row: SamplingRow
+    ) -> list[SampledToken]:
+        proposal = self._proposals.pop(seq)
+        drafts = seq.spec_token_ids[:num_spec]
+        rows = dist.position_rows(row, drafts)
+        x = dist.processed_logits(logits, rows)  # [num_spec + 1, vocab]
+        if dist.is_greedy(row):
+            # Greedy: accept exactly the drafts that equal the target's argmax.
+            best = dist.argmax(x)
+            n = 0
+            while n < num_spec and drafts[n] == best[n]:
+                n += 1
+            emitted = [*drafts[:n], best[n]]
+        else:
+            p = dist.probabilities(x, rows)
+            q = proposal.probs[:num_spec].unsqueeze(0) if proposal.probs is not None else None
+            u = torch.rand(1, num_spec + 1, dtype=torch.float64, generator=row.generator)
+            verdict = rejection_sample(
+                p.unsqueeze(0), torch.tensor([drafts], dtype=torch.int64), q, u
+            )
+            n = int(verdict.num_accepted[0])
+            emitted = [*drafts[:n], int(verdict.next_token[0])]
+        self.stats.record(num_spec, n)
+        self.policy.update(seq, num_spec, n)
+        return _with_logprobs(emitted, logits, seq.params.logprobs)
+
+    def commit(self, seq: Sequence, num_emitted: int) -> None:
+        """After the emitted tokens were appended: the accepted drafts' K/V count as
+        computed (the last emitted token has none yet); rejected drafts' slots go."""
+        seq.num_computed_tokens += num_emitted - 1
+        seq.spec_token_ids = []
+        self.block_manager.trim(seq.block_table, seq.num_computed_tokens)
+
+    def release(self, seq: Sequence) -> None:
+        seq.spec_token_ids = []
+        self._proposals.pop(seq, None)
+        self.proposer.release(seq)
+        self.policy.release(seq)
+
+
+def _with_logprobs(
+    token_ids: list[int], logits: torch.Tensor, num_top: int | None
+) -> list[SampledToken]:
+    """The emitted tokens, with raw-logit logprobs (as the sampler reports) if asked."""
+    if num_top is None:
+        return [SampledToken(t, None, None) for t in token_ids]
+    logprobs = torch.log_softmax(logits[: len(token_ids)].float(), dim=-1)
+    top = torch.topk(logprobs, num_top, dim=-1) if num_top else None
+    out = []
+    for j, t in enumerate(token_ids):
+        alternatives = []
+        if top is not None:
+            alternatives = list(zip(top.indices[j].tolist(), top.values[j].tolist(), strict=True))
+        out.append(SampledToken(t, float(logprobs[j, t]), alternatives))
+    return out
