@@ -658,6 +658,7 @@ def test_grafana_dashboard_queries_only_series_we_export():
     import gateway.metrics  # noqa: F401  (defines the gateway's metrics)
     from worker.async_engine import EngineStats
     from worker.metrics import EngineStatsCollector, WorkerMetrics
+    from worker.spec_decode.stats import SpecDecodeStats
 
     dashboard = json.loads((K8S / "grafana-dashboard.json").read_text())
     queried = {
@@ -666,7 +667,10 @@ def test_grafana_dashboard_queries_only_series_we_export():
         for target in panel["targets"]
         for name in re.findall(r"switchboard_[a-z_]+", target["expr"])
     }
-    stats = EngineStats(running=0, waiting=0, free_kv_blocks=1, total_kv_blocks=1, adapter_ids=())
+    stats = EngineStats(
+        running=0, waiting=0, free_kv_blocks=1, total_kv_blocks=1, adapter_ids=(),
+        spec_decode=SpecDecodeStats(),
+    )  # fmt: skip
     families = [
         *REGISTRY.collect(),
         *WorkerMetrics(lambda: None).registry.collect(),

@@ -113,3 +113,30 @@ async def test_worker_metrics_and_request_ids_across_the_hop(
     worker_line = next(line for line in mine if line["logger"] == "worker.server")
     assert "ok: " in worker_line["message"] and "5 generated" in worker_line["message"]
     assert {"time", "level", "message"} <= set(worker_line)
+
+
+def test_speculation_counters_are_exported_when_it_is_on():
+    from worker.async_engine import EngineStats
+    from worker.metrics import EngineStatsCollector
+    from worker.spec_decode.stats import SpecDecodeStats
+
+    spec = SpecDecodeStats()
+    spec.record(num_proposed=4, num_accepted=2)
+    spec.record(num_proposed=4, num_accepted=4)
+    base = {"running": 0, "waiting": 0, "free_kv_blocks": 1, "total_kv_blocks": 1}
+
+    def samples(stats: EngineStats) -> list:
+        return [s for f in EngineStatsCollector(lambda: stats).collect() for s in f.samples]
+
+    assert not [s for s in samples(EngineStats(**base, adapter_ids=())) if "spec" in s.name]
+    on = samples(EngineStats(**base, adapter_ids=(), spec_decode=spec))
+    totals = {s.name: s.value for s in on if not s.labels}
+    assert totals["switchboard_worker_spec_proposed_tokens_total"] == 8
+    assert totals["switchboard_worker_spec_accepted_tokens_total"] == 6
+    assert totals["switchboard_worker_spec_emitted_tokens_total"] == 8
+    by_position = {
+        int(s.labels["position"]): s.value
+        for s in on
+        if s.name == "switchboard_worker_spec_accepted_by_position_total"
+    }
+    assert by_position == {0: 2, 1: 2, 2: 1, 3: 1}

@@ -27,6 +27,7 @@ from worker.errors import InvalidRequestError
 from worker.outputs import RequestOutput
 from worker.prefix_cache import PrefixCacheStats
 from worker.sampling_params import SamplingParams
+from worker.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class EngineStats:
     total_kv_blocks: int
     adapter_ids: tuple[str, ...]  # content ids of the loaded adapters
     prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)
+    spec_decode: SpecDecodeStats | None = None  # None: speculation is off
 
 
 @dataclass(slots=True)
@@ -317,6 +319,7 @@ class AsyncEngine:
             total_kv_blocks=engine.block_manager.num_blocks,
             adapter_ids=tuple(sorted(set(names.values()))),
             prefix_cache=dataclasses.replace(engine.prefix_cache_stats),
+            spec_decode=_copy_spec_stats(engine.spec_decode_stats),
         )
 
     # --- crossing threads ---------------------------------------------------------------
@@ -390,4 +393,15 @@ def _detach(out: RequestOutput) -> RequestOutput:
         token_ids=list(out.token_ids),
         logprobs=list(out.logprobs) if out.logprobs is not None else None,
         token_times=list(out.token_times),
+    )
+
+
+def _copy_spec_stats(stats: SpecDecodeStats | None) -> SpecDecodeStats | None:
+    """A snapshot the event loop can read while the loop thread keeps counting."""
+    if stats is None:
+        return None
+    return dataclasses.replace(
+        stats,
+        proposed_per_position=list(stats.proposed_per_position),
+        accepted_per_position=list(stats.accepted_per_position),
     )

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from worker.async_engine import EngineStats
+from worker.spec_decode.stats import SpecDecodeStats
 
 
 class EngineStatsCollector(Collector):
@@ -48,6 +49,36 @@ class EngineStatsCollector(Collector):
             "prefix_cache_blocks", "Blocks whose content is reusable now.", cache.cached_blocks
         )
         yield _gauge("adapters_loaded", "LoRA adapters loaded (named).", len(stats.adapter_ids))
+        if stats.spec_decode is not None:
+            yield from _speculation(stats.spec_decode)
+
+
+def _speculation(spec: SpecDecodeStats) -> Iterator[Metric]:
+    yield _counter(
+        "spec_proposed_tokens", "Draft tokens verified by the target.", spec.num_proposed
+    )
+    yield _counter("spec_accepted_tokens", "Draft tokens accepted.", spec.num_accepted)
+    yield _counter(
+        "spec_emitted_tokens",
+        "Tokens produced by verifications (accepted drafts plus one each).",
+        spec.num_emitted,
+    )
+    yield _counter(
+        "spec_verifications",
+        "Sequences' drafts checked, one per step each.",
+        spec.num_verifications,
+    )
+    yield _counter(
+        "spec_backoff_steps", "Steps that did not speculate (large batch).", spec.num_backoff_steps
+    )
+    by_position = CounterMetricFamily(
+        "switchboard_worker_spec_accepted_by_position",
+        "Draft tokens accepted, by position in the draft (0 = first).",
+        labels=["position"],
+    )
+    for position, accepted in enumerate(spec.accepted_per_position):
+        by_position.add_metric([str(position)], accepted)
+    yield by_position
 
 
 def _gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
