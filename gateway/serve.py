@@ -24,6 +24,9 @@ def serve(args: argparse.Namespace) -> int:
         port=settings.port,
         log_level=args.log_level,
         log_config=None,  # keep the process's logging (JSON lines with request ids)
+        # Longer than clients keep idle connections (httpx and the openai client: 5 s, the
+        # same as uvicorn's default), so the server never closes one a client is reusing.
+        timeout_keep_alive=settings.http_keep_alive_s,
         # Ctrl-C / SIGTERM: stop accepting, let streams finish for a few seconds.
         timeout_graceful_shutdown=args.graceful_s,
     )

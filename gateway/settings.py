@@ -39,6 +39,8 @@ class GatewaySettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    # Idle keep-alive connections are closed after this; keep it above clients' own expiry.
+    http_keep_alive_s: float = Field(default=75.0, gt=0)
 
     # The base checkpoint directory: the gateway reads only its tokenizer, chat template and
     # config.json (for the context length and to validate adapters), never its weights.
