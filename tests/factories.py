@@ -150,3 +150,28 @@ def make_perturbed_checkpoint(source: Path, out: Path, *, noise: float, seed: in
     }
     save_file(noisy, out / "model.safetensors")
     return out
+
+
+def drain(engine) -> dict:
+    """Step an `LLMEngine` until nothing is left; its final outputs by request id."""
+    done = {}
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def assert_no_block_leaks(engine) -> None:
+    """Every KV block back in its pool: the engine's, the swap pool's and a draft model's."""
+    pool = engine.block_manager
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(block.ref_count == 0 for block in pool.blocks)
+    host = engine.scheduler.host_block_manager
+    if host is not None:
+        assert host.num_free_blocks == host.num_blocks
+    speculator = getattr(engine, "speculator", None)
+    draft = getattr(getattr(speculator, "proposer", None), "block_manager", None)
+    if draft is not None:
+        assert draft.num_free_blocks == draft.num_blocks
+    assert not engine.scheduler.has_work and not engine._forks

@@ -10,7 +10,13 @@ import math
 
 import pytest
 
-from factories import make_checkpoint, make_peft_adapter, random_prompts
+from factories import (
+    assert_no_block_leaks,
+    drain,
+    make_checkpoint,
+    make_peft_adapter,
+    random_prompts,
+)
 from worker import LLM, SamplingParams
 from worker.engine import LLMEngine
 
@@ -42,25 +48,6 @@ def run(engine: LLMEngine, requests: dict, **kwargs) -> dict:
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params, **kwargs)
     return drain(engine)
-
-
-def drain(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests:
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
-def assert_no_leaks(engine: LLMEngine) -> None:
-    pool = engine.block_manager
-    assert pool.num_free_blocks == pool.num_blocks
-    assert all(block.ref_count == 0 for block in pool.blocks)
-    host = engine.scheduler.host_block_manager
-    if host is not None:
-        assert host.num_free_blocks == host.num_blocks
-    assert not engine.scheduler.has_work and not engine._forks
 
 
 def conversation(engine: LLMEngine, sessions: list[list[int]], turns: int, **kwargs):
@@ -98,7 +85,7 @@ def test_caching_on_and_off_give_the_same_tokens_and_later_turns_hit(checkpoint,
             checkpoint, dtype="float32", enable_prefix_caching=caching, **ENGINE_VARIANTS[variant]
         )
         results[caching] = conversation(llm.engine, sessions, turns=3)
-        assert_no_leaks(llm.engine)
+        assert_no_block_leaks(llm.engine)
         stats = llm.engine.prefix_cache_stats
         if caching:
             assert 0 < stats.hits <= stats.queries and stats.hit_rate > 0.3
@@ -138,7 +125,7 @@ def test_another_adapter_changed_weights_or_another_tenant_never_hit(checkpoint,
     fresh.load_adapter("sql", adapters["two"])
     expected = run(fresh, {"x": (prompt, greedy())}, adapter="sql", tenant="acme")["x"]
     assert changed.token_ids == expected.token_ids
-    assert_no_leaks(engine)
+    assert_no_block_leaks(engine)
 
 
 def test_tenants_share_base_model_prefixes_only_when_allowed(checkpoint):
@@ -178,7 +165,7 @@ def test_n_samples_fork_after_the_prompt_and_match_separate_seeded_requests(
     ]
     if kind != "greedy":
         assert len({tuple(o.token_ids) for o in outs.values()}) > 1  # the samples differ
-    assert_no_leaks(engine)
+    assert_no_block_leaks(engine)
 
 
 def test_aborting_the_sample_that_computes_the_prompt_hands_over_to_a_sibling(checkpoint):
@@ -189,7 +176,7 @@ def test_aborting_the_sample_that_computes_the_prompt_hands_over_to_a_sibling(ch
     engine.abort("c")
     outs = drain(engine)
     assert set(outs) == {"b"} and len(outs["b"].token_ids) == MAX_NEW
-    assert_no_leaks(engine)
+    assert_no_block_leaks(engine)
 
 
 def test_n8_samples_of_a_long_prompt_share_its_blocks(checkpoint):
@@ -208,7 +195,7 @@ def test_n8_samples_of_a_long_prompt_share_its_blocks(checkpoint):
     own = 8 * math.ceil(max_tokens / 16)
     assert peak <= 1.2 * prompt_blocks + own, (peak, prompt_blocks, own)
     assert peak < 2 * prompt_blocks  # separate requests would hold 8x
-    assert_no_leaks(engine)
+    assert_no_block_leaks(engine)
 
 
 PRESSURE = {"block_size": 4, "num_kv_blocks": 30, "max_num_batched_tokens": 64}
@@ -233,6 +220,6 @@ def test_swap_recompute_and_no_preemption_give_the_same_tokens(checkpoint, cachi
             assert engine.scheduler.num_preemptions > 0
         if mode == "swap":
             assert engine.scheduler.num_swap_outs > 0
-        assert_no_leaks(engine)
+        assert_no_block_leaks(engine)
     assert results["recompute"] == results["none"]
     assert results["swap"] == results["none"]

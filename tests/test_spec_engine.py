@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from factories import (
+    assert_no_block_leaks,
+    drain,
     load_hf_model,
     make_checkpoint,
     make_peft_adapter,
@@ -63,25 +65,6 @@ def copying_prompts(num: int, seed: int) -> list[list[int]]:
     return [p * 3 for p in random_prompts(num, min_len=3, max_len=10, seed=seed)]
 
 
-def drain(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests:
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
-def assert_no_leaks(engine: LLMEngine) -> None:
-    pool = engine.block_manager
-    assert pool.num_free_blocks == pool.num_blocks
-    assert all(block.ref_count == 0 for block in pool.blocks)
-    draft = getattr(engine.speculator.proposer, "block_manager", None)
-    if draft is not None:
-        assert draft.num_free_blocks == draft.num_blocks
-    assert not engine.scheduler.has_work
-
-
 def speculative(target, spec: str, k: int = 4, **kwargs) -> LLM:
     return LLM(target, dtype="float32", speculative_model=spec, num_speculative_tokens=k, **kwargs)
 
@@ -119,7 +102,7 @@ def test_greedy_tokens_are_identical_with_and_without_speculation(
         assert stats.acceptance_rate < 0.5
     if variant == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
-    assert_no_leaks(llm.engine)
+    assert_no_block_leaks(llm.engine)
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft-is-target"])
@@ -141,7 +124,7 @@ def test_greedy_with_adapters_mixed_in_one_batch(target, other_draft, adapters, 
     assert stats.num_accepted > 0
     if proposer == "draft-is-target":  # the draft runs the base model only
         assert stats.acceptance_rate < 1.0
-    assert_no_leaks(llm.engine)
+    assert_no_block_leaks(llm.engine)
 
 
 def test_verification_shares_steps_with_other_requests_prefills(target):
@@ -173,7 +156,7 @@ def test_verification_shares_steps_with_other_requests_prefills(target):
     done.update(drain(engine))
     assert [done[f"r{i}"].token_ids for i in range(len(prompts))] == [o.token_ids for o in expected]
     assert mixed_steps > 0
-    assert_no_leaks(engine)
+    assert_no_block_leaks(engine)
 
 
 def test_multi_turn_chats_with_prefix_caching_match_and_hit(target):
@@ -195,7 +178,7 @@ def test_multi_turn_chats_with_prefix_caching_match_and_hit(target):
         transcripts[spec] = transcript
         assert llm.engine.prefix_cache_stats.hits > 0
         if spec is not None:
-            assert_no_leaks(llm.engine)
+            assert_no_block_leaks(llm.engine)
     assert len({str(t) for t in transcripts.values()}) == 1
 
 
@@ -215,7 +198,7 @@ def test_n_samples_speculate_independently(target, other_draft, proposer):
     assert [outs[i].token_ids for i in "abc"] == [expected] * 3
     assert all(len(outs[i].token_ids) == MAX_NEW for i in "xy")
     assert engine.spec_decode_stats.num_verifications > 0
-    assert_no_leaks(engine)
+    assert_no_block_leaks(engine)
 
 
 def test_logprobs_stop_tokens_and_max_tokens_under_speculation(target):
@@ -292,7 +275,7 @@ def test_sampled_sequences_follow_the_target_distribution(target, close_draft):
     assert tv < 0.07, tv
     stats = llm.engine.spec_decode_stats
     assert stats.num_proposed > 3_000 and 0.3 < stats.acceptance_rate < 0.9
-    assert_no_leaks(llm.engine)
+    assert_no_block_leaks(llm.engine)
 
 
 def test_backoff_skips_speculation_in_large_batches(target):
