@@ -162,7 +162,6 @@ class AsyncEngine:
                 prompt_token_ids,
                 params,
                 adapter_id,
-                adapter_path,
                 tenant,
             )
             while unfinished:
@@ -279,11 +278,8 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         adapter_id: str | None,
-        adapter_path: str | Path | None,
         tenant: str | None,
     ) -> None:
-        if adapter_id is not None and adapter_path:
-            self._load_on_loop(adapter_id, adapter_path)
         per_sample = [
             dataclasses.replace(params, seed=params.seed + i) if params.seed is not None else params
             for i in range(len(engine_ids))
