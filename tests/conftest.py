@@ -54,3 +54,12 @@ def redis_prefix(request) -> str:
     import uuid
 
     return f"sbtest:{request.node.name[:40]}:{uuid.uuid4().hex[:8]}:"
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """The gateway tests' checkpoint directory: tokenizer, chat template, config, no weights
+    (read-only, so one for the whole session)."""
+    from tests.test_gateway_support import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("model"))

@@ -14,15 +14,9 @@ from test_gateway_support import (
     MODEL_NAME,
     delete_prefix,
     gateway_settings,
-    make_model_dir,
     running_gateway,
     write_adapter,
 )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture

@@ -16,14 +16,8 @@ from test_gateway_support import (
     ScriptedWorker,
     delete_prefix,
     gateway_settings,
-    make_model_dir,
     running_gateway,
 )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture

@@ -10,18 +10,12 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from test_gateway_support import make_model_dir
 
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import ChatTokenizer
 from switchboard.home import default_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("model"))
 
 
 def test_importing_the_app_and_serving_requests_never_imports_torch(model_dir, tmp_path):

@@ -4,7 +4,6 @@ moving as requests succeed, fail, stream and get refused."""
 from __future__ import annotations
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_gateway_support import (
@@ -12,15 +11,9 @@ from tests.test_gateway_support import (
     Mode,
     gateway_settings,
     gateway_with_worker,
-    make_model_dir,
 )
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("model"))
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

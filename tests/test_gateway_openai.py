@@ -13,18 +13,12 @@ from test_gateway_support import (
     ScriptedWorker,
     delete_prefix,
     gateway_settings,
-    make_model_dir,
     running_gateway,
     write_adapter,
 )
 from tokenizers import Tokenizer
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="module")

@@ -29,15 +29,9 @@ from tests.test_gateway_support import (
     delete_prefix,
     gateway_settings,
     gateway_with_worker,
-    make_model_dir,
 )
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("model"))
 
 
 class Env:

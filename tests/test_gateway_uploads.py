@@ -25,16 +25,10 @@ from tests.test_gateway_support import (
     MODEL_NAME,
     gateway_settings,
     gateway_with_worker,
-    make_model_dir,
     write_adapter,
 )
 
 MAX_UPLOAD = 2 << 20
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="module")

@@ -28,15 +28,9 @@ from tests.test_gateway_support import (
     MODEL_NAME,
     gateway_settings,
     gateway_with_worker,
-    make_model_dir,
 )
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("model"))
 
 
 async def test_redis_outage_is_a_quick_503_and_the_gateway_recovers(model_dir, tmp_path):
