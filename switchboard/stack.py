@@ -37,6 +37,7 @@ class Stack:
     worker_ports: dict[str, int] = field(default_factory=dict)
     gateway: subprocess.Popen | None = None
     _redis: EmbeddedRedis | None = None
+    _ports: set[int] = field(default_factory=set)  # worker ports handed out so far
 
     @property
     def base_url(self) -> str:
@@ -57,17 +58,27 @@ class Stack:
         return self
 
     def start_worker(self, worker_id: str) -> subprocess.Popen:
-        port = free_port()
+        # Both ports chosen here, distinct from every port this stack handed out: a worker
+        # binding port 0 for its metrics could be given the port another worker was about to
+        # bind (seen in CI as "Address already in use").
+        port, metrics_port = self._unused_port(), self._unused_port()
         args = [
             *switchboard_command(), "worker",
             "--model", str(self.model), "--port", str(port), "--dtype", self.dtype,
             "--redis-url", str(self.redis_url), "--redis-prefix", self.key_prefix,
-            "--worker-id", worker_id, "--metrics-port", "0", *self.worker_args,
+            "--worker-id", worker_id, "--metrics-port", str(metrics_port),
+            *self.worker_args,
         ]  # fmt: skip
         process = subprocess.Popen(args, env=self._env())
         self.workers[worker_id] = process
         self.worker_ports[worker_id] = port
         return process
+
+    def _unused_port(self) -> int:
+        while (port := free_port()) in self._ports or port == self.gateway_port:
+            pass
+        self._ports.add(port)
+        return port
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
