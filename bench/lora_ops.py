@@ -6,12 +6,11 @@ min(T, 32) sequences of T / min(T, 32) tokens each (decodes up to 32, then prefi
 1, 8 or 32 adapters, drawn per sequence with uniform or zipf(1.5) popularity; a bf16 model
 with bf16 or fp32 adapter stacks, and an fp32 model.
 
-Candidates (``kernels/lora_reference.py``): ``segments`` (a: SGMV in torch, a matmul pair
-per run), ``gathered`` (b: BGMV in torch, A and B copied per token; T <= 32 only),
-``grouped`` (c: sort by slot, a matmul pair per distinct adapter, scatter back),
-``one_hot`` (d: all active adapters as one wide LoRA), each computing in fp32 or, for a
-bf16 model, in bf16 (suffix ``/bf16``); ``auto`` is ``kernels.lora.add_lora``, the
-dispatch. The baseline is ``F.linear(x, W)`` (and, for bf16, the prepacked
+Candidates (``kernels/lora_reference.py``): ``segments`` (SGMV in torch, a matmul pair
+per run of one adapter), computing in fp32 or, for a bf16 model, in bf16 (suffix
+``/bf16``); ``bucketed`` (BGMV as padded batched matmuls over the slot range, passes as
+``kernels.lora.bucket_passes`` picks them) and ``bucketed-1pass`` (one pass as wide as the
+busiest slot), in the stacks' dtype; ``auto`` is ``kernels.lora.add_lora``, the dispatch. The baseline is ``F.linear(x, W)`` (and, for bf16, the prepacked
 ``kernels.linear.Linear`` the model uses) on the same x.
 
 Timing: rounds outermost, then every configuration, then its methods in a shuffled order,
@@ -29,6 +28,7 @@ import json
 import random
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from kernels import lora_reference as ref
 from kernels.linear import Linear
-from kernels.lora import LoraMapping, add_lora
+from kernels.lora import LoraMapping, add_lora, bucket_passes
 
 PROJECTIONS = ((576, 1536), (1536, 576))
 RANKS = (8, 16)
@@ -81,29 +81,26 @@ def token_slots(tokens: int, adapters: int, popularity: str, rng: np.random.Gene
     return np.repeat(seq_slots, tokens // num_seqs).tolist()
 
 
-def methods(case: Case, x, y, a, b, scales, mapping: LoraMapping, weight) -> dict[str, Callable]:
+def methods(x, y, a, b, scales, mapping: LoraMapping, weight) -> dict[str, Callable]:
     out = {"base": lambda: F.linear(x, weight)}
     if x.dtype == torch.bfloat16:
         packed = Linear(weight.clone())
         out["packed"] = lambda: packed(x)
-    plan = mapping.cpu
+    slots = mapping.token_slots
+    bounds, run_slots = mapping.seg_starts.tolist(), mapping.seg_slots.tolist()
+    runs = [(bounds[k], bounds[k + 1], s) for k, s in enumerate(run_slots) if s >= 0]
+    rows = (slots >= 0).nonzero().squeeze(1).tolist()
+    row_slots = slots[rows].tolist()
+    one_pass = bucket_passes(rows, row_slots, width=max(Counter(row_slots).values()))
+    passes = bucket_passes(rows, row_slots)
     computes = [torch.float32] + ([torch.bfloat16] if x.dtype == torch.bfloat16 else [])
     for cd in computes:
         tag = "" if cd == torch.float32 else "/bf16"
-        kw = {"compute_dtype": cd}
-        out["segments" + tag] = lambda kw=kw: ref.lora_segments(
-            y, x, a, b, scales, plan.segments, **kw
+        out["segments" + tag] = lambda cd=cd: ref.lora_segments(
+            y, x, a, b, scales, runs, compute_dtype=cd
         )
-        if case.tokens <= 32:
-            out["gathered" + tag] = lambda kw=kw: ref.lora_gathered(
-                y, x, a, b, scales, plan.rows, plan.row_slots, **kw
-            )
-        out["grouped" + tag] = lambda kw=kw: ref.lora_grouped(
-            y, x, a, b, scales, plan.order, plan.groups, **kw
-        )
-        out["one_hot" + tag] = lambda kw=kw: ref.lora_one_hot(
-            y, x, a, b, scales, plan.active, plan.one_hot, **kw
-        )
+    out["bucketed"] = lambda: ref.lora_bucketed(y, x, a, b, scales, passes)
+    out["bucketed-1pass"] = lambda: ref.lora_bucketed(y, x, a, b, scales, one_pass)
     out["auto"] = lambda: add_lora(y, x, a, b, scales, mapping)
     return out
 
@@ -136,13 +133,11 @@ def build_cases(seed: int) -> list[tuple[Case, dict[str, Callable]]]:
                             mapping = LoraMapping.build(
                                 token_slots(tokens, adapters, popularity, rng)
                             )
-                            case.distinct, case.runs = (
-                                len(mapping.cpu.groups),
-                                len(mapping.cpu.segments),
-                            )
+                            case.distinct = len(set(mapping.token_slots.tolist()))
+                            case.runs = len(mapping.seg_slots)
                             x = torch.randn(tokens, in_f, dtype=dtype)
                             y = torch.zeros(tokens, out_f, dtype=dtype)
-                            cases.append((case, methods(case, x, y, a, b, scales, mapping, weight)))
+                            cases.append((case, methods(x, y, a, b, scales, mapping, weight)))
     return cases
 
 

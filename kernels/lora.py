@@ -5,47 +5,89 @@ all-decode step and SGMV otherwise (as vLLM does). The Triton module is imported
 on the first CUDA call, so a CPU process never imports triton, and a test that wants the
 kernels in Triton's CPU interpreter can set ``TRITON_INTERPRET=1`` before it imports them.
 
-On CPU: the fused torch paths of ``kernels/lora_reference.py``, chosen per batch shape from
-the measurements in ``bench/lora_ops.py`` (see ``_add_lora_cpu``).
+On CPU: two torch paths of ``kernels/lora_reference.py``: a matmul pair per long run of
+one adapter (prefill chunks; a decode batch on one adapter), and, for the rest, BGMV as
+padded batched matmuls over the slot stacks themselves (``lora_bucketed``), chosen from the
+measurements in ``bench/lora_ops.py``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kernels import lora_reference as ref
+from kernels.lora_reference import BucketPass
 
-# CPU policy thresholds, measured with bench/lora_ops.py (one thread, rank 16, 576 -> 1536,
-# ms per call; LoRA paths computing in fp32 unless marked bf16):
-# - bf16 activations with at most this many tokens compute the LoRA in fp32: a tiny bf16
-#   matmul pays ~25 us of fixed oneDNN cost, fp32 ~5 us. One adapter: T=1 0.038 vs 0.087
-#   bf16, T=8 0.048 vs 0.104, T=32 even (0.124 vs 0.119), T=64 0.225 vs 0.117 bf16.
-FP32_MAX_TOKENS = 32
-# - Several adapters in bf16 take the one-hot path, which converts every active adapter to
-#   bf16 on each call when the stacks are fp32; that pays only past this many tokens (fp32
-#   stacks, 8 adapters, grouped fp32 vs one-hot bf16: T=128 0.57 vs 0.77, T=256 0.79 vs
-#   0.87, T=1024 2.59 vs 1.52). With bf16 stacks it wins from T=64 (T=256 0.71 vs 0.94).
-ONE_HOT_MIN_TOKENS_FP32_STACKS = 256
-# - Runs at least this long on average make a matmul pair per run beat gathering by adapter
-#   (fp32, 8 adapters: T=1024 in 32-token runs 1.57 vs 1.89; T=256 in 8-token runs 0.96 vs
-#   0.74 grouped).
-SEGMENTS_MIN_AVG_RUN = 16
+# The CPU policy, from bench/lora_ops.py on the development machine (AMD Zen 5 with
+# AVX512-BF16; ms per call, rank 16, 576 -> 1536, bf16 model and stacks):
+# - a bf16 matmul pair has ~45 us of fixed cost, an fp32 one ~18 us even with A and B cast
+#   on every call: runs shorter than this compute in fp32 (1 token: 0.019 vs 0.053; a run
+#   of 32: 0.108 vs 0.063 in bf16).
+FP32_MAX_RUN = 15
+# - runs this long take a matmul pair each (no gather, no padding); shorter ones are
+#   bucketed by slot (1,024 tokens in 32-token runs of 8 adapters: bucketed 0.67, a pair
+#   per run 1.53; a single run of 1,024: a pair 0.20, bucketed 0.55).
+SEGMENT_MIN_RUN = 64
+# - up to this many short runs, a pair per run beats bucketing (~65 us fixed per pass; 8
+#   tokens in 7 runs: bucketed 0.11, pairs 0.12).
+MAX_SHORT_RUNS = 3
+# - one bucketing pass pads every slot of the active range to the busiest slot's count;
+#   past both of these, passes of the mean count per slot waste less (1,024 tokens of 11
+#   zipf-drawn adapters: 2.79 in one pass, 1.52 in several; 32 tokens: 0.19 vs 0.41).
+MAX_PADDING = 4
+MAX_PADDED_ROWS = 2048
 
 
 @dataclass(slots=True)
 class CpuLoraPlan:
-    """Host-side views of a LoraMapping for the torch paths: Python lists and index tensors."""
+    """Host-side views of a LoraMapping for the torch paths."""
 
-    segments: list[tuple[int, int, int]]  # (start, end, slot) of runs with slot >= 0
-    groups: list[tuple[int, int]]  # (slot, count) per distinct slot, ascending
-    order: torch.Tensor  # [N] int64: tokens with an adapter, grouped as in `groups`
-    rows: torch.Tensor  # [N] int64: tokens with an adapter, ascending
-    row_slots: torch.Tensor  # [N] int64: their slots
-    active: torch.Tensor  # [U] int64: the distinct slots
-    one_hot: torch.Tensor  # [T, U] float32: 1 where token t uses active[u]
+    segments: list[tuple[int, int, int]]  # (start, end, slot): a matmul pair in stack dtype
+    fp32_segments: list[tuple[int, int, int]]  # short runs: a matmul pair in fp32
+    passes: list[BucketPass]  # every other token with an adapter
+
+
+def bucket_passes(
+    rows: Sequence[int], row_slots: Sequence[int], *, width: int | None = None
+) -> list[BucketPass]:
+    """Cells for ``lora_bucketed``: token ``rows[i]`` (slot ``row_slots[i]``) sits at ordinal
+    k among its slot's tokens, in pass ``k // width`` at cell ``(slot - lo) * width + k % width``.
+
+    ``width`` is the busiest slot's count (one pass) unless that pads the batch more than
+    ``MAX_PADDING``-fold; then the mean count per slot, and busy slots take several passes.
+    A given ``width`` overrides the choice.
+    """
+    by_slot: dict[int, list[int]] = {}
+    for row, slot in zip(rows, row_slots, strict=True):
+        by_slot.setdefault(slot, []).append(row)
+    if not by_slot:
+        return []
+    span = max(by_slot) - min(by_slot) + 1
+    busiest = max(len(r) for r in by_slot.values())
+    if width is None:
+        width = busiest
+        if span * busiest > max(MAX_PADDING * len(rows), MAX_PADDED_ROWS):
+            width = math.ceil(len(rows) / len(by_slot))
+    passes = []
+    for first in range(0, busiest, width):
+        members = {s: r[first : first + width] for s, r in by_slot.items() if len(r) > first}
+        lo = min(members)
+        pass_rows = [row for r in members.values() for row in r]
+        cells = [(s - lo) * width + k for s, r in members.items() for k in range(len(r))]
+        passes.append(
+            BucketPass(
+                lo=lo,
+                hi=max(members),
+                width=width,
+                rows=torch.tensor(pass_rows, dtype=torch.int64),
+                cells=torch.tensor(cells, dtype=torch.int64),
+            )
+        )
+    return passes
 
 
 @dataclass(slots=True)
@@ -91,26 +133,23 @@ class LoraMapping:
             max_seg_len=int(run_lens.max()) if run_lens.numel() else 0,
             any_lora=bool((slots >= 0).any()),
             all_decode=all_decode,
-            cpu=_cpu_plan(slots, seg_starts.tolist(), run_slots.tolist())
+            cpu=_cpu_plan(seg_starts.tolist(), run_slots.tolist())
             if device.type == "cpu"
             else None,
         )
 
 
-def _cpu_plan(slots: torch.Tensor, bounds: list[int], run_slots: list[int]) -> CpuLoraPlan:
-    rows = (slots >= 0).nonzero().squeeze(1)
-    row_slots = slots[rows]
-    sorted_slots, perm = torch.sort(row_slots, stable=True)
-    active, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
-    return CpuLoraPlan(
-        segments=[(bounds[k], bounds[k + 1], s) for k, s in enumerate(run_slots) if s >= 0],
-        groups=list(zip(active.tolist(), counts.tolist(), strict=True)),
-        order=rows[perm],
-        rows=rows,
-        row_slots=row_slots,
-        active=active,
-        one_hot=(slots[:, None] == active[None, :]).float(),
-    )
+def _cpu_plan(bounds: list[int], run_slots: list[int]) -> CpuLoraPlan:
+    runs = [(bounds[k], bounds[k + 1], s) for k, s in enumerate(run_slots) if s >= 0]
+    segments = [r for r in runs if r[1] - r[0] >= SEGMENT_MIN_RUN]
+    short = [r for r in runs if r[1] - r[0] < SEGMENT_MIN_RUN]
+    if len(short) <= MAX_SHORT_RUNS:
+        fp32 = [r for r in short if r[1] - r[0] <= FP32_MAX_RUN]
+        segments += [r for r in short if r[1] - r[0] > FP32_MAX_RUN]
+        return CpuLoraPlan(segments=segments, fp32_segments=fp32, passes=[])
+    rows = [row for start, end, _ in short for row in range(start, end)]
+    row_slots = [slot for start, end, slot in short for _ in range(start, end)]
+    return CpuLoraPlan(segments, fp32_segments=[], passes=bucket_passes(rows, row_slots))
 
 
 def add_lora(
@@ -146,29 +185,17 @@ def _add_lora_triton(y, x, a_stack, b_stack, scales, mapping: LoraMapping, out_o
 
 
 def _add_lora_cpu(y, x, a_stack, b_stack, scales, plan: CpuLoraPlan, out_offset: int) -> None:
-    """The fastest measured torch path for this batch shape (thresholds above)."""
-    num_tokens, num_runs, num_groups = x.shape[0], len(plan.segments), len(plan.groups)
-    # Nearly one token per adapter (decode with many adapters): per-token copies of A and B
-    # cost no more than reading each adapter once, in two batched matmuls (bf16 stacks, T=8,
-    # 7-8 adapters in as many runs: 0.24-0.28 vs 0.29-0.31 for a matmul pair per run).
-    mostly_distinct = 4 * num_groups > 3 * plan.rows.shape[0]
-    bf16 = x.dtype == torch.bfloat16 and num_tokens > FP32_MAX_TOKENS
+    """The plan's runs as a matmul pair each, the rest bucketed (thresholds above).
+
+    Long runs and buckets compute in the stacks' dtype (the model's), so no weight is cast
+    on the hot path; with AVX512-BF16 a bf16 matmul beats fp32 past a handful of tokens.
+    """
     args = (y, x, a_stack, b_stack, scales)
-    kw = {"out_offset": out_offset, "compute_dtype": x.dtype if bf16 else torch.float32}
-    if num_runs == 1 or (num_runs <= num_groups and not mostly_distinct):
-        # Each adapter's tokens are contiguous already (one adapter; prefill by adapter): a
-        # matmul pair per run, no gather.
-        ref.lora_segments(*args, plan.segments, **kw)
-    elif bf16 and (a_stack.dtype != torch.float32 or num_tokens > ONE_HOT_MIN_TOKENS_FP32_STACKS):
-        # One wide bf16 matmul pair instead of a pair per adapter, each paying oneDNN's fixed
-        # cost (bf16 stacks, T=1024, 8 adapters: 1.43 vs 2.67 for grouped in fp32).
-        ref.lora_one_hot(*args, plan.active, plan.one_hot, **kw)
-    else:
-        kw["compute_dtype"] = torch.float32
-        if mostly_distinct:
-            ref.lora_gathered(*args, plan.rows, plan.row_slots, **kw)
-        elif num_tokens >= SEGMENTS_MIN_AVG_RUN * num_runs:
-            ref.lora_segments(*args, plan.segments, **kw)
-        else:
-            # Several tokens per adapter: gather them by adapter, one matmul pair per adapter.
-            ref.lora_grouped(*args, plan.order, plan.groups, **kw)
+    if plan.segments:
+        ref.lora_segments(*args, plan.segments, out_offset=out_offset, compute_dtype=a_stack.dtype)
+    if plan.fp32_segments:
+        ref.lora_segments(
+            *args, plan.fp32_segments, out_offset=out_offset, compute_dtype=torch.float32
+        )
+    if plan.passes:
+        ref.lora_bucketed(*args, plan.passes, out_offset=out_offset)

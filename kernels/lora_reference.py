@@ -15,11 +15,13 @@ Layout (shared with ``kernels/lora_triton.py`` and the LoRA manager):
 - slot ``-1`` means "no adapter": shrink writes zeros there and expand leaves the row as is.
 
 The four references compute in fp32 and round once; any rank and any shape are accepted.
-The ``lora_*`` functions below them are the fused (shrink + expand) CPU candidates that
-``bench/lora_ops.py`` measures and ``kernels/lora.py`` picks from.
+The two ``lora_*`` functions below them are the fused (shrink + expand) CPU paths that
+``bench/lora_ops.py`` measures and ``kernels/lora.py`` dispatches to.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -121,11 +123,9 @@ def sgmv_expand(
             y[i:j, cols] = (y[i:j, cols].float() + delta).to(y.dtype)
 
 
-# --- fused CPU candidates: y[:, o:o+out] += scale * (x @ A.T) @ B.T ----------------------
+# --- fused CPU paths: y[:, o:o+out] += scale * (x @ A.T) @ B.T ---------------------------
 # Each takes the host-side batch description that LoraMapping prepares once per step (no
-# device sync, no Python loop over tokens) and computes in `compute_dtype`: on CPU a tiny
-# bf16 matmul costs ~25 us of oneDNN overhead where fp32 costs ~5 us, so small batches run
-# in fp32 even for a bf16 model (see bench/lora_ops.py).
+# device sync, no Python loop over tokens).
 
 
 def lora_segments(
@@ -139,7 +139,7 @@ def lora_segments(
     out_offset: int = 0,
     compute_dtype: torch.dtype = torch.float32,
 ) -> None:
-    """SGMV in torch: two matmuls per run of tokens, no gather (option a)."""
+    """SGMV in torch: two matmuls per run of tokens, no gather."""
     yc = y[:, out_offset : out_offset + b_stack.shape[1]]
     xc = x.to(compute_dtype)
     scale = scales.tolist()
@@ -152,81 +152,42 @@ def lora_segments(
             yc[i:j].add_(F.linear(h, b), alpha=scale[slot])
 
 
-def lora_gathered(
+@dataclass(slots=True)
+class BucketPass:
+    """One padded batch for ``lora_bucketed``: slots ``lo..hi``, ``width`` cells each."""
+
+    lo: int
+    hi: int
+    width: int
+    rows: torch.Tensor  # [n] int64: the tokens of this pass
+    cells: torch.Tensor  # [n] int64: (slot - lo) * width + ordinal within the slot
+
+
+def lora_bucketed(
     y: torch.Tensor,  # [T, out_total], updated in place
     x: torch.Tensor,  # [T, in]
     a_stack: torch.Tensor,  # [S, R, in]
     b_stack: torch.Tensor,  # [S, out, R]
     scales: torch.Tensor,  # [S] float32
-    lora_rows: torch.Tensor,  # [N] int64: tokens with an adapter
-    lora_slots: torch.Tensor,  # [N] int64: their slots
+    passes: list[BucketPass],
     *,
     out_offset: int = 0,
-    compute_dtype: torch.dtype = torch.float32,
 ) -> None:
-    """BGMV in torch: a copy of A and B per token, two batched matmuls (option b)."""
-    xs = x.index_select(0, lora_rows).to(compute_dtype)[:, None, :]  # [N, 1, in]
-    a = a_stack.index_select(0, lora_slots).to(compute_dtype)  # [N, R, in]
-    h = torch.bmm(xs, a.transpose(1, 2))  # [N, 1, R]
-    h *= scales.index_select(0, lora_slots).to(compute_dtype)[:, None, None]
-    b = b_stack.index_select(0, lora_slots).to(compute_dtype)  # [N, out, R]
-    d = torch.bmm(h, b.transpose(1, 2)).squeeze(1)  # [N, out]
-    yc = y[:, out_offset : out_offset + b_stack.shape[1]]
-    yc.index_add_(0, lora_rows, d.to(y.dtype))
+    """BGMV in torch: tokens bucketed by slot into a zero-padded [slots, width, in] batch,
+    then two batched matmuls straight over the slot range of the stacks (a view, no copy).
 
-
-def lora_grouped(
-    y: torch.Tensor,  # [T, out_total], updated in place
-    x: torch.Tensor,  # [T, in]
-    a_stack: torch.Tensor,  # [S, R, in]
-    b_stack: torch.Tensor,  # [S, out, R]
-    scales: torch.Tensor,  # [S] float32
-    order: torch.Tensor,  # [N] int64: tokens with an adapter, grouped by slot
-    groups: list[tuple[int, int]],  # (slot, count) of each group, in `order`
-    *,
-    out_offset: int = 0,
-    compute_dtype: torch.dtype = torch.float32,
-) -> None:
-    """Sort by slot, two matmuls per distinct adapter, scatter back (option c)."""
-    xs = x.index_select(0, order).to(compute_dtype)  # [N, in]
-    d = torch.empty(xs.shape[0], b_stack.shape[1], dtype=compute_dtype)  # [N, out]
-    scale = scales.tolist()
-    i = 0
-    for slot, n in groups:
-        h = F.linear(xs[i : i + n], a_stack[slot].to(compute_dtype))  # [n, R]
-        b = b_stack[slot].to(compute_dtype)
-        d[i : i + n].addmm_(h, b.T, beta=0, alpha=scale[slot])
-        i += n
-    # A scatter with runs of consecutive rows: as fast as a dense add here, and it writes
-    # no row without an adapter.
-    y[:, out_offset : out_offset + b_stack.shape[1]].index_add_(0, order, d.to(y.dtype))
-
-
-def lora_one_hot(
-    y: torch.Tensor,  # [T, out_total], updated in place
-    x: torch.Tensor,  # [T, in]
-    a_stack: torch.Tensor,  # [S, R, in]
-    b_stack: torch.Tensor,  # [S, out, R]
-    scales: torch.Tensor,  # [S] float32
-    active: torch.Tensor,  # [U] int64: the distinct slots in the batch
-    one_hot: torch.Tensor,  # [T, U] float32: token t uses active[u]; zero row = no adapter
-    *,
-    out_offset: int = 0,
-    compute_dtype: torch.dtype = torch.float32,
-) -> None:
-    """All active adapters as one LoRA of rank U*R, masked per token (option d).
-
-    Two dense matmuls whatever the mix, at U times the FLOPs of one adapter. Rows without
-    an adapter get ``+= 0``.
+    Copying A and B once per token (the textbook BGMV in torch) moves several times the
+    adapter bytes; this reads each slot in the range once, at the price of padded rows,
+    which ``kernels.lora.bucket_passes`` bounds. Computes in the stacks' dtype.
     """
-    num_active, rank = active.shape[0], a_stack.shape[1]
-    a = a_stack.index_select(0, active).to(compute_dtype).view(num_active * rank, -1)
-    h = F.linear(x.to(compute_dtype), a).view(-1, num_active, rank)  # [T, U, R]
-    h *= (one_hot * scales.index_select(0, active)).to(compute_dtype)[:, :, None]
-    b = b_stack.transpose(0, 1)[:, active].to(compute_dtype)  # [out, U, R], one gather
-    b = b.view(b_stack.shape[1], num_active * rank)
-    yc = y[:, out_offset : out_offset + b_stack.shape[1]]
-    if y.dtype == compute_dtype:
-        yc.addmm_(h.view(h.shape[0], -1), b.T)
-    else:
-        yc.add_(F.linear(h.view(h.shape[0], -1), b))
+    dtype, out_features = a_stack.dtype, b_stack.shape[1]
+    yc = y[:, out_offset : out_offset + out_features]
+    for p in passes:
+        count = p.hi - p.lo + 1
+        padded = x.new_zeros((count * p.width, x.shape[1]), dtype=dtype)
+        padded.index_copy_(0, p.cells, x.index_select(0, p.rows).to(dtype))
+        slots = slice(p.lo, p.hi + 1)
+        h = torch.bmm(padded.view(count, p.width, -1), a_stack[slots].transpose(1, 2))
+        h *= scales[slots].to(dtype)[:, None, None]
+        d = torch.bmm(h, b_stack[slots].transpose(1, 2)).view(count * p.width, out_features)
+        yc.index_add_(0, p.rows, d.index_select(0, p.cells).to(y.dtype))

@@ -36,7 +36,7 @@ import triton.language as tl  # noqa: E402
 
 import kernels.lora_reference as ref  # noqa: E402
 import kernels.lora_triton as tri  # noqa: E402
-from kernels.lora import LoraMapping, add_lora  # noqa: E402
+from kernels.lora import SEGMENT_MIN_RUN, LoraMapping, add_lora, bucket_passes  # noqa: E402
 
 # The kernels and triton.language both in interpreter mode, or compiled for a GPU.
 TRITON_HERE = CUDA or (
@@ -317,37 +317,39 @@ MODEL_AND_STACK_DTYPES = [
     (torch.bfloat16, torch.bfloat16),
     (torch.bfloat16, torch.float32),
 ]
-DTYPES_CPU = [  # (activations, stacks, compute)
-    (torch.float32, torch.float32, torch.float32),
-    (torch.bfloat16, torch.bfloat16, torch.float32),
-    (torch.bfloat16, torch.bfloat16, torch.bfloat16),
-    (torch.bfloat16, torch.float32, torch.float32),
-    (torch.bfloat16, torch.float32, torch.bfloat16),
-]
 
 
-def cpu_candidates(mapping: LoraMapping):
-    plan = mapping.cpu
+def cpu_candidates(token_slots: torch.Tensor):
+    """Each CPU path over the whole batch: one matmul pair per run, or every token bucketed
+    (passes of the busiest slot's width, and of width 1, which takes one pass per ordinal)."""
+    mapping = LoraMapping.build(token_slots)
+    bounds, run_slots = mapping.seg_starts.tolist(), mapping.seg_slots.tolist()
+    runs = [(bounds[k], bounds[k + 1], s) for k, s in enumerate(run_slots) if s >= 0]
+    rows = (token_slots >= 0).nonzero().squeeze(1)
+    passes = bucket_passes(rows.tolist(), token_slots[rows].tolist())
+    narrow = bucket_passes(rows.tolist(), token_slots[rows].tolist(), width=1)
     return {
-        "segments": lambda *args, **kw: ref.lora_segments(*args, plan.segments, **kw),
-        "gathered": lambda *args, **kw: ref.lora_gathered(*args, plan.rows, plan.row_slots, **kw),
-        "grouped": lambda *args, **kw: ref.lora_grouped(*args, plan.order, plan.groups, **kw),
-        "one_hot": lambda *args, **kw: ref.lora_one_hot(*args, plan.active, plan.one_hot, **kw),
+        "segments": lambda *args, **kw: ref.lora_segments(
+            *args, runs, compute_dtype=args[2].dtype, **kw
+        ),
+        "bucketed": lambda *args, **kw: ref.lora_bucketed(*args, passes, **kw),
+        "bucketed-narrow": lambda *args, **kw: ref.lora_bucketed(*args, narrow, **kw),
     }
 
 
-@pytest.mark.parametrize(("dtype", "stacks", "compute"), DTYPES_CPU)
+@pytest.mark.parametrize(("dtype", "stacks"), MODEL_AND_STACK_DTYPES)
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("candidate", ["segments", "gathered", "grouped", "one_hot"])
-def test_cpu_paths_match_reference(candidate, pattern, dtype, stacks, compute):
+@pytest.mark.parametrize("candidate", ["segments", "bucketed", "bucketed-narrow"])
+def test_cpu_paths_match_reference(candidate, pattern, dtype, stacks):
+    """Each path computes in the stacks' dtype, whatever the activations'."""
     batch = make_batch(pattern, decode=False)
     a, b, scales = make_stacks(8, 16, dtype=stacks)
     x, y = make_inputs(batch.num_tokens, dtype=dtype, extra_cols=6)
     want = y.clone()
     run_reference(batch, x, want, a, b, scales, out_offset=2)
     got = y.clone()
-    fn = cpu_candidates(LoraMapping.build(batch.token_slots))[candidate]
-    fn(got, x, a, b, scales, out_offset=2, compute_dtype=compute)
+    fn = cpu_candidates(batch.token_slots)[candidate]
+    fn(got, x, a, b, scales, out_offset=2)
     assert got.dtype == dtype
     assert_close(got, want, dtype)
     assert_untouched(got, y, batch.token_slots, out_offset=2)
@@ -401,27 +403,61 @@ def test_add_lora_without_adapters_is_a_no_op():
     assert torch.equal(got, y)
 
 
-def test_mapping_describes_runs_groups_and_flags():
+def test_mapping_describes_runs_and_flags():
     m = LoraMapping.build([2, 2, -1, 0, 0, 0, 2, -1, 1], all_decode=False)
     assert m.token_slots.tolist() == [2, 2, -1, 0, 0, 0, 2, -1, 1]
     assert m.seg_starts.tolist() == [0, 2, 3, 6, 7, 8, 9]
     assert m.seg_slots.tolist() == [2, -1, 0, 2, -1, 1]
     assert (m.max_seg_len, m.any_lora, m.all_decode, m.num_tokens) == (3, True, False, 9)
-    plan = m.cpu
-    assert plan.segments == [(0, 2, 2), (3, 6, 0), (6, 7, 2), (8, 9, 1)]
-    assert plan.groups == [(0, 3), (1, 1), (2, 3)]
-    assert plan.order.tolist() == [3, 4, 5, 8, 0, 1, 6]
-    assert plan.rows.tolist() == [0, 1, 3, 4, 5, 6, 8]
-    assert plan.row_slots.tolist() == [2, 2, 0, 0, 0, 2, 1]
-    assert plan.active.tolist() == [0, 1, 2]
-    assert plan.one_hot.sum(1).tolist() == [1, 1, 0, 1, 1, 1, 1, 0, 1]
+
+
+def test_cpu_plan_runs_long_segments_alone_and_buckets_the_rest():
+    # One long run of slot 1 (a prefill chunk), then decodes of slots 2, 0, 2, 0.
+    slots = [1] * SEGMENT_MIN_RUN + [2, 0, -1, 2, 0]
+    plan = LoraMapping.build(slots).cpu
+    assert (plan.segments, plan.fp32_segments) == ([(0, SEGMENT_MIN_RUN, 1)], [])
+    (only,) = plan.passes
+    t = SEGMENT_MIN_RUN
+    assert (only.lo, only.hi, only.width) == (0, 2, 2)
+    # Slot 2's tokens fill cells 4, 5 ((2 - 0) * 2 + ordinal), slot 0's cells 0, 1.
+    assert only.rows.tolist() == [t, t + 3, t + 1, t + 4]
+    assert only.cells.tolist() == [4, 5, 0, 1]
+
+
+def test_cpu_plan_runs_a_few_short_runs_as_pairs_short_ones_in_fp32():
+    # A decode batch on one adapter (one run of 32), then two single decodes.
+    plan = LoraMapping.build([4] * 32 + [-1, 3, 5]).cpu
+    assert plan.segments == [(0, 32, 4)]
+    assert plan.fp32_segments == [(33, 34, 3), (34, 35, 5)]
+    assert plan.passes == []
+
+
+def test_bucket_passes_split_a_busy_slot_when_one_pass_would_pad_too_much():
+    # Slot 0 has 100 tokens and slot 31 one: one pass would pad 32 slots x 100 cells for
+    # 101 tokens, so passes are 51 wide (101 tokens / 2 slots): slots 0..31, then slot 0.
+    rows, slots = list(range(101)), [0] * 100 + [31]
+    first, second = bucket_passes(rows, slots)
+    assert (first.lo, first.hi, first.width) == (0, 31, 51)
+    assert first.rows.tolist() == [*range(51), 100]
+    assert first.cells.tolist() == [*range(51), 31 * 51]
+    assert (second.lo, second.hi, second.width) == (0, 0, 51)
+    assert second.rows.tolist() == list(range(51, 100))
+    assert second.cells.tolist() == list(range(49))
+    # Twelve tokens of slot 0 and one of slot 31 pad 384 cells: one pass.
+    assert len(bucket_passes(list(range(13)), [0] * 12 + [31])) == 1
 
 
 def test_mapping_of_an_empty_or_adapterless_batch():
     empty = LoraMapping.build([])
     assert (empty.num_tokens, empty.seg_starts.tolist(), empty.any_lora) == (0, [0], False)
     base = LoraMapping.build([-1, -1], all_decode=True)
-    assert (base.any_lora, base.all_decode, base.cpu.segments) == (False, True, [])
+    assert (base.any_lora, base.all_decode, base.cpu.segments, base.cpu.passes) == (
+        False,
+        True,
+        [],
+        [],
+    )
+    assert base.cpu.fp32_segments == []
 
 
 def check_shape_errors(module):
