@@ -103,6 +103,21 @@ def run_engine(engine, requests, adapters: list[str | None], name: str) -> LoraR
     return LoraRun(name, len(requests), distinct, tokens, elapsed, tokens / elapsed)
 
 
+def alternate(engine, requests, adapters, name: str, repeats: int) -> tuple[LoraRun, LoraRun]:
+    """The base model and the adapters on the same requests, alternated ``repeats`` times;
+    the median run of each. A burst of load on these shared machines moved single runs of
+    the base model by +-15%; alternating puts both sides under the same conditions."""
+    bases, runs = [], []
+    for _ in range(repeats):
+        bases.append(run_engine(engine, requests, [None] * len(requests), f"base for {name}"))
+        runs.append(run_engine(engine, requests, adapters, name))
+
+    def median(xs: list[LoraRun]) -> LoraRun:
+        return sorted(xs, key=lambda r: r.output_tok_per_s)[len(xs) // 2]
+
+    return median(bases), median(runs)
+
+
 def run_peft(
     model_path: Path, paths: list[Path], requests, picks: list[int], subset: int
 ) -> LoraRun:
@@ -171,6 +186,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-loras", type=int, default=32)
     parser.add_argument("--peft-subset", type=int, default=8)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of each case, alternating with the base model; the median counts",
+    )
     parser.add_argument("--workdir", default="/tmp/switchboard-bench-lora")
     parser.add_argument("--out", default="bench/results/lora.json")
     args = parser.parse_args(argv)
@@ -193,14 +214,18 @@ def main(argv: list[str] | None = None) -> dict:
         requests = fixed_lengths(
             num_requests, prompt_len=128, output_len=128, vocab=engine.config.vocab_size
         )
-        base = run_engine(engine, requests, [None] * num_requests, f"base x{num_requests}")
-        runs.append(base)
         for popularity in ["uniform", "zipf"] if count > 1 else ["uniform"]:
             picks = assign(num_requests, count, popularity)
             names = [f"adapter-{k}" for k in picks]
-            run = run_engine(engine, requests, names, f"{count} adapters {popularity}")
+            base, run = alternate(
+                engine,
+                requests,
+                names,
+                f"{count} adapters {popularity}",
+                args.repeats,
+            )
             run.note = f"{run.output_tok_per_s / base.output_tok_per_s:.1%} of base"
-            runs.append(run)
+            runs += [base, run]
             print(json.dumps(asdict(run)))
         if count == 32:
             peft = run_peft(
