@@ -2,10 +2,10 @@
 
 PagedAttention (Kwon et al., SOSP 2023). The K/V of every sequence live in fixed-size
 blocks of one cache per layer; a sequence reaches its own through its block table.
-Queries arrive flattened: first one token per decoding sequence, then each prefill
-chunk's tokens back to back. On CPU, a sequence's blocks are gathered whole (one
-contiguous copy per block, which runs at memory bandwidth, unlike a per-token gather)
-and padding past the context is masked.
+Queries arrive flattened: first the decoding sequences' new tokens (one each, or k + 1
+when the step verifies k draft tokens), then each prefill chunk's tokens back to back. On
+CPU, a sequence's blocks are gathered whole (one contiguous copy per block, which runs at
+memory bandwidth, unlike a per-token gather) and padding past the context is masked.
 
 Semantics, per sequence with context ``c`` (tokens already cached) and chunk length ``n``:
 ``out[i] = softmax(scale * q[i] · K[:c+i+1]ᵀ) · V[:c+i+1]`` for i in 0..n-1, with query head
@@ -35,16 +35,21 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """Decodes of similar context length, attended in one batched call.
+    """Decoding sequences of similar context length, attended in one batched call.
 
-    Padding every decode to the batch's longest context would make a long chat pay for
-    its short neighbours; grouping by length keeps the padded work near the real work.
+    Each feeds ``queries`` new tokens: 1 for a plain decode, k + 1 when a speculative step
+    verifies k drafts. Padding every sequence to the batch's longest context would make a
+    long chat pay for its short neighbours; grouping by length keeps the padded work near
+    the real work, and one call per group (not per sequence) keeps verification cheap.
     """
 
     start: int  # first row of the group in the flattened batch
-    count: int  # number of decodes (rows) in the group
+    count: int  # sequences in the group; rows start .. start + count * queries
+    queries: int  # new tokens per sequence, back to back in the flattened batch
     block_tables: torch.Tensor  # [count * max_blocks] int64: padded tables, back to back
-    mask: torch.Tensor  # [count, 1, 1, max_blocks * block_size] bool, True = attend
+    # [count, 1, group * queries, max_blocks * block_size] bool, True = attend, where
+    # group = heads per KV head; row g * queries + i belongs to the sequence's query i.
+    mask: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -52,8 +57,7 @@ class AttentionMetadata:
     """Everything attention needs about the batch layout; built once a step, shared by layers."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block * size + offset) to write
-    num_decodes: int  # the first num_decodes tokens are single-token decodes
-    decode_groups: list[DecodeGroup]  # covering rows 0..num_decodes-1
+    decode_groups: list[DecodeGroup]  # covering the first rows, before the prefill chunks
     prefills: list[PrefillChunk]
 
 
@@ -89,15 +93,19 @@ def paged_attention(
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
     for g in meta.decode_groups:
-        rows = slice(g.start, g.start + g.count)
-        # The query heads of one KV group stand in for the query-length axis, so one
-        # SDPA call serves the group without repeating K/V: [count, kv_heads, group, dim].
-        q = query[rows].view(g.count, num_kv_heads, group, head_dim)
+        n = g.queries
+        rows = slice(g.start, g.start + g.count * n)
+        # A KV head's query heads and the sequence's n positions share SDPA's query axis,
+        # so one call serves the group without repeating K/V: [count, kv_heads, group * n,
+        # dim], row g * n + i for head g of the KV group at position i.
+        q = query[rows].view(g.count, n, num_kv_heads, group, head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(g.count, num_kv_heads, group * n, head_dim)
         k = gather_blocks(key_cache, g.block_tables, g.count).transpose(1, 2)
         v = gather_blocks(value_cache, g.block_tables, g.count).transpose(1, 2)
         # k, v: [count, kv_heads, max_blocks * block_size, dim]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
-        out[rows] = o.reshape(g.count, num_heads, head_dim)
+        o = o.view(g.count, num_kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
+        out[rows] = o.reshape(g.count * n, num_heads, head_dim)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]

@@ -32,6 +32,11 @@ class StepInputs:
     order: list[ScheduledSequence]  # the batch's sequences in flattened order
 
 
+def _is_decode(s: ScheduledSequence) -> bool:
+    """One real token past the prompt (plus any draft tokens to verify after it)."""
+    return s.num_tokens == 1 and s.start > 0
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -46,6 +51,7 @@ class ModelRunner:
         self.lora_manager = lora_manager
         self.block_size = block_size
         c = model.config
+        self.heads_per_kv_head = c.num_heads // c.num_kv_heads
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
@@ -103,11 +109,12 @@ class ModelRunner:
         return [s for s in inputs.order if s.samples], logits
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
-        # Decodes sorted by context length, so similar lengths share one attention call.
+        # Decodes (one real token, maybe draft tokens after it) sorted by tokens fed, then
+        # context length, so that similar sequences share one attention call.
         decodes = sorted(
-            (s for s in scheduled if s.num_fed == 1 and s.start > 0), key=lambda s: s.start
+            (s for s in scheduled if _is_decode(s)), key=lambda s: (s.num_fed, s.start)
         )
-        prefills = [s for s in scheduled if not (s.num_fed == 1 and s.start > 0)]
+        prefills = [s for s in scheduled if not _is_decode(s)]
         order = decodes + prefills
         bs = self.block_size
         ids: list[int] = []
@@ -126,9 +133,8 @@ class ModelRunner:
                 logit_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            num_decodes=len(decodes),
             decode_groups=self._decode_groups(decodes),
-            prefills=self._prefill_chunks(prefills, start=len(decodes)),
+            prefills=self._prefill_chunks(prefills, start=sum(s.num_fed for s in decodes)),
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -139,24 +145,28 @@ class ModelRunner:
         )
 
     def _decode_groups(self, decodes: list[ScheduledSequence]) -> list[DecodeGroup]:
-        """Split length-sorted decodes where padding to the group's longest would exceed
-        ~25% (plus two blocks) of the shortest one's blocks."""
+        """Split sorted decodes where the tokens fed differ, or where padding to the group's
+        longest would exceed ~25% (plus two blocks) of the shortest one's blocks."""
         groups: list[DecodeGroup] = []
-        start = 0
+        start = row = 0
         while start < len(decodes):
-            first_blocks = len(decodes[start].seq.block_table)
+            first = decodes[start]
+            first_blocks = len(first.seq.block_table)
             end = start + 1
-            while end < len(decodes) and len(decodes[end].seq.block_table) <= (
-                first_blocks * 1.25 + 2
+            while (
+                end < len(decodes)
+                and decodes[end].num_fed == first.num_fed
+                and len(decodes[end].seq.block_table) <= first_blocks * 1.25 + 2
             ):
                 end += 1
-            groups.append(self._decode_group(decodes[start:end], start))
+            groups.append(self._decode_group(decodes[start:end], row))
+            row += (end - start) * first.num_fed
             start = end
         return groups
 
     def _decode_group(self, decodes: list[ScheduledSequence], start: int) -> DecodeGroup:
-        """Block tables padded to the longest in the group and flattened; the padding mask."""
-        # Every table holds exactly ceil(context / block_size) blocks; pad the shorter ones.
+        """Block tables padded to the longest in the group and flattened; the causal mask."""
+        # Every table covers the tokens fed this step; pad the shorter ones.
         num_blocks = max(len(s.seq.block_table) for s in decodes)
         flat = [
             b
@@ -164,13 +174,22 @@ class ModelRunner:
             for b in s.seq.block_table + [0] * (num_blocks - len(s.seq.block_table))
         ]
         span = num_blocks * self.block_size
-        lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.int64)
-        mask = torch.arange(span).unsqueeze(0) < lens.unsqueeze(1)  # [count, span]
+        queries = decodes[0].num_fed
+        # Query i of a sequence (absolute position start + i) sees keys 0 .. start + i.
+        last_key = torch.tensor([s.start for s in decodes], dtype=torch.int64)[:, None]
+        last_key = last_key + torch.arange(queries)[None, :]  # [count, queries]
+        mask = torch.arange(span)[None, None, :] <= last_key[:, :, None]  # [count, n, span]
+        # Row g * queries + i of SDPA's query axis is query i (see paged_attention); one
+        # query per sequence broadcasts over the heads.
+        mask = mask.unsqueeze(1)
+        if queries > 1:
+            mask = mask.repeat(1, 1, self.heads_per_kv_head, 1)
         return DecodeGroup(
             start=start,
             count=len(decodes),
+            queries=queries,
             block_tables=torch.tensor(flat, dtype=torch.int64),
-            mask=mask.view(len(decodes), 1, 1, span),
+            mask=mask,
         )
 
     def _prefill_chunks(
