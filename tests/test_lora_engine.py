@@ -74,8 +74,8 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
-def make_llm(base, adapter_dirs, **kwargs) -> LLM:
-    llm = LLM(base, dtype="float32", **kwargs)
+def make_llm(base, adapter_dirs, *, dtype="float32", **kwargs) -> LLM:
+    llm = LLM(base, dtype=dtype, **kwargs)
     for name, path in adapter_dirs.items():
         llm.load_adapter(name, path)
     return llm
@@ -106,16 +106,23 @@ def test_more_adapters_than_slots_all_complete_unchanged(base, adapter_dirs, pef
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def peft_with_every_adapter(base, adapter_dirs) -> PeftModel:
+    """The fp32 HF model with every adapter loaded under its name (none active yet)."""
+    names = list(adapter_dirs)
+    model = PeftModel.from_pretrained(
+        load_hf_model(base), adapter_dirs[names[0]], adapter_name=names[0]
+    )
+    for name in names[1:]:
+        model.load_adapter(adapter_dirs[name], adapter_name=name)
+    return model
+
+
 def test_prefill_logits_match_peft(base, adapter_dirs, peft_greedy):
     prompts, assignment, _ = peft_greedy
     llm = make_llm(base, adapter_dirs, max_loras=len(ADAPTERS))
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     outputs = llm.generate(prompts, params, adapters=assignment)
-    hf = load_hf_model(base)
-    names = list(adapter_dirs)
-    model = PeftModel.from_pretrained(hf, adapter_dirs[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapter_dirs[name], adapter_name=name)
+    model = peft_with_every_adapter(base, adapter_dirs)
     for prompt, adapter, out in zip(prompts, assignment, outputs, strict=True):
         ids = torch.tensor([prompt])
         with torch.no_grad():
@@ -136,16 +143,10 @@ def test_bf16_mixed_decode_step_is_close_to_fp32_peft(base, adapter_dirs, peft_g
     """The bf16 path (LoRA computed in bf16: bucketed decodes, runs for prefill) against
     fp32 peft: each request's second token (a decode in one mixed step) scored by both."""
     prompts, assignment, _ = peft_greedy
-    llm = LLM(base, dtype="bfloat16", max_loras=len(ADAPTERS))
-    for name, path in adapter_dirs.items():
-        llm.load_adapter(name, path)
+    llm = make_llm(base, adapter_dirs, dtype="bfloat16", max_loras=len(ADAPTERS))
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=0)
     outputs = llm.generate(prompts, params, adapters=assignment)
-    hf = load_hf_model(base)
-    names = list(adapter_dirs)
-    model = PeftModel.from_pretrained(hf, adapter_dirs[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapter_dirs[name], adapter_name=name)
+    model = peft_with_every_adapter(base, adapter_dirs)
     errors, adapter_effects = [], []
     for prompt, adapter, out in zip(prompts, assignment, outputs, strict=True):
         ids = torch.tensor([prompt + out.token_ids[:1]])
