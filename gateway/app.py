@@ -62,7 +62,7 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
         connection_pool=pool, retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2)
     )
     model_names = frozenset({settings.served_model_name, str(settings.model), settings.model.name})
-    tenants = TenantStore(client, prefix=settings.key_prefix)
+    tenants = TenantStore(client, prefix=settings.key_prefix, key_cache_s=settings.api_key_cache_s)
     store = FilesystemAdapterStore(settings.adapter_store)
     return GatewayState(
         settings=settings,

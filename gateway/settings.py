@@ -70,6 +70,11 @@ class GatewaySettings(BaseSettings):
     # it unmetered. Either way it is logged and counted (switchboard_quota_redis_errors_total).
     quota_fail_mode: Literal["closed", "open"] = "closed"
 
+    # How long a gateway trusts an API key it has seen valid without asking Redis again: a
+    # key revoked through another gateway replica still works here for up to this long (one
+    # revoked through this gateway stops at once). 0: every request asks Redis.
+    api_key_cache_s: float = Field(default=2.0, ge=0)
+
     # Workers heartbeat with this TTL; a record whose heartbeat is older is treated as dead
     # even if its key has not expired yet (a stuck worker still holding its key).
     worker_heartbeat_ttl_s: float = Field(default=10.0, gt=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import httpx
 import pytest
@@ -17,6 +18,10 @@ from test_gateway_support import (
     running_gateway,
     write_adapter,
 )
+
+from gateway.errors import AuthenticationError
+from gateway.serve import SkipObservedSuccesses
+from gateway.tenants import TenantStore
 
 
 @pytest.fixture
@@ -226,3 +231,39 @@ async def test_admin_cli_wraps_the_api(gw, tmp_path, capsys):
     assert status == 0 and json.loads(out)["requests_per_minute"] == 60
     status, out = await asyncio.to_thread(cli, "admin", "usage", "--tenant", "dave")
     assert status == 0 and json.loads(out) == {"object": "list", "data": []}
+
+
+async def test_a_key_revoked_through_another_replica_stops_within_the_cache_time(
+    redis_client, redis_prefix
+):
+    """Two gateway replicas' stores on one Redis: revoking through one stops the key there
+    at once and on the other once its cached entry expires (api_key_cache_s)."""
+    here = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=0.3)
+    there = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=0.3)
+    uncached = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=0.0)
+    await here.create_tenant("erin")
+    key = await here.create_key("erin")
+    for store in (here, there, uncached):
+        assert (await store.authenticate(key.key)).tenant == "erin"
+    await there.revoke_key(key.key_id)
+    for store in (there, uncached):
+        with pytest.raises(AuthenticationError):
+            await store.authenticate(key.key)
+    assert (await here.authenticate(key.key)).tenant == "erin"  # its cached entry
+    await asyncio.sleep(0.35)
+    with pytest.raises(AuthenticationError):
+        await here.authenticate(key.key)
+
+
+def test_access_log_skips_only_successful_generation_requests():
+    keep = SkipObservedSuccesses()
+
+    def access(path: str, status: int) -> logging.LogRecord:
+        args = ("127.0.0.1:5000", "POST", path, "1.1", status)
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s "%s %s" %d', args, None)
+
+    assert not keep.filter(access("/v1/completions", 200))
+    assert not keep.filter(access("/v1/chat/completions?x=1", 200))
+    assert keep.filter(access("/v1/completions", 429))
+    assert keep.filter(access("/v1/models", 200))
+    assert keep.filter(access("/admin/tenants", 200))
