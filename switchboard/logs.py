@@ -41,6 +41,13 @@ def configure_logging(
         handler.setFormatter(
             logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
         )
+    # The records carry no source location, thread or process fields (see the formats above),
+    # so skip collecting them: logging's documented optimization, ~1/3 of a record's cost,
+    # which the gateway pays once per request.
+    logging._srcfile = None  # type: ignore[attr-defined]
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper() if isinstance(level, str) else level)
