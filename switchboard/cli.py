@@ -8,6 +8,7 @@ if it takes options, an `add_arguments` function) and append a `Command` to COMM
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -177,11 +178,15 @@ def worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from switchboard.logs import configure_logging
+    from worker.main_thread import MainThreadEngineLoop
     from worker.server import serve
 
     configure_logging(level=logging.INFO, json_lines=_json_logs())
     engine_kwargs = worker_engine_kwargs(args)
-    asyncio.run(
+    # The engine's step loop runs on this (the main) thread, the gRPC asyncio loop beside it.
+    engine_loop = MainThreadEngineLoop()
+    rpc = functools.partial(
+        asyncio.run,
         serve(
             model=args.model,
             host=args.host,
@@ -195,8 +200,10 @@ def worker(args: argparse.Namespace) -> int:
             engine_kwargs=engine_kwargs,
             adapter_store=Path(args.adapter_store),
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        )
+            engine_loop=engine_loop,
+        ),
     )
+    engine_loop.run(rpc)
     return 0
 
 

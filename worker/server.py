@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import time
 import uuid
@@ -34,6 +33,7 @@ from worker.async_engine import AsyncEngine, EngineStoppedError, SampleOutput
 from worker.engine import LLMEngine
 from worker.errors import InvalidRequestError
 from worker.lora_manager import UnknownAdapterError
+from worker.main_thread import STOP_SIGNALS, MainThreadEngineLoop
 from worker.metrics import WorkerMetrics
 from worker.sampling_params import SamplingParams
 
@@ -263,8 +263,10 @@ class WorkerServer:
         ttl: float = registry.DEFAULT_TTL_S,
         heartbeat_interval: float = registry.HEARTBEAT_INTERVAL_S,
         adapter_store: Path | None = None,
+        engine_runner: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self._engine_factory = engine_factory
+        self._engine_runner = engine_runner  # see AsyncEngine.start
         self.model_name = model_name
         self.host = host
         self.port = port
@@ -304,7 +306,7 @@ class WorkerServer:
             await self.server.stop(grace=None)
             raise
         self.engine = AsyncEngine(llm_engine)
-        self.engine.start()
+        self.engine.start(self._engine_runner)
         self.servicer.engine = self.engine
         self.servicer.on_adapters_changed = self._beat_now.set
         await self._set_health(Status.SERVING)
@@ -404,8 +406,12 @@ async def serve(
     engine_kwargs: dict | None = None,
     adapter_store: Path | None = None,
     metrics_port: int | None = None,
+    engine_loop: MainThreadEngineLoop | None = None,
 ) -> None:
-    """Run a worker until SIGTERM or SIGINT, then drain and stop (``switchboard worker``)."""
+    """Run a worker until SIGTERM or SIGINT, then drain and stop (``switchboard worker``).
+
+    With ``engine_loop`` this runs off the main thread: the engine's step loop and the
+    signal handlers live on the main thread (``worker.main_thread``)."""
     from switchboard.home import DEFAULT_MODEL_NAME
     from worker.default_model import DEFAULT_MODEL_ALIASES, resolve_model_path
 
@@ -426,11 +432,15 @@ async def serve(
         redis=redis,
         redis_prefix=redis_prefix,
         adapter_store=adapter_store,
+        engine_runner=engine_loop.runner if engine_loop is not None else None,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if engine_loop is not None:
+        engine_loop.on_signal(lambda: loop.call_soon_threadsafe(stop.set))
+    else:
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, stop.set)
     try:
         await server.start()
         print(f"worker {server.worker_id} listening on {server.address}", flush=True)
@@ -441,7 +451,8 @@ async def serve(
         logger.info("shutting down: draining for up to %.0f s", drain_timeout)
         await server.shutdown(drain_timeout)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        if engine_loop is None:
+            for sig in STOP_SIGNALS:
+                loop.remove_signal_handler(sig)
         if redis is not None:
             await redis.aclose()

@@ -1,0 +1,69 @@
+"""The worker process's threads: the engine's step loop on the main thread, RPC beside it.
+
+Why the main thread: see ``worker.async_engine`` (OpenMP parallel regions started from any
+other thread cost 0.1-0.3 ms each on CPU). The gRPC server's asyncio loop runs on a second
+thread, and asks for the step loop to be run here through ``runner``. Signals are
+delivered to the main thread only, so SIGTERM/SIGINT are caught here and passed on to the
+RPC side's ``on_signal`` callback.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+from collections.abc import Callable
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class MainThreadEngineLoop:
+    def __init__(self) -> None:
+        # queue.Queue, not SimpleQueue: its get() waits in an interruptible lock acquire,
+        # so a signal during model loading runs its handler at once.
+        self._work: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._on_signal: Callable[[], None] | None = None
+        self._signalled = False
+
+    def runner(self, loop_function: Callable[[], None]) -> None:
+        """For ``AsyncEngine.start``: run the step loop on the main thread (any thread)."""
+        self._work.put(loop_function)
+
+    def on_signal(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from the main thread) on SIGTERM or SIGINT, or now if one came."""
+        self._on_signal = callback
+        if self._signalled:
+            callback()
+
+    def run(self, rpc_main: Callable[[], None]) -> None:
+        """On the main thread: ``rpc_main`` on a second thread, the step loop(s) it hands over
+        here, until ``rpc_main`` returns (its exception, if any, is raised here)."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("MainThreadEngineLoop.run must be called on the main thread")
+        failure: list[BaseException] = []
+
+        def rpc_thread() -> None:
+            try:
+                rpc_main()
+            except BaseException as exc:  # re-raised on the main thread below
+                failure.append(exc)
+            finally:
+                self._work.put(None)
+
+        previous = {sig: signal.signal(sig, self._handle_signal) for sig in STOP_SIGNALS}
+        thread = threading.Thread(target=rpc_thread, name="rpc-loop")
+        thread.start()
+        try:
+            while (work := self._work.get()) is not None:
+                work()
+            thread.join()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if failure:
+            raise failure[0]
+
+    def _handle_signal(self, signum: int, frame: object) -> None:
+        self._signalled = True
+        if self._on_signal is not None:
+            self._on_signal()
