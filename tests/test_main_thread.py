@@ -1,0 +1,79 @@
+"""The worker's thread layout: the engine's step loop on the main thread, asyncio beside it,
+and SIGTERM caught on the main thread reaching the RPC side."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+import threading
+
+import pytest
+
+from factories import make_checkpoint
+from worker import LLMEngine, SamplingParams
+from worker.async_engine import AsyncEngine
+from worker.main_thread import MainThreadEngineLoop
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return LLMEngine(make_checkpoint(tmp_path_factory.mktemp("ckpt")), dtype="float32")
+
+
+def test_steps_run_on_the_main_thread_and_sigterm_reaches_the_rpc_loop(engine, monkeypatch):
+    stepping_threads: set[str] = set()
+    step = engine.step
+
+    def recording_step():
+        stepping_threads.add(threading.current_thread().name)
+        return step()
+
+    monkeypatch.setattr(engine, "step", recording_step)
+    engine_loop = MainThreadEngineLoop()
+    seen: dict = {}
+
+    async def rpc_main() -> None:
+        seen["rpc_thread"] = threading.current_thread().name
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        engine_loop.on_signal(lambda: loop.call_soon_threadsafe(stop.set))
+        async_engine = AsyncEngine(engine)
+        async_engine.start(engine_loop.runner)
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        outputs = [out async for out in async_engine.generate("r", [1, 2, 3], params)]
+        seen["tokens"] = outputs[-1].output.token_ids
+        os.kill(os.getpid(), signal.SIGTERM)  # handled on the main thread, in the step loop
+        await asyncio.wait_for(stop.wait(), timeout=10)
+        await async_engine.stop()
+
+    before = signal.getsignal(signal.SIGTERM)
+    engine_loop.run(functools.partial(asyncio.run, rpc_main()))
+    assert stepping_threads == {threading.main_thread().name}
+    assert seen["rpc_thread"] != threading.main_thread().name
+    assert len(seen["tokens"]) == 5
+    assert signal.getsignal(signal.SIGTERM) == before  # restored
+
+
+def test_an_rpc_side_failure_is_raised_on_the_main_thread():
+    async def failing() -> None:
+        raise OSError("port in use")
+
+    with pytest.raises(OSError, match="port in use"):
+        MainThreadEngineLoop().run(functools.partial(asyncio.run, failing()))
+
+
+def test_run_refuses_other_threads():
+    errors = []
+
+    def call() -> None:
+        try:
+            MainThreadEngineLoop().run(lambda: None)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert errors and "main thread" in errors[0]
