@@ -10,8 +10,9 @@ Candidates (``kernels/lora_reference.py``): ``segments`` (SGMV in torch, a matmu
 per run of one adapter), computing in fp32 or, for a bf16 model, in bf16 (suffix
 ``/bf16``); ``bucketed`` (BGMV as padded batched matmuls over the slot range, passes as
 ``kernels.lora.bucket_passes`` picks them) and ``bucketed-1pass`` (one pass as wide as the
-busiest slot), in the stacks' dtype; ``auto`` is ``kernels.lora.add_lora``, the dispatch. The baseline is ``F.linear(x, W)`` (and, for bf16, the prepacked
-``kernels.linear.Linear`` the model uses) on the same x.
+busiest slot), in the stacks' dtype; ``auto`` is ``kernels.lora.add_lora``, the dispatch.
+The baseline is ``F.linear(x, W)`` (and, for bf16, the prepacked ``kernels.linear.Linear``
+the model uses) on the same x.
 
 Timing: rounds outermost, then every configuration, then its methods in a shuffled order,
 so a burst of load from other processes on these shared 2-core machines hits them all
