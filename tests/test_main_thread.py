@@ -77,3 +77,23 @@ def test_run_refuses_other_threads():
     thread.start()
     thread.join()
     assert errors and "main thread" in errors[0]
+
+
+def test_a_dying_step_loop_stops_the_rpc_side_and_is_raised():
+    engine_loop = MainThreadEngineLoop()
+    stopped = []
+
+    def broken_step_loop() -> None:
+        raise RuntimeError("engine bug")
+
+    async def rpc_main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        engine_loop.on_signal(lambda: loop.call_soon_threadsafe(stop.set))
+        engine_loop.runner(broken_step_loop)
+        await asyncio.wait_for(stop.wait(), timeout=10)
+        stopped.append(True)
+
+    with pytest.raises(RuntimeError, match="engine bug"):
+        engine_loop.run(functools.partial(asyncio.run, rpc_main()))
+    assert stopped == [True]

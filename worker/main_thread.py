@@ -54,8 +54,16 @@ class MainThreadEngineLoop:
         thread = threading.Thread(target=rpc_thread, name="rpc-loop")
         thread.start()
         try:
-            while (work := self._work.get()) is not None:
-                work()
+            try:
+                while (work := self._work.get()) is not None:
+                    work()
+            except BaseException:
+                # The step loop died (a bug): stop the RPC side as SIGTERM would, so the
+                # process exits and gets restarted instead of serving with no engine.
+                if self._on_signal is not None:
+                    self._on_signal()
+                thread.join()
+                raise
             thread.join()
         finally:
             for sig, handler in previous.items():
