@@ -57,9 +57,9 @@ def bucket_passes(
     """Cells for ``lora_bucketed``: token ``rows[i]`` (slot ``row_slots[i]``) sits at ordinal
     k among its slot's tokens, in pass ``k // width`` at cell ``(slot - lo) * width + k % width``.
 
-    ``width`` is the busiest slot's count (one pass) unless that pads the batch more than
-    ``MAX_PADDING``-fold; then the mean count per slot, and busy slots take several passes.
-    A given ``width`` overrides the choice.
+    ``width`` is the busiest slot's count (one pass) unless the padded batch would exceed
+    both ``MAX_PADDING`` times the tokens and ``MAX_PADDED_ROWS``; then the mean count per
+    slot, and busy slots take several passes. A given ``width`` overrides the choice.
     """
     by_slot: dict[int, list[int]] = {}
     for row, slot in zip(rows, row_slots, strict=True):
