@@ -23,10 +23,17 @@ class SkipObservedSuccesses(logging.Filter):
         return True
 
 
+def skip_observed_access_lines() -> SkipObservedSuccesses:
+    """Install the filter on uvicorn's access logger; returned so a caller can remove it."""
+    skip = SkipObservedSuccesses()
+    logging.getLogger("uvicorn.access").addFilter(skip)
+    return skip
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    logging.getLogger("uvicorn.access").addFilter(SkipObservedSuccesses())
+    skip_observed_access_lines()
 
     overrides = {
         name: value

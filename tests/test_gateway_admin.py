@@ -15,12 +15,13 @@ from test_gateway_support import (
     MODEL_NAME,
     delete_prefix,
     gateway_settings,
+    gateway_with_worker,
     running_gateway,
     write_adapter,
 )
 
 from gateway.errors import AuthenticationError
-from gateway.serve import SkipObservedSuccesses
+from gateway.serve import skip_observed_access_lines
 from gateway.tenants import TenantStore
 
 
@@ -255,15 +256,37 @@ async def test_a_key_revoked_through_another_replica_stops_within_the_cache_time
         await here.authenticate(key.key)
 
 
-def test_access_log_skips_only_successful_generation_requests():
-    keep = SkipObservedSuccesses()
+async def test_access_log_skips_only_successful_generation_requests(
+    redis_url, redis_prefix, model_dir, tmp_path
+):
+    """Through real uvicorn: its access lines for successful completions are dropped (the
+    gateway's own request log has them), every other request and every error keeps one."""
+    settings = gateway_settings(
+        redis_url=redis_url, prefix=redis_prefix, model_dir=model_dir, store=tmp_path / "s"
+    )
+    lines: list[str] = []
 
-    def access(path: str, status: int) -> logging.LogRecord:
-        args = ("127.0.0.1:5000", "POST", path, "1.1", status)
-        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s "%s %s" %d', args, None)
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
 
-    assert not keep.filter(access("/v1/completions", 200))
-    assert not keep.filter(access("/v1/chat/completions?x=1", 200))
-    assert keep.filter(access("/v1/completions", 429))
-    assert keep.filter(access("/v1/models", 200))
-    assert keep.filter(access("/admin/tenants", 200))
+    access = logging.getLogger("uvicorn.access")
+    async with gateway_with_worker(settings) as live:
+        level, keep, skip = access.level, Keep(), skip_observed_access_lines()
+        access.setLevel(logging.INFO)  # the test server runs uvicorn at "warning"
+        access.addHandler(keep)
+        try:
+            headers = {"Authorization": f"Bearer {live.keys['acme']}"}
+            async with httpx.AsyncClient(base_url=live.gw.url, headers=headers) as client:
+                body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+                missing = await client.post("/v1/completions", json={**body, "model": "nope"})
+                assert missing.status_code == 404
+                assert (await client.get("/v1/models")).status_code == 200
+        finally:
+            access.removeHandler(keep)
+            access.removeFilter(skip)
+            access.setLevel(level)
+    assert len(lines) == 2, lines
+    assert '"POST /v1/completions HTTP/1.1" 404' in lines[0]
+    assert '"GET /v1/models HTTP/1.1" 200' in lines[1]
