@@ -10,7 +10,9 @@ Candidates (``kernels/lora_reference.py``): ``segments`` (SGMV in torch, a matmu
 per run of one adapter), computing in fp32 or, for a bf16 model, in bf16 (suffix
 ``/bf16``); ``bucketed`` (BGMV as padded batched matmuls over the slot range, passes as
 ``kernels.lora.bucket_passes`` picks them) and ``bucketed-1pass`` (one pass as wide as the
-busiest slot), in the stacks' dtype; ``auto`` is ``kernels.lora.add_lora``, the dispatch.
+busiest slot), in the stacks' dtype; ``packed-pairs`` (bf16 stacks: a pair per run with
+each slot's A and B prepacked, ``kernels.lora.SlotPairs``); ``auto`` is
+``kernels.lora.add_lora``, the dispatch, given the packed pairs where they exist.
 The baseline is ``F.linear(x, W)`` (and, for bf16, the prepacked ``kernels.linear.Linear``
 the model uses) on the same x.
 
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 
 from kernels import lora_reference as ref
 from kernels.linear import Linear
-from kernels.lora import LoraMapping, add_lora, bucket_passes
+from kernels.lora import LoraMapping, SlotPairs, add_lora, bucket_passes
 
 PROJECTIONS = ((576, 1536), (1536, 576))
 RANKS = (8, 16)
@@ -100,9 +102,15 @@ def methods(x, y, a, b, scales, mapping: LoraMapping, weight) -> dict[str, Calla
         out["segments" + tag] = lambda cd=cd: ref.lora_segments(
             y, x, a, b, scales, runs, compute_dtype=cd
         )
+    pairs = None
+    if SlotPairs.wanted(a):
+        pairs = SlotPairs(a.shape[0], a.dtype)
+        for slot in range(a.shape[0]):
+            pairs.refresh(slot, a, b)
+        out["packed-pairs"] = lambda: ref.lora_packed_segments(y, x, pairs, scales, runs)
     out["bucketed"] = lambda: ref.lora_bucketed(y, x, a, b, scales, passes)
     out["bucketed-1pass"] = lambda: ref.lora_bucketed(y, x, a, b, scales, one_pass)
-    out["auto"] = lambda: add_lora(y, x, a, b, scales, mapping)
+    out["auto"] = lambda: add_lora(y, x, a, b, scales, mapping, pairs=pairs)
     return out
 
 

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 PACK_BATCH_HINT = 1024
 
 
-def _can_pack(weight: torch.Tensor) -> bool:
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether ``Linear`` keeps a oneDNN-packed copy of this weight (CPU, bf16/fp16)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in (torch.bfloat16, torch.float16)
@@ -36,7 +37,7 @@ class Linear:
         self.bias = bias
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight
-        if _can_pack(weight):
+        if can_pack(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
             self.weight = None  # the packed copy replaces it; keep one copy in memory
 

@@ -8,19 +8,22 @@ kernels in Triton's CPU interpreter can set ``TRITON_INTERPRET=1`` before it imp
 On CPU: two torch paths of ``kernels/lora_reference.py``: a matmul pair per long run of
 one adapter (prefill chunks; a decode batch on one adapter), and, for the rest, BGMV as
 padded batched matmuls over the slot stacks themselves (``lora_bucketed``), chosen from the
-measurements in ``bench/lora_ops.py``.
+measurements in ``bench/lora_ops.py``. With bf16/fp16 stacks the pairs use each slot's A
+and B prepacked for oneDNN (``SlotPairs``), kept beside the stacks by the LoRA manager.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kernels import lora_reference as ref
-from kernels.lora_reference import BucketPass
+from kernels.lora_reference import BucketPass, SlotPairs
+
+__all__ = ["LoraMapping", "SlotPairs", "add_lora", "bucket_passes"]
 
 # The CPU policy, from bench/lora_ops.py on the development machine (AMD Zen 5 with
 # AVX512-BF16; ms per call, rank 16, 576 -> 1536, bf16 model and stacks):
@@ -28,6 +31,11 @@ from kernels.lora_reference import BucketPass
 #   on every call: runs shorter than this compute in fp32 (1 token: 0.019 vs 0.053; a run
 #   of 32: 0.108 vs 0.063 in bf16).
 FP32_MAX_RUN = 15
+# - with the slots' A and B prepacked (``SlotPairs``), a bf16 pair beats fp32 from a few
+#   tokens on (120 pairs of the default model's fused groups, weights cold as in a real
+#   step, ms per step: 1 token 9.0 packed vs 7.7 fp32; 4 tokens 8.3 vs 9.5; 32 tokens 11.7
+#   vs 16.7, and 15.3 for an unpacked bf16 pair).
+PACKED_FP32_MAX_RUN = 2
 # - runs this long take a matmul pair each (no gather, no padding); shorter ones are
 #   bucketed by slot (1,024 tokens in 32-token runs of 8 adapters: bucketed 0.67, a pair
 #   per run 1.53; a single run of 1,024: a pair 0.20, bucketed 0.55).
@@ -42,13 +50,25 @@ MAX_PADDING = 4
 MAX_PADDED_ROWS = 2048
 
 
+Run = tuple[int, int, int]  # (start, end, slot): tokens [start, end) on one adapter slot
+
+
 @dataclass(slots=True)
 class CpuLoraPlan:
     """Host-side views of a LoraMapping for the torch paths."""
 
-    segments: list[tuple[int, int, int]]  # (start, end, slot): a matmul pair in stack dtype
-    fp32_segments: list[tuple[int, int, int]]  # short runs: a matmul pair in fp32
+    segments: list[Run]  # a matmul pair each, in the stacks' dtype
+    fp32_segments: list[Run]  # runs of at most FP32_MAX_RUN tokens: a pair in fp32
     passes: list[BucketPass]  # every other token with an adapter
+    # The same runs where the slots are prepacked (SlotPairs): fp32 only up to
+    # PACKED_FP32_MAX_RUN tokens.
+    packed_segments: list[Run] = field(default_factory=list)
+    packed_fp32_segments: list[Run] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        short = [r for r in self.fp32_segments if r[1] - r[0] > PACKED_FP32_MAX_RUN]
+        self.packed_segments = self.segments + short
+        self.packed_fp32_segments = [r for r in self.fp32_segments if r not in short]
 
 
 def bucket_passes(
@@ -161,14 +181,18 @@ def add_lora(
     mapping: LoraMapping,
     *,
     out_offset: int = 0,
+    pairs: SlotPairs | None = None,
 ) -> None:
-    """Semantics: ``y[t, o:o+out] += scales[s] * x[t] @ a_stack[s].T @ b_stack[s].T``, s=s_t>=0."""
+    """Semantics: ``y[t, o:o+out] += scales[s] * x[t] @ a_stack[s].T @ b_stack[s].T``, s=s_t>=0.
+
+    ``pairs``: the stacks' slots prepacked (CPU only; must match the stacks' contents).
+    """
     if not mapping.any_lora:
         return
     if mapping.cpu is None:
         _add_lora_triton(y, x, a_stack, b_stack, scales, mapping, out_offset)
     else:
-        _add_lora_cpu(y, x, a_stack, b_stack, scales, mapping.cpu, out_offset)
+        _add_lora_cpu(y, x, a_stack, b_stack, scales, mapping.cpu, out_offset, pairs)
 
 
 def _add_lora_triton(y, x, a_stack, b_stack, scales, mapping: LoraMapping, out_offset: int) -> None:
@@ -184,18 +208,24 @@ def _add_lora_triton(y, x, a_stack, b_stack, scales, mapping: LoraMapping, out_o
         tri.sgmv_expand(y, h, b_stack, *seg, scales, out_offset=out_offset, max_seg_len=longest)
 
 
-def _add_lora_cpu(y, x, a_stack, b_stack, scales, plan: CpuLoraPlan, out_offset: int) -> None:
+def _add_lora_cpu(
+    y, x, a_stack, b_stack, scales, plan: CpuLoraPlan, out_offset: int, pairs: SlotPairs | None
+) -> None:
     """The plan's runs as a matmul pair each, the rest bucketed (thresholds above).
 
     Long runs and buckets compute in the stacks' dtype (the model's), so no weight is cast
-    on the hot path; with AVX512-BF16 a bf16 matmul beats fp32 past a handful of tokens.
+    on the hot path; with AVX512-BF16 a bf16 matmul beats fp32 past a handful of tokens,
+    and a prepacked one past two.
     """
     args = (y, x, a_stack, b_stack, scales)
-    if plan.segments:
-        ref.lora_segments(*args, plan.segments, out_offset=out_offset, compute_dtype=a_stack.dtype)
-    if plan.fp32_segments:
-        ref.lora_segments(
-            *args, plan.fp32_segments, out_offset=out_offset, compute_dtype=torch.float32
-        )
+    packed, segments, fp32 = [], plan.segments, plan.fp32_segments
+    if pairs is not None:
+        packed, segments, fp32 = plan.packed_segments, [], plan.packed_fp32_segments
+    if packed:
+        ref.lora_packed_segments(y, x, pairs, scales, packed, out_offset=out_offset)
+    if segments:
+        ref.lora_segments(*args, segments, out_offset=out_offset, compute_dtype=a_stack.dtype)
+    if fp32:
+        ref.lora_segments(*args, fp32, out_offset=out_offset, compute_dtype=torch.float32)
     if plan.passes:
         ref.lora_bucketed(*args, plan.passes, out_offset=out_offset)

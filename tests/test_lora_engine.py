@@ -181,6 +181,24 @@ def test_new_weights_under_the_same_name_give_the_new_outputs(base, adapter_dirs
     assert after != before
 
 
+def test_bf16_refilled_slot_serves_its_new_adapter(base, adapter_dirs):
+    """bf16 keeps each slot's A and B prepacked beside the stacks (kernels.lora.SlotPairs):
+    one slot taking turns between two adapters must give what each gives in a fresh engine."""
+    names = ["r16-all", "r2-all"]
+    prompt = random_prompts(1, min_len=8, max_len=8, seed=9)[0]
+    shared = make_llm(base, {n: adapter_dirs[n] for n in names}, dtype="bfloat16", max_loras=1)
+    turns = [shared.generate([prompt], greedy(), adapters=[n])[0].token_ids for n in names * 2]
+    manager = shared.engine.lora_manager
+    assert manager.num_slot_loads == 4  # every turn refilled the one slot
+    assert all(s.pairs is not None for layer in manager._stacks for s in layer.values())
+    alone = {}
+    for n in names:
+        fresh = make_llm(base, {n: adapter_dirs[n]}, dtype="bfloat16", max_loras=1)
+        alone[n] = fresh.generate([prompt], greedy(), adapters=[n])[0].token_ids
+    assert turns == [alone[n] for n in names * 2]
+    assert alone["r16-all"] != alone["r2-all"]
+
+
 def test_unknown_adapter_is_refused_and_unload_forgets_the_name(base, adapter_dirs):
     llm = make_llm(base, {"only": adapter_dirs["r2-all"]}, max_loras=1)
     with pytest.raises(UnknownAdapterError, match="'other' is not loaded"):

@@ -36,7 +36,13 @@ import triton.language as tl  # noqa: E402
 
 import kernels.lora_reference as ref  # noqa: E402
 import kernels.lora_triton as tri  # noqa: E402
-from kernels.lora import SEGMENT_MIN_RUN, LoraMapping, add_lora, bucket_passes  # noqa: E402
+from kernels.lora import (  # noqa: E402
+    SEGMENT_MIN_RUN,
+    LoraMapping,
+    SlotPairs,
+    add_lora,
+    bucket_passes,
+)
 
 # The kernels and triton.language both in interpreter mode, or compiled for a GPU.
 TRITON_HERE = CUDA or (
@@ -319,9 +325,18 @@ MODEL_AND_STACK_DTYPES = [
 ]
 
 
+def packed_pairs(a: torch.Tensor, b: torch.Tensor) -> SlotPairs:
+    """Every slot of the stacks prepacked (a plain-weight Linear for fp32 stacks)."""
+    pairs = SlotPairs(a.shape[0], a.dtype)
+    for slot in range(a.shape[0]):
+        pairs.refresh(slot, a, b)
+    return pairs
+
+
 def cpu_candidates(token_slots: torch.Tensor):
-    """Each CPU path over the whole batch: one matmul pair per run, or every token bucketed
-    (passes of the busiest slot's width, and of width 1, which takes one pass per ordinal)."""
+    """Each CPU path over the whole batch: one matmul pair per run (plain or prepacked), or
+    every token bucketed (passes of the busiest slot's width, and of width 1, which takes
+    one pass per ordinal)."""
     mapping = LoraMapping.build(token_slots)
     bounds, run_slots = mapping.seg_starts.tolist(), mapping.seg_slots.tolist()
     runs = [(bounds[k], bounds[k + 1], s) for k, s in enumerate(run_slots) if s >= 0]
@@ -332,6 +347,9 @@ def cpu_candidates(token_slots: torch.Tensor):
         "segments": lambda *args, **kw: ref.lora_segments(
             *args, runs, compute_dtype=args[2].dtype, **kw
         ),
+        "packed-pairs": lambda y, x, a, b, scales, **kw: ref.lora_packed_segments(
+            y, x, packed_pairs(a, b), scales, runs, **kw
+        ),
         "bucketed": lambda *args, **kw: ref.lora_bucketed(*args, passes, **kw),
         "bucketed-narrow": lambda *args, **kw: ref.lora_bucketed(*args, narrow, **kw),
     }
@@ -339,7 +357,7 @@ def cpu_candidates(token_slots: torch.Tensor):
 
 @pytest.mark.parametrize(("dtype", "stacks"), MODEL_AND_STACK_DTYPES)
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("candidate", ["segments", "bucketed", "bucketed-narrow"])
+@pytest.mark.parametrize("candidate", ["segments", "packed-pairs", "bucketed", "bucketed-narrow"])
 def test_cpu_paths_match_reference(candidate, pattern, dtype, stacks):
     """Each path computes in the stacks' dtype, whatever the activations'."""
     batch = make_batch(pattern, decode=False)
@@ -361,14 +379,18 @@ def test_cpu_paths_match_reference(candidate, pattern, dtype, stacks):
     ("num_tokens", "decode"),
     [(1, True), (3, True), (17, True), (17, False), (100, False), (300, False)],
 )
-def test_add_lora_on_cpu_matches_reference(num_tokens, decode, pattern, dtype, stacks):
-    """Covers every branch of the CPU dispatch (runs, one-hot, gathered, long runs, grouped)."""
+@pytest.mark.parametrize("packed", [False, True], ids=["stacks", "packed"])
+def test_add_lora_on_cpu_matches_reference(num_tokens, decode, pattern, dtype, stacks, packed):
+    """Covers every branch of the CPU dispatch (runs, one-hot, gathered, long runs, grouped),
+    with and without the slots prepacked."""
     batch = make_batch(pattern, num_tokens=num_tokens, decode=decode)
     a, b, scales = make_stacks(16, 16, dtype=stacks)
     x, y = make_inputs(num_tokens, dtype=dtype, extra_cols=5)
     want, got = y.clone(), y.clone()
     run_reference(batch, x, want, a, b, scales, out_offset=5)
-    add_lora(got, x, a, b, scales, LoraMapping.build(batch.token_slots), out_offset=5)
+    pairs = packed_pairs(a, b) if packed else None
+    mapping = LoraMapping.build(batch.token_slots)
+    add_lora(got, x, a, b, scales, mapping, out_offset=5, pairs=pairs)
     assert_close(got, want, dtype)
     assert_untouched(got, y, batch.token_slots, out_offset=5)
 
@@ -384,13 +406,15 @@ def test_add_lora_on_cpu_matches_reference(num_tokens, decode, pattern, dtype, s
     ],
     ids=["mostly-distinct", "distinct-with-base", "long-runs", "split-run"],
 )
-def test_add_lora_on_cpu_scripted_mixes(token_slots, dtype, stacks):
+@pytest.mark.parametrize("packed", [False, True], ids=["stacks", "packed"])
+def test_add_lora_on_cpu_scripted_mixes(token_slots, dtype, stacks, packed):
     slots = torch.tensor(token_slots)
     a, b, scales = make_stacks(8, 16, dtype=stacks)
     x, y = make_inputs(len(token_slots), dtype=dtype)
     _, want = loop_lora(y, x, a, b, scales, slots, rank=8)
     got = y.clone()
-    add_lora(got, x, a, b, scales, LoraMapping.build(token_slots))
+    pairs = packed_pairs(a, b) if packed else None
+    add_lora(got, x, a, b, scales, LoraMapping.build(token_slots), pairs=pairs)
     assert_close(got, want, dtype)
     assert_untouched(got, y, slots, out_offset=0)
 
@@ -425,11 +449,14 @@ def test_cpu_plan_runs_long_segments_alone_and_buckets_the_rest():
 
 
 def test_cpu_plan_runs_a_few_short_runs_as_pairs_short_ones_in_fp32():
-    # A decode batch on one adapter (one run of 32), then two single decodes.
-    plan = LoraMapping.build([4] * 32 + [-1, 3, 5]).cpu
+    # A decode batch on one adapter (one run of 32), then a run of 4 and a single decode.
+    plan = LoraMapping.build([4] * 32 + [-1, 3, 3, 3, 3, 5]).cpu
     assert plan.segments == [(0, 32, 4)]
-    assert plan.fp32_segments == [(33, 34, 3), (34, 35, 5)]
+    assert plan.fp32_segments == [(33, 37, 3), (37, 38, 5)]
     assert plan.passes == []
+    # Prepacked slots take every run past PACKED_FP32_MAX_RUN tokens.
+    assert plan.packed_segments == [(0, 32, 4), (33, 37, 3)]
+    assert plan.packed_fp32_segments == [(37, 38, 5)]
 
 
 def test_bucket_passes_split_a_busy_slot_when_one_pass_would_pad_too_much():

@@ -27,7 +27,7 @@ import torch
 from adapters.base_model import BaseModelSpec
 from adapters.lora import LoraAdapter
 from adapters.peft_format import load_adapter_dir
-from kernels.lora import LoraMapping
+from kernels.lora import LoraMapping, SlotPairs
 from worker.errors import InvalidRequestError
 
 
@@ -55,6 +55,7 @@ class SlotStack:
     a: torch.Tensor  # [max_loras, modules * max_rank, in_features]
     b: torch.Tensor  # [max_loras, fused_out_features, modules * max_rank]
     scales: torch.Tensor  # [max_loras] float32, 1.0 for every filled slot
+    pairs: SlotPairs | None = None  # CPU bf16/fp16: each slot's A and B prepacked
     used: bool = False  # some adapter ever targeted this group (else skip the call)
 
 
@@ -174,6 +175,8 @@ class LoraManager:
                         stack.b[slot, row : row + out_features, cols].copy_(scaled_b[:, :r])
                         stack.used = True
                     row += out_features
+                if stack.pairs is not None:
+                    stack.pairs.refresh(slot, stack.a, stack.b)
         self.slots[slot] = adapter.id
         self.num_slot_loads += 1
 
@@ -209,10 +212,12 @@ class LoraManager:
                 in_features = self.spec.projection_shape(modules[0])[0]
                 out_features = sum(self.spec.projection_shape(m)[1] for m in modules)
                 width = rank * len(modules)
+                a = torch.zeros(slots, width, in_features, dtype=self.dtype)
                 layer[group] = SlotStack(
-                    a=torch.zeros(slots, width, in_features, dtype=self.dtype),
+                    a=a,
                     b=torch.zeros(slots, out_features, width, dtype=self.dtype),
                     scales=torch.zeros(slots, dtype=torch.float32),
+                    pairs=SlotPairs(slots, self.dtype) if SlotPairs.wanted(a) else None,
                 )
             stacks.append(layer)
         return stacks
