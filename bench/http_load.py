@@ -42,6 +42,31 @@ async def keep_alive_client(
         writer.close()
 
 
+async def stream_events(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
+) -> list[float]:
+    """Send one streaming request on a keep-alive connection; the arrival time of each SSE
+    event that carries a choice (OpenAI's chunked ``text/event-stream``), until the end."""
+    writer.write(request)
+    status = int((await reader.readline()).split()[1])
+    chunked = False
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"transfer-encoding":
+            chunked = b"chunked" in value.lower()
+    if status != 200 or not chunked:
+        raise RuntimeError(f"expected a 200 event stream, got {status}")
+    stamps: list[float] = []
+    pending = b""
+    while size := int((await reader.readline()).strip(), 16):
+        pending += (await reader.readexactly(size + 2))[:-2]
+        now = time.monotonic()
+        *events, pending = pending.split(b"\n\n")
+        stamps.extend(now for e in events if e.startswith(b"data: {") and b'"choices":[{' in e)
+    await reader.readexactly(2)  # the last chunk's CRLF
+    return stamps
+
+
 async def hammer(
     port: int, request: bytes, *, concurrency: int, seconds: float
 ) -> tuple[dict[int, int], float]:

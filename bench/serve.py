@@ -8,7 +8,11 @@ p50/p99; the TTFT difference is what the gateway adds. Load B (admission and rou
 ``max_tokens=1`` requests from C concurrent keep-alive clients for D seconds against a stack
 whose worker runs a 1-layer model (so the worker is not the bottleneck): authenticated
 requests/s. Load C: load A's comparison (N streams, 32/64 tokens) against that fast worker,
-where the gateway's own per-token cost is not hidden in engine queueing.
+where the gateway's own per-token cost is not hidden in engine queueing. Load D
+(gateway-added latency at C concurrent streams): C/2 closed-loop pairs on the real model
+for D seconds, each pair one request through the gateway and the same one straight to the
+worker's gRPC at the same instant: the gateway's TTFT minus the direct one, per pair, and
+the difference of their inter-token percentiles, are what the gateway adds.
 Usage: ``python -m bench.serve [--requests 64] [--out bench/results/serve.json]``.
 """
 
@@ -25,10 +29,9 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 
-from bench.http_load import hammer, post_request
+from bench.http_load import hammer, post_request, stream_events
 from bench.report import write_report
 from bench.workloads import fixed_lengths
 from switchboard.embedded_redis import free_port
@@ -53,24 +56,22 @@ class LoadResult:
     itl_p99_ms: float
 
 
-async def via_gateway(client: httpx.AsyncClient, body: dict) -> Timing:
-    start = time.monotonic()
-    stamps = []
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunk = json.loads(line[6:])
-                if chunk.get("choices"):
-                    stamps.append(time.monotonic())
-    return Timing(stamps[0] - start, list(np.diff(stamps)), len(stamps))
-
-
 async def via_grpc(stub, request) -> Timing:
+    """Stamps the responses the gateway would relay: the detokenizer may hold a token's
+    text back (partial UTF-8, a possible stop string), and the gateway sends no chunk then."""
     start = time.monotonic()
     stamps = []
     async for response in stub.Generate(request):
-        stamps.extend([time.monotonic()] * max(1, len(response.token_ids)))
+        if response.text or response.finish_reason or response.logprobs:
+            stamps.extend([time.monotonic()] * max(1, len(response.token_ids)))
+    return Timing(stamps[0] - start, list(np.diff(stamps)), len(stamps))
+
+
+async def via_lean_http(connection, request: bytes) -> Timing:
+    """Through the gateway with the hand-written client of ``bench.http_load``: httpx's
+    own cost per request (~2.7 ms here at idle) would otherwise count as the gateway's."""
+    start = time.monotonic()
+    stamps = await stream_events(*connection, request)
     return Timing(stamps[0] - start, list(np.diff(stamps)), len(stamps))
 
 
@@ -94,20 +95,23 @@ async def load_a(
     from rpc import worker_pb2, worker_pb2_grpc
 
     requests = fixed_lengths(num, prompt_len=prompt_len, output_len=output_len, vocab=vocab, seed=3)
-    headers = {"Authorization": f"Bearer {key}"}
-    limits = httpx.Limits(max_connections=num + 8)
-    async with httpx.AsyncClient(
-        base_url=stack.base_url, headers=headers, timeout=600, limits=limits
-    ) as client:
-        bodies = [
-            {"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len,
-             "temperature": 0, "ignore_eos": True, "stream": True}
-            for r in requests
-        ]  # fmt: skip
-        await via_gateway(client, {**bodies[0], "max_tokens": 4})  # warm-up
-        start = time.monotonic()
-        gateway = await asyncio.gather(*(via_gateway(client, b) for b in bodies))
-        gateway_result = summarize("gateway (OpenAI SSE)", gateway, time.monotonic() - start)
+    bodies = [
+        {"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len,
+         "temperature": 0, "ignore_eos": True, "stream": True}
+        for r in requests
+    ]  # fmt: skip
+
+    async def one(body: dict) -> Timing:
+        connection = await asyncio.open_connection("127.0.0.1", stack.gateway_port)
+        try:
+            return await via_lean_http(connection, post_request("/v1/completions", body, key=key))
+        finally:
+            connection[1].close()
+
+    await one({**bodies[0], "max_tokens": 4})  # warm-up
+    start = time.monotonic()
+    gateway = await asyncio.gather(*(one(b) for b in bodies))
+    gateway_result = summarize("gateway (OpenAI SSE)", gateway, time.monotonic() - start)
     import grpc
 
     port = next(iter(stack.worker_ports.values()))
@@ -127,6 +131,72 @@ async def load_a(
         direct = await asyncio.gather(*(via_grpc(stub, m) for m in messages))
         direct_result = summarize("worker gRPC direct", direct, time.monotonic() - start)
     return [gateway_result, direct_result]
+
+
+async def load_d(
+    stack: Stack, key: str, model: str, concurrency: int, seconds: float, vocab: int,
+    *, prompt_len: int = 128, output_len: int = 128,
+) -> dict:  # fmt: skip
+    """Closed loop of ``concurrency`` streams as ``concurrency / 2`` pairs: each pair sends
+    the same prompt through the gateway and straight to the worker at the same instant.
+
+    Both requests of a pair usually join the same engine step, so the difference of their
+    TTFTs is what the gateway added (a step later when that delay made it miss the step;
+    that counts too); distributions of TTFT alone vary by whole steps and would bury it.
+    Pairs start 100 ms apart (a steady state, not load A's burst); a pair that starts
+    before ``seconds`` runs to the end.
+    """
+    import grpc
+
+    from rpc import worker_pb2, worker_pb2_grpc
+
+    port = next(iter(stack.worker_ports.values()))
+    timings: dict[str, list[Timing]] = {"gateway": [], "direct": []}
+    ttft_added: list[float] = []
+    rng = np.random.default_rng(5)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        params = {"max_tokens": output_len, "temperature": 0, "ignore_eos": True}
+        deadline = time.monotonic() + seconds
+
+        async def pair_loop(slot: int) -> None:
+            await asyncio.sleep(slot * 0.1)
+            connection = await asyncio.open_connection("127.0.0.1", stack.gateway_port)
+            turn = 0
+            while time.monotonic() < deadline:
+                prompt = rng.integers(0, vocab, prompt_len).tolist()
+                body = {"model": model, "prompt": prompt, "stream": True, **params}
+                message = worker_pb2.GenerateRequest(
+                    request_id=f"paired-{slot}-{turn}",
+                    prompt_token_ids=prompt,
+                    params=worker_pb2.SamplingParams(n=1, **params),
+                )
+                request = post_request("/v1/completions", body, key=key)
+                gateway, direct = await asyncio.gather(
+                    via_lean_http(connection, request), via_grpc(stub, message)
+                )
+                timings["gateway"].append(gateway)
+                timings["direct"].append(direct)
+                ttft_added.append((gateway.ttft - direct.ttft) * 1e3)
+                turn += 1
+            connection[1].close()
+
+        start = time.monotonic()
+        await asyncio.gather(*(pair_loop(slot) for slot in range(concurrency // 2)))
+        elapsed = time.monotonic() - start
+    gateway = summarize("gateway, paired", timings["gateway"], elapsed)
+    direct = summarize("direct, paired", timings["direct"], elapsed)
+    return {
+        "results": [asdict(gateway), asdict(direct)],
+        "concurrency": concurrency,
+        "pairs": len(ttft_added),
+        "gateway_added_ms": {
+            "ttft_p50": float(np.percentile(ttft_added, 50)),
+            "ttft_p99": float(np.percentile(ttft_added, 99)),
+            "itl_p50": gateway.itl_p50_ms - direct.itl_p50_ms,
+            "itl_p99": gateway.itl_p99_ms - direct.itl_p99_ms,
+        },
+    }
 
 
 def cpu_seconds(pid: int) -> float:
@@ -176,8 +246,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--out", default="bench/results/serve.json")
     parser.add_argument(
-        "--fast-worker-only", action="store_true", help="loads B and C only (skip load A)"
+        "--fast-worker-only", action="store_true", help="loads B and C only (skip A and D)"
     )
+    parser.add_argument(
+        "--paired-only", action="store_true", help="load D only (real model, closed loop)"
+    )
+    parser.add_argument("--paired-seconds", type=float, default=60.0)
+    parser.add_argument("--paired-output-len", type=int, default=64)
     args = parser.parse_args(argv)
     from worker.default_model import resolve_model_path
 
@@ -187,13 +262,22 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.fast_worker_only:
         with Stack(model=model_path, gateway_port=free_port(), key_prefix=prefix + "a:") as stack:
             key = stack.create_tenant_key("bench")
-            results = asyncio.run(load_a(stack, key, model_path.name, args.requests, 49152))
-            report["load_a"] = [asdict(r) for r in results]
-            report["gateway_added_ttft_ms"] = {
-                "p50": results[0].ttft_p50_ms - results[1].ttft_p50_ms,
-                "p99": results[0].ttft_p99_ms - results[1].ttft_p99_ms,
-            }
+            if not args.paired_only:
+                results = asyncio.run(load_a(stack, key, model_path.name, args.requests, 49152))
+                report["load_a"] = [asdict(r) for r in results]
+                report["gateway_added_ttft_ms"] = {
+                    "p50": results[0].ttft_p50_ms - results[1].ttft_p50_ms,
+                    "p99": results[0].ttft_p99_ms - results[1].ttft_p99_ms,
+                }
+            report["load_d"] = asyncio.run(
+                load_d(
+                    stack, key, model_path.name, args.concurrency, args.paired_seconds, 49152,
+                    output_len=args.paired_output_len,
+                )
+            )  # fmt: skip
             print(json.dumps(report, indent=1), flush=True)
+    if args.paired_only:
+        return write_report(report, args.out)
     with tempfile.TemporaryDirectory() as tmp, Stack(
         model=tiny_model(model_path, Path(tmp) / "tiny"), gateway_port=free_port(),
         dtype="float32", key_prefix=prefix + "b:",

@@ -212,7 +212,12 @@ def _header(job: Job) -> Header:
 
 class ClosingEventStream(EventSourceResponse):
     """An SSE response that runs `on_close` once it ends, however it ends (finished, client
-    gone, error): the one place a streamed request's quota reservation is settled."""
+    gone, error): the one place a streamed request's quota reservation is settled.
+
+    Streams on two asyncio tasks (the events, and a watch for the client leaving) instead of
+    Starlette's anyio task group, which cost ~0.3 ms per request here (cancel scopes and
+    async-library detection on every call): that much of the gateway's added TTFT.
+    """
 
     def __init__(self, events: AsyncGenerator[bytes], *, on_close, headers) -> None:
         super().__init__(events, headers=headers)
@@ -221,7 +226,7 @@ class ClosingEventStream(EventSourceResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await first_of(self.stream_response(send), self.listen_for_disconnect(receive))
         finally:
             # Closing the generator cancels the worker call (a client that left mid-stream
             # leaves it suspended); only then is the tally final.
@@ -262,8 +267,19 @@ async def respond(
 async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
     """Run `work` unless the client disconnects first; then cancel it (which cancels the
     worker call) and raise ClientDisconnectedError."""
+    task = await first_of(work, _disconnected(request))
+    if task.cancelled():
+        raise ClientDisconnectedError("the client closed the connection")
+    return task.result()
+
+
+async def first_of(
+    work: Coroutine[Any, Any, T], watch: Coroutine[Any, Any, None]
+) -> asyncio.Future[T]:
+    """Run `work` until it ends or `watch` returns, whichever is first; the other is
+    cancelled. Returns `work`'s task, done or cancelled; `work`'s exception propagates."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(watch)
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -271,9 +287,9 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnectedError("the client closed the connection")
-    return task.result()
+    if not task.cancelled() and task.exception() is not None:
+        raise task.exception()
+    return task
 
 
 async def _disconnected(request: Request) -> None:
