@@ -10,8 +10,9 @@ Candidates (``kernels/lora_reference.py``): ``segments`` (SGMV in torch, a matmu
 per run of one adapter), computing in fp32 or, for a bf16 model, in bf16 (suffix
 ``/bf16``); ``bucketed`` (BGMV as padded batched matmuls over the slot range, passes as
 ``kernels.lora.bucket_passes`` picks them) and ``bucketed-1pass`` (one pass as wide as the
-busiest slot), in the stacks' dtype; ``packed-pairs`` (bf16 stacks: a pair per run with
-each slot's A and B prepacked, ``kernels.lora.SlotPairs``); ``auto`` is
+busiest slot), in the stacks' dtype; ``packed-pairs`` and ``fp32-pairs`` (bf16 stacks: a
+pair per run with each slot's A and B cut to rank, prepacked or in fp32,
+``kernels.lora.SlotPairs``); ``auto`` is
 ``kernels.lora.add_lora``, the dispatch, given the packed pairs where they exist.
 The baseline is ``F.linear(x, W)`` (and, for bf16, the prepacked ``kernels.linear.Linear``
 the model uses) on the same x.
@@ -108,6 +109,7 @@ def methods(x, y, a, b, scales, mapping: LoraMapping, weight) -> dict[str, Calla
         for slot in range(a.shape[0]):
             pairs.refresh(slot, a, b)
         out["packed-pairs"] = lambda: ref.lora_packed_segments(y, x, pairs, scales, runs)
+        out["fp32-pairs"] = lambda: ref.lora_packed_segments(y, x, pairs, scales, runs, fp32=True)
     out["bucketed"] = lambda: ref.lora_bucketed(y, x, a, b, scales, passes)
     out["bucketed-1pass"] = lambda: ref.lora_bucketed(y, x, a, b, scales, one_pass)
     out["auto"] = lambda: add_lora(y, x, a, b, scales, mapping, pairs=pairs)

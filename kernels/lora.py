@@ -9,7 +9,8 @@ On CPU: two torch paths of ``kernels/lora_reference.py``: a matmul pair per long
 one adapter (prefill chunks; a decode batch on one adapter), and, for the rest, BGMV as
 padded batched matmuls over the slot stacks themselves (``lora_bucketed``), chosen from the
 measurements in ``bench/lora_ops.py``. With bf16/fp16 stacks the pairs use each slot's A
-and B prepacked for oneDNN (``SlotPairs``), kept beside the stacks by the LoRA manager.
+and B cut to its rank, in fp32 and prepacked for oneDNN (``SlotPairs``), kept beside the
+stacks by the LoRA manager.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ __all__ = ["LoraMapping", "SlotPairs", "add_lora", "bucket_passes"]
 #   on every call: runs shorter than this compute in fp32 (1 token: 0.019 vs 0.053; a run
 #   of 32: 0.108 vs 0.063 in bf16).
 FP32_MAX_RUN = 15
-# - with the slots' A and B prepacked (``SlotPairs``), a bf16 pair beats fp32 from a few
-#   tokens on (120 pairs of the default model's fused groups, weights cold as in a real
-#   step, ms per step: 1 token 9.0 packed vs 7.7 fp32; 4 tokens 8.3 vs 9.5; 32 tokens 11.7
-#   vs 16.7, and 15.3 for an unpacked bf16 pair).
-PACKED_FP32_MAX_RUN = 2
+# - with each slot's pair cut to rank (``SlotPairs``), fp32 copies beat the prepacked bf16
+#   ones up to 16 tokens (120 pairs of the default model's fused groups, weights cold as in
+#   a real step, ms per step, rank 16 / rank 8 in a rank-16 stack: 1 token 6.1 / 4.8 fp32
+#   vs 9.1 / 8.8 packed vs 7.7 / 7.6 cast from the stacks per call; 16 tokens 9.8 / 7.6 vs
+#   10.5 / 10.4; 32 tokens 13.3 / 18.2 vs 11.2 / 12.1).
+PACKED_FP32_MAX_RUN = 16
 # - runs this long take a matmul pair each (no gather, no padding); shorter ones are
 #   bucketed by slot (1,024 tokens in 32-token runs of 8 adapters: bucketed 0.67, a pair
 #   per run 1.53; a single run of 1,024: a pair 0.20, bucketed 0.55).
@@ -60,15 +62,15 @@ class CpuLoraPlan:
     segments: list[Run]  # a matmul pair each, in the stacks' dtype
     fp32_segments: list[Run]  # runs of at most FP32_MAX_RUN tokens: a pair in fp32
     passes: list[BucketPass]  # every other token with an adapter
-    # The same runs where the slots are prepacked (SlotPairs): fp32 only up to
-    # PACKED_FP32_MAX_RUN tokens.
+    # The same runs where the slots have pairs (SlotPairs): fp32 up to PACKED_FP32_MAX_RUN
+    # tokens, prepacked past that.
     packed_segments: list[Run] = field(default_factory=list)
     packed_fp32_segments: list[Run] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        short = [r for r in self.fp32_segments if r[1] - r[0] > PACKED_FP32_MAX_RUN]
-        self.packed_segments = self.segments + short
-        self.packed_fp32_segments = [r for r in self.fp32_segments if r not in short]
+        runs = self.segments + self.fp32_segments
+        self.packed_segments = [r for r in runs if r[1] - r[0] > PACKED_FP32_MAX_RUN]
+        self.packed_fp32_segments = [r for r in runs if r[1] - r[0] <= PACKED_FP32_MAX_RUN]
 
 
 def bucket_passes(
@@ -185,7 +187,7 @@ def add_lora(
 ) -> None:
     """Semantics: ``y[t, o:o+out] += scales[s] * x[t] @ a_stack[s].T @ b_stack[s].T``, s=s_t>=0.
 
-    ``pairs``: the stacks' slots prepacked (CPU only; must match the stacks' contents).
+    ``pairs``: the stacks' slots cut to rank (CPU only; must match the stacks' contents).
     """
     if not mapping.any_lora:
         return
@@ -214,18 +216,22 @@ def _add_lora_cpu(
     """The plan's runs as a matmul pair each, the rest bucketed (thresholds above).
 
     Long runs and buckets compute in the stacks' dtype (the model's), so no weight is cast
-    on the hot path; with AVX512-BF16 a bf16 matmul beats fp32 past a handful of tokens,
-    and a prepacked one past two.
+    on the hot path; with AVX512-BF16 a bf16 matmul beats fp32 past a handful of tokens.
+    With ``pairs`` every run uses its slot's pair cut to rank: fp32 for a few tokens,
+    prepacked bf16 past that.
     """
     args = (y, x, a_stack, b_stack, scales)
-    packed, segments, fp32 = [], plan.segments, plan.fp32_segments
     if pairs is not None:
-        packed, segments, fp32 = plan.packed_segments, [], plan.packed_fp32_segments
-    if packed:
-        ref.lora_packed_segments(y, x, pairs, scales, packed, out_offset=out_offset)
-    if segments:
-        ref.lora_segments(*args, segments, out_offset=out_offset, compute_dtype=a_stack.dtype)
-    if fp32:
-        ref.lora_segments(*args, fp32, out_offset=out_offset, compute_dtype=torch.float32)
+        for runs, fp32 in ((plan.packed_segments, False), (plan.packed_fp32_segments, True)):
+            if runs:
+                ref.lora_packed_segments(y, x, pairs, scales, runs, out_offset, fp32=fp32)
+    else:
+        if plan.segments:
+            dtype = a_stack.dtype
+            ref.lora_segments(*args, plan.segments, out_offset=out_offset, compute_dtype=dtype)
+        if plan.fp32_segments:
+            ref.lora_segments(
+                *args, plan.fp32_segments, out_offset=out_offset, compute_dtype=torch.float32
+            )
     if plan.passes:
         ref.lora_bucketed(*args, plan.passes, out_offset=out_offset)

@@ -350,6 +350,9 @@ def cpu_candidates(token_slots: torch.Tensor):
         "packed-pairs": lambda y, x, a, b, scales, **kw: ref.lora_packed_segments(
             y, x, packed_pairs(a, b), scales, runs, **kw
         ),
+        "fp32-pairs": lambda y, x, a, b, scales, **kw: ref.lora_packed_segments(
+            y, x, packed_pairs(a, b), scales, runs, **kw, fp32=True
+        ),
         "bucketed": lambda *args, **kw: ref.lora_bucketed(*args, passes, **kw),
         "bucketed-narrow": lambda *args, **kw: ref.lora_bucketed(*args, narrow, **kw),
     }
@@ -357,7 +360,9 @@ def cpu_candidates(token_slots: torch.Tensor):
 
 @pytest.mark.parametrize(("dtype", "stacks"), MODEL_AND_STACK_DTYPES)
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("candidate", ["segments", "packed-pairs", "bucketed", "bucketed-narrow"])
+@pytest.mark.parametrize(
+    "candidate", ["segments", "packed-pairs", "fp32-pairs", "bucketed", "bucketed-narrow"]
+)
 def test_cpu_paths_match_reference(candidate, pattern, dtype, stacks):
     """Each path computes in the stacks' dtype, whatever the activations'."""
     batch = make_batch(pattern, decode=False)
@@ -419,6 +424,27 @@ def test_add_lora_on_cpu_scripted_mixes(token_slots, dtype, stacks, packed):
     assert_untouched(got, y, slots, out_offset=0)
 
 
+def test_slot_pairs_are_cut_to_the_rank_each_slot_holds():
+    """make_stacks fills rank 8 of 16; a slot left at zero (an adapter without this
+    module) gets no pair at all, and its tokens stay untouched."""
+    a, b, scales = make_stacks(8, 16, dtype=torch.bfloat16)
+    a[2].zero_()
+    b[2].zero_()
+    pairs = packed_pairs(a, b)
+    assert [p is None for p in pairs.pairs] == [False, False, True, False]
+    assert pairs.pairs[0].a32.shape == (8, IN_FEATURES)
+    assert pairs.pairs[0].b32.shape == (OUT_FEATURES, 8)
+    slots = torch.tensor([0, 2, 2, 1, 3])
+    x, y = make_inputs(len(slots), dtype=torch.bfloat16)
+    _, want = loop_lora(y, x, a, b, scales, slots, rank=8)
+    for fp32 in (False, True):
+        got = y.clone()
+        runs = [(0, 1, 0), (1, 3, 2), (3, 4, 1), (4, 5, 3)]
+        ref.lora_packed_segments(got, x, pairs, scales, runs, fp32=fp32)
+        assert_close(got, want, torch.bfloat16)
+        assert torch.equal(got[1:3], y[1:3])
+
+
 def test_add_lora_without_adapters_is_a_no_op():
     a, b, scales = make_stacks(8, 8)
     x, y = make_inputs(4)
@@ -454,9 +480,9 @@ def test_cpu_plan_runs_a_few_short_runs_as_pairs_short_ones_in_fp32():
     assert plan.segments == [(0, 32, 4)]
     assert plan.fp32_segments == [(33, 37, 3), (37, 38, 5)]
     assert plan.passes == []
-    # Prepacked slots take every run past PACKED_FP32_MAX_RUN tokens.
-    assert plan.packed_segments == [(0, 32, 4), (33, 37, 3)]
-    assert plan.packed_fp32_segments == [(37, 38, 5)]
+    # With SlotPairs: runs up to PACKED_FP32_MAX_RUN (16) tokens in fp32, longer prepacked.
+    assert plan.packed_segments == [(0, 32, 4)]
+    assert plan.packed_fp32_segments == [(33, 37, 3), (37, 38, 5)]
 
 
 def test_bucket_passes_split_a_busy_slot_when_one_pass_would_pad_too_much():

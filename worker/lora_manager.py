@@ -55,7 +55,7 @@ class SlotStack:
     a: torch.Tensor  # [max_loras, modules * max_rank, in_features]
     b: torch.Tensor  # [max_loras, fused_out_features, modules * max_rank]
     scales: torch.Tensor  # [max_loras] float32, 1.0 for every filled slot
-    pairs: SlotPairs | None = None  # CPU bf16/fp16: each slot's A and B prepacked
+    pairs: SlotPairs | None = None  # CPU bf16/fp16: each slot cut to rank, fp32 + packed
     used: bool = False  # some adapter ever targeted this group (else skip the call)
 
 
