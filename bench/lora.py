@@ -4,8 +4,9 @@ Workload: N requests x 128 prompt tokens x 128 output tokens (ignore_eos), each 
 adapter (rank 8-16 on all seven projections of every layer) by a uniform or zipf draw over
 K distinct adapters. Baselines in the same run: the base model alone on the same requests,
 and peft serving the adapters the way people do today (one adapter at a time, each group a
-static batch through ``generate``), on a seeded subset. Also: cold load of an adapter from
-disk to usable (validated, in the host cache and in a device slot), p50 over the adapters.
+static batch through ``generate``), on a seeded subset. Also: one request alone on one
+adapter (batch 1) against the base model, and cold load of an adapter from disk to usable
+(validated, in the host cache and in a device slot), p50 over the adapters.
 Usage: ``python -m bench.lora [--adapters 1,8,32,128] [--out results.json]``.
 """
 
@@ -237,6 +238,12 @@ def main(argv: list[str] | None = None) -> dict:
             )
             runs.append(peft)
             print(json.dumps(asdict(peft)))
+    # One stream: every decode step is a single token on one adapter (interactive use).
+    single = fixed_lengths(1, prompt_len=128, output_len=128, vocab=engine.config.vocab_size)
+    base, run = alternate(engine, single, ["adapter-0"], "1 adapter, batch 1", args.repeats)
+    run.note = f"{run.output_tok_per_s / base.output_tok_per_s:.1%} of base"
+    runs += [base, run]
+    print(json.dumps(asdict(run)))
     report["runs"] = [asdict(r) for r in runs]
     report["cold_load_p50_s"] = cold_load_p50(engine, paths[: min(16, len(paths))])
     print(f"cold load p50: {report['cold_load_p50_s'] * 1e3:.1f} ms")
