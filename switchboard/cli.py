@@ -210,6 +210,7 @@ def worker(args: argparse.Namespace) -> int:
 def worker_engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine's keyword arguments from the worker's flags."""
     return {
+        "device": args.device,
         "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank,
         "max_num_seqs": args.max_num_seqs,
@@ -243,6 +244,11 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--redis-prefix", default=os.environ.get("SWITCHBOARD_KEY_PREFIX", "sb:"))
     parser.add_argument("--worker-id", help="registry id (default: HOSTNAME-PORT)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda[:N]: weights, KV cache and adapter slots on that GPU (Triton LoRA)",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--max-loras", type=int, default=8, help="adapter slots (0: no LoRA)")
     parser.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank")

@@ -445,6 +445,13 @@ def test_gpu_overlay_requests_one_gpu_per_worker(manifest):
         assert gpus == {"requests": None, "limits": None}
 
 
+def test_workers_run_the_engine_on_the_gpu_they_request(manifest):
+    worker = container(manifest.one("Deployment", "switchboard-worker"), "worker")
+    assert flag(worker, "device") == "$(SWITCHBOARD_WORKER_DEVICE)"
+    device = manifest.config_map("switchboard-worker")["SWITCHBOARD_WORKER_DEVICE"]
+    assert device == ("cuda" if manifest.overlay == "gpu" else "cpu")
+
+
 def test_adapter_store_is_shared_at_one_path(manifest):
     """The gateway sends workers the stored path, so both mount the store at the same place."""
     gateway = manifest.one("Deployment", "switchboard-gateway")

@@ -33,6 +33,21 @@ from worker.tokenizer import load_tokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``cpu`` or ``cuda`` (``cuda:N``); CUDA must be usable in this process."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidRequestError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if resolved.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(
+            f"device {device!r} needs CUDA, which this torch build or machine does not have"
+        )
+    return resolved
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -47,6 +62,7 @@ class LLMEngine:
         model: str | Path,
         *,
         dtype: str | torch.dtype = "bfloat16",
+        device: str | torch.device = "cpu",
         block_size: int = 16,
         kv_cache_memory_gb: float = 1.0,
         num_kv_blocks: int | None = None,
@@ -74,9 +90,15 @@ class LLMEngine:
         Speculative decoding: ``speculative_model`` is ``"ngram"`` (prompt lookup) or a draft
         checkpoint sharing the target's vocabulary; ``num_speculative_tokens`` is k. It is
         off for steps with more than ``speculative_max_batch_size`` decoding sequences, and
-        paused for a sequence whose acceptance falls below ``speculative_min_acceptance``."""
+        paused for a sequence whose acceptance falls below ``speculative_min_acceptance``.
+
+        ``device``: where the weights, the KV cache and the adapter slots live. On ``cuda``
+        the LoRA ops run the Triton kernels and attention runs on the GPU through the same
+        torch ops as on CPU; the scheduler, sampler bookkeeping and detokenizer stay on
+        the host."""
         torch_dtype = resolve_dtype(dtype)
-        self.model = LlamaModel.from_pretrained(model, dtype=torch_dtype)
+        self.device = resolve_device(device)
+        self.model = LlamaModel.from_pretrained(model, dtype=torch_dtype, device=self.device)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(model)
         self.max_model_len = min(max_model_len or 10**9, self.config.max_position_embeddings)
@@ -110,6 +132,7 @@ class LLMEngine:
             self.lora_manager = LoraManager(
                 model,
                 dtype=torch_dtype,
+                device=self.device,
                 max_loras=max_loras,
                 max_lora_rank=max_lora_rank,
                 host_cache_bytes=int(lora_host_cache_gb * 2**30),
@@ -126,6 +149,7 @@ class LLMEngine:
             speculative_model,
             num_speculative_tokens,
             dtype=torch_dtype,
+            device=self.device,
             block_manager=self.block_manager,
             max_model_len=self.max_model_len,
             vocab_size=self.config.vocab_size,
@@ -317,7 +341,7 @@ class LLMEngine:
                 rows.append(row)
         if not added:
             return sampling, logits
-        return sampling + added, logits[torch.tensor(rows)]
+        return sampling + added, logits[torch.tensor(rows, device=logits.device)]
 
     def _finish(self, seq: Sequence) -> None:
         self._release_forks(seq)

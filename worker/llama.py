@@ -44,8 +44,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        """``weights`` on the device the model runs on (``kernels.linear`` packs on CPU)."""
         self.config = config
         self.dtype = dtype
+        self.device = weights["model.embed_tokens.weight"].device
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
@@ -57,12 +59,16 @@ class LlamaModel:
             raise ModelLoadError(f"the checkpoint has no {head} (tie_word_embeddings is False)")
         self.lm_head = Linear(weights[head])
         self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
-        self.rope = RopeTables.build(c.head_dim, c.rope, c.max_position_embeddings, dtype)
+        rope = RopeTables.build(c.head_dim, c.rope, c.max_position_embeddings, dtype)
+        self.rope = rope.to(self.device)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype) -> LlamaModel:
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> LlamaModel:
         config = ModelConfig.from_pretrained(path)
-        return cls(config, load_safetensors(Path(path), dtype), dtype)
+        weights = {k: v.to(device) for k, v in load_safetensors(Path(path), dtype).items()}
+        return cls(config, weights, dtype)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."

@@ -73,6 +73,7 @@ class LoraManager:
         model_path: str | Path,
         *,
         dtype: torch.dtype,
+        device: torch.device | str = "cpu",
         max_loras: int = 8,
         max_lora_rank: int = 32,
         max_adapter_bytes: int = 512 * 2**20,
@@ -81,6 +82,7 @@ class LoraManager:
         config = json.loads((Path(model_path) / "config.json").read_text())
         self.spec = BaseModelSpec.from_config_dict(config)
         self.dtype = dtype
+        self.device = torch.device(device)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_adapter_bytes = max_adapter_bytes
@@ -142,7 +144,7 @@ class LoraManager:
         self._step += 1
         slot_of = {adapter: self._slot_for(adapter, needed) for adapter in needed}
         slots = [-1 if a is None else slot_of[a] for a in token_adapters]
-        mapping = LoraMapping.build(slots, all_decode=all_decode)
+        mapping = LoraMapping.build(slots, device=self.device, all_decode=all_decode)
         assert self._stacks is not None
         return LoraBatch(mapping, self._stacks)
 
@@ -212,11 +214,12 @@ class LoraManager:
                 in_features = self.spec.projection_shape(modules[0])[0]
                 out_features = sum(self.spec.projection_shape(m)[1] for m in modules)
                 width = rank * len(modules)
-                a = torch.zeros(slots, width, in_features, dtype=self.dtype)
+                on = {"dtype": self.dtype, "device": self.device}
+                a = torch.zeros(slots, width, in_features, **on)
                 layer[group] = SlotStack(
                     a=a,
-                    b=torch.zeros(slots, out_features, width, dtype=self.dtype),
-                    scales=torch.zeros(slots, dtype=torch.float32),
+                    b=torch.zeros(slots, out_features, width, **on),
+                    scales=torch.zeros(slots, dtype=torch.float32, device=self.device),
                     pairs=SlotPairs(slots, self.dtype) if SlotPairs.wanted(a) else None,
                 )
             stacks.append(layer)

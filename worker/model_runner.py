@@ -1,7 +1,8 @@
 """Turns a scheduled step into tensors, runs the model once, returns the logits to sample.
 
 One flattened forward pass per step: decodes first (one token each), then prefill chunks.
-The KV cache is allocated here once, as ``num_blocks * block_size`` slots per layer.
+The KV cache is allocated here once, as ``num_blocks * block_size`` slots per layer, on the
+model's device; a step's index tensors are built on the host and copied there once.
 """
 
 from __future__ import annotations
@@ -48,13 +49,14 @@ class ModelRunner:
         num_host_blocks: int = 0,
     ) -> None:
         self.model = model
+        self.device = model.device
         self.lora_manager = lora_manager
         self.block_size = block_size
         c = model.config
         self.heads_per_kv_head = c.num_heads // c.num_kv_heads
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+            tuple(torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in "kv")
             for _ in range(c.num_layers)
         ]
         # The swap pool: same layout in host memory (pinned when the cache is on a GPU).
@@ -132,17 +134,20 @@ class ModelRunner:
                 # The last real token's row, then one row per draft token.
                 logit_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            slot_mapping=self._indices(slots),
             decode_groups=self._decode_groups(decodes),
             prefills=self._prefill_chunks(prefills, start=sum(s.num_fed for s in decodes)),
         )
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
+            input_ids=self._indices(ids),
+            positions=self._indices(positions),
             meta=meta,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.int64),
+            logit_rows=self._indices(logit_rows),
             order=order,
         )
+
+    def _indices(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device)
 
     def _decode_groups(self, decodes: list[ScheduledSequence]) -> list[DecodeGroup]:
         """Split sorted decodes where the tokens fed differ, or where padding to the group's
@@ -188,8 +193,8 @@ class ModelRunner:
             start=start,
             count=len(decodes),
             queries=queries,
-            block_tables=torch.tensor(flat, dtype=torch.int64),
-            mask=mask,
+            block_tables=self._indices(flat),
+            mask=mask.to(self.device),
         )
 
     def _prefill_chunks(
@@ -199,11 +204,11 @@ class ModelRunner:
         for s in prefills:
             table = mask = None
             if s.start > 0:
-                table = torch.tensor(s.seq.block_table, dtype=torch.int64)
+                table = self._indices(s.seq.block_table)
                 span = len(s.seq.block_table) * self.block_size
                 # Query i (absolute position start + i) sees keys 0..start + i.
                 query_pos = torch.arange(s.start, s.start + s.num_fed).unsqueeze(1)
-                mask = torch.arange(span).unsqueeze(0) <= query_pos  # [n, span]
+                mask = (torch.arange(span).unsqueeze(0) <= query_pos).to(self.device)  # [n, span]
             chunks.append(PrefillChunk(start, s.num_fed, s.start, table, mask))
             start += s.num_fed
         return chunks

@@ -68,6 +68,9 @@ class RopeTables:
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         return cls(angles.cos().to(dtype), signed_sin)
 
+    def to(self, device: torch.device | str) -> RopeTables:
+        return RopeTables(self.cos.to(device), self.signed_sin.to(device))
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for each position, shaped [num_tokens, 1, head_dim]."""
         return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)

@@ -41,12 +41,13 @@ class DraftProposer:
         path: str | Path,
         *,
         dtype: torch.dtype,
+        device: torch.device | str = "cpu",
         num_blocks: int,
         block_size: int,
         target_vocab_size: int,
         target_tokenizer=None,
     ) -> None:
-        self.model = LlamaModel.from_pretrained(path, dtype=dtype)
+        self.model = LlamaModel.from_pretrained(path, dtype=dtype, device=device)
         check_vocabulary(path, self.model.config.vocab_size, target_vocab_size, target_tokenizer)
         self.block_manager = BlockManager(
             num_blocks=num_blocks, block_size=block_size, enable_caching=False

@@ -30,7 +30,7 @@ def rejection_sample(
     one-hot at d_i (an n-gram proposal, or a greedy draft): accept with probability p_i(d_i),
     else draw from p_i with d_i removed."""
     n, k = draft_tokens.shape
-    rows = torch.arange(n)
+    rows = torch.arange(n, device=target_probs.device)
     index = draft_tokens.unsqueeze(-1)  # [n, k, 1]
     p_d = target_probs[:, :k].gather(-1, index).squeeze(-1).double()  # [n, k]
     if draft_probs is None:
@@ -64,6 +64,6 @@ def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = weights.double().cumsum(dim=-1)  # [n, vocab]
     total = cdf[:, -1]
     below_total = torch.nextafter(total, torch.zeros_like(total))
-    target = torch.minimum(uniforms.double() * total, below_total)
+    target = torch.minimum(uniforms.to(cdf.device).double() * total, below_total)
     # right=True: the first entry above target, never one right after a zero weight.
     return torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)

@@ -21,6 +21,7 @@ def build_speculator(
     num_speculative_tokens: int | None,
     *,
     dtype: torch.dtype,
+    device: torch.device | str = "cpu",
     block_manager: BlockManager,
     max_model_len: int,
     vocab_size: int,
@@ -62,6 +63,7 @@ def build_speculator(
         proposer = DraftProposer(
             path,
             dtype=dtype,
+            device=device,
             num_blocks=block_manager.num_blocks,
             block_size=block_manager.block_size,
             target_vocab_size=vocab_size,

@@ -109,7 +109,7 @@ class Speculator:
             tokens = self._verify_one(s.seq, s.num_spec, block, rows[s.seq.request_id])
             verified.append(Verified(s.seq, tokens))
         if len(plain) != len(sampling):
-            logits = logits[torch.tensor(plain_rows, dtype=torch.int64)]
+            logits = logits[torch.tensor(plain_rows, dtype=torch.int64, device=logits.device)]
         return plain, logits, verified
 
     def _verify_one(
@@ -129,9 +129,13 @@ class Speculator:
         else:
             p = dist.probabilities(x, rows)
             q = proposal.probs[:num_spec].unsqueeze(0) if proposal.probs is not None else None
+            # Drawn on the host (the request's generator), used where p lives.
             u = torch.rand(1, num_spec + 1, dtype=torch.float64, generator=row.generator)
             verdict = rejection_sample(
-                p.unsqueeze(0), torch.tensor([drafts], dtype=torch.int64), q, u
+                p.unsqueeze(0),
+                torch.tensor([drafts], dtype=torch.int64, device=p.device),
+                q,
+                u.to(p.device),
             )
             n = int(verdict.num_accepted[0])
             emitted = [*drafts[:n], int(verdict.next_token[0])]
