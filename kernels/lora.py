@@ -50,6 +50,9 @@ MAX_SHORT_RUNS = 3
 #   zipf-drawn adapters: 2.79 in one pass, 1.52 in several; 32 tokens: 0.19 vs 0.41).
 MAX_PADDING = 4
 MAX_PADDED_ROWS = 2048
+# A pass whose slots all hold ``width`` tokens (``BucketPass.dense``) skips the zero padding
+# and both scatters: 120 bucketed calls of a 32-adapter decode step, cold, 118 -> 99 ms
+# (measured with another job on the machine; no change at 8 adapters).
 
 
 Run = tuple[int, int, int]  # (start, end, slot): tokens [start, end) on one adapter slot
@@ -97,16 +100,21 @@ def bucket_passes(
     passes = []
     for first in range(0, busiest, width):
         members = {s: r[first : first + width] for s, r in by_slot.items() if len(r) > first}
-        lo = min(members)
+        lo, hi = min(members), max(members)
         pass_rows = [row for r in members.values() for row in r]
         cells = [(s - lo) * width + k for s, r in members.items() for k in range(len(r))]
+        dense = len(cells) == (hi - lo + 1) * width
+        if dense:  # cells are a permutation of the batch: put the rows in cell order
+            pass_rows = [row for _, row in sorted(zip(cells, pass_rows, strict=True))]
+            cells = list(range(len(cells)))
         passes.append(
             BucketPass(
                 lo=lo,
-                hi=max(members),
+                hi=hi,
                 width=width,
                 rows=torch.tensor(pass_rows, dtype=torch.int64),
                 cells=torch.tensor(cells, dtype=torch.int64),
+                dense=dense,
             )
         )
     return passes

@@ -238,6 +238,10 @@ class BucketPass:
     width: int
     rows: torch.Tensor  # [n] int64: the tokens of this pass
     cells: torch.Tensor  # [n] int64: (slot - lo) * width + ordinal within the slot
+    # Every cell holds a token (n == slots * width) and ``rows`` is in cell order: the
+    # batch is x's rows in that order, without padding or scatter (a decode step of
+    # distinct adapters, or of adapters with equal counts).
+    dense: bool = False
 
 
 def lora_bucketed(
@@ -261,10 +265,13 @@ def lora_bucketed(
     yc = y[:, out_offset : out_offset + out_features]
     for p in passes:
         count = p.hi - p.lo + 1
-        padded = x.new_zeros((count * p.width, x.shape[1]), dtype=dtype)
-        padded.index_copy_(0, p.cells, x.index_select(0, p.rows).to(dtype))
+        if p.dense:
+            batch = x.index_select(0, p.rows).to(dtype)
+        else:
+            batch = x.new_zeros((count * p.width, x.shape[1]), dtype=dtype)
+            batch.index_copy_(0, p.cells, x.index_select(0, p.rows).to(dtype))
         slots = slice(p.lo, p.hi + 1)
-        h = torch.bmm(padded.view(count, p.width, -1), a_stack[slots].transpose(1, 2))
+        h = torch.bmm(batch.view(count, p.width, -1), a_stack[slots].transpose(1, 2))
         h *= scales[slots].to(dtype)[:, None, None]
         d = torch.bmm(h, b_stack[slots].transpose(1, 2)).view(count * p.width, out_features)
-        yc.index_add_(0, p.rows, d.index_select(0, p.cells).to(y.dtype))
+        yc.index_add_(0, p.rows, (d if p.dense else d.index_select(0, p.cells)).to(y.dtype))

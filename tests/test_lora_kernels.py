@@ -500,6 +500,25 @@ def test_bucket_passes_split_a_busy_slot_when_one_pass_would_pad_too_much():
     assert len(bucket_passes(list(range(13)), [0] * 12 + [31])) == 1
 
 
+@pytest.mark.parametrize("stacks", [torch.float32, torch.bfloat16])
+def test_a_dense_pass_takes_rows_in_cell_order_without_padding(stacks):
+    """Decodes whose slots fill the range evenly (here two tokens each, in scrambled order)
+    need no zero padding: the pass is x's rows in cell order, and matches the oracle."""
+    token_slots = [3, 1, 0, 2, 1, 3, 2, 0]
+    (only,) = bucket_passes(list(range(8)), token_slots)
+    assert (only.lo, only.hi, only.width, only.dense) == (0, 3, 2, True)
+    assert only.rows.tolist() == [2, 7, 1, 4, 3, 6, 0, 5]  # slot 0's tokens, slot 1's, ...
+    a, b, scales = make_stacks(8, 16, dtype=stacks)
+    x, y = make_inputs(len(token_slots), dtype=stacks, extra_cols=3)
+    _, want = loop_lora(y, x, a, b, scales, torch.tensor(token_slots), rank=8, out_offset=1)
+    got = y.clone()
+    ref.lora_bucketed(got, x, a, b, scales, [only], out_offset=1)
+    assert_close(got, want, stacks)
+    # A slot with fewer tokens than the width leaves padding: not dense.
+    (padded,) = bucket_passes(list(range(3)), [0, 0, 1])
+    assert not padded.dense
+
+
 def test_mapping_of_an_empty_or_adapterless_batch():
     empty = LoraMapping.build([])
     assert (empty.num_tokens, empty.seg_starts.tolist(), empty.any_lora) == (0, [0], False)
