@@ -391,6 +391,9 @@ def up(args: argparse.Namespace) -> int:
         key = stack.create_tenant_key(args.tenant)
         print(_up_banner(stack, key, model.name), flush=True)
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+        # Also when started in the background, where SIGINT arrives ignored: Ctrl-C on the
+        # process group must still reach this loop, not only the children.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             while True:
                 time.sleep(1)
