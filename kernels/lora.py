@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -28,16 +28,15 @@ __all__ = ["LoraMapping", "SlotPairs", "add_lora", "bucket_passes"]
 
 # The CPU policy, from bench/lora_ops.py on the development machine (AMD Zen 5 with
 # AVX512-BF16; ms per call, rank 16, 576 -> 1536, bf16 model and stacks):
-# - a bf16 matmul pair has ~45 us of fixed cost, an fp32 one ~18 us even with A and B cast
-#   on every call: runs shorter than this compute in fp32 (1 token: 0.019 vs 0.053; a run
-#   of 32: 0.108 vs 0.063 in bf16).
-FP32_MAX_RUN = 15
-# - with each slot's pair cut to rank (``SlotPairs``), fp32 copies beat the prepacked bf16
-#   ones up to 16 tokens (120 pairs of the default model's fused groups, weights cold as in
-#   a real step, ms per step, rank 16 / rank 8 in a rank-16 stack: 1 token 6.1 / 4.8 fp32
-#   vs 9.1 / 8.8 packed vs 7.7 / 7.6 cast from the stacks per call; 16 tokens 9.8 / 7.6 vs
-#   10.5 / 10.4; 32 tokens 13.3 / 18.2 vs 11.2 / 12.1).
-PACKED_FP32_MAX_RUN = 16
+# - runs of up to this many tokens compute in fp32, longer ones in the stacks' dtype. From
+#   the stacks, a bf16 matmul pair has ~45 us of fixed cost, an fp32 one ~18 us even with A
+#   and B cast on every call (1 token: 0.019 vs 0.053; a run of 32: 0.108 vs 0.063 in bf16).
+#   With each slot's pair cut to rank (``SlotPairs``), the fp32 copies beat the prepacked
+#   bf16 ones up to 16 tokens (120 pairs of the default model's fused groups, weights cold
+#   as in a real step, ms per step, rank 16 / rank 8 in a rank-16 stack: 1 token 6.1 / 4.8
+#   fp32 vs 9.1 / 8.8 packed vs 7.7 / 7.6 cast from the stacks per call; 16 tokens 9.8 /
+#   7.6 vs 10.5 / 10.4; 32 tokens 13.3 / 18.2 vs 11.2 / 12.1).
+FP32_MAX_RUN = 16
 # - runs this long take a matmul pair each (no gather, no padding); shorter ones are
 #   bucketed by slot (1,024 tokens in 32-token runs of 8 adapters: bucketed 0.67, a pair
 #   per run 1.53; a single run of 1,024: a pair 0.20, bucketed 0.55).
@@ -62,18 +61,9 @@ Run = tuple[int, int, int]  # (start, end, slot): tokens [start, end) on one ada
 class CpuLoraPlan:
     """Host-side views of a LoraMapping for the torch paths."""
 
-    segments: list[Run]  # a matmul pair each, in the stacks' dtype
+    segments: list[Run]  # a matmul pair each, in the stacks' dtype (or prepacked pairs)
     fp32_segments: list[Run]  # runs of at most FP32_MAX_RUN tokens: a pair in fp32
     passes: list[BucketPass]  # every other token with an adapter
-    # The same runs where the slots have pairs (SlotPairs): fp32 up to PACKED_FP32_MAX_RUN
-    # tokens, prepacked past that.
-    packed_segments: list[Run] = field(default_factory=list)
-    packed_fp32_segments: list[Run] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        runs = self.segments + self.fp32_segments
-        self.packed_segments = [r for r in runs if r[1] - r[0] > PACKED_FP32_MAX_RUN]
-        self.packed_fp32_segments = [r for r in runs if r[1] - r[0] <= PACKED_FP32_MAX_RUN]
 
 
 def bucket_passes(
@@ -225,21 +215,17 @@ def _add_lora_cpu(
 
     Long runs and buckets compute in the stacks' dtype (the model's), so no weight is cast
     on the hot path; with AVX512-BF16 a bf16 matmul beats fp32 past a handful of tokens.
-    With ``pairs`` every run uses its slot's pair cut to rank: fp32 for a few tokens,
-    prepacked bf16 past that.
+    With ``pairs`` every run uses its slot's pair cut to rank instead: the fp32 copy for
+    a short run, the prepacked one past that.
     """
     args = (y, x, a_stack, b_stack, scales)
-    if pairs is not None:
-        for runs, fp32 in ((plan.packed_segments, False), (plan.packed_fp32_segments, True)):
-            if runs:
-                ref.lora_packed_segments(y, x, pairs, scales, runs, out_offset, fp32=fp32)
-    else:
-        if plan.segments:
-            dtype = a_stack.dtype
-            ref.lora_segments(*args, plan.segments, out_offset=out_offset, compute_dtype=dtype)
-        if plan.fp32_segments:
-            ref.lora_segments(
-                *args, plan.fp32_segments, out_offset=out_offset, compute_dtype=torch.float32
-            )
+    for runs, fp32 in ((plan.segments, False), (plan.fp32_segments, True)):
+        if not runs:
+            continue
+        if pairs is not None:
+            ref.lora_packed_segments(y, x, pairs, scales, runs, out_offset, fp32=fp32)
+        else:
+            dtype = torch.float32 if fp32 else a_stack.dtype
+            ref.lora_segments(*args, runs, out_offset=out_offset, compute_dtype=dtype)
     if plan.passes:
         ref.lora_bucketed(*args, plan.passes, out_offset=out_offset)

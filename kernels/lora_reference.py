@@ -143,10 +143,11 @@ def lora_segments(
 ) -> None:
     """SGMV in torch: two matmuls per run of tokens, no gather."""
     yc = y[:, out_offset : out_offset + b_stack.shape[1]]
-    xc = x.to(compute_dtype)
     scale = scales.tolist()
     for i, j, slot in segments:
-        h = F.linear(xc[i:j], a_stack[slot].to(compute_dtype))  # [j - i, R]
+        # Cast the run's rows only: a few short runs beside a long prefill chunk would
+        # otherwise copy the whole batch on every call.
+        h = F.linear(x[i:j].to(compute_dtype), a_stack[slot].to(compute_dtype))  # [j - i, R]
         b = b_stack[slot].to(compute_dtype)
         if y.dtype == compute_dtype:  # accumulate straight into y, no [n, out] temporary
             yc[i:j].addmm_(h, b.T, alpha=scale[slot])
@@ -211,7 +212,6 @@ def lora_packed_segments(
 ) -> None:
     """SGMV in torch over ``SlotPairs``: two matmuls per run, with the prepacked pair, or
     the fp32 one (``fp32``: for runs of a few tokens)."""
-    xc = x.float() if fp32 else x.to(pairs.dtype)
     scale = scales.tolist()
     for i, j, slot in segments:
         pair = pairs.pairs[slot]
@@ -220,10 +220,10 @@ def lora_packed_segments(
         out_features = pair.b32.shape[0]
         yc = y[i:j, out_offset : out_offset + out_features]
         if fp32:
-            h = F.linear(xc[i:j], pair.a32)
+            h = F.linear(x[i:j].float(), pair.a32)  # the run's rows only, as lora_segments
             yc.add_(F.linear(h, pair.b32), alpha=scale[slot])
         else:
-            h = pair.a(xc[i:j])
+            h = pair.a(x[i:j].to(pairs.dtype))
             if scale[slot] != 1.0:
                 h *= scale[slot]
             yc.add_(pair.b(h))

@@ -480,9 +480,9 @@ def test_cpu_plan_runs_a_few_short_runs_as_pairs_short_ones_in_fp32():
     assert plan.segments == [(0, 32, 4)]
     assert plan.fp32_segments == [(33, 37, 3), (37, 38, 5)]
     assert plan.passes == []
-    # With SlotPairs: runs up to PACKED_FP32_MAX_RUN (16) tokens in fp32, longer prepacked.
-    assert plan.packed_segments == [(0, 32, 4)]
-    assert plan.packed_fp32_segments == [(33, 37, 3), (37, 38, 5)]
+    # FP32_MAX_RUN (16) tokens still in fp32, one more in the stacks' dtype.
+    plan = LoraMapping.build([6] * 16 + [7] * 17).cpu
+    assert (plan.segments, plan.fp32_segments) == ([(16, 33, 7)], [(0, 16, 6)])
 
 
 def test_bucket_passes_split_a_busy_slot_when_one_pass_would_pad_too_much():
