@@ -30,7 +30,10 @@ def rejection_sample(
     one-hot at d_i (an n-gram proposal, or a greedy draft): accept with probability p_i(d_i),
     else draw from p_i with d_i removed."""
     n, k = draft_tokens.shape
-    rows = torch.arange(n, device=target_probs.device)
+    # The drafts and uniforms may come from the host; the distributions' device decides.
+    device = target_probs.device
+    draft_tokens, uniforms = draft_tokens.to(device), uniforms.to(device)
+    rows = torch.arange(n, device=device)
     index = draft_tokens.unsqueeze(-1)  # [n, k, 1]
     p_d = target_probs[:, :k].gather(-1, index).squeeze(-1).double()  # [n, k]
     if draft_probs is None:

@@ -129,13 +129,9 @@ class Speculator:
         else:
             p = dist.probabilities(x, rows)
             q = proposal.probs[:num_spec].unsqueeze(0) if proposal.probs is not None else None
-            # Drawn on the host (the request's generator), used where p lives.
             u = torch.rand(1, num_spec + 1, dtype=torch.float64, generator=row.generator)
             verdict = rejection_sample(
-                p.unsqueeze(0),
-                torch.tensor([drafts], dtype=torch.int64, device=p.device),
-                q,
-                u.to(p.device),
+                p.unsqueeze(0), torch.tensor([drafts], dtype=torch.int64), q, u
             )
             n = int(verdict.num_accepted[0])
             emitted = [*drafts[:n], int(verdict.next_token[0])]
