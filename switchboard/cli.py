@@ -2,7 +2,8 @@
 
 Handlers import what they need themselves: this module imports neither torch nor transformers,
 because the gateway shares it and must stay light. To add a subcommand, write a handler (and,
-if it takes options, an `add_arguments` function) and append a `Command` to COMMANDS.
+if it takes options, an `add_arguments` function) and append a `Command` to COMMANDS; the
+`admin …` subcommands are listed in `switchboard.admin_commands`.
 """
 
 from __future__ import annotations
@@ -11,30 +12,16 @@ import argparse
 import functools
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-Handler = Callable[[argparse.Namespace], int]
+from switchboard.admin_commands import ADMIN_COMMANDS
+from switchboard.commands import Command
 
 DEMO_QUESTIONS = (
     "What is the capital of France?",
     "Write a haiku about a busy switchboard operator.",
     "Explain in two sentences why the sky is blue.",
 )
-
-
-def _no_arguments(parser: argparse.ArgumentParser) -> None:
-    """For subcommands without options."""
-
-
-@dataclass(frozen=True)
-class Command:
-    """One subcommand: its words (`("model", "prepare")`), help line, options and handler."""
-
-    words: tuple[str, ...]
-    help: str
-    run: Handler
-    add_arguments: Callable[[argparse.ArgumentParser], None] = _no_arguments
 
 
 def model_prepare(args: argparse.Namespace) -> int:
@@ -340,43 +327,6 @@ def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _admin(name: str) -> Handler:
-    """The handler `gateway.admin_cli.<name>`, imported on use (httpx loads only then)."""
-
-    def run(args: argparse.Namespace) -> int:
-        from gateway import admin_cli
-
-        return getattr(admin_cli, name)(args)
-
-    return run
-
-
-def _admin_arguments(
-    *positionals: str, options: tuple[tuple[str, type, str], ...] = ()
-) -> Callable[[argparse.ArgumentParser], None]:
-    """Positionals, optional `(flag, type, help)` options, and the gateway URL and token."""
-
-    def add(parser: argparse.ArgumentParser) -> None:
-        import os
-
-        for positional in positionals:
-            parser.add_argument(positional)
-        for flag, kind, text in options:
-            parser.add_argument(flag, type=kind, help=text)
-        parser.add_argument(
-            "--url",
-            default=os.environ.get("SWITCHBOARD_GATEWAY_URL", "http://127.0.0.1:8000"),
-            help="gateway base URL (default: $SWITCHBOARD_GATEWAY_URL or %(default)s)",
-        )
-        parser.add_argument(
-            "--admin-token",
-            default=os.environ.get("SWITCHBOARD_ADMIN_TOKEN", ""),
-            help="admin bearer token (default: $SWITCHBOARD_ADMIN_TOKEN)",
-        )
-
-    return add
-
-
 def up(args: argparse.Namespace) -> int:
     """Redis (reused or embedded), one worker and the gateway; a demo tenant; Ctrl-C stops."""
     import signal
@@ -431,81 +381,6 @@ def _up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="gateway port")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--tenant", default="demo", help="name of the demo tenant to create")
-
-
-ADMIN_COMMANDS: tuple[Command, ...] = (
-    Command(
-        ("admin", "tenants", "create"),
-        "create a tenant",
-        _admin("tenants_create"),
-        _admin_arguments("name"),
-    ),
-    Command(
-        ("admin", "tenants", "list"), "list tenants", _admin("tenants_list"), _admin_arguments()
-    ),
-    Command(
-        ("admin", "keys", "create"),
-        "create an API key for a tenant (shown once)",
-        _admin("keys_create"),
-        _admin_arguments("tenant"),
-    ),
-    Command(
-        ("admin", "keys", "revoke"),
-        "revoke an API key by its key id",
-        _admin("keys_revoke"),
-        _admin_arguments("key_id"),
-    ),
-    Command(
-        ("admin", "adapters", "register"),
-        "validate, store and name a PEFT adapter directory for a tenant",
-        _admin("adapters_register"),
-        _admin_arguments("tenant", "name", "path"),
-    ),
-    Command(
-        ("admin", "adapters", "list"),
-        "list a tenant's adapters",
-        _admin("adapters_list"),
-        _admin_arguments("tenant"),
-    ),
-    Command(
-        ("admin", "adapters", "remove"),
-        "remove a tenant's adapter name",
-        _admin("adapters_remove"),
-        _admin_arguments("tenant", "name"),
-    ),
-    Command(
-        ("admin", "quotas", "set"),
-        "replace a tenant's limits (a limit left out is unlimited)",
-        _admin("quotas_set"),
-        _admin_arguments(
-            "tenant",
-            options=(
-                ("--requests-per-minute", int, "requests per sliding minute"),
-                ("--tokens-per-minute", int, "prompt + max_tokens per sliding minute"),
-                ("--max-concurrent-requests", int, "requests running at once"),
-                ("--daily-tokens", int, "tokens per UTC day"),
-            ),
-        ),
-    ),
-    Command(
-        ("admin", "quotas", "get"),
-        "show a tenant's limits",
-        _admin("quotas_get"),
-        _admin_arguments("tenant"),
-    ),
-    Command(
-        ("admin", "usage"),
-        "usage per tenant, day and model",
-        _admin("usage"),
-        _admin_arguments(
-            options=(
-                ("--tenant", str, "one tenant (default: all)"),
-                ("--start-date", str, "YYYY-MM-DD (default: today, UTC)"),
-                ("--end-date", str, "YYYY-MM-DD (default: today, UTC)"),
-            )
-        ),
-    ),
-)
 
 
 COMMANDS: tuple[Command, ...] = (
