@@ -147,7 +147,7 @@ class _LayerLora:
         """``y += LoRA_group(x)``: y is the group's fused projection output."""
         s = self.stacks[group]
         if s.used:
-            add_lora(y, x, s.a, s.b, s.scales, self.mapping, pairs=s.pairs)
+            add_lora(y, x, s.a, s.b, s.scales, self.mapping, pairs=s.pairs, native=s.native)
 
 
 def load_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ import torch
 from adapters.base_model import BaseModelSpec
 from adapters.lora import LoraAdapter
 from adapters.peft_format import load_adapter_dir
-from kernels.lora import LoraMapping, SlotPairs
+from kernels.lora import LoraMapping, NativeSlots, SlotPairs
 from worker.errors import InvalidRequestError
 
 
@@ -55,7 +55,8 @@ class SlotStack:
     a: torch.Tensor  # [max_loras, modules * max_rank, in_features]
     b: torch.Tensor  # [max_loras, fused_out_features, modules * max_rank]
     scales: torch.Tensor  # [max_loras] float32, 1.0 for every filled slot
-    pairs: SlotPairs | None = None  # CPU bf16/fp16: each slot cut to rank, fp32 + packed
+    pairs: SlotPairs | None = None  # CPU fp16 (or bf16 without native): cut to rank, packed
+    native: NativeSlots | None = None  # CPU bf16: each slot cut to rank for the native kernel
     used: bool = False  # some adapter ever targeted this group (else skip the call)
 
 
@@ -144,8 +145,9 @@ class LoraManager:
         self._step += 1
         slot_of = {adapter: self._slot_for(adapter, needed) for adapter in needed}
         slots = [-1 if a is None else slot_of[a] for a in token_adapters]
-        mapping = LoraMapping.build(slots, device=self.device, all_decode=all_decode)
         assert self._stacks is not None
+        native = self._stacks[0]["o"].native is not None  # every stack alike (_allocate)
+        mapping = LoraMapping.build(slots, device=self.device, all_decode=all_decode, native=native)
         return LoraBatch(mapping, self._stacks)
 
     def _slot_for(self, adapter_id: str, needed: set[str]) -> int:
@@ -179,6 +181,8 @@ class LoraManager:
                     row += out_features
                 if stack.pairs is not None:
                     stack.pairs.refresh(slot, stack.a, stack.b)
+                if stack.native is not None:
+                    stack.native.refresh(slot, stack.a[slot], stack.b[slot])
         self.slots[slot] = adapter.id
         self.num_slot_loads += 1
 
@@ -205,6 +209,15 @@ class LoraManager:
             _, evicted = self.host.popitem(last=False)
             total -= evicted.num_bytes
 
+    def _outputs(self, modules: tuple[str, ...]) -> list[tuple[int, int]]:
+        """Each module's (begin, end) columns in its group's fused output."""
+        spans, start = [], 0
+        for module in modules:
+            end = start + self.spec.projection_shape(module)[1]
+            spans.append((start, end))
+            start = end
+        return spans
+
     def _allocate(self) -> list[dict[str, SlotStack]]:
         rank, slots = self.max_lora_rank, self.max_loras
         stacks = []
@@ -216,11 +229,17 @@ class LoraManager:
                 width = rank * len(modules)
                 on = {"dtype": self.dtype, "device": self.device}
                 a = torch.zeros(slots, width, in_features, **on)
+                native = NativeSlots.wanted(a)
                 layer[group] = SlotStack(
                     a=a,
                     b=torch.zeros(slots, out_features, width, **on),
                     scales=torch.zeros(slots, dtype=torch.float32, device=self.device),
-                    pairs=SlotPairs(slots, self.dtype) if SlotPairs.wanted(a) else None,
+                    pairs=SlotPairs(slots, self.dtype)
+                    if SlotPairs.wanted(a) and not native
+                    else None,
+                    native=NativeSlots(slots, in_features, self._outputs(modules))
+                    if native
+                    else None,
                 )
             stacks.append(layer)
         return stacks

@@ -1,0 +1,241 @@
+/* Batched multi-LoRA on CPU for bf16 models: shrink (x A^T) and expand (+= scale h B^T)
+ * over tokens grouped by adapter slot, in one call per projection group.
+ *
+ * Why native code: on CPU a LoRA pair through torch costs ~20-40 us of fixed overhead per
+ * matmul call (oneDNN dispatch, casts, temporaries), and a decode step of the default model
+ * makes 120 such pairs per adapter present, so 32 distinct adapters cost more in overhead
+ * than in bytes. Here every group of tokens of one adapter reads that adapter's weights
+ * once, at the rank it really has, and the whole batch is one call.
+ *
+ * Compiled at run time by kernels/lora_native.py with the host's C compiler and
+ * -march=native, so the AVX-512 path is used exactly where the CPU has it; the portable
+ * path (plain C) is compiled always and is what other CPUs run. Tests check both against
+ * the torch references.
+ *
+ * Layout of one slot's weights (kernels/lora_native.py builds it; see NativeSlot there):
+ *   table row of SLOT_FIELDS int64: a_ptr, rank, n_blocks, then per block
+ *   (row_begin, row_end, out_begin, out_end, bt_ptr).
+ *   a: [rank, in] bf16 row-major, the adapter's A cut to its real rank.
+ *   block b: rank rows [row_begin, row_end) feed outputs [out_begin, out_end) through
+ *   bt: [ceil(out / 16), row_end - row_begin, 16] bf16 (out = out_end - out_begin), B's
+ *   block in tiles of 16 output columns, zero-padded: the expand reads it front to back.
+ * The slot's a and tiles sit in one buffer, in that order, so a work item is one stream.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define MAX_BLOCKS 3
+#define SLOT_FIELDS (3 + 5 * MAX_BLOCKS)
+#define TOKEN_BLOCK 8  /* tokens that share each weight load */
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* --- portable inner loops ------------------------------------------------------------ */
+
+static void shrink_portable(const float *x32, int64_t in, const uint16_t *a, int64_t r0,
+                            int64_t r1, int64_t nt, float *h, int64_t h_stride) {
+    for (int64_t i = r0; i < r1; i++) {
+        const uint16_t *row = a + i * in;
+        for (int64_t t = 0; t < nt; t++) {
+            const float *xt = x32 + t * in;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < in; k++) acc += xt[k] * bf16_to_f32(row[k]);
+            h[t * h_stride + i] = acc;
+        }
+    }
+}
+
+static void expand_portable(const float *h, int64_t h_stride, const uint16_t *bt,
+                            int64_t rb, int64_t re, int64_t width, int64_t nt,
+                            uint16_t *const *ys, float scale) {
+    for (int64_t t = 0; t < nt; t++) {
+        const float *ht = h + t * h_stride;
+        for (int64_t c = 0; c < width; c++) {
+            const uint16_t *tile = bt + (c / 16) * (re - rb) * 16 + c % 16;
+            float acc = 0.0f;
+            for (int64_t i = rb; i < re; i++) acc += ht[i] * bf16_to_f32(tile[(i - rb) * 16]);
+            ys[t][c] = f32_to_bf16(bf16_to_f32(ys[t][c]) + scale * acc);
+        }
+    }
+}
+
+/* --- AVX-512 inner loops ------------------------------------------------------------- */
+#if defined(__AVX512F__)
+
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
+    __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
+#if defined(__AVX512BF16__)
+    __m256i packed = (__m256i)_mm512_cvtneps_pbh(v);
+#else /* round to nearest even by hand (the finite values LoRA produces) */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+#endif
+    _mm256_mask_storeu_epi16(p, m, packed);
+}
+
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+/* nt is a compile-time constant at each call site below, so the accumulators stay in
+ * registers. */
+static inline __attribute__((always_inline)) void shrink_avx512_n(
+    const float *x32, int64_t in, const uint16_t *a, int64_t r0, int64_t r1, const int nt,
+    float *h, int64_t h_stride) {
+    for (int64_t i = r0; i < r1; i++) {
+        const uint16_t *row = a + i * in;
+        __m512 acc[TOKEN_BLOCK];
+        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < in; k += 16) {
+            __mmask16 m = tail_mask(in - k);
+            __m512 w = load_bf16(row + k, m);
+            for (int t = 0; t < nt; t++)
+                acc[t] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, x32 + t * in + k), acc[t]);
+        }
+        for (int t = 0; t < nt; t++) h[t * h_stride + i] = _mm512_reduce_add_ps(acc[t]);
+    }
+}
+
+static inline __attribute__((always_inline)) void expand_avx512_n(
+    const float *h, int64_t h_stride, const uint16_t *bt, int64_t rb, int64_t re,
+    int64_t width, const int nt, uint16_t *const *ys, float scale) {
+    __m512 vscale = _mm512_set1_ps(scale);
+    const uint16_t *tile = bt;
+    for (int64_t c = 0; c < width; c += 16, tile += (re - rb) * 16) {
+        __mmask16 m = tail_mask(width - c);
+        __m512 acc[TOKEN_BLOCK];
+        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t i = rb; i < re; i++) {
+            __m512 w = load_bf16(tile + (i - rb) * 16, 0xffff); /* tiles are zero-padded */
+            for (int t = 0; t < nt; t++)
+                acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(h[t * h_stride + i]), w, acc[t]);
+        }
+        for (int t = 0; t < nt; t++) {
+            __m512 y = load_bf16(ys[t] + c, m);
+            store_bf16(ys[t] + c, _mm512_fmadd_ps(acc[t], vscale, y), m);
+        }
+    }
+}
+
+#define DISPATCH_NT(call)                                                  \
+    switch (nt) {                                                          \
+    case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; \
+    case 4: call(4); break; case 5: call(5); break; case 6: call(6); break; \
+    case 7: call(7); break; default: call(8); break;                      \
+    }
+
+static void shrink_avx512(const float *x32, int64_t in, const uint16_t *a, int64_t r0,
+                          int64_t r1, int64_t nt, float *h, int64_t h_stride) {
+#define SHRINK(n) shrink_avx512_n(x32, in, a, r0, r1, n, h, h_stride)
+    DISPATCH_NT(SHRINK)
+#undef SHRINK
+}
+
+static void expand_avx512(const float *h, int64_t h_stride, const uint16_t *bt, int64_t rb,
+                          int64_t re, int64_t width, int64_t nt, uint16_t *const *ys,
+                          float scale) {
+#define EXPAND(n) expand_avx512_n(h, h_stride, bt, rb, re, width, n, ys, scale)
+    DISPATCH_NT(EXPAND)
+#undef EXPAND
+}
+#endif /* __AVX512F__ */
+
+/* --- the batch ----------------------------------------------------------------------- */
+
+/* 1 when this build has the AVX-512 loops (the compiler saw -march=native on such a CPU). */
+int sb_lora_has_avx512(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* One work item: up to TOKEN_BLOCK tokens of one group, shrink then expand. An item reads
+ * its slot's weights front to back (A, then each B block), one sequential stream. */
+static void run_item(const uint16_t *x, int64_t x_stride, int64_t in, uint16_t *y,
+                     int64_t y_stride, const int64_t *slot, float scale, const int64_t *rows,
+                     int64_t nt, int use_avx512) {
+    float x32[TOKEN_BLOCK * in];
+    float h[TOKEN_BLOCK * slot[1]];
+    uint16_t *ys[TOKEN_BLOCK];
+    for (int64_t t = 0; t < nt; t++) {
+        const uint16_t *src = x + rows[t] * x_stride;
+        for (int64_t k = 0; k < in; k++) x32[t * in + k] = bf16_to_f32(src[k]);
+    }
+    const uint16_t *a = (const uint16_t *)(intptr_t)slot[0];
+#if defined(__AVX512F__)
+    if (use_avx512)
+        shrink_avx512(x32, in, a, 0, slot[1], nt, h, slot[1]);
+    else
+#endif
+        shrink_portable(x32, in, a, 0, slot[1], nt, h, slot[1]);
+    for (int64_t b = 0; b < slot[2]; b++) {
+        const int64_t *blk = slot + 3 + 5 * b;
+        const uint16_t *bt = (const uint16_t *)(intptr_t)blk[4];
+        for (int64_t t = 0; t < nt; t++) ys[t] = y + rows[t] * y_stride + blk[2];
+#if defined(__AVX512F__)
+        if (use_avx512)
+            expand_avx512(h, slot[1], bt, blk[0], blk[1], blk[3] - blk[2], nt, ys, scale);
+        else
+#endif
+            expand_portable(h, slot[1], bt, blk[0], blk[1], blk[3] - blk[2], nt, ys, scale);
+    }
+}
+
+/* Semantics: for each group g of slot s = group_slot[g] and each token row t among
+ * rows[group_start[g] : group_start[g+1]]:
+ *     y[t, :] += scales[s] * (x[t, :] @ A_s^T) @ B_s^T        (bf16 in and out, fp32 sums)
+ * where y already points at the projection's first output column.
+ *   x: [T, in] bf16, row stride x_stride;  y: [T, >= out] bf16, row stride y_stride
+ *   table: [num_slots, SLOT_FIELDS] int64;  scales: [num_slots] float32
+ *   portable: 1 forces the plain-C loops (tests compare both with the reference).
+ * Work items are (group, block of up to TOKEN_BLOCK tokens), spread over torch's OpenMP
+ * threads; a group of many tokens is several items that read its weights from cache.
+ */
+void sb_lora_bgmv_bf16(const uint16_t *x, int64_t x_stride, int64_t in, uint16_t *y,
+                       int64_t y_stride, const int64_t *table, const float *scales,
+                       int64_t n_groups, const int64_t *group_slot, const int64_t *group_start,
+                       const int64_t *rows, int portable) {
+    int use_avx512 = sb_lora_has_avx512() && !portable;
+    int64_t n_items = 0;
+    for (int64_t g = 0; g < n_groups; g++)
+        n_items += (group_start[g + 1] - group_start[g] + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+#pragma omp parallel for schedule(dynamic, 1) if (n_items > 1)
+    for (int64_t it = 0; it < n_items; it++) {
+        int64_t g = 0, k = it; /* the it-th item: walk the groups (few; cheaper than a list) */
+        for (;; g++) {
+            int64_t count = (group_start[g + 1] - group_start[g] + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+            if (k < count) break;
+            k -= count;
+        }
+        const int64_t *slot = table + group_slot[g] * SLOT_FIELDS;
+        int64_t t0 = group_start[g] + k * TOKEN_BLOCK;
+        int64_t t1 = t0 + TOKEN_BLOCK < group_start[g + 1] ? t0 + TOKEN_BLOCK : group_start[g + 1];
+        if (slot[1] > 0)
+            run_item(x, x_stride, in, y, y_stride, slot, scales[group_slot[g]], rows + t0,
+                     t1 - t0, use_avx512);
+    }
+}

@@ -1,0 +1,237 @@
+"""The native CPU multi-LoRA kernel (``kernels/lora_cpu.c``): build, load, lay out, call.
+
+The C file is compiled on first use with the host's C compiler and ``-march=native`` into a
+per-user cache (``$SWITCHBOARD_KERNEL_CACHE``, else ``~/.cache/switchboard/kernels``),
+keyed by the source, the flags, the compiler and the CPU, and loaded with ctypes. We do not
+use ``torch.utils.cpp_extension``: the kernel needs raw pointers only, and compiling
+against torch's C++ headers takes about a minute on two cores where this takes a second.
+Where no compiler works (or ``SWITCHBOARD_NATIVE_KERNELS=0``), ``native_library()``
+returns None, says why once in the log, and the torch paths serve instead.
+
+The library's OpenMP calls share torch's runtime: torch loads its ``libgomp.so.1`` first,
+and the dynamic linker resolves ours to the same soname, so both use one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("lora_cpu.c")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+DISABLE_ENV = "SWITCHBOARD_NATIVE_KERNELS"
+CACHE_ENV = "SWITCHBOARD_KERNEL_CACHE"
+MAX_BLOCKS = 3  # as in lora_cpu.c: a fused group of at most three projections (q/k/v)
+SLOT_FIELDS = 3 + 5 * MAX_BLOCKS
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class NativeLibrary:
+    """The loaded kernel. ``has_avx512``: the vector loops are in (else plain C only)."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        self.path = path
+        self._bgmv = lib.sb_lora_bgmv_bf16
+        self._bgmv.restype = None
+        self._bgmv.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
+        self._bgmv.argtypes += [_ptr, _ptr, _ptr, ctypes.c_int]
+        self.has_avx512 = bool(lib.sb_lora_has_avx512())
+
+    def bgmv(
+        self,
+        y: torch.Tensor,  # [T, out_total] bf16, updated in place
+        x: torch.Tensor,  # [T, in] bf16
+        slots: NativeSlots,  # the stacks' slots in the kernel's layout
+        scales: torch.Tensor,  # [S] float32
+        groups: NativeGroups,
+        out_offset: int = 0,
+        *,
+        portable: bool = False,
+    ) -> None:
+        """Semantics: ``y[t, o:] += scales[s] * x[t] @ A_s.T @ B_s.T`` for the groups' tokens."""
+        if x.stride(1) != 1 or y.stride(1) != 1 or x.dtype != torch.bfloat16:
+            raise ValueError("native LoRA: x and y must be bf16 with contiguous rows")
+        if (
+            groups.max_slot >= slots.table.shape[0]
+            or groups.end > min(x.shape[0], y.shape[0])
+            or x.shape[1] != slots.in_features
+            or out_offset + slots.out_features > y.shape[1]
+        ):
+            raise ValueError(
+                f"native LoRA: x {tuple(x.shape)}, y {tuple(y.shape)} at column {out_offset} "
+                f"and slots [{slots.table.shape[0]}, {slots.in_features} -> "
+                f"{slots.out_features}] do not fit together"
+            )
+        self._bgmv(
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[1],
+            y.data_ptr() + out_offset * y.element_size(),
+            y.stride(0),
+            slots.table.data_ptr(),  # valid while ``slots`` holds the buffers it points at
+            scales.data_ptr(),
+            groups.num_groups,
+            groups.slots.data_ptr(),
+            groups.starts.data_ptr(),
+            groups.rows.data_ptr(),
+            int(portable),
+        )
+
+
+@dataclass(slots=True)
+class NativeGroups:
+    """A step's tokens grouped by adapter slot, as the kernel reads them (host tensors)."""
+
+    slots: torch.Tensor  # [G] int64: each group's slot
+    starts: torch.Tensor  # [G + 1] int64: group g is rows[starts[g]:starts[g + 1]]
+    rows: torch.Tensor  # [N] int64: token rows, grouped
+    num_groups: int
+    max_slot: int  # -1 when empty; checked against the table before each call
+    end: int  # one past the last row: the batch must hold this many tokens
+
+    @classmethod
+    def from_runs(cls, runs: Sequence[tuple[int, int, int]]) -> NativeGroups:
+        """From (start, end, slot) runs; runs of one slot join one group (weights read
+        once); runs of slot -1 (no adapter) are left out."""
+        by_slot: dict[int, list[int]] = {}
+        for start, end, slot in runs:
+            if slot >= 0:
+                by_slot.setdefault(slot, []).extend(range(start, end))
+        starts = [0]
+        for rows in by_slot.values():
+            starts.append(starts[-1] + len(rows))
+        return cls(
+            slots=torch.tensor(list(by_slot), dtype=torch.int64),
+            starts=torch.tensor(starts, dtype=torch.int64),
+            rows=torch.tensor([r for rows in by_slot.values() for r in rows], dtype=torch.int64),
+            num_groups=len(by_slot),
+            max_slot=max(by_slot, default=-1),
+            end=max((end for start, end, slot in runs if slot >= 0), default=0),
+        )
+
+
+class NativeSlots:
+    """Each slot's A and B of one stack in the kernel's layout, and the pointer table.
+
+    ``blocks``: the stack's fused projections as (out_begin, out_end) output ranges; the
+    stack's rank columns split evenly among them (module m owns rank rows m*R .. m*R+R).
+    A slot is cut to the rank rows its adapter fills (the rest are zero, so exact), and B's
+    block of each projection is kept transposed without the block diagonal's zeros.
+    """
+
+    __slots__ = ("blocks", "held", "in_features", "out_features", "table")
+
+    @staticmethod
+    def wanted(a_stack: torch.Tensor) -> bool:
+        """bf16 stacks on CPU, where the kernel builds (it is written for bf16 only)."""
+        return (
+            a_stack.device.type == "cpu"
+            and a_stack.dtype == torch.bfloat16
+            and native_library() is not None
+        )
+
+    def __init__(self, num_slots: int, in_features: int, blocks: Sequence[tuple[int, int]]) -> None:
+        if not 1 <= len(blocks) <= MAX_BLOCKS:
+            raise ValueError(f"native LoRA: 1 to {MAX_BLOCKS} projections per group")
+        self.blocks = list(blocks)
+        self.in_features = in_features
+        self.out_features = max(end for _, end in blocks)
+        self.table = torch.zeros(num_slots, SLOT_FIELDS, dtype=torch.int64)
+        self.held: list[list[torch.Tensor]] = [[] for _ in range(num_slots)]  # keeps pointers valid
+
+    def refresh(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Rebuild ``slot`` from its padded A [M*R, in] and B [out_total, M*R] (bf16)."""
+        rank_per_block = a.shape[0] // len(self.blocks)
+        keep = a.ne(0).any(dim=1).nonzero().squeeze(1).tolist()
+        row = self.table[slot]
+        row.zero_()
+        self.held[slot] = []
+        if not keep:  # rank 0: the kernel skips the slot
+            return
+        parts, fields = [a[keep].reshape(-1)], []
+        offset = parts[0].numel()
+        for m, (out_begin, out_end) in enumerate(self.blocks):
+            own = [i for i, k in enumerate(keep) if k // rank_per_block == m]
+            if not own:
+                continue
+            bt = b[out_begin:out_end, [keep[i] for i in own]].T  # [r_m, out_m]
+            pad = -(out_end - out_begin) % 16
+            tiles = F.pad(bt, (0, pad)).reshape(len(own), -1, 16).transpose(0, 1)  # [C, r_m, 16]
+            fields.append((own[0], own[-1] + 1, out_begin, out_end, offset))
+            parts.append(tiles.reshape(-1))
+            offset += parts[-1].numel()
+        buffer = torch.cat(parts).to(torch.bfloat16)  # one stream per work item
+        base, size = buffer.data_ptr(), buffer.element_size()
+        row[0], row[1], row[2] = base, len(keep), len(fields)
+        for n, (*span, start) in enumerate(fields):
+            row[3 + 5 * n : 8 + 5 * n] = torch.tensor([*span, base + start * size])
+        self.held[slot] = [buffer]
+
+
+@functools.cache
+def native_library() -> NativeLibrary | None:
+    """The kernel, built on first use; None where it cannot be (reason logged once)."""
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        return NativeLibrary(_build())
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("native LoRA kernel unavailable (%s); using the torch paths", exc)
+        return None
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler found (set CC)")
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), version.encode(), _cpu_id()):
+        key.update(part)
+    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache/switchboard/kernels")
+    target = cache / f"lora_cpu-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    # Build under a temporary name, then rename: concurrent processes never load half a file.
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *CFLAGS, str(SOURCE), "-o", str(built)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if result.returncode != 0:
+            raise OSError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+def _cpu_id() -> bytes:
+    """What -march=native depends on: a cache shared across hosts keeps one build per CPU."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor().encode()
+    wanted = {line for line in info.splitlines() if line.startswith(("model name", "flags"))}
+    return "\n".join(sorted(wanted)).encode()
