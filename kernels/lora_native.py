@@ -1,41 +1,21 @@
-"""The native CPU multi-LoRA kernel (``kernels/lora_cpu.c``): build, load, lay out, call.
+"""The native CPU multi-LoRA kernel (``kernels/lora_cpu.c``): lay out, group, call.
 
-The C file is compiled on first use with the host's C compiler and ``-march=native`` into a
-per-user cache (``$SWITCHBOARD_KERNEL_CACHE``, else ``~/.cache/switchboard/kernels``),
-keyed by the source, the flags, the compiler and the CPU, and loaded with ctypes. We do not
-use ``torch.utils.cpp_extension``: the kernel needs raw pointers only, and compiling
-against torch's C++ headers takes about a minute on two cores where this takes a second.
-Where no compiler works (or ``SWITCHBOARD_NATIVE_KERNELS=0``), ``native_library()``
-returns None, says why once in the log, and the torch paths serve instead.
-
-The library's OpenMP calls share torch's runtime: torch loads its ``libgomp.so.1`` first,
-and the dynamic linker resolves ours to the same soname, so both use one thread pool.
+Built and loaded by ``kernels/native.py``; ``native_library()`` is None where it cannot
+be, and the LoRA manager then keeps the torch paths' forms instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from kernels import native
 
-SOURCE = Path(__file__).with_name("lora_cpu.c")
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
-DISABLE_ENV = "SWITCHBOARD_NATIVE_KERNELS"
-CACHE_ENV = "SWITCHBOARD_KERNEL_CACHE"
 MAX_BLOCKS = 3  # as in lora_cpu.c: a fused group of at most three projections (q/k/v)
 SLOT_FIELDS = 3 + 5 * MAX_BLOCKS
 
@@ -45,9 +25,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 class NativeLibrary:
     """The loaded kernel. ``has_avx512``: the vector loops are in (else plain C only)."""
 
-    def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        self.path = path
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self._bgmv = lib.sb_lora_bgmv_bf16
         self._bgmv.restype = None
         self._bgmv.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
@@ -188,50 +166,5 @@ class NativeSlots:
 @functools.cache
 def native_library() -> NativeLibrary | None:
     """The kernel, built on first use; None where it cannot be (reason logged once)."""
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    try:
-        return NativeLibrary(_build())
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("native LoRA kernel unavailable (%s); using the torch paths", exc)
-        return None
-
-
-def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler found (set CC)")
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
-    ).stdout
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), version.encode(), _cpu_id()):
-        key.update(part)
-    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache/switchboard/kernels")
-    target = cache / f"lora_cpu-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    # Build under a temporary name, then rename: concurrent processes never load half a file.
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", str(built)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if result.returncode != 0:
-            raise OSError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
-        os.replace(built, target)
-    return target
-
-
-def _cpu_id() -> bytes:
-    """What -march=native depends on: a cache shared across hosts keeps one build per CPU."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor().encode()
-    wanted = {line for line in info.splitlines() if line.startswith(("model name", "flags"))}
-    return "\n".join(sorted(wanted)).encode()
+    lib = native.load("lora_cpu.c")
+    return None if lib is None else NativeLibrary(lib)

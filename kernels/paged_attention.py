@@ -4,8 +4,10 @@ PagedAttention (Kwon et al., SOSP 2023). The K/V of every sequence live in fixed
 blocks of one cache per layer; a sequence reaches its own through its block table.
 Queries arrive flattened: first the decoding sequences' new tokens (one each, or k + 1
 when the step verifies k draft tokens), then each prefill chunk's tokens back to back. On
-CPU, a sequence's blocks are gathered whole (one contiguous copy per block, which runs at
-memory bandwidth, unlike a per-token gather) and padding past the context is masked.
+CPU, decodes of a bf16 model take the native kernel (``kernels/attention_cpu.c``), which
+reads each sequence's keys and values in place; otherwise a sequence's blocks are gathered
+whole (one contiguous copy per block, which runs at memory bandwidth, unlike a per-token
+gather) and padding past the context is masked. Prefill chunks always take SDPA.
 
 Semantics, per sequence with context ``c`` (tokens already cached) and chunk length ``n``:
 ``out[i] = softmax(scale * q[i] · K[:c+i+1]ᵀ) · V[:c+i+1]`` for i in 0..n-1, with query head
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.attention_native import NativeDecodes, native_attention
 
 
 @dataclass(slots=True)
@@ -59,6 +63,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block * size + offset) to write
     decode_groups: list[DecodeGroup]  # covering the first rows, before the prefill chunks
     prefills: list[PrefillChunk]
+    # The decodes for the native kernel instead of ``decode_groups`` (CPU, bf16).
+    native_decodes: NativeDecodes | None = None
 
 
 def write_kv(
@@ -106,6 +112,11 @@ def paged_attention(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
         o = o.view(g.count, num_kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
         out[rows] = o.reshape(g.count * n, num_heads, head_dim)
+    if meta.native_decodes is not None:
+        kernel = native_attention()
+        if kernel is None:
+            raise ValueError("metadata planned for the native attention kernel, not built here")
+        kernel.decode(query, out, key_cache, value_cache, meta.native_decodes, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]

@@ -7,8 +7,6 @@ neither a multiple of 16, so the vector loops' tails and the tiles' padding are 
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from test_lora_kernels import (
@@ -24,7 +22,6 @@ from test_lora_kernels import (
     make_stacks,
 )
 
-from kernels import lora_native
 from kernels.lora import LoraMapping, NativeSlots, add_lora
 from kernels.lora_native import NativeGroups, native_library
 
@@ -152,27 +149,3 @@ def test_kernel_refuses_what_would_read_or_write_out_of_bounds():
     for y_, x_, groups in bad.values():
         with pytest.raises(ValueError, match="do not fit together"):
             LIBRARY.bgmv(y_, x_, slots, scales, groups)
-
-
-def test_build_is_cached_and_a_broken_compiler_falls_back(tmp_path, monkeypatch, caplog):
-    """The library is built once per cache; without a working compiler, the torch paths."""
-    monkeypatch.setenv(lora_native.CACHE_ENV, str(tmp_path))
-    built = lora_native._build()
-    assert built.parent == tmp_path and lora_native._build() == built
-    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporaries left
-    native_library.cache_clear()
-    try:
-        monkeypatch.setenv("CC", "/bin/false")
-        monkeypatch.setenv(lora_native.CACHE_ENV, str(tmp_path / "other"))
-        with caplog.at_level(logging.WARNING, logger="kernels.lora_native"):
-            assert native_library() is None
-        assert "native LoRA kernel unavailable" in caplog.text
-        native_library.cache_clear()
-        monkeypatch.delenv("CC")
-        monkeypatch.setenv(lora_native.DISABLE_ENV, "0")
-        assert native_library() is None
-        assert not NativeSlots.wanted(torch.zeros(1, 1, 1, dtype=BF16))
-    finally:
-        native_library.cache_clear()
-        monkeypatch.undo()
-        native_library()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention_native import MAX_HEAD_DIM, NativeDecodes, native_attention
 from kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from worker.llama import LlamaModel
 from worker.lora_manager import LoraManager
@@ -54,6 +55,13 @@ class ModelRunner:
         self.block_size = block_size
         c = model.config
         self.heads_per_kv_head = c.num_heads // c.num_kv_heads
+        # Decodes read the cache in place where the native kernel serves (CPU, bf16).
+        self.native_decodes = (
+            self.device.type == "cpu"
+            and model.dtype == torch.bfloat16
+            and c.head_dim <= MAX_HEAD_DIM
+            and native_attention() is not None
+        )
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [
             tuple(torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in "kv")
@@ -135,8 +143,15 @@ class ModelRunner:
                 logit_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
         meta = AttentionMetadata(
             slot_mapping=self._indices(slots),
-            decode_groups=self._decode_groups(decodes),
+            decode_groups=[] if self.native_decodes else self._decode_groups(decodes),
             prefills=self._prefill_chunks(prefills, start=sum(s.num_fed for s in decodes)),
+            native_decodes=NativeDecodes.build(
+                [s.start for s in decodes],
+                [s.num_fed for s in decodes],
+                [s.seq.block_table for s in decodes],
+            )
+            if self.native_decodes and decodes
+            else None,
         )
         return StepInputs(
             input_ids=self._indices(ids),

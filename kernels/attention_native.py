@@ -1,0 +1,136 @@
+"""The native CPU decode attention (``kernels/attention_cpu.c``): metadata and call.
+
+Built and loaded by ``kernels/native.py``; ``native_attention()`` is None where it cannot
+be, and the model runner then plans the torch path's padded decode groups instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels import native
+
+MAX_HEAD_DIM = 256  # as in attention_cpu.c
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+@dataclass(slots=True)
+class NativeDecodes:
+    """The step's decoding sequences as the kernel reads them (host int64 tensors)."""
+
+    rows: torch.Tensor  # [S]: each sequence's first row in the flattened batch
+    queries: torch.Tensor  # [S]: rows fed (1, or k + 1 verifying k drafts)
+    starts: torch.Tensor  # [S]: tokens cached before this step; query i sees start + i + 1
+    table_starts: torch.Tensor  # [S]: offset of each sequence's table in ``tables``
+    tables: torch.Tensor  # [sum of blocks]: the block tables back to back, unpadded
+    count: int
+    end_row: int  # one past the last row
+    max_block: int  # largest block id (checked against the cache)
+
+    @classmethod
+    def build(
+        cls, starts: Sequence[int], queries: Sequence[int], tables: Sequence[Sequence[int]]
+    ) -> NativeDecodes:
+        """Sequences in batch order from row 0, each with its start, rows fed and blocks
+        (which must cover start + rows fed tokens)."""
+        rows, table_starts, flat = [], [], []
+        row = 0
+        for n, table in zip(queries, tables, strict=True):
+            rows.append(row)
+            table_starts.append(len(flat))
+            flat.extend(table)
+            row += n
+
+        def ints(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=torch.int64)
+
+        return cls(
+            rows=ints(rows),
+            queries=ints(queries),
+            starts=ints(starts),
+            table_starts=ints(table_starts),
+            tables=ints(flat),
+            count=len(rows),
+            end_row=row,
+            max_block=max(flat, default=-1),
+        )
+
+
+class NativeAttention:
+    """The loaded kernel. ``has_avx512``: the vector loops are in (else plain C only)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._decode = lib.sb_paged_decode_bf16
+        self._decode.restype = ctypes.c_int
+        self._decode.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr]
+        self._decode.argtypes += [_i64] * 5 + [_ptr] * 5 + [ctypes.c_float, ctypes.c_int]
+        self.has_avx512 = bool(lib.sb_attention_has_avx512())
+
+    def decode(
+        self,
+        query: torch.Tensor,  # [T, heads, head_dim] bf16
+        out: torch.Tensor,  # [T, heads, head_dim] bf16, rows of the decodes written
+        key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] bf16
+        value_cache: torch.Tensor,
+        decodes: NativeDecodes,
+        scale: float,
+        *,
+        portable: bool = False,
+    ) -> None:
+        """Semantics: ``out[r, h] = softmax(scale * q[r, h] · K[:len]) · V[:len]`` per decode
+        query, ``len = start + i + 1`` (see kernels/attention_cpu.c)."""
+        num_blocks, block_size, kv_heads, head_dim = key_cache.shape
+        tensors = (query, out, key_cache, value_cache)
+        if (
+            any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in tensors)
+            or not (key_cache.is_contiguous() and value_cache.shape == key_cache.shape)
+            or not value_cache.is_contiguous()
+            or query.shape != out.shape
+            or query.shape[2] != head_dim
+            or head_dim > MAX_HEAD_DIM
+            or query.shape[1] % kv_heads
+            or decodes.end_row > query.shape[0]
+            or decodes.max_block >= num_blocks
+        ):
+            raise ValueError(
+                f"native attention: query {tuple(query.shape)} {query.dtype}, cache "
+                f"{tuple(key_cache.shape)} {key_cache.dtype} and the decodes do not fit together"
+            )
+        if decodes.count == 0:
+            return
+        status = self._decode(
+            query.data_ptr(),
+            query.stride(0),
+            query.stride(1),
+            out.data_ptr(),
+            out.stride(0),
+            out.stride(1),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_size,
+            query.shape[1],
+            kv_heads,
+            head_dim,
+            decodes.count,
+            decodes.rows.data_ptr(),
+            decodes.queries.data_ptr(),
+            decodes.starts.data_ptr(),
+            decodes.table_starts.data_ptr(),
+            decodes.tables.data_ptr(),
+            scale,
+            int(portable),
+        )
+        if status != 0:
+            raise MemoryError("native attention: scratch allocation failed")
+
+
+@functools.cache
+def native_attention() -> NativeAttention | None:
+    """The kernel, built on first use; None where it cannot be (reason logged once)."""
+    lib = native.load("attention_cpu.c")
+    return None if lib is None else NativeAttention(lib)

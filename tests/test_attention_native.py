@@ -1,0 +1,147 @@
+"""The native CPU decode attention (kernels/attention_cpu.c) against a float64 loop.
+
+Block tables are shuffled block ids, so a kernel that read blocks in cache order would
+fail; contexts end mid-block; speculative verification rows (k + 1 queries per sequence)
+see only keys up to their own position. Both inner loops run: AVX-512 and portable C.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from factories import make_checkpoint, random_prompts
+from kernels.attention_native import NativeDecodes, native_attention
+from worker.block_manager import BlockManager
+from worker.llama import LlamaModel
+from worker.model_runner import ModelRunner
+from worker.scheduler import ScheduledSequence
+from worker.sequence import Sequence
+
+KERNEL = native_attention()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler: kernel not built")
+BLOCK_SIZE = 4
+LOOPS = [False, True]
+
+
+def make_cache(*, num_blocks=64, kv_heads=2, head_dim=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    return (
+        torch.randn(shape, generator=gen).bfloat16(),
+        torch.randn(shape, generator=gen).bfloat16(),
+    )
+
+
+def make_decodes(starts, queries, *, num_blocks=64, seed=0):
+    """Each sequence gets distinct blocks, drawn from a shuffled pool."""
+    pool = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = []
+    for start, n in zip(starts, queries, strict=True):
+        need = -(-(start + n) // BLOCK_SIZE)
+        tables.append([pool.pop() for _ in range(need)])
+    return NativeDecodes.build(starts, queries, tables), tables
+
+
+def loop_attention(query, key_cache, value_cache, starts, queries, tables, scale):
+    """Float64, one query row and head at a time."""
+    heads, kv_heads = query.shape[1], key_cache.shape[2]
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    row = 0
+    for start, n, table in zip(starts, queries, tables, strict=True):
+        keys = key_cache[table].flatten(0, 1).double()  # [blocks * size, kv_heads, dim]
+        values = value_cache[table].flatten(0, 1).double()
+        for i in range(n):
+            visible = start + i + 1
+            for h in range(heads):
+                g = h // (heads // kv_heads)
+                scores = keys[:visible, g] @ query[row, h].double() * scale
+                out[row, h] = torch.softmax(scores, 0) @ values[:visible, g]
+            row += 1
+    return out
+
+
+@pytest.mark.parametrize("portable", LOOPS, ids=["vector", "portable"])
+@pytest.mark.parametrize(
+    ("starts", "queries", "heads", "kv_heads", "head_dim"),
+    [
+        ([0], [1], 4, 4, 16),  # first token, no grouping
+        ([5, 17, 2, 40], [1, 1, 1, 1], 6, 2, 40),  # grouped heads, odd head_dim
+        ([3, 30], [4, 2], 6, 2, 64),  # verification rows: k + 1 queries each
+        ([199], [1], 3, 1, 64),  # a long context: scores past one vector tile
+    ],
+)
+def test_kernel_matches_a_float64_loop(starts, queries, heads, kv_heads, head_dim, portable):
+    key_cache, value_cache = make_cache(kv_heads=kv_heads, head_dim=head_dim)
+    decodes, tables = make_decodes(starts, queries)
+    rows = sum(queries)
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(rows + 2, heads, head_dim, generator=gen).bfloat16()  # 2 other rows
+    out = torch.full_like(query, 7.0)
+    scale = head_dim**-0.5
+    KERNEL.decode(query, out, key_cache, value_cache, decodes, scale, portable=portable)
+    want = loop_attention(query, key_cache, value_cache, starts, queries, tables, scale)
+    torch.testing.assert_close(out[:rows].double(), want[:rows], atol=2e-2, rtol=2e-2)
+    assert torch.all(out[rows:] == 7.0)  # rows that are not decodes stay as they were
+
+
+def test_query_may_be_a_strided_view():
+    """q as it comes out of the fused qkv projection: a view with a wider row stride."""
+    key_cache, value_cache = make_cache()
+    decodes, tables = make_decodes([9, 2], [1, 1])
+    qkv = torch.randn(2, 6 * 40 + 2 * 2 * 40).bfloat16()
+    query = qkv[:, : 6 * 40].view(2, 6, 40)
+    out = torch.empty(2, 6, 40, dtype=torch.bfloat16)
+    KERNEL.decode(query, out, key_cache, value_cache, decodes, 0.2)
+    want = loop_attention(query, key_cache, value_cache, [9, 2], [1, 1], tables, 0.2)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_mismatched_inputs_are_refused():
+    key_cache, _ = make_cache()
+    decodes, _ = make_decodes([3], [1])
+    query = torch.randn(1, 4, 40).bfloat16()
+    bad = {
+        "fp32 query": (query.float(), key_cache),
+        "head_dim differs": (query[..., :32], key_cache),
+        "heads not a multiple of kv heads": (query[:, :3], key_cache),
+        "block past the cache": (query, key_cache[:1]),
+    }
+    for q, cache in bad.values():
+        with pytest.raises(ValueError, match="do not fit together"):
+            KERNEL.decode(q, torch.empty_like(q), cache, cache, decodes, 0.1)
+
+
+def test_model_steps_match_the_gathered_sdpa_path(tmp_path):
+    """A bf16 model run step by step twice, decodes through the kernel and through the torch
+    path (block gather + SDPA, checked against transformers in fp32 elsewhere): contexts
+    of 1 to 45 tokens in blocks of 4, then a step where one sequence verifies two draft
+    tokens while another one's prompt is prefilled."""
+    path = make_checkpoint(tmp_path, arch="llama", num_heads=4, num_kv_heads=2)
+    model = LlamaModel.from_pretrained(path, dtype=torch.bfloat16)
+    runners = {on: ModelRunner(model, num_blocks=96, block_size=4) for on in (True, False)}
+    runners[False].native_decodes = False
+    assert runners[True].native_decodes
+    pool = BlockManager(num_blocks=96, block_size=4)
+    prompts = random_prompts(5, min_len=1, max_len=40, seed=2)
+    seqs = [Sequence(f"r{i}", p, None, i) for i, p in enumerate(prompts)]
+    step = []
+    for seq in seqs[:4]:
+        pool.allocate(seq.block_table, seq.num_tokens)
+        step.append(ScheduledSequence(seq, 0, seq.num_tokens))
+    for n in range(6):
+        logits = {on: runner.execute(step)[1].float() for on, runner in runners.items()}
+        # bf16 logits of a random model are O(1); a wrong key or block moves them by that much.
+        torch.testing.assert_close(logits[True], logits[False], atol=0.05, rtol=0.05)
+        if n == 5:
+            break
+        for seq, token in zip(seqs, logits[False].argmax(-1).tolist(), strict=False):
+            seq.append_token(token)
+            pool.allocate(seq.block_table, seq.num_tokens)
+        step = [ScheduledSequence(seq, seq.num_tokens - 1, 1) for seq in seqs[:4]]
+        if n == 4:  # the last step: drafts to verify, and a prompt beside the decodes
+            seqs[0].spec_token_ids = [5, 9]
+            pool.allocate(seqs[0].block_table, seqs[0].num_tokens + 2)
+            step[0] = ScheduledSequence(seqs[0], seqs[0].num_tokens - 1, 1, num_spec=2)
+            pool.allocate(seqs[4].block_table, seqs[4].num_tokens)
+            step.append(ScheduledSequence(seqs[4], 0, seqs[4].num_tokens))

@@ -1,0 +1,50 @@
+"""Building the native CPU kernels (kernels/native.py): cached per source and CPU, and a
+machine without a working compiler falls back to the torch paths with one warning."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import native
+from kernels.lora import NativeSlots
+from kernels.lora_native import native_library
+
+
+@pytest.fixture
+def fresh_loads():
+    """Forget what this process loaded; restore it after (other tests share the cache)."""
+    native.load.cache_clear()
+    native_library.cache_clear()
+    yield
+    native.load.cache_clear()
+    native_library.cache_clear()
+
+
+@pytest.mark.skipif(native.load("lora_cpu.c") is None, reason="no C compiler here")
+def test_a_source_is_built_once_per_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    source = Path(native.__file__).with_name("lora_cpu.c")
+    built = native.build(source)
+    assert built.parent == tmp_path and built.name.startswith("lora_cpu-")
+    mtime = built.stat().st_mtime_ns
+    assert native.build(source) == built and built.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # no temporaries left
+
+
+def test_a_broken_compiler_means_the_torch_paths(tmp_path, monkeypatch, caplog, fresh_loads):
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        assert native_library() is None
+    assert "native kernel lora_cpu.c unavailable" in caplog.text
+    assert not NativeSlots.wanted(torch.zeros(1, dtype=torch.bfloat16))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_native_kernels_can_be_switched_off(monkeypatch, fresh_loads):
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert native.load("lora_cpu.c") is None and native_library() is None
