@@ -35,40 +35,71 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* One work item: the queries of one sequence that read one KV head (the heads of its group
+ * at each of its n positions: rows = group * n, row r = query i, head h0 + r % group).
+ * Keys are walked block by block, and each key and value is loaded once for all rows. */
 typedef struct {
     const uint16_t *key_cache, *value_cache;
     int64_t block_size, kv_heads, head_dim;
-    const int64_t *table; /* this sequence's blocks */
+    const int64_t *table;  /* this sequence's blocks */
     int64_t kv_head;
-} Keys;
+    int64_t rows, group;   /* rows = group * queries */
+    int64_t first_len;     /* keys row r sees: first_len + r / group */
+    int64_t stride;        /* of the scores scratch: the most keys, rounded up to 16 */
+} Item;
 
-static inline const uint16_t *key_at(const Keys *k, const uint16_t *cache, int64_t j) {
-    int64_t slot = k->table[j / k->block_size] * k->block_size + j % k->block_size;
-    return cache + (slot * k->kv_heads + k->kv_head) * k->head_dim;
+static inline int64_t visible(const Item *it, int64_t r) { return it->first_len + r / it->group; }
+
+/* Key (or value) j of the item's KV head, walked block by block (no division per key).
+ * Blocks lie anywhere in the cache, so the hardware prefetcher cannot guess the next one:
+ * each block's rows are prefetched while the one before is read. */
+static inline const uint16_t *block_rows(const Item *it, const uint16_t *cache, int64_t b) {
+    return cache + (it->table[b] * it->block_size * it->kv_heads + it->kv_head) * it->head_dim;
 }
 
-/* One query row: softmax(scale * q . K[:len]) . V[:len] into out (fp32, head_dim). */
-static void attend_portable(const Keys *k, const float *q, int64_t len, float scale,
-                            float *scores, float *out) {
-    int64_t d = k->head_dim;
-    float max = -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j < len; j++) {
-        const uint16_t *key = key_at(k, k->key_cache, j);
-        float s = 0.0f;
-        for (int64_t c = 0; c < d; c++) s += q[c] * bf16_to_f32(key[c]);
-        scores[j] = s * scale;
-        if (scores[j] > max) max = scores[j];
+static inline void prefetch_block(const Item *it, const uint16_t *rows, int64_t count) {
+    int64_t step = it->kv_heads * it->head_dim, bytes = it->head_dim * 2;
+    for (int64_t o = 0; o < count; o++)
+        for (int64_t line = 0; line < bytes; line += 64)
+            __builtin_prefetch((const char *)(rows + o * step) + line, 0, 3);
+}
+
+#define FOR_EACH_KEY(it, cache, len, j, ptr, ...)                                        \
+    for (int64_t blk_ = 0, j = 0; j < (len); blk_++) {                                  \
+        const uint16_t *ptr = block_rows((it), (cache), blk_);                          \
+        if (j + (it)->block_size < (len))                                               \
+            prefetch_block((it), block_rows((it), (cache), blk_ + 1),                   \
+                           (len) - j - (it)->block_size < (it)->block_size              \
+                               ? (len) - j - (it)->block_size : (it)->block_size);      \
+        for (int64_t o_ = 0; o_ < (it)->block_size && j < (len); o_++, j++,             \
+                     ptr += (it)->kv_heads * (it)->head_dim) {                          \
+            __VA_ARGS__                                                                 \
+        }                                                                               \
     }
-    for (int64_t j = 0; j < len; j++) {
-        scores[j] = expf(scores[j] - max);
-        sum += scores[j];
+
+/* q: [rows, head_dim] fp32; scores: [rows, len] scratch; out: [rows, head_dim] fp32. */
+static void attend_portable(const Item *it, const float *q, float scale, float *scores,
+                            float *out) {
+    int64_t d = it->head_dim, rows = it->rows, len = visible(it, rows - 1);
+    FOR_EACH_KEY(it, it->key_cache, len, j, key, {
+        for (int64_t r = 0; r < rows; r++) {
+            float s = 0.0f;
+            for (int64_t c = 0; c < d; c++) s += q[r * d + c] * bf16_to_f32(key[c]);
+            scores[r * it->stride + j] = s * scale;
+        }
+    })
+    for (int64_t r = 0; r < rows; r++) {
+        float *sr = scores + r * it->stride, max = -INFINITY, sum = 0.0f;
+        int64_t n = visible(it, r);
+        for (int64_t j = 0; j < n; j++) max = sr[j] > max ? sr[j] : max;
+        for (int64_t j = 0; j < n; j++) sum += sr[j] = expf(sr[j] - max);
+        for (int64_t j = 0; j < len; j++) sr[j] = j < n ? sr[j] / sum : 0.0f;
+        for (int64_t c = 0; c < d; c++) out[r * d + c] = 0.0f;
     }
-    for (int64_t c = 0; c < d; c++) out[c] = 0.0f;
-    for (int64_t j = 0; j < len; j++) {
-        const uint16_t *value = key_at(k, k->value_cache, j);
-        float p = scores[j] / sum;
-        for (int64_t c = 0; c < d; c++) out[c] += p * bf16_to_f32(value[c]);
-    }
+    FOR_EACH_KEY(it, it->value_cache, len, j, value, {
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < d; c++) out[r * d + c] += scores[r * it->stride + j] * bf16_to_f32(value[c]);
+    })
 }
 
 #if defined(__AVX512F__)
@@ -94,50 +125,117 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static void attend_avx512(const Keys *k, const float *q, int64_t len, float scale,
-                          float *scores, float *out) {
-    int64_t d = k->head_dim, chunks = (d + 15) / 16;
-    __m512 qv[MAX_HEAD_DIM / 16], acc[MAX_HEAD_DIM / 16];
-    for (int64_t c = 0; c < chunks; c++) {
-        qv[c] = _mm512_maskz_loadu_ps(d - 16 * c >= 16 ? 0xffff : (1u << (d - 16 * c)) - 1,
-                                      q + 16 * c);
-        acc[c] = _mm512_setzero_ps();
-    }
+static inline __mmask16 tail(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+/* Row r's scores -> probabilities over its visible keys, zeros up to len (rounded to 16). */
+static inline void softmax_row(const Item *it, float *scores, int64_t r, int64_t len) {
+    float *sr = scores + r * it->stride;
+    int64_t n = visible(it, r);
     __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < len; j++) {
-        const uint16_t *key = key_at(k, k->key_cache, j);
-        __m512 dot = _mm512_setzero_ps();
-        for (int64_t c = 0; c < chunks; c++) {
-            __mmask16 m = d - 16 * c >= 16 ? 0xffff : (1u << (d - 16 * c)) - 1;
-            dot = _mm512_fmadd_ps(qv[c], load_bf16(key + 16 * c, m), dot);
-        }
-        scores[j] = _mm512_reduce_add_ps(dot) * scale;
-    }
-    int64_t j = 0;
-    for (; j + 16 <= len; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(scores + j));
-    float max = _mm512_reduce_max_ps(vmax);
-    for (; j < len; j++) max = scores[j] > max ? scores[j] : max;
-    __m512 vsum = _mm512_setzero_ps(), shift = _mm512_set1_ps(max);
-    for (j = 0; j < len; j += 16) {
-        __mmask16 m = len - j >= 16 ? 0xffff : (1u << (len - j)) - 1;
-        __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), shift));
-        p = _mm512_maskz_mov_ps(m, p);
-        _mm512_mask_storeu_ps(scores + j, m, p);
+    for (int64_t j = 0; j < n; j += 16)
+        vmax = _mm512_mask_max_ps(vmax, tail(n - j), vmax, _mm512_maskz_loadu_ps(tail(n - j), sr + j));
+    __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(vmax)), vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail(n - j), sr + j), shift));
+        p = _mm512_maskz_mov_ps(tail(n - j), p);
+        _mm512_storeu_ps(sr + j, p); /* scratch rows are padded to a multiple of 16 */
         vsum = _mm512_add_ps(vsum, p);
     }
-    float inv = 1.0f / _mm512_reduce_add_ps(vsum);
-    for (j = 0; j < len; j++) {
-        const uint16_t *value = key_at(k, k->value_cache, j);
-        __m512 p = _mm512_set1_ps(scores[j]);
-        for (int64_t c = 0; c < chunks; c++) {
-            __mmask16 m = d - 16 * c >= 16 ? 0xffff : (1u << (d - 16 * c)) - 1;
-            acc[c] = _mm512_fmadd_ps(p, load_bf16(value + 16 * c, m), acc[c]);
+    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+    for (int64_t j = 0; j < len; j += 16) /* keys past this row's position weigh 0 */
+        _mm512_storeu_ps(sr + j, j < n ? _mm512_maskz_mul_ps(tail(n - j), _mm512_loadu_ps(sr + j), inv)
+                                       : _mm512_setzero_ps());
+}
+
+static void attend_avx512(const Item *it, const float *q, float scale, float *scores,
+                          float *out) {
+    int64_t d = it->head_dim, chunks = (d + 15) / 16, rows = it->rows;
+    int64_t len = visible(it, rows - 1);
+    __m512 kv[MAX_HEAD_DIM / 16];
+    FOR_EACH_KEY(it, it->key_cache, len, j, key, {
+        for (int64_t c = 0; c < chunks; c++) kv[c] = load_bf16(key + 16 * c, tail(d - 16 * c));
+        for (int64_t r = 0; r < rows; r++) {
+            __m512 dot = _mm512_setzero_ps();
+            for (int64_t c = 0; c < chunks; c++)
+                dot = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail(d - 16 * c), q + r * d + 16 * c),
+                                      kv[c], dot);
+            scores[r * it->stride + j] = _mm512_reduce_add_ps(dot) * scale;
         }
+    })
+    for (int64_t r = 0; r < rows; r++) {
+        softmax_row(it, scores, r, len);
+        for (int64_t c = 0; c < d; c++) out[r * d + c] = 0.0f;
     }
-    for (int64_t c = 0; c < chunks; c++) {
-        __mmask16 m = d - 16 * c >= 16 ? 0xffff : (1u << (d - 16 * c)) - 1;
-        _mm512_mask_storeu_ps(out + 16 * c, m, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+    FOR_EACH_KEY(it, it->value_cache, len, j, value, {
+        for (int64_t c = 0; c < chunks; c++) kv[c] = load_bf16(value + 16 * c, tail(d - 16 * c));
+        for (int64_t r = 0; r < rows; r++) {
+            __m512 p = _mm512_set1_ps(scores[r * it->stride + j]);
+            for (int64_t c = 0; c < chunks; c++) {
+                float *o = out + r * d + 16 * c;
+                _mm512_mask_storeu_ps(o, tail(d - 16 * c),
+                                      _mm512_fmadd_ps(p, kv[c], _mm512_maskz_loadu_ps(tail(d - 16 * c), o)));
+            }
+        }
+    })
+}
+
+/* head_dim = 16 * ch (64 or 128, most models): rows in blocks of nr <= 4 (2 for 128) whose
+ * queries and accumulators stay in registers while each key or value is loaded once.
+ * ch and nr are constants at every call site (see attend_avx512_fixed). */
+static inline __attribute__((always_inline)) void fixed_block(
+    const Item *it, const float *q, float scale, float *scores, float *out, int64_t r0,
+    const int nr, const int ch) {
+    int64_t len = visible(it, r0 + nr - 1);
+    __m512 reg[4][8];
+    for (int t = 0; t < nr; t++)
+        for (int c = 0; c < ch; c++) reg[t][c] = _mm512_loadu_ps(q + (r0 + t) * 16 * ch + 16 * c);
+    FOR_EACH_KEY(it, it->key_cache, len, j, key, {
+        __m512 k[8];
+        for (int c = 0; c < ch; c++) k[c] = load_bf16(key + 16 * c, 0xffff);
+        for (int t = 0; t < nr; t++) {
+            __m512 dot = _mm512_mul_ps(reg[t][0], k[0]);
+            for (int c = 1; c < ch; c++) dot = _mm512_fmadd_ps(reg[t][c], k[c], dot);
+            scores[(r0 + t) * it->stride + j] = _mm512_reduce_add_ps(dot) * scale;
+        }
+    })
+    for (int t = 0; t < nr; t++) softmax_row(it, scores, r0 + t, len);
+    for (int t = 0; t < nr; t++)
+        for (int c = 0; c < ch; c++) reg[t][c] = _mm512_setzero_ps();
+    FOR_EACH_KEY(it, it->value_cache, len, j, value, {
+        __m512 v[8];
+        for (int c = 0; c < ch; c++) v[c] = load_bf16(value + 16 * c, 0xffff);
+        for (int t = 0; t < nr; t++) {
+            __m512 p = _mm512_set1_ps(scores[(r0 + t) * it->stride + j]);
+            for (int c = 0; c < ch; c++) reg[t][c] = _mm512_fmadd_ps(p, v[c], reg[t][c]);
+        }
+    })
+    for (int t = 0; t < nr; t++)
+        for (int c = 0; c < ch; c++) _mm512_storeu_ps(out + (r0 + t) * 16 * ch + 16 * c, reg[t][c]);
+}
+
+/* 1 when head_dim has a register-blocked path (then it ran). */
+static int attend_avx512_fixed(const Item *it, const float *q, float scale, float *scores,
+                               float *out) {
+    if (it->head_dim != 64 && it->head_dim != 128) return 0;
+    int block = it->head_dim == 64 ? 4 : 2;
+    for (int64_t r0 = 0; r0 < it->rows; r0 += block) {
+        int64_t nr = it->rows - r0 < block ? it->rows - r0 : block;
+#define FIXED(n, c) fixed_block(it, q, scale, scores, out, r0, n, c)
+        if (it->head_dim == 64) {
+            switch (nr) {
+            case 1: FIXED(1, 4); break; case 2: FIXED(2, 4); break;
+            case 3: FIXED(3, 4); break; default: FIXED(4, 4); break;
+            }
+        } else if (nr == 1) {
+            FIXED(1, 8);
+        } else {
+            FIXED(2, 8);
+        }
+#undef FIXED
     }
+    return 1;
 }
 #endif
 
@@ -167,37 +265,46 @@ int sb_paged_decode_bf16(const uint16_t *q, int64_t q_row, int64_t q_head, uint1
                          const int64_t *tables, float scale, int portable) {
     if (head_dim > MAX_HEAD_DIM) return -1;
     int use_avx512 = sb_attention_has_avx512() && !portable;
-    int64_t group = heads / kv_heads, longest = 0, failed = 0;
-    for (int64_t s = 0; s < n_seqs; s++)
-        if (seq_start[s] + seq_queries[s] > longest) longest = seq_start[s] + seq_queries[s];
+    int64_t group = heads / kv_heads, most_keys = 0, most_rows = 0, failed = 0;
+    for (int64_t s = 0; s < n_seqs; s++) {
+        int64_t keys = seq_start[s] + seq_queries[s], rows = group * seq_queries[s];
+        most_keys = keys > most_keys ? keys : most_keys;
+        most_rows = rows > most_rows ? rows : most_rows;
+    }
+    int64_t padded = (most_keys + 15) / 16 * 16;
 #pragma omp parallel reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * (longest + 16));
-        float qf[MAX_HEAD_DIM], of[MAX_HEAD_DIM];
-        if (!scores) failed = 1;
+        float *scores = malloc(sizeof(float) * most_rows * padded);
+        float *qf = malloc(sizeof(float) * most_rows * head_dim);
+        float *of = malloc(sizeof(float) * most_rows * head_dim);
+        if (!scores || !qf || !of) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < n_seqs * kv_heads; item++) {
-            if (!scores) continue;
-            int64_t s = item / kv_heads;
-            Keys k = {key_cache, value_cache, block_size, kv_heads, head_dim,
-                      tables + seq_table[s], item % kv_heads};
-            for (int64_t i = 0; i < seq_queries[s]; i++) {
-                for (int64_t h = k.kv_head * group; h < (k.kv_head + 1) * group; h++) {
-                    const uint16_t *qh = q + (seq_row[s] + i) * q_row + h * q_head;
-                    for (int64_t c = 0; c < head_dim; c++) qf[c] = bf16_to_f32(qh[c]);
-                    int64_t len = seq_start[s] + i + 1;
+        for (int64_t w = 0; w < n_seqs * kv_heads; w++) {
+            if (failed) continue;
+            int64_t s = w / kv_heads, g = w % kv_heads, n = seq_queries[s];
+            Item it = {key_cache, value_cache, block_size, kv_heads, head_dim,
+                       tables + seq_table[s], g, group * n, group, seq_start[s] + 1,
+                       (seq_start[s] + n + 15) / 16 * 16};
+            /* row r of the item: query r / group, head g * group + r % group */
+            for (int64_t r = 0; r < it.rows; r++) {
+                const uint16_t *qh = q + (seq_row[s] + r / group) * q_row + (g * group + r % group) * q_head;
+                for (int64_t c = 0; c < head_dim; c++) qf[r * head_dim + c] = bf16_to_f32(qh[c]);
+            }
 #if defined(__AVX512F__)
-                    if (use_avx512)
-                        attend_avx512(&k, qf, len, scale, scores, of);
-                    else
+            if (use_avx512) {
+                if (!attend_avx512_fixed(&it, qf, scale, scores, of))
+                    attend_avx512(&it, qf, scale, scores, of);
+            } else
 #endif
-                        attend_portable(&k, qf, len, scale, scores, of);
-                    uint16_t *oh = out + (seq_row[s] + i) * out_row + h * out_head;
-                    for (int64_t c = 0; c < head_dim; c++) oh[c] = f32_to_bf16(of[c]);
-                }
+                attend_portable(&it, qf, scale, scores, of);
+            for (int64_t r = 0; r < it.rows; r++) {
+                uint16_t *oh = out + (seq_row[s] + r / group) * out_row + (g * group + r % group) * out_head;
+                for (int64_t c = 0; c < head_dim; c++) oh[c] = f32_to_bf16(of[r * head_dim + c]);
             }
         }
         free(scores);
+        free(qf);
+        free(of);
     }
     return failed ? -1 : 0;
 }

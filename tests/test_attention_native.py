@@ -69,6 +69,7 @@ def loop_attention(query, key_cache, value_cache, starts, queries, tables, scale
         ([5, 17, 2, 40], [1, 1, 1, 1], 6, 2, 40),  # grouped heads, odd head_dim
         ([3, 30], [4, 2], 6, 2, 64),  # verification rows: k + 1 queries each
         ([199], [1], 3, 1, 64),  # a long context: scores past one vector tile
+        ([7, 50], [1, 3], 8, 2, 128),  # head_dim 128: rows two at a time
     ],
 )
 def test_kernel_matches_a_float64_loop(starts, queries, heads, kv_heads, head_dim, portable):
