@@ -16,24 +16,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "bf16.h"
 
 #define MAX_HEAD_DIM 256
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 /* One work item: the queries of one sequence that read one KV head (the heads of its group
  * at each of its n positions: rows = group * n, row r = query i, head h0 + r % group).
@@ -103,11 +88,6 @@ static void attend_portable(const Item *it, const float *q, float scale, float *
 }
 
 #if defined(__AVX512F__)
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
-    __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 /* e^x for x <= 0: x = n ln2 + f ln2 with |f| <= 1/2, 2^f by its degree-6 Taylor polynomial
  * (relative error < 2e-7), then scaled by 2^n. Large negative x gives 0. */
 static inline __m512 exp_nonpositive(__m512 x) {
@@ -125,27 +105,23 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static inline __mmask16 tail(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-}
-
 /* Row r's scores -> probabilities over its visible keys, zeros up to len (rounded to 16). */
 static inline void softmax_row(const Item *it, float *scores, int64_t r, int64_t len) {
     float *sr = scores + r * it->stride;
     int64_t n = visible(it, r);
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 16)
-        vmax = _mm512_mask_max_ps(vmax, tail(n - j), vmax, _mm512_maskz_loadu_ps(tail(n - j), sr + j));
+        vmax = _mm512_mask_max_ps(vmax, tail_mask(n - j), vmax, _mm512_maskz_loadu_ps(tail_mask(n - j), sr + j));
     __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(vmax)), vsum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
-        __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail(n - j), sr + j), shift));
-        p = _mm512_maskz_mov_ps(tail(n - j), p);
+        __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail_mask(n - j), sr + j), shift));
+        p = _mm512_maskz_mov_ps(tail_mask(n - j), p);
         _mm512_storeu_ps(sr + j, p); /* scratch rows are padded to a multiple of 16 */
         vsum = _mm512_add_ps(vsum, p);
     }
     __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
     for (int64_t j = 0; j < len; j += 16) /* keys past this row's position weigh 0 */
-        _mm512_storeu_ps(sr + j, j < n ? _mm512_maskz_mul_ps(tail(n - j), _mm512_loadu_ps(sr + j), inv)
+        _mm512_storeu_ps(sr + j, j < n ? _mm512_maskz_mul_ps(tail_mask(n - j), _mm512_loadu_ps(sr + j), inv)
                                        : _mm512_setzero_ps());
 }
 
@@ -155,11 +131,11 @@ static void attend_avx512(const Item *it, const float *q, float scale, float *sc
     int64_t len = visible(it, rows - 1);
     __m512 kv[MAX_HEAD_DIM / 16];
     FOR_EACH_KEY(it, it->key_cache, len, j, key, {
-        for (int64_t c = 0; c < chunks; c++) kv[c] = load_bf16(key + 16 * c, tail(d - 16 * c));
+        for (int64_t c = 0; c < chunks; c++) kv[c] = load_bf16(key + 16 * c, tail_mask(d - 16 * c));
         for (int64_t r = 0; r < rows; r++) {
             __m512 dot = _mm512_setzero_ps();
             for (int64_t c = 0; c < chunks; c++)
-                dot = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail(d - 16 * c), q + r * d + 16 * c),
+                dot = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask(d - 16 * c), q + r * d + 16 * c),
                                       kv[c], dot);
             scores[r * it->stride + j] = _mm512_reduce_add_ps(dot) * scale;
         }
@@ -169,13 +145,13 @@ static void attend_avx512(const Item *it, const float *q, float scale, float *sc
         for (int64_t c = 0; c < d; c++) out[r * d + c] = 0.0f;
     }
     FOR_EACH_KEY(it, it->value_cache, len, j, value, {
-        for (int64_t c = 0; c < chunks; c++) kv[c] = load_bf16(value + 16 * c, tail(d - 16 * c));
+        for (int64_t c = 0; c < chunks; c++) kv[c] = load_bf16(value + 16 * c, tail_mask(d - 16 * c));
         for (int64_t r = 0; r < rows; r++) {
             __m512 p = _mm512_set1_ps(scores[r * it->stride + j]);
             for (int64_t c = 0; c < chunks; c++) {
                 float *o = out + r * d + 16 * c;
-                _mm512_mask_storeu_ps(o, tail(d - 16 * c),
-                                      _mm512_fmadd_ps(p, kv[c], _mm512_maskz_loadu_ps(tail(d - 16 * c), o)));
+                _mm512_mask_storeu_ps(o, tail_mask(d - 16 * c),
+                                      _mm512_fmadd_ps(p, kv[c], _mm512_maskz_loadu_ps(tail_mask(d - 16 * c), o)));
             }
         }
     })
@@ -265,6 +241,7 @@ int sb_paged_decode_bf16(const uint16_t *q, int64_t q_row, int64_t q_head, uint1
                          const int64_t *tables, float scale, int portable) {
     if (head_dim > MAX_HEAD_DIM) return -1;
     int use_avx512 = sb_attention_has_avx512() && !portable;
+    (void)use_avx512; /* unused where the build has no AVX-512 loops */
     int64_t group = heads / kv_heads, most_keys = 0, most_rows = 0, failed = 0;
     for (int64_t s = 0; s < n_seqs; s++) {
         int64_t keys = seq_start[s] + seq_queries[s], rows = group * seq_queries[s];

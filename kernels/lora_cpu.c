@@ -25,26 +25,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "bf16.h"
 
 #define MAX_BLOCKS 3
 #define SLOT_FIELDS (3 + 5 * MAX_BLOCKS)
 #define TOKEN_BLOCK 8  /* tokens that share each weight load */
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)h << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 /* --- portable inner loops ------------------------------------------------------------ */
 
@@ -78,11 +63,6 @@ static void expand_portable(const float *h, int64_t h_stride, const uint16_t *bt
 /* --- AVX-512 inner loops ------------------------------------------------------------- */
 #if defined(__AVX512F__)
 
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
-    __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
 #if defined(__AVX512BF16__)
     __m256i packed = (__m256i)_mm512_cvtneps_pbh(v);
@@ -93,10 +73,6 @@ static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
     __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
 #endif
     _mm256_mask_storeu_epi16(p, m, packed);
-}
-
-static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
 }
 
 /* nt is a compile-time constant at each call site below, so the accumulators stay in
@@ -178,6 +154,7 @@ int sb_lora_has_avx512(void) {
 static void run_item(const uint16_t *x, int64_t x_stride, int64_t in, uint16_t *y,
                      int64_t y_stride, const int64_t *slot, float scale, const int64_t *rows,
                      int64_t nt, int use_avx512) {
+    (void)use_avx512; /* unused where the build has no AVX-512 loops */
     float x32[TOKEN_BLOCK * in];
     float h[TOKEN_BLOCK * slot[1]];
     uint16_t *ys[TOKEN_BLOCK];

@@ -2,11 +2,11 @@
 
 A source is compiled with the host's C compiler and ``-march=native`` into a per-user cache
 (``$SWITCHBOARD_KERNEL_CACHE``, else ``~/.cache/switchboard/kernels``), keyed by the
-source, the flags, the compiler and the CPU. We do not use ``torch.utils.cpp_extension``:
-the kernels need raw pointers only, and compiling against torch's C++ headers takes about a
-minute on two cores where this takes a second. Where no compiler works (or
-``SWITCHBOARD_NATIVE_KERNELS=0``), ``load`` returns None, says why once in the log, and
-the torch paths serve instead.
+source and the headers beside it, the flags, the compiler and the CPU. We do not use
+``torch.utils.cpp_extension``: the kernels need raw pointers only, and compiling against
+torch's C++ headers takes about a minute on two cores where this takes a second. Where no
+compiler works (or ``SWITCHBOARD_NATIVE_KERNELS=0``), ``load`` returns None, says why once
+in the log, and the torch paths serve instead.
 
 The kernels' OpenMP loops share torch's runtime: torch loads its ``libgomp.so.1`` first,
 and the dynamic linker resolves ours to the same soname, so both use one thread pool (and
@@ -58,8 +58,10 @@ def build(source: Path) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(CFLAGS).encode(), version.encode(), _cpu_id()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # #include "..."
+    for part in (source.read_bytes(), *headers, " ".join(CFLAGS).encode(), version.encode()):
         key.update(part)
+    key.update(_cpu_id())
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache/switchboard/kernels")
     target = cache / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
