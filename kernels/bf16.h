@@ -33,6 +33,19 @@ static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
     __m256i raw = _mm256_maskz_loadu_epi16(m, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+
+/* The lanes in m of v, rounded to bf16 (nearest even). */
+static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
+#if defined(__AVX512BF16__)
+    __m256i packed = (__m256i)_mm512_cvtneps_pbh(v);
+#else /* round to nearest even by hand (finite values) */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+#endif
+    _mm256_mask_storeu_epi16(p, m, packed);
+}
 #endif
 
 #endif /* SWITCHBOARD_BF16_H */

@@ -63,18 +63,6 @@ static void expand_portable(const float *h, int64_t h_stride, const uint16_t *bt
 /* --- AVX-512 inner loops ------------------------------------------------------------- */
 #if defined(__AVX512F__)
 
-static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
-#if defined(__AVX512BF16__)
-    __m256i packed = (__m256i)_mm512_cvtneps_pbh(v);
-#else /* round to nearest even by hand (the finite values LoRA produces) */
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-#endif
-    _mm256_mask_storeu_epi16(p, m, packed);
-}
-
 /* nt is a compile-time constant at each call site below, so the accumulators stay in
  * registers. */
 static inline __attribute__((always_inline)) void shrink_avx512_n(
