@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from kernels.linear import Linear
 from kernels.lora import add_lora
+from kernels.norm_native import rms_norm
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from worker.errors import ModelLoadError
 from worker.model_config import ModelConfig
@@ -34,12 +35,6 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: Linear  # hidden -> 2 * intermediate
     down: Linear  # intermediate -> hidden
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in one fused op; in fp32 it equals HF's exactly, in bf16 it rounds once
-    where HF rounds twice (before and after the weight)."""
-    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class LlamaModel:
