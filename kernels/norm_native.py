@@ -54,7 +54,8 @@ def native_norm() -> NativeNorm | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: the native kernel for bf16 rows on CPU, else torch's op
     (in fp32 it equals HF's exactly; in bf16 both round once where HF rounds twice)."""
-    kernel = native_norm()
-    if kernel is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and not x.is_cuda:
-        return kernel(x, weight, eps)
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and not x.is_cuda:
+        kernel = native_norm()  # built on the first bf16 call only
+        if kernel is not None:
+            return kernel(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
