@@ -12,7 +12,10 @@ where the gateway's own per-token cost is not hidden in engine queueing. Load D
 (gateway-added latency at C concurrent streams): C/2 closed-loop pairs on the real model
 for D seconds, each pair one request through the gateway and the same one straight to the
 worker's gRPC at the same instant: the gateway's TTFT minus the direct one, per pair, and
-the difference of their inter-token percentiles, are what the gateway adds.
+the difference of their inter-token percentiles, are what the gateway adds; over the same
+load the gateway's own histogram (``switchboard_gateway_added_seconds``: arrival to the
+Generate call, worker message to SSE bytes) gives its share without the engine steps a
+later request can miss.
 Usage: ``python -m bench.serve [--requests 64] [--out bench/results/serve.json]``.
 """
 
@@ -182,8 +185,10 @@ async def load_d(
             connection[1].close()
 
         start = time.monotonic()
+        scraped = gateway_added_buckets(stack.gateway_port)
         await asyncio.gather(*(pair_loop(slot) for slot in range(concurrency // 2)))
         elapsed = time.monotonic() - start
+        internal = bucket_quantiles(scraped, gateway_added_buckets(stack.gateway_port))
     gateway = summarize("gateway, paired", timings["gateway"], elapsed)
     direct = summarize("direct, paired", timings["direct"], elapsed)
     return {
@@ -196,7 +201,43 @@ async def load_d(
             "itl_p50": gateway.itl_p50_ms - direct.itl_p50_ms,
             "itl_p99": gateway.itl_p99_ms - direct.itl_p99_ms,
         },
+        # Timed inside the gateway over the same load: its own share, which the pairs'
+        # difference mixes with the engine steps a later request can miss.
+        "gateway_internal_ms": internal,
     }
+
+
+def gateway_added_buckets(port: int) -> dict[str, dict[float, float]]:
+    """The gateway's own-time histogram (``switchboard_gateway_added_seconds``) as
+    cumulative counts per bucket bound, by phase, scraped from its /metrics."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    buckets: dict[str, dict[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "switchboard_gateway_added_seconds_bucket":
+                phase = buckets.setdefault(sample.labels["phase"], {})
+                phase[float(sample.labels["le"])] = sample.value
+    return buckets
+
+
+def bucket_quantiles(
+    before: dict[str, dict[float, float]], after: dict[str, dict[float, float]]
+) -> dict[str, float]:
+    """p50 and p99 (ms) of what was observed between two scrapes, as bucket upper bounds
+    (a histogram tells no finer than its buckets: 0.25, 0.5, 1, 2, 3, 5, 7.5, 10 ms ...)."""
+    out: dict[str, float] = {}
+    for phase, counts in after.items():
+        delta = {le: n - before.get(phase, {}).get(le, 0.0) for le, n in sorted(counts.items())}
+        total = delta.get(float("inf"), 0.0)
+        for q in (50, 99):
+            bound = next((le for le, n in delta.items() if total and n >= total * q / 100), None)
+            out[f"{phase}_p{q}_at_most"] = bound * 1e3 if bound is not None else float("nan")
+        out[f"{phase}_count"] = total
+    return out
 
 
 def cpu_seconds(pid: int) -> float:

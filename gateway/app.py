@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -94,6 +95,19 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
     )
 
 
+class StampArrival:
+    """Puts the monotonic time a request reached the app in ``request.state.arrived``, so
+    the gateway's own share of a request's latency includes parsing and validation."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrived"] = time.monotonic()
+        await self.app(scope, receive, send)
+
+
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     """The app; `settings` default to the `SWITCHBOARD_*` environment."""
     settings = settings or GatewaySettings()
@@ -108,6 +122,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await state.close()
 
     app = FastAPI(title="Switchboard gateway", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(StampArrival)
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(adapter_routes.router)

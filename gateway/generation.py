@@ -41,20 +41,25 @@ def _remaining(deadline: float) -> float:
 
 
 async def open_stream(
-    job: Job, *, directory: WorkerDirectory, channels: WorkerChannels
+    job: Job, *, directory: WorkerDirectory, channels: WorkerChannels, arrived: float
 ) -> WorkerStream:
-    """A Generate call on the best worker that answers, with its first response in hand."""
+    """A Generate call on the best worker that answers, with its first response in hand.
+
+    ``arrived``: when the request reached the gateway; the time to the first call going out
+    is the gateway's admission share of the request's latency."""
     affinity = prefix_affinity_key(
         tenant=job.tenant, adapter_id=job.adapter_id, prompt_ids=job.prompt_ids
     )
     candidates = await directory.candidates(adapter_id=job.adapter_id, affinity_key=affinity)
     request = job.to_proto()
     error: GatewayError = WorkerFailedError("no worker answered")
-    for worker in candidates[:MAX_TRIES]:
+    for attempt, worker in enumerate(candidates[:MAX_TRIES]):
         remaining = _remaining(job.deadline)
         if remaining <= 0:
             raise DeadlineExceededError("the request's deadline passed before a worker answered")
         directory.sent(worker.worker_id)
+        if attempt == 0:
+            metrics.ADMISSION_TIME.observe(time.monotonic() - arrived)
         try:
             async with asyncio.timeout(remaining):
                 return await start_generate(
@@ -207,6 +212,8 @@ async def stream_events(
             )
             offsets[message.index] = offsets.get(message.index, 0) + len(message.text)
             yield sse(json.dumps(body, separators=(",", ":")))
+            # Resumed once the server took the bytes: the relay share of this delta.
+            metrics.RELAY_TIME.observe(time.monotonic() - tally.last_message_at)
         if include_usage:
             usage = Usage(
                 prompt_tokens=len(job.prompt_ids),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -66,7 +67,7 @@ async def list_models(*, state: GatewayState, caller: Caller) -> dict[str, Any]:
 async def serve_completion(
     body: CompletionRequest, *, state: GatewayState, caller: Caller, request: Request
 ) -> Response:
-    tally = Tally()
+    tally = Tally(arrived=arrival_of(request))
     with _observed(caller, body.model, "completions", tally) as observation:
         body.check_supported()
         adapter = await _resolve(body.model, state=state, caller=caller)
@@ -94,7 +95,7 @@ async def serve_completion(
 async def serve_chat(
     body: ChatCompletionRequest, *, state: GatewayState, caller: Caller, request: Request
 ) -> Response:
-    tally = Tally()
+    tally = Tally(arrived=arrival_of(request))
     with _observed(caller, body.model, "chat", tally) as observation:
         body.check_supported()
         adapter = await _resolve(body.model, state=state, caller=caller)
@@ -206,6 +207,11 @@ async def _serve(
         raise
 
 
+def arrival_of(request: Request) -> float:
+    """When the request reached the app (``StampArrival``), else now."""
+    return getattr(request.state, "arrived", None) or time.monotonic()
+
+
 def _header(job: Job) -> Header:
     return Header(id=job.request_id, created=job.created, model=job.model)
 
@@ -248,7 +254,9 @@ async def respond(
 ) -> Response:
     """Stream (after the first token is in) or collect; a client gone early cancels the call.
     `on_close` runs when the response is over (for a stream: when the stream ends)."""
-    opened = open_stream(job, directory=state.workers, channels=state.channels)
+    opened = open_stream(
+        job, directory=state.workers, channels=state.channels, arrived=tally.arrived
+    )
     if stream:
         worker_stream = await until_disconnect(request, opened)
         events = stream_events(

@@ -67,4 +67,10 @@ async def test_metrics_follow_requests(redis_url, redis_prefix, model_dir, tmp_p
     assert delta("switchboard_time_to_first_token_seconds_count") == 4
     assert delta("switchboard_inter_token_latency_seconds_count") > 0
     assert delta("switchboard_request_duration_seconds_count", endpoint="chat") == 5
+    # The gateway's own share: admission once per request that reached a worker (the 404 and
+    # the 429 did not), relay once per streamed text delta.
+    added = "switchboard_gateway_added_seconds"
+    assert delta(f"{added}_count", phase="admission") == 4
+    assert delta(f"{added}_count", phase="relay") > 0
+    assert delta(f"{added}_sum", phase="admission") < 4 * 0.25  # seconds, in a test: generous
     assert after[("switchboard_requests_in_flight", ())] == 0
