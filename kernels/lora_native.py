@@ -22,7 +22,7 @@ SLOT_FIELDS = 3 + 5 * MAX_BLOCKS
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-class NativeLibrary:
+class NativeLora:
     """The loaded kernel. ``has_avx512``: the vector loops are in (else plain C only)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -44,8 +44,10 @@ class NativeLibrary:
         portable: bool = False,
     ) -> None:
         """Semantics: ``y[t, o:] += scales[s] * x[t] @ A_s.T @ B_s.T`` for the groups' tokens."""
-        if x.stride(1) != 1 or y.stride(1) != 1 or x.dtype != torch.bfloat16:
+        if x.stride(1) != 1 or y.stride(1) != 1 or {x.dtype, y.dtype} != {torch.bfloat16}:
             raise ValueError("native LoRA: x and y must be bf16 with contiguous rows")
+        if scales.dtype != torch.float32 or not scales.is_contiguous():
+            raise ValueError("native LoRA: scales must be contiguous float32")
         if (
             groups.max_slot >= slots.table.shape[0]
             or groups.end > min(x.shape[0], y.shape[0])
@@ -164,7 +166,7 @@ class NativeSlots:
 
 
 @functools.cache
-def native_library() -> NativeLibrary | None:
+def native_library() -> NativeLora | None:
     """The kernel, built on first use; None where it cannot be (reason logged once)."""
     lib = native.load("lora_cpu.c")
-    return None if lib is None else NativeLibrary(lib)
+    return None if lib is None else NativeLora(lib)

@@ -140,6 +140,10 @@ def test_kernel_refuses_what_would_read_or_write_out_of_bounds():
     two = groups_of(torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="bf16"):
         LIBRARY.bgmv(y.float(), x.float(), slots, scales, two)
+    with pytest.raises(ValueError, match="bf16"):
+        LIBRARY.bgmv(y.float(), x, slots, scales, two)  # y in fp32: written as bf16
+    with pytest.raises(ValueError, match="float32"):
+        LIBRARY.bgmv(y, x, slots, scales.double(), two)
     bad = {
         "slot past the table": (y, x, groups_of(torch.tensor([0, 4]))),
         "row past the batch": (y[:1], x[:1], two),
