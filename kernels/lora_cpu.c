@@ -141,10 +141,10 @@ int sb_lora_has_avx512(void) {
  * its slot's weights front to back (A, then each B block), one sequential stream. */
 static void run_item(const uint16_t *x, int64_t x_stride, int64_t in, uint16_t *y,
                      int64_t y_stride, const int64_t *slot, float scale, const int64_t *rows,
-                     int64_t nt, int use_avx512) {
+                     int64_t nt, int use_avx512, float *scratch) {
     (void)use_avx512; /* unused where the build has no AVX-512 loops */
-    float x32[TOKEN_BLOCK * in];
-    float h[TOKEN_BLOCK * slot[1]];
+    float *x32 = scratch;                   /* [nt, in] */
+    float *h = scratch + TOKEN_BLOCK * in;  /* [nt, rank] */
     uint16_t *ys[TOKEN_BLOCK];
     for (int64_t t = 0; t < nt; t++) {
         const uint16_t *src = x + rows[t] * x_stride;
@@ -177,30 +177,43 @@ static void run_item(const uint16_t *x, int64_t x_stride, int64_t in, uint16_t *
  *   x: [T, in] bf16, row stride x_stride;  y: [T, >= out] bf16, row stride y_stride
  *   table: [num_slots, SLOT_FIELDS] int64;  scales: [num_slots] float32
  *   portable: 1 forces the plain-C loops (tests compare both with the reference).
+ * Returns 0, or -1 if scratch memory ran out (then some rows are not updated).
  * Work items are (group, block of up to TOKEN_BLOCK tokens), spread over torch's OpenMP
  * threads; a group of many tokens is several items that read its weights from cache.
  */
-void sb_lora_bgmv_bf16(const uint16_t *x, int64_t x_stride, int64_t in, uint16_t *y,
-                       int64_t y_stride, const int64_t *table, const float *scales,
-                       int64_t n_groups, const int64_t *group_slot, const int64_t *group_start,
-                       const int64_t *rows, int portable) {
+int sb_lora_bgmv_bf16(const uint16_t *x, int64_t x_stride, int64_t in, uint16_t *y,
+                      int64_t y_stride, const int64_t *table, const float *scales,
+                      int64_t n_groups, const int64_t *group_slot, const int64_t *group_start,
+                      const int64_t *rows, int portable) {
     int use_avx512 = sb_lora_has_avx512() && !portable;
-    int64_t n_items = 0;
-    for (int64_t g = 0; g < n_groups; g++)
+    int64_t n_items = 0, max_rank = 0, failed = 0;
+    for (int64_t g = 0; g < n_groups; g++) {
+        int64_t rank = table[group_slot[g] * SLOT_FIELDS + 1];
+        max_rank = rank > max_rank ? rank : max_rank;
         n_items += (group_start[g + 1] - group_start[g] + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
-#pragma omp parallel for schedule(dynamic, 1) if (n_items > 1)
-    for (int64_t it = 0; it < n_items; it++) {
-        int64_t g = 0, k = it; /* the it-th item: walk the groups (few; cheaper than a list) */
-        for (;; g++) {
-            int64_t count = (group_start[g + 1] - group_start[g] + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
-            if (k < count) break;
-            k -= count;
-        }
-        const int64_t *slot = table + group_slot[g] * SLOT_FIELDS;
-        int64_t t0 = group_start[g] + k * TOKEN_BLOCK;
-        int64_t t1 = t0 + TOKEN_BLOCK < group_start[g + 1] ? t0 + TOKEN_BLOCK : group_start[g + 1];
-        if (slot[1] > 0)
-            run_item(x, x_stride, in, y, y_stride, slot, scales[group_slot[g]], rows + t0,
-                     t1 - t0, use_avx512);
     }
+#pragma omp parallel reduction(| : failed) if (n_items > 1)
+    {
+        /* Per thread: an item's rows in fp32 and their shrink output (heap, not stack: a
+         * wide projection input would not fit a worker thread's stack). */
+        float *scratch = malloc(sizeof(float) * TOKEN_BLOCK * (in + max_rank));
+        if (!scratch) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < n_items; it++) {
+            int64_t g = 0, k = it; /* the it-th item: walk the groups (few; cheaper than a list) */
+            for (;; g++) {
+                int64_t count = (group_start[g + 1] - group_start[g] + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+                if (k < count) break;
+                k -= count;
+            }
+            const int64_t *slot = table + group_slot[g] * SLOT_FIELDS;
+            int64_t t0 = group_start[g] + k * TOKEN_BLOCK;
+            int64_t t1 = t0 + TOKEN_BLOCK < group_start[g + 1] ? t0 + TOKEN_BLOCK : group_start[g + 1];
+            if (scratch && slot[1] > 0)
+                run_item(x, x_stride, in, y, y_stride, slot, scales[group_slot[g]], rows + t0,
+                         t1 - t0, use_avx512, scratch);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
 }

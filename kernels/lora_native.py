@@ -27,7 +27,7 @@ class NativeLora:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._bgmv = lib.sb_lora_bgmv_bf16
-        self._bgmv.restype = None
+        self._bgmv.restype = ctypes.c_int
         self._bgmv.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
         self._bgmv.argtypes += [_ptr, _ptr, _ptr, ctypes.c_int]
         self.has_avx512 = bool(lib.sb_lora_has_avx512())
@@ -59,7 +59,7 @@ class NativeLora:
                 f"and slots [{slots.table.shape[0]}, {slots.in_features} -> "
                 f"{slots.out_features}] do not fit together"
             )
-        self._bgmv(
+        status = self._bgmv(
             x.data_ptr(),
             x.stride(0),
             x.shape[1],
@@ -73,6 +73,8 @@ class NativeLora:
             groups.rows.data_ptr(),
             int(portable),
         )
+        if status != 0:
+            raise MemoryError("native LoRA: scratch allocation failed")
 
 
 @dataclass(slots=True)
