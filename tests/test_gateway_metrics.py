@@ -74,3 +74,27 @@ async def test_metrics_follow_requests(redis_url, redis_prefix, model_dir, tmp_p
     assert delta(f"{added}_count", phase="relay") > 0
     assert delta(f"{added}_sum", phase="admission") < 4 * 0.25  # seconds, in a test: generous
     assert after[("switchboard_requests_in_flight", ())] == 0
+
+
+async def test_arrival_is_stamped_before_the_app_parses_anything():
+    """The admission phase starts when the ASGI call arrives (StampArrival), so parsing and
+    validation count as the gateway's time; other scope types are passed through as is."""
+    import time
+
+    from starlette.requests import Request
+
+    from gateway.app import StampArrival
+    from gateway.serving import arrival_of
+
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(scope)
+
+    before = time.monotonic()
+    await StampArrival(app)({"type": "http", "headers": []}, None, None)
+    await StampArrival(app)({"type": "lifespan"}, None, None)
+    http, lifespan = seen
+    assert before <= http["state"]["arrived"] <= time.monotonic()
+    assert arrival_of(Request(http)) == http["state"]["arrived"]
+    assert "state" not in lifespan

@@ -48,3 +48,15 @@ def test_a_broken_compiler_means_the_torch_paths(tmp_path, monkeypatch, caplog, 
 def test_the_native_kernels_can_be_switched_off(monkeypatch, fresh_loads):
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert native.load("lora_cpu.c") is None and native_library() is None
+
+
+def test_the_vector_loops_are_built_where_the_cpu_has_them():
+    """Tests run each kernel's "vector" and "portable" loops; on an AVX-512 CPU the first
+    must really be the AVX-512 ones (a build without them would test plain C twice)."""
+    from kernels.attention_native import native_attention
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    kernels = [native_library(), native_attention()]
+    if "avx512f" not in flags or None in kernels:
+        pytest.skip("no AVX-512 here, or no compiler")
+    assert all(kernel.has_avx512 for kernel in kernels)
