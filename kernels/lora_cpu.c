@@ -23,7 +23,6 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "bf16.h"
 
@@ -33,9 +32,9 @@
 
 /* --- portable inner loops ------------------------------------------------------------ */
 
-static void shrink_portable(const float *x32, int64_t in, const uint16_t *a, int64_t r0,
-                            int64_t r1, int64_t nt, float *h, int64_t h_stride) {
-    for (int64_t i = r0; i < r1; i++) {
+static void shrink_portable(const float *x32, int64_t in, const uint16_t *a, int64_t rank,
+                            int64_t nt, float *h, int64_t h_stride) {
+    for (int64_t i = 0; i < rank; i++) {
         const uint16_t *row = a + i * in;
         for (int64_t t = 0; t < nt; t++) {
             const float *xt = x32 + t * in;
@@ -66,9 +65,9 @@ static void expand_portable(const float *h, int64_t h_stride, const uint16_t *bt
 /* nt is a compile-time constant at each call site below, so the accumulators stay in
  * registers. */
 static inline __attribute__((always_inline)) void shrink_avx512_n(
-    const float *x32, int64_t in, const uint16_t *a, int64_t r0, int64_t r1, const int nt,
+    const float *x32, int64_t in, const uint16_t *a, int64_t rank, const int nt,
     float *h, int64_t h_stride) {
-    for (int64_t i = r0; i < r1; i++) {
+    for (int64_t i = 0; i < rank; i++) {
         const uint16_t *row = a + i * in;
         __m512 acc[TOKEN_BLOCK];
         for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
@@ -110,9 +109,9 @@ static inline __attribute__((always_inline)) void expand_avx512_n(
     case 7: call(7); break; default: call(8); break;                      \
     }
 
-static void shrink_avx512(const float *x32, int64_t in, const uint16_t *a, int64_t r0,
-                          int64_t r1, int64_t nt, float *h, int64_t h_stride) {
-#define SHRINK(n) shrink_avx512_n(x32, in, a, r0, r1, n, h, h_stride)
+static void shrink_avx512(const float *x32, int64_t in, const uint16_t *a, int64_t rank,
+                          int64_t nt, float *h, int64_t h_stride) {
+#define SHRINK(n) shrink_avx512_n(x32, in, a, rank, n, h, h_stride)
     DISPATCH_NT(SHRINK)
 #undef SHRINK
 }
@@ -153,10 +152,10 @@ static void run_item(const uint16_t *x, int64_t x_stride, int64_t in, uint16_t *
     const uint16_t *a = (const uint16_t *)(intptr_t)slot[0];
 #if defined(__AVX512F__)
     if (use_avx512)
-        shrink_avx512(x32, in, a, 0, slot[1], nt, h, slot[1]);
+        shrink_avx512(x32, in, a, slot[1], nt, h, slot[1]);
     else
 #endif
-        shrink_portable(x32, in, a, 0, slot[1], nt, h, slot[1]);
+        shrink_portable(x32, in, a, slot[1], nt, h, slot[1]);
     for (int64_t b = 0; b < slot[2]; b++) {
         const int64_t *blk = slot + 3 + 5 * b;
         const uint16_t *bt = (const uint16_t *)(intptr_t)blk[4];
