@@ -46,4 +46,5 @@ class GatewayState:
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
         await self.channels.close()
+        await self.quotas.close()
         await self.redis.aclose()
