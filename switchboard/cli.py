@@ -210,7 +210,12 @@ def worker_engine_kwargs(args: argparse.Namespace) -> dict:
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_max_batch_size": args.speculative_max_batch_size,
         "speculative_min_acceptance": args.speculative_min_acceptance,
-    }
+        "speculative_draft_cost": args.speculative_draft_cost,
+    } | (
+        {}
+        if args.speculative_position_cost is None
+        else {"speculative_position_cost": args.speculative_position_cost}
+    )
 
 
 def _worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -294,8 +299,22 @@ def _speculative_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speculative-min-acceptance",
         type=float,
-        default=0.2,
-        help="a request whose drafts are accepted less often pauses speculating",
+        default=0.0,
+        help="a request whose drafts are accepted less often (per position) pauses "
+        "speculating, whatever the cost model says (default: off)",
+    )
+    parser.add_argument(
+        "--speculative-position-cost",
+        type=float,
+        help="cost of verifying one more position, per decoding request, relative to a "
+        "plain decode step: a draft is proposed only while its acceptance covers it "
+        "(default: 0.02, measured on CPU)",
+    )
+    parser.add_argument(
+        "--speculative-draft-cost",
+        type=float,
+        help="a draft model's cost per draft token relative to a target step (default: "
+        "the ratio of their weights; 0 for ngram)",
     )
 
 

@@ -99,6 +99,8 @@ def test_sampled_speculation_with_a_draft_on_the_gpu(base, tmp_path):
         speculative_model=str(draft),
         num_speculative_tokens=3,
         speculative_min_acceptance=0.0,
+        speculative_position_cost=0.0,  # speculate whatever it costs: this is about exactness
+        speculative_draft_cost=0.0,
     )
     assert [o.token_ids for o in spec.generate(prompts, greedy())] == [o.token_ids for o in plain]
     sampled = SamplingParams(temperature=1.0, top_k=5, max_tokens=MAX_NEW, seed=3)

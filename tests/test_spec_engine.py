@@ -66,6 +66,10 @@ def copying_prompts(num: int, seed: int) -> list[list[int]]:
 
 
 def speculative(target, spec: str, k: int = 4, **kwargs) -> LLM:
+    """An engine that speculates whenever it may: these tests are about exactness, so the
+    cost model (which would not let a draft as big as the target run) is off."""
+    kwargs.setdefault("speculative_position_cost", 0.0)
+    kwargs.setdefault("speculative_draft_cost", 0.0)
     return LLM(target, dtype="float32", speculative_model=spec, num_speculative_tokens=k, **kwargs)
 
 
@@ -333,17 +337,47 @@ def test_backoff_pauses_a_failing_sequence_and_starts_newcomers_paused():
 
     policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.2, pause_steps=4)
     first = Sequence("a", [1], SamplingParams(), 0)
-    assert policy.allows(first)
+    assert policy.num_drafts(first, 4, 1) > 0
     tries = 0
-    while policy.allows(first) and tries < 10:
+    while policy.num_drafts(first, 4, 1) and tries < 10:
         policy.update(first, 4, 0)  # every draft rejected
         tries += 1
     assert tries == 3  # 0.5 -> 0.35 -> 0.245 -> 0.17: paused
-    assert [policy.allows(first) for _ in range(4)] == [False] * 3 + [True]
-    policy.update(first, 4, 0)  # the retry fails: the next pause is twice as long
-    assert sum(not policy.allows(first) for _ in range(8)) == 8
+    assert [policy.num_drafts(first, 4, 1) for _ in range(3)] == [0] * 3
+    assert policy.num_drafts(first, 4, 1) > 0  # the pause is over: a probe
+    policy.update(first, 2, 0)  # the probe fails: the next pause is twice as long
+    assert sum(not policy.num_drafts(first, 4, 1) for _ in range(8)) == 8
     for _ in range(40):
         policy.update(first, 4, 0)
     assert policy.acceptance < 0.2
     newcomer = Sequence("b", [1], SamplingParams(), 1)
-    assert not policy.allows(newcomer)  # drafts mostly fail: newcomers start paused
+    assert not policy.num_drafts(newcomer, 4, 1)  # drafts mostly fail: newcomers start paused
+
+
+def test_drafts_per_step_follow_acceptance_and_batch_size():
+    """The j-th draft is proposed while acceptance^j covers its cost (2% of a step per
+    decoding sequence, plus the proposer's own): long runs for a sequence that copies, one
+    draft for one that rarely matches, none where the first draft is not worth it."""
+    from worker.sequence import Sequence
+    from worker.spec_decode.stats import BackoffPolicy
+
+    def settled(accepted: int, proposed: int, *, draft_cost: float = 0.0) -> tuple:
+        policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.0, draft_cost=draft_cost)
+        seq = Sequence("a", [1], SamplingParams(), 0)
+        for _ in range(30):
+            policy.update(seq, proposed, accepted)
+        return policy, seq
+
+    policy, copying = settled(8, 8)  # every draft accepted: acceptance -> 1
+    assert policy.num_drafts(copying, 16, 1) == 16
+    assert policy.num_drafts(copying, 16, 8) == 16
+    policy, half = settled(1, 4)  # one accepted, then one rejected: 0.5 per position
+    assert policy.num_drafts(half, 16, 1) == 5  # 0.5^5 = 0.031 >= 0.02 > 0.5^6
+    assert policy.num_drafts(half, 16, 8) == 2  # 0.5^2 = 0.25 >= 0.16 > 0.5^3
+    policy, half = settled(1, 4, draft_cost=0.3)
+    assert policy.num_drafts(half, 16, 1) == 1  # 0.5 >= 0.32 > 0.25
+    policy, rare = settled(0, 4)
+    rare_track = policy._tracks[rare]
+    rare_track.pause, rare_track.acceptance = 0, 0.1
+    assert policy.num_drafts(rare, 16, 1) == 1  # 0.1 >= 0.02 > 0.01
+    assert policy.num_drafts(rare, 16, 8) == 0  # 0.1 < 0.16: pauses instead

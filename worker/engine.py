@@ -28,7 +28,7 @@ from worker.scheduler import PreemptionMode, ScheduledSequence, Scheduler
 from worker.sequence import FinishReason, Sequence, SequenceStatus
 from worker.spec_decode.setup import build_speculator
 from worker.spec_decode.speculator import Verified
-from worker.spec_decode.stats import SpecDecodeStats
+from worker.spec_decode.stats import POSITION_COST, SpecDecodeStats
 from worker.tokenizer import load_tokenizer
 
 
@@ -56,7 +56,9 @@ class LLMEngine:
         speculative_model: str | Path | None = None,
         num_speculative_tokens: int | None = None,
         speculative_max_batch_size: int = 8,
-        speculative_min_acceptance: float = 0.2,
+        speculative_min_acceptance: float = 0.0,
+        speculative_position_cost: float = POSITION_COST,
+        speculative_draft_cost: float | None = None,
     ) -> None:
         """``share_base_model_prefixes``: base-model requests of different tenants share
         cached prefixes (faster; but one tenant can then time another's prompts). Adapter
@@ -64,9 +66,16 @@ class LLMEngine:
         sizes the host pool used when ``preemption_mode`` is ``"swap"``.
 
         Speculative decoding: ``speculative_model`` is ``"ngram"`` (prompt lookup) or a draft
-        checkpoint sharing the target's vocabulary; ``num_speculative_tokens`` is k. It is
-        off for steps with more than ``speculative_max_batch_size`` decoding sequences, and
-        paused for a sequence whose acceptance falls below ``speculative_min_acceptance``.
+        checkpoint sharing the target's vocabulary; ``num_speculative_tokens`` is k, the most
+        drafts a sequence gets in a step (each gets as many as its acceptance makes worth
+        their cost: ``BackoffPolicy``). It is off for steps with more than
+        ``speculative_max_batch_size`` decoding sequences, and paused for a sequence whose
+        drafts are not worth their cost, or whose acceptance per position falls below
+        ``speculative_min_acceptance`` (a floor; off by default). The costs a draft
+        must cover, relative to a plain decode step: ``speculative_position_cost`` per
+        verified position and decoding sequence (measured on CPU), and
+        ``speculative_draft_cost`` per draft token (None: the draft's weights over the
+        target's; 0 for prompt lookup). Zero both to speculate whatever it costs.
 
         ``device``: where the weights, the KV cache and the adapter slots live. On ``cuda``
         the LoRA ops run the Triton kernels and attention runs on the GPU through the same
@@ -132,6 +141,9 @@ class LLMEngine:
             tokenizer=self.tokenizer,
             max_batch_size=speculative_max_batch_size,
             min_acceptance=speculative_min_acceptance,
+            target_weight_bytes=self.model.decode_weight_bytes,
+            position_cost=speculative_position_cost,
+            draft_cost=speculative_draft_cost,
         )
         self.postprocessor = Postprocessor(
             eos_token_ids=self.config.eos_token_ids, max_model_len=self.max_model_len

@@ -54,6 +54,13 @@ class LlamaModel:
             raise ModelLoadError(f"the checkpoint has no {head} (tie_word_embeddings is False)")
         self.lm_head = Linear(weights[head])
         self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
+        # What one decode step reads (all but the embedding table, which is only gathered
+        # from): a small batch's step time on CPU goes with it.
+        self.decode_weight_bytes = sum(
+            t.numel() * t.element_size()
+            for name, t in weights.items()
+            if name != "model.embed_tokens.weight" or c.tie_word_embeddings
+        )
         rope = RopeTables.build(c.head_dim, c.rope, c.max_position_embeddings, dtype)
         self.rope = rope.to(self.device)
 

@@ -28,6 +28,9 @@ def build_speculator(
     tokenizer,
     max_batch_size: int,
     min_acceptance: float,
+    target_weight_bytes: int,
+    position_cost: float,
+    draft_cost: float | None,
 ) -> Speculator | None:
     """None when speculation is off. ``speculative_model``: ``"ngram"`` (prompt lookup) or a
     draft checkpoint directory; ``num_speculative_tokens`` (k) defaults to 4 with either."""
@@ -48,9 +51,15 @@ def build_speculator(
         raise SpeculativeConfigError(
             "speculative_max_batch_size must be >= 0 and speculative_min_acceptance in [0, 1]"
         )
+    if position_cost < 0 or (draft_cost is not None and draft_cost < 0):
+        raise SpeculativeConfigError(
+            "speculative_position_cost and speculative_draft_cost must be >= 0"
+        )
     proposer: Proposer
     if str(speculative_model) == NGRAM:
         proposer = NgramProposer()
+        if draft_cost is None:
+            draft_cost = 0.0  # a lookup in the sequence's own tokens: next to nothing
     else:
         path = Path(speculative_model)
         if not (path / "config.json").is_file():
@@ -69,10 +78,18 @@ def build_speculator(
             target_vocab_size=vocab_size,
             target_tokenizer=tokenizer,
         )
+        if draft_cost is None:
+            # A small batch's decode step reads the weights: a draft step costs their ratio.
+            draft_cost = proposer.model.decode_weight_bytes / target_weight_bytes
     return Speculator(
         proposer,
         num_speculative_tokens=k,
         block_manager=block_manager,
         max_model_len=max_model_len,
-        policy=BackoffPolicy(max_batch_size=max_batch_size, min_acceptance=min_acceptance),
+        policy=BackoffPolicy(
+            max_batch_size=max_batch_size,
+            min_acceptance=min_acceptance,
+            position_cost=position_cost,
+            draft_cost=draft_cost,
+        ),
     )

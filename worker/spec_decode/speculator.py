@@ -69,8 +69,9 @@ class Speculator:
             return
         chosen, ks = [], []
         for seq in decoding:
-            k = self._room(seq)
-            if k > 0 and self.policy.allows(seq):
+            room = self._room(seq)
+            k = self.policy.num_drafts(seq, room, len(decoding)) if room > 0 else 0
+            if k > 0:
                 chosen.append(seq)
                 ks.append(k)
         if not chosen:

@@ -62,17 +62,34 @@ class SpecDecodeStats:
         }
 
 
+# One more position verified in a step costs about 2% of a plain decode step (default
+# model, bf16, this CPU: batch 1, 30.3 ms for one row, 31.1 for 5, 42.8 for 17; batch 8,
+# 38.0 ms for 8 rows, 52.5 for 40, 96.8 for 136; see bench/README.md).
+POSITION_COST = 0.02
+
+
 @dataclass(slots=True)
 class _Track:
-    acceptance: float = 0.5  # moving average of the accepted fraction
+    acceptance: float = 0.5  # moving average of the per-position acceptance
     pause: int = 0  # steps left without speculating
     next_pause: int = 0  # length of the next pause: doubles while drafts keep failing
+    probe: bool = False  # a pause just ended: draft at least one token to measure again
 
 
 class BackoffPolicy:
-    """When speculation pays: not in large batches (verification then costs real compute),
-    and not for a sequence whose drafts keep being rejected: it pauses, then retries, and
-    each failed retry doubles the pause (up to ``max_pause_steps``). A new sequence starts
+    """How many drafts each sequence gets in a step, and when speculation pays at all.
+
+    Not in large batches: above ``max_batch_size`` decoding sequences, verification costs
+    real compute. Per sequence, with α its moving acceptance per position, the j-th draft
+    is used with probability ~α^j; it is proposed while that covers its cost, α^j ≥
+    ``position_cost`` × decoding sequences (the step's extra cost, against the ~one token
+    per sequence the step yields) + ``draft_cost`` (the proposer's own cost per draft
+    relative to a target step: 0 for prompt lookup). So a sequence that copies its input
+    drafts up to k tokens a step, and one that rarely matches drafts one or none.
+
+    A sequence whose first draft is not worth its cost (or whose acceptance falls below
+    ``min_acceptance``, a floor that is off by default) pauses, then probes with a draft;
+    each failed probe doubles the pause (up to ``max_pause_steps``). A new sequence starts
     from the engine-wide acceptance: while drafts mostly fail (a poor draft model for this
     traffic), newcomers start paused too, so they only probe now and then."""
 
@@ -83,37 +100,47 @@ class BackoffPolicy:
         min_acceptance: float,
         pause_steps: int = 8,
         max_pause_steps: int = 256,
+        position_cost: float = POSITION_COST,
+        draft_cost: float = 0.0,
     ) -> None:
-        # At or below this many decoding sequences a step is bound by reading the weights,
-        # so verifying k + 1 positions costs about what one does.
         self.max_batch_size = max_batch_size
-        # Below this moving-average acceptance the drafts cost more than they save.
         self.min_acceptance = min_acceptance
         self.pause_steps = pause_steps
         self.max_pause_steps = max_pause_steps
+        self.position_cost = position_cost
+        self.draft_cost = draft_cost
         self._tracks: dict[Sequence, _Track] = {}
         self.acceptance = 0.5  # engine-wide moving average, over every verification
 
     def allows_batch(self, num_decodes: int) -> bool:
         return num_decodes <= self.max_batch_size
 
-    def allows(self, seq: Sequence) -> bool:
-        track = self._tracks.get(seq)
-        if track is None:
-            track = self._tracks[seq] = self._new_track()
-        if track.pause == 0:
-            return True
-        track.pause -= 1
-        return False
+    def num_drafts(self, seq: Sequence, k: int, num_decodes: int) -> int:
+        """Drafts for ``seq`` this step, at most ``k``, with ``num_decodes`` decoding."""
+        track = self._track(seq)
+        if track.pause:
+            track.pause -= 1
+            track.probe = track.pause == 0
+            return 0
+        worth = self.position_cost * num_decodes + self.draft_cost
+        n = 0
+        while n < k and track.acceptance ** (n + 1) >= worth:
+            n += 1
+        if n == 0 and not track.probe:
+            self._pause(track)
+            return 0
+        track.probe = False
+        return max(n, 1)
 
     def update(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
-        track = self._tracks.get(seq) or self._tracks.setdefault(seq, self._new_track())
-        rate = num_accepted / num_proposed
+        track = self._track(seq)
+        # Positions tried: each accepted one, and the first rejected (later ones never ran).
+        tried = num_accepted + (num_accepted < num_proposed)
+        rate = num_accepted / tried
         self.acceptance = 0.8 * self.acceptance + 0.2 * rate
         track.acceptance = 0.7 * track.acceptance + 0.3 * rate
         if track.acceptance < self.min_acceptance:
-            track.pause = track.next_pause
-            track.next_pause = min(2 * track.next_pause, self.max_pause_steps)
+            self._pause(track)
             track.acceptance = self.min_acceptance  # retry from the threshold, not below
         elif track.acceptance >= 2 * self.min_acceptance:
             track.next_pause = self.pause_steps
@@ -121,8 +148,21 @@ class BackoffPolicy:
     def release(self, seq: Sequence) -> None:
         self._tracks.pop(seq, None)
 
+    def _track(self, seq: Sequence) -> _Track:
+        track = self._tracks.get(seq)
+        if track is None:
+            track = self._tracks[seq] = self._new_track()
+        return track
+
+    def _pause(self, track: _Track) -> None:
+        track.pause = max(1, track.next_pause)
+        track.next_pause = min(2 * track.pause, self.max_pause_steps)
+        track.probe = False
+
     def _new_track(self) -> _Track:
         if self.acceptance >= self.min_acceptance:
-            return _Track(acceptance=max(0.5, self.acceptance), next_pause=self.pause_steps)
+            # From the traffic's acceptance: where drafts mostly fail, the first draft is
+            # not worth its cost and the newcomer starts with a pause.
+            return _Track(acceptance=self.acceptance, next_pause=self.pause_steps)
         # Start paused, as if the first try had failed already.
         return _Track(self.min_acceptance, pause=self.pause_steps, next_pause=2 * self.pause_steps)
