@@ -56,6 +56,19 @@ def redis_prefix(request) -> str:
     return f"sbtest:{request.node.name[:40]}:{uuid.uuid4().hex[:8]}:"
 
 
+@pytest.fixture
+async def redis_client(redis_url, redis_prefix):
+    """An asyncio client of the real Redis; this test's keys are deleted afterwards."""
+    import redis.asyncio as aioredis
+
+    from tests.test_gateway_support import delete_prefix
+
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    await delete_prefix(redis_url, redis_prefix)
+    await client.aclose()
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """The gateway tests' checkpoint directory: tokenizer, chat template, config, no weights

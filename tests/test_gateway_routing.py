@@ -6,8 +6,6 @@ import random
 import time
 
 import pytest
-import redis.asyncio as aioredis
-from test_gateway_support import delete_prefix
 
 from gateway.errors import NoWorkerError
 from gateway.routing import WorkerDirectory, rank_workers, rendezvous_score
@@ -79,11 +77,8 @@ def test_second_choice_is_another_worker():
 
 
 @pytest.fixture
-async def redis(redis_url, redis_prefix):
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    yield client
-    await delete_prefix(redis_url, redis_prefix)
-    await client.aclose()
+def redis(redis_client):
+    return redis_client
 
 
 def directory(redis, prefix, **kwargs) -> WorkerDirectory:

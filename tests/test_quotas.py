@@ -16,17 +16,13 @@ from gateway import metrics
 from gateway.errors import RateLimitError, StateUnavailableError
 from gateway.quotas import Quota, QuotaService, duration, tenant_key
 from gateway.usage import UsageDelta, read_usage
-from tests.test_gateway_support import delete_prefix
 
 T = "acme"
 
 
 @pytest.fixture
-async def client(redis_url, redis_prefix):
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    yield client
-    await delete_prefix(redis_url, redis_prefix)
-    await client.aclose()
+def client(redis_client):
+    return redis_client
 
 
 @pytest.fixture

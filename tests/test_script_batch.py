@@ -11,7 +11,6 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from gateway.script_batch import ScriptBatcher
-from tests.test_gateway_support import delete_prefix
 
 # Echoes its key and argument; fails on demand, as a quota script can.
 ECHO = """
@@ -19,14 +18,6 @@ if ARGV[1] == 'fail' then return redis.error_reply('asked to fail') end
 redis.call('INCR', KEYS[1])
 return {KEYS[1], ARGV[1]}
 """
-
-
-@pytest.fixture
-async def client(redis_url, redis_prefix):
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    yield client
-    await delete_prefix(redis_url, redis_prefix)
-    await client.aclose()
 
 
 class PipelineCount:
@@ -44,8 +35,9 @@ class PipelineCount:
 
 
 async def test_concurrent_calls_share_one_round_trip_and_get_their_own_replies(
-    client, redis_prefix, monkeypatch
+    redis_client, redis_prefix, monkeypatch
 ):
+    client = redis_client
     script = client.register_script(ECHO)
     batcher = ScriptBatcher(client)
     pipelines = PipelineCount(client, monkeypatch)
@@ -58,7 +50,8 @@ async def test_concurrent_calls_share_one_round_trip_and_get_their_own_replies(
     assert [int(v) for v in await client.mget(keys)] == [1] * 20  # each ran exactly once
 
 
-async def test_one_failing_script_fails_only_its_caller(client, redis_prefix):
+async def test_one_failing_script_fails_only_its_caller(redis_client, redis_prefix):
+    client = redis_client
     script = client.register_script(ECHO)
     batcher = ScriptBatcher(client)
     outcomes = await asyncio.gather(
@@ -74,7 +67,8 @@ async def test_one_failing_script_fails_only_its_caller(client, redis_prefix):
     assert outcomes[2] == [f"{redis_prefix}k2", "c"]
 
 
-async def test_a_flushed_script_cache_is_reloaded(client, redis_prefix):
+async def test_a_flushed_script_cache_is_reloaded(redis_client, redis_prefix):
+    client = redis_client
     script = client.register_script(ECHO)
     batcher = ScriptBatcher(client)
     await batcher.run(script, keys=[f"{redis_prefix}warm"], args=["x"])
@@ -86,7 +80,8 @@ async def test_a_flushed_script_cache_is_reloaded(client, redis_prefix):
     assert await client.get(f"{redis_prefix}k3") == "1"  # not run twice by the retry
 
 
-async def test_a_cancelled_caller_leaves_the_others_their_replies(client, redis_prefix):
+async def test_a_cancelled_caller_leaves_the_others_their_replies(redis_client, redis_prefix):
+    client = redis_client
     script = client.register_script(ECHO)
     batcher = ScriptBatcher(client)
     first = asyncio.ensure_future(batcher.run(script, keys=[f"{redis_prefix}a"], args=["a"]))
