@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import os
 import sys
 from typing import TextIO
 
@@ -51,3 +52,9 @@ def configure_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper() if isinstance(level, str) else level)
+
+
+def json_lines_wanted() -> bool:
+    """`SWITCHBOARD_LOG_FORMAT`: json or text; by default JSON unless stderr is a terminal."""
+    wanted = os.environ.get("SWITCHBOARD_LOG_FORMAT", "auto").lower()
+    return wanted == "json" or (wanted == "auto" and not sys.stderr.isatty())

@@ -319,7 +319,8 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match(tokens, k
 
 
 def test_worker_flags_reach_the_engine(target):
-    from switchboard.cli import build_parser, worker_engine_kwargs
+    from switchboard.cli import build_parser
+    from switchboard.worker_command import worker_engine_kwargs
 
     args = build_parser().parse_args(
         ["worker", "--speculative-model", "ngram", "--num-speculative-tokens", "3"]

@@ -1,0 +1,175 @@
+"""`switchboard worker`: one engine served over gRPC, and the engine options it takes.
+
+Everything heavy (torch, the engine, grpc) is imported when the command runs, so building
+the CLI's parser stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from switchboard.commands import Command
+
+
+def worker(args: argparse.Namespace) -> int:
+    """Serve one engine over gRPC until SIGTERM/SIGINT, then drain (see worker/server.py)."""
+    import asyncio
+    import logging
+    from pathlib import Path
+
+    from switchboard.logs import configure_logging, json_lines_wanted
+    from worker.main_thread import MainThreadEngineLoop
+    from worker.server import serve
+
+    configure_logging(level=logging.INFO, json_lines=json_lines_wanted())
+    engine_kwargs = worker_engine_kwargs(args)
+    # The engine's step loop runs on this (the main) thread, the gRPC asyncio loop beside it.
+    engine_loop = MainThreadEngineLoop()
+    rpc = functools.partial(
+        asyncio.run,
+        serve(
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            dtype=args.dtype,
+            redis_url=args.redis_url,
+            redis_prefix=args.redis_prefix,
+            worker_id=args.worker_id,
+            advertise_host=args.advertise_host,
+            drain_timeout=args.drain_timeout,
+            engine_kwargs=engine_kwargs,
+            adapter_store=Path(args.adapter_store),
+            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+            engine_loop=engine_loop,
+        ),
+    )
+    engine_loop.run(rpc)
+    return 0
+
+
+def worker_engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine's keyword arguments from the worker's flags."""
+    return {
+        "device": args.device,
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "share_base_model_prefixes": args.share_base_model_prefixes,
+        "preemption_mode": args.preemption_mode,
+        "swap_space_gb": args.swap_space_gb,
+        "speculative_model": args.speculative_model,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "speculative_max_batch_size": args.speculative_max_batch_size,
+        "speculative_min_acceptance": args.speculative_min_acceptance,
+        "speculative_draft_cost": args.speculative_draft_cost,
+    } | (
+        {}
+        if args.speculative_position_cost is None
+        else {"speculative_position_cost": args.speculative_position_cost}
+    )
+
+
+def _worker_arguments(parser: argparse.ArgumentParser) -> None:
+    import os
+
+    from switchboard.home import default_adapter_store
+
+    parser.add_argument("--model", default="default", help="checkpoint directory or 'default'")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free one)")
+    parser.add_argument(
+        "--advertise-host", help="host the gateway dials (default: --host, or the hostname)"
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("SWITCHBOARD_REDIS_URL"),
+        help="registry Redis (default: $SWITCHBOARD_REDIS_URL; unset: do not register)",
+    )
+    parser.add_argument("--redis-prefix", default=os.environ.get("SWITCHBOARD_KEY_PREFIX", "sb:"))
+    parser.add_argument("--worker-id", help="registry id (default: HOSTNAME-PORT)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda[:N]: weights, KV cache and adapter slots on that GPU (Triton LoRA)",
+    )
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--max-loras", type=int, default=8, help="adapter slots (0: no LoRA)")
+    parser.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true", help="turn automatic prefix caching off"
+    )
+    parser.add_argument(
+        "--share-base-model-prefixes",
+        action="store_true",
+        help="let tenants share cached base-model prefixes (default: isolated per tenant)",
+    )
+    parser.add_argument(
+        "--preemption-mode",
+        choices=("recompute", "swap"),
+        default="recompute",
+        help="what happens to a preempted request's KV cache",
+    )
+    parser.add_argument(
+        "--swap-space-gb", type=float, default=1.0, help="host memory for swapped-out KV blocks"
+    )
+    _speculative_arguments(parser)
+    parser.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may finish"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9400,
+        help="Prometheus /metrics HTTP port on --host (0: any free one, -1: off)",
+    )
+    parser.add_argument(
+        "--adapter-store",
+        default=os.environ.get("SWITCHBOARD_ADAPTER_STORE") or str(default_adapter_store()),
+        help="where the gateway stores adapters by content id (default: "
+        "$SWITCHBOARD_ADAPTER_STORE, else $SWITCHBOARD_HOME/adapters)",
+    )
+
+
+def _speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-model",
+        help="speculative decoding: 'ngram' (prompt lookup) or a draft checkpoint directory "
+        "sharing the model's vocabulary (default: off)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, help="draft tokens per step, k (default: 4)"
+    )
+    parser.add_argument(
+        "--speculative-max-batch-size",
+        type=int,
+        default=8,
+        help="no speculation in steps with more decoding requests than this",
+    )
+    parser.add_argument(
+        "--speculative-min-acceptance",
+        type=float,
+        default=0.0,
+        help="a request whose drafts are accepted less often (per position) pauses "
+        "speculating, whatever the cost model says (default: off)",
+    )
+    parser.add_argument(
+        "--speculative-position-cost",
+        type=float,
+        help="cost of verifying one more position, per decoding request, relative to a "
+        "plain decode step: a draft is proposed only while its acceptance covers it "
+        "(default: 0.02, measured on CPU)",
+    )
+    parser.add_argument(
+        "--speculative-draft-cost",
+        type=float,
+        help="a draft model's cost per draft token relative to a target step (default: "
+        "the ratio of their weights; 0 for ngram)",
+    )
+
+
+WORKER_COMMAND = Command(("worker",), "serve the engine over gRPC", worker, _worker_arguments)
