@@ -109,8 +109,8 @@ async def test_worker_metrics_and_request_ids_across_the_hop(
     every = json_logs()
     mine = [line for line in every if line.get("request_id") == request_id]
     loggers = {line["logger"] for line in mine}
-    assert {"gateway.metrics", "worker.server"} <= loggers, mine
-    worker_line = next(line for line in mine if line["logger"] == "worker.server")
+    assert {"gateway.metrics", "worker.servicer"} <= loggers, mine
+    worker_line = next(line for line in mine if line["logger"] == "worker.servicer")
     assert "ok: " in worker_line["message"] and "5 generated" in worker_line["message"]
     assert {"time", "level", "message"} <= set(worker_line)
 

@@ -1,7 +1,8 @@
 """The worker's gRPC server: ``Worker`` (proto/rpc/worker.proto) and ``grpc.health.v1``.
 
-One process serves one engine. The engine runs in its own thread (``AsyncEngine``); the
-handlers here only translate messages, enqueue, stream and abort. The worker publishes
+One process serves one engine. The engine steps on the process's main thread
+(``MainThreadEngineLoop``), gRPC's asyncio loop beside it; the handlers
+(``worker.servicer``) only translate messages, enqueue, stream and abort. The worker publishes
 itself to the Redis registry every heartbeat, and on SIGTERM/SIGINT it drains: health goes
 NOT_SERVING, it leaves the registry, new Generate calls get UNAVAILABLE, running ones finish
 (up to a deadline, after which they are aborted), then it stops.
@@ -14,7 +15,6 @@ import contextlib
 import logging
 import socket
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,226 +24,19 @@ from grpc_health.v1.health import aio as health_aio
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from adapters.errors import AdapterError, AdapterNotFoundError
-from adapters.identity import check_adapter_id
 from rpc import worker_pb2, worker_pb2_grpc
 from switchboard import registry
-from switchboard.logs import REQUEST_ID
-from worker.async_engine import AsyncEngine, EngineStoppedError, SampleOutput
+from worker.async_engine import AsyncEngine
 from worker.engine import LLMEngine
-from worker.errors import InvalidRequestError
-from worker.lora_manager import UnknownAdapterError
 from worker.main_thread import STOP_SIGNALS, MainThreadEngineLoop
 from worker.metrics import WorkerMetrics
-from worker.sampling_params import SamplingParams
+from worker.servicer import WorkerServicer
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 Status = health_pb2.HealthCheckResponse.ServingStatus
-
-
-def sampling_params_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams:
-    """The engine's params from the wire's; raises ``InvalidRequestError``.
-
-    proto3 cannot tell 0 from unset, so the two fields where 0 is meaningless anyway read 0
-    as "unset": ``top_p`` (→ 1.0) and ``repetition_penalty`` (→ 1.0). ``temperature`` 0 is
-    greedy and ``max_tokens`` 0 is an error, as in the engine.
-    """
-    return SamplingParams(
-        max_tokens=msg.max_tokens,
-        temperature=msg.temperature,
-        top_p=msg.top_p or 1.0,
-        top_k=msg.top_k,
-        min_p=msg.min_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-        repetition_penalty=msg.repetition_penalty or 1.0,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        stop=list(msg.stop),
-        stop_token_ids=list(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        skip_special_tokens=msg.skip_special_tokens,
-    )
-
-
-def response_from_sample(sample: SampleOutput) -> worker_pb2.GenerateResponse:
-    out = sample.output
-    new = out.new_token_ids
-    response = worker_pb2.GenerateResponse(
-        index=sample.index,
-        token_ids=new,
-        text=out.new_text,
-        finish_reason=out.finish_reason or "",
-        prompt_tokens=out.num_prompt_tokens,
-        completion_tokens=len(out.token_ids),
-        cached_tokens=out.num_cached_tokens,
-    )
-    if out.logprobs is not None and new:
-        for token in out.logprobs[-len(new) :]:
-            response.logprobs.add(
-                token_id=token.token_id,
-                logprob=token.logprob or 0.0,
-                top=[
-                    worker_pb2.TopLogprob(token_id=t, logprob=lp)
-                    for t, lp in token.top_logprobs or ()
-                ],
-            )
-    if isinstance(out.stop_reason, str):
-        response.stop_string = out.stop_reason
-    elif out.stop_reason is not None:
-        response.stop_token_id = out.stop_reason
-    return response
-
-
-def status_for(exc: Exception) -> grpc.StatusCode:
-    """The one place engine and adapter errors become gRPC status codes."""
-    if isinstance(exc, UnknownAdapterError | AdapterNotFoundError):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, InvalidRequestError | AdapterError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, EngineStoppedError):
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
-
-
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """The ``Worker`` service over an ``AsyncEngine`` (None until the model has loaded)."""
-
-    def __init__(
-        self, *, model_name: str, metrics: WorkerMetrics, adapter_store: Path | None = None
-    ) -> None:
-        self.model_name = model_name
-        self.metrics = metrics
-        # The store the gateway writes validated adapters to: requests name adapters by
-        # content id, and the worker reads them from here (`adapter_path` overrides it).
-        self.adapter_store = adapter_store
-        self.engine: AsyncEngine | None = None
-        self.draining = False
-        self.on_adapters_changed: Callable[[], None] = lambda: None
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    async def wait_idle(self) -> None:
-        """Until no Generate call is open."""
-        await self._idle.wait()
-
-    async def Generate(self, request, context):
-        engine = await self._engine_or_abort(context)
-        try:
-            params = sampling_params_from_proto(request.params)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._in_flight += 1
-        self._idle.clear()
-        outcome = "cancelled"  # unless the stream ends or fails
-        token = REQUEST_ID.set(request.request_id or "-")
-        tokens = 0
-        try:
-            if request.adapter_id and request.adapter_id not in engine.stats.adapter_ids:
-                path = request.adapter_path or self._stored(request.adapter_id)
-                await self._load_adapter(engine, request.adapter_id, path)
-            samples = engine.generate(
-                request.request_id or uuid.uuid4().hex,
-                list(request.prompt_token_ids),
-                params,
-                adapter_id=request.adapter_id or None,
-                n=request.params.n or 1,
-                tenant=request.tenant or None,
-            )
-            async with contextlib.aclosing(samples):
-                async for sample in samples:
-                    response = response_from_sample(sample)
-                    tokens += len(response.token_ids)
-                    self.metrics.generated_tokens.inc(len(response.token_ids))
-                    yield response
-            outcome = "ok"
-        except Exception as exc:
-            outcome = status_for(exc).name
-            await self._abort_with(context, exc)
-        finally:
-            self.metrics.requests.labels(outcome).inc()
-            logger.info(
-                "generate %s: %d prompt tokens, %d generated, adapter %s",
-                outcome, len(request.prompt_token_ids), tokens, request.adapter_id or "-",
-            )  # fmt: skip
-            REQUEST_ID.reset(token)
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
-
-    async def LoadAdapter(self, request, context):
-        engine = await self._engine_or_abort(context)
-        if not request.adapter_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "adapter_id is required")
-        try:
-            if request.adapter_id not in engine.stats.adapter_ids or request.path:
-                path = request.path or self._stored(request.adapter_id)
-                await self._load_adapter(engine, request.adapter_id, path)
-        except Exception as exc:
-            await self._abort_with(context, exc)
-        return worker_pb2.LoadAdapterResponse(adapter_id=request.adapter_id)
-
-    async def _load_adapter(self, engine: AsyncEngine, adapter_id: str, path: Path | str) -> None:
-        """Load (timed and counted), then tell the registry now rather than at the next beat."""
-        started = time.monotonic()
-        try:
-            await engine.load_adapter(adapter_id, path)
-        except Exception:
-            self.metrics.adapter_loads.labels("failed").inc()
-            raise
-        self.metrics.adapter_loads.labels("ok").inc()
-        self.metrics.adapter_load_seconds.observe(time.monotonic() - started)
-        self.on_adapters_changed()
-
-    async def UnloadAdapter(self, request, context):
-        engine = await self._engine_or_abort(context)
-        try:
-            await engine.unload_adapter(request.adapter_id)
-        except Exception as exc:
-            await self._abort_with(context, exc)
-        self.metrics.adapter_unloads.inc()
-        self.on_adapters_changed()
-        return worker_pb2.UnloadAdapterResponse()
-
-    async def Stats(self, request, context):
-        engine = await self._engine_or_abort(context, refuse_while_draining=False)
-        stats = engine.stats
-        return worker_pb2.StatsResponse(
-            model=self.model_name,
-            running=stats.running,
-            waiting=stats.waiting,
-            free_kv_blocks=stats.free_kv_blocks,
-            total_kv_blocks=stats.total_kv_blocks,
-            adapter_ids=stats.adapter_ids,
-        )
-
-    def _stored(self, adapter_id: str) -> Path:
-        """The adapter's directory in the store; AdapterNotFoundError if it is not there."""
-        if self.adapter_store is None:
-            raise UnknownAdapterError(
-                f"adapter {adapter_id!r} is not loaded and this worker has no adapter store"
-            )
-        path = self.adapter_store / check_adapter_id(adapter_id)
-        if not path.is_dir():
-            raise AdapterNotFoundError(f"adapter {adapter_id} is not in the store")
-        return path
-
-    async def _engine_or_abort(self, context, *, refuse_while_draining: bool = True):
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        if self.draining and refuse_while_draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down")
-        return self.engine
-
-    async def _abort_with(self, context, exc: Exception):
-        code = status_for(exc)
-        if code is grpc.StatusCode.INTERNAL:
-            logger.exception("unexpected error in a worker call", exc_info=exc)
-        await context.abort(code, str(exc) or type(exc).__name__)
 
 
 class WorkerServer:
