@@ -292,6 +292,26 @@ def test_backoff_skips_speculation_in_large_batches(target):
     assert stats.num_backoff_steps > 0
 
 
+def test_default_costs_keep_a_draft_as_costly_as_the_target_to_rare_probes(target):
+    """With the cost model on, a draft that reads as many weight bytes as the target never
+    pays (each draft would cost a whole step): it only probes after each pause, while prompt
+    lookup (free to propose) speculates on most steps of the same copying prompts."""
+    prompts = copying_prompts(2, seed=5)
+    expected = LLM(target, dtype="float32").generate(prompts, greedy(40))
+    costly = LLM(target, dtype="float32", speculative_model=str(target), num_speculative_tokens=4)
+    assert costly.engine.speculator.policy.draft_cost == pytest.approx(1.0)
+    outputs = costly.generate(prompts, greedy(40))
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    probes = costly.engine.spec_decode_stats
+    assert 0 < probes.num_verifications <= 2 * (40 // 8 + 1)
+    assert probes.num_proposed == probes.num_verifications  # one draft per probe
+    lookup = LLM(target, dtype="float32", speculative_model="ngram", num_speculative_tokens=4)
+    assert [o.token_ids for o in lookup.generate(prompts, greedy(40))] == [
+        o.token_ids for o in expected
+    ]
+    assert lookup.engine.spec_decode_stats.num_proposed > 2 * probes.num_proposed
+
+
 def test_mismatched_vocabulary_and_invalid_k_are_refused(target, tmp_path):
     bigger = make_checkpoint(tmp_path / "bigger", vocab_size=320)
     with pytest.raises(SpeculativeConfigError, match="vocabulary of 320 tokens, the target 256"):
