@@ -19,6 +19,7 @@
 #include "bf16.h"
 
 #define MAX_HEAD_DIM 256
+#define CHUNK_QUERIES 4 /* queries of one sequence per work item (see sb_paged_decode_bf16) */
 
 /* One work item: the queries of one sequence that read one KV head (the heads of its group
  * at each of its n positions: rows = group * n, row r = query i, head h0 + r % group).
@@ -242,13 +243,25 @@ int sb_paged_decode_bf16(const uint16_t *q, int64_t q_row, int64_t q_head, uint1
     if (head_dim > MAX_HEAD_DIM) return -1;
     int use_avx512 = sb_attention_has_avx512() && !portable;
     (void)use_avx512; /* unused where the build has no AVX-512 loops */
-    int64_t group = heads / kv_heads, most_keys = 0, most_rows = 0, failed = 0;
+    int64_t group = heads / kv_heads, most_keys = 0, items = 0, failed = 0;
+    /* A sequence verifying drafts feeds up to k + 1 queries: its queries are split into
+     * chunks of CHUNK_QUERIES, each its own work item, so that both threads share one
+     * sequence's verification instead of one taking its KV heads two at a time. */
     for (int64_t s = 0; s < n_seqs; s++) {
-        int64_t keys = seq_start[s] + seq_queries[s], rows = group * seq_queries[s];
+        int64_t keys = seq_start[s] + seq_queries[s];
         most_keys = keys > most_keys ? keys : most_keys;
-        most_rows = rows > most_rows ? rows : most_rows;
+        items += kv_heads * ((seq_queries[s] + CHUNK_QUERIES - 1) / CHUNK_QUERIES);
     }
-    int64_t padded = (most_keys + 15) / 16 * 16;
+    int64_t most_rows = group * CHUNK_QUERIES, padded = (most_keys + 15) / 16 * 16;
+    int64_t *work = malloc(sizeof(int64_t) * 3 * (items ? items : 1)); /* (s, g, chunk) */
+    if (!work) return -1;
+    for (int64_t s = 0, w = 0; s < n_seqs; s++)
+        for (int64_t c = 0; c * CHUNK_QUERIES < seq_queries[s]; c++)
+            for (int64_t g = 0; g < kv_heads; g++, w++) {
+                work[3 * w] = s;
+                work[3 * w + 1] = g;
+                work[3 * w + 2] = c;
+            }
 #pragma omp parallel reduction(| : failed)
     {
         float *scores = malloc(sizeof(float) * most_rows * padded);
@@ -256,15 +269,17 @@ int sb_paged_decode_bf16(const uint16_t *q, int64_t q_row, int64_t q_head, uint1
         float *of = malloc(sizeof(float) * most_rows * head_dim);
         if (!scores || !qf || !of) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < n_seqs * kv_heads; w++) {
+        for (int64_t w = 0; w < items; w++) {
             if (failed) continue;
-            int64_t s = w / kv_heads, g = w % kv_heads, n = seq_queries[s];
+            int64_t s = work[3 * w], g = work[3 * w + 1], first = work[3 * w + 2] * CHUNK_QUERIES;
+            int64_t n = seq_queries[s] - first < CHUNK_QUERIES ? seq_queries[s] - first : CHUNK_QUERIES;
+            int64_t row0 = seq_row[s] + first; /* the chunk's first query row */
             Item it = {key_cache, value_cache, block_size, kv_heads, head_dim,
-                       tables + seq_table[s], g, group * n, group, seq_start[s] + 1,
-                       (seq_start[s] + n + 15) / 16 * 16};
-            /* row r of the item: query r / group, head g * group + r % group */
+                       tables + seq_table[s], g, group * n, group, seq_start[s] + first + 1,
+                       (seq_start[s] + first + n + 15) / 16 * 16};
+            /* row r of the item: query row0 + r / group, head g * group + r % group */
             for (int64_t r = 0; r < it.rows; r++) {
-                const uint16_t *qh = q + (seq_row[s] + r / group) * q_row + (g * group + r % group) * q_head;
+                const uint16_t *qh = q + (row0 + r / group) * q_row + (g * group + r % group) * q_head;
                 for (int64_t c = 0; c < head_dim; c++) qf[r * head_dim + c] = bf16_to_f32(qh[c]);
             }
 #if defined(__AVX512F__)
@@ -275,7 +290,7 @@ int sb_paged_decode_bf16(const uint16_t *q, int64_t q_row, int64_t q_head, uint1
 #endif
                 attend_portable(&it, qf, scale, scores, of);
             for (int64_t r = 0; r < it.rows; r++) {
-                uint16_t *oh = out + (seq_row[s] + r / group) * out_row + (g * group + r % group) * out_head;
+                uint16_t *oh = out + (row0 + r / group) * out_row + (g * group + r % group) * out_head;
                 for (int64_t c = 0; c < head_dim; c++) oh[c] = f32_to_bf16(of[r * head_dim + c]);
             }
         }
@@ -283,5 +298,6 @@ int sb_paged_decode_bf16(const uint16_t *q, int64_t q_row, int64_t q_head, uint1
         free(qf);
         free(of);
     }
+    free(work);
     return failed ? -1 : 0;
 }

@@ -68,6 +68,7 @@ def loop_attention(query, key_cache, value_cache, starts, queries, tables, scale
         ([0], [1], 4, 4, 16),  # first token, no grouping
         ([5, 17, 2, 40], [1, 1, 1, 1], 6, 2, 40),  # grouped heads, odd head_dim
         ([3, 30], [4, 2], 6, 2, 64),  # verification rows: k + 1 queries each
+        ([3, 45], [17, 6], 9, 3, 64),  # more queries than one work item takes: split
         ([199], [1], 3, 1, 64),  # a long context: scores past one vector tile
         ([7, 50], [1, 3], 8, 2, 128),  # head_dim 128: rows two at a time
     ],
