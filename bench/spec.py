@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--k", type=int, default=16, help="num_speculative_tokens (most per step)")
     parser.add_argument("--num-prompts", type=int, default=4, help="batch-1 requests")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each; the best is kept")
+    parser.add_argument("--repeats", type=int, default=4, help="runs of each; the best is kept")
     parser.add_argument(
         "--ignore-eos",
         action="store_true",
