@@ -402,3 +402,27 @@ def test_drafts_per_step_follow_acceptance_and_batch_size():
     rare_track.pause, rare_track.acceptance = 0, 0.1
     assert policy.num_drafts(rare, 16, 1) == 1  # 0.1 >= 0.02 > 0.01
     assert policy.num_drafts(rare, 16, 8) == 0  # 0.1 < 0.16: pauses instead
+
+
+def test_failed_probes_double_the_pause_under_the_cost_model():
+    """A draft not worth its cost (acceptance 0.5 against a cost of 0.52) pauses, probes
+    with one draft, and pauses twice as long after each probe that fails."""
+    from worker.sequence import Sequence
+    from worker.spec_decode.stats import BackoffPolicy
+
+    policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.0, pause_steps=4, draft_cost=0.5)
+    seq = Sequence("a", [1], SamplingParams(), 0)
+    gaps = []
+    for _ in range(4):
+        steps = 0
+        while not (drafts := policy.num_drafts(seq, 4, 1)):
+            steps += 1
+        assert drafts == 1  # a probe
+        gaps.append(steps)
+        policy.update(seq, 1, 0)
+    assert gaps == [5, 9, 17, 33]
+    policy.update(seq, 1, 1)  # a probe that lands: the next pause starts short again
+    steps = 0
+    while not policy.num_drafts(seq, 4, 1):
+        steps += 1
+    assert steps <= 5

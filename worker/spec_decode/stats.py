@@ -126,11 +126,14 @@ class BackoffPolicy:
         n = 0
         while n < k and track.acceptance ** (n + 1) >= worth:
             n += 1
-        if n == 0 and not track.probe:
-            self._pause(track)
-            return 0
+        if n == 0:
+            if not track.probe:
+                self._pause(track)  # each pause after a failed probe is twice as long
+                return 0
+            track.probe = False
+            return 1
         track.probe = False
-        return max(n, 1)
+        return n
 
     def update(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         track = self._track(seq)
@@ -142,8 +145,8 @@ class BackoffPolicy:
         if track.acceptance < self.min_acceptance:
             self._pause(track)
             track.acceptance = self.min_acceptance  # retry from the threshold, not below
-        elif track.acceptance >= 2 * self.min_acceptance:
-            track.next_pause = self.pause_steps
+        elif num_accepted:
+            track.next_pause = self.pause_steps  # drafts landed: a later pause starts short
 
     def release(self, seq: Sequence) -> None:
         self._tracks.pop(seq, None)
