@@ -126,14 +126,11 @@ class BackoffPolicy:
         n = 0
         while n < k and track.acceptance ** (n + 1) >= worth:
             n += 1
-        if n == 0:
-            if not track.probe:
-                self._pause(track)  # each pause after a failed probe is twice as long
-                return 0
-            track.probe = False
-            return 1
+        if n == 0 and not track.probe:
+            self._pause(track)  # each pause after a failed probe is twice as long
+            return 0
         track.probe = False
-        return n
+        return max(n, 1)  # a probe drafts one token even where none is worth it
 
     def update(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         track = self._track(seq)
