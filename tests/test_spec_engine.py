@@ -426,3 +426,18 @@ def test_failed_probes_double_the_pause_under_the_cost_model():
     while not policy.num_drafts(seq, 4, 1):
         steps += 1
     assert steps <= 5
+
+
+def test_a_draft_models_cost_is_its_weights_over_the_targets(target, other_draft):
+    """The draft cost the policy starts from: what one decode step of each reads, i.e. all
+    weights with the tied embedding counted once as the output layer (transformers' own
+    parameter count is the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(target, dtype="float32", speculative_model=str(other_draft))
+    ratio = (
+        AutoModelForCausalLM.from_pretrained(other_draft).num_parameters()
+        / AutoModelForCausalLM.from_pretrained(target).num_parameters()
+    )
+    assert 0 < ratio < 1
+    assert llm.engine.speculator.policy.draft_cost == pytest.approx(ratio)
