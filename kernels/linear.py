@@ -10,6 +10,8 @@ fp32 keeps plain ``F.linear``, whose summation order matches the transformers re
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -22,9 +24,24 @@ def can_pack(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and weight.dtype in (torch.bfloat16, torch.float16)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and _packing_works(weight.dtype)
     )
+
+
+@functools.cache
+def _packing_works(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs ``dtype`` weights: it refuses bf16 without AVX512-BW/VL/DQ
+    or AVX-NE-CONVERT (e.g. on AVX2-only AMD Zen 3), so we try it once rather than guess
+    from CPU flags."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    ):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class Linear:

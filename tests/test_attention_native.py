@@ -133,8 +133,10 @@ def test_model_steps_match_the_gathered_sdpa_path(tmp_path):
         step.append(ScheduledSequence(seq, 0, seq.num_tokens))
     for n in range(6):
         logits = {on: runner.execute(step)[1].float() for on, runner in runners.items()}
-        # bf16 logits of a random model are O(1); a wrong key or block moves them by that much.
-        torch.testing.assert_close(logits[True], logits[False], atol=0.05, rtol=0.05)
+        # bf16 logits of a random model are O(1); a wrong key or block moves them by that much,
+        # while bf16 rounding moves a few by ~0.05 (more where oneDNN lacks native bf16).
+        torch.testing.assert_close(logits[True], logits[False], atol=0.1, rtol=0.05)
+        assert (logits[True] - logits[False]).abs().mean() < 0.03
         if n == 5:
             break
         for seq, token in zip(seqs, logits[False].argmax(-1).tolist(), strict=False):
