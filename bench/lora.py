@@ -120,7 +120,12 @@ def alternate(engine, requests, adapters, name: str, repeats: int) -> tuple[Lora
 
 
 def run_peft(
-    model_path: Path, paths: list[Path], requests, picks: list[int], subset: int
+    model_path: Path,
+    paths: list[Path],
+    requests,
+    picks: list[int],
+    subset: int,
+    dtype: torch.dtype,
 ) -> LoraRun:
     """peft as commonly deployed: group requests by adapter, one static batch per group."""
     from peft import PeftModel
@@ -128,7 +133,7 @@ def run_peft(
 
     rng = np.random.default_rng(2)
     chosen = sorted(rng.choice(len(requests), min(subset, len(requests)), replace=False).tolist())
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     groups: dict[int, list[int]] = {}
     for i in chosen:
         groups.setdefault(picks[i], []).append(i)
@@ -182,7 +187,7 @@ def cold_load_p50(engine, paths: list[Path]) -> float:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: as the engine chooses")
     parser.add_argument("--adapters", default="1,8,32,128")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-loras", type=int, default=32)
@@ -206,7 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine = LLMEngine(model_path, dtype=args.dtype, max_loras=args.max_loras, max_lora_rank=16)
     for i, path in enumerate(paths):
         engine.load_adapter(f"adapter-{i}", path)
-    report: dict = {"model": str(model_path), "dtype": args.dtype, "max_loras": args.max_loras}
+    dtype = str(engine.model.dtype).removeprefix("torch.")
+    report: dict = {"model": str(model_path), "dtype": dtype, "max_loras": args.max_loras}
     warm = fixed_lengths(4, prompt_len=16, output_len=8, vocab=engine.config.vocab_size, seed=9)
     run_engine(engine, warm, ["adapter-0", None, "adapter-1", None], "warmup")
     runs = []
@@ -235,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
                 requests,
                 assign(num_requests, count, "uniform"),
                 args.peft_subset,
+                engine.model.dtype,  # the same precision as the engine's
             )
             runs.append(peft)
             print(json.dumps(asdict(peft)))

@@ -183,7 +183,7 @@ def compare(off: RunResult, on: RunResult) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: SmolLM2-135M)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: as the engine chooses")
     parser.add_argument("--workload", choices=["chat", "document", "all"], default="all")
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     run_chat(engine, warmup)  # oneDNN weight packing and allocator warm-up, not measured
     report: dict = {
         "model": str(model_path),
-        "dtype": args.dtype,
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "args": vars(args),
     }

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="target checkpoint (default: SmolLM2-135M)")
     parser.add_argument("--draft", default=None, help="draft checkpoint (default: the distilled)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: as the engine chooses")
     parser.add_argument("--k", type=int, default=16, help="num_speculative_tokens (most per step)")
     parser.add_argument("--num-prompts", type=int, default=4, help="batch-1 requests")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {
         "model": str(model),
         "draft": str(draft) if "draft" in configs else None,
-        "dtype": args.dtype,
+        "dtype": str(engines["off"].engine.model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "args": vars(args),
     }

@@ -155,7 +155,7 @@ def hf_best(model_path: Path, requests, name: str, batch_sizes, subset: int | No
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: SmolLM2-135M)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: as the engine chooses")
     parser.add_argument("--workload", choices=["W1", "W2", "all"], default="all")
     parser.add_argument("--no-baseline", action="store_true", help="skip HF generate")
     parser.add_argument("--hf-batch-sizes", default="8,16,32")
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     names = ["W1", "W2"] if args.workload == "all" else [args.workload]
     report: dict = {
         "model": str(model_path),
-        "dtype": args.dtype,
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
     }
     for name in names:

@@ -188,7 +188,7 @@ class SlotPairs:
     @staticmethod
     def wanted(a_stack: torch.Tensor) -> bool:
         """Only where packing pays: fp32 stacks keep ``lora_segments``'s fp32 arithmetic."""
-        return can_pack(a_stack)
+        return a_stack.dtype != torch.float32 and can_pack(a_stack)
 
     def refresh(self, slot: int, a_stack: torch.Tensor, b_stack: torch.Tensor) -> None:
         """Rebuild ``slot``'s pair after its rows of the stacks changed."""

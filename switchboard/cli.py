@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from switchboard.admin_commands import ADMIN_COMMANDS
 from switchboard.commands import Command
 from switchboard.logs import json_lines_wanted
-from switchboard.worker_command import WORKER_COMMAND
+from switchboard.worker_command import DTYPE_CHOICES, WORKER_COMMAND
 
 DEMO_QUESTIONS = (
     "What is the capital of France?",
@@ -77,7 +77,12 @@ def demo(args: argparse.Namespace) -> int:
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="local checkpoint directory (default: the default model)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="auto: bf16 where this CPU or GPU computes it natively, else fp32 (CPU) or fp16",
+    )
     parser.add_argument(
         "--prompt",
         action="append",

@@ -28,7 +28,7 @@ class Stack:
     num_workers: int = 1
     redis_url: str | None = None  # None: $SWITCHBOARD_REDIS_URL, 127.0.0.1:6379, or embedded
     gateway_port: int = 8000
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     key_prefix: str = "sb:"
     admin_token: str = field(default_factory=lambda: "adm-" + secrets.token_urlsafe(24))
     home: Path | None = None  # SWITCHBOARD_HOME for children (adapter store)

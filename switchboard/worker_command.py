@@ -11,6 +11,9 @@ import functools
 
 from switchboard.commands import Command
 
+# worker.placement's names; spelled out here because this module must not import torch.
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
+
 
 def worker(args: argparse.Namespace) -> int:
     """Serve one engine over gRPC until SIGTERM/SIGINT, then drain (see worker/server.py)."""
@@ -95,7 +98,12 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         default="cpu",
         help="cpu, or cuda[:N]: weights, KV cache and adapter slots on that GPU (Triton LoRA)",
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="auto: bf16 where this CPU or GPU computes it natively, else fp32 (CPU) or fp16",
+    )
     parser.add_argument("--max-loras", type=int, default=8, help="adapter slots (0: no LoRA)")
     parser.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank")
     parser.add_argument("--max-num-seqs", type=int, default=128)

@@ -172,3 +172,26 @@ def test_a_request_larger_than_the_kv_pool_is_rejected_not_hung(text_model):
         llm.generate([random_prompts(1, min_len=20, max_len=20, vocab=VOCAB)[0]], greedy(20))
     assert llm.engine.block_manager.num_free_blocks == 8
     assert not llm.engine.has_unfinished_requests
+
+
+def cpu_computes_bf16() -> bool:
+    """oneDNN's stated requirement for its bf16 matmuls, read from the CPU's own flags."""
+    flags = set()
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(text_model):
+    llm = LLM(text_model, block_size=4, num_kv_blocks=64)  # dtype="auto" by default
+    want = torch.bfloat16 if cpu_computes_bf16() else torch.float32
+    assert llm.engine.model.dtype == want
+    assert llm.generate([[5, 6, 7]], greedy(max_tokens=4))[0].token_ids
+
+
+def test_an_unknown_dtype_is_refused_with_the_choices(text_model):
+    with pytest.raises(InvalidRequestError, match=r"dtype must be one of \['auto', 'float32'"):
+        LLM(text_model, dtype="int8")

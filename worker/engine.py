@@ -37,7 +37,7 @@ class LLMEngine:
         self,
         model: str | Path,
         *,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype = "auto",
         device: str | torch.device = "cpu",
         block_size: int = 16,
         kv_cache_memory_gb: float = 1.0,
@@ -81,8 +81,8 @@ class LLMEngine:
         the LoRA ops run the Triton kernels and attention runs on the GPU through the same
         torch ops as on CPU; the scheduler, sampler bookkeeping and detokenizer stay on
         the host."""
-        torch_dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, self.device)
         self.model = LlamaModel.from_pretrained(model, dtype=torch_dtype, device=self.device)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(model)

@@ -18,7 +18,7 @@ Prompt = str | list[int]
 class LLM:
     """``LLM(path, dtype=...)``; extra keyword arguments go to :class:`LLMEngine`."""
 
-    def __init__(self, model: str | Path, *, dtype: str = "bfloat16", **engine_kwargs) -> None:
+    def __init__(self, model: str | Path, *, dtype: str = "auto", **engine_kwargs) -> None:
         self.engine = LLMEngine(model, dtype=dtype, **engine_kwargs)
         self._ids = itertools.count()
 

@@ -190,7 +190,7 @@ async def serve(
     model: str | None,
     host: str = "127.0.0.1",
     port: int = 50051,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     redis_url: str | None = None,
     redis_prefix: str = registry.DEFAULT_PREFIX,
     worker_id: str | None = None,
