@@ -1,5 +1,7 @@
-/* Decode attention straight from the paged KV cache on CPU, bf16 (PagedAttention, Kwon et
- * al., SOSP 2023): each decoding sequence's queries against its own blocks, read in place.
+/* Decode attention straight from the paged KV cache on CPU, bf16 or fp32 (PagedAttention,
+ * Kwon et al., SOSP 2023): each decoding sequence's queries against its own blocks, read in
+ * place. The hand-written AVX-512 loops serve bf16; fp32 (and bf16 without AVX-512) takes
+ * the portable loops, written so that the compiler vectorizes them (omp simd).
  *
  * Why native code: the torch path gathers each sequence's blocks into a padded copy, then
  * runs SDPA with a mask over the padding, so K and V cross memory three times and short
@@ -19,13 +21,14 @@
 #include "bf16.h"
 
 #define MAX_HEAD_DIM 256
-#define CHUNK_QUERIES 4 /* queries of one sequence per work item (see sb_paged_decode_bf16) */
+#define CHUNK_QUERIES 4 /* queries of one sequence per work item (see sb_paged_decode) */
 
 /* One work item: the queries of one sequence that read one KV head (the heads of its group
  * at each of its n positions: rows = group * n, row r = query i, head h0 + r % group).
  * Keys are walked block by block, and each key and value is loaded once for all rows. */
 typedef struct {
-    const uint16_t *key_cache, *value_cache;
+    const char *key_cache, *value_cache;
+    int64_t elem_bytes;    /* 2 (bf16) or 4 (fp32) */
     int64_t block_size, kv_heads, head_dim;
     const int64_t *table;  /* this sequence's blocks */
     int64_t kv_head;
@@ -39,52 +42,99 @@ static inline int64_t visible(const Item *it, int64_t r) { return it->first_len 
 /* Key (or value) j of the item's KV head, walked block by block (no division per key).
  * Blocks lie anywhere in the cache, so the hardware prefetcher cannot guess the next one:
  * each block's rows are prefetched while the one before is read. */
-static inline const uint16_t *block_rows(const Item *it, const uint16_t *cache, int64_t b) {
-    return cache + (it->table[b] * it->block_size * it->kv_heads + it->kv_head) * it->head_dim;
+static inline const char *block_rows(const Item *it, const char *cache, int64_t b) {
+    return cache + (it->table[b] * it->block_size * it->kv_heads + it->kv_head) * it->head_dim *
+                       it->elem_bytes;
 }
 
-static inline void prefetch_block(const Item *it, const uint16_t *rows, int64_t count) {
-    int64_t step = it->kv_heads * it->head_dim, bytes = it->head_dim * 2;
+static inline void prefetch_block(const Item *it, const char *rows, int64_t count) {
+    int64_t step = it->kv_heads * it->head_dim * it->elem_bytes, bytes = it->head_dim * it->elem_bytes;
     for (int64_t o = 0; o < count; o++)
         for (int64_t line = 0; line < bytes; line += 64)
-            __builtin_prefetch((const char *)(rows + o * step) + line, 0, 3);
+            __builtin_prefetch(rows + o * step + line, 0, 3);
 }
 
 #define FOR_EACH_KEY(it, cache, len, j, ptr, ...)                                        \
     for (int64_t blk_ = 0, j = 0; j < (len); blk_++) {                                  \
-        const uint16_t *ptr = block_rows((it), (cache), blk_);                          \
+        const char *ptr = block_rows((it), (cache), blk_);                              \
         if (j + (it)->block_size < (len))                                               \
             prefetch_block((it), block_rows((it), (cache), blk_ + 1),                   \
                            (len) - j - (it)->block_size < (it)->block_size              \
                                ? (len) - j - (it)->block_size : (it)->block_size);      \
         for (int64_t o_ = 0; o_ < (it)->block_size && j < (len); o_++, j++,             \
-                     ptr += (it)->kv_heads * (it)->head_dim) {                          \
+                     ptr += (it)->kv_heads * (it)->head_dim * (it)->elem_bytes) {       \
             __VA_ARGS__                                                                 \
         }                                                                               \
     }
+
+/* Key or value row ptr as fp32: in place for an fp32 cache, else converted into buf. */
+static inline const float *row_f32(const Item *it, const char *ptr, float *buf) {
+    if (it->elem_bytes == 4) return (const float *)ptr;
+    const uint16_t *h = (const uint16_t *)ptr;
+#pragma omp simd
+    for (int64_t c = 0; c < it->head_dim; c++) buf[c] = bf16_to_f32(h[c]);
+    return buf;
+}
+
+/* e^x for x <= 0 in plain C that vectorizes (libm's expf does not without -ffast-math):
+ * x = n ln2 + f ln2 with |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error
+ * < 2e-7), 2^n built in the exponent bits. Below -87 (e^-87 ~ 1.6e-38) it clamps. */
+#pragma omp declare simd notinbranch
+static inline float exp_nonpositive_f32(float x) {
+    float t = (x < -87.0f ? -87.0f : x) * 1.44269504089f;
+    float n = floorf(t + 0.5f);
+    float f = (t - n) * 0.69314718056f;
+    float p = 1.0f / 720;
+    p = p * f + 1.0f / 120;
+    p = p * f + 1.0f / 24;
+    p = p * f + 1.0f / 6;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+/* The inner loops of attend_portable, out of its FOR_EACH_KEY bodies (a pragma cannot sit
+ * in a macro argument). */
+static inline float dot_f32(const float *a, const float *b, int64_t d) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t c = 0; c < d; c++) s += a[c] * b[c];
+    return s;
+}
+
+static inline void add_scaled_f32(float *out, float p, const float *v, int64_t d) {
+#pragma omp simd
+    for (int64_t c = 0; c < d; c++) out[c] += p * v[c];
+}
 
 /* q: [rows, head_dim] fp32; scores: [rows, len] scratch; out: [rows, head_dim] fp32. */
 static void attend_portable(const Item *it, const float *q, float scale, float *scores,
                             float *out) {
     int64_t d = it->head_dim, rows = it->rows, len = visible(it, rows - 1);
+    float buf[MAX_HEAD_DIM];
     FOR_EACH_KEY(it, it->key_cache, len, j, key, {
-        for (int64_t r = 0; r < rows; r++) {
-            float s = 0.0f;
-            for (int64_t c = 0; c < d; c++) s += q[r * d + c] * bf16_to_f32(key[c]);
-            scores[r * it->stride + j] = s * scale;
-        }
+        const float *k = row_f32(it, key, buf);
+        for (int64_t r = 0; r < rows; r++) scores[r * it->stride + j] = dot_f32(q + r * d, k, d) * scale;
     })
     for (int64_t r = 0; r < rows; r++) {
         float *sr = scores + r * it->stride, max = -INFINITY, sum = 0.0f;
         int64_t n = visible(it, r);
+#pragma omp simd reduction(max : max)
         for (int64_t j = 0; j < n; j++) max = sr[j] > max ? sr[j] : max;
-        for (int64_t j = 0; j < n; j++) sum += sr[j] = expf(sr[j] - max);
-        for (int64_t j = 0; j < len; j++) sr[j] = j < n ? sr[j] / sum : 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; j++) {
+            sr[j] = exp_nonpositive_f32(sr[j] - max);
+            sum += sr[j];
+        }
+        float inv = 1.0f / sum;
+        for (int64_t j = 0; j < len; j++) sr[j] = j < n ? sr[j] * inv : 0.0f;
         for (int64_t c = 0; c < d; c++) out[r * d + c] = 0.0f;
     }
     FOR_EACH_KEY(it, it->value_cache, len, j, value, {
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t c = 0; c < d; c++) out[r * d + c] += scores[r * it->stride + j] * bf16_to_f32(value[c]);
+        const float *v = row_f32(it, value, buf);
+        for (int64_t r = 0; r < rows; r++) add_scaled_f32(out + r * d, scores[r * it->stride + j], v, d);
     })
 }
 
@@ -132,7 +182,8 @@ static void attend_avx512(const Item *it, const float *q, float scale, float *sc
     int64_t len = visible(it, rows - 1);
     __m512 kv[MAX_HEAD_DIM / 16];
     FOR_EACH_KEY(it, it->key_cache, len, j, key, {
-        for (int64_t c = 0; c < chunks; c++) kv[c] = load_bf16(key + 16 * c, tail_mask(d - 16 * c));
+        for (int64_t c = 0; c < chunks; c++)
+            kv[c] = load_bf16((const uint16_t *)key + 16 * c, tail_mask(d - 16 * c));
         for (int64_t r = 0; r < rows; r++) {
             __m512 dot = _mm512_setzero_ps();
             for (int64_t c = 0; c < chunks; c++)
@@ -146,7 +197,8 @@ static void attend_avx512(const Item *it, const float *q, float scale, float *sc
         for (int64_t c = 0; c < d; c++) out[r * d + c] = 0.0f;
     }
     FOR_EACH_KEY(it, it->value_cache, len, j, value, {
-        for (int64_t c = 0; c < chunks; c++) kv[c] = load_bf16(value + 16 * c, tail_mask(d - 16 * c));
+        for (int64_t c = 0; c < chunks; c++)
+            kv[c] = load_bf16((const uint16_t *)value + 16 * c, tail_mask(d - 16 * c));
         for (int64_t r = 0; r < rows; r++) {
             __m512 p = _mm512_set1_ps(scores[r * it->stride + j]);
             for (int64_t c = 0; c < chunks; c++) {
@@ -170,7 +222,7 @@ static inline __attribute__((always_inline)) void fixed_block(
         for (int c = 0; c < ch; c++) reg[t][c] = _mm512_loadu_ps(q + (r0 + t) * 16 * ch + 16 * c);
     FOR_EACH_KEY(it, it->key_cache, len, j, key, {
         __m512 k[8];
-        for (int c = 0; c < ch; c++) k[c] = load_bf16(key + 16 * c, 0xffff);
+        for (int c = 0; c < ch; c++) k[c] = load_bf16((const uint16_t *)key + 16 * c, 0xffff);
         for (int t = 0; t < nr; t++) {
             __m512 dot = _mm512_mul_ps(reg[t][0], k[0]);
             for (int c = 1; c < ch; c++) dot = _mm512_fmadd_ps(reg[t][c], k[c], dot);
@@ -182,7 +234,7 @@ static inline __attribute__((always_inline)) void fixed_block(
         for (int c = 0; c < ch; c++) reg[t][c] = _mm512_setzero_ps();
     FOR_EACH_KEY(it, it->value_cache, len, j, value, {
         __m512 v[8];
-        for (int c = 0; c < ch; c++) v[c] = load_bf16(value + 16 * c, 0xffff);
+        for (int c = 0; c < ch; c++) v[c] = load_bf16((const uint16_t *)value + 16 * c, 0xffff);
         for (int t = 0; t < nr; t++) {
             __m512 p = _mm512_set1_ps(scores[(r0 + t) * it->stride + j]);
             for (int c = 0; c < ch; c++) reg[t][c] = _mm512_fmadd_ps(p, v[c], reg[t][c]);
@@ -228,20 +280,21 @@ int sb_attention_has_avx512(void) {
  * each head h (KV head g = h / (heads / kv_heads)), len = seq_start[s] + i + 1:
  *     out[r, h] = softmax(scale * q[r, h] . K_s[:len, g]) . V_s[:len, g]
  * where K_s[j] is key_cache[tables[seq_table[s] + j / block_size], j % block_size].
- *   q, out: [T, heads, head_dim] bf16 with the given row and head strides (elements)
- *   key_cache, value_cache: [num_blocks, block_size, kv_heads, head_dim] bf16, contiguous
+ *   q, out: [T, heads, head_dim] with the given row and head strides (elements)
+ *   key_cache, value_cache: [num_blocks, block_size, kv_heads, head_dim], contiguous
+ *   all four bf16 (fp32 = 0) or all fp32 (fp32 = 1)
  * Returns 0, or -1 if head_dim > MAX_HEAD_DIM (nothing written) or scratch memory ran out
  * (output incomplete).
  */
-int sb_paged_decode_bf16(const uint16_t *q, int64_t q_row, int64_t q_head, uint16_t *out,
-                         int64_t out_row, int64_t out_head, const uint16_t *key_cache,
-                         const uint16_t *value_cache, int64_t block_size, int64_t heads,
-                         int64_t kv_heads, int64_t head_dim, int64_t n_seqs,
-                         const int64_t *seq_row, const int64_t *seq_queries,
-                         const int64_t *seq_start, const int64_t *seq_table,
-                         const int64_t *tables, float scale, int portable) {
+int sb_paged_decode(const void *q, int64_t q_row, int64_t q_head, void *out, int64_t out_row,
+                    int64_t out_head, const void *key_cache, const void *value_cache,
+                    int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                    int64_t n_seqs, const int64_t *seq_row, const int64_t *seq_queries,
+                    const int64_t *seq_start, const int64_t *seq_table, const int64_t *tables,
+                    float scale, int fp32, int portable) {
     if (head_dim > MAX_HEAD_DIM) return -1;
-    int use_avx512 = sb_attention_has_avx512() && !portable;
+    int use_avx512 = sb_attention_has_avx512() && !portable && !fp32;
+    int64_t elem_bytes = fp32 ? 4 : 2;
     (void)use_avx512; /* unused where the build has no AVX-512 loops */
     int64_t group = heads / kv_heads, most_keys = 0, items = 0, failed = 0;
     /* A sequence verifying drafts feeds up to k + 1 queries: its queries are split into
@@ -274,13 +327,15 @@ int sb_paged_decode_bf16(const uint16_t *q, int64_t q_row, int64_t q_head, uint1
             int64_t s = work[3 * w], g = work[3 * w + 1], first = work[3 * w + 2] * CHUNK_QUERIES;
             int64_t n = seq_queries[s] - first < CHUNK_QUERIES ? seq_queries[s] - first : CHUNK_QUERIES;
             int64_t row0 = seq_row[s] + first; /* the chunk's first query row */
-            Item it = {key_cache, value_cache, block_size, kv_heads, head_dim,
+            Item it = {key_cache, value_cache, elem_bytes, block_size, kv_heads, head_dim,
                        tables + seq_table[s], g, group * n, group, seq_start[s] + first + 1,
                        (seq_start[s] + first + n + 15) / 16 * 16};
             /* row r of the item: query row0 + r / group, head g * group + r % group */
             for (int64_t r = 0; r < it.rows; r++) {
-                const uint16_t *qh = q + (row0 + r / group) * q_row + (g * group + r % group) * q_head;
-                for (int64_t c = 0; c < head_dim; c++) qf[r * head_dim + c] = bf16_to_f32(qh[c]);
+                int64_t at = (row0 + r / group) * q_row + (g * group + r % group) * q_head;
+                for (int64_t c = 0; c < head_dim; c++)
+                    qf[r * head_dim + c] = fp32 ? ((const float *)q)[at + c]
+                                                : bf16_to_f32(((const uint16_t *)q)[at + c]);
             }
 #if defined(__AVX512F__)
             if (use_avx512) {
@@ -290,8 +345,13 @@ int sb_paged_decode_bf16(const uint16_t *q, int64_t q_row, int64_t q_head, uint1
 #endif
                 attend_portable(&it, qf, scale, scores, of);
             for (int64_t r = 0; r < it.rows; r++) {
-                uint16_t *oh = out + (row0 + r / group) * out_row + (g * group + r % group) * out_head;
-                for (int64_t c = 0; c < head_dim; c++) oh[c] = f32_to_bf16(of[r * head_dim + c]);
+                int64_t at = (row0 + r / group) * out_row + (g * group + r % group) * out_head;
+                for (int64_t c = 0; c < head_dim; c++) {
+                    if (fp32)
+                        ((float *)out)[at + c] = of[r * head_dim + c];
+                    else
+                        ((uint16_t *)out)[at + c] = f32_to_bf16(of[r * head_dim + c]);
+                }
             }
         }
         free(scores);

@@ -16,6 +16,7 @@ import torch
 from kernels import native
 
 MAX_HEAD_DIM = 256  # as in attention_cpu.c
+DTYPES = (torch.bfloat16, torch.float32)  # of the query, output and cache
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -65,17 +66,17 @@ class NativeAttention:
     """The loaded kernel. ``has_avx512``: the vector loops are in (else plain C only)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._decode = lib.sb_paged_decode_bf16
+        self._decode = lib.sb_paged_decode
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr]
-        self._decode.argtypes += [_i64] * 5 + [_ptr] * 5 + [ctypes.c_float, ctypes.c_int]
+        self._decode.argtypes += [_i64] * 5 + [_ptr] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         self.has_avx512 = bool(lib.sb_attention_has_avx512())
 
     def decode(
         self,
-        query: torch.Tensor,  # [T, heads, head_dim] bf16
-        out: torch.Tensor,  # [T, heads, head_dim] bf16, rows of the decodes written
-        key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] bf16
+        query: torch.Tensor,  # [T, heads, head_dim] bf16 or fp32, as are the three below
+        out: torch.Tensor,  # [T, heads, head_dim], rows of the decodes written
+        key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
         value_cache: torch.Tensor,
         decodes: NativeDecodes,
         scale: float,
@@ -87,7 +88,8 @@ class NativeAttention:
         num_blocks, block_size, kv_heads, head_dim = key_cache.shape
         tensors = (query, out, key_cache, value_cache)
         if (
-            any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in tensors)
+            key_cache.dtype not in DTYPES
+            or any(t.dtype != key_cache.dtype or t.stride(-1) != 1 for t in tensors)
             or not (key_cache.is_contiguous() and value_cache.shape == key_cache.shape)
             or not value_cache.is_contiguous()
             or query.shape != out.shape
@@ -123,6 +125,7 @@ class NativeAttention:
             decodes.table_starts.data_ptr(),
             decodes.tables.data_ptr(),
             scale,
+            int(key_cache.dtype == torch.float32),
             int(portable),
         )
         if status != 0:

@@ -4,8 +4,8 @@ PagedAttention (Kwon et al., SOSP 2023). The K/V of every sequence live in fixed
 blocks of one cache per layer; a sequence reaches its own through its block table.
 Queries arrive flattened: first the decoding sequences' new tokens (one each, or k + 1
 when the step verifies k draft tokens), then each prefill chunk's tokens back to back. On
-CPU, decodes of a bf16 model take the native kernel (``kernels/attention_cpu.c``), which
-reads each sequence's keys and values in place; otherwise a sequence's blocks are gathered
+CPU, decodes of a bf16 or fp32 model take the native kernel (``kernels/attention_cpu.c``),
+which reads each sequence's keys and values in place; otherwise a sequence's blocks are gathered
 whole (one contiguous copy per block, which runs at memory bandwidth, unlike a per-token
 gather) and padding past the context is masked. Prefill chunks always take SDPA.
 
@@ -63,7 +63,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block * size + offset) to write
     decode_groups: list[DecodeGroup]  # covering the first rows, before the prefill chunks
     prefills: list[PrefillChunk]
-    # The decodes for the native kernel instead of ``decode_groups`` (CPU, bf16).
+    # The decodes for the native kernel instead of ``decode_groups`` (CPU, bf16 or fp32).
     native_decodes: NativeDecodes | None = None
 
 

@@ -2,7 +2,8 @@
 
 Block tables are shuffled block ids, so a kernel that read blocks in cache order would
 fail; contexts end mid-block; speculative verification rows (k + 1 queries per sequence)
-see only keys up to their own position. Both inner loops run: AVX-512 and portable C.
+see only keys up to their own position. Both inner loops run: AVX-512 and portable C, for
+bf16 caches; fp32 caches always take the portable loops.
 """
 
 from __future__ import annotations
@@ -21,15 +22,20 @@ from worker.sequence import Sequence
 KERNEL = native_attention()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler: kernel not built")
 BLOCK_SIZE = 4
-LOOPS = [False, True]
+# (dtype, portable loops forced, tolerance against float64)
+VARIANTS = {
+    "bf16-vector": (torch.bfloat16, False, 2e-2),
+    "bf16-portable": (torch.bfloat16, True, 2e-2),
+    "fp32": (torch.float32, False, 1e-5),
+}
 
 
-def make_cache(*, num_blocks=64, kv_heads=2, head_dim=40, seed=0):
+def make_cache(*, num_blocks=64, kv_heads=2, head_dim=40, seed=0, dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(seed)
     shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
     return (
-        torch.randn(shape, generator=gen).bfloat16(),
-        torch.randn(shape, generator=gen).bfloat16(),
+        torch.randn(shape, generator=gen).to(dtype),
+        torch.randn(shape, generator=gen).to(dtype),
     )
 
 
@@ -61,7 +67,7 @@ def loop_attention(query, key_cache, value_cache, starts, queries, tables, scale
     return out
 
 
-@pytest.mark.parametrize("portable", LOOPS, ids=["vector", "portable"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(
     ("starts", "queries", "heads", "kv_heads", "head_dim"),
     [
@@ -73,18 +79,32 @@ def loop_attention(query, key_cache, value_cache, starts, queries, tables, scale
         ([7, 50], [1, 3], 8, 2, 128),  # head_dim 128: rows two at a time
     ],
 )
-def test_kernel_matches_a_float64_loop(starts, queries, heads, kv_heads, head_dim, portable):
-    key_cache, value_cache = make_cache(kv_heads=kv_heads, head_dim=head_dim)
+def test_kernel_matches_a_float64_loop(starts, queries, heads, kv_heads, head_dim, variant):
+    dtype, portable, tol = VARIANTS[variant]
+    key_cache, value_cache = make_cache(kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     decodes, tables = make_decodes(starts, queries)
     rows = sum(queries)
     gen = torch.Generator().manual_seed(1)
-    query = torch.randn(rows + 2, heads, head_dim, generator=gen).bfloat16()  # 2 other rows
+    query = torch.randn(rows + 2, heads, head_dim, generator=gen).to(dtype)  # 2 other rows
     out = torch.full_like(query, 7.0)
     scale = head_dim**-0.5
     KERNEL.decode(query, out, key_cache, value_cache, decodes, scale, portable=portable)
     want = loop_attention(query, key_cache, value_cache, starts, queries, tables, scale)
-    torch.testing.assert_close(out[:rows].double(), want[:rows], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out[:rows].double(), want[:rows], atol=tol, rtol=tol)
     assert torch.all(out[rows:] == 7.0)  # rows that are not decodes stay as they were
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sharp_scores_keep_their_winner(variant):
+    """Scores hundreds apart: the exp of the far ones underflows, the top key takes it all."""
+    dtype, portable, tol = VARIANTS[variant]
+    key_cache, value_cache = make_cache(dtype=dtype)
+    decodes, tables = make_decodes([30], [1])
+    query = torch.randn(1, 4, 40, generator=torch.Generator().manual_seed(3)).to(dtype)
+    out = torch.empty_like(query)
+    KERNEL.decode(query, out, key_cache, value_cache, decodes, 60.0, portable=portable)
+    want = loop_attention(query, key_cache, value_cache, [30], [1], tables, 60.0)
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
 def test_query_may_be_a_strided_view():
@@ -104,7 +124,8 @@ def test_mismatched_inputs_are_refused():
     decodes, _ = make_decodes([3], [1])
     query = torch.randn(1, 4, 40).bfloat16()
     bad = {
-        "fp32 query": (query.float(), key_cache),
+        "fp32 query, bf16 cache": (query.float(), key_cache),
+        "fp16": (query.half(), key_cache.half()),
         "head_dim differs": (query[..., :32], key_cache),
         "heads not a multiple of kv heads": (query[:, :3], key_cache),
         "block past the cache": (query, key_cache[:1]),
@@ -114,13 +135,19 @@ def test_mismatched_inputs_are_refused():
             KERNEL.decode(q, torch.empty_like(q), cache, cache, decodes, 0.1)
 
 
-def test_model_steps_match_the_gathered_sdpa_path(tmp_path):
-    """A bf16 model run step by step twice, decodes through the kernel and through the torch
+# bf16 logits of a random model are O(1); a wrong key or block moves them by that much,
+# while bf16 rounding moves a few by ~0.05 (more where oneDNN lacks native bf16).
+MODEL_TOLERANCE = {torch.bfloat16: (0.1, 0.03), torch.float32: (1e-4, 1e-5)}  # max, mean
+
+
+@pytest.mark.parametrize("dtype", MODEL_TOLERANCE, ids=str)
+def test_model_steps_match_the_gathered_sdpa_path(tmp_path, dtype):
+    """A model run step by step twice, decodes through the kernel and through the torch
     path (block gather + SDPA, checked against transformers in fp32 elsewhere): contexts
     of 1 to 45 tokens in blocks of 4, then a step where one sequence verifies two draft
     tokens while another one's prompt is prefilled."""
     path = make_checkpoint(tmp_path, arch="llama", num_heads=4, num_kv_heads=2)
-    model = LlamaModel.from_pretrained(path, dtype=torch.bfloat16)
+    model = LlamaModel.from_pretrained(path, dtype=dtype)
     runners = {on: ModelRunner(model, num_blocks=96, block_size=4) for on in (True, False)}
     runners[False].native_decodes = False
     assert runners[True].native_decodes
@@ -133,10 +160,9 @@ def test_model_steps_match_the_gathered_sdpa_path(tmp_path):
         step.append(ScheduledSequence(seq, 0, seq.num_tokens))
     for n in range(6):
         logits = {on: runner.execute(step)[1].float() for on, runner in runners.items()}
-        # bf16 logits of a random model are O(1); a wrong key or block moves them by that much,
-        # while bf16 rounding moves a few by ~0.05 (more where oneDNN lacks native bf16).
-        torch.testing.assert_close(logits[True], logits[False], atol=0.1, rtol=0.05)
-        assert (logits[True] - logits[False]).abs().mean() < 0.03
+        most, mean = MODEL_TOLERANCE[dtype]
+        torch.testing.assert_close(logits[True], logits[False], atol=most, rtol=0.05)
+        assert (logits[True] - logits[False]).abs().mean() < mean
         if n == 5:
             break
         for seq, token in zip(seqs, logits[False].argmax(-1).tolist(), strict=False):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention_native import DTYPES as NATIVE_ATTENTION_DTYPES
 from kernels.attention_native import MAX_HEAD_DIM, NativeDecodes, native_attention
 from kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from worker.llama import LlamaModel
@@ -55,10 +56,10 @@ class ModelRunner:
         self.block_size = block_size
         c = model.config
         self.heads_per_kv_head = c.num_heads // c.num_kv_heads
-        # Decodes read the cache in place where the native kernel serves (CPU, bf16).
+        # Decodes read the cache in place where the native kernel serves (CPU, bf16 or fp32).
         self.native_decodes = (
             self.device.type == "cpu"
-            and model.dtype == torch.bfloat16
+            and model.dtype in NATIVE_ATTENTION_DTYPES
             and c.head_dim <= MAX_HEAD_DIM
             and native_attention() is not None
         )
