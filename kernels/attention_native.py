@@ -69,7 +69,7 @@ class NativeAttention:
         self._decode = lib.sb_paged_decode
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr]
-        self._decode.argtypes += [_i64] * 5 + [_ptr] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        self._decode.argtypes += [_i64] * 5 + [_ptr] * 5 + [ctypes.c_float] + [ctypes.c_int] * 2
         self.has_avx512 = bool(lib.sb_attention_has_avx512())
 
     def decode(

@@ -1,4 +1,4 @@
-"""The native CPU RMSNorm for bf16 rows (``kernels/norm_cpu.c``), and ``rms_norm``.
+"""The native CPU RMSNorm for bf16 or fp32 rows (``kernels/norm_cpu.c``), and ``rms_norm``.
 
 Built and loaded by ``kernels/native.py``; ``native_norm()`` is None where it cannot be,
 and ``rms_norm`` then uses torch's op.
@@ -15,32 +15,34 @@ import torch.nn.functional as F
 from kernels import native
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class NativeNorm:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._norm = lib.sb_rms_norm_bf16
-        self._norm.restype = None
-        self._norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float]
+        self._norms = {torch.bfloat16: lib.sb_rms_norm_bf16, torch.float32: lib.sb_rms_norm_f32}
+        for fn in self._norms.values():
+            fn.restype = None
+            fn.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """Semantics: ``F.rms_norm(x, weight.shape, weight, eps)`` for bf16 ``x`` [rows, dim]
-        (fp32 inside, one rounding)."""
+        """Semantics: ``F.rms_norm(x, weight.shape, weight, eps)`` for bf16 or fp32 ``x``
+        [rows, dim] (fp32 inside, one rounding)."""
         if (
             x.dim() != 2
-            or x.dtype != torch.bfloat16
-            or weight.dtype != torch.bfloat16
+            or x.dtype not in self._norms
+            or weight.dtype != x.dtype
             or x.stride(1) != 1
             or not weight.is_contiguous()
             or weight.shape != (x.shape[1],)
         ):
             raise ValueError(
                 f"native rms_norm: x {tuple(x.shape)} {x.dtype}, weight "
-                f"{tuple(weight.shape)} {weight.dtype}: bf16 rows and a matching weight"
+                f"{tuple(weight.shape)} {weight.dtype}: bf16 or fp32 rows and a matching weight"
             )
         out = torch.empty(x.shape, dtype=x.dtype)
         args = (x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0))
-        self._norm(*args, x.shape[0], x.shape[1], eps)
+        self._norms[x.dtype](*args, x.shape[0], x.shape[1], eps)
         return out
 
 
@@ -52,10 +54,10 @@ def native_norm() -> NativeNorm | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim: the native kernel for bf16 rows on CPU, else torch's op
-    (in fp32 it equals HF's exactly; in bf16 both round once where HF rounds twice)."""
-    if x.dtype == torch.bfloat16 and x.dim() == 2 and not x.is_cuda:
-        kernel = native_norm()  # built on the first bf16 call only
+    """RMSNorm over the last dim: the native kernel for bf16 or fp32 rows on CPU, else
+    torch's op (in bf16 both round once where HF rounds twice)."""
+    if x.dtype in NATIVE_DTYPES and x.dim() == 2 and not x.is_cuda:
+        kernel = native_norm()
         if kernel is not None:
             return kernel(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)

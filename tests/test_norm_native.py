@@ -1,4 +1,4 @@
-"""The native bf16 RMSNorm (kernels/norm_cpu.c) against a float64 RMSNorm."""
+"""The native bf16 and fp32 RMSNorm (kernels/norm_cpu.c) against a float64 RMSNorm."""
 
 from __future__ import annotations
 
@@ -42,15 +42,30 @@ def test_rows_may_be_a_strided_view():
 
 
 @needs_kernel
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (7, 40), (1024, 576)])
+def test_fp32_rows_match_a_float64_rmsnorm(rows, dim):
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, dim, generator=gen) * 3, torch.randn(dim, generator=gen)
+    got = KERNEL(x, weight, 1e-5)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), reference(x, weight, 1e-5), rtol=1e-6, atol=1e-6)
+    assert torch.equal(rms_norm(x, weight, 1e-5), got)  # the engine's entry takes the kernel
+
+
+@needs_kernel
 def test_mismatched_inputs_are_refused():
     x = torch.randn(2, 16).bfloat16()
-    bad = [(x.float(), torch.ones(16)), (x, torch.ones(8).bfloat16()), (x[None], x[0])]
+    bad = [
+        (x.float(), torch.ones(16).bfloat16()),
+        (x, torch.ones(8).bfloat16()),
+        (x[None], x[0]),
+        (x.half(), torch.ones(16).half()),
+    ]
     for bad_x, bad_weight in bad:
         with pytest.raises(ValueError, match="native rms_norm"):
             KERNEL(bad_x, bad_weight, 1e-5)
 
 
-def test_fp32_keeps_torchs_op_bit_for_bit():
-    """fp32 models are compared with transformers exactly: they never take the kernel."""
-    x, weight = torch.randn(9, 48), torch.randn(48)
+def test_other_dtypes_take_torchs_op():
+    x, weight = torch.randn(9, 48).half(), torch.randn(48).half()
     assert torch.equal(rms_norm(x, weight, 1e-5), F.rms_norm(x, (48,), weight, 1e-5))
