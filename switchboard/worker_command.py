@@ -170,7 +170,7 @@ def _speculative_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="cost of verifying one more position, per decoding request, relative to a "
         "plain decode step: a draft is proposed only while its acceptance covers it "
-        "(default: 0.02, measured on CPU)",
+        "(default: measured at start, timing the forward pass by rows fed)",
     )
     parser.add_argument(
         "--speculative-draft-cost",

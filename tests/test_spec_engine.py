@@ -441,3 +441,32 @@ def test_a_draft_models_cost_is_its_weights_over_the_targets(target, other_draft
     )
     assert 0 < ratio < 1
     assert llm.engine.speculator.policy.draft_cost == pytest.approx(ratio)
+
+
+def test_step_curve_prices_a_verified_position_from_the_secant():
+    """T(rows) = 20 ms + 1 ms per row: a decoding sequence's plain step yields one token in
+    T(B) / B; each of the 4 x B rows its drafts add costs 1 ms."""
+    from worker.spec_decode.step_cost import StepCostCurve
+
+    rows = (1, 2, 4, 8, 16, 32, 64)
+    curve = StepCostCurve(rows, tuple(0.020 + 0.001 * r for r in rows))
+    assert curve.time(3) == pytest.approx(0.023) and curve.time(100) == pytest.approx(0.120)
+    for batch in (1, 3, 8, 16):
+        assert curve.verify_cost(batch) == pytest.approx(0.001 / ((0.020 + 0.001 * batch) / batch))
+    flat = StepCostCurve((1, 8), (0.03, 0.03))  # rows cost nothing (a memory-bound step)
+    assert flat.verify_cost(1) == 0.0
+
+
+def test_step_curve_is_timed_on_the_engines_pool_and_gives_its_blocks_back(target):
+    """The engine times its own forward pass by rows fed before serving (no position cost
+    given); the measurement holds no block afterwards."""
+    engine = LLMEngine(target, dtype="float32", speculative_model="ngram", num_speculative_tokens=4)
+    assert_no_block_leaks(engine)
+    curve = engine._measure_steps(40)
+    assert curve.rows == (1, 2, 4, 8, 16, 32, 40)
+    assert all(s > 0 for s in curve.seconds)
+    assert_no_block_leaks(engine)
+    assert engine.speculator.policy.verify_cost(8) >= 0
+    engine.add_request("r", [5, 6, 5, 6, 5, 6], SamplingParams(temperature=0.0, max_tokens=8))
+    assert len(drain(engine)["r"].token_ids) == 8
+    assert_no_block_leaks(engine)

@@ -28,7 +28,8 @@ from worker.scheduler import PreemptionMode, ScheduledSequence, Scheduler
 from worker.sequence import FinishReason, Sequence, SequenceStatus
 from worker.spec_decode.setup import build_speculator
 from worker.spec_decode.speculator import Verified
-from worker.spec_decode.stats import POSITION_COST, SpecDecodeStats
+from worker.spec_decode.stats import SpecDecodeStats
+from worker.spec_decode.step_cost import StepCostCurve, measure_step_curve
 from worker.tokenizer import load_tokenizer
 
 
@@ -57,7 +58,7 @@ class LLMEngine:
         num_speculative_tokens: int | None = None,
         speculative_max_batch_size: int = 8,
         speculative_min_acceptance: float = 0.0,
-        speculative_position_cost: float = POSITION_COST,
+        speculative_position_cost: float | None = None,
         speculative_draft_cost: float | None = None,
     ) -> None:
         """``share_base_model_prefixes``: base-model requests of different tenants share
@@ -72,8 +73,9 @@ class LLMEngine:
         ``speculative_max_batch_size`` decoding sequences, and paused for a sequence whose
         drafts are not worth their cost, or whose acceptance per position falls below
         ``speculative_min_acceptance`` (a floor; off by default). The costs a draft
-        must cover, relative to a plain decode step: ``speculative_position_cost`` per
-        verified position and decoding sequence (measured on CPU), and
+        must cover, relative to a plain decode step: what verifying one more position adds
+        (measured at start by timing the forward pass by rows; a number given as
+        ``speculative_position_cost`` is taken per position and decoding sequence), and
         ``speculative_draft_cost`` per draft token (None: the draft's weights over the
         target's; 0 for prompt lookup). Zero both to speculate whatever it costs.
 
@@ -144,6 +146,7 @@ class LLMEngine:
             target_weight_bytes=self.model.decode_weight_bytes,
             position_cost=speculative_position_cost,
             draft_cost=speculative_draft_cost,
+            measure_steps=self._measure_steps,
         )
         self.postprocessor = Postprocessor(
             eos_token_ids=self.config.eos_token_ids, max_model_len=self.max_model_len
@@ -292,6 +295,16 @@ class LLMEngine:
         ]
         outputs += [self._emit(v.seq, v.tokens, now, verified=True) for v in verified]
         return outputs
+
+    def _measure_steps(self, max_rows: int) -> StepCostCurve:
+        rows = max(1, min(max_rows, self.scheduler.max_num_batched_tokens, self.max_model_len))
+        return measure_step_curve(
+            self.runner.execute,
+            self.block_manager,
+            max_rows=rows,
+            vocab_size=self.config.vocab_size,
+            device=self.device,
+        )
 
     def _emit(
         self, seq: Sequence, tokens: list[SampledToken], now: float, *, verified: bool = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -11,7 +12,8 @@ from worker.errors import SpeculativeConfigError
 from worker.spec_decode.ngram import NgramProposer
 from worker.spec_decode.proposal import Proposer
 from worker.spec_decode.speculator import MAX_SPECULATIVE_TOKENS, Speculator
-from worker.spec_decode.stats import BackoffPolicy
+from worker.spec_decode.stats import BackoffPolicy, flat_verify_cost
+from worker.spec_decode.step_cost import DRAFTS_PER_SEQUENCE, StepCostCurve
 
 NGRAM = "ngram"
 
@@ -29,11 +31,14 @@ def build_speculator(
     max_batch_size: int,
     min_acceptance: float,
     target_weight_bytes: int,
-    position_cost: float,
+    position_cost: float | None,
     draft_cost: float | None,
+    measure_steps: Callable[[int], StepCostCurve],
 ) -> Speculator | None:
     """None when speculation is off. ``speculative_model``: ``"ngram"`` (prompt lookup) or a
-    draft checkpoint directory; ``num_speculative_tokens`` (k) defaults to 4 with either."""
+    draft checkpoint directory; ``num_speculative_tokens`` (k) defaults to 4 with either.
+    ``position_cost`` None: the cost of verifying is measured, ``measure_steps(max_rows)``
+    timing the target's forward pass up to that many rows (once the settings are valid)."""
     if speculative_model is None:
         if num_speculative_tokens:
             raise SpeculativeConfigError(
@@ -51,7 +56,9 @@ def build_speculator(
         raise SpeculativeConfigError(
             "speculative_max_batch_size must be >= 0 and speculative_min_acceptance in [0, 1]"
         )
-    if position_cost < 0 or (draft_cost is not None and draft_cost < 0):
+    if (position_cost is not None and position_cost < 0) or (
+        draft_cost is not None and draft_cost < 0
+    ):
         raise SpeculativeConfigError(
             "speculative_position_cost and speculative_draft_cost must be >= 0"
         )
@@ -81,6 +88,10 @@ def build_speculator(
         if draft_cost is None:
             # A small batch's decode step reads the weights: a draft step costs their ratio.
             draft_cost = proposer.model.decode_weight_bytes / target_weight_bytes
+    if position_cost is not None or max_batch_size == 0:
+        verify_cost = flat_verify_cost(position_cost or 0.0)
+    else:  # the rows of a step at the largest batch that speculates, with its drafts
+        verify_cost = measure_steps(max_batch_size * (1 + DRAFTS_PER_SEQUENCE)).verify_cost
     return Speculator(
         proposer,
         num_speculative_tokens=k,
@@ -89,7 +100,7 @@ def build_speculator(
         policy=BackoffPolicy(
             max_batch_size=max_batch_size,
             min_acceptance=min_acceptance,
-            position_cost=position_cost,
+            verify_cost=verify_cost,
             draft_cost=draft_cost,
         ),
     )

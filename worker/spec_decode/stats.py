@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker.sequence import Sequence
@@ -62,10 +63,16 @@ class SpecDecodeStats:
         }
 
 
-# One more position verified in a step costs about 2% of a plain decode step (default
-# model, bf16, this CPU: batch 1, 30.3 ms for one row, 31.1 for 5, 42.8 for 17; batch 8,
-# 38.0 ms for 8 rows, 52.5 for 40, 96.8 for 136; see bench/README.md).
+# A fixed cost per verified position and decoding sequence, for tests and for users who
+# set one: about 2% of a plain decode step on a memory-bound CPU with native bf16 (default
+# model: batch 1, 30.3 ms for one row, 31.1 for 5, 42.8 for 17; batch 8, 38.0 ms for 8
+# rows, 52.5 for 40, 96.8 for 136). By default the engine measures it (step_cost.py).
 POSITION_COST = 0.02
+
+
+def flat_verify_cost(position_cost: float) -> Callable[[int], float]:
+    """A fixed cost per verified position and decoding sequence."""
+    return lambda num_decodes: position_cost * num_decodes
 
 
 @dataclass(slots=True)
@@ -82,8 +89,9 @@ class BackoffPolicy:
     Not in large batches: above ``max_batch_size`` decoding sequences, verification costs
     real compute. Per sequence, with α its moving acceptance per position, the j-th draft
     is used with probability ~α^j; it is proposed while that covers its cost, α^j ≥
-    ``position_cost`` × decoding sequences (the step's extra cost, against the ~one token
-    per sequence the step yields) + ``draft_cost`` (the proposer's own cost per draft
+    ``verify_cost(decoding sequences)`` (what one more verified row adds to the step, in
+    units of the time per token of a plain step: measured, ``step_cost.StepCostCurve``, or
+    a fixed cost per position and sequence) + ``draft_cost`` (the proposer's own cost per draft
     relative to a target step: 0 for prompt lookup). So a sequence that copies its input
     drafts up to k tokens a step, and one that rarely matches drafts one or none.
 
@@ -100,14 +108,14 @@ class BackoffPolicy:
         min_acceptance: float,
         pause_steps: int = 8,
         max_pause_steps: int = 256,
-        position_cost: float = POSITION_COST,
+        verify_cost: Callable[[int], float] | None = None,
         draft_cost: float = 0.0,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.min_acceptance = min_acceptance
         self.pause_steps = pause_steps
         self.max_pause_steps = max_pause_steps
-        self.position_cost = position_cost
+        self.verify_cost = verify_cost or flat_verify_cost(POSITION_COST)
         self.draft_cost = draft_cost
         self._tracks: dict[Sequence, _Track] = {}
         self.acceptance = 0.5  # engine-wide moving average, over every verification
@@ -122,7 +130,7 @@ class BackoffPolicy:
             track.pause -= 1
             track.probe = track.pause == 0
             return 0
-        worth = self.position_cost * num_decodes + self.draft_cost
+        worth = self.verify_cost(num_decodes) + self.draft_cost
         n = 0
         while n < k and track.acceptance ** (n + 1) >= worth:
             n += 1

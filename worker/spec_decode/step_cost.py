@@ -1,0 +1,99 @@
+"""What verifying one more draft position costs on this machine, measured once at start.
+
+A draft pays when the chance it is accepted covers the time its verification row adds.
+That time depends on the hardware far more than on the model: on a memory-bound CPU with
+native bf16 a step of 5 rows cost 3% more than one row, on an AVX2-only CPU in fp32 (the
+matmuls compute-bound from a few rows) 35% more, and on a GPU next to nothing. So the
+engine times forward passes of 1, 2, 4, ... rows before it serves, and the back-off policy
+reads the cost off that curve instead of a constant.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from worker.block_manager import BlockManager
+from worker.scheduler import ScheduledSequence
+from worker.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+# The cost of a verified position is the step curve's secant over the rows that a step with
+# this many drafts per decoding sequence adds (not its slope at one point: going from 1 row
+# to 2 costs more per row than the next few on CPU, where the matmul changes kernel).
+DRAFTS_PER_SEQUENCE = 4
+MEASURE_REPEATS = 3  # per point; the fastest counts (noise only ever slows a run down)
+
+
+@dataclass(frozen=True, slots=True)
+class StepCostCurve:
+    """Seconds of a forward pass by rows fed, at increasing row counts."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def time(self, rows: float) -> float:
+        """Piecewise linear between the points; the last segment's slope past them."""
+        i = min(max(bisect.bisect_left(self.rows, rows), 1), len(self.rows) - 1)
+        r0, r1 = self.rows[i - 1], self.rows[i]
+        t0, t1 = self.seconds[i - 1], self.seconds[i]
+        return max(t0 + (t1 - t0) * (rows - r0) / (r1 - r0), 1e-9)
+
+    def verify_cost(self, num_decodes: int) -> float:
+        """One more verified position, in units of the time per token of a plain step of
+        ``num_decodes`` sequences (which yields one token each)."""
+        b = max(1, num_decodes)
+        plain = self.time(b)
+        added = self.time(b * (1 + DRAFTS_PER_SEQUENCE)) - plain
+        return max(added, 0.0) / (b * DRAFTS_PER_SEQUENCE) / (plain / b)
+
+    def describe(self) -> str:
+        pairs = zip(self.rows, self.seconds, strict=True)
+        return ", ".join(f"{rows}: {1000 * seconds:.1f} ms" for rows, seconds in pairs)
+
+
+def measure_step_curve(
+    execute: Callable[[list[ScheduledSequence]], object],
+    block_manager: BlockManager,
+    *,
+    max_rows: int,
+    vocab_size: int,
+    device: torch.device,
+) -> StepCostCurve:
+    """Times ``execute`` (the model runner's forward pass) on one scratch sequence feeding
+    1, 2, 4, ... up to ``max_rows`` tokens, its blocks taken from and returned to the pool.
+    Prefill rows stand in for verification rows: both run the same matmuls, which is what
+    grows with rows (the step of a long-context decode also reads its KV, so the measured
+    cost is, if anything, on the high side)."""
+    counts = []
+    rows = 1
+    while True:
+        counts.append(min(rows, max_rows))
+        if rows >= max_rows:
+            break
+        rows *= 2
+    tokens = [i % max(vocab_size, 1) for i in range(counts[-1])]
+    seconds = []
+    for n in [counts[0], *counts]:  # the first run warms the kernels up and is dropped
+        seq = Sequence("step-cost", tokens[:n], None, 0)
+        block_manager.allocate(seq.block_table, n)
+        try:
+            best = float("inf")
+            for _ in range(MEASURE_REPEATS):
+                start = time.perf_counter()
+                execute([ScheduledSequence(seq, 0, n)])
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                best = min(best, time.perf_counter() - start)
+            seconds.append(best)
+        finally:
+            block_manager.free(seq.block_table)
+    curve = StepCostCurve(tuple(counts), tuple(seconds[1:]))
+    logger.info("speculation cost model: forward pass by rows fed: %s", curve.describe())
+    return curve
