@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from switchboard.home import switchboard_home
+from worker.placement import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def generate_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: in
     """Prompts and the target's own sampled answers, EOS-separated, as one token stream."""
     from worker import LLM, SamplingParams
 
-    llm = LLM(target, dtype="bfloat16", max_num_seqs=64)
+    llm = LLM(target, dtype="auto", max_num_seqs=64)
     tokenizer = llm.tokenizer
     messages = [
         TEMPLATES[i % len(TEMPLATES)].format(TOPICS[(i // len(TEMPLATES)) % len(TOPICS)])
@@ -156,7 +157,8 @@ def distill(
     logger.info("generated %d tokens in %.0f s", len(stream), time.monotonic() - start)
     teacher = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     draft, picked = build_draft(teacher, num_layers)
-    teacher = teacher.to(torch.bfloat16)  # the teacher only runs forward: bf16 (AMX) is fast
+    # The teacher only runs forward: in bf16 where the CPU computes it natively (AMX is fast).
+    teacher = teacher.to(resolve_dtype("auto"))
     logger.info("draft layers %s of the target's %d", picked, teacher.config.num_hidden_layers)
     for name, param in draft.named_parameters():
         param.requires_grad = name.startswith("model.layers.") or name == "model.norm.weight"
