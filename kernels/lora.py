@@ -5,11 +5,11 @@ all-decode step and SGMV otherwise (as vLLM does). The Triton module is imported
 on the first CUDA call, so a CPU process never imports triton, and a test that wants the
 kernels in Triton's CPU interpreter can set ``TRITON_INTERPRET=1`` before it imports them.
 
-On CPU with bf16 stacks: the native kernel (``kernels/lora_cpu.c`` via
+On CPU with bf16 or fp32 stacks: the native kernel (``kernels/lora_cpu.c`` via
 ``kernels/lora_native.py``) for every token, one call per projection group, over each
 slot's weights cut to rank and laid out for it (``NativeSlots``, kept beside the stacks by
 the LoRA manager; the mapping then carries ``NativeGroups``). Where it cannot be built, or
-for fp32/fp16 stacks, two torch paths of ``kernels/lora_reference.py``: a matmul pair per
+for fp16 stacks, two torch paths of ``kernels/lora_reference.py``: a matmul pair per
 long run of one adapter (prefill chunks; a decode batch on one adapter), and, for the rest,
 BGMV as padded batched matmuls over the slot stacks themselves (``lora_bucketed``), chosen
 from the measurements in ``bench/lora_ops.py``. With bf16/fp16 stacks the pairs use each

@@ -1,5 +1,5 @@
-/* Batched multi-LoRA on CPU for bf16 models: shrink (x A^T) and expand (+= scale h B^T)
- * over tokens grouped by adapter slot, in one call per projection group.
+/* Batched multi-LoRA on CPU for bf16 and fp32 models: shrink (x A^T) and expand (+= scale
+ * h B^T) over tokens grouped by adapter slot, in one call per projection group.
  *
  * Why native code: on CPU a LoRA pair through torch costs ~20-40 us of fixed overhead per
  * matmul call (oneDNN dispatch, casts, temporaries), and a decode step of the default model
@@ -8,16 +8,16 @@
  * once, at the rank it really has, and the whole batch is one call.
  *
  * Compiled at run time by kernels/lora_native.py with the host's C compiler and
- * -march=native, so the AVX-512 path is used exactly where the CPU has it; the portable
- * path (plain C) is compiled always and is what other CPUs run. Tests check both against
- * the torch references.
+ * -march=native, so the AVX-512 path (bf16) is used exactly where the CPU has it; the
+ * portable path (plain C the compiler vectorizes: omp simd) is compiled always and is what
+ * fp32 and other CPUs run. Tests check both against the torch references.
  *
  * Layout of one slot's weights (kernels/lora_native.py builds it; see NativeSlot there):
  *   table row of SLOT_FIELDS int64: a_ptr, rank, n_blocks, then per block
  *   (row_begin, row_end, out_begin, out_end, bt_ptr).
- *   a: [rank, in] bf16 row-major, the adapter's A cut to its real rank.
+ *   a: [rank, in] row-major, the adapter's A cut to its real rank (the model's dtype).
  *   block b: rank rows [row_begin, row_end) feed outputs [out_begin, out_end) through
- *   bt: [ceil(out / 16), row_end - row_begin, 16] bf16 (out = out_end - out_begin), B's
+ *   bt: [ceil(out / 16), row_end - row_begin, 16] (out = out_end - out_begin), B's
  *   block in tiles of 16 output columns, zero-padded: the expand reads it front to back.
  * The slot's a and tiles sit in one buffer, in that order, so a work item is one stream.
  */
@@ -32,29 +32,59 @@
 
 /* --- portable inner loops ------------------------------------------------------------ */
 
-static void shrink_portable(const float *x32, int64_t in, const uint16_t *a, int64_t rank,
-                            int64_t nt, float *h, int64_t h_stride) {
+/* n weights as fp32: in place for fp32 slots, else widened into buf. */
+static inline const float *weights_f32(const void *w, int64_t n, int fp32, float *buf) {
+    if (fp32) return (const float *)w;
+    const uint16_t *h = (const uint16_t *)w;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_f32(h[i]);
+    return buf;
+}
+
+static void shrink_portable(const float *x32, int64_t in, const void *a, int fp32,
+                            int64_t rank, int64_t nt, float *h, int64_t h_stride,
+                            float *row_buf) {
+    int64_t size = fp32 ? 4 : 2;
     for (int64_t i = 0; i < rank; i++) {
-        const uint16_t *row = a + i * in;
+        const float *row = weights_f32((const char *)a + i * in * size, in, fp32, row_buf);
         for (int64_t t = 0; t < nt; t++) {
             const float *xt = x32 + t * in;
             float acc = 0.0f;
-            for (int64_t k = 0; k < in; k++) acc += xt[k] * bf16_to_f32(row[k]);
+#pragma omp simd reduction(+ : acc)
+            for (int64_t k = 0; k < in; k++) acc += xt[k] * row[k];
             h[t * h_stride + i] = acc;
         }
     }
 }
 
-static void expand_portable(const float *h, int64_t h_stride, const uint16_t *bt,
+/* Tile by tile (16 output columns), as the AVX-512 loop: each weight is read once for all
+ * nt tokens. */
+static void expand_portable(const float *h, int64_t h_stride, const void *bt, int fp32,
                             int64_t rb, int64_t re, int64_t width, int64_t nt,
-                            uint16_t *const *ys, float scale) {
-    for (int64_t t = 0; t < nt; t++) {
-        const float *ht = h + t * h_stride;
-        for (int64_t c = 0; c < width; c++) {
-            const uint16_t *tile = bt + (c / 16) * (re - rb) * 16 + c % 16;
-            float acc = 0.0f;
-            for (int64_t i = rb; i < re; i++) acc += ht[i] * bf16_to_f32(tile[(i - rb) * 16]);
-            ys[t][c] = f32_to_bf16(bf16_to_f32(ys[t][c]) + scale * acc);
+                            void *const *ys, float scale) {
+    int64_t size = fp32 ? 4 : 2, r = re - rb;
+    float wbuf[16];
+    for (int64_t c = 0; c < width; c += 16) {
+        float acc[TOKEN_BLOCK][16] = {{0.0f}};
+        const char *tile = (const char *)bt + (c / 16) * r * 16 * size;
+        for (int64_t i = 0; i < r; i++) {
+            const float *w = weights_f32(tile + i * 16 * size, 16, fp32, wbuf);
+            for (int64_t t = 0; t < nt; t++) {
+                float ht = h[t * h_stride + rb + i];
+#pragma omp simd
+                for (int j = 0; j < 16; j++) acc[t][j] += ht * w[j];
+            }
+        }
+        int64_t n = width - c < 16 ? width - c : 16;
+        for (int64_t t = 0; t < nt; t++) {
+            if (fp32) {
+                float *y = (float *)ys[t] + c;
+                for (int64_t j = 0; j < n; j++) y[j] += scale * acc[t][j];
+            } else {
+                uint16_t *y = (uint16_t *)ys[t] + c;
+                for (int64_t j = 0; j < n; j++)
+                    y[j] = f32_to_bf16(bf16_to_f32(y[j]) + scale * acc[t][j]);
+            }
         }
     }
 }
@@ -138,53 +168,57 @@ int sb_lora_has_avx512(void) {
 
 /* One work item: up to TOKEN_BLOCK tokens of one group, shrink then expand. An item reads
  * its slot's weights front to back (A, then each B block), one sequential stream. */
-static void run_item(const uint16_t *x, int64_t x_stride, int64_t in, uint16_t *y,
-                     int64_t y_stride, const int64_t *slot, float scale, const int64_t *rows,
-                     int64_t nt, int use_avx512, float *scratch) {
+static void run_item(const void *x, int64_t x_stride, int64_t in, void *y, int64_t y_stride,
+                     const int64_t *slot, float scale, const int64_t *rows, int64_t nt,
+                     int fp32, int use_avx512, float *scratch) {
     (void)use_avx512; /* unused where the build has no AVX-512 loops */
-    float *x32 = scratch;                   /* [nt, in] */
-    float *h = scratch + TOKEN_BLOCK * in;  /* [nt, rank] */
-    uint16_t *ys[TOKEN_BLOCK];
-    for (int64_t t = 0; t < nt; t++) {
-        const uint16_t *src = x + rows[t] * x_stride;
-        for (int64_t k = 0; k < in; k++) x32[t * in + k] = bf16_to_f32(src[k]);
-    }
-    const uint16_t *a = (const uint16_t *)(intptr_t)slot[0];
+    int64_t size = fp32 ? 4 : 2;
+    float *x32 = scratch;                        /* [nt, in] */
+    float *row_buf = scratch + TOKEN_BLOCK * in; /* [in] */
+    float *h = row_buf + in;                     /* [nt, rank] */
+    void *ys[TOKEN_BLOCK];
+    for (int64_t t = 0; t < nt; t++)
+        for (int64_t k = 0; k < in; k++)
+            x32[t * in + k] = fp32 ? ((const float *)x)[rows[t] * x_stride + k]
+                                   : bf16_to_f32(((const uint16_t *)x)[rows[t] * x_stride + k]);
+    const void *a = (const void *)(intptr_t)slot[0];
 #if defined(__AVX512F__)
     if (use_avx512)
-        shrink_avx512(x32, in, a, slot[1], nt, h, slot[1]);
+        shrink_avx512(x32, in, (const uint16_t *)a, slot[1], nt, h, slot[1]);
     else
 #endif
-        shrink_portable(x32, in, a, slot[1], nt, h, slot[1]);
+        shrink_portable(x32, in, a, fp32, slot[1], nt, h, slot[1], row_buf);
     for (int64_t b = 0; b < slot[2]; b++) {
         const int64_t *blk = slot + 3 + 5 * b;
-        const uint16_t *bt = (const uint16_t *)(intptr_t)blk[4];
-        for (int64_t t = 0; t < nt; t++) ys[t] = y + rows[t] * y_stride + blk[2];
+        const void *bt = (const void *)(intptr_t)blk[4];
+        for (int64_t t = 0; t < nt; t++) ys[t] = (char *)y + (rows[t] * y_stride + blk[2]) * size;
 #if defined(__AVX512F__)
         if (use_avx512)
-            expand_avx512(h, slot[1], bt, blk[0], blk[1], blk[3] - blk[2], nt, ys, scale);
+            expand_avx512(h, slot[1], (const uint16_t *)bt, blk[0], blk[1], blk[3] - blk[2], nt,
+                          (uint16_t *const *)ys, scale);
         else
 #endif
-            expand_portable(h, slot[1], bt, blk[0], blk[1], blk[3] - blk[2], nt, ys, scale);
+            expand_portable(h, slot[1], bt, fp32, blk[0], blk[1], blk[3] - blk[2], nt, ys, scale);
     }
 }
 
 /* Semantics: for each group g of slot s = group_slot[g] and each token row t among
  * rows[group_start[g] : group_start[g+1]]:
- *     y[t, :] += scales[s] * (x[t, :] @ A_s^T) @ B_s^T        (bf16 in and out, fp32 sums)
+ *     y[t, :] += scales[s] * (x[t, :] @ A_s^T) @ B_s^T                     (fp32 sums)
  * where y already points at the projection's first output column.
- *   x: [T, in] bf16, row stride x_stride;  y: [T, >= out] bf16, row stride y_stride
+ *   x: [T, in], row stride x_stride;  y: [T, >= out], row stride y_stride
+ *   x, y and the slots' weights all bf16 (fp32 = 0) or all fp32 (fp32 = 1)
  *   table: [num_slots, SLOT_FIELDS] int64;  scales: [num_slots] float32
  *   portable: 1 forces the plain-C loops (tests compare both with the reference).
  * Returns 0, or -1 if scratch memory ran out (then some rows are not updated).
  * Work items are (group, block of up to TOKEN_BLOCK tokens), spread over torch's OpenMP
  * threads; a group of many tokens is several items that read its weights from cache.
  */
-int sb_lora_bgmv_bf16(const uint16_t *x, int64_t x_stride, int64_t in, uint16_t *y,
-                      int64_t y_stride, const int64_t *table, const float *scales,
-                      int64_t n_groups, const int64_t *group_slot, const int64_t *group_start,
-                      const int64_t *rows, int portable) {
-    int use_avx512 = sb_lora_has_avx512() && !portable;
+int sb_lora_bgmv(const void *x, int64_t x_stride, int64_t in, void *y, int64_t y_stride,
+                 const int64_t *table, const float *scales, int64_t n_groups,
+                 const int64_t *group_slot, const int64_t *group_start, const int64_t *rows,
+                 int fp32, int portable) {
+    int use_avx512 = sb_lora_has_avx512() && !portable && !fp32;
     int64_t n_items = 0, max_rank = 0, failed = 0;
     for (int64_t g = 0; g < n_groups; g++) {
         int64_t rank = table[group_slot[g] * SLOT_FIELDS + 1];
@@ -195,7 +229,7 @@ int sb_lora_bgmv_bf16(const uint16_t *x, int64_t x_stride, int64_t in, uint16_t 
     {
         /* Per thread: an item's rows in fp32 and their shrink output (heap, not stack: a
          * wide projection input would not fit a worker thread's stack). */
-        float *scratch = malloc(sizeof(float) * TOKEN_BLOCK * (in + max_rank));
+        float *scratch = malloc(sizeof(float) * (TOKEN_BLOCK * (in + max_rank) + in));
         if (!scratch) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < n_items; it++) {
@@ -210,7 +244,7 @@ int sb_lora_bgmv_bf16(const uint16_t *x, int64_t x_stride, int64_t in, uint16_t 
             int64_t t1 = t0 + TOKEN_BLOCK < group_start[g + 1] ? t0 + TOKEN_BLOCK : group_start[g + 1];
             if (scratch && slot[1] > 0)
                 run_item(x, x_stride, in, y, y_stride, slot, scales[group_slot[g]], rows + t0,
-                         t1 - t0, use_avx512, scratch);
+                         t1 - t0, fp32, use_avx512, scratch);
         }
         free(scratch);
     }

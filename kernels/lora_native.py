@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kernels import native
 
 MAX_BLOCKS = 3  # as in lora_cpu.c: a fused group of at most three projections (q/k/v)
+DTYPES = (torch.bfloat16, torch.float32)  # of x, y and the slots' weights
 SLOT_FIELDS = 3 + 5 * MAX_BLOCKS
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -26,16 +27,16 @@ class NativeLora:
     """The loaded kernel. ``has_avx512``: the vector loops are in (else plain C only)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._bgmv = lib.sb_lora_bgmv_bf16
+        self._bgmv = lib.sb_lora_bgmv
         self._bgmv.restype = ctypes.c_int
         self._bgmv.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
-        self._bgmv.argtypes += [_ptr, _ptr, _ptr, ctypes.c_int]
+        self._bgmv.argtypes += [_ptr, _ptr, _ptr, ctypes.c_int, ctypes.c_int]
         self.has_avx512 = bool(lib.sb_lora_has_avx512())
 
     def bgmv(
         self,
-        y: torch.Tensor,  # [T, out_total] bf16, updated in place
-        x: torch.Tensor,  # [T, in] bf16
+        y: torch.Tensor,  # [T, out_total] bf16 or fp32 (as x and the slots), updated in place
+        x: torch.Tensor,  # [T, in]
         slots: NativeSlots,  # the stacks' slots in the kernel's layout
         scales: torch.Tensor,  # [S] float32
         groups: NativeGroups,
@@ -44,8 +45,11 @@ class NativeLora:
         portable: bool = False,
     ) -> None:
         """Semantics: ``y[t, o:] += scales[s] * x[t] @ A_s.T @ B_s.T`` for the groups' tokens."""
-        if x.stride(1) != 1 or y.stride(1) != 1 or {x.dtype, y.dtype} != {torch.bfloat16}:
-            raise ValueError("native LoRA: x and y must be bf16 with contiguous rows")
+        if x.stride(1) != 1 or y.stride(1) != 1 or not x.dtype == y.dtype == slots.dtype:
+            raise ValueError(
+                f"native LoRA: x ({x.dtype}) and y ({y.dtype}) must have contiguous rows and "
+                f"the slots' dtype ({slots.dtype})"
+            )
         if scales.dtype != torch.float32 or not scales.is_contiguous():
             raise ValueError("native LoRA: scales must be contiguous float32")
         if (
@@ -71,6 +75,7 @@ class NativeLora:
             groups.slots.data_ptr(),
             groups.starts.data_ptr(),
             groups.rows.data_ptr(),
+            int(x.dtype == torch.float32),
             int(portable),
         )
         if status != 0:
@@ -118,18 +123,27 @@ class NativeSlots:
     block of each projection is kept transposed without the block diagonal's zeros.
     """
 
-    __slots__ = ("blocks", "held", "in_features", "out_features", "table")
+    __slots__ = ("blocks", "dtype", "held", "in_features", "out_features", "table")
 
     @staticmethod
     def wanted(a_stack: torch.Tensor) -> bool:
-        """bf16 stacks on CPU, where the kernel builds (it is written for bf16 only)."""
+        """bf16 or fp32 stacks on CPU, where the kernel builds."""
         return (
             a_stack.device.type == "cpu"
-            and a_stack.dtype == torch.bfloat16
+            and a_stack.dtype in DTYPES
             and native_library() is not None
         )
 
-    def __init__(self, num_slots: int, in_features: int, blocks: Sequence[tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        in_features: int,
+        blocks: Sequence[tuple[int, int]],
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"native LoRA: slots of {dtype}; the kernel takes {DTYPES}")
+        self.dtype = dtype
         if not 1 <= len(blocks) <= MAX_BLOCKS:
             raise ValueError(f"native LoRA: 1 to {MAX_BLOCKS} projections per group")
         self.blocks = list(blocks)
@@ -139,7 +153,7 @@ class NativeSlots:
         self.held: list[list[torch.Tensor]] = [[] for _ in range(num_slots)]  # keeps pointers valid
 
     def refresh(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Rebuild ``slot`` from its padded A [M*R, in] and B [out_total, M*R] (bf16)."""
+        """Rebuild ``slot`` from its padded A [M*R, in] and B [out_total, M*R]."""
         rank_per_block = a.shape[0] // len(self.blocks)
         keep = a.ne(0).any(dim=1).nonzero().squeeze(1).tolist()
         row = self.table[slot]
@@ -159,7 +173,7 @@ class NativeSlots:
             fields.append((own[0], own[-1] + 1, out_begin, out_end, offset))
             parts.append(tiles.reshape(-1))
             offset += parts[-1].numel()
-        buffer = torch.cat(parts).to(torch.bfloat16)  # one stream per work item
+        buffer = torch.cat(parts).to(self.dtype)  # one stream per work item
         base, size = buffer.data_ptr(), buffer.element_size()
         row[0], row[1], row[2] = base, len(keep), len(fields)
         for n, (*span, start) in enumerate(fields):

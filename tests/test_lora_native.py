@@ -1,8 +1,9 @@
 """The native CPU multi-LoRA kernel (kernels/lora_cpu.c) against the float64 per-token loop.
 
-Both of its inner loops run here: the AVX-512 one (where this CPU has it) and the portable
-C one. Shapes are the kernel-test shapes of test_lora_kernels.py: 80 inputs and 72 outputs,
-neither a multiple of 16, so the vector loops' tails and the tiles' padding are exercised.
+Both of its inner loops run here for bf16: the AVX-512 one (where this CPU has it) and the
+portable C one; fp32 always takes the portable one. Shapes are the kernel-test shapes of
+test_lora_kernels.py: 80 inputs and 72 outputs, neither a multiple of 16, so the vector
+loops' tails and the tiles' padding are exercised.
 """
 
 from __future__ import annotations
@@ -27,12 +28,17 @@ from kernels.lora_native import NativeGroups, native_library
 
 LIBRARY = native_library()
 pytestmark = pytest.mark.skipif(LIBRARY is None, reason="no C compiler: kernel not built")
-LOOPS = [False, True]  # portable: the AVX-512 loops (if built), then the plain-C ones
 BF16 = torch.bfloat16
+# (dtype, portable loops forced): the AVX-512 loops (if built) and the plain-C ones
+VARIANTS = {
+    "bf16-vector": (BF16, False),
+    "bf16-portable": (BF16, True),
+    "fp32": (torch.float32, False),
+}
 
 
 def native_slots(a: torch.Tensor, b: torch.Tensor, blocks=((0, OUT_FEATURES),)) -> NativeSlots:
-    slots = NativeSlots(a.shape[0], a.shape[2], blocks)
+    slots = NativeSlots(a.shape[0], a.shape[2], blocks, a.dtype)
     for slot in range(a.shape[0]):
         slots.refresh(slot, a[slot], b[slot])
     return slots
@@ -42,25 +48,26 @@ def groups_of(token_slots: torch.Tensor) -> NativeGroups:
     return NativeGroups.from_runs([(t, t + 1, s) for t, s in enumerate(token_slots.tolist())])
 
 
-@pytest.mark.parametrize("portable", LOOPS, ids=["vector", "portable"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize(("rank", "max_rank"), RANKS)
 @pytest.mark.parametrize(("num_tokens", "decode"), [(1, True), (9, True), (17, False), (70, False)])
-def test_kernel_matches_a_per_token_loop(num_tokens, decode, rank, max_rank, pattern, portable):
+def test_kernel_matches_a_per_token_loop(num_tokens, decode, rank, max_rank, pattern, variant):
     """Groups of 1 to 70 tokens (several token blocks of 8), ranks 1 to 64, base rows."""
+    dtype, portable = VARIANTS[variant]
     batch = make_batch(pattern, num_tokens=num_tokens, decode=decode)
     slots = batch.token_slots
-    a, b, scales = make_stacks(rank, max_rank, dtype=BF16)
-    x, y = make_inputs(num_tokens, dtype=BF16, extra_cols=7)
+    a, b, scales = make_stacks(rank, max_rank, dtype=dtype)
+    x, y = make_inputs(num_tokens, dtype=dtype, extra_cols=7)
     _, want = loop_lora(y, x, a, b, scales, slots, rank=rank, out_offset=4)
     got = y.clone()
     LIBRARY.bgmv(got, x, native_slots(a, b), scales, groups_of(slots), 4, portable=portable)
-    assert_close(got, want, BF16)
+    assert_close(got, want, dtype)
     assert_untouched(got, y, slots, out_offset=4)
 
 
-@pytest.mark.parametrize("portable", LOOPS, ids=["vector", "portable"])
-def test_fused_group_keeps_each_projections_block(portable):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_group_keeps_each_projections_block(variant):
     """Three projections sharing x (as q/k/v): A rows m*R.. and B's diagonal block m belong
     to projection m; slot 1 lacks the middle one, slot 2 has only it, slot 3 is empty."""
     max_rank, blocks = 8, ((0, 32), (32, 48), (48, 72))
@@ -73,17 +80,18 @@ def test_fused_group_keeps_each_projections_block(portable):
             cols = slice(m * max_rank, m * max_rank + r)
             a[slot, cols] = torch.randn(r, IN_FEATURES, generator=gen) / 9
             b[slot, lo:hi, cols] = torch.randn(hi - lo, r, generator=gen) / 3
-    a, b = a.to(BF16), b.to(BF16)
+    dtype, portable = VARIANTS[variant]
+    a, b = a.to(dtype), b.to(dtype)
     scales = torch.tensor([1.0, 0.5, 2.0, 1.0])
     table = native_slots(a, b, blocks)
     assert table.table[:, 1].tolist() == [16, 10, 6, 0]  # rank rows kept per slot
     assert table.table[:, 2].tolist() == [3, 2, 1, 0]  # projections with weights
     slots = torch.tensor([2, 0, 3, 1, -1, 0, 2])
-    x, y = make_inputs(len(slots), dtype=BF16)
+    x, y = make_inputs(len(slots), dtype=dtype)
     _, want = loop_lora(y, x, a, b, scales, slots, rank=3 * max_rank)
     got = y.clone()
     LIBRARY.bgmv(got, x, table, scales, groups_of(slots), portable=portable)
-    assert_close(got, want, BF16)
+    assert_close(got, want, dtype)
     assert torch.equal(got[2], y[2]) and torch.equal(got[4], y[4])  # empty slot, no adapter
 
 
@@ -138,10 +146,12 @@ def test_kernel_refuses_what_would_read_or_write_out_of_bounds():
     slots = native_slots(a, b)
     x, y = make_inputs(2, dtype=BF16)
     two = groups_of(torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="bf16"):
-        LIBRARY.bgmv(y.float(), x.float(), slots, scales, two)
-    with pytest.raises(ValueError, match="bf16"):
+    with pytest.raises(ValueError, match="the slots' dtype"):
+        LIBRARY.bgmv(y.float(), x.float(), slots, scales, two)  # bf16 weights read as fp32
+    with pytest.raises(ValueError, match="the slots' dtype"):
         LIBRARY.bgmv(y.float(), x, slots, scales, two)  # y in fp32: written as bf16
+    with pytest.raises(ValueError, match="the kernel takes"):
+        NativeSlots(2, IN_FEATURES, ((0, OUT_FEATURES),), torch.float16)
     with pytest.raises(ValueError, match="float32"):
         LIBRARY.bgmv(y, x, slots, scales.double(), two)
     bad = {

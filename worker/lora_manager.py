@@ -59,7 +59,7 @@ class SlotStack:
     b: torch.Tensor  # [max_loras, fused_out_features, modules * max_rank]
     scales: torch.Tensor  # [max_loras] float32, 1.0 for every filled slot
     pairs: SlotPairs | None = None  # CPU fp16 (or bf16 without native): cut to rank, packed
-    native: NativeSlots | None = None  # CPU bf16: each slot cut to rank for the native kernel
+    native: NativeSlots | None = None  # CPU bf16/fp32: slots cut to rank for the native kernel
     used: bool = False  # some adapter ever targeted this group (else skip the call)
 
 
@@ -99,7 +99,7 @@ class LoraManager:
         self._step = 0
         self._stacks: list[dict[str, SlotStack]] | None = None  # allocated on first load
         self.num_slot_loads = 0
-        # bf16 on CPU: the native kernel, built here (about a second, once per machine and
+        # bf16 or fp32 on CPU: the native kernel, built here (about a second, once per machine and
         # source) rather than inside the first adapter load.
         self.native = NativeSlots.wanted(torch.empty(0, dtype=dtype, device=self.device))
         if self.device.type == "cpu":
@@ -247,7 +247,7 @@ class LoraManager:
                     pairs=SlotPairs(slots, self.dtype)
                     if SlotPairs.wanted(a) and not native
                     else None,
-                    native=NativeSlots(slots, in_features, self._outputs(modules))
+                    native=NativeSlots(slots, in_features, self._outputs(modules), self.dtype)
                     if native
                     else None,
                 )
