@@ -67,15 +67,6 @@ static inline void prefetch_block(const Item *it, const char *rows, int64_t coun
         }                                                                               \
     }
 
-/* Key or value row ptr as fp32: in place for an fp32 cache, else converted into buf. */
-static inline const float *row_f32(const Item *it, const char *ptr, float *buf) {
-    if (it->elem_bytes == 4) return (const float *)ptr;
-    const uint16_t *h = (const uint16_t *)ptr;
-#pragma omp simd
-    for (int64_t c = 0; c < it->head_dim; c++) buf[c] = bf16_to_f32(h[c]);
-    return buf;
-}
-
 /* e^x for x <= 0 in plain C that vectorizes (libm's expf does not without -ffast-math):
  * x = n ln2 + f ln2 with |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error
  * < 2e-7), 2^n built in the exponent bits. Below -87 (e^-87 ~ 1.6e-38) it clamps. */
@@ -115,7 +106,7 @@ static void attend_portable(const Item *it, const float *q, float scale, float *
     int64_t d = it->head_dim, rows = it->rows, len = visible(it, rows - 1);
     float buf[MAX_HEAD_DIM];
     FOR_EACH_KEY(it, it->key_cache, len, j, key, {
-        const float *k = row_f32(it, key, buf);
+        const float *k = as_f32(key, d, it->elem_bytes == 4, buf);
         for (int64_t r = 0; r < rows; r++) scores[r * it->stride + j] = dot_f32(q + r * d, k, d) * scale;
     })
     for (int64_t r = 0; r < rows; r++) {
@@ -133,7 +124,7 @@ static void attend_portable(const Item *it, const float *q, float scale, float *
         for (int64_t c = 0; c < d; c++) out[r * d + c] = 0.0f;
     }
     FOR_EACH_KEY(it, it->value_cache, len, j, value, {
-        const float *v = row_f32(it, value, buf);
+        const float *v = as_f32(value, d, it->elem_bytes == 4, buf);
         for (int64_t r = 0; r < rows; r++) add_scaled_f32(out + r * d, scores[r * it->stride + j], v, d);
     })
 }

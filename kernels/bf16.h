@@ -22,6 +22,16 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* n values of a bf16 (fp32 = 0) or fp32 (fp32 = 1) array as fp32: in place for fp32, else
+ * widened into buf. For kernels that take either dtype with one fp32 inner loop. */
+static inline const float *as_f32(const void *p, int64_t n, int fp32, float *buf) {
+    if (fp32) return (const float *)p;
+    const uint16_t *h = (const uint16_t *)p;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_f32(h[i]);
+    return buf;
+}
+
 #if defined(__AVX512F__)
 /* Lanes [0, left) of a 16-lane vector. */
 static inline __mmask16 tail_mask(int64_t left) {

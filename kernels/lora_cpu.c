@@ -32,21 +32,12 @@
 
 /* --- portable inner loops ------------------------------------------------------------ */
 
-/* n weights as fp32: in place for fp32 slots, else widened into buf. */
-static inline const float *weights_f32(const void *w, int64_t n, int fp32, float *buf) {
-    if (fp32) return (const float *)w;
-    const uint16_t *h = (const uint16_t *)w;
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_f32(h[i]);
-    return buf;
-}
-
 static void shrink_portable(const float *x32, int64_t in, const void *a, int fp32,
                             int64_t rank, int64_t nt, float *h, int64_t h_stride,
                             float *row_buf) {
     int64_t size = fp32 ? 4 : 2;
     for (int64_t i = 0; i < rank; i++) {
-        const float *row = weights_f32((const char *)a + i * in * size, in, fp32, row_buf);
+        const float *row = as_f32((const char *)a + i * in * size, in, fp32, row_buf);
         for (int64_t t = 0; t < nt; t++) {
             const float *xt = x32 + t * in;
             float acc = 0.0f;
@@ -68,7 +59,7 @@ static void expand_portable(const float *h, int64_t h_stride, const void *bt, in
         float acc[TOKEN_BLOCK][16] = {{0.0f}};
         const char *tile = (const char *)bt + (c / 16) * r * 16 * size;
         for (int64_t i = 0; i < r; i++) {
-            const float *w = weights_f32(tile + i * 16 * size, 16, fp32, wbuf);
+            const float *w = as_f32(tile + i * 16 * size, 16, fp32, wbuf);
             for (int64_t t = 0; t < nt; t++) {
                 float ht = h[t * h_stride + rb + i];
 #pragma omp simd

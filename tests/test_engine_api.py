@@ -195,3 +195,11 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(text_model):
 def test_an_unknown_dtype_is_refused_with_the_choices(text_model):
     with pytest.raises(InvalidRequestError, match=r"dtype must be one of \['auto', 'float32'"):
         LLM(text_model, dtype="int8")
+
+
+def test_the_cli_offers_the_engines_dtype_names():
+    """switchboard's CLI spells the names out (it must not import torch): the same set."""
+    from switchboard.worker_command import DTYPE_CHOICES as CLI_CHOICES
+    from worker.placement import DTYPE_CHOICES
+
+    assert set(CLI_CHOICES) == set(DTYPE_CHOICES)

@@ -460,13 +460,50 @@ def test_step_curve_prices_a_verified_position_from_the_secant():
 def test_step_curve_is_timed_on_the_engines_pool_and_gives_its_blocks_back(target):
     """The engine times its own forward pass by rows fed before serving (no position cost
     given); the measurement holds no block afterwards."""
+    from worker.spec_decode.step_cost import measure_step_curve
+
     engine = LLMEngine(target, dtype="float32", speculative_model="ngram", num_speculative_tokens=4)
     assert_no_block_leaks(engine)
-    curve = engine._measure_steps(40)
-    assert curve.rows == (1, 2, 4, 8, 16, 32, 40)
+    curve = measure_step_curve(
+        engine.runner.execute,
+        engine.block_manager,
+        40,
+        row_limit=24,
+        vocab_size=engine.config.vocab_size,
+        device=engine.device,
+    )
+    assert curve.rows == (1, 2, 4, 8, 16, 24)  # capped at the row limit
     assert all(s > 0 for s in curve.seconds)
     assert_no_block_leaks(engine)
-    assert engine.speculator.policy.verify_cost(8) >= 0
     engine.add_request("r", [5, 6, 5, 6, 5, 6], SamplingParams(temperature=0.0, max_tokens=8))
     assert len(drain(engine)["r"].token_ids) == 8
     assert_no_block_leaks(engine)
+
+
+def test_the_policy_prices_drafts_from_the_measured_curve(target, monkeypatch):
+    """The curve the engine measures at start is what the back-off policy reads (here a
+    known one in place of the timing); a position cost given by the user skips measuring."""
+    from worker.spec_decode import step_cost
+
+    known = step_cost.StepCostCurve((1, 8, 64), (0.010, 0.012, 0.060))
+    asked = []
+
+    def fake_measure(execute, block_manager, max_rows, **kwargs):
+        asked.append((max_rows, kwargs["row_limit"]))
+        return known
+
+    monkeypatch.setattr("worker.engine.measure_step_curve", fake_measure)
+    engine = LLMEngine(
+        target, dtype="float32", speculative_model="ngram", speculative_max_batch_size=6
+    )
+    assert asked == [(30, 1024)]  # 6 sequences with 4 drafts each, the step's token budget
+    policy = engine.speculator.policy
+    for batch in (1, 3, 6):  # by hand from the three points, as in the test above
+        plain = 0.010 + 0.002 * (batch - 1) / 7
+        rows = 5 * batch
+        five = 0.010 + 0.002 * (rows - 1) / 7 if rows <= 8 else 0.012 + 0.048 * (rows - 8) / 56
+        assert policy.verify_cost(batch) == pytest.approx((five - plain) / (4 * plain))
+    flat = LLMEngine(
+        target, dtype="float32", speculative_model="ngram", speculative_position_cost=0.05
+    )
+    assert len(asked) == 1 and flat.speculator.policy.verify_cost(3) == pytest.approx(0.15)

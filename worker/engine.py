@@ -6,6 +6,7 @@ its own thread, the offline ``LLM`` calls it until every request is done.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from worker.sequence import FinishReason, Sequence, SequenceStatus
 from worker.spec_decode.setup import build_speculator
 from worker.spec_decode.speculator import Verified
 from worker.spec_decode.stats import SpecDecodeStats
-from worker.spec_decode.step_cost import StepCostCurve, measure_step_curve
+from worker.spec_decode.step_cost import measure_step_curve
 from worker.tokenizer import load_tokenizer
 
 
@@ -146,7 +147,14 @@ class LLMEngine:
             target_weight_bytes=self.model.decode_weight_bytes,
             position_cost=speculative_position_cost,
             draft_cost=speculative_draft_cost,
-            measure_steps=self._measure_steps,
+            measure_steps=functools.partial(
+                measure_step_curve,
+                self.runner.execute,
+                self.block_manager,
+                row_limit=min(max_num_batched_tokens, self.max_model_len),
+                vocab_size=self.config.vocab_size,
+                device=self.device,
+            ),
         )
         self.postprocessor = Postprocessor(
             eos_token_ids=self.config.eos_token_ids, max_model_len=self.max_model_len
@@ -295,16 +303,6 @@ class LLMEngine:
         ]
         outputs += [self._emit(v.seq, v.tokens, now, verified=True) for v in verified]
         return outputs
-
-    def _measure_steps(self, max_rows: int) -> StepCostCurve:
-        rows = max(1, min(max_rows, self.scheduler.max_num_batched_tokens, self.max_model_len))
-        return measure_step_curve(
-            self.runner.execute,
-            self.block_manager,
-            max_rows=rows,
-            vocab_size=self.config.vocab_size,
-            device=self.device,
-        )
 
     def _emit(
         self, seq: Sequence, tokens: list[SampledToken], now: float, *, verified: bool = False

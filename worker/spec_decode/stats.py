@@ -117,6 +117,7 @@ class BackoffPolicy:
         self.max_pause_steps = max_pause_steps
         self.verify_cost = verify_cost or flat_verify_cost(POSITION_COST)
         self.draft_cost = draft_cost
+        self._worth: dict[int, float] = {}  # by decoding sequences: asked per sequence a step
         self._tracks: dict[Sequence, _Track] = {}
         self.acceptance = 0.5  # engine-wide moving average, over every verification
 
@@ -130,7 +131,9 @@ class BackoffPolicy:
             track.pause -= 1
             track.probe = track.pause == 0
             return 0
-        worth = self.verify_cost(num_decodes) + self.draft_cost
+        worth = self._worth.get(num_decodes)
+        if worth is None:
+            worth = self._worth[num_decodes] = self.verify_cost(num_decodes) + self.draft_cost
         n = 0
         while n < k and track.acceptance ** (n + 1) >= worth:
             n += 1

@@ -61,16 +61,19 @@ class StepCostCurve:
 def measure_step_curve(
     execute: Callable[[list[ScheduledSequence]], object],
     block_manager: BlockManager,
-    *,
     max_rows: int,
+    *,
+    row_limit: int,
     vocab_size: int,
     device: torch.device,
 ) -> StepCostCurve:
     """Times ``execute`` (the model runner's forward pass) on one scratch sequence feeding
-    1, 2, 4, ... up to ``max_rows`` tokens, its blocks taken from and returned to the pool.
+    1, 2, 4, ... up to ``max_rows`` tokens (at most ``row_limit``: the step's token budget,
+    the context length), its blocks taken from and returned to the pool.
     Prefill rows stand in for verification rows: both run the same matmuls, which is what
     grows with rows (the step of a long-context decode also reads its KV, so the measured
     cost is, if anything, on the high side)."""
+    max_rows = max(1, min(max_rows, row_limit))
     counts = []
     rows = 1
     while True:
