@@ -209,6 +209,52 @@ def test_errors_come_back_in_openai_format(stack, client, tiny_model):
         client.completions.create(model=tiny_model.name, prompt="x", max_tokens=10**6)
 
 
+def test_sigterm_drains_a_worker_mid_stream_behind_the_gateway(stack, api_key, tiny_model):
+    """A real SIGTERM while the worker streams through the gateway: the stream finishes whole
+    (no error event), the worker leaves the registry at once rather than by TTL, requests
+    meanwhile succeed (on the other worker: the drained one refuses new calls, which
+    tests/test_worker_service.py checks in-process), and the worker exits cleanly."""
+    body = {
+        "model": tiny_model.name,
+        "prompt": "the quick brown fox",
+        "max_tokens": 480,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": f"Bearer {api_key}"}
+    events, drained = [], None
+    with httpx.stream(
+        "POST", f"{stack.base_url}/v1/completions", json=body, headers=headers, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 1:  # the first token is out, 479 to go: drain its worker
+                drained = _serving_worker(stack)
+                stack.workers[drained].send_signal(signal.SIGTERM)
+                quick = {k: v for k, v in body.items() if k != "stream_options"}
+                ok = httpx.post(
+                    f"{stack.base_url}/v1/completions",
+                    json={**quick, "stream": False, "max_tokens": 4},
+                    headers=headers,
+                    timeout=60,
+                )
+                assert ok.status_code == 200, ok.text
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not [c for c in chunks if "error" in c], chunks[-3:]
+    assert chunks[-1]["usage"]["completion_tokens"] == 480
+    assert stack.workers[drained].wait(timeout=30) == 0
+    assert drained not in {w["worker_id"] for w in _registry(stack)}  # left, not expired
+    # Bring it back for the tests that follow (they expect two workers).
+    stack.start_worker(drained)
+    stack.wait_ready(timeout=120)
+
+
 def test_killing_a_worker_mid_stream_ends_the_stream_with_an_error(stack, api_key, tiny_model):
     body = {
         "model": tiny_model.name,

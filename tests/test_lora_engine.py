@@ -11,7 +11,9 @@ from factories import load_hf_model, make_checkpoint, make_peft_adapter, random_
 from kernels import lora_native
 from kernels.lora import SlotPairs
 from worker import LLM, SamplingParams
+from worker.async_engine import AsyncEngine
 from worker.lora_manager import UnknownAdapterError
+from worker.metrics import EngineStatsCollector
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Different ranks and target sets, including rank 1, MLP only, one layer, rank patterns.
@@ -104,8 +106,21 @@ def test_more_adapters_than_slots_all_complete_unchanged(base, adapter_dirs, pef
     manager = llm.engine.lora_manager
     assert manager.num_slot_loads >= len(ADAPTERS)
     assert len(manager.host) == 1
+    # Both slots start empty; every later slot load evicts the adapter it held. Each of
+    # the nine loads pushed the previous adapter out of the one-adapter host cache.
+    assert manager.num_slot_evictions == manager.num_slot_loads - 2
+    assert manager.num_host_evictions >= len(ADAPTERS) - 1
     engine = llm.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    # The worker's /metrics exports both counts from the engine's stats snapshot.
+    collector = EngineStatsCollector(lambda: AsyncEngine(engine).stats)
+    exported = {
+        s.labels["tier"]: s.value
+        for family in collector.collect()
+        for s in family.samples
+        if s.name == "switchboard_worker_adapter_evictions_total"
+    }
+    assert exported == {"slot": manager.num_slot_evictions, "host": manager.num_host_evictions}
 
 
 def peft_with_every_adapter(base, adapter_dirs) -> PeftModel:

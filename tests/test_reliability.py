@@ -20,6 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from factories import add_byte_level_tokenizer, make_checkpoint
+from gateway import metrics
 from gateway.quotas import tenant_key
 from rpc import worker_pb2, worker_pb2_grpc
 from switchboard.embedded_redis import EmbeddedRedis, free_port
@@ -45,11 +46,13 @@ async def test_redis_outage_is_a_quick_503_and_the_gateway_recovers(model_dir, t
                 assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
 
                 redis.shut_down_saving()
+                errors = counted(metrics.REDIS_ERRORS)
                 started = time.monotonic()
                 down = await client.post("/v1/chat/completions", json=CHAT)
                 assert time.monotonic() - started < 3.0  # nothing hangs
                 assert down.status_code == 503
                 assert down.json()["error"]["code"] == "state_unavailable"
+                assert counted(metrics.REDIS_ERRORS) == errors + 1
                 assert (await client.get("/ready")).status_code == 503
                 assert (await client.get("/health")).status_code == 200  # alive, not ready
 
@@ -57,6 +60,47 @@ async def test_redis_outage_is_a_quick_503_and_the_gateway_recovers(model_dir, t
                 back = await client.post("/v1/chat/completions", json=CHAT)
                 assert back.status_code == 200, back.text
                 assert (await client.get("/ready")).status_code == 200
+    finally:
+        redis.stop()
+
+
+def counted(metric, **labels) -> float:
+    """A counter's total (of the labelled child, if labels are given), read as Prometheus
+    would collect it."""
+    return sum(
+        s.value
+        for family in metric.collect()
+        for s in family.samples
+        if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def test_redis_down_with_quota_fail_mode_open_serves_unmetered(model_dir, tmp_path):
+    """``quota_fail_mode=open``: while Redis is down a tenant whose key the gateway has just
+    seen keeps being served (its quota unmetered, counted); ``closed`` (the default, above)
+    refuses with 503. Keys and workers seen within their cache time need no Redis."""
+    redis = EmbeddedRedis().start()
+    try:
+        settings = gateway_settings(
+            redis_url=redis.url, prefix="sbopen:", model_dir=model_dir, store=tmp_path / "s",
+            quota_fail_mode="open", api_key_cache_s=60.0, worker_cache_s=60.0,
+        )  # fmt: skip
+        async with gateway_with_worker(settings) as live:
+            headers = {"Authorization": f"Bearer {live.keys['acme']}"}
+            async with httpx.AsyncClient(base_url=live.gw.url, headers=headers) as client:
+                assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+                admitted = counted(metrics.QUOTA_REDIS_ERRORS, outcome="admitted")
+
+                redis.shut_down_saving()
+                started = time.monotonic()
+                served = await client.post("/v1/chat/completions", json=CHAT)
+                assert time.monotonic() - started < 3.0
+                assert served.status_code == 200, served.text
+                assert served.json()["choices"][0]["message"]["content"]
+                assert counted(metrics.QUOTA_REDIS_ERRORS, outcome="admitted") == admitted + 1
+                redis.start()  # back: metered again (and the fixture's cleanup needs it)
+                assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+                assert counted(metrics.QUOTA_REDIS_ERRORS, outcome="admitted") == admitted + 1
     finally:
         redis.stop()
 

@@ -50,6 +50,10 @@ class EngineStoppedError(RuntimeError):
     """The engine loop is not running (not started yet, or stopped)."""
 
 
+# (device slots refilled while holding another adapter, adapters dropped from the host cache)
+AdapterEvictions = tuple[int, int]
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot the loop thread publishes after every step and command batch."""
@@ -61,6 +65,7 @@ class EngineStats:
     adapter_ids: tuple[str, ...]  # content ids of the loaded adapters
     prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)
     spec_decode: SpecDecodeStats | None = None  # None: speculation is off
+    adapter_evictions: AdapterEvictions = (0, 0)
 
 
 @dataclass(slots=True)
@@ -328,7 +333,8 @@ class AsyncEngine:
 
     def _snapshot(self) -> EngineStats:
         engine = self.engine
-        names = engine.lora_manager.names if engine.lora_manager is not None else {}
+        manager = engine.lora_manager
+        names = manager.names if manager is not None else {}
         return EngineStats(
             running=len(engine.scheduler.running),
             waiting=len(engine.scheduler.waiting),
@@ -337,6 +343,9 @@ class AsyncEngine:
             adapter_ids=tuple(sorted(set(names.values()))),
             prefix_cache=dataclasses.replace(engine.prefix_cache_stats),
             spec_decode=_copy_spec_stats(engine.spec_decode_stats),
+            adapter_evictions=(manager.num_slot_evictions, manager.num_host_evictions)
+            if manager is not None
+            else (0, 0),
         )
 
     # --- crossing threads ---------------------------------------------------------------

@@ -99,6 +99,10 @@ class LoraManager:
         self._step = 0
         self._stacks: list[dict[str, SlotStack]] | None = None  # allocated on first load
         self.num_slot_loads = 0
+        # Evictions, for metrics: a slot refilled while it held another adapter, and an
+        # adapter dropped from the host cache (it is read from the store again when needed).
+        self.num_slot_evictions = 0
+        self.num_host_evictions = 0
         # bf16 or fp32 on CPU: the native kernel, built here (about a second, once per machine and
         # source) rather than inside the first adapter load.
         self.native = NativeSlots.wanted(torch.empty(0, dtype=dtype, device=self.device))
@@ -166,7 +170,9 @@ class LoraManager:
         else:
             free = [i for i, held in enumerate(self.slots) if held not in needed]
             slot = min(free, key=lambda i: (self.slots[i] is not None, self.slot_use[i]))
+            evicting = self.slots[slot] is not None
             self._fill_slot(slot, self._host_get(adapter_id))
+            self.num_slot_evictions += evicting
         self.slot_use[slot] = self._step
         return slot
 
@@ -218,6 +224,7 @@ class LoraManager:
         while total > self.host_cache_bytes and len(self.host) > 1:
             _, evicted = self.host.popitem(last=False)
             total -= evicted.num_bytes
+            self.num_host_evictions += 1
 
     def _outputs(self, modules: tuple[str, ...]) -> list[tuple[int, int]]:
         """Each module's (begin, end) columns in its group's fused output."""

@@ -49,6 +49,15 @@ class EngineStatsCollector(Collector):
             "prefix_cache_blocks", "Blocks whose content is reusable now.", cache.cached_blocks
         )
         yield _gauge("adapters_loaded", "LoRA adapters loaded (named).", len(stats.adapter_ids))
+        evictions = CounterMetricFamily(
+            "switchboard_worker_adapter_evictions",
+            "Adapters evicted: from a device slot (refilled for another adapter) or from the "
+            "host cache (read from the store again when next needed).",
+            labels=["tier"],
+        )
+        for tier, count in zip(("slot", "host"), stats.adapter_evictions, strict=True):
+            evictions.add_metric([tier], count)
+        yield evictions
         if stats.spec_decode is not None:
             yield from _speculation(stats.spec_decode)
 
