@@ -471,6 +471,31 @@ async def test_registry_heartbeats_and_deregisters_on_shutdown(base, redis_url, 
         await redis.aclose()
 
 
+async def test_a_worker_serves_through_a_redis_outage_and_counts_failed_heartbeats(
+    base, prompt_ids
+):
+    """No Redis at the registry's address: the worker still serves (the gateway keeps
+    routing to it until its record expires), and each failed heartbeat is counted."""
+    from switchboard.embedded_redis import free_port
+
+    redis = Redis.from_url(f"redis://127.0.0.1:{free_port()}", socket_connect_timeout=0.5)
+    server = await start_worker(base, redis=redis, worker_id="w-alone", heartbeat_interval=0.2)
+
+    async def three_beats_failed() -> bool:
+        name = "switchboard_worker_registry_errors_total"
+        return (server.metrics.registry.get_sample_value(name) or 0) >= 3
+
+    try:
+        assert await wait_for(three_beats_failed)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            replies = await collect(stub, request(prompt_ids, max_tokens=4))
+        assert replies[-1].finish_reason == "length"
+    finally:
+        await server.shutdown(drain_timeout=1.0)
+        await redis.aclose()
+
+
 async def test_drain_finishes_in_flight_and_refuses_new_calls(worker, stub, prompt_ids):
     call = stub.Generate(request(prompt_ids, max_tokens=600, ignore_eos=True))
     first = await call.read()

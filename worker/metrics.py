@@ -126,6 +126,12 @@ class WorkerMetrics:
             "Adapters unloaded on request (deleted by their last owner).",
             registry=self.registry,
         )
+        self.registry_errors = Counter(
+            "switchboard_worker_registry_errors",
+            "Registry heartbeats (or the goodbye) that failed on Redis; the gateway drops a "
+            "worker whose record outlives its TTL.",
+            registry=self.registry,
+        )
         self.adapter_load_seconds = Histogram(
             "switchboard_worker_adapter_load_seconds",
             "Time to read, validate and register an adapter.",

@@ -156,6 +156,7 @@ class WorkerServer:
         try:
             await registry.heartbeat(self.redis, self.redis_prefix, self.info(), self.ttl)
         except (RedisError, OSError) as exc:
+            self.metrics.registry_errors.inc()
             logger.warning("registry heartbeat failed (will retry): %s", exc)
 
     async def _heartbeat_loop(self) -> None:
@@ -175,6 +176,7 @@ class WorkerServer:
             try:
                 await registry.deregister(self.redis, self.redis_prefix, self.worker_id)
             except (RedisError, OSError) as exc:
+                self.metrics.registry_errors.inc()
                 logger.warning("could not leave the registry (the TTL will): %s", exc)
 
 
