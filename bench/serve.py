@@ -185,10 +185,11 @@ async def load_d(
             connection[1].close()
 
         start = time.monotonic()
-        scraped = gateway_added_buckets(stack.gateway_port)
+        scraped = gateway_added_buckets(stack.gateway_port, admin_token=stack.admin_token)
         await asyncio.gather(*(pair_loop(slot) for slot in range(concurrency // 2)))
         elapsed = time.monotonic() - start
-        internal = bucket_quantiles(scraped, gateway_added_buckets(stack.gateway_port))
+        after = gateway_added_buckets(stack.gateway_port, admin_token=stack.admin_token)
+        internal = bucket_quantiles(scraped, after)
     gateway = summarize("gateway, paired", timings["gateway"], elapsed)
     direct = summarize("direct, paired", timings["direct"], elapsed)
     return {
@@ -207,14 +208,18 @@ async def load_d(
     }
 
 
-def gateway_added_buckets(port: int) -> dict[str, dict[float, float]]:
+def gateway_added_buckets(port: int, *, admin_token: str) -> dict[str, dict[float, float]]:
     """The gateway's own-time histogram (``switchboard_gateway_added_seconds``) as
-    cumulative counts per bucket bound, by phase, scraped from its /metrics."""
-    from urllib.request import urlopen
+    cumulative counts per bucket bound, by phase, scraped from its /metrics (HTTP port:
+    the admin token's)."""
+    from urllib.request import Request, urlopen
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    request = Request(
+        f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {admin_token}"}
+    )
+    text = urlopen(request, timeout=10).read().decode()
     buckets: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -1,29 +1,31 @@
 """The gateway's FastAPI app, built by `create_app(settings)`.
 
 The lifespan opens what requests share — the Redis pool, the tokenizer, the gRPC channels —
-and closes it on shutdown. Routes are thin; the logic lives in `gateway.serving`,
-`gateway.tenants` and `gateway.adapter_registration`.
+and, with `metrics_port` set, Prometheus' own listener; it closes them on shutdown. Routes
+are thin; the logic lives in `gateway.serving`, `gateway.tenants` and
+`gateway.adapter_registration`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import redis.asyncio as aioredis
-from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi import Depends, FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from adapters import BaseModelSpec, FilesystemAdapterStore
-from gateway import adapter_routes, admin_routes, openai_routes
+from gateway import adapter_routes, admin_routes, metrics, openai_routes
 from gateway.adapter_catalog import AdapterCatalog
-from gateway.deps import State
+from gateway.deps import State, require_admin
 from gateway.errors import install_error_handlers
 from gateway.quotas import QuotaService
 from gateway.routing import WorkerDirectory
@@ -32,6 +34,8 @@ from gateway.state import GatewayState
 from gateway.tenants import TenantStore
 from gateway.tokenizer import ChatTokenizer
 from gateway.worker_client import WorkerChannels
+
+log = logging.getLogger(__name__)
 
 
 def _context_length(config: dict[str, Any], configured: int) -> int:
@@ -116,9 +120,16 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await open_state(settings)
         app.state.gateway = state
+        listener = None
         try:
+            if settings.metrics_port is not None:
+                listener = metrics.serve(settings.metrics_port, host=settings.host)
+                app.state.metrics_port = listener.port
+                log.info("metrics on http://%s:%d/metrics", settings.host, listener.port)
             yield
         finally:
+            if listener is not None:
+                await asyncio.to_thread(listener.close)
             await state.close()
 
     app = FastAPI(title="Switchboard gateway", version="0.1.0", lifespan=lifespan)
@@ -133,10 +144,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         """Liveness: the process serves HTTP."""
         return {"status": "ok"}
 
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        """Prometheus exposition of this process's `switchboard_…` metrics."""
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    @app.get("/metrics", include_in_schema=False, dependencies=[Depends(require_admin)])
+    async def metrics_text() -> Response:
+        """This process's `switchboard_…` metrics, for the admin only: their labels name every
+        tenant and adapter. Prometheus scrapes `metrics_port` instead."""
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/ready")
     async def ready(state: State) -> dict[str, str]:

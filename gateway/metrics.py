@@ -1,49 +1,77 @@
-"""The gateway's Prometheus metrics, all named `switchboard_…`, served at /metrics."""
+"""The gateway's Prometheus metrics, all named `switchboard_…`, in their own registry.
+
+Served on `SWITCHBOARD_METRICS_PORT` (a listener of its own, for Prometheus) and at /metrics
+on the HTTP port behind the admin token: their labels name tenants and adapters. The
+registry is not prometheus_client's default one, whose process, platform and gc collectors
+export `process_…`/`python_…` names; RSS and CPU come from a ProcessCollector in our
+namespace instead (`switchboard_gateway_process_…`).
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+    start_http_server,
+)
 
 log = logging.getLogger(__name__)
+
+REGISTRY = CollectorRegistry()
+ProcessCollector(namespace="switchboard_gateway", registry=REGISTRY)
 
 QUOTA_REJECTIONS = Counter(
     "switchboard_quota_rejections_total",
     "Requests refused by a quota (429), by tenant and the limit that refused them.",
     ["tenant", "reason"],
+    registry=REGISTRY,
 )
 QUOTA_REDIS_ERRORS = Counter(
     "switchboard_quota_redis_errors_total",
     "Quota operations that failed on Redis, by what happened to the request.",
     ["outcome"],
+    registry=REGISTRY,
 )
 REQUESTS = Counter(
     "switchboard_requests_total",
     "Completion and chat requests by tenant, model (base or adapter name), endpoint and final "
     "status (499: the client left; a stream that failed mid-way counts its error's status).",
     ["tenant", "model", "endpoint", "status"],
+    registry=REGISTRY,
 )
 REQUESTS_IN_FLIGHT = Gauge(
-    "switchboard_requests_in_flight", "Completion and chat requests being served now."
+    "switchboard_requests_in_flight",
+    "Completion and chat requests being served now.",
+    registry=REGISTRY,
 )
 REQUEST_DURATION = Histogram(
     "switchboard_request_duration_seconds",
     "End-to-end time of a completion or chat request, from routing to its last byte.",
     ["endpoint"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320),
+    registry=REGISTRY,
 )
 TIME_TO_FIRST_TOKEN = Histogram(
     "switchboard_time_to_first_token_seconds",
     "From the request's arrival at the gateway to the worker's first token.",
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40),
+    registry=REGISTRY,
 )
 INTER_TOKEN_LATENCY = Histogram(
     "switchboard_inter_token_latency_seconds",
     "Gap between consecutive streamed deltas of one request.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+    registry=REGISTRY,
 )
 GATEWAY_ADDED = Histogram(
     "switchboard_gateway_added_seconds",
@@ -52,12 +80,14 @@ GATEWAY_ADDED = Histogram(
     "from a worker message to its SSE bytes handed to the HTTP server.",
     ["phase"],
     buckets=(0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25),
+    registry=REGISTRY,
 )
 ADMISSION_TIME = GATEWAY_ADDED.labels("admission")  # bound once: labels() costs a lookup
 RELAY_TIME = GATEWAY_ADDED.labels("relay")
 REDIS_ERRORS = Counter(
     "switchboard_redis_errors_total",
     "Requests that failed because Redis did not answer (503 state_unavailable).",
+    registry=REGISTRY,
 )
 
 
@@ -85,3 +115,33 @@ class RequestObservation:
         log.info(
             "%s %s for %s: %d in %.3f s", self.endpoint, self.model, self.tenant, status, elapsed
         )
+
+
+def exposition() -> bytes:
+    """Every gateway metric in Prometheus' text format (what /metrics answers)."""
+    return generate_latest(REGISTRY)
+
+
+@dataclass(slots=True)
+class MetricsListener:
+    """The separate /metrics listener, a daemon thread; `close` frees its port, so a process
+    that starts and stops several apps (tests) keeps none of theirs."""
+
+    server: WSGIServer
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return self.server.server_port
+
+    def close(self) -> None:
+        self.server.shutdown()  # blocks until serve_forever's next poll (at most 0.5 s)
+        self.server.server_close()
+        self.thread.join()
+
+
+def serve(port: int, *, host: str) -> MetricsListener:
+    """Serve the registry on `host:port` (0: any free port) without authentication: only
+    Prometheus may reach that port (k8s/base/network-policy.yaml)."""
+    server, thread = start_http_server(port, addr=host, registry=REGISTRY)
+    return MetricsListener(server, thread)

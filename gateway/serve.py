@@ -35,11 +35,8 @@ def serve(args: argparse.Namespace) -> int:
 
     skip_observed_access_lines()
 
-    overrides = {
-        name: value
-        for name, value in (("host", args.host), ("port", args.port), ("model", args.model))
-        if value is not None
-    }
+    flags = ("host", "port", "metrics_port", "model")
+    overrides = {name: value for name in flags if (value := getattr(args, name)) is not None}
     settings = GatewaySettings(**overrides)
     app = create_app(settings)
     uvicorn.run(

@@ -41,6 +41,11 @@ class GatewaySettings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     # Idle keep-alive connections are closed after this; keep it above clients' own expiry.
     http_keep_alive_s: float = Field(default=75.0, gt=0)
+    # Prometheus' own port, unauthenticated, on `host`: metric labels name tenants and
+    # adapters, so the HTTP port's /metrics needs the admin token and Prometheus scrapes here
+    # (a port kept out of the Service; the NetworkPolicy opens it for scraping only).
+    # None: no separate listener; 0: any free port (logged).
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
 
     # The base checkpoint directory: the gateway reads only its tokenizer, chat template and
     # config.json (for the context length and to validate adapters), never its weights.

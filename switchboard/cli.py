@@ -177,6 +177,12 @@ def gateway(args: argparse.Namespace) -> int:
 def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="address to listen on (default: $SWITCHBOARD_HOST)")
     parser.add_argument("--port", type=int, help="HTTP port (default: $SWITCHBOARD_PORT)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="Prometheus /metrics port on --host, no auth (0: any free one; default: "
+        "$SWITCHBOARD_METRICS_PORT, else none: /metrics on the HTTP port, admin token only)",
+    )
     parser.add_argument("--model", help="base checkpoint directory (default: $SWITCHBOARD_MODEL)")
     parser.add_argument("--log-level", default="info")
     parser.add_argument(

@@ -21,6 +21,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,7 +132,7 @@ def flag(c: dict[str, Any], name: str) -> str:
     return value
 
 
-def prestop_seconds(c: dict[str, Any]) -> int:
+def prestop_sleep_seconds(c: dict[str, Any]) -> int:
     """How long a preStop hook delays SIGTERM: `sleep N` (exec) or the native sleep action."""
     hook = c.get("lifecycle", {}).get("preStop")
     if hook is None:
@@ -140,6 +142,13 @@ def prestop_seconds(c: dict[str, Any]) -> int:
     command = hook["exec"]["command"]
     assert command[0] == "sleep", f"unexpected preStop hook {command}"
     return int(command[1])
+
+
+def drain_hook_script(c: dict[str, Any]) -> str:
+    """The shell script of a `/bin/sh -c` preStop hook."""
+    shell, option, script = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert (shell, option) == ("/bin/sh", "-c")
+    return script
 
 
 def ports_source() -> dict[str, int]:
@@ -198,6 +207,10 @@ def test_ports_source_matches_the_apps_own_defaults():
     ports = ports_source()
     fields = GatewaySettings.model_fields
     assert ports["gateway-http"] == fields["port"].default
+    # The gateway serves no separate metrics port unless told (SWITCHBOARD_METRICS_PORT,
+    # which the manifest sets: check_ports); the port must not be its HTTP port.
+    assert fields["metrics_port"].default is None
+    assert ports["gateway-metrics"] != ports["gateway-http"]
     worker_defaults = build_parser().parse_args(["worker"])
     assert ports["worker-grpc"] == worker_defaults.port
     assert ports["worker-metrics"] == worker_defaults.metrics_port
@@ -218,7 +231,15 @@ def check_ports(m: Manifest, ports: dict[str, int]) -> None:
     http = ports["gateway-http"]
     assert named_port(gw, "http") == http
     assert int(env_value(gw, "SWITCHBOARD_PORT")) == http
-    assert gateway["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(http)
+    # Prometheus scrapes the separate metrics port (no auth), not /metrics on the HTTP port.
+    gateway_metrics = ports["gateway-metrics"]
+    assert named_port(gw, "metrics") == gateway_metrics
+    assert int(env_value(gw, "SWITCHBOARD_METRICS_PORT")) == gateway_metrics
+    annotations = gateway["spec"]["template"]["metadata"]["annotations"]
+    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"]) == (
+        "true",
+        str(gateway_metrics),
+    )
 
     grpc = ports["worker-grpc"]
     assert named_port(wk, "grpc") == grpc
@@ -246,6 +267,9 @@ def check_ports(m: Manifest, ports: dict[str, int]) -> None:
         "switchboard-worker": grpc,
         "switchboard-redis": ports["redis"],
     }
+    # The gateway's metrics port is for Prometheus, never for the Service's clients.
+    gateway_service = m.one("Service", "switchboard-gateway")["spec"]["ports"]
+    assert [(p["port"], p["targetPort"]) for p in gateway_service] == [(http, "http")]
     for service in m.all("Service"):
         name = service["metadata"]["name"]
         (target,) = [
@@ -260,7 +284,7 @@ def check_ports(m: Manifest, ports: dict[str, int]) -> None:
             assert resolved == [port["port"]], (name, port)
 
     policy_ports = {
-        "switchboard-gateway": [http],
+        "switchboard-gateway": [http, gateway_metrics],
         "switchboard-worker": [grpc, metrics],
         "switchboard-redis": [ports["redis"]],
     }
@@ -279,7 +303,13 @@ def test_changing_ports_yaml_moves_every_port(tmp_path):
     copy = tmp_path / "k8s"
     shutil.copytree(K8S, copy)
     old = ports_source()
-    new = {"gateway-http": 8081, "worker-grpc": 50061, "worker-metrics": 9411, "redis": 6390}
+    new = {
+        "gateway-http": 8081,
+        "gateway-metrics": 9412,
+        "worker-grpc": 50061,
+        "worker-metrics": 9411,
+        "redis": 6390,
+    }
     text = (copy / "base" / "ports.yaml").read_text()
     for key, value in new.items():
         text = text.replace(f'{key}: "{old[key]}"', f'{key}: "{value}"')
@@ -324,21 +354,87 @@ def test_gateway_probes_hit_its_health_routes(manifest):
     assert gw["readinessProbe"]["httpGet"]["path"] != "/ready"
 
 
-def test_worker_grace_period_covers_its_sigterm_drain(manifest):
+def test_worker_grace_period_covers_its_drain(manifest):
+    """The preStop hook is the drain itself (no sleep before it), and the hook's time counts
+    against the grace period: it must cover the drain, the abort and the server stop."""
     worker = manifest.one("Deployment", "switchboard-worker")
     wk = container(worker, "worker")
     drain = float(flag(wk, "drain-timeout"))
-    needed = prestop_seconds(wk) + drain + WORKER_POST_DRAIN_S + SHUTDOWN_MARGIN_S
+    needed = drain + WORKER_POST_DRAIN_S + SHUTDOWN_MARGIN_S
     grace = pod_spec(worker)["terminationGracePeriodSeconds"]
     # Long enough that SIGKILL never cuts a drain short; not so long that it means nothing.
     assert needed <= grace <= needed + 30, (drain, grace)
 
 
+def test_worker_prestop_hook_starts_the_drain_and_waits_for_it(manifest):
+    worker = manifest.one("Deployment", "switchboard-worker")
+    wk = container(worker, "worker")
+    script = drain_hook_script(wk)
+    # SIGTERM to PID 1 (the worker: see below) starts its drain; the hook then waits while
+    # the process lives, so kubelet's own SIGTERM comes only after the drain (to no one).
+    assert re.search(r"\bkill -TERM 1\b", script), script
+    assert re.search(r"\bwhile kill -0 1\b", script), script
+    # PID 1 is the worker only if the image's exec-form ENTRYPOINT runs unwrapped and the
+    # pod does not share one PID namespace (where PID 1 is the pause process).
+    assert "command" not in wk
+    assert not pod_spec(worker).get("shareProcessNamespace", False)
+    dockerfile = (ROOT / "docker" / "worker.Dockerfile").read_text()
+    assert re.search(r'^ENTRYPOINT \["switchboard"\]$', dockerfile, flags=re.MULTILINE)
+
+
+# A stand-in for the worker: on SIGTERM it drains for a while, then exits.
+DRAINING_PROCESS = """
+import pathlib, signal, sys, time
+
+def drain(*_):
+    time.sleep(1.0)
+    pathlib.Path(sys.argv[1]).write_text("drained")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, drain)
+pathlib.Path(sys.argv[2]).touch()
+while True:
+    time.sleep(60)
+"""
+
+
+def test_worker_drain_hook_returns_only_after_the_process_has_drained(tmp_path):
+    """The hook's script, run for real against a process standing in for PID 1."""
+    docs = yaml.safe_load_all((K8S / "base" / "worker.yaml").read_text())
+    worker = next(d for d in docs if d["kind"] == "Deployment")
+    drained, ready = tmp_path / "drained", tmp_path / "ready"
+    process = subprocess.Popen([sys.executable, "-c", DRAINING_PROCESS, drained, ready])
+    # Reap it the moment it exits: `kill -0` succeeds on a zombie (in a pod, PID 1 exiting
+    # ends the container instead).
+    reaper = threading.Thread(target=process.wait, daemon=True)
+    reaper.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.01)
+        script, replaced = re.subn(
+            r"\b(kill -(?:TERM|0)) 1\b",
+            rf"\1 {process.pid}",
+            drain_hook_script(container(worker, "worker")),
+        )
+        assert replaced == 2, script
+        started = time.monotonic()
+        subprocess.run(["/bin/sh", "-c", script], timeout=20, check=True)
+        assert drained.read_text() == "drained"
+        assert time.monotonic() - started >= 1.0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        reaper.join(timeout=5)
+    assert process.returncode == 0
+
+
 def test_gateway_grace_period_covers_prestop_and_graceful_shutdown(manifest):
     gateway = manifest.one("Deployment", "switchboard-gateway")
     gw = container(gateway, "gateway")
-    assert prestop_seconds(gw) > 0  # endpoints are removed asynchronously: keep serving
-    needed = prestop_seconds(gw) + float(flag(gw, "graceful-s")) + SHUTDOWN_MARGIN_S
+    assert prestop_sleep_seconds(gw) > 0  # endpoints are removed asynchronously: keep serving
+    needed = prestop_sleep_seconds(gw) + float(flag(gw, "graceful-s")) + SHUTDOWN_MARGIN_S
     assert needed <= pod_spec(gateway)["terminationGracePeriodSeconds"]
 
 
@@ -490,6 +586,7 @@ def test_adapter_store_is_shared_at_one_path(manifest):
 def test_network_policies_let_only_the_gateway_reach_workers(manifest):
     workloads = {w["metadata"]["name"]: pod_labels(w) for w in manifest.workloads()}
     metrics_port = ports_source()["worker-metrics"]
+    gateway_metrics_port = ports_source()["gateway-metrics"]
 
     def allowed_sources(policy_name: str, *, skip_port: int | None = None) -> set[str]:
         policy = manifest.one("NetworkPolicy", policy_name)
@@ -508,13 +605,20 @@ def test_network_policies_let_only_the_gateway_reach_workers(manifest):
 
     (deny,) = [p for p in manifest.all("NetworkPolicy") if p["spec"]["podSelector"] == {}]
     assert deny["spec"]["policyTypes"] == ["Ingress"] and "ingress" not in deny["spec"]
+
+    def scrape_rule(policy_name: str, port: int) -> dict[str, Any]:
+        rules = manifest.one("NetworkPolicy", policy_name)["spec"]["ingress"]
+        (rule,) = [r for r in rules if [p["port"] for p in r["ports"]] == [port]]
+        return rule
+
     # gRPC from gateways only; the metrics port (and only it) from Prometheus' namespace.
     assert allowed_sources("switchboard-worker", skip_port=metrics_port) == {"switchboard-gateway"}
-    worker_rules = manifest.one("NetworkPolicy", "switchboard-worker")["spec"]["ingress"]
-    (scrape,) = [r for r in worker_rules if [p["port"] for p in r["ports"]] == [metrics_port]]
-    assert scrape["from"] == [{"namespaceSelector": {}}]
+    assert scrape_rule("switchboard-worker", metrics_port)["from"] == [{"namespaceSelector": {}}]
     assert allowed_sources("switchboard-redis") == {"switchboard-gateway", "switchboard-worker"}
-    assert allowed_sources("switchboard-gateway") == {"*"}
+    # HTTP from anywhere; the unauthenticated metrics port from in-cluster scrapers only.
+    assert allowed_sources("switchboard-gateway", skip_port=gateway_metrics_port) == {"*"}
+    gateway_scrape = scrape_rule("switchboard-gateway", gateway_metrics_port)
+    assert gateway_scrape["from"] == [{"namespaceSelector": {}}]
     for name, labels in workloads.items():
         policy = manifest.one("NetworkPolicy", name)
         assert selects(policy["spec"]["podSelector"], labels), name
@@ -657,23 +761,20 @@ def test_gateway_image_never_installs_torch():
 
 def test_grafana_dashboard_queries_only_series_we_export():
     """Every switchboard_… series the dashboard queries is one the gateway or worker exports
-    (a renamed metric would otherwise leave an empty panel)."""
+    (a renamed metric would otherwise leave an empty panel), and it queries no other names
+    (the gateway exports no process_/python_ series: its RSS and CPU are switchboard_…)."""
     import json
 
-    from prometheus_client import REGISTRY
-
-    import gateway.metrics  # noqa: F401  (defines the gateway's metrics)
+    from gateway.metrics import REGISTRY
     from worker.async_engine import EngineStats
     from worker.metrics import EngineStatsCollector, WorkerMetrics
     from worker.spec_decode.stats import SpecDecodeStats
 
     dashboard = json.loads((K8S / "grafana-dashboard.json").read_text())
-    queried = {
-        name
-        for panel in dashboard["panels"]
-        for target in panel["targets"]
-        for name in re.findall(r"switchboard_[a-z_]+", target["expr"])
-    }
+    expressions = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    queried = {name for expr in expressions for name in re.findall(r"switchboard_[a-z_]+", expr)}
+    for expr in expressions:
+        assert not re.search(r"(?<![a-z_])(process|python)_", expr), expr
     stats = EngineStats(
         running=0, waiting=0, free_kv_blocks=1, total_kv_blocks=1, adapter_ids=(),
         spec_decode=SpecDecodeStats(),
