@@ -214,36 +214,16 @@ def test_sigterm_drains_a_worker_mid_stream_behind_the_gateway(stack, api_key, t
     (no error event), the worker leaves the registry at once rather than by TTL, requests
     meanwhile succeed (on the other worker: the drained one refuses new calls, which
     tests/test_worker_service.py checks in-process), and the worker exits cleanly."""
-    body = {
-        "model": tiny_model.name,
-        "prompt": "the quick brown fox",
-        "max_tokens": 480,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    headers = {"Authorization": f"Bearer {api_key}"}
-    events, drained = [], None
-    with httpx.stream(
-        "POST", f"{stack.base_url}/v1/completions", json=body, headers=headers, timeout=60
-    ) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            events.append(line[6:])
-            if len(events) == 1:  # the first token is out, 479 to go: drain its worker
-                drained = _serving_worker(stack)
-                stack.workers[drained].send_signal(signal.SIGTERM)
-                quick = {k: v for k, v in body.items() if k != "stream_options"}
-                ok = httpx.post(
-                    f"{stack.base_url}/v1/completions",
-                    json={**quick, "stream": False, "max_tokens": 4},
-                    headers=headers,
-                    timeout=60,
-                )
-                assert ok.status_code == 200, ok.text
+    drained = None
+
+    def drain_its_worker() -> None:  # the first token is out, 479 to go
+        nonlocal drained
+        drained = _serving_worker(stack)
+        stack.workers[drained].send_signal(signal.SIGTERM)
+        assert _short_completion(stack, api_key, tiny_model).status_code == 200
+
+    body = {**_long_stream(tiny_model), "stream_options": {"include_usage": True}}
+    events = _stream_events(stack, api_key, body, on_first_token=drain_its_worker)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert not [c for c in chunks if "error" in c], chunks[-3:]
@@ -256,14 +236,44 @@ def test_sigterm_drains_a_worker_mid_stream_behind_the_gateway(stack, api_key, t
 
 
 def test_killing_a_worker_mid_stream_ends_the_stream_with_an_error(stack, api_key, tiny_model):
-    body = {
-        "model": tiny_model.name,
+    killed, killed_at = None, 0.0
+
+    def kill_its_worker() -> None:
+        nonlocal killed, killed_at
+        killed = _serving_worker(stack)
+        os.kill(stack.workers[killed].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+
+    events = _stream_events(stack, api_key, _long_stream(tiny_model), kill_its_worker)
+    assert events[-1] == "[DONE]"
+    assert "error" in json.loads(events[-2])
+    # The broken connection ends the stream at once, well within the request deadline.
+    assert time.monotonic() - killed_at < 5.0
+    # New requests still succeed on the remaining worker.
+    time.sleep(0.5)
+    ok = _short_completion(stack, api_key, tiny_model)
+    assert ok.status_code == 200, ok.text
+    # The dead worker never deregistered; its record leaves the registry by its TTL.
+    deadline = time.monotonic() + DEFAULT_TTL_S + 5
+    while killed in {w["worker_id"] for w in _registry(stack)}:
+        assert time.monotonic() < deadline, "the dead worker's record outlived its TTL"
+        time.sleep(0.5)
+
+
+def _long_stream(model) -> dict:
+    """A streamed completion of 480 tokens: long enough to act on its worker mid-way."""
+    return {
+        "model": model.name,
         "prompt": "the quick brown fox",
         "max_tokens": 480,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
     }
+
+
+def _stream_events(stack, api_key, body, on_first_token) -> list[str]:
+    """The stream's data payloads; ``on_first_token()`` runs once the first one is out."""
     headers = {"Authorization": f"Bearer {api_key}"}
     events = []
     with httpx.stream(
@@ -271,31 +281,20 @@ def test_killing_a_worker_mid_stream_ends_the_stream_with_an_error(stack, api_ke
     ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            events.append(line[6:])
-            if len(events) == 1:  # the first token is out: kill whoever is serving it
-                killed = _serving_worker(stack)
-                os.kill(stack.workers[killed].pid, signal.SIGKILL)
-                killed_at = time.monotonic()
-    assert events[-1] == "[DONE]"
-    assert "error" in json.loads(events[-2])
-    # The broken connection ends the stream at once, well within the request deadline.
-    assert time.monotonic() - killed_at < 5.0
-    # New requests still succeed on the remaining worker.
-    time.sleep(0.5)
-    ok = httpx.post(
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 1:
+                    on_first_token()
+    return events
+
+
+def _short_completion(stack, api_key, model) -> httpx.Response:
+    return httpx.post(
         f"{stack.base_url}/v1/completions",
-        json={**body, "stream": False, "max_tokens": 4},
-        headers=headers,
+        json={"model": model.name, "prompt": "the quick brown fox", "max_tokens": 4},
+        headers={"Authorization": f"Bearer {api_key}"},
         timeout=60,
     )
-    assert ok.status_code == 200, ok.text
-    # The dead worker never deregistered; its record leaves the registry by its TTL.
-    deadline = time.monotonic() + DEFAULT_TTL_S + 5
-    while killed in {w["worker_id"] for w in _registry(stack)}:
-        assert time.monotonic() < deadline, "the dead worker's record outlived its TTL"
-        time.sleep(0.5)
 
 
 def _serving_worker(stack) -> str:
