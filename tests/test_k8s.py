@@ -235,11 +235,7 @@ def check_ports(m: Manifest, ports: dict[str, int]) -> None:
     gateway_metrics = ports["gateway-metrics"]
     assert named_port(gw, "metrics") == gateway_metrics
     assert int(env_value(gw, "SWITCHBOARD_METRICS_PORT")) == gateway_metrics
-    annotations = gateway["spec"]["template"]["metadata"]["annotations"]
-    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"]) == (
-        "true",
-        str(gateway_metrics),
-    )
+    assert scraped_port(gateway) == gateway_metrics
 
     grpc = ports["worker-grpc"]
     assert named_port(wk, "grpc") == grpc
@@ -247,11 +243,7 @@ def check_ports(m: Manifest, ports: dict[str, int]) -> None:
     metrics = ports["worker-metrics"]
     assert named_port(wk, "metrics") == metrics
     assert int(flag(wk, "metrics-port")) == metrics
-    annotations = worker["spec"]["template"]["metadata"]["annotations"]
-    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"]) == (
-        "true",
-        str(metrics),
-    )
+    assert scraped_port(worker) == metrics
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert wk[probe]["grpc"]["port"] == grpc, probe
 
@@ -292,6 +284,13 @@ def check_ports(m: Manifest, ports: dict[str, int]) -> None:
         rules = policy["spec"].get("ingress", [])
         found = [port["port"] for rule in rules for port in rule["ports"]]
         assert found == policy_ports.get(policy["metadata"]["name"], []), policy["metadata"]
+
+
+def scraped_port(deployment: dict) -> int:
+    """The port Prometheus scrapes on the deployment's pods (its annotations)."""
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    return int(annotations["prometheus.io/port"])
 
 
 def test_ports_agree_everywhere(manifest):
