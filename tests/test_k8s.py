@@ -765,7 +765,7 @@ def test_grafana_dashboard_queries_only_series_we_export():
     import json
 
     from gateway.metrics import REGISTRY
-    from worker.async_engine import EngineStats
+    from worker.engine_stats import EngineStats
     from worker.metrics import EngineStatsCollector, WorkerMetrics
     from worker.spec_decode.stats import SpecDecodeStats
 

@@ -116,7 +116,7 @@ async def test_worker_metrics_and_request_ids_across_the_hop(
 
 
 def test_speculation_counters_are_exported_when_it_is_on():
-    from worker.async_engine import EngineStats
+    from worker.engine_stats import EngineStats
     from worker.metrics import EngineStatsCollector
     from worker.spec_decode.stats import SpecDecodeStats
 

@@ -30,11 +30,10 @@ from typing import Any
 
 from adapters.errors import AdapterError, AdapterNotFoundError
 from worker.engine import LLMEngine
+from worker.engine_stats import EngineStats, snapshot
 from worker.errors import InvalidRequestError
 from worker.outputs import RequestOutput
-from worker.prefix_cache import PrefixCacheStats
 from worker.sampling_params import SamplingParams
-from worker.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -48,24 +47,6 @@ class AdapterMismatchError(AdapterError):
 
 class EngineStoppedError(RuntimeError):
     """The engine loop is not running (not started yet, or stopped)."""
-
-
-# (device slots refilled while holding another adapter, adapters dropped from the host cache)
-AdapterEvictions = tuple[int, int]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot the loop thread publishes after every step and command batch."""
-
-    running: int
-    waiting: int
-    free_kv_blocks: int
-    total_kv_blocks: int
-    adapter_ids: tuple[str, ...]  # content ids of the loaded adapters
-    prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)
-    spec_decode: SpecDecodeStats | None = None  # None: speculation is off
-    adapter_evictions: AdapterEvictions = (0, 0)
 
 
 @dataclass(slots=True)
@@ -99,7 +80,7 @@ class AsyncEngine:
         # Adapter loads in progress, by content id: a second caller (a request arriving
         # while the gateway's preload runs) waits for the first instead of reading again.
         self._loading: dict[str, asyncio.Future] = {}
-        self._stats = self._snapshot()
+        self._stats = snapshot(self.engine)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -272,12 +253,12 @@ class AsyncEngine:
                     logger.exception("engine command failed")
             if stopping:
                 self._abort_on_loop(list(engine.requests))
-                self._stats = self._snapshot()
+                self._stats = snapshot(self.engine)
                 return
             if engine.has_unfinished_requests:
                 self._step()
             else:
-                self._stats = self._snapshot()
+                self._stats = snapshot(self.engine)
 
     def _step(self) -> None:
         """One engine step. The stats snapshot is taken before results are delivered, so a
@@ -291,10 +272,10 @@ class AsyncEngine:
             failed = list(self.engine.requests)
             for engine_id in failed:
                 self.engine.abort(engine_id)
-            self._stats = self._snapshot()
+            self._stats = snapshot(self.engine)
             self._deliver_error(failed, exc)
             return
-        self._stats = self._snapshot()
+        self._stats = snapshot(self.engine)
         if outputs:
             self._deliver([_detach(out) for out in outputs])
 
@@ -331,23 +312,6 @@ class AsyncEngine:
         if aborted:
             self._deliver([_detach(out) for out in aborted])
 
-    def _snapshot(self) -> EngineStats:
-        engine = self.engine
-        manager = engine.lora_manager
-        names = manager.names if manager is not None else {}
-        return EngineStats(
-            running=len(engine.scheduler.running),
-            waiting=len(engine.scheduler.waiting),
-            free_kv_blocks=engine.block_manager.num_free_blocks,
-            total_kv_blocks=engine.block_manager.num_blocks,
-            adapter_ids=tuple(sorted(set(names.values()))),
-            prefix_cache=dataclasses.replace(engine.prefix_cache_stats),
-            spec_decode=_copy_spec_stats(engine.spec_decode_stats),
-            adapter_evictions=(manager.num_slot_evictions, manager.num_host_evictions)
-            if manager is not None
-            else (0, 0),
-        )
-
     # --- crossing threads ---------------------------------------------------------------
 
     def _post(self, command: Callable[[], None]) -> None:
@@ -371,7 +335,7 @@ class AsyncEngine:
             else:
                 # Publish the effect (an adapter loaded, a request queued) before the caller
                 # resumes, so a Stats call right after it sees it.
-                self._stats = self._snapshot()
+                self._stats = snapshot(self.engine)
                 self._to_event_loop(_settle, future, result, None)
 
         self._post(command)
@@ -419,15 +383,4 @@ def _detach(out: RequestOutput) -> RequestOutput:
         token_ids=list(out.token_ids),
         logprobs=list(out.logprobs) if out.logprobs is not None else None,
         token_times=list(out.token_times),
-    )
-
-
-def _copy_spec_stats(stats: SpecDecodeStats | None) -> SpecDecodeStats | None:
-    """A snapshot the event loop can read while the loop thread keeps counting."""
-    if stats is None:
-        return None
-    return dataclasses.replace(
-        stats,
-        proposed_per_position=list(stats.proposed_per_position),
-        accepted_per_position=list(stats.accepted_per_position),
     )

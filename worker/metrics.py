@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from worker.async_engine import EngineStats
+from worker.engine_stats import EngineStats
 from worker.spec_decode.stats import SpecDecodeStats
 
 
