@@ -27,7 +27,14 @@ from gateway.errors import (
 from gateway.jobs import Job
 from gateway.openai_format import OutputFormat, Sample, Usage, stop_reason_of
 from gateway.routing import WorkerDirectory, prefix_affinity_key
-from gateway.worker_client import WorkerChannels, WorkerStream, WorkerStreamError, start_generate
+from gateway.worker_client import (
+    WorkerChannels,
+    WorkerReply,
+    WorkerStream,
+    WorkerStreamError,
+    start_generate,
+)
+from gateway.worker_client import generate_all as call_generate_all
 from rpc import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -47,6 +54,20 @@ async def open_stream(
 
     ``arrived``: when the request reached the gateway; the time to the first call going out
     is the gateway's admission share of the request's latency."""
+    return await _on_a_worker(job, start_generate, directory, channels, arrived)
+
+
+async def generate_all(
+    job: Job, *, directory: WorkerDirectory, channels: WorkerChannels, arrived: float
+) -> WorkerReply:
+    """The whole answer, from the best worker that gives it (for non-streaming requests:
+    nothing has reached the client yet, so any retryable failure may try another worker)."""
+    return await _on_a_worker(job, call_generate_all, directory, channels, arrived)
+
+
+async def _on_a_worker(job: Job, call, directory, channels, arrived: float):
+    """``call`` on the best worker for ``job``, and once more on another if it fails in a
+    way another worker may not; deadline errors are final."""
     affinity = prefix_affinity_key(
         tenant=job.tenant, adapter_id=job.adapter_id, prompt_ids=job.prompt_ids
     )
@@ -62,7 +83,7 @@ async def open_stream(
             metrics.ADMISSION_TIME.observe(time.monotonic() - arrived)
         try:
             async with asyncio.timeout(remaining):
-                return await start_generate(
+                return await call(
                     channels,
                     worker_id=worker.worker_id,
                     address=worker.address,
@@ -103,6 +124,15 @@ class Tally:
         self.completion[message.index] = message.completion_tokens
         self.cached_tokens = max(self.cached_tokens, message.cached_tokens)
 
+    def record_reply(self, reply: WorkerReply) -> None:
+        """A whole answer at once (not streamed): its first token's time, no gaps."""
+        metrics.TIME_TO_FIRST_TOKEN.observe(reply.first_token_at - self.arrived)
+        self.started = True
+        self.last_message_at = time.monotonic()
+        for message in reply.responses:
+            self.completion[message.index] = message.completion_tokens
+            self.cached_tokens = max(self.cached_tokens, message.cached_tokens)
+
     @property
     def status(self) -> int:
         """The request's outcome as an HTTP status, once its response is over."""
@@ -142,10 +172,15 @@ async def _responses(
         stream.cancel()
 
 
-async def collect(stream: WorkerStream, *, job: Job, fmt: OutputFormat, tally: Tally) -> dict:
+def collect(reply: WorkerReply, *, job: Job, fmt: OutputFormat, tally: Tally) -> dict:
     """The whole non-streaming response body."""
+    tally.record_reply(reply)
     samples = {i: Sample(index=i) for i in range(max(job.params.n, 1))}
-    async for message in _responses(stream, deadline=job.deadline, tally=tally):
+    for message in reply.responses:
+        try:
+            _check_not_aborted(message, address=reply.address)
+        except WorkerStreamError as exc:
+            raise exc.error from exc
         sample = samples.setdefault(message.index, Sample(index=message.index))
         sample.text += message.text
         sample.logprobs.extend(message.logprobs)
@@ -158,7 +193,7 @@ async def collect(stream: WorkerStream, *, job: Job, fmt: OutputFormat, tally: T
     if job.keep is not None:
         ordered = most_likely(ordered, job.keep)
     if any(s.finish_reason is None for s in ordered):
-        raise WorkerFailedError(f"worker {stream.address} ended the stream before every sample")
+        raise WorkerFailedError(f"worker {reply.address} ended the call before every sample")
     usage = Usage(
         prompt_tokens=len(job.prompt_ids),
         completion_tokens=tally.completion_tokens,  # every sample, with best_of too (billed)

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 
 from gateway.errors import ClientDisconnectedError, status_of
-from gateway.generation import Tally, collect, open_stream, stream_events
+from gateway.generation import Tally, collect, generate_all, open_stream, stream_events
 from gateway.jobs import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     Job,
@@ -254,20 +254,16 @@ async def respond(
 ) -> Response:
     """Stream (after the first token is in) or collect; a client gone early cancels the call.
     `on_close` runs when the response is over (for a stream: when the stream ends)."""
-    opened = open_stream(
-        job, directory=state.workers, channels=state.channels, arrived=tally.arrived
-    )
+    where = {"directory": state.workers, "channels": state.channels, "arrived": tally.arrived}
     if stream:
-        worker_stream = await until_disconnect(request, opened)
+        worker_stream = await until_disconnect(request, open_stream(job, **where))
         events = stream_events(
             worker_stream, job=job, fmt=fmt, include_usage=include_usage, tally=tally
         )
         return ClosingEventStream(events, on_close=on_close, headers={**SSE_HEADERS, **headers})
 
-    async def open_and_collect() -> dict[str, Any]:
-        return await collect(await opened, job=job, fmt=fmt, tally=tally)
-
-    body = await until_disconnect(request, open_and_collect())
+    reply = await until_disconnect(request, generate_all(job, **where))
+    body = collect(reply, job=job, fmt=fmt, tally=tally)
     await on_close()
     return JSONResponse(body, headers=headers)
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -128,6 +129,53 @@ async def start_generate(
         error = WorkerFailedError(f"worker {address} ended the stream without a response")
         raise WorkerStreamError(error, retryable=True)
     return WorkerStream(worker_id=worker_id, address=address, call=call, first=first)
+
+
+@dataclass
+class WorkerReply:
+    """A finished request: every delta, and when its first token came (gateway clock)."""
+
+    worker_id: str
+    address: str
+    responses: list[worker_pb2.GenerateResponse]
+    first_token_at: float  # time.monotonic()
+
+
+async def generate_all(
+    channels: WorkerChannels,
+    *,
+    worker_id: str,
+    address: str,
+    request: worker_pb2.GenerateRequest,
+    timeout_s: float,
+) -> WorkerReply:
+    """Send `request` and wait for the whole answer, in one unary call (~half the CPU of a
+    stream here). A worker too old to know `GenerateAll` (a rolling upgrade) is asked
+    with `Generate` instead. Cancelling the caller cancels the call."""
+    try:
+        reply = await channels.stub(address).GenerateAll(request, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return await _generate_streamed(
+                channels, worker_id=worker_id, address=address, request=request,
+                timeout_s=timeout_s,
+            )  # fmt: skip
+        raise translate_rpc_error(exc, address=address) from exc
+    if not reply.responses:
+        error = WorkerFailedError(f"worker {address} answered without a response")
+        raise WorkerStreamError(error, retryable=True)
+    first_token_at = time.monotonic() - reply.first_token_to_end_s
+    return WorkerReply(worker_id, address, list(reply.responses), first_token_at)
+
+
+async def _generate_streamed(channels: WorkerChannels, **call) -> WorkerReply:
+    stream = await start_generate(channels, **call)
+    first_token_at = time.monotonic()
+    try:
+        responses = [message async for message in stream.responses()]
+    finally:
+        stream.cancel()  # a no-op after a clean end
+    return WorkerReply(stream.worker_id, stream.address, responses, first_token_at)
 
 
 async def load_adapter(

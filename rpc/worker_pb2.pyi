@@ -98,6 +98,14 @@ class GenerateResponse(_message.Message):
     cached_tokens: int
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
+class GenerateAllResponse(_message.Message):
+    __slots__ = ("responses", "first_token_to_end_s")
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TO_END_S_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    first_token_to_end_s: float
+    def __init__(self, responses: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., first_token_to_end_s: _Optional[float] = ...) -> None: ...
+
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("adapter_id", "path")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]

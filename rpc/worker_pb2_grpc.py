@@ -39,6 +39,11 @@ class WorkerStub:
                 request_serializer=rpc_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rpc_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateAll = channel.unary_unary(
+                '/switchboard.v1.Worker/GenerateAll',
+                request_serializer=rpc_dot_worker__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=rpc_dot_worker__pb2.GenerateAllResponse.FromString,
+                _registered_method=True)
         self.LoadAdapter = channel.unary_unary(
                 '/switchboard.v1.Worker/LoadAdapter',
                 request_serializer=rpc_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
@@ -62,6 +67,14 @@ class WorkerServicer:
     def Generate(self, request, context):
         """One request (n samples); the stream ends after every sample has finished.
         Cancelling the call aborts the request and frees its KV blocks at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateAll(self, request, context):
+        """The same request answered once, when every sample has finished: for callers that do
+        not stream. A unary call costs the caller about half the CPU of a stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +105,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=rpc_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=rpc_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateAll': grpc.unary_unary_rpc_method_handler(
+                    servicer.GenerateAll,
+                    request_deserializer=rpc_dot_worker__pb2.GenerateRequest.FromString,
+                    response_serializer=rpc_dot_worker__pb2.GenerateAllResponse.SerializeToString,
             ),
             'LoadAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadAdapter,
@@ -136,6 +154,33 @@ class Worker:
             '/switchboard.v1.Worker/Generate',
             rpc_dot_worker__pb2.GenerateRequest.SerializeToString,
             rpc_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateAll(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/switchboard.v1.Worker/GenerateAll',
+            rpc_dot_worker__pb2.GenerateRequest.SerializeToString,
+            rpc_dot_worker__pb2.GenerateAllResponse.FromString,
             options,
             channel_credentials,
             insecure,

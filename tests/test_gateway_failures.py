@@ -172,3 +172,35 @@ async def test_requests_for_an_adapter_go_to_the_worker_holding_it(env, tmp_path
             response = await client.post("/v1/completions", json={"model": "sql", "prompt": "x"})
             assert response.status_code == 200
     assert (len(holder.requests), len(other.requests)) == (4, 0)
+
+
+async def test_non_streaming_requests_are_one_unary_call_and_old_workers_still_serve(env):
+    """Without `stream`, the gateway asks for the whole answer in one unary call
+    (`GenerateAll`); a worker that predates it (UNIMPLEMENTED, mid rolling upgrade) is asked
+    with the stream instead, and the client cannot tell. A worker failing the unary call
+    is retried on another, as a stream failing before its first token is."""
+    current = ScriptedWorker("a-current")
+    gw, key = await env(current)
+    body = {"model": MODEL_NAME, "prompt": "hi", "n": 2, "logprobs": 1}
+    async with http(gw, key) as client:
+        unary = await client.post("/v1/completions", json=body)
+        streamed = await client.post("/v1/completions", json={**body, "stream": True})
+        current.answers_unary = False
+        old = await client.post("/v1/completions", json=body)
+    assert current.rpcs == ["GenerateAll", "Generate", "Generate"]
+    assert unary.status_code == old.status_code == streamed.status_code == 200
+    assert [c["text"] for c in unary.json()["choices"]] == [current.text()] * 2
+    assert [len(c["logprobs"]["tokens"]) for c in unary.json()["choices"]] == [4, 4]
+    assert old.json()["choices"] == unary.json()["choices"]
+    assert old.json()["usage"] == unary.json()["usage"]
+
+
+async def test_a_unary_call_failing_mid_way_is_retried_on_another_worker(env):
+    crashing = ScriptedWorker("a-crashing", mode=Mode.FAIL_MID_STREAM, fail_after=2)
+    healthy = ScriptedWorker("b-healthy")
+    gw, key = await env(crashing, healthy, loads=[0, 3])
+    async with http(gw, key) as client:
+        response = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == healthy.text()
+    assert (crashing.rpcs, healthy.rpcs) == (["GenerateAll"], ["GenerateAll"])

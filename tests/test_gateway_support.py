@@ -138,17 +138,33 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     unloaded: list[str] = field(default_factory=list)  # adapter ids, in order
     loaded: list[str] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    # False: a worker from before GenerateAll, which answers it UNIMPLEMENTED.
+    answers_unary: bool = True
+    rpcs: list[str] = field(default_factory=list)  # the Generate* calls, in order
     address: str = ""
     _server: grpc.aio.Server | None = None
 
     async def Generate(self, request, context):
         self.requests.append(request)
+        self.rpcs.append("Generate")
         try:
             async for message in self._script(request, context):
                 yield message
         except asyncio.CancelledError:
             self.cancelled.set()  # the gateway cancelled the call
             raise
+
+    async def GenerateAll(self, request, context):
+        if not self.answers_unary:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        self.requests.append(request)
+        self.rpcs.append("GenerateAll")
+        try:
+            responses = [message async for message in self._script(request, context)]
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return worker_pb2.GenerateAllResponse(responses=responses, first_token_to_end_s=0.001)
 
     async def LoadAdapter(self, request, context):
         self.loaded.append(request.adapter_id)

@@ -137,6 +137,42 @@ async def test_stream_matches_offline_generation(stub, offline, prompt_ids):
     assert [m.completion_tokens for m in messages] == sorted(m.completion_tokens for m in messages)
 
 
+async def test_generate_all_answers_what_the_stream_sends_in_one_reply(stub, prompt_ids):
+    req = request(prompt_ids, max_tokens=24, n=2, seed=3, temperature=0.8, logprobs=2)
+    streamed = await collect(stub, req)
+    reply = await stub.GenerateAll(req)
+    assert list(reply.responses) == streamed
+    assert 0.0 <= reply.first_token_to_end_s < 30.0
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # errors keep their codes
+        await stub.GenerateAll(request([5, 6], max_tokens=4, top_p=1.5))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_cancelling_generate_all_frees_every_kv_block(stub, worker, prompt_ids):
+    def cancelled() -> float:
+        sample = ("switchboard_worker_requests_total", {"outcome": "cancelled"})
+        return worker.metrics.registry.get_sample_value(*sample) or 0.0
+
+    before = cancelled()
+    call = stub.GenerateAll(request(prompt_ids, max_tokens=400, ignore_eos=True))
+    assert await wait_for(_running(worker))
+    call.cancel()
+
+    async def all_free():
+        bm = worker.engine.engine.block_manager
+        return worker.engine.num_requests == 0 and bm.num_free_blocks == bm.num_blocks
+
+    assert await wait_for(all_free)
+    assert cancelled() == before + 1  # aborted, not run to its 400 tokens
+
+
+def _running(worker):
+    async def running() -> bool:
+        return worker.engine.num_requests > 0
+
+    return running
+
+
 async def test_n_samples_are_indexed_and_seeded_per_sample(stub, offline, prompt_ids):
     params = dict(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
     expected = [

@@ -118,6 +118,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._idle.wait()
 
     async def Generate(self, request, context):
+        async for response in self._generate(request, context):
+            yield response
+
+    async def GenerateAll(self, request, context):
+        responses, first_at = [], None
+        async for response in self._generate(request, context):
+            if first_at is None:
+                first_at = time.monotonic()
+            responses.append(response)
+        return worker_pb2.GenerateAllResponse(
+            responses=responses,
+            first_token_to_end_s=time.monotonic() - first_at if first_at is not None else 0.0,
+        )
+
+    async def _generate(self, request, context):
+        """One request's deltas, for either RPC; errors abort the call with their code."""
         engine = await self._engine_or_abort(context)
         try:
             params = sampling_params_from_proto(request.params)
