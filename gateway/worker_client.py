@@ -38,6 +38,12 @@ RETRYABLE = frozenset(
 )
 
 
+# A non-streaming answer arrives as one message (GenerateAll): n samples of long outputs
+# with top logprobs pass gRPC's default 4 MB receive limit, and the HTTP body the gateway
+# builds from it is larger still, so the message is not what should bound it.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
+
+
 class WorkerStreamError(Exception):
     """A Generate call failed; `retryable` says whether another worker may succeed."""
 
@@ -69,7 +75,7 @@ class WorkerChannels:
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub

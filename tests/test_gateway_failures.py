@@ -204,3 +204,14 @@ async def test_a_unary_call_failing_mid_way_is_retried_on_another_worker(env):
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == healthy.text()
     assert (crashing.rpcs, healthy.rpcs) == (["GenerateAll"], ["GenerateAll"])
+
+
+async def test_a_non_streaming_answer_over_grpcs_default_4_mb_gets_through(env):
+    worker = ScriptedWorker("big", pieces=tuple("x" * 1_000_000 for _ in range(5)))
+    gw, key = await env(worker)
+    async with http(gw, key, timeout=30) as client:
+        body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 5}
+        response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text[:300]
+    assert len(response.json()["choices"][0]["text"]) == 5_000_000
+    assert worker.rpcs == ["GenerateAll"]
