@@ -1,8 +1,9 @@
 """Run a `Job` on a worker: route, retry once before the first token, then stream or collect.
 
-The first token is awaited *before* the HTTP response starts, so every failure up to then
-(no worker, both tries failed, deadline) is a proper status code; after it, a failure ends
-the SSE stream with an OpenAI-style error event and `[DONE]`, never a hang.
+A stream's first token is awaited *before* the HTTP response starts, so every failure up to
+then (no worker, both tries failed, deadline) is a proper status code; after it, a failure
+ends the SSE stream with an OpenAI-style error event and `[DONE]`, never a hang. A
+non-streaming request is one unary call (`GenerateAll`), retried whole on another worker.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi.sse import format_sse_event
 
@@ -38,8 +40,9 @@ from gateway.worker_client import generate_all as call_generate_all
 from rpc import worker_pb2
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-# A failure before the first token is retried on one other worker.
+# A failure before the first token (or of a whole unary call) is retried on one other worker.
 MAX_TRIES = 2
 
 
@@ -65,7 +68,13 @@ async def generate_all(
     return await _on_a_worker(job, call_generate_all, directory, channels, arrived)
 
 
-async def _on_a_worker(job: Job, call, directory, channels, arrived: float):
+async def _on_a_worker(
+    job: Job,
+    call: Callable[..., Awaitable[T]],
+    directory: WorkerDirectory,
+    channels: WorkerChannels,
+    arrived: float,
+) -> T:
     """``call`` on the best worker for ``job``, and once more on another if it fails in a
     way another worker may not; deadline errors are final."""
     affinity = prefix_affinity_key(
