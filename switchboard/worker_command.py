@@ -17,9 +17,10 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 
 def worker(args: argparse.Namespace) -> int:
     """Serve one engine over gRPC until SIGTERM/SIGINT, then drain (see worker/server.py)."""
-    import asyncio
     import logging
     from pathlib import Path
+
+    import uvloop
 
     from switchboard.logs import configure_logging, json_lines_wanted
     from worker.main_thread import MainThreadEngineLoop
@@ -29,8 +30,9 @@ def worker(args: argparse.Namespace) -> int:
     engine_kwargs = worker_engine_kwargs(args)
     # The engine's step loop runs on this (the main) thread, the gRPC asyncio loop beside it.
     engine_loop = MainThreadEngineLoop()
+    # uvloop, as the gateway's uvicorn uses: grpc.aio's callbacks run on it at less CPU.
     rpc = functools.partial(
-        asyncio.run,
+        uvloop.run,
         serve(
             model=args.model,
             host=args.host,
