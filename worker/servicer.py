@@ -123,10 +123,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GenerateAll(self, request, context):
         responses, first_at = [], None
-        async for response in self._generate(request, context):
-            if first_at is None:
-                first_at = time.monotonic()
-            responses.append(response)
+        # Closed at once when the call is cancelled (the request is aborted then), not
+        # whenever the garbage collector finalizes the generator.
+        async with contextlib.aclosing(self._generate(request, context)) as deltas:
+            async for response in deltas:
+                if first_at is None:
+                    first_at = time.monotonic()
+                responses.append(response)
         return worker_pb2.GenerateAllResponse(
             responses=responses,
             first_token_to_end_s=time.monotonic() - first_at if first_at is not None else 0.0,
