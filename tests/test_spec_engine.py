@@ -376,9 +376,10 @@ def test_backoff_pauses_a_failing_sequence_and_starts_newcomers_paused():
 
 
 def test_drafts_per_step_follow_acceptance_and_batch_size():
-    """The j-th draft is proposed while acceptance^j covers its cost (2% of a step per
-    decoding sequence, plus the proposer's own): long runs for a sequence that copies, one
-    draft for one that rarely matches, none where the first draft is not worth it."""
+    """n drafts where (1 + sum of acceptance^j) / (1 + n x cost) is highest (the cost: 2% of
+    a step per position and decoding sequence, plus the proposer's own): long runs for a
+    sequence that copies, one draft for one that rarely matches, none where the first draft
+    is not worth it."""
     from worker.sequence import Sequence
     from worker.spec_decode.stats import BackoffPolicy
 
@@ -393,15 +394,33 @@ def test_drafts_per_step_follow_acceptance_and_batch_size():
     assert policy.num_drafts(copying, 16, 1) == 16
     assert policy.num_drafts(copying, 16, 8) == 16
     policy, half = settled(1, 4)  # one accepted, then one rejected: 0.5 per position
-    assert policy.num_drafts(half, 16, 1) == 5  # 0.5^5 = 0.031 >= 0.02 > 0.5^6
-    assert policy.num_drafts(half, 16, 8) == 2  # 0.5^2 = 0.25 >= 0.16 > 0.5^3
+    # 1.9375 / 1.08 = 1.794 for 4 drafts beats 1.875 / 1.06 = 1.769 and 1.969 / 1.10 = 1.790
+    assert policy.num_drafts(half, 16, 1) == 4
+    assert policy.num_drafts(half, 16, 8) == 2  # 1.75 / 1.32 = 1.326 > 1.5 / 1.16, 1.875 / 1.48
     policy, half = settled(1, 4, draft_cost=0.3)
-    assert policy.num_drafts(half, 16, 1) == 1  # 0.5 >= 0.32 > 0.25
+    assert policy.num_drafts(half, 16, 1) == 1  # 1.5 / 1.32 = 1.136 > 1.75 / 1.64 = 1.067
     policy, rare = settled(0, 4)
     rare_track = policy._tracks[rare]
     rare_track.pause, rare_track.acceptance = 0, 0.1
-    assert policy.num_drafts(rare, 16, 1) == 1  # 0.1 >= 0.02 > 0.01
-    assert policy.num_drafts(rare, 16, 8) == 0  # 0.1 < 0.16: pauses instead
+    assert policy.num_drafts(rare, 16, 1) == 1  # 1.1 / 1.02 > 1 > 1.11 / 1.04
+    assert policy.num_drafts(rare, 16, 8) == 0  # 1.1 / 1.16 < 1: pauses instead
+
+
+def test_the_draft_count_follows_a_cost_that_is_not_linear_in_the_rows():
+    """Rows nearly free up to 5, then dear (as measured on a Zen 4 in bf16): a sequence of
+    middling acceptance drafts 4, not the 8 that the cost of 4 drafts, spread evenly over
+    every position, would allow."""
+    from worker.spec_decode.stats import best_draft_count
+    from worker.spec_decode.step_cost import StepCostCurve
+
+    curve = StepCostCurve((1, 5, 9, 17), (0.0175, 0.0180, 0.0210, 0.0285))
+    costs = [curve.verify_cost(1, n) for n in range(17)]
+    assert costs[4] == pytest.approx(0.5 / 17.5) and costs[16] == pytest.approx(11 / 17.5)
+    assert best_draft_count(0.6, 16, costs) == 4
+    averaged = costs[4] / 4  # the same curve read as a flat cost per position
+    assert best_draft_count(0.6, 16, [n * averaged for n in range(17)]) == 8
+    assert best_draft_count(0.98, 16, costs) == 16  # copying: every draft pays
+    assert best_draft_count(0.05, 16, costs) == 1  # the first rows are nearly free
 
 
 def test_failed_probes_double_the_pause_under_the_cost_model():
@@ -443,18 +462,21 @@ def test_a_draft_models_cost_is_its_weights_over_the_targets(target, other_draft
     assert llm.engine.speculator.policy.draft_cost == pytest.approx(ratio)
 
 
-def test_step_curve_prices_a_verified_position_from_the_secant():
+def test_step_curve_prices_drafts_from_the_rows_they_add():
     """T(rows) = 20 ms + 1 ms per row: a decoding sequence's plain step yields one token in
-    T(B) / B; each of the 4 x B rows its drafts add costs 1 ms."""
+    T(B) / B; n drafts each add n x B rows at 1 ms."""
     from worker.spec_decode.step_cost import StepCostCurve
 
     rows = (1, 2, 4, 8, 16, 32, 64)
     curve = StepCostCurve(rows, tuple(0.020 + 0.001 * r for r in rows))
     assert curve.time(3) == pytest.approx(0.023) and curve.time(100) == pytest.approx(0.120)
     for batch in (1, 3, 8, 16):
-        assert curve.verify_cost(batch) == pytest.approx(0.001 / ((0.020 + 0.001 * batch) / batch))
+        plain_per_token = (0.020 + 0.001 * batch) / batch
+        for n in (1, 4, 16):
+            expected = 0.001 * n / plain_per_token
+            assert curve.verify_cost(batch, n) == pytest.approx(expected)
     flat = StepCostCurve((1, 8), (0.03, 0.03))  # rows cost nothing (a memory-bound step)
-    assert flat.verify_cost(1) == 0.0
+    assert flat.verify_cost(1, 4) == 0.0
 
 
 def test_step_curve_is_timed_on_the_engines_pool_and_gives_its_blocks_back(target):
@@ -502,8 +524,8 @@ def test_the_policy_prices_drafts_from_the_measured_curve(target, monkeypatch):
         plain = 0.010 + 0.002 * (batch - 1) / 7
         rows = 5 * batch
         five = 0.010 + 0.002 * (rows - 1) / 7 if rows <= 8 else 0.012 + 0.048 * (rows - 8) / 56
-        assert policy.verify_cost(batch) == pytest.approx((five - plain) / (4 * plain))
+        assert policy.verify_cost(batch, 4) == pytest.approx((five - plain) / plain)
     flat = LLMEngine(
         target, dtype="float32", speculative_model="ngram", speculative_position_cost=0.05
     )
-    assert len(asked) == 1 and flat.speculator.policy.verify_cost(3) == pytest.approx(0.15)
+    assert len(asked) == 1 and flat.speculator.policy.verify_cost(3, 2) == pytest.approx(0.3)

@@ -13,7 +13,7 @@ from worker.spec_decode.ngram import NgramProposer
 from worker.spec_decode.proposal import Proposer
 from worker.spec_decode.speculator import MAX_SPECULATIVE_TOKENS, Speculator
 from worker.spec_decode.stats import BackoffPolicy, flat_verify_cost
-from worker.spec_decode.step_cost import DRAFTS_PER_SEQUENCE, StepCostCurve
+from worker.spec_decode.step_cost import StepCostCurve
 
 NGRAM = "ngram"
 
@@ -90,8 +90,8 @@ def build_speculator(
             draft_cost = proposer.model.decode_weight_bytes / target_weight_bytes
     if position_cost is not None or max_batch_size == 0:
         verify_cost = flat_verify_cost(position_cost or 0.0)
-    else:  # the rows of a step at the largest batch that speculates, with its drafts
-        verify_cost = measure_steps(max_batch_size * (1 + DRAFTS_PER_SEQUENCE)).verify_cost
+    else:  # the rows of a step at the largest batch that speculates, with all its drafts
+        verify_cost = measure_steps(max_batch_size * (1 + k)).verify_cost
     return Speculator(
         proposer,
         num_speculative_tokens=k,

@@ -70,9 +70,29 @@ class SpecDecodeStats:
 POSITION_COST = 0.02
 
 
-def flat_verify_cost(position_cost: float) -> Callable[[int], float]:
+# verify_cost(decoding sequences, drafts each): what verifying that many drafts per sequence
+# adds to a step, per sequence, in units of a plain step's time per token.
+VerifyCost = Callable[[int, int], float]
+
+
+def flat_verify_cost(position_cost: float) -> VerifyCost:
     """A fixed cost per verified position and decoding sequence."""
-    return lambda num_decodes: position_cost * num_decodes
+    return lambda num_decodes, num_drafts: position_cost * num_decodes * num_drafts
+
+
+def best_draft_count(acceptance: float, k: int, costs: list[float]) -> int:
+    """The number of drafts n (0..k) that yields the most tokens per unit of time: the j-th
+    draft is accepted with probability ~acceptance^j, and ``costs[n]`` is what n drafts add
+    to the step, so the rate is (1 + sum of acceptance^j for j <= n) / (1 + costs[n])."""
+    best_n, best_rate = 0, 1.0
+    tokens = chance = 1.0
+    for n in range(1, k + 1):
+        chance *= acceptance
+        tokens += chance
+        rate = tokens / (1.0 + costs[n])
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return best_n
 
 
 @dataclass(slots=True)
@@ -88,12 +108,14 @@ class BackoffPolicy:
 
     Not in large batches: above ``max_batch_size`` decoding sequences, verification costs
     real compute. Per sequence, with α its moving acceptance per position, the j-th draft
-    is used with probability ~α^j; it is proposed while that covers its cost, α^j ≥
-    ``verify_cost(decoding sequences)`` (what one more verified row adds to the step, in
-    units of the time per token of a plain step: measured, ``step_cost.StepCostCurve``, or
-    a fixed cost per position and sequence) + ``draft_cost`` (the proposer's own cost per draft
-    relative to a target step: 0 for prompt lookup). So a sequence that copies its input
-    drafts up to k tokens a step, and one that rarely matches drafts one or none.
+    is used with probability ~α^j, and n drafts cost ``verify_cost(decoding sequences, n)``
+    (what their verification rows add to the step, in units of the time per token of a
+    plain step: measured, ``step_cost.StepCostCurve``, or a fixed cost per position and
+    sequence) + n x ``draft_cost`` (the proposer's own cost per draft relative to a target
+    step: 0 for prompt lookup). The sequence gets the n that yields the most tokens per unit
+    of time (``best_draft_count``): one that copies its input drafts up to k tokens a step,
+    one that rarely matches drafts one or none. The cost of rows is not linear (on CPU a few
+    rows cost nearly nothing and many cost a lot), hence the whole curve, not a slope.
 
     A sequence whose first draft is not worth its cost (or whose acceptance falls below
     ``min_acceptance``, a floor that is off by default) pauses, then probes with a draft;
@@ -108,7 +130,7 @@ class BackoffPolicy:
         min_acceptance: float,
         pause_steps: int = 8,
         max_pause_steps: int = 256,
-        verify_cost: Callable[[int], float] | None = None,
+        verify_cost: VerifyCost | None = None,
         draft_cost: float = 0.0,
     ) -> None:
         self.max_batch_size = max_batch_size
@@ -117,7 +139,8 @@ class BackoffPolicy:
         self.max_pause_steps = max_pause_steps
         self.verify_cost = verify_cost or flat_verify_cost(POSITION_COST)
         self.draft_cost = draft_cost
-        self._worth: dict[int, float] = {}  # by decoding sequences: asked per sequence a step
+        # By decoding sequences: the cost of 0, 1, ... drafts each (asked per sequence a step).
+        self._costs: dict[int, list[float]] = {}
         self._tracks: dict[Sequence, _Track] = {}
         self.acceptance = 0.5  # engine-wide moving average, over every verification
 
@@ -131,17 +154,19 @@ class BackoffPolicy:
             track.pause -= 1
             track.probe = track.pause == 0
             return 0
-        worth = self._worth.get(num_decodes)
-        if worth is None:
-            worth = self._worth[num_decodes] = self.verify_cost(num_decodes) + self.draft_cost
-        n = 0
-        while n < k and track.acceptance ** (n + 1) >= worth:
-            n += 1
+        n = best_draft_count(track.acceptance, k, self._draft_costs(num_decodes, k))
         if n == 0 and not track.probe:
             self._pause(track)  # each pause after a failed probe is twice as long
             return 0
         track.probe = False
         return max(n, 1)  # a probe drafts one token even where none is worth it
+
+    def _draft_costs(self, num_decodes: int, k: int) -> list[float]:
+        costs = self._costs.setdefault(num_decodes, [0.0])
+        while len(costs) <= k:
+            n = len(costs)
+            costs.append(self.verify_cost(num_decodes, n) + n * self.draft_cost)
+        return costs
 
     def update(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         track = self._track(seq)

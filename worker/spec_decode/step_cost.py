@@ -1,11 +1,12 @@
-"""What verifying one more draft position costs on this machine, measured once at start.
+"""What verifying draft positions costs on this machine, measured once at start.
 
-A draft pays when the chance it is accepted covers the time its verification row adds.
-That time depends on the hardware far more than on the model: on a memory-bound CPU with
-native bf16 a step of 5 rows cost 3% more than one row, on an AVX2-only CPU in fp32 (the
-matmuls compute-bound from a few rows) 35% more, and on a GPU next to nothing. So the
-engine times forward passes of 1, 2, 4, ... rows before it serves, and the back-off policy
-reads the cost off that curve instead of a constant.
+Drafts pay when the tokens they are expected to add outweigh the time their verification
+rows add. That time depends on the hardware far more than on the model, and is not linear
+in the rows: on a memory-bound CPU with native bf16 a step of 5 rows cost 3% more than one
+row; on a Zen 4 in bf16, 2-6 rows cost nothing extra and 17 rows 60% more; on an AVX2-only
+CPU in fp32 (the matmuls compute-bound from a few rows) 5 rows cost 35% more; on a GPU next
+to nothing. So the engine times forward passes of 1, 2, 4, ... rows before it serves, and
+the back-off policy reads the cost of n drafts off that curve.
 """
 
 from __future__ import annotations
@@ -24,10 +25,6 @@ from worker.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-# The cost of a verified position is the step curve's secant over the rows that a step with
-# this many drafts per decoding sequence adds (not its slope at one point: going from 1 row
-# to 2 costs more per row than the next few on CPU, where the matmul changes kernel).
-DRAFTS_PER_SEQUENCE = 4
 MEASURE_REPEATS = 3  # per point; the fastest counts (noise only ever slows a run down)
 
 
@@ -45,13 +42,13 @@ class StepCostCurve:
         t0, t1 = self.seconds[i - 1], self.seconds[i]
         return max(t0 + (t1 - t0) * (rows - r0) / (r1 - r0), 1e-9)
 
-    def verify_cost(self, num_decodes: int) -> float:
-        """One more verified position, in units of the time per token of a plain step of
-        ``num_decodes`` sequences (which yields one token each)."""
+    def verify_cost(self, num_decodes: int, num_drafts: int) -> float:
+        """What ``num_drafts`` verified positions per sequence add to a step of
+        ``num_decodes`` sequences, per sequence, in units of the plain step's time per token
+        (it yields one token each): (T(B (1 + n)) - T(B)) / T(B)."""
         b = max(1, num_decodes)
         plain = self.time(b)
-        added = self.time(b * (1 + DRAFTS_PER_SEQUENCE)) - plain
-        return max(added, 0.0) / (b * DRAFTS_PER_SEQUENCE) / (plain / b)
+        return max(self.time(b * (1 + num_drafts)) - plain, 0.0) / plain
 
     def describe(self) -> str:
         pairs = zip(self.rows, self.seconds, strict=True)
