@@ -137,7 +137,6 @@ class Tally:
         """A whole answer at once (not streamed): its first token's time, no gaps."""
         metrics.TIME_TO_FIRST_TOKEN.observe(reply.first_token_at - self.arrived)
         self.started = True
-        self.last_message_at = time.monotonic()
         for message in reply.responses:
             self.completion[message.index] = message.completion_tokens
             self.cached_tokens = max(self.cached_tokens, message.cached_tokens)

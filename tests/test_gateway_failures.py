@@ -215,3 +215,25 @@ async def test_a_non_streaming_answer_over_grpcs_default_4_mb_gets_through(env):
     assert response.status_code == 200, response.text[:300]
     assert len(response.json()["choices"][0]["text"]) == 5_000_000
     assert worker.rpcs == ["GenerateAll"]
+
+
+async def test_a_unary_answer_places_its_first_token_by_the_workers_offset(env):
+    """TTFT of a non-streaming request is when the worker had its first token, not when the
+    whole answer arrived: a worker that answers 0.5 s after its first token."""
+    from gateway import metrics
+
+    def observed() -> tuple[float, float]:
+        [family] = metrics.TIME_TO_FIRST_TOKEN.collect()
+        values = {s.name: s.value for s in family.samples if not s.name.endswith("_bucket")}
+        name = "switchboard_time_to_first_token_seconds"
+        return values[f"{name}_count"], values[f"{name}_sum"]
+
+    gw, key = await env(ScriptedWorker("slow-tail", unary_tail_s=0.5))
+    count, total = observed()
+    async with http(gw, key) as client:
+        response = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"})
+        assert response.status_code == 200
+        assert response.elapsed.total_seconds() >= 0.5
+    after_count, after_total = observed()
+    assert after_count == count + 1
+    assert 0.0 <= after_total - total < 0.25

@@ -140,6 +140,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     # False: a worker from before GenerateAll, which answers it UNIMPLEMENTED.
     answers_unary: bool = True
+    unary_tail_s: float = 0.0  # GenerateAll waits this long after its last delta
     rpcs: list[str] = field(default_factory=list)  # the Generate* calls, in order
     address: str = ""
     _server: grpc.aio.Server | None = None
@@ -159,12 +160,18 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         self.requests.append(request)
         self.rpcs.append("GenerateAll")
+        responses, first_at = [], None
         try:
-            responses = [message async for message in self._script(request, context)]
+            async for message in self._script(request, context):
+                first_at = first_at or time.monotonic()
+                responses.append(message)
+            await asyncio.sleep(self.unary_tail_s)
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
-        return worker_pb2.GenerateAllResponse(responses=responses, first_token_to_end_s=0.001)
+        return worker_pb2.GenerateAllResponse(
+            responses=responses, first_token_to_end_s=time.monotonic() - first_at
+        )
 
     async def LoadAdapter(self, request, context):
         self.loaded.append(request.adapter_id)

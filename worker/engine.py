@@ -74,8 +74,8 @@ class LLMEngine:
         ``speculative_max_batch_size`` decoding sequences, and paused for a sequence whose
         drafts are not worth their cost, or whose acceptance per position falls below
         ``speculative_min_acceptance`` (a floor; off by default). The costs a draft
-        must cover, relative to a plain decode step: what verifying one more position adds
-        (measured at start by timing the forward pass by rows; a number given as
+        must cover, relative to a plain decode step: what verifying n drafts adds (measured
+        at start by timing the forward pass by rows, not linear in n; a number given as
         ``speculative_position_cost`` is taken per position and decoding sequence), and
         ``speculative_draft_cost`` per draft token (None: the draft's weights over the
         target's; 0 for prompt lookup). Zero both to speculate whatever it costs.
