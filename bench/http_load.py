@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 
 
 def post_request(path: str, body: dict, *, key: str) -> bytes:
@@ -42,18 +43,28 @@ async def keep_alive_client(
         writer.close()
 
 
+@dataclass
+class EventStream:
+    stamps: list[float]  # when each SSE event that carries a choice arrived
+    overhead_ms: float | None  # the gateway's own time, from x-switchboard-overhead-ms
+
+
 async def stream_events(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
-) -> list[float]:
-    """Send one streaming request on a keep-alive connection; the arrival time of each SSE
-    event that carries a choice (OpenAI's chunked ``text/event-stream``), until the end."""
+) -> EventStream:
+    """Send one streaming request on a keep-alive connection and read its events (OpenAI's
+    chunked ``text/event-stream``) to the end."""
     writer.write(request)
     status = int((await reader.readline()).split()[1])
     chunked = False
+    overhead_ms = None
     while (line := await reader.readline()) not in (b"\r\n", b""):
         name, _, value = line.partition(b":")
-        if name.strip().lower() == b"transfer-encoding":
+        name = name.strip().lower()
+        if name == b"transfer-encoding":
             chunked = b"chunked" in value.lower()
+        elif name == b"x-switchboard-overhead-ms":
+            overhead_ms = float(value)
     if status != 200 or not chunked:
         raise RuntimeError(f"expected a 200 event stream, got {status}")
     stamps: list[float] = []
@@ -64,7 +75,7 @@ async def stream_events(
         *events, pending = pending.split(b"\n\n")
         stamps.extend(now for e in events if e.startswith(b"data: {") and b'"choices":[{' in e)
     await reader.readexactly(2)  # the last chunk's CRLF
-    return stamps
+    return EventStream(stamps, overhead_ms)
 
 
 async def hammer(

@@ -46,6 +46,7 @@ class Timing:
     ttft: float
     itls: list[float]
     tokens: int
+    overhead_ms: float | None = None  # the gateway's x-switchboard-overhead-ms
 
 
 @dataclass
@@ -57,6 +58,9 @@ class LoadResult:
     ttft_p99_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
+    # Through the gateway: its own time per request, from x-switchboard-overhead-ms.
+    overhead_p50_ms: float | None = None
+    overhead_p99_ms: float | None = None
 
 
 async def via_grpc(stub, request) -> Timing:
@@ -74,13 +78,15 @@ async def via_lean_http(connection, request: bytes) -> Timing:
     """Through the gateway with the hand-written client of ``bench.http_load``: httpx's
     own cost per request (~2.7 ms here at idle) would otherwise count as the gateway's."""
     start = time.monotonic()
-    stamps = await stream_events(*connection, request)
-    return Timing(stamps[0] - start, list(np.diff(stamps)), len(stamps))
+    events = await stream_events(*connection, request)
+    stamps = events.stamps
+    return Timing(stamps[0] - start, list(np.diff(stamps)), len(stamps), events.overhead_ms)
 
 
 def summarize(name: str, timings: list[Timing], elapsed: float) -> LoadResult:
     ttft = [t.ttft * 1e3 for t in timings]
     itl = [x * 1e3 for t in timings for x in t.itls]
+    overhead = [t.overhead_ms for t in timings if t.overhead_ms is not None]
     return LoadResult(
         name=name,
         requests=len(timings),
@@ -89,6 +95,8 @@ def summarize(name: str, timings: list[Timing], elapsed: float) -> LoadResult:
         ttft_p99_ms=float(np.percentile(ttft, 99)),
         itl_p50_ms=float(np.percentile(itl, 50)),
         itl_p99_ms=float(np.percentile(itl, 99)),
+        overhead_p50_ms=float(np.percentile(overhead, 50)) if overhead else None,
+        overhead_p99_ms=float(np.percentile(overhead, 99)) if overhead else None,
     )
 
 

@@ -51,21 +51,20 @@ def _remaining(deadline: float) -> float:
 
 
 async def open_stream(
-    job: Job, *, directory: WorkerDirectory, channels: WorkerChannels, arrived: float
+    job: Job, *, directory: WorkerDirectory, channels: WorkerChannels, tally: Tally
 ) -> WorkerStream:
     """A Generate call on the best worker that answers, with its first response in hand.
 
-    ``arrived``: when the request reached the gateway; the time to the first call going out
-    is the gateway's admission share of the request's latency."""
-    return await _on_a_worker(job, start_generate, directory, channels, arrived)
+    ``tally`` gets the times of the call that answered (see `Tally.overhead_s`)."""
+    return await _on_a_worker(job, start_generate, directory, channels, tally)
 
 
 async def generate_all(
-    job: Job, *, directory: WorkerDirectory, channels: WorkerChannels, arrived: float
+    job: Job, *, directory: WorkerDirectory, channels: WorkerChannels, tally: Tally
 ) -> WorkerReply:
     """The whole answer, from the best worker that gives it (for non-streaming requests:
     nothing has reached the client yet, so any retryable failure may try another worker)."""
-    return await _on_a_worker(job, call_generate_all, directory, channels, arrived)
+    return await _on_a_worker(job, call_generate_all, directory, channels, tally)
 
 
 async def _on_a_worker(
@@ -73,7 +72,7 @@ async def _on_a_worker(
     call: Callable[..., Awaitable[T]],
     directory: WorkerDirectory,
     channels: WorkerChannels,
-    arrived: float,
+    tally: Tally,
 ) -> T:
     """``call`` on the best worker for ``job``, and once more on another if it fails in a
     way another worker may not; deadline errors are final."""
@@ -88,17 +87,20 @@ async def _on_a_worker(
         if remaining <= 0:
             raise DeadlineExceededError("the request's deadline passed before a worker answered")
         directory.sent(worker.worker_id)
+        tally.called_at = time.monotonic()
         if attempt == 0:
-            metrics.ADMISSION_TIME.observe(time.monotonic() - arrived)
+            metrics.ADMISSION_TIME.observe(tally.called_at - tally.arrived)
         try:
             async with asyncio.timeout(remaining):
-                return await call(
+                answer = await call(
                     channels,
                     worker_id=worker.worker_id,
                     address=worker.address,
                     request=request,
                     timeout_s=remaining,
                 )
+            tally.answered_at = time.monotonic()
+            return answer
         except TimeoutError as exc:
             raise DeadlineExceededError("the request's deadline passed") from exc
         except WorkerStreamError as exc:
@@ -119,6 +121,8 @@ class Tally:
     completion: dict[int, int] = field(default_factory=dict)  # sample index → tokens
     cached_tokens: int = 0
     last_message_at: float = 0.0
+    called_at: float = 0.0  # the call to the worker that answered went out
+    answered_at: float = 0.0  # ... and its first message (unary: its reply) came in
     error_status: int | None = None  # a failure after the response started
     finished: bool = False  # the whole response was produced
 
@@ -140,6 +144,12 @@ class Tally:
         for message in reply.responses:
             self.completion[message.index] = message.completion_tokens
             self.cached_tokens = max(self.cached_tokens, message.cached_tokens)
+
+    def overhead_s(self) -> float:
+        """The gateway's own time on the request until now: all of it since arrival but the
+        wait for the worker that answered (a failed try's time counts, as a client waits
+        it too). Like LiteLLM's ``x-litellm-overhead-duration-ms``."""
+        return time.monotonic() - self.arrived - (self.answered_at - self.called_at)
 
     @property
     def status(self) -> int:

@@ -77,13 +77,16 @@ GATEWAY_ADDED = Histogram(
     "switchboard_gateway_added_seconds",
     "The gateway's own time on a request, by phase: admission, from its arrival (the ASGI "
     "call) to the Generate call going to a worker (auth, quota, tokenizing, routing); relay, "
-    "from a worker message to its SSE bytes handed to the HTTP server.",
+    "from a worker message to its SSE bytes handed to the HTTP server; request, all of a "
+    "request's time up to its response (a stream's: its first chunk) but the wait for the "
+    "worker that answered (the x-switchboard-overhead-ms header).",
     ["phase"],
     buckets=(0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25),
     registry=REGISTRY,
 )
 ADMISSION_TIME = GATEWAY_ADDED.labels("admission")  # bound once: labels() costs a lookup
 RELAY_TIME = GATEWAY_ADDED.labels("relay")
+REQUEST_OVERHEAD = GATEWAY_ADDED.labels("request")
 REDIS_ERRORS = Counter(
     "switchboard_redis_errors_total",
     "Requests that failed because Redis did not answer (503 state_unavailable).",

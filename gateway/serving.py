@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 
+from gateway import metrics
 from gateway.errors import ClientDisconnectedError, status_of
 from gateway.generation import Tally, collect, generate_all, open_stream, stream_events
 from gateway.jobs import (
@@ -35,6 +36,7 @@ from switchboard.logs import REQUEST_ID
 T = TypeVar("T")
 # What proxies must not do to an event stream: cache it or buffer it.
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+OVERHEAD_HEADER = "x-switchboard-overhead-ms"
 
 
 async def list_models(*, state: GatewayState, caller: Caller) -> dict[str, Any]:
@@ -254,18 +256,27 @@ async def respond(
 ) -> Response:
     """Stream (after the first token is in) or collect; a client gone early cancels the call.
     `on_close` runs when the response is over (for a stream: when the stream ends)."""
-    where = {"directory": state.workers, "channels": state.channels, "arrived": tally.arrived}
+    where = {"directory": state.workers, "channels": state.channels, "tally": tally}
     if stream:
         worker_stream = await until_disconnect(request, open_stream(job, **where))
         events = stream_events(
             worker_stream, job=job, fmt=fmt, include_usage=include_usage, tally=tally
         )
-        return ClosingEventStream(events, on_close=on_close, headers={**SSE_HEADERS, **headers})
+        headers = {**SSE_HEADERS, **headers, **_overhead_header(tally)}
+        return ClosingEventStream(events, on_close=on_close, headers=headers)
 
     reply = await until_disconnect(request, generate_all(job, **where))
     body = collect(reply, job=job, fmt=fmt, tally=tally)
     await on_close()
-    return JSONResponse(body, headers=headers)
+    return JSONResponse(body, headers={**headers, **_overhead_header(tally)})
+
+
+def _overhead_header(tally: Tally) -> dict[str, str]:
+    """The gateway's own time on the request up to its response (for a stream: up to the
+    first token's chunk), for clients and load tests to attribute latency exactly."""
+    overhead = tally.overhead_s()
+    metrics.REQUEST_OVERHEAD.observe(overhead)
+    return {OVERHEAD_HEADER: f"{overhead * 1e3:.3f}"}
 
 
 async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:

@@ -217,6 +217,22 @@ async def test_a_non_streaming_answer_over_grpcs_default_4_mb_gets_through(env):
     assert worker.rpcs == ["GenerateAll"]
 
 
+async def test_the_overhead_header_counts_the_gateway_and_not_the_worker(env):
+    """x-switchboard-overhead-ms on streamed and unary answers: a worker that takes 0.4 s
+    to its first token adds nothing to it, though the client waits that long."""
+    gw, key = await env(ScriptedWorker("slow-start", first_token_delay_s=0.4))
+    body = {"model": MODEL_NAME, "prompt": "hi"}
+    async with http(gw, key) as client:
+        unary = await client.post("/v1/completions", json=body)
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as sse:
+            streamed_headers = sse.headers
+            await sse.aread()
+    for response_headers, kind in ((unary.headers, "unary"), (streamed_headers, "stream")):
+        overhead_ms = float(response_headers["x-switchboard-overhead-ms"])
+        assert 0.0 < overhead_ms < 200.0, (kind, overhead_ms)
+    assert unary.elapsed.total_seconds() >= 0.4
+
+
 async def test_a_unary_answer_places_its_first_token_by_the_workers_offset(env):
     """TTFT of a non-streaming request is when the worker had its first token, not when the
     whole answer arrived: a worker that answers 0.5 s after its first token."""

@@ -141,6 +141,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     # False: a worker from before GenerateAll, which answers it UNIMPLEMENTED.
     answers_unary: bool = True
     unary_tail_s: float = 0.0  # GenerateAll waits this long after its last delta
+    first_token_delay_s: float = 0.0  # a prefill's time: the wait before the first delta
     rpcs: list[str] = field(default_factory=list)  # the Generate* calls, in order
     address: str = ""
     _server: grpc.aio.Server | None = None
@@ -189,6 +190,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         steps = min(params.max_tokens, len(self.pieces))
         finish = "length" if params.max_tokens < len(self.pieces) else "stop"
         sent = 0
+        await asyncio.sleep(self.first_token_delay_s)
         for step in range(steps):
             for index in range(n):
                 if self.mode is Mode.FAIL_MID_STREAM and sent == self.fail_after:
