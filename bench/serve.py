@@ -307,6 +307,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--paired-seconds", type=float, default=60.0)
     parser.add_argument("--paired-output-len", type=int, default=64)
+    parser.add_argument(
+        "--worker-nice", type=int, default=0,
+        help="run the worker at this nice value (the gateway keeps 0): how the gateway fares "
+        "when it is not queued behind the engine for a core, as on a node of its own",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     from worker.default_model import resolve_model_path
 
@@ -314,7 +319,10 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {}
     prefix = f"sbbench:{uuid.uuid4().hex[:8]}:"  # a fresh namespace in a shared Redis
     if not args.fast_worker_only:
-        with Stack(model=model_path, gateway_port=free_port(), key_prefix=prefix + "a:") as stack:
+        with Stack(
+            model=model_path, gateway_port=free_port(), key_prefix=prefix + "a:",
+            worker_nice=args.worker_nice,
+        ) as stack:  # fmt: skip
             key = stack.create_tenant_key("bench")
             if not args.paired_only:
                 results = asyncio.run(load_a(stack, key, model_path.name, args.requests, 49152))

@@ -33,6 +33,10 @@ class Stack:
     admin_token: str = field(default_factory=lambda: "adm-" + secrets.token_urlsafe(24))
     home: Path | None = None  # SWITCHBOARD_HOME for children (adapter store)
     worker_args: list[str] = field(default_factory=list)
+    # > 0: workers run at this nice value, so on a machine they share with the gateway and
+    # Redis the latency-bound processes get a core as soon as they wake (an engine keeps
+    # every core busy); where each has its own CPUs (Kubernetes pods) it changes nothing.
+    worker_nice: int = 0
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)
     worker_ports: dict[str, int] = field(default_factory=dict)
     gateway: subprocess.Popen | None = None
@@ -62,8 +66,9 @@ class Stack:
         # binding port 0 for its metrics could be given the port another worker was about to
         # bind (seen in CI as "Address already in use").
         port, metrics_port = self._unused_port(), self._unused_port()
+        niced = ["nice", "-n", str(self.worker_nice)] if self.worker_nice else []
         args = [
-            *switchboard_command(), "worker",
+            *niced, *switchboard_command(), "worker",
             "--model", str(self.model), "--port", str(port), "--dtype", self.dtype,
             "--redis-url", str(self.redis_url), "--redis-prefix", self.key_prefix,
             "--worker-id", worker_id, "--metrics-port", str(metrics_port),
