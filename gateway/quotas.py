@@ -107,6 +107,7 @@ class QuotaService:
         self._settle = client.register_script(SETTLE)
         self._renew = client.register_script(RENEW)
         self._scripts = ScriptBatcher(client)
+        self._room: dict[str, Room] = {}  # tenant -> what its last decision here left
 
     async def close(self) -> None:
         await self._scripts.close()
@@ -144,6 +145,10 @@ class QuotaService:
         except redis.exceptions.RedisError as exc:
             return self._redis_failed(exc, tenant=tenant, request_id=request_id, day=day)
         decision = Decision.from_reply(reply, tokens=tokens)
+        if decision.admitted:
+            self._room[tenant] = decision.room()
+        else:
+            self._room.pop(tenant, None)
         if not decision.admitted:
             metrics.QUOTA_REJECTIONS.labels(tenant=tenant, reason=decision.reason).inc()
             raise decision.error(tenant)
@@ -159,6 +164,22 @@ class QuotaService:
         if decision.concurrency >= 0:
             reservation.renewal = asyncio.create_task(self._keep_leased(reservation))
         return reservation
+
+    def has_room(self, tenant: str, tokens: int) -> bool:
+        """Whether this gateway's last decision for ``tenant`` admitted it and left room for
+        one more request of ``tokens`` (counting it against that room). A hint only, for
+        starting work beside the decision (`gateway.admission`): other gateways and ended
+        requests change the truth, which only `admit` tells."""
+        room = self._room.get(tenant)
+        if room is None or min(room.requests, room.slots) < 1:
+            return False
+        if min(room.tokens, room.daily) < tokens:
+            return False
+        room.requests -= 1
+        room.slots -= 1
+        room.tokens -= tokens
+        room.daily -= tokens
+        return True
 
     def _redis_failed(
         self, exc: Exception, *, tenant: str, request_id: str, day: str
@@ -221,6 +242,16 @@ class QuotaService:
             log.error("settling %s failed (its lease will expire): %r", reservation.request_id, exc)
 
 
+@dataclass(slots=True)
+class Room:
+    """What an admitted request left of its tenant's limits (infinite where unlimited)."""
+
+    requests: float
+    slots: float
+    tokens: float
+    daily: float
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """The admission script's answer (see ADMIT's Returns)."""
@@ -244,6 +275,19 @@ class Decision:
     def from_reply(cls, reply: list, *, tokens: int) -> Decision:
         admitted, reason, *numbers = reply
         return cls(bool(admitted), str(reason), *(int(n) for n in numbers), tokens=tokens)
+
+    def room(self) -> Room:
+        """What is left after this (admitted) request; the script reports -1 for no limit."""
+
+        def left(limit: int, used: int) -> float:
+            return math.inf if limit < 0 else limit - used
+
+        return Room(
+            requests=left(self.rpm, self.requests_used + 1),
+            slots=left(self.concurrency, self.running + 1),
+            tokens=left(self.tpm, self.tokens_used + self.tokens),
+            daily=left(self.daily, self.daily_used + self.tokens),
+        )
 
     def headers(self) -> dict[str, str]:
         """OpenAI's rate-limit headers, for the limits this tenant has."""

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 
 from gateway import metrics
+from gateway.admission import Admission
 from gateway.errors import ClientDisconnectedError, status_of
 from gateway.generation import Tally, collect, generate_all, open_stream, stream_events
 from gateway.jobs import (
@@ -179,7 +180,8 @@ async def _serve(
         keep=body.n if best_of else None,
     )
     REQUEST_ID.set(job.request_id)  # every log line of this request carries it from here
-    reservation = await state.quotas.admit(
+    admission = Admission(
+        state.quotas,
         caller.tenant,
         request_id=job.request_id,
         tokens=len(prompt_ids) + max_tokens * max(params.n, 1),
@@ -187,6 +189,8 @@ async def _serve(
 
     async def settle() -> None:
         observation.finish(tally.status)
+        if admission.reservation is None:
+            return  # refused, or never decided: nothing reserved
         used = (len(prompt_ids) if tally.started else 0) + tally.completion_tokens
         usage = UsageDelta(
             model=job.model,
@@ -195,13 +199,13 @@ async def _serve(
             cached_tokens=tally.cached_tokens,
         )
         # Shielded: a cancelled request (server shutdown) still gives its slot back.
+        reservation = admission.reservation
         await asyncio.shield(state.quotas.settle(reservation, used_tokens=used, usage=usage))
 
     try:
         return await respond(
             job, fmt=make_format(job), stream=body.stream, include_usage=body.include_usage,
-            state=state, request=request, tally=tally, headers=reservation.headers,
-            on_close=settle,
+            state=state, request=request, tally=tally, admission=admission, on_close=settle,
         )  # fmt: skip
     except BaseException as exc:
         observation.finish(status_of(exc))
@@ -251,24 +255,26 @@ async def respond(
     state: GatewayState,
     request: Request,
     tally: Tally,
-    headers: dict[str, str],
+    admission: Admission,
     on_close: Callable[[], Awaitable[None]],
 ) -> Response:
-    """Stream (after the first token is in) or collect; a client gone early cancels the call.
-    `on_close` runs when the response is over (for a stream: when the stream ends)."""
+    """Once admitted, stream (after the first token is in) or collect; a client gone early
+    cancels the call. `on_close` runs when the response is over (for a stream: when the
+    stream ends)."""
     where = {"directory": state.workers, "channels": state.channels, "tally": tally}
     if stream:
-        worker_stream = await until_disconnect(request, open_stream(job, **where))
+        admitted = admission.run(lambda: open_stream(job, **where))
+        worker_stream = await until_disconnect(request, admitted)
         events = stream_events(
             worker_stream, job=job, fmt=fmt, include_usage=include_usage, tally=tally
         )
-        headers = {**SSE_HEADERS, **headers, **_overhead_header(tally)}
+        headers = {**SSE_HEADERS, **admission.headers, **_overhead_header(tally)}
         return ClosingEventStream(events, on_close=on_close, headers=headers)
 
-    reply = await until_disconnect(request, generate_all(job, **where))
+    reply = await until_disconnect(request, admission.run(lambda: generate_all(job, **where)))
     body = collect(reply, job=job, fmt=fmt, tally=tally)
     await on_close()
-    return JSONResponse(body, headers={**headers, **_overhead_header(tally)})
+    return JSONResponse(body, headers={**admission.headers, **_overhead_header(tally)})
 
 
 def _overhead_header(tally: Tally) -> dict[str, str]:

@@ -108,6 +108,30 @@ async def test_429_is_openai_shaped_with_rate_limit_headers(env):
             await oa.chat.completions.create(**CHAT)
 
 
+async def test_a_refusal_decided_beside_the_worker_call_cancels_it(env):
+    """The quota decision runs beside the worker call once this gateway saw room for the
+    tenant: a refusal then still answers 429 (nothing streamed, nothing billed) and cancels
+    the call it started; after it, the tenant is decided first and reaches no worker."""
+    env.worker.first_token_delay_s = 0.3  # the decision arrives before any token
+    async with env.http() as client:
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        calls = len(env.worker.requests)
+        # The room this gateway saw (no limits) is now stale: a daily budget of 1 token.
+        await env.set_quota(daily_tokens=1)
+        refused = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert refused.status_code == 429
+        assert refused.json()["error"]["type"] == "insufficient_quota"
+        # Started beside the decision: the call reached the worker and was cancelled, unless
+        # the decision came back before it got there (`test_quotas` shows the overlap).
+        if len(env.worker.requests) > calls:
+            await asyncio.wait_for(env.worker.cancelled.wait(), 5)
+        calls = len(env.worker.requests)
+        again = await client.post("/v1/chat/completions", json=CHAT)
+        assert again.status_code == 429
+        assert len(env.worker.requests) == calls  # decided first: no worker call
+    assert await env.inflight() == 0
+
+
 async def test_tokens_are_refunded_to_what_the_request_used(env):
     await env.set_quota(tokens_per_minute=100_000)
     async with env.http() as client:

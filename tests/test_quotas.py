@@ -58,6 +58,60 @@ async def settle(service, reservation, used, model="base"):
     await service.settle(reservation, used_tokens=used, usage=UsageDelta(model=model))
 
 
+async def test_room_is_what_the_last_admission_left(make_service):
+    """`has_room`, the hint for deciding beside the worker call: only after an admission,
+    only while what it left covers the request, and never after a refusal."""
+    service = make_service()
+    assert not service.has_room(T, 10)  # never decided here
+    await admit(service, tokens=10)
+    assert all(service.has_room(T, 10**9) for _ in range(100))  # no limits
+    await service.set_quota(T, Quota(requests_per_minute=3, tokens_per_minute=100))
+    await admit(service, tokens=10)  # 2 requests and 90 tokens left
+    assert not service.has_room(T, 91)
+    assert service.has_room(T, 45)  # counted: 1 request and 45 tokens left
+    assert not service.has_room(T, 46)
+    assert service.has_room(T, 45)
+    assert not service.has_room(T, 1)  # no request left
+    await service.set_quota(T, Quota(max_concurrent_requests=1))
+    reservation = await admit(service)
+    assert not service.has_room(T, 1)  # its one slot is taken
+    with pytest.raises(RateLimitError):
+        await admit(service)
+    await settle(service, reservation, 1)
+    assert not service.has_room(T, 1)  # refused last: decided first until admitted again
+
+
+async def test_admission_runs_work_beside_the_decision_only_with_room(make_service):
+    """`Admission.run`: work starts before the decision only once the tenant had room,
+    and a refusal cancels work already running."""
+    from gateway.admission import Admission
+
+    service = make_service()
+    started_undecided: list[bool] = []
+
+    def work_for(admission: Admission, *, forever: bool = False):
+        async def work() -> str:
+            started_undecided.append(admission.reservation is None)
+            if forever:
+                await asyncio.Event().wait()
+            return "done"
+
+        return work
+
+    for expected in (False, True):  # the first decision comes first; then there is room
+        admission = Admission(service, T, request_id=f"r{expected}", tokens=5)
+        assert await admission.run(work_for(admission)) == "done"
+        assert started_undecided.pop() is expected
+        await settle(service, admission.reservation, 5)
+
+    await service.set_quota(T, Quota(daily_tokens=1))  # this gateway's room is now stale
+    admission = Admission(service, T, request_id="refused", tokens=5)
+    work = work_for(admission, forever=True)
+    with pytest.raises(RateLimitError):
+        await asyncio.wait_for(admission.run(work), 5)  # not forever: the work was cancelled
+    assert started_undecided == [True] and admission.reservation is None
+
+
 async def test_requests_per_minute_is_exact_and_explains_itself(make_service):
     service = make_service()
     await service.set_quota(T, Quota(requests_per_minute=5))
