@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from gateway.quotas import QuotaService, Reservation
 from gateway.worker_client import WorkerStream
@@ -40,25 +40,51 @@ class Admission:
             self.tenant, request_id=self.request_id, tokens=self.tokens
         )
 
-    async def run(self, make_work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    async def run(self, make_work: Callable[[], Awaitable[T]]) -> T:
         """``make_work()``'s result once the request is admitted: the work starts after the
         decision, or at once beside it when the tenant had room. A refusal (or a failed
-        decision) cancels the work and raises."""
+        decision) undoes the work and raises; it outranks the work's own failure, as it
+        would have had it come first."""
         if not self.quotas.has_room(self.tenant, self.tokens):
             await self.admit()
             return await make_work()
-        task = asyncio.ensure_future(make_work())
+        # The decision on a task of its own, the work on the caller's, so the caller resumes
+        # straight from the worker's answer (a task hop more costs ~0.3 ms under load); a
+        # refusal cancels the caller's await (as `serving.until_disconnect` does).
+        current = asyncio.current_task()
+        assert current is not None
+        working, refused = True, False
+
+        def on_decided(decision: asyncio.Future) -> None:
+            nonlocal refused
+            if working and not decision.cancelled() and decision.exception() is not None:
+                refused = True
+                current.cancel()
+
+        deciding = asyncio.ensure_future(self.admit())
+        deciding.add_done_callback(on_decided)
         try:
-            await self.admit()
-        except BaseException:
-            await discard(task)
+            result = await make_work()
+        except asyncio.CancelledError:
+            working = False
+            if refused:
+                current.uncancel()
+                raise deciding.exception() from None
+            with contextlib.suppress(Exception):  # the client left: the decision still lands,
+                await deciding  # and an admitted request's reservation is then settled
             raise
-        return await task
-
-
-async def discard(task: asyncio.Task) -> None:
-    """Cancel ``task``, or undo what it finished: a started worker stream is cancelled."""
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        if isinstance(result := await task, WorkerStream):
-            result.cancel()
+        except Exception as failure:
+            working = False
+            try:
+                await deciding
+            except Exception as refusal:
+                raise refusal from failure
+            raise
+        working = False
+        try:
+            await deciding
+        except BaseException:
+            if isinstance(result, WorkerStream):
+                result.cancel()  # the started call: the worker aborts it
+            raise
+        return result

@@ -104,12 +104,27 @@ async def test_admission_runs_work_beside_the_decision_only_with_room(make_servi
         assert started_undecided.pop() is expected
         await settle(service, admission.reservation, 5)
 
+    async def fails() -> None:
+        raise ValueError("no worker")
+
+    admission = Admission(service, T, request_id="failed", tokens=5)
+    with pytest.raises(ValueError):
+        await admission.run(fails)
+    assert admission.reservation is not None  # admitted all the same: the caller settles it
+    await settle(service, admission.reservation, 0)
+
     await service.set_quota(T, Quota(daily_tokens=1))  # this gateway's room is now stale
     admission = Admission(service, T, request_id="refused", tokens=5)
     work = work_for(admission, forever=True)
     with pytest.raises(RateLimitError):
         await asyncio.wait_for(admission.run(work), 5)  # not forever: the work was cancelled
     assert started_undecided == [True] and admission.reservation is None
+    await service.set_quota(T, Quota())
+    await admit(service)  # room again (no limits), and stale again:
+    await service.set_quota(T, Quota(daily_tokens=1))
+    assert service.has_room(T, 5)
+    with pytest.raises(RateLimitError):  # the refusal outranks the work's own failure
+        await Admission(service, T, request_id="both", tokens=5).run(fails)
 
 
 async def test_requests_per_minute_is_exact_and_explains_itself(make_service):
