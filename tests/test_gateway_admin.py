@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 import httpx
 import pytest
@@ -22,7 +23,7 @@ from test_gateway_support import (
 
 from gateway.errors import AuthenticationError
 from gateway.serve import skip_observed_access_lines
-from gateway.tenants import TenantStore
+from gateway.tenants import TenantStore, hash_key
 
 
 @pytest.fixture
@@ -253,6 +254,35 @@ async def test_a_key_revoked_through_another_replica_stops_within_the_cache_time
     assert (await here.authenticate(key.key)).tenant == "erin"  # its cached entry
     await asyncio.sleep(0.35)
     with pytest.raises(AuthenticationError):
+        await here.authenticate(key.key)
+
+
+async def test_a_key_in_use_is_checked_again_before_its_entry_expires(redis_client, redis_prefix):
+    """Past half of api_key_cache_s a known key is still accepted at once, and checked
+    again in the background: renewed while valid, dropped once revoked elsewhere."""
+    here = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=10.0)
+    there = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=10.0)
+    await here.create_tenant("finn")
+    key = await here.create_key("finn")
+    digest = hash_key(key.key)
+
+    def age_past_half() -> None:
+        caller, _ = here._known_keys[digest]
+        here._known_keys[digest] = (caller, time.monotonic() + 4.0)
+
+    async def rechecked() -> None:
+        await asyncio.gather(*here._rechecks.values())
+
+    await here.authenticate(key.key)
+    age_past_half()
+    assert (await here.authenticate(key.key)).tenant == "finn"
+    await rechecked()
+    assert here._known_keys[digest][1] > time.monotonic() + 9.0  # renewed
+    await there.revoke_key(key.key_id)
+    age_past_half()
+    assert (await here.authenticate(key.key)).tenant == "finn"  # not expired yet
+    await rechecked()
+    with pytest.raises(AuthenticationError):  # dropped 4 s before its entry would expire
         await here.authenticate(key.key)
 
 

@@ -99,6 +99,22 @@ async def test_directory_skips_dead_stale_and_foreign_workers(redis, redis_prefi
     assert sorted(ids(found)) == ["by-path", "live"]
 
 
+async def test_directory_reads_again_ahead_of_expiry_without_making_callers_wait(
+    redis, redis_prefix
+):
+    """Past half of cache_s a call still gets the cached list at once and starts a read in
+    the background; the next call sees its result, before the cache would have expired."""
+    d = directory(redis, redis_prefix, cache_s=2.0)
+    await register(redis, redis_prefix, make_worker("a"), ttl=30)
+    assert ids(await d.workers()) == ["a"]
+    await register(redis, redis_prefix, make_worker("b"), ttl=30)
+    d._read_at -= 1.2  # past half its life, not expired
+    assert ids(await d.workers()) == ["a"]  # cached, without waiting for Redis
+    assert d._background is not None
+    await d._background
+    assert ids(await d.workers()) == ["a", "b"]
+
+
 async def test_directory_caches_and_skips_failed_workers(redis, redis_prefix):
     d = directory(redis, redis_prefix, cache_s=60.0)
     with pytest.raises(NoWorkerError):
