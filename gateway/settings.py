@@ -83,7 +83,8 @@ class GatewaySettings(BaseSettings):
     # Workers heartbeat with this TTL; a record whose heartbeat is older is treated as dead
     # even if its key has not expired yet (a stuck worker still holding its key).
     worker_heartbeat_ttl_s: float = Field(default=10.0, gt=0)
-    # How long one read of the live-worker list is reused: keeps per-request Redis work small.
+    # How often the live-worker list is read again (in the background while it is younger
+    # than twice this): keeps per-request Redis work small.
     worker_cache_s: float = Field(default=1.0, ge=0)
     # Load bound for adapter affinity: a worker is eligible while its load (running + waiting)
     # is at most least_load * factor + slack; above it the adapter spills to the next worker.
