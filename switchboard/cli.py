@@ -132,10 +132,12 @@ def draft_distill(args: argparse.Namespace) -> int:
         num_layers=args.num_layers,
         num_prompts=args.num_prompts,
         max_tokens=args.max_tokens,
+        output_vocab=args.output_vocab,
         train_minutes=args.train_minutes,
     )
     print(
-        f"draft saved to {result.path}: {result.generated_tokens} generated tokens, "
+        f"draft saved to {result.path}: {result.output_vocab} output tokens, "
+        f"{result.generated_tokens} generated tokens, "
         f"{result.train_steps} steps, KL {result.first_loss:.3f} -> {result.final_loss:.3f}, "
         f"{result.elapsed_s / 60:.1f} min"
     )
@@ -146,9 +148,13 @@ def _draft_distill_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="target checkpoint (default: the default model)")
     parser.add_argument("--out", help="where to save the draft (default: beside the model)")
     parser.add_argument("--num-layers", type=int, default=4, help="decoder layers kept")
-    parser.add_argument("--num-prompts", type=int, default=160, help="answers to generate")
-    parser.add_argument("--max-tokens", type=int, default=160, help="tokens per answer")
-    parser.add_argument("--train-minutes", type=float, default=10.0, help="training budget")
+    parser.add_argument("--num-prompts", type=int, default=768, help="answers to generate")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per answer")
+    parser.add_argument(
+        "--output-vocab", type=int, default=8192,
+        help="tokens the draft's output layer keeps, the target's most frequent (0: all)",
+    )  # fmt: skip
+    parser.add_argument("--train-minutes", type=float, default=15.0, help="training budget")
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,10 +8,14 @@ no KV block held, in the target's pool or the draft's.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
 from factories import (
+    TINY_VOCAB,
     assert_no_block_leaks,
     drain,
     load_hf_model,
@@ -45,6 +49,20 @@ def close_draft(target, tmp_path_factory):
     return make_perturbed_checkpoint(target, tmp_path_factory.mktemp("close"), noise=0.1)
 
 
+def with_output_vocab(checkpoint, path, *, seed: int):
+    """A copy of ``checkpoint`` whose output layer keeps a random half of the tokens (as
+    `switchboard draft distill` writes it: the ids in draft_vocab.json)."""
+    shutil.copytree(checkpoint, path, dirs_exist_ok=True)
+    vocab = torch.randperm(TINY_VOCAB, generator=torch.Generator().manual_seed(seed))
+    (path / "draft_vocab.json").write_text(json.dumps(vocab[: TINY_VOCAB // 2].tolist()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def half_vocab_target(target, tmp_path_factory):
+    return with_output_vocab(target, tmp_path_factory.mktemp("half-vocab"), seed=3)
+
+
 @pytest.fixture(scope="module")
 def adapters(target, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
@@ -73,13 +91,21 @@ def speculative(target, spec: str, k: int = 4, **kwargs) -> LLM:
     return LLM(target, dtype="float32", speculative_model=spec, num_speculative_tokens=k, **kwargs)
 
 
-def proposer_path(name: str, target, other_draft) -> str:
-    return {"ngram": "ngram", "draft-disagrees": str(other_draft), "draft-is-target": str(target)}[
-        name
-    ]
+def proposer_path(name: str, target, other_draft, half_vocab_target=None) -> str:
+    return {
+        "ngram": "ngram",
+        "draft-disagrees": str(other_draft),
+        "draft-is-target": str(target),
+        "draft-is-target-on-half-the-vocabulary": str(half_vocab_target),
+    }[name]
 
 
-PROPOSERS = ["ngram", "draft-disagrees", "draft-is-target"]
+PROPOSERS = [
+    "ngram",
+    "draft-disagrees",
+    "draft-is-target",
+    "draft-is-target-on-half-the-vocabulary",
+]
 VARIANTS = {
     "default": {},
     "block-size-4-chunked": {"block_size": 4, "max_num_batched_tokens": 19},
@@ -90,11 +116,12 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("proposer", PROPOSERS)
 def test_greedy_tokens_are_identical_with_and_without_speculation(
-    target, other_draft, proposer, variant
+    target, other_draft, half_vocab_target, proposer, variant
 ):
     prompts = copying_prompts(3, seed=1) + random_prompts(3, min_len=1, max_len=30, seed=2)
     expected = LLM(target, dtype="float32").generate(prompts, greedy())
-    llm = speculative(target, proposer_path(proposer, target, other_draft), **VARIANTS[variant])
+    path = proposer_path(proposer, target, other_draft, half_vocab_target)
+    llm = speculative(target, path, **VARIANTS[variant])
     outputs = llm.generate(prompts, greedy())
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     stats = llm.engine.spec_decode_stats
@@ -104,6 +131,8 @@ def test_greedy_tokens_are_identical_with_and_without_speculation(
         assert stats.mean_accepted_length > 3
     if proposer == "draft-disagrees":
         assert stats.acceptance_rate < 0.5
+    if proposer == "draft-is-target-on-half-the-vocabulary":
+        assert 0.0 < stats.acceptance_rate < 1.0  # right only where the target's token is kept
     if variant == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
     assert_no_block_leaks(llm.engine)
@@ -250,17 +279,24 @@ def exact_joint(target, prompt, *, temperature, top_k, repetition_penalty):
     return joint
 
 
-def test_sampled_sequences_follow_the_target_distribution(target, close_draft):
+@pytest.mark.parametrize("vocabulary", ["whole", "half"])
+def test_sampled_sequences_follow_the_target_distribution(
+    target, close_draft, vocabulary, tmp_path
+):
     """Three sampled tokens (top-k 3, temperature, repetition penalty): the joint law of
     4,000 speculative samples is within sampling noise of the exact target law. The draft
-    is close to the target, so both accepted drafts and corrections occur. (Prompt lookup's
-    one-hot proposals are checked in tests/test_rejection_sampler.py.)"""
+    is close to the target, so both accepted drafts and corrections occur; with half the
+    vocabulary it never proposes the other half, which only corrections then supply.
+    (Prompt lookup's one-hot proposals are checked in tests/test_rejection_sampler.py.)"""
     prompt = [7, 8, 9, 129, 38, 163, 119, 119, 119, 75, 18, 14]
     settings = {"temperature": 1.5, "top_k": 3, "repetition_penalty": 1.2}
     joint = exact_joint(target, prompt, **settings)
+    draft = (
+        close_draft if vocabulary == "whole" else with_output_vocab(close_draft, tmp_path, seed=4)
+    )
     llm = speculative(
         target,
-        str(close_draft),
+        str(draft),
         k=2,
         max_num_seqs=512,
         speculative_max_batch_size=10_000,
@@ -460,6 +496,41 @@ def test_a_draft_models_cost_is_its_weights_over_the_targets(target, other_draft
     )
     assert 0 < ratio < 1
     assert llm.engine.speculator.policy.draft_cost == pytest.approx(ratio)
+
+
+def test_a_cut_down_output_layer_gives_the_full_layers_logits_where_it_keeps_tokens(
+    target, half_vocab_target
+):
+    """Logits of a draft with draft_vocab.json: transformers' own at the kept tokens, -inf
+    at the rest; its cost counts the kept rows of the output layer only."""
+    from transformers import AutoModelForCausalLM
+
+    from worker.spec_decode.draft import read_output_vocab
+
+    kept = read_output_vocab(half_vocab_target)
+    llm = LLM(target, dtype="float32", speculative_model=str(half_vocab_target))
+    draft = llm.engine.speculator.proposer.model
+    hidden_size = draft.config.hidden_size
+    hidden = torch.randn(3, hidden_size, generator=torch.Generator().manual_seed(6))
+    hf = load_hf_model(target)  # the reference: its own final norm and (tied) output layer
+    with torch.no_grad():
+        expected = hf.lm_head(hf.model.norm(hidden))
+        ours = draft.compute_logits(hidden)
+    dropped = torch.ones(TINY_VOCAB, dtype=torch.bool)
+    dropped[kept] = False
+    assert ours.shape == (3, TINY_VOCAB) and torch.isneginf(ours[:, dropped]).all()
+    torch.testing.assert_close(ours[:, kept], expected[:, kept], atol=1e-4, rtol=1e-4)
+    params = AutoModelForCausalLM.from_pretrained(target).num_parameters()
+    cut = params - (TINY_VOCAB - len(kept)) * hidden_size
+    assert llm.engine.speculator.policy.draft_cost == pytest.approx(cut / params)
+
+
+def test_a_malformed_output_vocabulary_is_refused(target, tmp_path):
+    draft = with_output_vocab(target, tmp_path / "draft", seed=5)
+    for bad in ([], [1, 1], [TINY_VOCAB], "12", [1.5]):
+        (draft / "draft_vocab.json").write_text(json.dumps(bad))
+        with pytest.raises(SpeculativeConfigError, match="distinct token ids below"):
+            LLMEngine(target, dtype="float32", speculative_model=draft)
 
 
 def test_step_curve_prices_drafts_from_the_rows_they_add():

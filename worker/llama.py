@@ -38,8 +38,17 @@ class LayerWeights:
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
-        """``weights`` on the device the model runs on (``kernels.linear`` packs on CPU)."""
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        output_token_ids: torch.Tensor | None = None,
+    ):
+        """``weights`` on the device the model runs on (``kernels.linear`` packs on CPU).
+
+        ``output_token_ids``: compute logits for these tokens only, the rest -inf (a draft
+        model's cut-down output layer: for a small model the full one is most of a step)."""
         self.config = config
         self.dtype = dtype
         self.device = weights["model.embed_tokens.weight"].device
@@ -52,25 +61,35 @@ class LlamaModel:
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
         if head not in weights:
             raise ModelLoadError(f"the checkpoint has no {head} (tie_word_embeddings is False)")
-        self.lm_head = Linear(weights[head])
+        self.output_token_ids = output_token_ids
+        head_weight = weights[head]
+        if output_token_ids is not None:
+            self.output_token_ids = output_token_ids.to(self.device)
+            head_weight = head_weight[self.output_token_ids].contiguous()
+        self.lm_head = Linear(head_weight)
         self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
-        # What one decode step reads (all but the embedding table, which is only gathered
-        # from): a small batch's step time on CPU goes with it.
-        self.decode_weight_bytes = sum(
+        # What one decode step reads (the embedding table is only gathered from): a small
+        # batch's step time on CPU goes with it.
+        self.decode_weight_bytes = head_weight.numel() * head_weight.element_size() + sum(
             t.numel() * t.element_size()
             for name, t in weights.items()
-            if name != "model.embed_tokens.weight" or c.tie_word_embeddings
+            if name not in ("model.embed_tokens.weight", "lm_head.weight")
         )
         rope = RopeTables.build(c.head_dim, c.rope, c.max_position_embeddings, dtype)
         self.rope = rope.to(self.device)
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu"
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        output_token_ids: torch.Tensor | None = None,
     ) -> LlamaModel:
         config = ModelConfig.from_pretrained(path)
         weights = {k: v.to(device) for k, v in load_safetensors(Path(path), dtype).items()}
-        return cls(config, weights, dtype)
+        return cls(config, weights, dtype, output_token_ids)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -133,7 +152,11 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] fp32, for the rows that sample only."""
         x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if self.output_token_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.output_token_ids, logits)
 
 
 class _LayerLora:

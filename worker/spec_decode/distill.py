@@ -1,15 +1,18 @@
 """A draft model for speculative decoding, distilled from its target on this CPU.
 
-The draft keeps the target's tokenizer, embeddings, final norm and (tied) output head,
-and a few of its decoder layers, evenly spaced (DistilBERT's initialization, Sanh et al.
-2019). It is trained to match the target's next-token distributions (KL divergence, Hinton
-et al. 2015) on text the target itself generates from a built-in set of instructions, so
-it learns to predict what the target will say (as in DistillSpec, Zhou et al. 2024).
-Embeddings and head stay frozen: they are most of the parameters, and already right.
+The draft keeps the target's tokenizer, embeddings and final norm, a few of its decoder
+layers, evenly spaced (DistilBERT's initialization, Sanh et al. 2019), and an output layer
+cut down to the tokens the target says most (`OUTPUT_VOCAB_FILE` lists them; 8,192 cover
+~93% of the default model's chat answers): for a small target the full 49,152-row output
+layer would be most of the draft's cost. It is trained to match the target's next-token
+distributions over those tokens (KL divergence, Hinton et al. 2015) on text the target
+itself generates from a built-in set of instructions, so it learns to predict what the
+target will say (as in DistillSpec, Zhou et al. 2024). The embeddings stay frozen.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 
 from switchboard.home import switchboard_home
 from worker.placement import resolve_dtype
+from worker.spec_decode.draft import OUTPUT_VOCAB_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,12 @@ TEMPLATES = [
     "Give me a list of tips related to {}.",
     "Summarize the following in two sentences: {} is a topic many people find interesting, "
     "and it has a long history with many surprising details.",
+    "Explain {} in simple terms.",
+    "Write a short story involving {}.",
+    "What should a beginner know about {}?",
+    "Why does {} matter?",
+    "Describe {} step by step.",
+    "Give three interesting facts about {}.",
 ]
 
 
@@ -76,6 +86,7 @@ class DistillResult:
     first_loss: float  # KL(target || draft) of the first batch, before any update
     final_loss: float
     elapsed_s: float
+    output_vocab: int  # tokens the draft's output layer covers
 
 
 def default_draft_path(home: Path | None = None) -> Path:
@@ -84,13 +95,16 @@ def default_draft_path(home: Path | None = None) -> Path:
 
 
 def generate_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: int) -> list[int]:
-    """Prompts and the target's own sampled answers, EOS-separated, as one token stream."""
+    """Instructions and the target's own answers, EOS-separated, as one token stream: each
+    instruction answered twice, greedily and sampled (the draft serves either kind)."""
     from worker import LLM, SamplingParams
 
     llm = LLM(target, dtype="auto", max_num_seqs=64)
     tokenizer = llm.tokenizer
     messages = [
-        TEMPLATES[i % len(TEMPLATES)].format(TOPICS[(i // len(TEMPLATES)) % len(TOPICS)])
+        TEMPLATES[(i // 2) % len(TEMPLATES)].format(
+            TOPICS[(i // 2 // len(TEMPLATES)) % len(TOPICS)]
+        )
         for i in range(num_prompts)
     ]
     texts = [
@@ -99,9 +113,8 @@ def generate_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: in
         )
         for m in messages
     ]
-    # Greedy and sampled answers both: the draft serves either kind of request.
     params = [
-        SamplingParams(temperature=0.0 if i % 2 else 0.7, max_tokens=max_tokens, seed=seed + i)
+        SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, max_tokens=max_tokens, seed=seed + i)
         for i in range(num_prompts)
     ]
     stream: list[int] = []
@@ -111,14 +124,25 @@ def generate_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: in
     return stream
 
 
+def most_frequent_tokens(
+    stream: list[int], *, size: int, vocab_size: int, eos: int
+) -> torch.Tensor:
+    """The ``size`` tokens that occur most in ``stream`` (EOS always), sorted by id."""
+    counts = torch.bincount(torch.tensor(stream), minlength=vocab_size)
+    counts[eos] = counts.max() + 1
+    return torch.argsort(counts, descending=True, stable=True)[:size].sort().values
+
+
 def build_draft(target_model, num_layers: int):
-    """A ``num_layers``-layer copy of the target: evenly spaced layers, shared head."""
+    """A ``num_layers``-layer copy of the target (evenly spaced layers) whose output layer
+    is its own tensor (a copy of the target's, trained apart from the embeddings)."""
     from transformers import AutoModelForCausalLM
 
     config = target_model.config.__class__.from_dict(target_model.config.to_dict())
     total = config.num_hidden_layers
     picked = [round(i * (total - 1) / max(1, num_layers - 1)) for i in range(num_layers)]
     config.num_hidden_layers = num_layers
+    config.tie_word_embeddings = False
     if hasattr(config, "layer_types") and config.layer_types is not None:
         config.layer_types = [config.layer_types[i] for i in picked]
     draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -129,6 +153,8 @@ def build_draft(target_model, num_layers: int):
             index = int(name.split(".")[2])
             rest = name.split(".", 3)[3]
             state[name] = source[f"model.layers.{picked[index]}.{rest}"]
+        elif name == "lm_head.weight":
+            state[name] = source.get(name, source["model.embed_tokens.weight"]).clone()
         else:
             state[name] = source[name]
     draft.load_state_dict(state)
@@ -140,15 +166,19 @@ def distill(
     out: Path,
     *,
     num_layers: int = 4,
-    num_prompts: int = 160,
-    max_tokens: int = 160,
+    num_prompts: int = 768,
+    max_tokens: int = 256,
+    output_vocab: int = 8192,
     seq_len: int = 256,
-    batch_size: int = 4,
-    lr: float = 3e-4,
-    train_minutes: float = 10.0,
+    batch_size: int = 8,
+    lr: float = 1e-3,
+    epochs: int = 4,
+    train_minutes: float = 15.0,
     seed: int = 0,
 ) -> DistillResult:
-    """Generate, initialize, train for ``train_minutes`` (or 4 epochs), save to ``out``."""
+    """Generate, initialize, train for ``train_minutes`` (or ``epochs``), save to ``out``.
+
+    ``output_vocab``: how many tokens the draft's output layer keeps (0: all)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.monotonic()
@@ -157,27 +187,49 @@ def distill(
     logger.info("generated %d tokens in %.0f s", len(stream), time.monotonic() - start)
     teacher = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     draft, picked = build_draft(teacher, num_layers)
-    # The teacher only runs forward: in bf16 where the CPU computes it natively (AMX is fast).
-    teacher = teacher.to(resolve_dtype("auto"))
+    vocab_size = teacher.config.vocab_size
+    keep = None
+    if 0 < output_vocab < vocab_size:
+        eos = AutoTokenizer.from_pretrained(target).eos_token_id
+        keep = most_frequent_tokens(stream, size=output_vocab, vocab_size=vocab_size, eos=eos)
+    # The teacher only runs forward: in bf16 where the CPU computes it natively.
+    compute_dtype = resolve_dtype("auto")
+    teacher = teacher.to(compute_dtype)
+    teacher_head = teacher.lm_head.weight.detach()
+    if keep is not None:
+        teacher_head = teacher_head[keep]
     logger.info("draft layers %s of the target's %d", picked, teacher.config.num_hidden_layers)
     for name, param in draft.named_parameters():
         param.requires_grad = name.startswith("model.layers.") or name == "model.norm.weight"
-    trainable = [p for p in draft.parameters() if p.requires_grad]
+    rows = keep if keep is not None else slice(None)
+    head = torch.nn.Parameter(draft.lm_head.weight.detach()[rows].clone())
+    trainable = [p for p in draft.parameters() if p.requires_grad] + [head]
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     chunks = torch.tensor(stream[: len(stream) // seq_len * seq_len]).view(-1, seq_len)
-    max_steps = 4 * math.ceil(len(chunks) / batch_size)
-    deadline = time.monotonic() + train_minutes * 60
+    max_steps = epochs * math.ceil(len(chunks) / batch_size)
+    budget_s = train_minutes * 60
+    train_start = time.monotonic()
     step, loss_value, first_loss = 0, float("nan"), float("nan")
+    autocast = torch.autocast("cpu", dtype=compute_dtype, enabled=compute_dtype != torch.float32)
     draft.train()
-    while step < max_steps and time.monotonic() < deadline:
+    while step < max_steps and time.monotonic() - train_start < budget_s:
         order = torch.randperm(len(chunks))
         for i in range(0, len(order), batch_size):
-            if step >= max_steps or time.monotonic() >= deadline:
+            elapsed = time.monotonic() - train_start
+            if step >= max_steps or elapsed >= budget_s:
                 break
+            # Warm up, then a cosine decay over whichever runs out first, time or steps.
+            progress = max(elapsed / budget_s, step / max_steps)
+            for group in optimizer.param_groups:
+                warmup = min(1.0, (step + 1) / 20)
+                group["lr"] = lr * warmup * 0.5 * (1 + math.cos(math.pi * progress))
             batch = chunks[order[i : i + batch_size]]  # [batch, seq_len]
             with torch.no_grad():
-                target_logp = F.log_softmax(teacher(batch).logits.float(), dim=-1)
-            draft_logp = F.log_softmax(draft(batch).logits, dim=-1)  # [batch, seq, vocab]
+                hidden = teacher.model(batch).last_hidden_state
+                target_logp = F.log_softmax((hidden @ teacher_head.T).float(), dim=-1)
+            with autocast:
+                logits = draft.model(batch).last_hidden_state @ head.T
+            draft_logp = F.log_softmax(logits.float(), dim=-1)  # [batch, seq, kept vocab]
             loss = F.kl_div(
                 draft_logp.flatten(0, 1),
                 target_logp.flatten(0, 1),
@@ -194,8 +246,16 @@ def distill(
                 first_loss = loss_value
             if step % 10 == 0:
                 logger.info("step %d: KL %.3f", step, loss_value)
+    with torch.no_grad():
+        draft.lm_head.weight[rows] = head
     out.mkdir(parents=True, exist_ok=True)
     draft.eval().save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(target).save_pretrained(out)
+    vocab_file = out / OUTPUT_VOCAB_FILE
+    if keep is not None:
+        vocab_file.write_text(json.dumps(keep.tolist()))
+    else:
+        vocab_file.unlink(missing_ok=True)
     elapsed = time.monotonic() - start
-    return DistillResult(out, len(stream), step, first_loss, loss_value, elapsed)
+    kept = len(keep) if keep is not None else vocab_size
+    return DistillResult(out, len(stream), step, first_loss, loss_value, elapsed, kept)

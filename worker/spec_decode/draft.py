@@ -8,6 +8,7 @@ speculating sequences batched in one forward pass per token.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +25,35 @@ from worker.spec_decode import distributions as dist
 from worker.spec_decode.proposal import Proposal
 from worker.spec_decode.rejection_sampler import draw
 
+# Beside a draft checkpoint: the token ids its output layer covers (`distill` writes it).
+OUTPUT_VOCAB_FILE = "draft_vocab.json"
+
 
 class VocabularyMismatchError(SpeculativeConfigError):
     """The draft model does not share the target's vocabulary."""
+
+
+def read_output_vocab(path: str | Path) -> torch.Tensor | None:
+    """The token ids a draft proposes from (`OUTPUT_VOCAB_FILE`), or None: all of them.
+
+    A draft that never proposes a token keeps speculation exact: the rejection sampler
+    treats its probability as 0, and the target's residual distribution covers it."""
+    file = Path(path) / OUTPUT_VOCAB_FILE
+    if not file.exists():
+        return None
+    config = json.loads((Path(path) / "config.json").read_text())
+    ids = json.loads(file.read_text())
+    vocab = config.get("vocab_size", 0)
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(i, int) and 0 <= i < vocab for i in ids)
+        or len(set(ids)) != len(ids)
+    ):
+        raise SpeculativeConfigError(
+            f"{file} must be a list of distinct token ids below the vocabulary size {vocab}"
+        )
+    return torch.tensor(sorted(ids), dtype=torch.long)
 
 
 @dataclass(slots=True)
@@ -47,7 +74,9 @@ class DraftProposer:
         target_vocab_size: int,
         target_tokenizer=None,
     ) -> None:
-        self.model = LlamaModel.from_pretrained(path, dtype=dtype, device=device)
+        self.model = LlamaModel.from_pretrained(
+            path, dtype=dtype, device=device, output_token_ids=read_output_vocab(path)
+        )
         check_vocabulary(path, self.model.config.vocab_size, target_vocab_size, target_tokenizer)
         self.block_manager = BlockManager(
             num_blocks=num_blocks, block_size=block_size, enable_caching=False
