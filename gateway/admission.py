@@ -1,7 +1,7 @@
 """A request's quota decision, taken before its worker call or beside it.
 
 Beside it when this gateway's last decision for the tenant left room for the request
-(`QuotaService.has_room`): the decision's Redis round trip (~0.5 ms at idle, 2-5 ms on a
+(`QuotaService.take_room`): the decision's Redis round trip (~0.5 ms at idle, 2-5 ms on a
 loaded machine, measured with ``bench.serve``'s load D) then runs while the worker
 prefills instead of adding to the time to first token. The decision is the same atomic
 script either way, so limits hold exactly: a request it refuses is cancelled before its
@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from gateway.interrupts import Interrupt
 from gateway.quotas import QuotaService, Reservation
 from gateway.worker_client import WorkerStream
 
@@ -45,42 +46,29 @@ class Admission:
         decision, or at once beside it when the tenant had room. A refusal (or a failed
         decision) undoes the work and raises; it outranks the work's own failure, as it
         would have had it come first."""
-        if not self.quotas.has_room(self.tenant, self.tokens):
+        if not self.quotas.take_room(self.tenant, self.tokens):
             await self.admit()
             return await make_work()
         # The decision on a task of its own, the work on the caller's, so the caller resumes
         # straight from the worker's answer (a task hop more costs ~0.3 ms under load); a
-        # refusal cancels the caller's await (as `serving.until_disconnect` does).
-        current = asyncio.current_task()
-        assert current is not None
-        working, refused = True, False
-
-        def on_decided(decision: asyncio.Future) -> None:
-            nonlocal refused
-            if working and not decision.cancelled() and decision.exception() is not None:
-                refused = True
-                current.cancel()
-
+        # refusal interrupts the caller's await.
         deciding = asyncio.ensure_future(self.admit())
-        deciding.add_done_callback(on_decided)
+        refusal = Interrupt(deciding, lambda decision: decision.exception() is not None)
         try:
-            result = await make_work()
+            with refusal:
+                result = await make_work()
         except asyncio.CancelledError:
-            working = False
-            if refused:
-                current.uncancel()
+            if refusal.fired:
                 raise deciding.exception() from None
             with contextlib.suppress(Exception):  # the client left: the decision still lands,
                 await deciding  # and an admitted request's reservation is then settled
             raise
         except Exception as failure:
-            working = False
             try:
                 await deciding
-            except Exception as refusal:
-                raise refusal from failure
+            except Exception as refused:
+                raise refused from failure
             raise
-        working = False
         try:
             await deciding
         except BaseException:

@@ -145,13 +145,11 @@ class QuotaService:
         except redis.exceptions.RedisError as exc:
             return self._redis_failed(exc, tenant=tenant, request_id=request_id, day=day)
         decision = Decision.from_reply(reply, tokens=tokens)
-        if decision.admitted:
-            self._room[tenant] = decision.room()
-        else:
-            self._room.pop(tenant, None)
         if not decision.admitted:
+            self._room.pop(tenant, None)
             metrics.QUOTA_REJECTIONS.labels(tenant=tenant, reason=decision.reason).inc()
             raise decision.error(tenant)
+        self._room[tenant] = decision.room()
         reservation = Reservation(
             tenant=tenant,
             request_id=request_id,
@@ -165,9 +163,9 @@ class QuotaService:
             reservation.renewal = asyncio.create_task(self._keep_leased(reservation))
         return reservation
 
-    def has_room(self, tenant: str, tokens: int) -> bool:
+    def take_room(self, tenant: str, tokens: int) -> bool:
         """Whether this gateway's last decision for ``tenant`` admitted it and left room for
-        one more request of ``tokens`` (counting it against that room). A hint only, for
+        one more request of ``tokens``; if so, that room shrinks by it. A hint only, for
         starting work beside the decision (`gateway.admission`): other gateways and ended
         requests change the truth, which only `admit` tells."""
         room = self._room.get(tenant)

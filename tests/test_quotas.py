@@ -59,26 +59,26 @@ async def settle(service, reservation, used, model="base"):
 
 
 async def test_room_is_what_the_last_admission_left(make_service):
-    """`has_room`, the hint for deciding beside the worker call: only after an admission,
+    """`take_room`, the hint for deciding beside the worker call: only after an admission,
     only while what it left covers the request, and never after a refusal."""
     service = make_service()
-    assert not service.has_room(T, 10)  # never decided here
+    assert not service.take_room(T, 10)  # never decided here
     await admit(service, tokens=10)
-    assert all(service.has_room(T, 10**9) for _ in range(100))  # no limits
+    assert all(service.take_room(T, 10**9) for _ in range(100))  # no limits
     await service.set_quota(T, Quota(requests_per_minute=3, tokens_per_minute=100))
     await admit(service, tokens=10)  # 2 requests and 90 tokens left
-    assert not service.has_room(T, 91)
-    assert service.has_room(T, 45)  # counted: 1 request and 45 tokens left
-    assert not service.has_room(T, 46)
-    assert service.has_room(T, 45)
-    assert not service.has_room(T, 1)  # no request left
+    assert not service.take_room(T, 91)
+    assert service.take_room(T, 45)  # counted: 1 request and 45 tokens left
+    assert not service.take_room(T, 46)
+    assert service.take_room(T, 45)
+    assert not service.take_room(T, 1)  # no request left
     await service.set_quota(T, Quota(max_concurrent_requests=1))
     reservation = await admit(service)
-    assert not service.has_room(T, 1)  # its one slot is taken
+    assert not service.take_room(T, 1)  # its one slot is taken
     with pytest.raises(RateLimitError):
         await admit(service)
     await settle(service, reservation, 1)
-    assert not service.has_room(T, 1)  # refused last: decided first until admitted again
+    assert not service.take_room(T, 1)  # refused last: decided first until admitted again
 
 
 async def test_admission_runs_work_beside_the_decision_only_with_room(make_service):
@@ -122,7 +122,7 @@ async def test_admission_runs_work_beside_the_decision_only_with_room(make_servi
     await service.set_quota(T, Quota())
     await admit(service)  # room again (no limits), and stale again:
     await service.set_quota(T, Quota(daily_tokens=1))
-    assert service.has_room(T, 5)
+    assert service.take_room(T, 5)
     with pytest.raises(RateLimitError):  # the refusal outranks the work's own failure
         await Admission(service, T, request_id="both", tokens=5).run(fails)
 
