@@ -7,7 +7,9 @@ and peft serving the adapters the way people do today (one adapter at a time, ea
 static batch through ``generate``), on a seeded subset. Also: one request alone on one
 adapter (batch 1) against the base model, and cold load of an adapter from disk to usable
 (validated, in the host cache and in a device slot), p50 over the adapters.
-Usage: ``python -m bench.lora [--adapters 1,8,32,128] [--out results.json]``.
+Usage: ``python -m bench.lora [--adapters 1,8,32,128] [--out results.json]``; on a GPU,
+``--device cuda``, and ``--random-weights`` where only the model's config.json is at hand
+(the speed of a forward pass does not depend on the weights' values).
 """
 
 from __future__ import annotations
@@ -79,6 +81,17 @@ def make_adapters(model_path: Path, root: Path, count: int, seed: int = 0) -> li
     return paths
 
 
+def random_weights_like(model_path: Path, out: Path) -> Path:
+    """A checkpoint of ``model_path``'s config with random weights, saved as safetensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (out / "config.json").exists():
+        config = AutoConfig.from_pretrained(model_path)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def assign(num_requests: int, distinct: int, popularity: str, seed: int = 0) -> list[int]:
     rng = np.random.default_rng(seed)
     if popularity == "uniform":
@@ -126,6 +139,7 @@ def run_peft(
     picks: list[int],
     subset: int,
     dtype: torch.dtype,
+    device: torch.device,
 ) -> LoraRun:
     """peft as commonly deployed: group requests by adapter, one static batch per group."""
     from peft import PeftModel
@@ -143,12 +157,12 @@ def run_peft(
     for k in groups:
         if k != first:
             model.load_adapter(paths[k], adapter_name=names[k])
-    model.eval()
+    model.to(device).eval()
     start = time.monotonic()
     tokens = 0
     for k, rows in groups.items():
         model.set_adapter(names[k])
-        ids = torch.tensor([requests[i].prompt_token_ids for i in rows])
+        ids = torch.tensor([requests[i].prompt_token_ids for i in rows], device=device)
         new = requests[rows[0]].output_len
         config = GenerationConfig(
             max_new_tokens=new,
@@ -188,6 +202,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto", help="auto: as the engine chooses")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="random weights in the model's shape (only its config.json is read)",
+    )
     parser.add_argument("--adapters", default="1,8,32,128")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-loras", type=int, default=32)
@@ -206,15 +226,30 @@ def main(argv: list[str] | None = None) -> dict:
     from worker.default_model import resolve_model_path
 
     model_path = resolve_model_path(args.model)
+    if args.random_weights:
+        model_path = random_weights_like(model_path, Path(args.workdir) / "random-weights")
     counts = [int(c) for c in args.adapters.split(",")]
     paths = make_adapters(model_path, Path(args.workdir), max(counts))
-    engine = LLMEngine(model_path, dtype=args.dtype, max_loras=args.max_loras, max_lora_rank=16)
+    engine = LLMEngine(
+        model_path,
+        dtype=args.dtype,
+        device=args.device,
+        max_loras=args.max_loras,
+        max_lora_rank=16,
+        max_num_seqs=max(128, args.requests),
+    )
     for i, path in enumerate(paths):
         engine.load_adapter(f"adapter-{i}", path)
     dtype = str(engine.model.dtype).removeprefix("torch.")
-    report: dict = {"model": str(model_path), "dtype": dtype, "max_loras": args.max_loras}
+    report: dict = {
+        "model": str(model_path),
+        "dtype": dtype,
+        "device": str(engine.device),
+        "max_loras": args.max_loras,
+    }
     warm = fixed_lengths(4, prompt_len=16, output_len=8, vocab=engine.config.vocab_size, seed=9)
-    run_engine(engine, warm, ["adapter-0", None, "adapter-1", None], "warmup")
+    second = f"adapter-{min(1, len(paths) - 1)}"
+    run_engine(engine, warm, ["adapter-0", None, second, None], "warmup")
     runs = []
     for count in counts:
         num_requests = max(args.requests, count)
@@ -242,6 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
                 assign(num_requests, count, "uniform"),
                 args.peft_subset,
                 engine.model.dtype,  # the same precision as the engine's
+                engine.device,
             )
             runs.append(peft)
             print(json.dumps(asdict(peft)))

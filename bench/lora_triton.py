@@ -1,0 +1,170 @@
+"""On a CUDA GPU: the Triton multi-LoRA kernels against torch, and against the projection
+they ride on.
+
+Per shape, rank, token count and number of adapters in the batch, ``y += scale * x @ A.T @
+B.T`` with each token's own adapter, bf16 activations and stacks:
+
+- ``triton``: ``kernels.lora.add_lora`` as the engine calls it (BGMV when every token is a
+  decode, SGMV over runs of one adapter otherwise);
+- ``torch``: what a plain-torch server does: for decodes, gather each token's A and B and
+  two batched matmuls; for prefill, a matmul pair per run of one adapter;
+- ``base``: ``F.linear(x, W)``, the projection itself (cuBLAS), for scale: LoRA's cost is
+  reported as a fraction of it.
+
+Each method is checked against the fp32 reference of ``kernels/lora_reference.py`` before
+it is timed (``triton.testing.do_bench``, median). Decode batches draw each token's
+adapter at random; prefill batches are runs of equal length, one per adapter.
+Usage: ``python -m bench.lora_triton [--out FILE]`` (needs CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from bench.report import write_report
+from kernels import lora_reference as ref
+from kernels.lora import LoraMapping, add_lora
+
+# (in, out): the default model's up and down projections, then a 7B model's q and up.
+SHAPES = ((576, 1536), (1536, 576), (4096, 4096), (4096, 11008))
+RANKS = (16, 64)
+DECODE_TOKENS = (1, 32, 128)
+PREFILL_TOKENS = (512, 2048)
+ADAPTERS = (1, 32)
+
+
+@dataclass
+class KernelRun:
+    in_features: int
+    out_features: int
+    rank: int
+    tokens: int
+    adapters: int
+    phase: str  # decode (BGMV) or prefill (SGMV)
+    base_us: float
+    triton_us: float
+    torch_us: float
+    triton_max_err: float  # relative to the reference's largest delta
+    torch_max_err: float
+
+    @property
+    def triton_over_base(self) -> float:
+        return self.triton_us / self.base_us
+
+
+def token_slots(tokens: int, adapters: int, phase: str, gen: torch.Generator) -> torch.Tensor:
+    if phase == "decode":
+        return torch.randint(0, adapters, (tokens,), generator=gen)
+    per_run = max(1, tokens // adapters)
+    return torch.arange(tokens) // per_run % adapters
+
+
+def torch_lora(y, x, a_stack, b_stack, scales, slots_cpu: torch.Tensor, phase: str) -> None:
+    """The plain-torch way, in the model's dtype."""
+    if phase == "decode":
+        slots = slots_cpu.to(x.device)
+        h = torch.bmm(x[:, None, :], a_stack[slots].transpose(1, 2))  # [T, 1, R]
+        delta = torch.bmm(h, b_stack[slots].transpose(1, 2))[:, 0]  # [T, out]
+        y += delta * scales[slots][:, None].to(y.dtype)
+        return
+    run_slots, run_lens = torch.unique_consecutive(slots_cpu, return_counts=True)
+    start = 0
+    for slot, length in zip(run_slots.tolist(), run_lens.tolist(), strict=True):
+        rows = slice(start, start + length)
+        y[rows] += (x[rows] @ a_stack[slot].T @ b_stack[slot].T) * scales[slot].item()
+        start += length
+
+
+def reference_delta(x, a_stack, b_stack, scales, slots: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros(x.shape[0], b_stack.shape[1], dtype=torch.float32, device=x.device)
+    h = ref.bgmv_shrink(x.float(), a_stack.float(), slots)
+    ref.bgmv_expand(y, h, b_stack.float(), slots, scales)
+    return y
+
+
+def measure(
+    in_f: int, out_f: int, rank: int, tokens: int, adapters: int, phase: str, dev: str = "cuda"
+) -> KernelRun:
+    from triton.testing import do_bench
+
+    gen = torch.Generator().manual_seed(tokens * 7 + adapters)
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter's bf16 is off
+    x = (torch.randn(tokens, in_f, generator=gen)).to(dev, dt)
+    weight = (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dev, dt)
+    a_stack = (torch.randn(adapters, rank, in_f, generator=gen) / in_f**0.5).to(dev, dt)
+    b_stack = (torch.randn(adapters, out_f, rank, generator=gen) / rank**0.5).to(dev, dt)
+    scales = torch.full((adapters,), 2.0, device=dev)
+    slots_cpu = token_slots(tokens, adapters, phase, gen)
+    mapping = LoraMapping.build(slots_cpu, device=dev, all_decode=phase == "decode")
+    expected = reference_delta(x, a_stack, b_stack, scales, slots_cpu.to(dev))
+    peak = expected.abs().max().item()
+
+    def error(fn) -> float:
+        y = torch.zeros(tokens, out_f, dtype=dt, device=dev)
+        fn(y)
+        return (y.float() - expected).abs().max().item() / peak
+
+    def run_triton(y):
+        add_lora(y, x, a_stack, b_stack, scales, mapping)
+
+    def run_torch(y):
+        torch_lora(y, x, a_stack, b_stack, scales, slots_cpu, phase)
+
+    out = torch.zeros(tokens, out_f, dtype=dt, device=dev)
+    errors = (error(run_triton), error(run_torch))
+
+    def bench(fn) -> float:
+        return do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+
+    return KernelRun(
+        in_f,
+        out_f,
+        rank,
+        tokens,
+        adapters,
+        phase,
+        base_us=bench(lambda: F.linear(x, weight)),
+        triton_us=bench(lambda: run_triton(out)),
+        torch_us=bench(lambda: run_torch(out)),
+        triton_max_err=errors[0],
+        torch_max_err=errors[1],
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="bench/results/lora_triton.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.lora_triton needs a CUDA device")
+    runs = []
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
+    print("in->out rank tokens adapters phase | base us | triton us (x base) | torch us | errs")
+    for in_f, out_f in SHAPES:
+        for rank in RANKS:
+            for phase, counts in (("decode", DECODE_TOKENS), ("prefill", PREFILL_TOKENS)):
+                for tokens in counts:
+                    for adapters in ADAPTERS:
+                        run = measure(in_f, out_f, rank, tokens, adapters, phase)
+                        runs.append(run)
+                        print(
+                            f"{in_f}->{out_f} r{rank} T{tokens} a{adapters} {phase} | "
+                            f"{run.base_us:.1f} | {run.triton_us:.1f} "
+                            f"({run.triton_over_base:.2f}) | {run.torch_us:.1f} | "
+                            f"{run.triton_max_err:.1e} {run.torch_max_err:.1e}",
+                            flush=True,
+                        )
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "runs": [asdict(r) | {"triton_over_base": r.triton_over_base} for r in runs],
+    }
+    return write_report(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
