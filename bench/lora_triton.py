@@ -9,7 +9,9 @@ B.T`` with each token's own adapter, bf16 activations and stacks:
 - ``torch``: what a plain-torch server does: for decodes, gather each token's A and B and
   two batched matmuls; for prefill, a matmul pair per run of one adapter;
 - ``base``: ``F.linear(x, W)``, the projection itself (cuBLAS), for scale: LoRA's cost is
-  reported as a fraction of it.
+  reported as a multiple of it;
+- on decode batches, BGMV with other program sizes (``BgmvBlocks``; ``triton`` uses the
+  GPU default) and SGMV over the batch's runs of one adapter, to choose from.
 
 Each method is checked against the fp32 reference of ``kernels/lora_reference.py`` before
 it is timed (``triton.testing.do_bench``, median). Decode batches draw each token's
@@ -27,7 +29,9 @@ import torch.nn.functional as F
 
 from bench.report import write_report
 from kernels import lora_reference as ref
+from kernels import lora_triton as tri
 from kernels.lora import LoraMapping, add_lora
+from kernels.lora_triton import GPU_BGMV, INTERPRETER_BGMV, MIN_DOT, BgmvBlocks
 
 # (in, out): the default model's up and down projections, then a 7B model's q and up.
 SHAPES = ((576, 1536), (1536, 576), (4096, 4096), (4096, 11008))
@@ -45,15 +49,11 @@ class KernelRun:
     tokens: int
     adapters: int
     phase: str  # decode (BGMV) or prefill (SGMV)
-    base_us: float
-    triton_us: float
-    torch_us: float
-    triton_max_err: float  # relative to the reference's largest delta
-    torch_max_err: float
+    micros: dict[str, float]  # per method: median microseconds per call
+    max_errors: dict[str, float]  # per method: largest error over the reference's largest delta
 
-    @property
-    def triton_over_base(self) -> float:
-        return self.triton_us / self.base_us
+    def over_base(self, method: str) -> float:
+        return self.micros[method] / self.micros["base"]
 
 
 def token_slots(tokens: int, adapters: int, phase: str, gen: torch.Generator) -> torch.Tensor:
@@ -86,6 +86,18 @@ def reference_delta(x, a_stack, b_stack, scales, slots: torch.Tensor) -> torch.T
     return y
 
 
+def bgmv_variants() -> dict[str, BgmvBlocks]:
+    """BGMV's program sizes to compare on decode batches: the default first."""
+    return {
+        "triton": GPU_BGMV,
+        "bgmv m4 t2048 (interpreter's)": INTERPRETER_BGMV,
+        "bgmv m1 t4096": BgmvBlocks(1, 4096, MIN_DOT),
+        "bgmv m1 t16384": BgmvBlocks(1, 16384, MIN_DOT),
+        "bgmv m1 t8192 whole rank": BgmvBlocks(1, 8192, None),
+        "bgmv m2 t8192": BgmvBlocks(2, 8192, MIN_DOT),
+    }
+
+
 def measure(
     in_f: int, out_f: int, rank: int, tokens: int, adapters: int, phase: str, dev: str = "cuda"
 ) -> KernelRun:
@@ -99,40 +111,41 @@ def measure(
     b_stack = (torch.randn(adapters, out_f, rank, generator=gen) / rank**0.5).to(dev, dt)
     scales = torch.full((adapters,), 2.0, device=dev)
     slots_cpu = token_slots(tokens, adapters, phase, gen)
+    slots = slots_cpu.to(dev)
     mapping = LoraMapping.build(slots_cpu, device=dev, all_decode=phase == "decode")
-    expected = reference_delta(x, a_stack, b_stack, scales, slots_cpu.to(dev))
+    expected = reference_delta(x, a_stack, b_stack, scales, slots)
     peak = expected.abs().max().item()
 
-    def error(fn) -> float:
+    def add_bgmv(blocks: BgmvBlocks):
+        def run(y):
+            h = tri.bgmv_shrink(x, a_stack, slots, blocks=blocks)
+            tri.bgmv_expand(y, h, b_stack, slots, scales, blocks=blocks)
+
+        return run
+
+    methods = {
+        "triton": lambda y: add_lora(y, x, a_stack, b_stack, scales, mapping),
+        "torch": lambda y: torch_lora(y, x, a_stack, b_stack, scales, slots_cpu, phase),
+    }
+    if phase == "decode":
+        variants = bgmv_variants()
+        methods |= {name: add_bgmv(blocks) for name, blocks in variants.items() if name != "triton"}
+        sgmv = LoraMapping.build(slots_cpu, device=dev, all_decode=False)
+        methods["sgmv over runs"] = lambda y: add_lora(y, x, a_stack, b_stack, scales, sgmv)
+    errors = {}
+    for name, fn in methods.items():
         y = torch.zeros(tokens, out_f, dtype=dt, device=dev)
         fn(y)
-        return (y.float() - expected).abs().max().item() / peak
-
-    def run_triton(y):
-        add_lora(y, x, a_stack, b_stack, scales, mapping)
-
-    def run_torch(y):
-        torch_lora(y, x, a_stack, b_stack, scales, slots_cpu, phase)
-
+        errors[name] = (y.float() - expected).abs().max().item() / peak
     out = torch.zeros(tokens, out_f, dtype=dt, device=dev)
-    errors = (error(run_triton), error(run_torch))
 
-    def bench(fn) -> float:
+    def micros_per_call(fn) -> float:
         return do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
 
-    return KernelRun(
-        in_f,
-        out_f,
-        rank,
-        tokens,
-        adapters,
-        phase,
-        base_us=bench(lambda: F.linear(x, weight)),
-        triton_us=bench(lambda: run_triton(out)),
-        torch_us=bench(lambda: run_torch(out)),
-        triton_max_err=errors[0],
-        torch_max_err=errors[1],
-    )
+    micros = {"base": micros_per_call(lambda: F.linear(x, weight))}
+    for name, fn in methods.items():
+        micros[name] = micros_per_call(lambda fn=fn: fn(out))
+    return KernelRun(in_f, out_f, rank, tokens, adapters, phase, micros, errors)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -143,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("bench.lora_triton needs a CUDA device")
     runs = []
     print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}")
-    print("in->out rank tokens adapters phase | base us | triton us (x base) | torch us | errs")
+    print("in->out rank tokens adapters phase | microseconds per call (x base), max error")
     for in_f, out_f in SHAPES:
         for rank in RANKS:
             for phase, counts in (("decode", DECODE_TOKENS), ("prefill", PREFILL_TOKENS)):
@@ -151,17 +164,20 @@ def main(argv: list[str] | None = None) -> dict:
                     for adapters in ADAPTERS:
                         run = measure(in_f, out_f, rank, tokens, adapters, phase)
                         runs.append(run)
+                        cells = [
+                            f"{name} {us:.1f} ({run.over_base(name):.2f}x) "
+                            f"{run.max_errors.get(name, 0.0):.0e}"
+                            for name, us in run.micros.items()
+                        ]
                         print(
                             f"{in_f}->{out_f} r{rank} T{tokens} a{adapters} {phase} | "
-                            f"{run.base_us:.1f} | {run.triton_us:.1f} "
-                            f"({run.triton_over_base:.2f}) | {run.torch_us:.1f} | "
-                            f"{run.triton_max_err:.1e} {run.torch_max_err:.1e}",
+                            + " | ".join(cells),
                             flush=True,
                         )
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "runs": [asdict(r) | {"triton_over_base": r.triton_over_base} for r in runs],
+        "runs": [asdict(r) for r in runs],
     }
     return write_report(report, args.out)
 

@@ -8,7 +8,8 @@ what the references compute.
 
 - BGMV (decode): each program takes BLOCK_M tokens, gathers each token's own A or B rows
   by its slot, and reduces a broadcast product with ``tl.sum`` (no ``tl.dot``: the tokens
-  of one tile need not share an adapter).
+  of one tile need not share an adapter). ``BgmvBlocks`` sizes the programs: one token
+  and large tiles on a GPU, a few tokens and small tiles in the interpreter.
 - SGMV (prefill): the grid is (segment, token block within it, rank or output block); all
   tokens of a program share one adapter, so the tile is a ``tl.dot``. Tiles are at least
   16 in every dimension (``tl.dot``'s minimum on GPU) and loads are masked with zeros past
@@ -24,17 +25,44 @@ imported (triton.language's own jit helpers, such as ``tl.zeros``, are decorated
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.lora_reference import check_expand, check_shrink
 
-BGMV_BLOCK_M = 4  # tokens per BGMV program; each gathers its own adapter rows
-BGMV_TILE = 2048  # fp32 elements of the [BLOCK_M, BLOCK_R|N, BLOCK_K|R] gathered tile
 SGMV_BLOCK_K = 64  # input features per step of the shrink loop
 SGMV_BLOCK_N = 64  # output features per expand program
 MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
+
+
+@dataclass(frozen=True, slots=True)
+class BgmvBlocks:
+    """How BGMV splits its work into programs.
+
+    ``block_m`` tokens per program, each gathering its own adapter rows into a
+    [block_m, rank or output block, input block] tile of about ``tile`` fp32 elements;
+    ``shrink_rank_block`` rank rows per shrink program (None: the whole rank up to 64).
+    """
+
+    block_m: int
+    tile: int
+    shrink_rank_block: int | None
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> BgmvBlocks:
+        return GPU_BGMV if device.type == "cuda" else INTERPRETER_BGMV
+
+
+# On a GPU, a program per token with large tiles, and the shrink spread over rank blocks of
+# 16 so one decoding sequence still fills several multiprocessors: the interpreter's
+# blocks (4 tokens, 2,048 elements) made a single program walk all of a 4096-wide input
+# 8 columns at a time (bench.lora_triton: 262 us for one rank-64 token on an H200).
+GPU_BGMV = BgmvBlocks(block_m=1, tile=8192, shrink_rank_block=MIN_DOT)
+# In the CPU interpreter a program costs Python time: fewer, smaller ones.
+INTERPRETER_BGMV = BgmvBlocks(block_m=4, tile=2048, shrink_rank_block=None)
 
 
 @triton.jit
@@ -213,21 +241,24 @@ def bgmv_shrink(
     x: torch.Tensor,  # [T, in] fp32/fp16/bf16
     a_stack: torch.Tensor,  # [S, R, in], x's dtype
     token_slots: torch.Tensor,  # [T] int64, -1 = no adapter
+    *,
+    blocks: BgmvBlocks | None = None,  # None: as BgmvBlocks.for_device picks
 ) -> torch.Tensor:  # [T, R], x's dtype
     """Semantics: ``out[t] = x[t] @ a_stack[s_t].T`` if ``s_t >= 0`` else 0."""
     check_shrink(x, a_stack)
+    blocks = blocks or BgmvBlocks.for_device(x.device)
     num_tokens, rank = x.shape[0], a_stack.shape[1]
     out = torch.empty(num_tokens, rank, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    block_r = _rank_block(rank)
-    block_k = max(MIN_DOT, BGMV_TILE // (BGMV_BLOCK_M * block_r))
-    grid = (triton.cdiv(num_tokens, BGMV_BLOCK_M), triton.cdiv(rank, block_r))
+    block_r = blocks.shrink_rank_block or _rank_block(rank)
+    block_k = max(MIN_DOT, blocks.tile // (blocks.block_m * block_r))
+    grid = (triton.cdiv(num_tokens, blocks.block_m), triton.cdiv(rank, block_r))
     _bgmv_shrink_kernel[grid](
         x, a_stack, token_slots, out,
         num_tokens, x.shape[1], rank,
         *x.stride(), *a_stack.stride(), *out.stride(),
-        BLOCK_M=BGMV_BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k,
+        BLOCK_M=blocks.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
     )  # fmt: skip
     return out
 
@@ -240,20 +271,22 @@ def bgmv_expand(
     scales: torch.Tensor,  # [S] float32
     *,
     out_offset: int = 0,
+    blocks: BgmvBlocks | None = None,  # None: as BgmvBlocks.for_device picks
 ) -> None:
     """Semantics: ``y[t, o:o+out] += scales[s_t] * (x[t] @ b_stack[s_t].T)`` for ``s_t >= 0``."""
     check_expand(y, x, b_stack, out_offset)
+    blocks = blocks or BgmvBlocks.for_device(y.device)
     num_tokens, out_features, rank = x.shape[0], b_stack.shape[1], b_stack.shape[2]
     if num_tokens == 0:
         return
     block_r = _rank_block(rank)
-    block_n = max(MIN_DOT, BGMV_TILE // (BGMV_BLOCK_M * block_r))
-    grid = (triton.cdiv(num_tokens, BGMV_BLOCK_M), triton.cdiv(out_features, block_n))
+    block_n = max(MIN_DOT, blocks.tile // (blocks.block_m * block_r))
+    grid = (triton.cdiv(num_tokens, blocks.block_m), triton.cdiv(out_features, block_n))
     _bgmv_expand_kernel[grid](
         y, x, b_stack, token_slots, scales,
         num_tokens, out_features, rank, out_offset,
         *y.stride(), *x.stride(), *b_stack.stride(),
-        BLOCK_M=BGMV_BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
+        BLOCK_M=blocks.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
     )  # fmt: skip
 
 

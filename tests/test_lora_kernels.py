@@ -207,13 +207,13 @@ def test_reference_keeps_half_precision_dtypes():
 # --- Triton kernels (interpreter) against the references --------------------------------
 
 
-def run_triton(kind: str, batch: Batch, x, y, a, b, scales, *, out_offset: int):
+def run_triton(kind: str, batch: Batch, x, y, a, b, scales, *, out_offset: int, blocks=None):
     """The Triton pair on DEVICE; y is updated in place and the shrink output returned."""
     x_d, y_d, a_d, b_d, scales_d = (t.to(DEVICE) for t in (x, y, a, b, scales))
     if kind == "bgmv":
         slots = batch.token_slots.to(DEVICE)
-        h = tri.bgmv_shrink(x_d, a_d, slots)
-        tri.bgmv_expand(y_d, h, b_d, slots, scales_d, out_offset=out_offset)
+        h = tri.bgmv_shrink(x_d, a_d, slots, blocks=blocks)
+        tri.bgmv_expand(y_d, h, b_d, slots, scales_d, out_offset=out_offset, blocks=blocks)
     else:
         starts, slots = batch.seg_starts.to(DEVICE), batch.seg_slots.to(DEVICE)
         longest = max(batch.seq_lens)
@@ -231,13 +231,13 @@ def run_reference(batch: Batch, x, y, a, b, scales, *, out_offset: int):
     return h
 
 
-def check_triton(kind, pattern, rank, max_rank, dtype, num_tokens):
+def check_triton(kind, pattern, rank, max_rank, dtype, num_tokens, blocks=None):
     batch = make_batch(pattern, num_tokens=num_tokens, decode=kind == "bgmv")
     a, b, scales = make_stacks(rank, max_rank, dtype=dtype)
     x, y = make_inputs(num_tokens, dtype=dtype, extra_cols=7)
     y_ref, y_tri = y.clone(), y.clone()
     h_ref = run_reference(batch, x, y_ref, a, b, scales, out_offset=3)
-    h_tri = run_triton(kind, batch, x, y_tri, a, b, scales, out_offset=3)
+    h_tri = run_triton(kind, batch, x, y_tri, a, b, scales, out_offset=3, blocks=blocks)
     assert h_tri.dtype == dtype and y_tri.dtype == dtype
     assert_close(h_tri, h_ref, dtype)
     assert_close(y_tri, y_ref, dtype)
@@ -259,6 +259,24 @@ def test_triton_matches_reference(kind, pattern, rank, max_rank, dtype):
 @pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
 def test_triton_odd_small_batches(kind, num_tokens, dtype):
     check_triton(kind, "uniform", 8, 16, dtype, num_tokens)
+
+
+@triton_here
+@pytest.mark.parametrize(
+    "blocks",
+    [tri.GPU_BGMV, tri.INTERPRETER_BGMV, tri.BgmvBlocks(block_m=2, tile=512, shrink_rank_block=16)],
+    ids=["gpu", "interpreter", "two-tokens-small-tiles"],
+)
+@pytest.mark.parametrize(("rank", "max_rank"), [(8, 16), (64, 64)])
+def test_triton_bgmv_program_sizes(blocks, rank, max_rank):
+    """Every BGMV program size gives the reference's result: tokens per program, tiles that
+    cover the input in one step or several, the rank in one shrink block or split."""
+    check_triton("bgmv", "with_base", rank, max_rank, torch.float32, 7, blocks=blocks)
+
+
+def test_bgmv_program_sizes_follow_the_device():
+    assert tri.BgmvBlocks.for_device(torch.device("cuda", 0)) is tri.GPU_BGMV
+    assert tri.BgmvBlocks.for_device(torch.device("cpu")) is tri.INTERPRETER_BGMV
 
 
 @triton_here
