@@ -22,8 +22,8 @@ status=$((status | PIPESTATUS[0]))
 timeout "${KERNELS_S:-150}" $PYTHON -m bench.lora_triton --out "$OUT/lora_triton.json" \
     2>&1 | tee "$OUT/lora_triton.log"
 status=$((status | PIPESTATUS[0]))
-timeout "${ENGINE_S:-200}" $PYTHON -m bench.lora --model "$MODEL_CONFIG" --random-weights \
-    --device cuda --adapters 1,32,128 --requests 128 --max-loras 128 --repeats 3 \
+timeout "${ENGINE_S:-300}" $PYTHON -m bench.lora --model "$MODEL_CONFIG" --random-weights \
+    --device cuda --adapters 1,32,128 --requests 128 --max-loras 128 --repeats 3 --peft-subset 4 \
     --workdir /tmp/switchboard-bench-lora-gpu --out "$OUT/lora.json" 2>&1 | tee "$OUT/lora.log"
 status=$((status | PIPESTATUS[0]))
 exit $status

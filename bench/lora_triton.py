@@ -92,8 +92,8 @@ def bgmv_variants() -> dict[str, BgmvBlocks]:
         "triton": GPU_BGMV,
         "bgmv m4 t2048 (interpreter's)": INTERPRETER_BGMV,
         "bgmv m1 t4096": BgmvBlocks(1, 4096, MIN_DOT),
-        "bgmv m1 t16384": BgmvBlocks(1, 16384, MIN_DOT),
-        "bgmv m1 t8192 whole rank": BgmvBlocks(1, 8192, None),
+        "bgmv m1 t8192": BgmvBlocks(1, 8192, MIN_DOT),
+        "bgmv m1 t16384 whole rank": BgmvBlocks(1, 16384, None),
         "bgmv m2 t8192": BgmvBlocks(2, 8192, MIN_DOT),
     }
 
