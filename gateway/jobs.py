@@ -136,6 +136,8 @@ def sampling_params(
         params.seed = body.seed
     if logprobs is not None:
         params.logprobs = logprobs
+    if body.num_speculative_tokens is not None:
+        params.num_speculative_tokens = body.num_speculative_tokens
     return params
 
 

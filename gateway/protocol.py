@@ -14,6 +14,8 @@ from gateway.errors import InvalidRequestError
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
+# The workers' limit (worker.sampling_params; the gateway does not import the engine).
+MAX_SPECULATIVE_TOKENS = 16
 # The wire format's integer widths (proto/rpc/worker.proto): larger values are refused here
 # with a 422 rather than failing inside the gateway with a 500.
 INT32_MAX = 2**31 - 1
@@ -50,6 +52,9 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     skip_special_tokens: bool = True
+    # Switchboard's: speculative decoding's draft tokens a step at most for this request
+    # (0: none); unset: the worker's k. Only speed depends on it, never the output.
+    num_speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_SPECULATIVE_TOKENS)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -159,6 +159,10 @@ def test_bad_requests_are_refused_and_disturb_nothing(prompt, params, error, mes
         ({"top_p": 0.0}, "top_p"),
         ({"logprobs": 50}, "logprobs"),
         ({"stop": [""]}, "stop strings"),
+        ({"num_speculative_tokens": 17}, "num_speculative_tokens must be an integer from 0 to 16"),
+        ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": 2.5}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": True}, "num_speculative_tokens"),
     ],
 )
 def test_invalid_sampling_params_are_refused(kwargs, message):

@@ -213,9 +213,11 @@ async def test_sampling_fields_reach_the_worker(stack):
                 "repetition_penalty": 1.1,
                 "ignore_eos": True,
                 "stop_token_ids": [2],
+                "num_speculative_tokens": 3,
             },
         )
     p = stack.worker.requests[-1].params
+    assert p.num_speculative_tokens == 3
     assert p.max_tokens == 7 and p.seed == 42 and list(p.stop) == ["\n", "END"]
     assert (p.top_k, p.ignore_eos, list(p.stop_token_ids)) == (20, True, [2])
     assert p.temperature == pytest.approx(0.3) and p.top_p == pytest.approx(0.9)
@@ -223,6 +225,14 @@ async def test_sampling_fields_reach_the_worker(stack):
     assert p.presence_penalty == pytest.approx(0.5)
     assert p.frequency_penalty == pytest.approx(-0.5)
     assert not p.HasField("logprobs")
+    async with stack.client() as client:
+        await client.completions.create(model=MODEL_NAME, prompt="hi")
+        with pytest.raises(openai.UnprocessableEntityError) as refused:
+            await client.completions.create(
+                model=MODEL_NAME, prompt="hi", extra_body={"num_speculative_tokens": 17}
+            )
+    assert not stack.worker.requests[-1].params.HasField("num_speculative_tokens")  # unset
+    assert refused.value.body["param"] == "num_speculative_tokens"
 
 
 async def test_logprobs(stack):

@@ -348,6 +348,38 @@ def test_default_costs_keep_a_draft_as_costly_as_the_target_to_rare_probes(targe
     assert lookup.engine.spec_decode_stats.num_proposed > 2 * probes.num_proposed
 
 
+def test_a_requests_own_k_caps_its_drafts(target):
+    """k per request: at most the engine's k (a larger one is capped), 0 turns speculation
+    off for that request alone, unset takes the engine's; outputs stay the plain ones."""
+    prompts = copying_prompts(4, seed=12)
+    asked = [None, 2, 0, 9]
+    expected = LLM(target, dtype="float32").generate(prompts, greedy())
+    llm = speculative(target, str(target), k=4)  # the target as draft: every draft accepted
+    most: dict[str, int] = {}
+    propose = llm.engine.speculator.proposer.propose
+
+    def spying(seqs, ks, rows):
+        for seq, k in zip(seqs, ks, strict=True):
+            most[seq.request_id] = max(k, most.get(seq.request_id, 0))
+        return propose(seqs, ks, rows)
+
+    llm.engine.speculator.proposer.propose = spying
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, num_speculative_tokens=k
+        )
+        for k in asked
+    ]
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    by_k = {k: most.get(o.request_id, 0) for k, o in zip(asked, outputs, strict=True)}
+    assert by_k == {None: 4, 2: 2, 0: 0, 9: 4}
+    # An engine that does not speculate serves a request that asks for it as usual.
+    plain = LLM(target, dtype="float32").generate(prompts[:1], params[1])
+    assert plain[0].token_ids == expected[0].token_ids
+    assert_no_block_leaks(llm.engine)
+
+
 def test_mismatched_vocabulary_and_invalid_k_are_refused(target, tmp_path):
     bigger = make_checkpoint(tmp_path / "bigger", vocab_size=320)
     with pytest.raises(SpeculativeConfigError, match="vocabulary of 320 tokens, the target 256"):

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from worker.errors import InvalidRequestError
 
+# The most draft tokens one sequence gets in a step (the engine's k and a request's).
+MAX_SPECULATIVE_TOKENS = 16
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -28,6 +31,10 @@ class SamplingParams:
     # Number of top alternatives to return with each sampled token (None: no logprobs).
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Speculative decoding for this request: at most this many draft tokens a step (0: none;
+    # None: the engine's k). Capped by the engine's k, and moot where it does not speculate:
+    # speculation never changes what is generated, only how fast.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +64,15 @@ class SamplingParams:
         _check(
             self.logprobs is None or 0 <= self.logprobs <= 20,
             f"logprobs must be between 0 and 20, got {self.logprobs}",
+        )
+        k = self.num_speculative_tokens
+        _check(
+            k is None
+            or (
+                isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_SPECULATIVE_TOKENS
+            ),
+            f"num_speculative_tokens must be an integer from 0 to {MAX_SPECULATIVE_TOKENS}, "
+            f"got {k!r}",
         )
 
     @property

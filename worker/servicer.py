@@ -52,6 +52,9 @@ def sampling_params_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         skip_special_tokens=msg.skip_special_tokens,
+        num_speculative_tokens=msg.num_speculative_tokens
+        if msg.HasField("num_speculative_tokens")
+        else None,
     )
 
 

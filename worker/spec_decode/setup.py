@@ -9,9 +9,10 @@ import torch
 
 from worker.block_manager import BlockManager
 from worker.errors import SpeculativeConfigError
+from worker.sampling_params import MAX_SPECULATIVE_TOKENS
 from worker.spec_decode.ngram import NgramProposer
 from worker.spec_decode.proposal import Proposer
-from worker.spec_decode.speculator import MAX_SPECULATIVE_TOKENS, Speculator
+from worker.spec_decode.speculator import Speculator
 from worker.spec_decode.stats import BackoffPolicy, flat_verify_cost
 from worker.spec_decode.step_cost import StepCostCurve
 

@@ -22,8 +22,6 @@ from worker.spec_decode.proposal import Proposal, Proposer
 from worker.spec_decode.rejection_sampler import rejection_sample
 from worker.spec_decode.stats import BackoffPolicy, SpecDecodeStats
 
-MAX_SPECULATIVE_TOKENS = 16
-
 
 @dataclass(slots=True)
 class Verified:
@@ -83,11 +81,14 @@ class Speculator:
                 self._proposals[seq] = proposal
 
     def _room(self, seq: Sequence) -> int:
-        """Drafts worth proposing: the step also emits one token of the target's own."""
+        """Drafts this sequence may get: its request's k (at most the engine's), and no
+        more than its length limits leave, since the step also emits a token of its own."""
+        asked = seq.params.num_speculative_tokens
+        k = self.k if asked is None else min(self.k, asked)
         left = min(
             seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens
         )
-        return max(0, min(self.k, left - 1))
+        return max(0, min(k, left - 1))
 
     def verify(
         self,
