@@ -148,13 +148,16 @@ def _draft_distill_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="target checkpoint (default: the default model)")
     parser.add_argument("--out", help="where to save the draft (default: beside the model)")
     parser.add_argument("--num-layers", type=int, default=4, help="decoder layers kept")
-    parser.add_argument("--num-prompts", type=int, default=768, help="answers to generate")
+    parser.add_argument(
+        "--num-prompts", type=int, default=2304,
+        help="answers to generate: each built-in instruction once greedily, the rest sampled",
+    )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens per answer")
     parser.add_argument(
         "--output-vocab", type=int, default=8192,
         help="tokens the draft's output layer keeps, the target's most frequent (0: all)",
     )  # fmt: skip
-    parser.add_argument("--train-minutes", type=float, default=15.0, help="training budget")
+    parser.add_argument("--train-minutes", type=float, default=25.0, help="training budget")
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:

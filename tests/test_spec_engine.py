@@ -380,6 +380,35 @@ def test_a_requests_own_k_caps_its_drafts(target):
     assert_no_block_leaks(llm.engine)
 
 
+@pytest.mark.parametrize(("short", "taken_up"), [(8, True), (30, False)])
+def test_a_draft_takes_up_only_sequences_it_can_catch_up_on_cheaply(target, short, taken_up):
+    """Four short requests keep the batch above the speculation limit (2); when they finish,
+    the two long ones have generated ``short`` tokens: the draft takes them up within its
+    first TAKE_UP_WITHIN (16) tokens, and leaves them alone past that (catching up on their
+    whole history would cost more than their last tokens return). Outputs are unchanged."""
+    from worker.spec_decode.draft import TAKE_UP_WITHIN
+
+    prompts = random_prompts(6, min_len=4, max_len=8, seed=13)
+    params = [greedy(short)] * 4 + [greedy(short + 30)] * 2
+    expected = LLM(target, dtype="float32").generate(prompts, params)
+    llm = speculative(target, str(target), k=4, speculative_max_batch_size=2)
+    first_draft_at: dict[str, int] = {}
+    propose = llm.engine.speculator.proposer.propose
+
+    def spying(seqs, ks, rows):
+        for seq in seqs:
+            first_draft_at.setdefault(seq.request_id, len(seq.output_token_ids))
+        return propose(seqs, ks, rows)
+
+    llm.engine.speculator.proposer.propose = spying
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    long_ones = {o.request_id for o in outputs[4:]}
+    assert set(first_draft_at) == (long_ones if taken_up else set())
+    assert all(0 < n <= TAKE_UP_WITHIN for n in first_draft_at.values())
+    assert_no_block_leaks(llm.engine)
+
+
 def test_mismatched_vocabulary_and_invalid_k_are_refused(target, tmp_path):
     bigger = make_checkpoint(tmp_path / "bigger", vocab_size=320)
     with pytest.raises(SpeculativeConfigError, match="vocabulary of 320 tokens, the target 256"):

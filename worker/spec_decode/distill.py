@@ -113,8 +113,15 @@ def generate_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: in
         )
         for m in messages
     ]
+    # Past two answers per instruction, the instructions come round again, sampled only (a
+    # greedy answer would repeat the first one).
+    first_round = 2 * len(TEMPLATES) * len(TOPICS)
     params = [
-        SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, max_tokens=max_tokens, seed=seed + i)
+        SamplingParams(
+            temperature=0.0 if i % 2 == 0 and i < first_round else 0.8,
+            max_tokens=max_tokens,
+            seed=seed + i,
+        )
         for i in range(num_prompts)
     ]
     stream: list[int] = []
@@ -166,14 +173,14 @@ def distill(
     out: Path,
     *,
     num_layers: int = 4,
-    num_prompts: int = 768,
+    num_prompts: int = 2304,
     max_tokens: int = 256,
     output_vocab: int = 8192,
     seq_len: int = 256,
     batch_size: int = 8,
     lr: float = 1e-3,
     epochs: int = 4,
-    train_minutes: float = 15.0,
+    train_minutes: float = 25.0,
     seed: int = 0,
 ) -> DistillResult:
     """Generate, initialize, train for ``train_minutes`` (or ``epochs``), save to ``out``.

@@ -33,6 +33,9 @@ class NgramProposer:
     def release(self, seq: Sequence) -> None:
         pass
 
+    def may_draft_for(self, seq: Sequence) -> bool:
+        return True  # a lookup needs no history of its own
+
 
 def lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     """Up to k tokens that followed the latest earlier match of the longest suffix n-gram."""

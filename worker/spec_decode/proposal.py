@@ -29,3 +29,8 @@ class Proposer(Protocol):
     def release(self, seq: Sequence) -> None:
         """Forget ``seq`` (finished or aborted): free whatever is held for it."""
         ...
+
+    def may_draft_for(self, seq: Sequence) -> bool:
+        """Whether to draft for ``seq`` at all (a draft model first has to catch up on the
+        history it has not followed)."""
+        ...

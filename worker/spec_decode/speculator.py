@@ -67,7 +67,7 @@ class Speculator:
             return
         chosen, ks = [], []
         for seq in decoding:
-            room = self._room(seq)
+            room = self._room(seq) if self.proposer.may_draft_for(seq) else 0
             k = self.policy.num_drafts(seq, room, len(decoding)) if room > 0 else 0
             if k > 0:
                 chosen.append(seq)
