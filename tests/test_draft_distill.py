@@ -9,7 +9,7 @@ import pytest
 
 from factories import add_byte_level_tokenizer, make_checkpoint
 from worker import LLM, SamplingParams
-from worker.spec_decode.distill import distill
+from worker.spec_decode.distill import TEMPLATES, TOPICS, corpus_requests, distill
 
 
 @pytest.mark.parametrize("output_vocab", [0, 64])
@@ -49,3 +49,13 @@ def test_distilled_draft_is_a_checkpoint_the_engine_speculates_with(tmp_path, ou
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     assert llm.engine.spec_decode_stats.num_proposed > 0
+
+
+def test_the_corpus_answers_each_instruction_greedily_once_and_samples_the_rest():
+    first_round = 2 * len(TEMPLATES) * len(TOPICS)
+    requests = corpus_requests(first_round + 100, max_tokens=16, seed=5)
+    greedy = [m for m, p in requests if p.temperature == 0.0]
+    assert len(greedy) == len(set(greedy)) == len(TEMPLATES) * len(TOPICS)  # each once
+    assert all(p.temperature == 0.8 for _, p in requests[first_round:])
+    assert [m for m, _ in requests[first_round:]] == [m for m, _ in requests[:100]]  # again
+    assert len({p.seed for _, p in requests}) == len(requests)  # each sample its own draw

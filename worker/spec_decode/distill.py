@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from switchboard.home import switchboard_home
 from worker.placement import resolve_dtype
+from worker.sampling_params import SamplingParams
 from worker.spec_decode.draft import OUTPUT_VOCAB_FILE
 
 logger = logging.getLogger(__name__)
@@ -94,36 +95,43 @@ def default_draft_path(home: Path | None = None) -> Path:
     return (home or switchboard_home()) / "models" / "SmolLM2-135M-Instruct-draft"
 
 
-def generate_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: int) -> list[int]:
-    """Instructions and the target's own answers, EOS-separated, as one token stream: each
-    instruction answered twice, greedily and sampled (the draft serves either kind)."""
-    from worker import LLM, SamplingParams
-
-    llm = LLM(target, dtype="auto", max_num_seqs=64)
-    tokenizer = llm.tokenizer
-    messages = [
-        TEMPLATES[(i // 2) % len(TEMPLATES)].format(
-            TOPICS[(i // 2 // len(TEMPLATES)) % len(TOPICS)]
+def corpus_requests(
+    num_prompts: int, *, max_tokens: int, seed: int
+) -> list[tuple[str, SamplingParams]]:
+    """(instruction, sampling params) per answer: every instruction answered twice, greedily
+    and sampled (the draft serves either kind); past that the instructions come round again,
+    sampled only, since a greedy answer would repeat the first one."""
+    first_round = 2 * len(TEMPLATES) * len(TOPICS)
+    return [
+        (
+            TEMPLATES[(i // 2) % len(TEMPLATES)].format(
+                TOPICS[(i // 2 // len(TEMPLATES)) % len(TOPICS)]
+            ),
+            SamplingParams(
+                temperature=0.0 if i % 2 == 0 and i < first_round else 0.8,
+                max_tokens=max_tokens,
+                seed=seed + i,
+            ),
         )
         for i in range(num_prompts)
     ]
+
+
+def generate_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: int) -> list[int]:
+    """Instructions and the target's own answers (``corpus_requests``), EOS-separated, as
+    one token stream."""
+    from worker import LLM
+
+    llm = LLM(target, dtype="auto", max_num_seqs=64)
+    tokenizer = llm.tokenizer
+    requests = corpus_requests(num_prompts, max_tokens=max_tokens, seed=seed)
     texts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": m}], add_generation_prompt=True, tokenize=False
         )
-        for m in messages
+        for m, _ in requests
     ]
-    # Past two answers per instruction, the instructions come round again, sampled only (a
-    # greedy answer would repeat the first one).
-    first_round = 2 * len(TEMPLATES) * len(TOPICS)
-    params = [
-        SamplingParams(
-            temperature=0.0 if i % 2 == 0 and i < first_round else 0.8,
-            max_tokens=max_tokens,
-            seed=seed + i,
-        )
-        for i in range(num_prompts)
-    ]
+    params = [p for _, p in requests]
     stream: list[int] = []
     eos = tokenizer.eos_token_id
     for out in llm.generate(texts, params):
