@@ -122,6 +122,20 @@ async def wait_for(predicate, timeout: float = 5.0):
 # --- Generate ----------------------------------------------------------------------------
 
 
+def test_a_requests_speculation_tokens_cross_the_wire_with_zero_apart_from_unset():
+    """0 turns speculation off for the request; unset leaves the worker's k: the proto's
+    optional field must keep the two apart."""
+    from worker.servicer import sampling_params_from_proto
+
+    def read(**fields) -> int | None:
+        msg = worker_pb2.SamplingParams(max_tokens=4, **fields)
+        return sampling_params_from_proto(msg).num_speculative_tokens
+
+    assert read() is None
+    assert read(num_speculative_tokens=0) == 0
+    assert read(num_speculative_tokens=3) == 3
+
+
 async def test_stream_matches_offline_generation(stub, offline, prompt_ids):
     [expected] = offline.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=24))
 
