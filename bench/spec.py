@@ -106,6 +106,11 @@ def run(llm, texts: list[str], batch: int, max_tokens: int, *, ignore_eos: bool 
             round((accepted + verifications) / verifications, 3) if verifications else None
         )
         result["backoff_steps"] = after["num_backoff_steps"] - before["num_backoff_steps"]
+        alternatives = after["num_alternatives"] - before["num_alternatives"]
+        if alternatives:
+            hits = after["num_alternatives_accepted"] - before["num_alternatives_accepted"]
+            result["alternatives"] = alternatives
+            result["alternatives_accepted"] = hits
     return result
 
 
@@ -124,6 +129,17 @@ def main(argv: list[str] | None = None) -> dict:
         help="every request runs to --max-tokens: the same work with and without speculation "
         "even where bf16 rounding flips a greedy output and moves its EOS",
     )
+    parser.add_argument(
+        "--alternatives",
+        type=int,
+        default=None,
+        help="runner-up tokens the draft offers per draft (default: the engine's)",
+    )
+    parser.add_argument(
+        "--chain-only",
+        action="store_true",
+        help="also run the draft without alternatives (engine 'draft-chain'), to compare",
+    )
     parser.add_argument("--out", default="bench/results/spec.json")
     args = parser.parse_args(argv)
 
@@ -136,6 +152,13 @@ def main(argv: list[str] | None = None) -> dict:
     configs: dict[str, dict] = {"off": {}, "ngram": {"speculative_model": "ngram"}}
     if (draft / "config.json").is_file():
         configs["draft"] = {"speculative_model": str(draft)}
+        if args.alternatives is not None:
+            configs["draft"]["speculative_alternatives"] = args.alternatives
+        if args.chain_only:
+            configs["draft-chain"] = {
+                "speculative_model": str(draft),
+                "speculative_alternatives": 0,
+            }
     engines = {
         name: LLM(model, dtype=args.dtype, num_speculative_tokens=args.k if kw else None, **kw)
         for name, kw in configs.items()

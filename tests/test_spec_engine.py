@@ -160,6 +160,36 @@ def test_greedy_with_adapters_mixed_in_one_batch(target, other_draft, adapters, 
     assert_no_block_leaks(llm.engine)
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_alternatives_add_tokens_and_keep_greedy_tokens_and_logprobs(target, close_draft, variant):
+    """A draft close to the target misses some of its tokens by a near tie, and its
+    runner-up there is then often the target's token. Verified beside the chain (its own
+    row: the position of the draft it stands in for, the cache up to it, itself), such an
+    alternative adds the target's token after it to the step, from the K/V it moves into
+    place; every token and logprob stays plain decoding's."""
+    prompts = random_prompts(6, min_len=1, max_len=30, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=2, ignore_eos=True)
+    expected = LLM(target, dtype="float32").generate(prompts, params)
+    llm = speculative(target, str(close_draft), **VARIANTS[variant])
+    outputs = llm.generate(prompts, params)
+    for out, exp in zip(outputs, expected, strict=True):
+        assert out.token_ids == exp.token_ids
+        for got, want in zip(out.logprobs, exp.logprobs, strict=True):
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in got.top_logprobs] == [t for t, _ in want.top_logprobs]
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_alternatives_accepted > 0
+    assert stats.num_emitted == (
+        stats.num_verifications + stats.num_accepted + stats.num_alternatives_accepted
+    )
+    assert_no_block_leaks(llm.engine)
+    chain_only = speculative(target, str(close_draft), speculative_alternatives=0)
+    assert [o.token_ids for o in chain_only.generate(prompts, params)] == [
+        o.token_ids for o in expected
+    ]
+    assert chain_only.engine.spec_decode_stats.num_alternatives == 0
+
+
 def test_verification_shares_steps_with_other_requests_prefills(target):
     """Requests arrive while others speculate; verify rows ride in the same forward pass."""
     prompts = copying_prompts(5, seed=6)
@@ -285,7 +315,8 @@ def test_sampled_sequences_follow_the_target_distribution(
 ):
     """Three sampled tokens (top-k 3, temperature, repetition penalty): the joint law of
     4,000 speculative samples is within sampling noise of the exact target law. The draft
-    is close to the target, so both accepted drafts and corrections occur; with half the
+    is close to the target, so accepted drafts, corrections and alternatives (a correction
+    that is one of the draft's runner-ups, followed by a token from its row) occur; with half the
     vocabulary it never proposes the other half, which only corrections then supply.
     (Prompt lookup's one-hot proposals are checked in tests/test_rejection_sampler.py.)"""
     prompt = [7, 8, 9, 129, 38, 163, 119, 119, 119, 75, 18, 14]
@@ -315,6 +346,12 @@ def test_sampled_sequences_follow_the_target_distribution(
     assert tv < 0.07, tv
     stats = llm.engine.spec_decode_stats
     assert stats.num_proposed > 3_000 and 0.3 < stats.acceptance_rate < 0.9
+    if vocabulary == "whole":
+        # Where a draft was rejected, the token drawn in its place (from the residual, where
+        # the target outweighs the draft: rarely one of the draft's own runner-ups) was now
+        # and then one of its alternatives, whose row then gave the next token. (On half the
+        # vocabulary the draft outweighs the target on all it proposes: never.)
+        assert stats.num_alternatives_accepted > 20
     assert_no_block_leaks(llm.engine)
 
 
@@ -416,6 +453,11 @@ def test_mismatched_vocabulary_and_invalid_k_are_refused(target, tmp_path):
     for k in (0, -1, 17, 2.5, True):
         with pytest.raises(SpeculativeConfigError, match="num_speculative_tokens must be"):
             LLMEngine(target, dtype="float32", speculative_model="ngram", num_speculative_tokens=k)
+    for bad in (-1, 9, 1.5):
+        with pytest.raises(SpeculativeConfigError, match="speculative_alternatives must be"):
+            LLMEngine(
+                target, dtype="float32", speculative_model="ngram", speculative_alternatives=bad
+            )
     with pytest.raises(SpeculativeConfigError, match="speculative_model is not"):
         LLMEngine(target, dtype="float32", num_speculative_tokens=3)
     with pytest.raises(SpeculativeConfigError, match=r"no config\.json"):

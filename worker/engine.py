@@ -27,6 +27,7 @@ from worker.sampler import SampledToken, Sampler, SamplingRow
 from worker.sampling_params import SamplingParams
 from worker.scheduler import PreemptionMode, ScheduledSequence, Scheduler
 from worker.sequence import FinishReason, Sequence, SequenceStatus
+from worker.spec_decode.proposal import NUM_ALTERNATIVES
 from worker.spec_decode.setup import build_speculator
 from worker.spec_decode.speculator import Verified
 from worker.spec_decode.stats import SpecDecodeStats
@@ -61,6 +62,7 @@ class LLMEngine:
         speculative_min_acceptance: float = 0.0,
         speculative_position_cost: float | None = None,
         speculative_draft_cost: float | None = None,
+        speculative_alternatives: int = NUM_ALTERNATIVES,
     ) -> None:
         """``share_base_model_prefixes``: base-model requests of different tenants share
         cached prefixes (faster; but one tenant can then time another's prompts). Adapter
@@ -78,7 +80,9 @@ class LLMEngine:
         at start by timing the forward pass by rows, not linear in n; a number given as
         ``speculative_position_cost`` is taken per position and decoding sequence), and
         ``speculative_draft_cost`` per draft token (None: the draft's weights over the
-        target's; 0 for prompt lookup). Zero both to speculate whatever it costs.
+        target's; 0 for prompt lookup). Zero both to speculate whatever it costs. A draft
+        model also offers up to ``speculative_alternatives`` runner-up tokens per draft, each
+        verified in a row of its own (0: the chain alone).
 
         ``device``: where the weights, the KV cache and the adapter slots live. On ``cuda``
         the LoRA ops run the Triton kernels and attention runs on the GPU through the same
@@ -147,6 +151,8 @@ class LLMEngine:
             target_weight_bytes=self.model.decode_weight_bytes,
             position_cost=speculative_position_cost,
             draft_cost=speculative_draft_cost,
+            num_alternatives=speculative_alternatives,
+            copy_kv_slots=self.runner.copy_slots,
             measure_steps=functools.partial(
                 measure_step_curve,
                 self.runner.execute,

@@ -36,8 +36,14 @@ class StepInputs:
 
 
 def _is_decode(s: ScheduledSequence) -> bool:
-    """One real token past the prompt (plus any draft tokens to verify after it)."""
-    return s.num_tokens == 1 and s.start > 0
+    """One real token past the prompt (plus any chain of draft tokens to verify after it).
+    Drafts with alternatives form a small tree, attended as a chunk with its own mask."""
+    return s.num_tokens == 1 and s.start > 0 and not _alternatives(s)
+
+
+def _alternatives(s: ScheduledSequence) -> list[int]:
+    """The chain index each alternative draft fed this step stands in for."""
+    return s.seq.spec_rows(s.num_spec)[1] if s.num_spec else []
 
 
 class ModelRunner:
@@ -99,6 +105,16 @@ class ModelRunner:
             start = end
 
     @torch.inference_mode()
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of cache slots ``src`` to slots ``dst``, every layer (an accepted
+        alternative draft, verified in a slot past its sequence's chain)."""
+        src_index, dst_index = self._indices(src), self._indices(dst)
+        for caches in self.kv_caches:
+            for cache in caches:  # keys, then values
+                flat = cache.view(-1, *cache.shape[2:])
+                flat.index_copy_(0, dst_index, flat.index_select(0, src_index))
+
+    @torch.inference_mode()
     def execute(
         self, scheduled: list[ScheduledSequence]
     ) -> tuple[list[ScheduledSequence], torch.Tensor]:
@@ -136,8 +152,13 @@ class ModelRunner:
             table = s.seq.block_table
             ids.extend(s.seq.tokens[s.start : s.start + s.num_tokens])
             ids.extend(s.seq.spec_token_ids[: s.num_spec])
+            # Each row takes the next slot; an alternative takes the position of the draft
+            # it stands in for.
             span = range(s.start, s.start + s.num_fed)
-            positions.extend(span)
+            alt_depths = _alternatives(s)
+            chain_end = s.start + s.num_fed - len(alt_depths)
+            positions.extend(range(s.start, chain_end))
+            positions.extend(s.start + s.num_tokens + d for d in alt_depths)
             slots.extend(table[p // bs] * bs + p % bs for p in span)
             if s.samples:
                 # The last real token's row, then one row per draft token.
@@ -222,9 +243,25 @@ class ModelRunner:
             if s.start > 0:
                 table = self._indices(s.seq.block_table)
                 span = len(s.seq.block_table) * self.block_size
-                # Query i (absolute position start + i) sees keys 0..start + i.
-                query_pos = torch.arange(s.start, s.start + s.num_fed).unsqueeze(1)
-                mask = (torch.arange(span).unsqueeze(0) <= query_pos).to(self.device)  # [n, span]
+                mask = _chunk_mask(s, span).to(self.device)
             chunks.append(PrefillChunk(start, s.num_fed, s.start, table, mask))
             start += s.num_fed
         return chunks
+
+
+def _chunk_mask(s: ScheduledSequence, span: int) -> torch.Tensor:
+    """[rows fed, span] bool: which cache slots each row of a chunk attends to.
+
+    Row i (slot start + i) sees slots 0..start + i. An alternative draft sits in a slot
+    after the chain but stands in for the chain's draft at index d: it sees what that
+    draft sees (slots up to start + num_tokens + d - 1) and itself, not the chain beyond."""
+    slot = torch.arange(s.start, s.start + s.num_fed).unsqueeze(1)  # [rows, 1]
+    keys = torch.arange(span).unsqueeze(0)  # [1, span]
+    alt_depths = _alternatives(s)
+    if not alt_depths:
+        return keys <= slot
+    # Rows past the chain: the last slot each sees contiguously, then itself.
+    first_alt = s.num_fed - len(alt_depths)
+    last_seen = slot.clone()
+    last_seen[first_alt:, 0] = torch.tensor(alt_depths) + s.start + s.num_tokens - 1
+    return (keys <= last_seen) | (keys == slot)

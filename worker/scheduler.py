@@ -318,7 +318,7 @@ class Scheduler:
         self.running.remove(seq)
         out.preempted.append(seq)
         out.drop(seq)  # it may already hold a place in this step
-        seq.spec_token_ids.clear()
+        seq.clear_spec()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         host = self.host_block_manager

@@ -85,8 +85,12 @@ class Sequence:
     # Steps this request was passed over for want of a free adapter slot.
     lora_wait_steps: int = 0
     # Speculative decoding: draft tokens proposed for this step, verified after it (never
-    # part of ``tokens``: only accepted ones are appended).
+    # part of ``tokens``: only accepted ones are appended). The chain of drafts comes first;
+    # the last ``len(spec_alt_depths)`` are alternatives: the i-th stands in for the chain's
+    # draft at index ``spec_alt_depths[i]`` (the draft's runner-up there), so that a step
+    # whose chain breaks at that draft can still keep the target's token and one more.
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_alt_depths: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     stop_checker: StopChecker | None = None
@@ -115,6 +119,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def spec_rows(self, num_spec: int) -> tuple[int, list[int]]:
+        """Of the first ``num_spec`` draft tokens fed: how many belong to the chain, and
+        the chain index each alternative after them stands in for."""
+        chain = min(num_spec, len(self.spec_token_ids) - len(self.spec_alt_depths))
+        return chain, self.spec_alt_depths[: num_spec - chain]
+
+    def clear_spec(self) -> None:
+        self.spec_token_ids = []
+        self.spec_alt_depths = []
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -12,6 +12,7 @@ import torch
 
 from worker.penalties import apply_penalties_
 from worker.sampler import GREEDY_TEMPERATURE, SamplingRow, filter_logits
+from worker.spec_decode.rejection_sampler import draw
 
 
 def is_greedy(row: SamplingRow) -> bool:
@@ -60,3 +61,18 @@ def probabilities(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 def argmax(x: torch.Tensor) -> list[int]:
     """Row argmax, first index on ties (as the sampler's greedy path)."""
     return x.numpy().argmax(axis=-1).tolist() if x.device.type == "cpu" else x.argmax(-1).tolist()
+
+
+def next_token(
+    logits: torch.Tensor, row: SamplingRow, context: list[int]
+) -> tuple[int, torch.Tensor | None, torch.Tensor]:
+    """The request's token after ``context`` (tokens past its output so far) from one row
+    of raw logits [vocab]: (token, its distribution or None for greedy, the processed
+    logits [vocab])."""
+    rows = position_rows(row, context)[-1:]
+    x = processed_logits(logits[None], rows)
+    if is_greedy(row):
+        return argmax(x)[0], None, x[0]
+    p = probabilities(x, rows)  # [1, vocab]
+    u = torch.rand(1, dtype=torch.float64, generator=row.generator)
+    return int(draw(p, u)[0]), p[0], x[0]

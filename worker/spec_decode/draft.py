@@ -9,6 +9,7 @@ speculating sequences batched in one forward pass per token.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,13 +23,15 @@ from worker.sampler import SamplingRow
 from worker.scheduler import ScheduledSequence
 from worker.sequence import Sequence
 from worker.spec_decode import distributions as dist
-from worker.spec_decode.proposal import Proposal
-from worker.spec_decode.rejection_sampler import draw
+from worker.spec_decode.proposal import NUM_ALTERNATIVES, Proposal
 
 # Beside a draft checkpoint: the token ids its output layer covers (`distill` writes it).
 OUTPUT_VOCAB_FILE = "draft_vocab.json"
 # Generated tokens past which the draft no longer takes up a sequence it has not followed.
 TAKE_UP_WITHIN = 16
+# An alternative (``Proposal.alternatives``) gets a verification row of its own only where
+# the draft gives it at least this probability.
+MIN_ALTERNATIVE_PROB = 0.05
 
 
 class VocabularyMismatchError(SpeculativeConfigError):
@@ -75,7 +78,11 @@ class DraftProposer:
         block_size: int,
         target_vocab_size: int,
         target_tokenizer=None,
+        num_alternatives: int = NUM_ALTERNATIVES,
+        min_alternative_prob: float = MIN_ALTERNATIVE_PROB,
     ) -> None:
+        self.num_alternatives = num_alternatives
+        self.min_alternative_prob = min_alternative_prob
         self.model = LlamaModel.from_pretrained(
             path, dtype=dtype, device=device, output_token_ids=read_output_vocab(path)
         )
@@ -123,7 +130,16 @@ class DraftProposer:
                 i = index[id(shadow)]
                 shadow.num_computed_tokens = shadow.num_tokens
                 drafts = proposals[i].token_ids
-                token, p = _pick(row, rows[i], drafts)
+                token, p, x = dist.next_token(row, rows[i], drafts)
+                ranking = x if p is None else p.log()  # as the draft would sample
+                proposals[i].alternatives.append(
+                    runner_ups(
+                        ranking,
+                        token,
+                        count=self.num_alternatives,
+                        min_prob=self.min_alternative_prob,
+                    )
+                )
                 drafts.append(token)
                 shadow.tokens.append(token)
                 if p is not None:
@@ -156,17 +172,20 @@ class DraftProposer:
         return True
 
 
-def _pick(
-    logits: torch.Tensor, row: SamplingRow, drafts: list[int]
-) -> tuple[int, torch.Tensor | None]:
-    """The draft token at the next position, and q (None for greedy: q is one-hot)."""
-    rows = dist.position_rows(row, drafts)[-1:]
-    x = dist.processed_logits(logits[None], rows)
-    if dist.is_greedy(row):
-        return dist.argmax(x)[0], None
-    q = dist.probabilities(x, rows)  # [1, vocab]
-    u = torch.rand(1, dtype=torch.float64, generator=row.generator)
-    return int(draw(q, u)[0]), q[0]
+def runner_ups(x: torch.Tensor, token: int, *, count: int, min_prob: float) -> list[int]:
+    """Up to ``count`` tokens after ``token`` in the draft's own ranking (``x``: logits or
+    log-probabilities [vocab]) whose probability under its softmax is at least
+    ``min_prob``: likely enough to be worth a verification row."""
+    if count <= 0:
+        return []
+    logp = torch.log_softmax(x, dim=-1)
+    top = torch.topk(logp, count + 1)
+    floor = math.log(min_prob) if min_prob > 0 else float("-inf")
+    return [
+        t
+        for t, lp in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        if t != token and lp >= floor
+    ][:count]
 
 
 def check_vocabulary(path, draft_vocab: int, target_vocab: int, target_tokenizer) -> None:

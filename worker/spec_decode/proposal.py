@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from worker.sampler import SamplingRow
 from worker.sequence import Sequence
+
+# Alternatives a draft model offers per draft by default, and the most it may offer.
+NUM_ALTERNATIVES = 3
+MAX_ALTERNATIVES = 8
 
 
 @dataclass(slots=True)
@@ -17,6 +21,10 @@ class Proposal:
     # [len(token_ids), vocab]: the distribution each draft was drawn from; None when the
     # drafts were chosen deterministically (one-hot q: n-gram lookup, greedy draft).
     probs: torch.Tensor | None = None
+    # Per draft: other tokens the proposer rates likely there, best first. The target
+    # verifies them beside the chain: where the chain breaks at draft i and the target's
+    # token is one of i's alternatives, the step keeps it and the target's token after it.
+    alternatives: list[list[int]] = field(default_factory=list)
 
 
 class Proposer(Protocol):

@@ -11,7 +11,7 @@ from worker.block_manager import BlockManager
 from worker.errors import SpeculativeConfigError
 from worker.sampling_params import MAX_SPECULATIVE_TOKENS
 from worker.spec_decode.ngram import NgramProposer
-from worker.spec_decode.proposal import Proposer
+from worker.spec_decode.proposal import MAX_ALTERNATIVES, Proposer
 from worker.spec_decode.speculator import Speculator
 from worker.spec_decode.stats import BackoffPolicy, flat_verify_cost
 from worker.spec_decode.step_cost import StepCostCurve
@@ -34,6 +34,8 @@ def build_speculator(
     target_weight_bytes: int,
     position_cost: float | None,
     draft_cost: float | None,
+    num_alternatives: int,
+    copy_kv_slots: Callable[[list[int], list[int]], None],
     measure_steps: Callable[[int], StepCostCurve],
 ) -> Speculator | None:
     """None when speculation is off. ``speculative_model``: ``"ngram"`` (prompt lookup) or a
@@ -52,6 +54,15 @@ def build_speculator(
         raise SpeculativeConfigError(
             f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
             f"got {k!r}"
+        )
+    if (
+        isinstance(num_alternatives, bool)
+        or not isinstance(num_alternatives, int)
+        or not 0 <= num_alternatives <= MAX_ALTERNATIVES
+    ):
+        raise SpeculativeConfigError(
+            f"speculative_alternatives must be an integer from 0 to {MAX_ALTERNATIVES}, "
+            f"got {num_alternatives!r}"
         )
     if max_batch_size < 0 or not 0.0 <= min_acceptance <= 1.0:
         raise SpeculativeConfigError(
@@ -85,6 +96,7 @@ def build_speculator(
             block_size=block_manager.block_size,
             target_vocab_size=vocab_size,
             target_tokenizer=tokenizer,
+            num_alternatives=num_alternatives,
         )
         if draft_cost is None:
             # A small batch's decode step reads the weights: a draft step costs their ratio.
@@ -98,6 +110,7 @@ def build_speculator(
         num_speculative_tokens=k,
         block_manager=block_manager,
         max_model_len=max_model_len,
+        copy_kv_slots=copy_kv_slots,
         policy=BackoffPolicy(
             max_batch_size=max_batch_size,
             min_acceptance=min_acceptance,

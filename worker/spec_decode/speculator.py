@@ -9,6 +9,7 @@ into the tokens to emit, and ``commit`` rolls back the K/V slots of rejected dra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,10 @@ class Speculator:
         block_manager: BlockManager,
         max_model_len: int,
         policy: BackoffPolicy,
+        copy_kv_slots: Callable[[list[int], list[int]], None],
     ) -> None:
+        """``copy_kv_slots(src, dst)``: copies K/V between cache slots in every layer (the
+        model runner's), for accepted alternatives."""
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.block_manager = block_manager
@@ -46,12 +50,16 @@ class Speculator:
         self.policy = policy
         self.stats = SpecDecodeStats()
         self._proposals: dict[Sequence, Proposal] = {}
+        # An accepted alternative's K/V: (slot offset it was written at, offset it belongs
+        # at), both past the sequence's computed tokens; moved in ``commit``.
+        self._moves: dict[Sequence, tuple[int, int]] = {}
+        self.copy_kv_slots = copy_kv_slots
 
     def propose(self, running: list[Sequence], rows: dict[str, SamplingRow]) -> None:
         """Give each decoding sequence that may speculate its draft tokens for this step."""
         self._proposals.clear()
         for seq in running:
-            seq.spec_token_ids = []
+            seq.clear_spec()
         decoding = [
             s
             for s in running
@@ -77,7 +85,14 @@ class Speculator:
         proposals = self.proposer.propose(chosen, ks, [rows[s.request_id] for s in chosen])
         for seq, proposal in zip(chosen, proposals, strict=True):
             if proposal.token_ids:
-                seq.spec_token_ids = proposal.token_ids
+                # The chain, then the alternatives by depth (the scheduler cuts from the end).
+                alternatives = [
+                    (depth, token)
+                    for depth, tokens in enumerate(proposal.alternatives[: len(proposal.token_ids)])
+                    for token in tokens
+                ]
+                seq.spec_token_ids = proposal.token_ids + [t for _, t in alternatives]
+                seq.spec_alt_depths = [d for d, _ in alternatives]
                 self._proposals[seq] = proposal
 
     def _room(self, seq: Sequence) -> int:
@@ -117,51 +132,84 @@ class Speculator:
     def _verify_one(
         self, seq: Sequence, num_spec: int, logits: torch.Tensor, row: SamplingRow
     ) -> list[SampledToken]:
+        """Rows of ``logits``: the last real token, the chain's drafts, the alternatives."""
         proposal = self._proposals.pop(seq)
-        drafts = seq.spec_token_ids[:num_spec]
+        chain, alt_depths = seq.spec_rows(num_spec)
+        drafts = seq.spec_token_ids[:chain]
         rows = dist.position_rows(row, drafts)
-        x = dist.processed_logits(logits, rows)  # [num_spec + 1, vocab]
+        x = dist.processed_logits(logits[: chain + 1], rows)  # [chain + 1, vocab]
         if dist.is_greedy(row):
             # Greedy: accept exactly the drafts that equal the target's argmax.
             best = dist.argmax(x)
             n = 0
-            while n < num_spec and drafts[n] == best[n]:
+            while n < chain and drafts[n] == best[n]:
                 n += 1
-            emitted = [*drafts[:n], best[n]]
+            token = best[n]
         else:
             p = dist.probabilities(x, rows)
-            q = proposal.probs[:num_spec].unsqueeze(0) if proposal.probs is not None else None
-            u = torch.rand(1, num_spec + 1, dtype=torch.float64, generator=row.generator)
+            q = proposal.probs[:chain].unsqueeze(0) if proposal.probs is not None else None
+            u = torch.rand(1, chain + 1, dtype=torch.float64, generator=row.generator)
             verdict = rejection_sample(
                 p.unsqueeze(0), torch.tensor([drafts], dtype=torch.int64), q, u
             )
             n = int(verdict.num_accepted[0])
-            emitted = [*drafts[:n], int(verdict.next_token[0])]
-        self.stats.record(num_spec, n)
-        self.policy.update(seq, num_spec, n)
-        return _with_logprobs(emitted, logits, seq.params.logprobs)
+            token = int(verdict.next_token[0])
+        emitted, logit_rows = [*drafts[:n], token], list(range(n + 1))
+        # The chain broke at draft n and the target's token there (distributed exactly as
+        # the target's, whatever the drafts were) is one of n's alternatives: that row
+        # holds the target's distribution after it, so the step keeps one more token.
+        alternatives = seq.spec_token_ids[chain:num_spec]
+        hit = next(
+            (
+                i
+                for i, (depth, alt) in enumerate(zip(alt_depths, alternatives, strict=True))
+                if depth == n and alt == token
+            ),
+            None,
+        )
+        if hit is not None:
+            alt_row = chain + 1 + hit
+            after, _, _ = dist.next_token(logits[alt_row], row, [*drafts[:n], token])
+            emitted.append(after)
+            logit_rows.append(alt_row)
+            self._moves[seq] = (chain + hit, n)
+        self.stats.record(chain, n, alternatives=len(alt_depths), alternative_hit=hit is not None)
+        self.policy.update(seq, chain, n)
+        return _with_logprobs(emitted, logits, logit_rows, seq.params.logprobs)
 
     def commit(self, seq: Sequence, num_emitted: int) -> None:
         """After the emitted tokens were appended: the accepted drafts' K/V count as
-        computed (the last emitted token has none yet); rejected drafts' slots go."""
+        computed (the last emitted token has none yet); rejected drafts' slots go. An
+        accepted alternative's K/V first moves to its place after the accepted drafts."""
+        move = self._moves.pop(seq, None)
+        if move is not None:
+            base = seq.num_computed_tokens  # the slot of the chain's first draft
+            src, dst = (self._slot(seq, base + offset) for offset in move)
+            self.copy_kv_slots([src], [dst])
         seq.num_computed_tokens += num_emitted - 1
-        seq.spec_token_ids = []
+        seq.clear_spec()
         self.block_manager.trim(seq.block_table, seq.num_computed_tokens)
 
+    def _slot(self, seq: Sequence, index: int) -> int:
+        size = self.block_manager.block_size
+        return seq.block_table[index // size] * size + index % size
+
     def release(self, seq: Sequence) -> None:
-        seq.spec_token_ids = []
+        seq.clear_spec()
         self._proposals.pop(seq, None)
+        self._moves.pop(seq, None)
         self.proposer.release(seq)
         self.policy.release(seq)
 
 
 def _with_logprobs(
-    token_ids: list[int], logits: torch.Tensor, num_top: int | None
+    token_ids: list[int], logits: torch.Tensor, rows: list[int], num_top: int | None
 ) -> list[SampledToken]:
-    """The emitted tokens, with raw-logit logprobs (as the sampler reports) if asked."""
+    """The emitted tokens, with raw-logit logprobs (as the sampler reports) if asked; token
+    j was chosen from ``logits[rows[j]]``."""
     if num_top is None:
         return [SampledToken(t, None, None) for t in token_ids]
-    logprobs = torch.log_softmax(logits[: len(token_ids)].float(), dim=-1)
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
     top = torch.topk(logprobs, num_top, dim=-1) if num_top else None
     out = []
     for j, t in enumerate(token_ids):
