@@ -562,6 +562,35 @@ def test_the_draft_count_follows_a_cost_that_is_not_linear_in_the_rows():
     assert best_draft_count(0.05, 16, costs) == 1  # the first rows are nearly free
 
 
+def test_alternatives_that_catch_the_targets_token_make_drafts_worth_more():
+    """A draft accepted 20% of the time at 0.25 of a step does not pay (1.2 tokens for 1.25
+    steps); if its alternatives catch the target's token another 20% of the time, it does
+    (1.4 for 1.25). The policy learns that rate from verifications, and prices the rows the
+    alternatives add."""
+    from worker.sequence import Sequence
+    from worker.spec_decode.stats import BackoffPolicy, best_draft_count, flat_verify_cost
+
+    costs = [0.25 * n for n in range(5)]
+    assert best_draft_count(0.2, 4, costs) == 0
+    assert best_draft_count(0.2, 4, costs, alternative_rate=0.2) == 1
+    # tokens for n drafts: 1 + a + ... + a^n plus a^(j-1) x rate for each j <= n
+    assert best_draft_count(0.5, 4, [0.0, 0.3, 0.5, 0.9, 1.3], alternative_rate=0.3) == 2
+
+    policy = BackoffPolicy(
+        max_batch_size=8, min_acceptance=0.0, draft_cost=0.25, verify_cost=flat_verify_cost(0.0)
+    )
+    seq = Sequence("a", [1], SamplingParams(), 0)
+    for _ in range(20):  # 1 draft, 2 alternatives: rejected, an alternative hits every other
+        policy.num_drafts(seq, 4, 1)
+        policy.update(seq, 1, 0, alternatives=2, alternative_hit=True)
+        policy.update(seq, 1, 0, alternatives=2, alternative_hit=False)
+    assert policy.alternative_rate == pytest.approx(0.5, abs=0.1)
+    assert policy.rows_per_draft == pytest.approx(3.0, abs=0.05)
+    priced = BackoffPolicy(max_batch_size=8, min_acceptance=0.0, verify_cost=flat_verify_cost(0.1))
+    priced.rows_per_draft = 3.0
+    assert priced._draft_costs(1, 2) == pytest.approx([0.0, 0.3, 0.6])
+
+
 def test_failed_probes_double_the_pause_under_the_cost_model():
     """A draft not worth its cost (acceptance 0.5 against a cost of 0.52) pauses, probes
     with one draft, and pauses twice as long after each probe that fails."""

@@ -174,7 +174,9 @@ class Speculator:
             logit_rows.append(alt_row)
             self._moves[seq] = (chain + hit, n)
         self.stats.record(chain, n, alternatives=len(alt_depths), alternative_hit=hit is not None)
-        self.policy.update(seq, chain, n)
+        self.policy.update(
+            seq, chain, n, alternatives=len(alt_depths), alternative_hit=hit is not None
+        )
         return _with_logprobs(emitted, logits, logit_rows, seq.params.logprobs)
 
     def commit(self, seq: Sequence, num_emitted: int) -> None:

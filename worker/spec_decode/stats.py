@@ -95,15 +95,22 @@ def flat_verify_cost(position_cost: float) -> VerifyCost:
     return lambda num_decodes, num_drafts: position_cost * num_decodes * num_drafts
 
 
-def best_draft_count(acceptance: float, k: int, costs: list[float]) -> int:
-    """The number of drafts n (0..k) that yields the most tokens per unit of time: the j-th
-    draft is accepted with probability ~acceptance^j, and ``costs[n]`` is what n drafts add
-    to the step, so the rate is (1 + sum of acceptance^j for j <= n) / (1 + costs[n])."""
+def best_draft_count(
+    acceptance: float, k: int, costs: list[float], alternative_rate: float = 0.0
+) -> int:
+    """The number of drafts n (0..k) that yields the most tokens per unit of time, where
+    ``costs[n]`` is what n drafts add to the step. The j-th draft is reached with
+    probability ~acceptance^(j - 1); there the step emits a token (the draft, or the
+    target's own in its place), and one more where an alternative of that draft catches the
+    target's token (``alternative_rate``); past the n-th, the target adds its own. So n
+    drafts yield sum over j <= n of acceptance^(j - 1) (1 + alternative_rate), plus
+    acceptance^n, tokens (1 + a + ... + a^n without alternatives), at 1 + costs[n]."""
     best_n, best_rate = 0, 1.0
-    tokens = chance = 1.0
+    emitted, reach = 0.0, 1.0
     for n in range(1, k + 1):
-        chance *= acceptance
-        tokens += chance
+        emitted += reach * (1.0 + alternative_rate)
+        reach *= acceptance
+        tokens = emitted + reach
         rate = tokens / (1.0 + costs[n])
         if rate > best_rate:
             best_n, best_rate = n, rate
@@ -113,6 +120,7 @@ def best_draft_count(acceptance: float, k: int, costs: list[float]) -> int:
 @dataclass(slots=True)
 class _Track:
     acceptance: float = 0.5  # moving average of the per-position acceptance
+    alternative_rate: float = 0.0  # ... of an alternative catching the target's token there
     pause: int = 0  # steps left without speculating
     next_pause: int = 0  # length of the next pause: doubles while drafts keep failing
     probe: bool = False  # a pause just ended: draft at least one token to measure again
@@ -127,8 +135,10 @@ class BackoffPolicy:
     (what their verification rows add to the step, in units of the time per token of a
     plain step: measured, ``step_cost.StepCostCurve``, or a fixed cost per position and
     sequence) + n x ``draft_cost`` (the proposer's own cost per draft relative to a target
-    step: 0 for prompt lookup). The sequence gets the n that yields the most tokens per unit
-    of time (``best_draft_count``): one that copies its input drafts up to k tokens a step,
+    step: 0 for prompt lookup). A draft model's alternatives count on both sides: their
+    rows (a moving average of rows per draft), and the rate at which one catches the
+    target's token where the chain breaks (per sequence, one more token each time). The
+    sequence gets the n that yields the most tokens per unit of time (``best_draft_count``): one that copies its input drafts up to k tokens a step,
     one that rarely matches drafts one or none. The cost of rows is not linear (on CPU a few
     rows cost nearly nothing and many cost a lot), hence the whole curve, not a slope.
 
@@ -155,9 +165,11 @@ class BackoffPolicy:
         self.verify_cost = verify_cost or flat_verify_cost(POSITION_COST)
         self.draft_cost = draft_cost
         # By decoding sequences: the cost of 0, 1, ... drafts each (asked per sequence a step).
-        self._costs: dict[int, list[float]] = {}
+        self._costs: dict[tuple[int, float], list[float]] = {}
         self._tracks: dict[Sequence, _Track] = {}
         self.acceptance = 0.5  # engine-wide moving average, over every verification
+        self.alternative_rate = 0.0  # the same for alternatives catching the target's token
+        self.rows_per_draft = 1.0  # verified rows per draft: itself and its alternatives
 
     def allows_batch(self, num_decodes: int) -> bool:
         return num_decodes <= self.max_batch_size
@@ -169,7 +181,9 @@ class BackoffPolicy:
             track.pause -= 1
             track.probe = track.pause == 0
             return 0
-        n = best_draft_count(track.acceptance, k, self._draft_costs(num_decodes, k))
+        n = best_draft_count(
+            track.acceptance, k, self._draft_costs(num_decodes, k), track.alternative_rate
+        )
         if n == 0 and not track.probe:
             self._pause(track)  # each pause after a failed probe is twice as long
             return 0
@@ -177,19 +191,38 @@ class BackoffPolicy:
         return max(n, 1)  # a probe drafts one token even where none is worth it
 
     def _draft_costs(self, num_decodes: int, k: int) -> list[float]:
-        costs = self._costs.setdefault(num_decodes, [0.0])
+        # Each draft brings its alternatives' rows too: verified rows per draft, to a tenth.
+        rows = round(self.rows_per_draft, 1)
+        costs = self._costs.setdefault((num_decodes, rows), [0.0])
         while len(costs) <= k:
             n = len(costs)
-            costs.append(self.verify_cost(num_decodes, n) + n * self.draft_cost)
+            costs.append(self.verify_cost(num_decodes, n * rows) + n * self.draft_cost)
         return costs
 
-    def update(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+    def update(
+        self,
+        seq: Sequence,
+        num_proposed: int,
+        num_accepted: int,
+        *,
+        alternatives: int = 0,
+        alternative_hit: bool = False,
+    ) -> None:
+        """One verification of ``seq``'s chain of ``num_proposed`` drafts (``num_accepted``
+        accepted) and ``alternatives`` beside it, one of which caught the target's token
+        (``alternative_hit``) or none."""
         track = self._track(seq)
         # Positions tried: each accepted one, and the first rejected (later ones never ran).
         tried = num_accepted + (num_accepted < num_proposed)
         rate = num_accepted / tried
         self.acceptance = 0.8 * self.acceptance + 0.2 * rate
         track.acceptance = 0.7 * track.acceptance + 0.3 * rate
+        hit_rate = alternative_hit / tried
+        self.alternative_rate = 0.8 * self.alternative_rate + 0.2 * hit_rate
+        track.alternative_rate = 0.7 * track.alternative_rate + 0.3 * hit_rate
+        if num_proposed:
+            drafted = 1.0 + alternatives / num_proposed
+            self.rows_per_draft = 0.9 * self.rows_per_draft + 0.1 * drafted
         if track.acceptance < self.min_acceptance:
             self._pause(track)
             track.acceptance = self.min_acceptance  # retry from the threshold, not below
@@ -214,6 +247,10 @@ class BackoffPolicy:
         if self.acceptance >= self.min_acceptance:
             # From the traffic's acceptance: where drafts mostly fail, the first draft is
             # not worth its cost and the newcomer starts with a pause.
-            return _Track(acceptance=self.acceptance, next_pause=self.pause_steps)
+            return _Track(
+                acceptance=self.acceptance,
+                alternative_rate=self.alternative_rate,
+                next_pause=self.pause_steps,
+            )
         # Start paused, as if the first try had failed already.
         return _Track(self.min_acceptance, pause=self.pause_steps, next_pause=2 * self.pause_steps)
