@@ -138,8 +138,9 @@ class BackoffPolicy:
     step: 0 for prompt lookup). A draft model's alternatives count on both sides: their
     rows (a moving average of rows per draft), and the rate at which one catches the
     target's token where the chain breaks (per sequence, one more token each time). The
-    sequence gets the n that yields the most tokens per unit of time (``best_draft_count``): one that copies its input drafts up to k tokens a step,
-    one that rarely matches drafts one or none. The cost of rows is not linear (on CPU a few
+    sequence gets the n that yields the most tokens per unit of time
+    (``best_draft_count``): one that copies its input drafts up to k tokens a step, one
+    that rarely matches drafts one or none. The cost of rows is not linear (on CPU a few
     rows cost nearly nothing and many cost a lot), hence the whole curve, not a slope.
 
     A sequence whose first draft is not worth its cost (or whose acceptance falls below
