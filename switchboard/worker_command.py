@@ -70,6 +70,7 @@ def worker_engine_kwargs(args: argparse.Namespace) -> dict:
         "speculative_max_batch_size": args.speculative_max_batch_size,
         "speculative_min_acceptance": args.speculative_min_acceptance,
         "speculative_draft_cost": args.speculative_draft_cost,
+        "speculative_alternatives": args.speculative_alternatives,
     } | (
         {}
         if args.speculative_position_cost is None
@@ -179,6 +180,13 @@ def _speculative_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="a draft model's cost per draft token relative to a target step (default: "
         "the ratio of their weights; 0 for ngram)",
+    )
+    parser.add_argument(
+        "--speculative-alternatives",
+        type=int,
+        default=3,  # worker.spec_decode.proposal.NUM_ALTERNATIVES (this module avoids torch)
+        help="runner-up tokens a draft model offers per draft, each verified beside the "
+        "chain (0-8; default: %(default)s)",
     )
 
 

@@ -489,6 +489,14 @@ def test_worker_flags_reach_the_engine(target):
     assert engine.speculator is not None and engine.speculator.k == 3
     off = worker_engine_kwargs(build_parser().parse_args(["worker"]))
     assert LLMEngine(target, dtype="float32", **off).spec_decode_stats is None
+    args = build_parser().parse_args(
+        ["worker", "--speculative-model", str(target), "--speculative-alternatives", "5"]
+    )
+    engine = LLMEngine(target, dtype="float32", **worker_engine_kwargs(args))
+    assert engine.speculator.proposer.num_alternatives == 5
+    from worker.spec_decode.proposal import NUM_ALTERNATIVES
+
+    assert build_parser().parse_args(["worker"]).speculative_alternatives == NUM_ALTERNATIVES
 
 
 def test_backoff_pauses_a_failing_sequence_and_starts_newcomers_paused():
