@@ -140,6 +140,13 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="also run the draft without alternatives (engine 'draft-chain'), to compare",
     )
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        metavar="WORKLOAD_BATCH",
+        help="run only these, e.g. chat_batch1 grounded_batch16 (default: all four)",
+    )
     parser.add_argument("--out", default="bench/results/spec.json")
     args = parser.parse_args(argv)
 
@@ -175,6 +182,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for workload in ("grounded", "chat"):
         for batch, num in ((1, args.num_prompts), (16, 16)):
+            key = f"{workload}_batch{batch}"
+            if args.only and key not in args.only:
+                continue
             texts = prompts(tokenizer, workload, num)
             runs: dict[str, dict] = {}
             for _ in range(args.repeats):  # interleaved; the fastest of each is kept
@@ -192,7 +202,6 @@ def main(argv: list[str] | None = None) -> dict:
                 r["same_tokens_as_off"] = f"{same}/{len(texts)}"
             for r in runs.values():
                 del r["token_ids"]
-            key = f"{workload}_batch{batch}"
             report[key] = runs
             print(f"{key}: {json.dumps(runs)}", flush=True)
     return write_report(report, args.out)
