@@ -12,7 +12,9 @@
  * Cache layout (kernels/paged_attention.py): [num_blocks, block_size, kv_heads, head_dim].
  * Query head h reads KV head h / (heads / kv_heads) (grouped-query attention). A sequence
  * feeds n queries (1, or k + 1 when a speculative step verifies k drafts); query i sits at
- * position start + i and sees keys 0 .. start + i.
+ * position start + i and sees keys 0 .. start + i. An alternative draft (verified beside a
+ * chain of drafts, in a slot past the chain) is its own one-query sequence whose last key,
+ * at its own position, is read from that slot instead of from the table ("own slot").
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,6 +37,8 @@ typedef struct {
     int64_t rows, group;   /* rows = group * queries */
     int64_t first_len;     /* keys row r sees: first_len + r / group */
     int64_t stride;        /* of the scores scratch: the most keys, rounded up to 16 */
+    int64_t own_index;     /* the key read from own_slot instead of the table; -1: none */
+    int64_t own_slot;      /* flat slot (block * block_size + offset) */
 } Item;
 
 static inline int64_t visible(const Item *it, int64_t r) { return it->first_len + r / it->group; }
@@ -54,15 +58,22 @@ static inline void prefetch_block(const Item *it, const char *rows, int64_t coun
             __builtin_prefetch(rows + o * step + line, 0, 3);
 }
 
+/* The item's KV head in the given flat slot (the own slot). */
+static inline const char *slot_row(const Item *it, const char *cache, int64_t slot) {
+    return cache + (slot * it->kv_heads + it->kv_head) * it->head_dim * it->elem_bytes;
+}
+
 #define FOR_EACH_KEY(it, cache, len, j, ptr, ...)                                        \
     for (int64_t blk_ = 0, j = 0; j < (len); blk_++) {                                  \
-        const char *ptr = block_rows((it), (cache), blk_);                              \
+        const char *row_ = block_rows((it), (cache), blk_);                             \
         if (j + (it)->block_size < (len))                                               \
             prefetch_block((it), block_rows((it), (cache), blk_ + 1),                   \
                            (len) - j - (it)->block_size < (it)->block_size              \
                                ? (len) - j - (it)->block_size : (it)->block_size);      \
         for (int64_t o_ = 0; o_ < (it)->block_size && j < (len); o_++, j++,             \
-                     ptr += (it)->kv_heads * (it)->head_dim * (it)->elem_bytes) {       \
+                     row_ += (it)->kv_heads * (it)->head_dim * (it)->elem_bytes) {      \
+            const char *ptr = j == (it)->own_index                                      \
+                                  ? slot_row((it), (cache), (it)->own_slot) : row_;     \
             __VA_ARGS__                                                                 \
         }                                                                               \
     }
@@ -270,7 +281,9 @@ int sb_attention_has_avx512(void) {
 /* Semantics, for each sequence s and query i < seq_queries[s] at row r = seq_row[s] + i,
  * each head h (KV head g = h / (heads / kv_heads)), len = seq_start[s] + i + 1:
  *     out[r, h] = softmax(scale * q[r, h] . K_s[:len, g]) . V_s[:len, g]
- * where K_s[j] is key_cache[tables[seq_table[s] + j / block_size], j % block_size].
+ * where K_s[j] is key_cache[tables[seq_table[s] + j / block_size], j % block_size], except
+ * that where own_slots[s] >= 0 (then seq_queries[s] is 1) K_s[seq_start[s]] is the flat slot
+ * own_slots[s] of the cache (same for V).
  *   q, out: [T, heads, head_dim] with the given row and head strides (elements)
  *   key_cache, value_cache: [num_blocks, block_size, kv_heads, head_dim], contiguous
  *   all four bf16 (fp32 = 0) or all fp32 (fp32 = 1)
@@ -282,7 +295,7 @@ int sb_paged_decode(const void *q, int64_t q_row, int64_t q_head, void *out, int
                     int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
                     int64_t n_seqs, const int64_t *seq_row, const int64_t *seq_queries,
                     const int64_t *seq_start, const int64_t *seq_table, const int64_t *tables,
-                    float scale, int fp32, int portable) {
+                    const int64_t *own_slots, float scale, int fp32, int portable) {
     if (head_dim > MAX_HEAD_DIM) return -1;
     int use_avx512 = sb_attention_has_avx512() && !portable && !fp32;
     int64_t elem_bytes = fp32 ? 4 : 2;
@@ -320,7 +333,8 @@ int sb_paged_decode(const void *q, int64_t q_row, int64_t q_head, void *out, int
             int64_t row0 = seq_row[s] + first; /* the chunk's first query row */
             Item it = {key_cache, value_cache, elem_bytes, block_size, kv_heads, head_dim,
                        tables + seq_table[s], g, group * n, group, seq_start[s] + first + 1,
-                       (seq_start[s] + first + n + 15) / 16 * 16};
+                       (seq_start[s] + first + n + 15) / 16 * 16,
+                       own_slots[s] >= 0 ? seq_start[s] : -1, own_slots[s]};
             /* row r of the item: query row0 + r / group, head g * group + r % group */
             for (int64_t r = 0; r < it.rows; r++) {
                 int64_t at = (row0 + r / group) * q_row + (g * group + r % group) * q_head;

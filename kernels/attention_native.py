@@ -29,16 +29,24 @@ class NativeDecodes:
     starts: torch.Tensor  # [S]: tokens cached before this step; query i sees start + i + 1
     table_starts: torch.Tensor  # [S]: offset of each sequence's table in ``tables``
     tables: torch.Tensor  # [sum of blocks]: the block tables back to back, unpadded
+    # [S]: -1, or for a one-query sequence the flat cache slot of its own key and value
+    # (key ``start``), read there instead of through the table: an alternative draft.
+    own_slots: torch.Tensor
     count: int
     end_row: int  # one past the last row
     max_block: int  # largest block id (checked against the cache)
+    max_own_slot: int  # largest own slot, -1 if none (checked against the cache)
 
     @classmethod
     def build(
-        cls, starts: Sequence[int], queries: Sequence[int], tables: Sequence[Sequence[int]]
+        cls,
+        starts: Sequence[int],
+        queries: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        own_slots: Sequence[int] | None = None,
     ) -> NativeDecodes:
         """Sequences in batch order from row 0, each with its start, rows fed and blocks
-        (which must cover start + rows fed tokens)."""
+        (which must cover start + rows fed tokens), and its own slot or -1 (default)."""
         rows, table_starts, flat = [], [], []
         row = 0
         for n, table in zip(queries, tables, strict=True):
@@ -46,6 +54,11 @@ class NativeDecodes:
             table_starts.append(len(flat))
             flat.extend(table)
             row += n
+        own = list(own_slots) if own_slots is not None else [-1] * len(rows)
+        if len(own) != len(rows) or any(
+            s >= 0 and n != 1 for s, n in zip(own, queries, strict=True)
+        ):
+            raise ValueError("own slots: one per sequence, and only for one-query sequences")
 
         def ints(values: Sequence[int]) -> torch.Tensor:
             return torch.tensor(list(values), dtype=torch.int64)
@@ -56,9 +69,11 @@ class NativeDecodes:
             starts=ints(starts),
             table_starts=ints(table_starts),
             tables=ints(flat),
+            own_slots=ints(own),
             count=len(rows),
             end_row=row,
             max_block=max(flat, default=-1),
+            max_own_slot=max(own, default=-1),
         )
 
 
@@ -69,7 +84,7 @@ class NativeAttention:
         self._decode = lib.sb_paged_decode
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr]
-        self._decode.argtypes += [_i64] * 5 + [_ptr] * 5 + [ctypes.c_float] + [ctypes.c_int] * 2
+        self._decode.argtypes += [_i64] * 5 + [_ptr] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
         self.has_avx512 = bool(lib.sb_attention_has_avx512())
 
     def decode(
@@ -84,7 +99,8 @@ class NativeAttention:
         portable: bool = False,
     ) -> None:
         """Semantics: ``out[r, h] = softmax(scale * q[r, h] · K[:len]) · V[:len]`` per decode
-        query, ``len = start + i + 1`` (see kernels/attention_cpu.c)."""
+        query, ``len = start + i + 1``, key ``start`` of a sequence with an own slot read
+        from that slot (see kernels/attention_cpu.c)."""
         num_blocks, block_size, kv_heads, head_dim = key_cache.shape
         tensors = (query, out, key_cache, value_cache)
         if (
@@ -98,6 +114,7 @@ class NativeAttention:
             or query.shape[1] % kv_heads
             or decodes.end_row > query.shape[0]
             or decodes.max_block >= num_blocks
+            or decodes.max_own_slot >= num_blocks * block_size
         ):
             raise ValueError(
                 f"native attention: query {tuple(query.shape)} {query.dtype}, cache "
@@ -124,6 +141,7 @@ class NativeAttention:
             decodes.starts.data_ptr(),
             decodes.table_starts.data_ptr(),
             decodes.tables.data_ptr(),
+            decodes.own_slots.data_ptr(),
             scale,
             int(key_cache.dtype == torch.float32),
             int(portable),

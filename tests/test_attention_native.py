@@ -119,6 +119,35 @@ def test_query_may_be_a_strided_view():
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_an_own_slot_stands_in_for_the_last_key(variant):
+    """An alternative draft: a one-query sequence over another's blocks whose last key and
+    value (at its own position) come from a slot elsewhere in the cache."""
+    dtype, portable, tol = VARIANTS[variant]
+    key_cache, value_cache = make_cache(dtype=dtype)
+    _, tables = make_decodes([13], [3])  # the sequence: 13 cached, 3 rows fed
+    table = tables[0]
+    elsewhere = 63 * BLOCK_SIZE + 2  # any slot: where the alternatives were written
+    starts, queries = [13, 14, 13], [3, 1, 1]  # the chain, then alternatives at index 1, 0
+    decodes = NativeDecodes.build(starts, queries, [table] * 3, [-1, elsewhere, elsewhere - 1])
+    query = torch.randn(5, 4, 40, generator=torch.Generator().manual_seed(4)).to(dtype)
+    out = torch.empty_like(query)
+    KERNEL.decode(query, out, key_cache, value_cache, decodes, 0.3, portable=portable)
+    want = loop_attention(query[:3], key_cache, value_cache, [13], [3], tables, 0.3)
+    torch.testing.assert_close(out[:3].double(), want, atol=tol, rtol=tol)
+    flat_keys, flat_values = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+    for row, start, slot in ((3, 14, elsewhere), (4, 13, elsewhere - 1)):
+        keys = torch.cat([key_cache[table].flatten(0, 1)[:start], flat_keys[slot : slot + 1]])
+        values = torch.cat([value_cache[table].flatten(0, 1)[:start], flat_values[slot : slot + 1]])
+        for h in range(4):
+            g = h // 2
+            scores = keys[:, g].double() @ query[row, h].double() * 0.3
+            expected = torch.softmax(scores, 0) @ values[:, g].double()
+            torch.testing.assert_close(out[row, h].double(), expected, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="only for one-query sequences"):
+        NativeDecodes.build([13], [3], [table], [elsewhere])
+
+
 def test_mismatched_inputs_are_refused():
     key_cache, _ = make_cache()
     decodes, _ = make_decodes([3], [1])
@@ -145,7 +174,7 @@ def test_model_steps_match_the_gathered_sdpa_path(tmp_path, dtype):
     """A model run step by step twice, decodes through the kernel and through the torch
     path (block gather + SDPA, checked against transformers in fp32 elsewhere): contexts
     of 1 to 45 tokens in blocks of 4, then a step where one sequence verifies two draft
-    tokens while another one's prompt is prefilled."""
+    tokens and three alternatives while another one's prompt is prefilled."""
     path = make_checkpoint(tmp_path, arch="llama", num_heads=4, num_kv_heads=2)
     model = LlamaModel.from_pretrained(path, dtype=dtype)
     runners = {on: ModelRunner(model, num_blocks=96, block_size=4) for on in (True, False)}
@@ -169,9 +198,12 @@ def test_model_steps_match_the_gathered_sdpa_path(tmp_path, dtype):
             seq.append_token(token)
             pool.allocate(seq.block_table, seq.num_tokens)
         step = [ScheduledSequence(seq, seq.num_tokens - 1, 1) for seq in seqs[:4]]
-        if n == 4:  # the last step: drafts to verify, and a prompt beside the decodes
-            seqs[0].spec_token_ids = [5, 9]
-            pool.allocate(seqs[0].block_table, seqs[0].num_tokens + 2)
-            step[0] = ScheduledSequence(seqs[0], seqs[0].num_tokens - 1, 1, num_spec=2)
+        if n == 4:  # the last step: drafts to verify, and a prompt beside the decodes;
+            # the chain 5, 9 has alternatives 7 and 11 for the 5 and 3 for the 9 (the kernel
+            # attends each as a sequence of its own, the torch path the tree as a chunk)
+            seqs[0].spec_token_ids = [5, 9, 7, 11, 3]
+            seqs[0].spec_alt_depths = [0, 0, 1]
+            pool.allocate(seqs[0].block_table, seqs[0].num_tokens + 5)
+            step[0] = ScheduledSequence(seqs[0], seqs[0].num_tokens - 1, 1, num_spec=5)
             pool.allocate(seqs[4].block_table, seqs[4].num_tokens)
             step.append(ScheduledSequence(seqs[4], 0, seqs[4].num_tokens))

@@ -160,17 +160,21 @@ def test_greedy_with_adapters_mixed_in_one_batch(target, other_draft, adapters, 
     assert_no_block_leaks(llm.engine)
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", [*sorted(VARIANTS), "torch-attention"])
 def test_alternatives_add_tokens_and_keep_greedy_tokens_and_logprobs(target, close_draft, variant):
     """A draft close to the target misses some of its tokens by a near tie, and its
     runner-up there is then often the target's token. Verified beside the chain (its own
     row: the position of the draft it stands in for, the cache up to it, itself), such an
     alternative adds the target's token after it to the step, from the K/V it moves into
-    place; every token and logprob stays plain decoding's."""
+    place; every token and logprob stays plain decoding's. The native decode kernel
+    attends each alternative as a one-query sequence; the torch path (GPU, or no kernel)
+    attends the tree as a chunk with a mask."""
     prompts = random_prompts(6, min_len=1, max_len=30, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=2, ignore_eos=True)
     expected = LLM(target, dtype="float32").generate(prompts, params)
-    llm = speculative(target, str(close_draft), **VARIANTS[variant])
+    llm = speculative(target, str(close_draft), **VARIANTS.get(variant, {}))
+    if variant == "torch-attention":
+        llm.engine.runner.native_decodes = False
     outputs = llm.generate(prompts, params)
     for out, exp in zip(outputs, expected, strict=True):
         assert out.token_ids == exp.token_ids

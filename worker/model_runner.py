@@ -35,12 +35,6 @@ class StepInputs:
     order: list[ScheduledSequence]  # the batch's sequences in flattened order
 
 
-def _is_decode(s: ScheduledSequence) -> bool:
-    """One real token past the prompt (plus any chain of draft tokens to verify after it).
-    Drafts with alternatives form a small tree, attended as a chunk with its own mask."""
-    return s.num_tokens == 1 and s.start > 0 and not _alternatives(s)
-
-
 def _alternatives(s: ScheduledSequence) -> list[int]:
     """The chain index each alternative draft fed this step stands in for."""
     return s.seq.spec_rows(s.num_spec)[1] if s.num_spec else []
@@ -139,9 +133,9 @@ class ModelRunner:
         # Decodes (one real token, maybe draft tokens after it) sorted by tokens fed, then
         # context length, so that similar sequences share one attention call.
         decodes = sorted(
-            (s for s in scheduled if _is_decode(s)), key=lambda s: (s.num_fed, s.start)
+            (s for s in scheduled if self._is_decode(s)), key=lambda s: (s.num_fed, s.start)
         )
-        prefills = [s for s in scheduled if not _is_decode(s)]
+        prefills = [s for s in scheduled if not self._is_decode(s)]
         order = decodes + prefills
         bs = self.block_size
         ids: list[int] = []
@@ -167,11 +161,7 @@ class ModelRunner:
             slot_mapping=self._indices(slots),
             decode_groups=[] if self.native_decodes else self._decode_groups(decodes),
             prefills=self._prefill_chunks(prefills, start=sum(s.num_fed for s in decodes)),
-            native_decodes=NativeDecodes.build(
-                [s.start for s in decodes],
-                [s.num_fed for s in decodes],
-                [s.seq.block_table for s in decodes],
-            )
+            native_decodes=self._native_decodes(decodes)
             if self.native_decodes and decodes
             else None,
         )
@@ -182,6 +172,35 @@ class ModelRunner:
             logit_rows=self._indices(logit_rows),
             order=order,
         )
+
+    def _is_decode(self, s: ScheduledSequence) -> bool:
+        """One real token past the prompt, plus any draft tokens to verify after it. Drafts
+        with alternatives form a small tree: the native kernel attends each alternative as
+        a sequence of its own; the torch path attends the tree as a chunk with a mask."""
+        return s.num_tokens == 1 and s.start > 0 and (self.native_decodes or not _alternatives(s))
+
+    def _native_decodes(self, decodes: list[ScheduledSequence]) -> NativeDecodes:
+        """The decodes for the native kernel: each sequence's last token and chain of
+        drafts, then each alternative as a one-query sequence over the same blocks, seeing
+        the keys before the draft it stands in for and, at that draft's position, itself
+        (its own slot, past the chain)."""
+        bs = self.block_size
+        starts, queries, tables, own_slots = [], [], [], []
+        for s in decodes:
+            table = s.seq.block_table
+            alt_depths = _alternatives(s)
+            chain_rows = s.num_fed - len(alt_depths)
+            starts.append(s.start)
+            queries.append(chain_rows)
+            tables.append(table)
+            own_slots.append(-1)
+            for a, depth in enumerate(alt_depths):
+                index = s.start + chain_rows + a
+                starts.append(s.start + s.num_tokens + depth)
+                queries.append(1)
+                tables.append(table)
+                own_slots.append(table[index // bs] * bs + index % bs)
+        return NativeDecodes.build(starts, queries, tables, own_slots)
 
     def _indices(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device)
