@@ -377,6 +377,9 @@ def test_default_costs_keep_a_draft_as_costly_as_the_target_to_rare_probes(targe
     expected = LLM(target, dtype="float32").generate(prompts, greedy(40))
     costly = LLM(target, dtype="float32", speculative_model=str(target), num_speculative_tokens=4)
     assert costly.engine.speculator.policy.draft_cost == pytest.approx(1.0)
+    # The weights' ratio as it starts; the engine then follows the time it measures (timing
+    # noise on a tiny model: see test_the_draft_cost_follows_the_measured_time).
+    costly.engine.speculator.measure_draft_cost = False
     outputs = costly.generate(prompts, greedy(40))
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     probes = costly.engine.spec_decode_stats
@@ -387,6 +390,49 @@ def test_default_costs_keep_a_draft_as_costly_as_the_target_to_rare_probes(targe
         o.token_ids for o in expected
     ]
     assert lookup.engine.spec_decode_stats.num_proposed > 2 * probes.num_proposed
+
+
+def test_drafts_must_pay_for_the_whole_step():
+    """A draft model's passes slow every sequence of the step: one sequence of four drafting
+    (accepted half the time, at 0.2 of a step) gains 0.5 tokens where the step loses 0.8
+    tokens' worth, so it does not draft; all four drafting gain 2 for 0.8, and do."""
+    from worker.sequence import Sequence
+    from worker.spec_decode.stats import BackoffPolicy, flat_verify_cost
+
+    policy = BackoffPolicy(
+        max_batch_size=8, min_acceptance=0.0, draft_cost=0.2, verify_cost=flat_verify_cost(0.0)
+    )
+    seqs = [Sequence(f"s{i}", [1], SamplingParams(), i) for i in range(4)]
+    assert not policy.step_pays(seqs[:1], [1], 4)
+    assert policy.step_pays(seqs, [1] * 4, 4)
+    assert policy.step_pays(seqs[:1], [1], 1)  # alone, its own count decides
+
+
+def test_the_draft_cost_follows_the_measured_time(target, other_draft):
+    """A draft model's cost starts as its weights over the target's, then follows its
+    forward passes' time over the target's in decode-only steps (a moving average); a cost
+    given by the user stays as given, and prompt lookup's stays 0."""
+    from worker.spec_decode.stats import BackoffPolicy
+
+    policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.0, draft_cost=0.5)
+    for _ in range(60):
+        policy.observe_draft_cost(0.1)
+    assert policy.draft_cost == pytest.approx(0.1, abs=0.001)
+
+    llm = LLM(target, dtype="float32", speculative_model=str(other_draft))
+    initial = llm.engine.speculator.policy.draft_cost
+    assert llm.engine.speculator.measure_draft_cost and 0 < initial < 1
+    llm.generate(copying_prompts(2, seed=7), greedy(30))
+    measured = llm.engine.speculator.policy.draft_cost
+    assert measured != initial and measured > 0
+    given = LLM(
+        target, dtype="float32", speculative_model=str(other_draft), speculative_draft_cost=0.3
+    )
+    given.generate(copying_prompts(2, seed=7), greedy(30))
+    assert given.engine.speculator.policy.draft_cost == 0.3
+    assert not LLM(
+        target, dtype="float32", speculative_model="ngram"
+    ).engine.speculator.measure_draft_cost
 
 
 def test_a_requests_own_k_caps_its_drafts(target):

@@ -295,11 +295,17 @@ class LLMEngine:
         self.runner.move_blocks(sched.moves)
         if sched.is_empty:
             return []
+        start = time.perf_counter()
         sampling, logits = self.runner.execute(sched.scheduled)
+        # A step of decodes only prices a draft model's passes (a prefill would inflate it).
+        decodes_only = all(s.num_tokens == 1 for s in sched.scheduled)
+        step_seconds = time.perf_counter() - start if decodes_only else None
         self.scheduler.mark_computed(sched)
         verified: list[Verified] = []
         if self.speculator is not None:
-            sampling, logits, verified = self.speculator.verify(sampling, logits, self._rows)
+            sampling, logits, verified = self.speculator.verify(
+                sampling, logits, self._rows, step_seconds
+            )
         if self._forks:
             sampling, logits = self._fork_samples(sampling, logits)
         sampled = self.sampler(logits, [self._rows[s.seq.request_id] for s in sampling])

@@ -75,6 +75,7 @@ def build_speculator(
             "speculative_position_cost and speculative_draft_cost must be >= 0"
         )
     proposer: Proposer
+    measure = False
     if str(speculative_model) == NGRAM:
         proposer = NgramProposer()
         if draft_cost is None:
@@ -98,8 +99,11 @@ def build_speculator(
             target_tokenizer=tokenizer,
             num_alternatives=num_alternatives,
         )
+        # On a GPU the forward pass returns before the device is done: not timed there.
+        measure = draft_cost is None and torch.device(device).type == "cpu"
         if draft_cost is None:
-            # A small batch's decode step reads the weights: a draft step costs their ratio.
+            # A small batch's decode step reads the weights: a draft step costs their ratio,
+            # to start with; then what the engine measures (Speculator.verify).
             draft_cost = proposer.model.decode_weight_bytes / target_weight_bytes
     if position_cost is not None or max_batch_size == 0:
         verify_cost = flat_verify_cost(position_cost or 0.0)
@@ -111,6 +115,7 @@ def build_speculator(
         block_manager=block_manager,
         max_model_len=max_model_len,
         copy_kv_slots=copy_kv_slots,
+        measure_draft_cost=measure,
         policy=BackoffPolicy(
             max_batch_size=max_batch_size,
             min_acceptance=min_acceptance,

@@ -9,6 +9,7 @@ into the tokens to emit, and ``commit`` rolls back the K/V slots of rejected dra
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,9 +41,13 @@ class Speculator:
         max_model_len: int,
         policy: BackoffPolicy,
         copy_kv_slots: Callable[[list[int], list[int]], None],
+        measure_draft_cost: bool = False,
     ) -> None:
         """``copy_kv_slots(src, dst)``: copies K/V between cache slots in every layer (the
-        model runner's), for accepted alternatives."""
+        model runner's), for accepted alternatives. ``measure_draft_cost``: the policy's
+        draft cost follows the proposer's measured time over the target's (``verify``)."""
+        self.measure_draft_cost = measure_draft_cost
+        self._propose_seconds = 0.0  # this step's proposer time, per draft forward pass
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.block_manager = block_manager
@@ -58,6 +63,7 @@ class Speculator:
     def propose(self, running: list[Sequence], rows: dict[str, SamplingRow]) -> None:
         """Give each decoding sequence that may speculate its draft tokens for this step."""
         self._proposals.clear()
+        self._propose_seconds = 0.0
         for seq in running:
             seq.clear_spec()
         decoding = [
@@ -80,9 +86,20 @@ class Speculator:
             if k > 0:
                 chosen.append(seq)
                 ks.append(k)
+        # Drafts worth their cost sequence by sequence may not be for the step as a whole;
+        # probes (rare, and what keeps acceptance measured) go ahead regardless.
+        probes = [self.policy.is_probing(s) for s in chosen]
+        wanted = [(s, k) for s, k, probe in zip(chosen, ks, probes, strict=True) if not probe]
+        if wanted and not self.policy.step_pays(
+            [s for s, _ in wanted], [k for _, k in wanted], len(decoding)
+        ):
+            chosen = [s for s, probe in zip(chosen, probes, strict=True) if probe]
+            ks = [1] * len(chosen)
         if not chosen:
             return
+        start = time.perf_counter()
         proposals = self.proposer.propose(chosen, ks, [rows[s.request_id] for s in chosen])
+        self._propose_seconds = (time.perf_counter() - start) / max(ks)
         for seq, proposal in zip(chosen, proposals, strict=True):
             if proposal.token_ids:
                 # The chain, then the alternatives by depth (the scheduler cuts from the end).
@@ -110,9 +127,13 @@ class Speculator:
         sampling: list[ScheduledSequence],
         logits: torch.Tensor,
         rows: dict[str, SamplingRow],
+        step_seconds: float | None = None,
     ) -> tuple[list[ScheduledSequence], torch.Tensor, list[Verified]]:
         """Split the step's logits: plain rows (one per sequence, for the sampler) and the
-        verified tokens of every speculating sequence."""
+        verified tokens of every speculating sequence. ``step_seconds``: the target's
+        forward pass, timed, for a step of decodes only (else None)."""
+        if self.measure_draft_cost and self._propose_seconds and step_seconds:
+            self.policy.observe_draft_cost(self._propose_seconds / step_seconds)
         plain, plain_rows, verified = [], [], []
         row = 0
         for s in sampling:
