@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,9 @@ class DraftProposer:
         )
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=block_size)
         self._shadows: dict[Sequence, _Shadow] = {}
+        # The last proposal's fastest forward pass that fed one token per sequence (none
+        # catching up on a history): what one more draft costs, for the policy.
+        self.decode_seconds: float | None = None
 
     def release(self, seq: Sequence) -> None:
         shadow = self._shadows.pop(seq, None)
@@ -112,6 +116,7 @@ class DraftProposer:
         self, seqs: list[Sequence], ks: list[int], rows: list[SamplingRow]
     ) -> list[Proposal]:
         proposals = [Proposal([]) for _ in seqs]
+        decode_seconds: list[float] = []
         # The k-th draft is never fed back, so the draft holds len(tokens) + k - 1 tokens.
         live = [i for i, s in enumerate(seqs) if self._prepare(s, s.num_tokens + ks[i] - 1)]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -122,7 +127,10 @@ class DraftProposer:
                 ScheduledSequence(s, s.num_computed_tokens, s.num_uncomputed_tokens)
                 for s in shadows
             ]
+            start = time.perf_counter()
             order, logits = self.runner.execute(scheduled)  # [len(active), vocab]
+            if all(s.num_tokens == 1 for s in scheduled):  # not catching up on a history
+                decode_seconds.append(time.perf_counter() - start)
             # The runner reorders the batch (decodes first): map rows back by shadow.
             index = {id(s): i for s, i in zip(shadows, active, strict=True)}
             for row, placed in zip(logits, order, strict=True):
@@ -147,6 +155,7 @@ class DraftProposer:
         for i in live:
             if probs[i]:
                 proposals[i].probs = torch.stack(probs[i])
+        self.decode_seconds = min(decode_seconds, default=None)
         return proposals
 
     def _prepare(self, seq: Sequence, num_tokens: int) -> bool:

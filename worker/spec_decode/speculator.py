@@ -9,7 +9,6 @@ into the tokens to emit, and ``commit`` rolls back the K/V slots of rejected dra
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,7 +46,7 @@ class Speculator:
         model runner's), for accepted alternatives. ``measure_draft_cost``: the policy's
         draft cost follows the proposer's measured time over the target's (``verify``)."""
         self.measure_draft_cost = measure_draft_cost
-        self._propose_seconds = 0.0  # this step's proposer time, per draft forward pass
+        self._propose_seconds = 0.0  # this step's draft forward pass (one token each)
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.block_manager = block_manager
@@ -97,9 +96,9 @@ class Speculator:
             ks = [1] * len(chosen)
         if not chosen:
             return
-        start = time.perf_counter()
         proposals = self.proposer.propose(chosen, ks, [rows[s.request_id] for s in chosen])
-        self._propose_seconds = (time.perf_counter() - start) / max(ks)
+        if self.measure_draft_cost:
+            self._propose_seconds = self.proposer.decode_seconds or 0.0
         for seq, proposal in zip(chosen, proposals, strict=True):
             if proposal.token_ids:
                 # The chain, then the alternatives by depth (the scheduler cuts from the end).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -84,6 +85,9 @@ class SpecDecodeStats:
 # rows, 52.5 for 40, 96.8 for 136). By default the engine measures it (step_cost.py).
 POSITION_COST = 0.02
 
+
+# Measured draft costs the policy takes the median of (BackoffPolicy.observe_draft_cost).
+DRAFT_COST_WINDOW = 64
 
 # verify_cost(decoding sequences, drafts each): what verifying that many drafts per sequence
 # adds to a step, per sequence, in units of a plain step's time per token.
@@ -180,6 +184,7 @@ class BackoffPolicy:
         self._costs: dict[tuple[int, float], list[float]] = {}
         self._tracks: dict[Sequence, _Track] = {}
         self.acceptance = 0.5  # engine-wide moving average, over every verification
+        self._draft_cost_samples: deque[float] = deque(maxlen=DRAFT_COST_WINDOW)
         self.alternative_rate = 0.0  # the same for alternatives catching the target's token
         self.rows_per_draft = 1.0  # verified rows per draft: itself and its alternatives
 
@@ -227,8 +232,12 @@ class BackoffPolicy:
     def observe_draft_cost(self, cost: float) -> None:
         """A measured draft forward pass over the step's target forward pass: the draft's
         cost as the engine pays it (its weights, evicted from cache by the target's between
-        calls, and its bookkeeping), rather than as its weights' ratio predicts."""
-        self.draft_cost = 0.9 * self.draft_cost + 0.1 * cost
+        calls, and its bookkeeping), rather than as its weights' ratio predicts. The median
+        of the last ``DRAFT_COST_WINDOW``: a step whose proposal also caught the draft up on
+        a long history, or was interrupted, is an outlier, not the price of a draft."""
+        self._draft_cost_samples.append(cost)
+        samples = sorted(self._draft_cost_samples)
+        self.draft_cost = samples[len(samples) // 2]
         self._costs.clear()
 
     def _draft_costs(self, num_decodes: int, k: int) -> list[float]:
