@@ -408,6 +408,31 @@ def test_drafts_must_pay_for_the_whole_step():
     assert policy.step_pays(seqs[:1], [1], 1)  # alone, its own count decides
 
 
+def test_the_speculator_asks_whether_the_step_pays(target, monkeypatch):
+    """Four requests decoding: the speculator asks the policy about the step as a whole,
+    and where it says no, nothing is drafted (a draft equal to the target never needs a
+    probe); where it says yes, drafts are verified."""
+    from worker.spec_decode.stats import BackoffPolicy
+
+    prompts = random_prompts(4, min_len=3, max_len=10, seed=8)
+    asked = []
+
+    def refuse(self, seqs, ks, num_decodes):
+        asked.append(num_decodes)
+        return False
+
+    monkeypatch.setattr(BackoffPolicy, "step_pays", refuse)
+    llm = speculative(target, str(target), speculative_draft_cost=0.1)
+    outputs = llm.generate(prompts, greedy())
+    assert 4 in asked and llm.engine.spec_decode_stats.num_verifications == 0
+    monkeypatch.undo()
+    again = speculative(target, str(target), speculative_draft_cost=0.1)
+    assert [o.token_ids for o in again.generate(prompts, greedy())] == [
+        o.token_ids for o in outputs
+    ]
+    assert again.engine.spec_decode_stats.num_verifications > 0
+
+
 def test_the_draft_cost_follows_the_measured_time(target, other_draft):
     """A draft model's cost starts as its weights over the target's, then follows its
     forward passes' time over the target's in decode-only steps (a running median); a cost

@@ -46,7 +46,7 @@ class Speculator:
         model runner's), for accepted alternatives. ``measure_draft_cost``: the policy's
         draft cost follows the proposer's measured time over the target's (``verify``)."""
         self.measure_draft_cost = measure_draft_cost
-        self._propose_seconds = 0.0  # this step's draft forward pass (one token each)
+        self._draft_seconds = 0.0  # this step's draft forward pass (one token each)
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.block_manager = block_manager
@@ -62,7 +62,7 @@ class Speculator:
     def propose(self, running: list[Sequence], rows: dict[str, SamplingRow]) -> None:
         """Give each decoding sequence that may speculate its draft tokens for this step."""
         self._proposals.clear()
-        self._propose_seconds = 0.0
+        self._draft_seconds = 0.0
         for seq in running:
             seq.clear_spec()
         decoding = [
@@ -98,7 +98,7 @@ class Speculator:
             return
         proposals = self.proposer.propose(chosen, ks, [rows[s.request_id] for s in chosen])
         if self.measure_draft_cost:
-            self._propose_seconds = self.proposer.decode_seconds or 0.0
+            self._draft_seconds = self.proposer.decode_seconds or 0.0
         for seq, proposal in zip(chosen, proposals, strict=True):
             if proposal.token_ids:
                 # The chain, then the alternatives by depth (the scheduler cuts from the end).
@@ -131,8 +131,8 @@ class Speculator:
         """Split the step's logits: plain rows (one per sequence, for the sampler) and the
         verified tokens of every speculating sequence. ``step_seconds``: the target's
         forward pass, timed, for a step of decodes only (else None)."""
-        if self.measure_draft_cost and self._propose_seconds and step_seconds:
-            self.policy.observe_draft_cost(self._propose_seconds / step_seconds)
+        if self.measure_draft_cost and self._draft_seconds and step_seconds:
+            self.policy.observe_draft_cost(self._draft_seconds / step_seconds)
         plain, plain_rows, verified = [], [], []
         row = 0
         for s in sampling:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -236,8 +237,7 @@ class BackoffPolicy:
         of the last ``DRAFT_COST_WINDOW``: a step whose proposal also caught the draft up on
         a long history, or was interrupted, is an outlier, not the price of a draft."""
         self._draft_cost_samples.append(cost)
-        samples = sorted(self._draft_cost_samples)
-        self.draft_cost = samples[len(samples) // 2]
+        self.draft_cost = statistics.median(self._draft_cost_samples)
         self._costs.clear()
 
     def _draft_costs(self, num_decodes: int, k: int) -> list[float]:
