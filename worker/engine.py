@@ -16,6 +16,7 @@ import torch
 from adapters.lora import LoraAdapter
 from worker.block_manager import BlockManager
 from worker.errors import InvalidRequestError, RequestTooLargeError
+from worker.forks import PendingForks
 from worker.llama import LlamaModel
 from worker.lora_manager import LoraManager, UnknownAdapterError
 from worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -25,7 +26,7 @@ from worker.postprocess import Postprocessor
 from worker.prefix_cache import PrefixCacheStats, root_hash
 from worker.sampler import SampledToken, Sampler, SamplingRow
 from worker.sampling_params import SamplingParams
-from worker.scheduler import PreemptionMode, ScheduledSequence, Scheduler
+from worker.scheduler import PreemptionMode, Scheduler
 from worker.sequence import FinishReason, Sequence, SequenceStatus
 from worker.spec_decode.proposal import NUM_ALTERNATIVES
 from worker.spec_decode.setup import build_speculator
@@ -167,9 +168,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Sequence] = {}
         self._rows: dict[str, SamplingRow] = {}
-        # n > 1: samples waiting for their first sibling's prompt to be computed, by the
-        # request id of that sibling (see add_samples).
-        self._forks: dict[str, list[Sequence]] = {}
+        self._forks = PendingForks(self.scheduler)  # n > 1 (see add_samples)
         self._arrivals = itertools.count()
 
     @property
@@ -275,8 +274,7 @@ class LLMEngine:
             )
             seqs.append(seq)
         self.scheduler.add(seqs[0])
-        if len(seqs) > 1:
-            self._forks[seqs[0].request_id] = seqs[1:]
+        self._forks.add(seqs[0], seqs[1:])
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; None if it is unknown or already done."""
@@ -307,7 +305,7 @@ class LLMEngine:
                 sampling, logits, self._rows, step_seconds
             )
         if self._forks:
-            sampling, logits = self._fork_samples(sampling, logits)
+            sampling, logits = self._forks.join(sampling, logits)
         sampled = self.sampler(logits, [self._rows[s.seq.request_id] for s in sampling])
         now = time.monotonic()
         outputs = [
@@ -335,27 +333,8 @@ class LLMEngine:
             self.speculator.commit(seq, count)
         return self.postprocessor.output(seq, new_tokens=count, new_text=new_text)
 
-    def _fork_samples(
-        self, sampling: list[ScheduledSequence], logits: torch.Tensor
-    ) -> tuple[list[ScheduledSequence], torch.Tensor]:
-        """Siblings of a sequence whose prompt just got computed join it here, each to
-        sample its own first token from the same logits row."""
-        rows = list(range(len(sampling)))
-        added = []
-        for row, s in enumerate(sampling):
-            children = (
-                self._forks.pop(s.seq.request_id, None) if not s.seq.output_token_ids else None
-            )
-            for child in children or ():
-                self.scheduler.fork(s.seq, child)
-                added.append(ScheduledSequence(child, s.start, s.num_tokens))
-                rows.append(row)
-        if not added:
-            return sampling, logits
-        return sampling + added, logits[torch.tensor(rows, device=logits.device)]
-
     def _finish(self, seq: Sequence) -> None:
-        self._release_forks(seq)
+        self._forks.release(seq)
         if self.speculator is not None:
             self.speculator.release(seq)
         self.scheduler.remove(seq)
@@ -363,23 +342,6 @@ class LLMEngine:
         seq.metrics.finished_time = time.monotonic()
         del self.requests[seq.request_id]
         del self._rows[seq.request_id]
-
-    def _release_forks(self, seq: Sequence) -> None:
-        """A sample leaving before its fork: drop it; if it was the one computing the
-        prompt, the next sibling takes over (queued, sharing whatever is cached)."""
-        children = self._forks.pop(seq.request_id, None)
-        if children:
-            heir, rest = children[0], children[1:]
-            self.scheduler.add(heir)
-            if rest:
-                self._forks[heir.request_id] = rest
-            return
-        for parent_id, siblings in self._forks.items():
-            if seq in siblings:
-                siblings.remove(seq)
-                if not siblings:
-                    del self._forks[parent_id]
-                return
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
