@@ -8,6 +8,16 @@ DRAM (AVX512-BF16): 163 us vs 266 us at 1 token, 1.8 ms vs 2.5 ms at 1,024 token
 an AVX2-only AMD Zen 3 (576x1536, against ``F.linear``'s MKL path): 288 vs 414 us at 1
 token, 0.58 vs 1.0 ms at 32, 14 vs 17 ms at 1,024. Results differ from ``F.linear`` only
 in summation order (~1e-7 relative in fp32).
+
+A projection may also keep a 4-bit copy of its weight for small batches (``int4_rows``):
+a draft model for speculative decoding reads its weights from DRAM on every one-token
+pass, so halving or quartering the bytes is what makes it cheaper; exactness does not
+suffer, since the target verifies every draft. Per-group asymmetric 4-bit weights
+(groups of ``INT4_GROUP`` input features, bf16 or fp32 scale and zero per group) through
+torch's CPU kernel for them (the one torchao's int4 weight-only layout uses on CPU),
+measured here against the bf16 packed matmul, weights streamed from DRAM: 576x3072, 1 row
+90 vs 168 us, 4 rows 119 vs 182; 8192x576 (a draft's cut-down output layer), 1 row 144 vs
+427 us; from 6 rows on it is no faster, so larger batches use the full-precision weight.
 """
 
 from __future__ import annotations
@@ -19,6 +29,10 @@ import torch.nn.functional as F
 
 # The packed layout is tuned for this many rows; larger batches still run correctly.
 PACK_BATCH_HINT = 1024
+# 4-bit weights: input features per scale/zero group, and the most rows that use them
+# (measured crossover with the bf16 packed matmul: 5-6 rows).
+INT4_GROUP = 64
+INT4_MAX_ROWS = 4
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -53,27 +67,92 @@ def _packing_works(dtype: torch.dtype) -> bool:
     return True
 
 
+def can_quantize_int4(weight: torch.Tensor) -> bool:
+    """Whether ``Linear(..., int4_rows=True)`` can keep a 4-bit copy of this weight: CPU,
+    fp32 or bf16, input features a multiple of ``INT4_GROUP``, and torch's kernel present."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.shape[1] % INT4_GROUP == 0
+        and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Int4Weight:
+    """A weight [out, in] as 4-bit values per group of ``INT4_GROUP`` input features:
+    ``w[o, i] ~ (q[o, i] - 8) * scale[g, o] + zero[g, o]`` with g = i // INT4_GROUP,
+    q in 0..15, the group's minimum and maximum exact (asymmetric rounding)."""
+
+    __slots__ = ("packed", "scales_and_zeros")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        out_features, in_features = weight.shape
+        groups = weight.float().view(out_features, in_features // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)  # [out, groups]
+        scale = (high - low).clamp(min=1e-12) / 15
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        q = q.to(torch.int32).view(out_features, in_features)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
+        # [groups, out, 2] in the activations' dtype, as the kernel reads them
+        both = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        self.scales_and_zeros = both.to(weight.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, INT4_GROUP, self.scales_and_zeros
+        )
+
+
 class Linear:
-    """``y = x @ weight.T + bias`` with ``weight`` [out_features, in_features]."""
+    """``y = x @ weight.T + bias`` with ``weight`` [out_features, in_features].
 
-    __slots__ = ("bias", "in_features", "out_features", "packed", "weight")
+    ``int4_rows``: batches of up to ``INT4_MAX_ROWS`` rows multiply by a 4-bit copy of the
+    weight (approximate; for a draft model) where ``can_quantize_int4``; others by the
+    weight itself."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    __slots__ = ("bias", "in_features", "int4", "out_features", "packed", "weight")
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, int4_rows: bool = False
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.int4 = Int4Weight(weight) if int4_rows and can_quantize_int4(weight) else None
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight
         if can_pack(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
             self.weight = None  # the packed copy replaces it; keep one copy in memory
 
+    @property
+    def decode_bytes(self) -> int:
+        """Bytes a one-row product reads: the 4-bit copy's where there is one."""
+        if self.int4 is not None:
+            return self.int4.packed.numel() + _nbytes(self.int4.scales_and_zeros)
+        return self.out_features * self.in_features * self._element_size()
+
+    def _element_size(self) -> int:
+        weight = self.weight if self.weight is not None else self.packed
+        assert weight is not None
+        return weight.element_size()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+            y = self.int4(x)
+            return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + x @ weight.T (+ bias)``; on CPU the add is fused into the matmul."""
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+            return residual + self(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(
                 x, residual, self.packed, self.bias, "add"

@@ -71,6 +71,7 @@ def worker_engine_kwargs(args: argparse.Namespace) -> dict:
         "speculative_min_acceptance": args.speculative_min_acceptance,
         "speculative_draft_cost": args.speculative_draft_cost,
         "speculative_alternatives": args.speculative_alternatives,
+        "speculative_draft_quantization": args.speculative_draft_quantization,
     } | (
         {}
         if args.speculative_position_cost is None
@@ -184,9 +185,16 @@ def _speculative_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speculative-alternatives",
         type=int,
-        default=3,  # worker.spec_decode.proposal.NUM_ALTERNATIVES (this module avoids torch)
-        help="runner-up tokens a draft model offers per draft, each verified beside the "
-        "chain (0-8; default: %(default)s)",
+        default=7,  # worker.spec_decode.proposal.NUM_ALTERNATIVES (this module avoids torch)
+        help="runner-up tokens a draft model offers per draft, verified beside the chain "
+        "where worth their rows (0-8; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--speculative-draft-quantization",
+        choices=("auto", "int4", "none"),  # worker.spec_decode.setup.DRAFT_QUANTIZATIONS
+        default="auto",
+        help="a draft model's one-token passes on 4-bit weights (CPU): 'auto' where the "
+        "draft runs in bf16; outputs stay the target's (default: %(default)s)",
     )
 
 

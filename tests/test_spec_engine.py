@@ -397,7 +397,7 @@ def test_drafts_must_pay_for_the_whole_step():
     (accepted half the time, at 0.2 of a step) gains 0.5 tokens where the step loses 0.8
     tokens' worth, so it does not draft; all four drafting gain 2 for 0.8, and do."""
     from worker.sequence import Sequence
-    from worker.spec_decode.stats import BackoffPolicy, flat_verify_cost
+    from worker.spec_decode.backoff import BackoffPolicy, flat_verify_cost
 
     policy = BackoffPolicy(
         max_batch_size=8, min_acceptance=0.0, draft_cost=0.2, verify_cost=flat_verify_cost(0.0)
@@ -408,20 +408,37 @@ def test_drafts_must_pay_for_the_whole_step():
     assert policy.step_pays(seqs[:1], [1], 1)  # alone, its own count decides
 
 
-def test_the_speculator_asks_whether_the_step_pays(target, monkeypatch):
-    """Four requests decoding: the speculator asks the policy about the step as a whole,
-    and where it says no, nothing is drafted (a draft equal to the target never needs a
-    probe); where it says yes, drafts are verified."""
-    from worker.spec_decode.stats import BackoffPolicy
+def test_a_draft_pass_must_pay_for_the_whole_step():
+    """A draft pass slows every sequence of the step by the draft's cost: one sequence of
+    four drafting, gaining 0.5 tokens a verification, does not cover the 0.8 tokens' worth
+    a pass at 0.2 of a step costs the batch, so it pauses (and later probes); all four
+    gaining 0.5 each do draft; a probe goes ahead whatever it is worth."""
+    from worker.sequence import Sequence
+    from worker.spec_decode.backoff import BackoffPolicy
+
+    policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.0, draft_cost=0.2, pause_steps=2)
+    seqs = [Sequence(f"s{i}", [1], SamplingParams(), i) for i in range(4)]
+    assert policy.pass_pays(seqs[:1], 4) == []
+    assert [policy.may_draft(seqs[0]) for _ in range(3)] == [False, False, True]  # probe next
+    assert policy.pass_pays(seqs[:1], 4) == seqs[:1]
+    assert policy.pass_pays(seqs[1:], 4) == seqs[1:]  # three gaining 1.5 cover 0.8
+    assert policy.pass_pays(seqs[1:2], 1) == seqs[1:2]  # alone: 0.5 covers 0.2
+
+
+def test_the_speculator_asks_whether_a_draft_pass_pays(target, monkeypatch):
+    """Four requests decoding: before drafting, the speculator asks the policy about the
+    step as a whole; where it says no, nothing is drafted; where it says yes, drafts are
+    verified."""
+    from worker.spec_decode.backoff import BackoffPolicy
 
     prompts = random_prompts(4, min_len=3, max_len=10, seed=8)
     asked = []
 
-    def refuse(self, seqs, ks, num_decodes):
+    def refuse(self, seqs, num_decodes):
         asked.append(num_decodes)
-        return False
+        return []
 
-    monkeypatch.setattr(BackoffPolicy, "step_pays", refuse)
+    monkeypatch.setattr(BackoffPolicy, "pass_pays", refuse)
     llm = speculative(target, str(target), speculative_draft_cost=0.1)
     outputs = llm.generate(prompts, greedy())
     assert 4 in asked and llm.engine.spec_decode_stats.num_verifications == 0
@@ -437,7 +454,7 @@ def test_the_draft_cost_follows_the_measured_time(target, other_draft):
     """A draft model's cost starts as its weights over the target's, then follows its
     forward passes' time over the target's in decode-only steps (a running median); a cost
     given by the user stays as given, and prompt lookup's stays 0."""
-    from worker.spec_decode.stats import BackoffPolicy
+    from worker.spec_decode.backoff import BackoffPolicy
 
     policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.0, draft_cost=0.5)
     for cost in [0.1, 0.12, 0.9] * 10:  # a catch-up now and then: an outlier, not the price
@@ -470,10 +487,10 @@ def test_a_requests_own_k_caps_its_drafts(target):
     most: dict[str, int] = {}
     propose = llm.engine.speculator.proposer.propose
 
-    def spying(seqs, ks, rows):
+    def spying(seqs, ks, rows, plan=None):
         for seq, k in zip(seqs, ks, strict=True):
             most[seq.request_id] = max(k, most.get(seq.request_id, 0))
-        return propose(seqs, ks, rows)
+        return propose(seqs, ks, rows, plan)
 
     llm.engine.speculator.proposer.propose = spying
     params = [
@@ -507,10 +524,10 @@ def test_a_draft_takes_up_only_sequences_it_can_catch_up_on_cheaply(target, shor
     first_draft_at: dict[str, int] = {}
     propose = llm.engine.speculator.proposer.propose
 
-    def spying(seqs, ks, rows):
+    def spying(seqs, ks, rows, plan=None):
         for seq in seqs:
             first_draft_at.setdefault(seq.request_id, len(seq.output_token_ids))
-        return propose(seqs, ks, rows)
+        return propose(seqs, ks, rows, plan)
 
     llm.engine.speculator.proposer.propose = spying
     outputs = llm.generate(prompts, params)
@@ -576,7 +593,7 @@ def test_worker_flags_reach_the_engine(target):
 
 def test_backoff_pauses_a_failing_sequence_and_starts_newcomers_paused():
     from worker.sequence import Sequence
-    from worker.spec_decode.stats import BackoffPolicy
+    from worker.spec_decode.backoff import BackoffPolicy
 
     policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.2, pause_steps=4)
     first = Sequence("a", [1], SamplingParams(), 0)
@@ -603,7 +620,7 @@ def test_drafts_per_step_follow_acceptance_and_batch_size():
     sequence that copies, one draft for one that rarely matches, none where the first draft
     is not worth it."""
     from worker.sequence import Sequence
-    from worker.spec_decode.stats import BackoffPolicy
+    from worker.spec_decode.backoff import BackoffPolicy
 
     def settled(accepted: int, proposed: int, *, draft_cost: float = 0.0) -> tuple:
         policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.0, draft_cost=draft_cost)
@@ -632,7 +649,7 @@ def test_the_draft_count_follows_a_cost_that_is_not_linear_in_the_rows():
     """Rows nearly free up to 5, then dear (as measured on a Zen 4 in bf16): a sequence of
     middling acceptance drafts 4, not the 8 that the cost of 4 drafts, spread evenly over
     every position, would allow."""
-    from worker.spec_decode.stats import best_draft_count
+    from worker.spec_decode.backoff import best_draft_count
     from worker.spec_decode.step_cost import StepCostCurve
 
     curve = StepCostCurve((1, 5, 9, 17), (0.0175, 0.0180, 0.0210, 0.0285))
@@ -651,7 +668,7 @@ def test_alternatives_that_catch_the_targets_token_make_drafts_worth_more():
     (1.4 for 1.25). The policy learns that rate from verifications, and prices the rows the
     alternatives add."""
     from worker.sequence import Sequence
-    from worker.spec_decode.stats import BackoffPolicy, best_draft_count, flat_verify_cost
+    from worker.spec_decode.backoff import BackoffPolicy, best_draft_count, flat_verify_cost
 
     costs = [0.25 * n for n in range(5)]
     assert best_draft_count(0.2, 4, costs) == 0
@@ -678,7 +695,7 @@ def test_failed_probes_double_the_pause_under_the_cost_model():
     """A draft not worth its cost (acceptance 0.5 against a cost of 0.52) pauses, probes
     with one draft, and pauses twice as long after each probe that fails."""
     from worker.sequence import Sequence
-    from worker.spec_decode.stats import BackoffPolicy
+    from worker.spec_decode.backoff import BackoffPolicy
 
     policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.0, pause_steps=4, draft_cost=0.5)
     seq = Sequence("a", [1], SamplingParams(), 0)

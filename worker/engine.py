@@ -64,6 +64,7 @@ class LLMEngine:
         speculative_position_cost: float | None = None,
         speculative_draft_cost: float | None = None,
         speculative_alternatives: int = NUM_ALTERNATIVES,
+        speculative_draft_quantization: str = "auto",
     ) -> None:
         """``share_base_model_prefixes``: base-model requests of different tenants share
         cached prefixes (faster; but one tenant can then time another's prompts). Adapter
@@ -83,7 +84,9 @@ class LLMEngine:
         ``speculative_draft_cost`` per draft token (None: the draft's weights over the
         target's; 0 for prompt lookup). Zero both to speculate whatever it costs. A draft
         model also offers up to ``speculative_alternatives`` runner-up tokens per draft, each
-        verified in a row of its own (0: the chain alone).
+        verified in a row of its own (0: the chain alone). ``speculative_draft_quantization``
+        "int4" runs the draft's small passes on 4-bit copies of its weights (CPU; "auto":
+        where the draft runs in bf16 on CPU; "none"); outputs stay the target's either way.
 
         ``device``: where the weights, the KV cache and the adapter slots live. On ``cuda``
         the LoRA ops run the Triton kernels and attention runs on the GPU through the same
@@ -153,6 +156,7 @@ class LLMEngine:
             position_cost=speculative_position_cost,
             draft_cost=speculative_draft_cost,
             num_alternatives=speculative_alternatives,
+            draft_quantization=speculative_draft_quantization,
             copy_kv_slots=self.runner.copy_slots,
             measure_steps=functools.partial(
                 measure_step_curve,

@@ -12,6 +12,7 @@ target will say (as in DistillSpec, Zhou et al. 2024). The embeddings stay froze
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -117,6 +118,43 @@ def corpus_requests(
     ]
 
 
+def corpus_cache_path(target: Path, *, num_prompts: int, max_tokens: int, seed: int) -> Path:
+    """Where a generated corpus is kept: generating is most of a distillation's time, and a
+    second one (another recipe, a longer training) from the same target and settings
+    reads the same stream back. The key covers the target's files and the instructions."""
+    key = {
+        "target": str(target.resolve()),
+        "files": sorted(
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+            for f in target.iterdir()
+            if f.is_file()
+        ),
+        "requests": [
+            (m, p.temperature, p.seed)
+            for m, p in corpus_requests(num_prompts, max_tokens=max_tokens, seed=seed)
+        ],
+        "max_tokens": max_tokens,
+    }
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    return switchboard_home() / "cache" / "draft-corpus" / f"{digest}.safetensors"
+
+
+def cached_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: int) -> list[int]:
+    """``generate_corpus``, read from ``corpus_cache_path`` when it was generated before."""
+    from safetensors.torch import load_file, save_file
+
+    path = corpus_cache_path(target, num_prompts=num_prompts, max_tokens=max_tokens, seed=seed)
+    if path.exists():
+        logger.info("corpus read from %s", path)
+        return load_file(path)["tokens"].tolist()
+    stream = generate_corpus(target, num_prompts=num_prompts, max_tokens=max_tokens, seed=seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    save_file({"tokens": torch.tensor(stream, dtype=torch.int32)}, partial)
+    partial.replace(path)
+    return stream
+
+
 def generate_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: int) -> list[int]:
     """Instructions and the target's own answers (``corpus_requests``), EOS-separated, as
     one token stream."""
@@ -198,8 +236,8 @@ def distill(
 
     start = time.monotonic()
     torch.manual_seed(seed)
-    stream = generate_corpus(target, num_prompts=num_prompts, max_tokens=max_tokens, seed=seed)
-    logger.info("generated %d tokens in %.0f s", len(stream), time.monotonic() - start)
+    stream = cached_corpus(target, num_prompts=num_prompts, max_tokens=max_tokens, seed=seed)
+    logger.info("corpus of %d tokens ready after %.0f s", len(stream), time.monotonic() - start)
     teacher = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     draft, picked = build_draft(teacher, num_layers)
     vocab_size = teacher.config.vocab_size

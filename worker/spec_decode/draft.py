@@ -24,15 +24,16 @@ from worker.sampler import SamplingRow
 from worker.scheduler import ScheduledSequence
 from worker.sequence import Sequence
 from worker.spec_decode import distributions as dist
+from worker.spec_decode.draft_plan import StepPlan
 from worker.spec_decode.proposal import NUM_ALTERNATIVES, Proposal
 
 # Beside a draft checkpoint: the token ids its output layer covers (`distill` writes it).
 OUTPUT_VOCAB_FILE = "draft_vocab.json"
 # Generated tokens past which the draft no longer takes up a sequence it has not followed.
 TAKE_UP_WITHIN = 16
-# An alternative (``Proposal.alternatives``) gets a verification row of its own only where
-# the draft gives it at least this probability.
-MIN_ALTERNATIVE_PROB = 0.05
+# An alternative (``Proposal.alternatives``) is offered only where the draft gives it at
+# least this probability (the plan verifies those worth their rows; below 1% none is).
+MIN_ALTERNATIVE_PROB = 0.01
 
 
 class VocabularyMismatchError(SpeculativeConfigError):
@@ -69,6 +70,8 @@ class _Shadow:
 
 
 class DraftProposer:
+    ranks_candidates = True
+
     def __init__(
         self,
         path: str | Path,
@@ -81,11 +84,17 @@ class DraftProposer:
         target_tokenizer=None,
         num_alternatives: int = NUM_ALTERNATIVES,
         min_alternative_prob: float = MIN_ALTERNATIVE_PROB,
+        int4_rows: bool = False,
     ) -> None:
+        """``int4_rows``: the draft's small passes use 4-bit weights (see kernels/linear)."""
         self.num_alternatives = num_alternatives
         self.min_alternative_prob = min_alternative_prob
         self.model = LlamaModel.from_pretrained(
-            path, dtype=dtype, device=device, output_token_ids=read_output_vocab(path)
+            path,
+            dtype=dtype,
+            device=device,
+            output_token_ids=read_output_vocab(path),
+            int4_rows=int4_rows,
         )
         check_vocabulary(path, self.model.config.vocab_size, target_vocab_size, target_tokenizer)
         self.block_manager = BlockManager(
@@ -113,15 +122,22 @@ class DraftProposer:
         return seq in self._shadows or len(seq.output_token_ids) <= TAKE_UP_WITHIN
 
     def propose(
-        self, seqs: list[Sequence], ks: list[int], rows: list[SamplingRow]
+        self,
+        seqs: list[Sequence],
+        ks: list[int],
+        rows: list[SamplingRow],
+        plan: StepPlan | None = None,
     ) -> list[Proposal]:
+        """Up to ``ks[i]`` drafts each, one batched pass per depth; with a ``plan``, a
+        sequence drafts one level deeper only while the plan says it is worth it."""
         proposals = [Proposal([]) for _ in seqs]
         decode_seconds: list[float] = []
         # The k-th draft is never fed back, so the draft holds len(tokens) + k - 1 tokens.
         live = [i for i, s in enumerate(seqs) if self._prepare(s, s.num_tokens + ks[i] - 1)]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for step in range(max((ks[i] for i in live), default=0)):
-            active = [i for i in live if step < ks[i]]
+        active = live
+        step = 0
+        while active:
             shadows = [self._shadows[seqs[i]].seq for i in active]
             scheduled = [
                 ScheduledSequence(s, s.num_computed_tokens, s.num_uncomputed_tokens)
@@ -137,21 +153,26 @@ class DraftProposer:
                 shadow = placed.seq
                 i = index[id(shadow)]
                 shadow.num_computed_tokens = shadow.num_tokens
-                drafts = proposals[i].token_ids
-                token, p, x = dist.next_token(row, rows[i], drafts)
+                proposal = proposals[i]
+                token, p, x = dist.next_token(row, rows[i], proposal.token_ids)
                 ranking = x if p is None else p.log()  # as the draft would sample
-                proposals[i].alternatives.append(
-                    runner_ups(
-                        ranking,
-                        token,
-                        count=self.num_alternatives,
-                        min_prob=self.min_alternative_prob,
-                    )
+                prob, alternatives, alternative_probs = runner_ups(
+                    ranking, token, count=self.num_alternatives, min_prob=self.min_alternative_prob
                 )
-                drafts.append(token)
+                proposal.token_ids.append(token)
+                proposal.confidence.append(prob)
+                proposal.alternatives.append(alternatives)
+                proposal.alternative_probs.append(alternative_probs)
                 shadow.tokens.append(token)
                 if p is not None:
                     probs[i].append(p)
+                if plan is not None:
+                    plan.add(i, proposal)
+            step += 1
+            active = [i for i in active if step < ks[i]]
+            if plan is not None:
+                plan.pass_done()
+                active = plan.continuing(active)
         for i in live:
             if probs[i]:
                 proposals[i].probs = torch.stack(probs[i])
@@ -181,20 +202,24 @@ class DraftProposer:
         return True
 
 
-def runner_ups(x: torch.Tensor, token: int, *, count: int, min_prob: float) -> list[int]:
-    """Up to ``count`` tokens after ``token`` in the draft's own ranking (``x``: logits or
-    log-probabilities [vocab]) whose probability under its softmax is at least
-    ``min_prob``: likely enough to be worth a verification row."""
-    if count <= 0:
-        return []
+def runner_ups(
+    x: torch.Tensor, token: int, *, count: int, min_prob: float
+) -> tuple[float, list[int], list[float]]:
+    """The draft's probability of ``token`` under the softmax of ``x`` (logits or
+    log-probabilities [vocab], its own ranking), then up to ``count`` tokens after it in
+    that ranking whose probability is at least ``min_prob``, and their probabilities."""
     logp = torch.log_softmax(x, dim=-1)
+    prob = float(logp[token].exp())
+    if count <= 0:
+        return prob, [], []
     top = torch.topk(logp, count + 1)
     floor = math.log(min_prob) if min_prob > 0 else float("-inf")
-    return [
-        t
+    picked = [
+        (t, lp)
         for t, lp in zip(top.indices.tolist(), top.values.tolist(), strict=True)
         if t != token and lp >= floor
     ][:count]
+    return prob, [t for t, _ in picked], [math.exp(lp) for _, lp in picked]
 
 
 def check_vocabulary(path, draft_vocab: int, target_vocab: int, target_tokenizer) -> None:

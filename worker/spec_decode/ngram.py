@@ -16,6 +16,8 @@ from worker.spec_decode.proposal import Proposal
 
 
 class NgramProposer:
+    ranks_candidates = False
+
     def __init__(self, *, max_n: int = 4, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")

@@ -10,8 +10,9 @@ import torch
 from worker.sampler import SamplingRow
 from worker.sequence import Sequence
 
-# Alternatives a draft model offers per draft by default, and the most it may offer.
-NUM_ALTERNATIVES = 3
+# Alternatives a draft model offers per draft by default, and the most it may offer (the
+# step verifies those worth their rows: ``draft_plan``).
+NUM_ALTERNATIVES = 7
 MAX_ALTERNATIVES = 8
 
 
@@ -25,9 +26,17 @@ class Proposal:
     # verifies them beside the chain: where the chain breaks at draft i and the target's
     # token is one of i's alternatives, the step keeps it and the target's token after it.
     alternatives: list[list[int]] = field(default_factory=list)
+    # A draft model's own probability of each draft and of each alternative (its
+    # confidence, which ``draft_plan`` turns into the rows worth verifying); empty else.
+    confidence: list[float] = field(default_factory=list)
+    alternative_probs: list[list[float]] = field(default_factory=list)
 
 
 class Proposer(Protocol):
+    # Whether proposals carry the proposer's confidence (a draft model's probabilities),
+    # so that the step's plan sizes them (draft_plan); else the policy sizes chains.
+    ranks_candidates: bool
+
     def propose(
         self, seqs: list[Sequence], ks: list[int], rows: list[SamplingRow]
     ) -> list[Proposal]:

@@ -34,6 +34,11 @@ def rejection_sample(
     device = target_probs.device
     draft_tokens, uniforms = draft_tokens.to(device), uniforms.to(device)
     rows = torch.arange(n, device=device)
+    if k == 0:  # no drafts (a step verifying alternatives alone): the token comes from p_0
+        return Verdict(
+            torch.zeros(n, dtype=torch.int64, device=device),
+            draw(target_probs[:, 0], uniforms[:, 0]),
+        )
     index = draft_tokens.unsqueeze(-1)  # [n, k, 1]
     p_d = target_probs[:, :k].gather(-1, index).squeeze(-1).double()  # [n, k]
     if draft_probs is None:

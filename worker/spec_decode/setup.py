@@ -10,13 +10,31 @@ import torch
 from worker.block_manager import BlockManager
 from worker.errors import SpeculativeConfigError
 from worker.sampling_params import MAX_SPECULATIVE_TOKENS
+from worker.spec_decode.backoff import BackoffPolicy, flat_verify_cost
 from worker.spec_decode.ngram import NgramProposer
 from worker.spec_decode.proposal import MAX_ALTERNATIVES, Proposer
 from worker.spec_decode.speculator import Speculator
-from worker.spec_decode.stats import BackoffPolicy, flat_verify_cost
 from worker.spec_decode.step_cost import StepCostCurve
 
 NGRAM = "ngram"
+# How a draft model's weights are held: "int4" (small passes through 4-bit copies, CPU),
+# "none", or "auto": int4 where the draft runs on CPU in bf16, where it was measured to
+# pay (a one-token draft pass 2.5 -> ~1.3 ms for the default model's draft).
+DRAFT_QUANTIZATIONS = ("auto", "int4", "none")
+
+
+def resolve_draft_quantization(name: str, *, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the draft's small passes use 4-bit weights."""
+    if name not in DRAFT_QUANTIZATIONS:
+        raise SpeculativeConfigError(
+            f"speculative_draft_quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, "
+            f"got {name!r}"
+        )
+    if name == "int4" and device.type != "cpu":
+        raise SpeculativeConfigError(
+            "speculative_draft_quantization 'int4' runs on CPU only (torch's 4-bit kernel)"
+        )
+    return name == "int4" or (name == "auto" and device.type == "cpu" and dtype == torch.bfloat16)
 
 
 def build_speculator(
@@ -35,6 +53,7 @@ def build_speculator(
     position_cost: float | None,
     draft_cost: float | None,
     num_alternatives: int,
+    draft_quantization: str = "auto",
     copy_kv_slots: Callable[[list[int], list[int]], None],
     measure_steps: Callable[[int], StepCostCurve],
 ) -> Speculator | None:
@@ -68,6 +87,9 @@ def build_speculator(
         raise SpeculativeConfigError(
             "speculative_max_batch_size must be >= 0 and speculative_min_acceptance in [0, 1]"
         )
+    int4_rows = resolve_draft_quantization(
+        draft_quantization, dtype=dtype, device=torch.device(device)
+    )
     if (position_cost is not None and position_cost < 0) or (
         draft_cost is not None and draft_cost < 0
     ):
@@ -98,6 +120,7 @@ def build_speculator(
             target_vocab_size=vocab_size,
             target_tokenizer=tokenizer,
             num_alternatives=num_alternatives,
+            int4_rows=int4_rows,
         )
         # On a GPU the forward pass returns before the device is done: not timed there.
         measure = draft_cost is None and torch.device(device).type == "cpu"

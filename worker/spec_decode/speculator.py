@@ -1,7 +1,9 @@
 """The engine's side of speculative decoding: propose before a step, verify after it.
 
 Before scheduling, each decoding sequence the back-off policy allows gets up to k draft
-tokens (``seq.spec_token_ids``); the scheduler feeds them after the sequence's last token,
+tokens (``seq.spec_token_ids``; from a draft model, a chain and alternatives beside it, as
+many as the step's plan finds worth verifying); the scheduler feeds them after the
+sequence's last token,
 so the target scores all k + 1 positions in the step's one forward pass, beside other
 requests' prefills and decodes. After the pass, ``verify`` turns those k + 1 logits rows
 into the tokens to emit, and ``commit`` rolls back the K/V slots of rejected drafts.
@@ -19,9 +21,11 @@ from worker.sampler import SampledToken, SamplingRow
 from worker.scheduler import ScheduledSequence
 from worker.sequence import Sequence, SequenceStatus
 from worker.spec_decode import distributions as dist
+from worker.spec_decode.backoff import BackoffPolicy
+from worker.spec_decode.draft_plan import Selection
 from worker.spec_decode.proposal import Proposal, Proposer
 from worker.spec_decode.rejection_sampler import rejection_sample
-from worker.spec_decode.stats import BackoffPolicy, SpecDecodeStats
+from worker.spec_decode.stats import SpecDecodeStats
 
 
 @dataclass(slots=True)
@@ -54,6 +58,7 @@ class Speculator:
         self.policy = policy
         self.stats = SpecDecodeStats()
         self._proposals: dict[Sequence, Proposal] = {}
+        self._selections: dict[Sequence, Selection] = {}  # a draft model's, as planned
         # An accepted alternative's K/V: (slot offset it was written at, offset it belongs
         # at), both past the sequence's computed tokens; moved in ``commit``.
         self._moves: dict[Sequence, tuple[int, int]] = {}
@@ -62,6 +67,7 @@ class Speculator:
     def propose(self, running: list[Sequence], rows: dict[str, SamplingRow]) -> None:
         """Give each decoding sequence that may speculate its draft tokens for this step."""
         self._proposals.clear()
+        self._selections.clear()
         self._draft_seconds = 0.0
         for seq in running:
             seq.clear_spec()
@@ -78,6 +84,13 @@ class Speculator:
         if not self.policy.allows_batch(len(decoding)):
             self.stats.num_backoff_steps += 1
             return
+        if self.proposer.ranks_candidates:
+            self._propose_ranked(decoding, rows)
+        else:
+            self._propose_chains(decoding, rows)
+
+    def _propose_chains(self, decoding: list[Sequence], rows: dict[str, SamplingRow]) -> None:
+        """A chain per sequence, as long as its moving acceptance makes worth it."""
         chosen, ks = [], []
         for seq in decoding:
             room = self._room(seq) if self.proposer.may_draft_for(seq) else 0
@@ -97,19 +110,37 @@ class Speculator:
         if not chosen:
             return
         proposals = self.proposer.propose(chosen, ks, [rows[s.request_id] for s in chosen])
-        if self.measure_draft_cost:
-            self._draft_seconds = self.proposer.decode_seconds or 0.0
         for seq, proposal in zip(chosen, proposals, strict=True):
             if proposal.token_ids:
-                # The chain, then the alternatives by depth (the scheduler cuts from the end).
-                alternatives = [
-                    (depth, token)
-                    for depth, tokens in enumerate(proposal.alternatives[: len(proposal.token_ids)])
-                    for token in tokens
-                ]
-                seq.spec_token_ids = proposal.token_ids + [t for _, t in alternatives]
-                seq.spec_alt_depths = [d for d, _ in alternatives]
+                seq.spec_token_ids = list(proposal.token_ids)
                 self._proposals[seq] = proposal
+
+    def _propose_ranked(self, decoding: list[Sequence], rows: dict[str, SamplingRow]) -> None:
+        """A draft model's candidates, as deep and as many as the step's plan finds worth
+        verifying (draft_plan): the chain's first drafts, then alternatives by depth."""
+        ready = [
+            s
+            for s in decoding
+            if self.proposer.may_draft_for(s) and self._room(s) > 0 and self.policy.may_draft(s)
+        ]
+        ready = self.policy.pass_pays(ready, len(decoding))
+        if not ready:
+            return
+        plan = self.policy.plan(ready, len(decoding))
+        proposals = self.proposer.propose(
+            ready, [self._room(s) for s in ready], [rows[s.request_id] for s in ready], plan
+        )
+        self.policy.observe_level_mass(plan.masses)
+        if self.measure_draft_cost:
+            self._draft_seconds = self.proposer.decode_seconds or 0.0
+        for seq, proposal, selection in zip(ready, proposals, plan.select(), strict=True):
+            self.policy.planned(seq, selection)
+            if selection.rows:
+                chain = proposal.token_ids[: selection.chain]
+                seq.spec_token_ids = chain + [t for _, t in selection.alternatives]
+                seq.spec_alt_depths = [d for d, _ in selection.alternatives]
+                self._proposals[seq] = proposal
+                self._selections[seq] = selection
 
     def _room(self, seq: Sequence) -> int:
         """Drafts this sequence may get: its request's k (at most the engine's), and no
@@ -193,6 +224,9 @@ class Speculator:
             emitted.append(after)
             logit_rows.append(alt_row)
             self._moves[seq] = (chain + hit, n)
+        selection = self._selections.pop(seq, None)
+        if selection is not None:
+            self.policy.calibrate(seq, selection, len(emitted) - 1)
         self.stats.record(chain, n, alternatives=len(alt_depths), alternative_hit=hit is not None)
         self.policy.update(
             seq, chain, n, alternatives=len(alt_depths), alternative_hit=hit is not None
@@ -219,6 +253,7 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         seq.clear_spec()
         self._proposals.pop(seq, None)
+        self._selections.pop(seq, None)
         self._moves.pop(seq, None)
         self.proposer.release(seq)
         self.policy.release(seq)
