@@ -13,7 +13,10 @@ from worker.spec_decode.distill import TEMPLATES, TOPICS, corpus_requests, disti
 
 
 @pytest.mark.parametrize("output_vocab", [0, 64])
-def test_distilled_draft_is_a_checkpoint_the_engine_speculates_with(tmp_path, output_vocab):
+def test_distilled_draft_is_a_checkpoint_the_engine_speculates_with(
+    tmp_path, output_vocab, monkeypatch
+):
+    monkeypatch.setenv("SWITCHBOARD_HOME", str(tmp_path / "home"))  # the corpus cache
     target = make_checkpoint(tmp_path / "target", vocab_size=400, num_layers=3, eos_token_id=0)
     add_byte_level_tokenizer(target)
     result = distill(
@@ -59,3 +62,29 @@ def test_the_corpus_answers_each_instruction_greedily_once_and_samples_the_rest(
     assert all(p.temperature == 0.8 for _, p in requests[first_round:])
     assert [m for m, _ in requests[first_round:]] == [m for m, _ in requests[:100]]  # again
     assert len({p.seed for _, p in requests}) == len(requests)  # each sample its own draw
+
+
+def test_a_second_distillation_reads_the_generated_corpus_back(tmp_path, monkeypatch):
+    """Generating is most of a distillation: the same target and settings read the stream
+    from the cache; other settings, or a changed target, generate again."""
+    import worker.spec_decode.distill as distill_module
+
+    monkeypatch.setenv("SWITCHBOARD_HOME", str(tmp_path / "home"))
+    target = make_checkpoint(tmp_path / "target", vocab_size=400, num_layers=1, eos_token_id=0)
+    add_byte_level_tokenizer(target)
+    generated = []
+    generate = distill_module.generate_corpus
+
+    def counting(*args, **kwargs):
+        generated.append(kwargs["num_prompts"])
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(distill_module, "generate_corpus", counting)
+    first = distill_module.cached_corpus(target, num_prompts=4, max_tokens=8, seed=0)
+    again = distill_module.cached_corpus(target, num_prompts=4, max_tokens=8, seed=0)
+    assert again == first and generated == [4]
+    distill_module.cached_corpus(target, num_prompts=5, max_tokens=8, seed=0)
+    assert generated == [4, 5]
+    (target / "config.json").write_text((target / "config.json").read_text() + "\n")
+    distill_module.cached_corpus(target, num_prompts=4, max_tokens=8, seed=0)
+    assert generated == [4, 5, 4]  # the target's files changed: not the same corpus

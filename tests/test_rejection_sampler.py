@@ -98,3 +98,19 @@ def test_draw_never_picks_a_zero_weight_token_even_at_the_edges():
     weights = torch.tensor([[0.0, 1.0, 0.0, 1.0, 0.0]]).expand(4, 5)
     uniforms = torch.tensor([0.0, 0.4999999, 0.5, 1.0 - 1e-16], dtype=torch.float64)
     assert draw(weights, uniforms).tolist() == [1, 1, 3, 3]
+
+
+def test_no_drafts_draw_the_token_from_the_targets_first_row():
+    """A step that verifies alternatives alone has no chain to test: the token comes from
+    p_0 itself (then distributed as p_0, the distance shrinking with the samples)."""
+    p, _ = tables(seed=7, k=0)
+    num = 40_000
+    g = torch.Generator().manual_seed(8)
+    verdict = rejection_sample(
+        p.expand(num, 1, VOCAB),
+        torch.zeros(num, 0, dtype=torch.int64),
+        None,
+        torch.rand(num, 1, dtype=torch.float64, generator=g),
+    )
+    assert (verdict.num_accepted == 0).all()
+    assert tv(verdict.next_token, p[0]) < 0.01

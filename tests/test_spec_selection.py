@@ -1,0 +1,180 @@
+"""A draft model's candidates as the step's plan selects them, in the engine (tiny models,
+fp32), against plain decoding: whatever shape a selection takes (a chain alone, the
+alternatives alone, alternatives past the end of the chain), greedy tokens and logprobs
+are plain decoding's and sampled tokens follow the target's law; a draft on 4-bit weights
+changes what is proposed, never what is emitted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from factories import (
+    assert_no_block_leaks,
+    make_checkpoint,
+    make_perturbed_checkpoint,
+    random_prompts,
+)
+from worker import LLM, SamplingParams
+from worker.errors import SpeculativeConfigError
+from worker.spec_decode.draft_plan import Selection, StepPlan
+from worker.spec_decode.setup import resolve_draft_quantization
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("target"), seed=21)
+
+
+@pytest.fixture(scope="module")
+def close_draft(target, tmp_path_factory):
+    """The target with noise on its weights: often right, now and then only its runner-up."""
+    return make_perturbed_checkpoint(target, tmp_path_factory.mktemp("close"), noise=0.1)
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, **kwargs)
+
+
+def forced(shape: str):
+    """StepPlan.select replaced: every proposal verified in one shape, whatever it is worth.
+    'chain-and-past': the chain's first draft and alternatives at depths 0 and 1 (past the
+    chain's end); 'alternatives-only': no chain draft, depth-0 alternatives alone."""
+
+    def select(self: StepPlan) -> list[Selection]:
+        out = []
+        for proposal in self.proposals:
+            if proposal is None or len(proposal.token_ids) < 2:
+                out.append(Selection())
+                continue
+            depths = (0, 1) if shape == "chain-and-past" else (0,)
+            alternatives = [(d, t) for d in depths for t in proposal.alternatives[d]]
+            chain = 1 if shape == "chain-and-past" else 0
+            out.append(Selection(chain=chain, alternatives=alternatives, confidence=1.0))
+        return out
+
+    return select
+
+
+def speculating(target, draft, **kwargs) -> LLM:
+    kwargs.setdefault("speculative_position_cost", 0.0)
+    kwargs.setdefault("speculative_draft_cost", 0.0)
+    return LLM(
+        target, dtype="float32", speculative_model=str(draft), num_speculative_tokens=2, **kwargs
+    )
+
+
+@pytest.mark.parametrize("shape", ["chain-and-past", "alternatives-only"])
+def test_greedy_tokens_and_logprobs_whatever_the_selections_shape(
+    target, close_draft, shape, monkeypatch
+):
+    prompts = random_prompts(6, min_len=1, max_len=30, seed=5)
+    params = greedy(logprobs=2)
+    expected = LLM(target, dtype="float32").generate(prompts, params)
+    monkeypatch.setattr(StepPlan, "select", forced(shape))
+    llm = speculating(target, close_draft)
+    outputs = llm.generate(prompts, params)
+    for out, exp in zip(outputs, expected, strict=True):
+        assert out.token_ids == exp.token_ids
+        for got, want in zip(out.logprobs, exp.logprobs, strict=True):
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in got.top_logprobs] == [t for t, _ in want.top_logprobs]
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_alternatives_accepted > 0
+    if shape == "alternatives-only":
+        assert stats.num_proposed == 0  # no chain draft verified at all
+    assert_no_block_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("shape", ["chain-and-past", "alternatives-only"])
+def test_sampled_tokens_follow_the_target_whatever_the_selections_shape(
+    target, close_draft, shape, monkeypatch
+):
+    """Four sampled tokens after a fixed prompt, 3,000 times, every step verifying the
+    forced shape: the law of the first three is the target's (exact, from transformers, as
+    in tests/test_spec_engine.py). The fourth comes from an alternative's row only where
+    an alternative past the chain caught the third; such rows are the same code at every
+    depth, checked here at depth 0."""
+    from test_spec_engine import exact_joint
+
+    prompt = [7, 8, 9, 129, 38, 163, 119, 119, 119, 75, 18, 14]
+    settings = {"temperature": 1.5, "top_k": 3, "repetition_penalty": 1.2}
+    joint = exact_joint(target, prompt, **settings)
+    monkeypatch.setattr(StepPlan, "select", forced(shape))
+    llm = speculating(target, close_draft, max_num_seqs=512, speculative_max_batch_size=10_000)
+    num = 3_000
+    params = [SamplingParams(max_tokens=4, seed=s, ignore_eos=True, **settings) for s in range(num)]
+    counts: dict = {}
+    for o in llm.generate([prompt] * num, params):
+        counts[tuple(o.token_ids[:3])] = counts.get(tuple(o.token_ids[:3]), 0) + 1
+    tv = 0.5 * sum(
+        abs(counts.get(x, 0) / num - joint.get(x, 0.0)) for x in set(joint) | set(counts)
+    )
+    assert tv < 0.07, tv  # 27 outcomes, 3,000 samples: noise alone ~0.045
+    assert llm.engine.spec_decode_stats.num_alternatives_accepted > 20
+    assert_no_block_leaks(llm.engine)
+
+
+def test_a_draft_on_4bit_weights_proposes_but_the_target_decides(target, close_draft):
+    """The draft's small passes on 4-bit weights: its projections hold 4-bit copies, its
+    drafts are still often right, and every output is plain decoding's."""
+    prompts = random_prompts(4, min_len=2, max_len=20, seed=6)
+    expected = LLM(target, dtype="float32").generate(prompts, greedy())
+    llm = speculating(target, target, speculative_draft_quantization="int4")
+    draft = llm.engine.speculator.proposer.model
+    assert draft.int4_rows and all(layer.qkv.int4 is not None for layer in draft.layers)
+    outputs = llm.generate(prompts, greedy())
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    stats = llm.engine.spec_decode_stats
+    assert stats.acceptance_rate > 0.5  # the target itself, on 4 bits: mostly right
+    plain_draft = speculating(target, target, speculative_draft_quantization="none")
+    assert plain_draft.engine.speculator.proposer.model.layers[0].qkv.int4 is None
+    assert_no_block_leaks(llm.engine)
+
+
+def test_draft_quantization_auto_means_a_bf16_draft_on_cpu_and_bad_values_are_refused():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_draft_quantization("auto", dtype=torch.bfloat16, device=cpu)
+    assert not resolve_draft_quantization("auto", dtype=torch.float32, device=cpu)
+    assert not resolve_draft_quantization("auto", dtype=torch.bfloat16, device=cuda)
+    assert resolve_draft_quantization("int4", dtype=torch.float32, device=cpu)
+    assert not resolve_draft_quantization("none", dtype=torch.bfloat16, device=cpu)
+    with pytest.raises(SpeculativeConfigError, match="CPU only"):
+        resolve_draft_quantization("int4", dtype=torch.bfloat16, device=cuda)
+    with pytest.raises(SpeculativeConfigError, match="must be one of auto, int4, none"):
+        resolve_draft_quantization("int8", dtype=torch.bfloat16, device=cpu)
+
+
+def test_the_worker_flag_reaches_the_draft(target):
+    from switchboard.cli import build_parser
+    from switchboard.worker_command import worker_engine_kwargs
+    from worker.engine import LLMEngine
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["worker", "--speculative-model", str(target), "--speculative-draft-quantization", "int4"]
+    )
+    engine = LLMEngine(target, dtype="float32", **worker_engine_kwargs(args))
+    assert engine.speculator.proposer.model.int4_rows
+    assert parser.parse_args(["worker"]).speculative_draft_quantization == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["worker", "--speculative-draft-quantization", "int8"])
+
+
+def test_with_its_measured_costs_the_plan_verifies_alternatives_and_keeps_outputs(
+    target, close_draft
+):
+    """No cost overrides: the engine measures its step curve and the draft's passes; the
+    plan then verifies some alternatives and some chains, and outputs stay plain ones."""
+    prompts = random_prompts(4, min_len=2, max_len=20, seed=9)
+    expected = LLM(target, dtype="float32").generate(prompts, greedy())
+    llm = LLM(target, dtype="float32", speculative_model=str(close_draft))
+    llm.engine.speculator.policy.draft_cost = 0.02  # a tiny draft's measured cost is noise
+    llm.engine.speculator.measure_draft_cost = False
+    outputs = llm.generate(prompts, greedy())
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    stats = llm.engine.spec_decode_stats
+    assert stats.num_proposed > 0 and stats.num_alternatives > 0
+    assert_no_block_leaks(llm.engine)
