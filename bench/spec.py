@@ -147,6 +147,19 @@ def main(argv: list[str] | None = None) -> dict:
         metavar="WORKLOAD_BATCH",
         help="run only these, e.g. chat_batch1 grounded_batch16 (default: all four)",
     )
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 16],
+        help="requests at once: 1 runs --num-prompts one after another, B > 1 runs B at once "
+        "(default: 1 16)",
+    )
+    parser.add_argument(
+        "--draft-quantization",
+        default=None,
+        help="the draft's weights: auto, int4 or none (default: the engine's, auto)",
+    )
     parser.add_argument("--out", default="bench/results/spec.json")
     args = parser.parse_args(argv)
 
@@ -161,6 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
         configs["draft"] = {"speculative_model": str(draft)}
         if args.alternatives is not None:
             configs["draft"]["speculative_alternatives"] = args.alternatives
+        if args.draft_quantization is not None:
+            configs["draft"]["speculative_draft_quantization"] = args.draft_quantization
         if args.chain_only:
             configs["draft-chain"] = {
                 "speculative_model": str(draft),
@@ -181,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
         "args": vars(args),
     }
     for workload in ("grounded", "chat"):
-        for batch, num in ((1, args.num_prompts), (16, 16)):
+        for batch in args.batch_sizes:
+            num = args.num_prompts if batch == 1 else batch
             key = f"{workload}_batch{batch}"
             if args.only and key not in args.only:
                 continue
