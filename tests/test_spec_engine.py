@@ -463,9 +463,7 @@ def test_the_draft_cost_follows_the_measured_time(target, other_draft):
 
     # Rows priced at nothing (the step curve, timed on a tiny model, is noise here): every
     # step drafts as deep as it may, so one-token passes get timed.
-    llm = LLM(
-        target, dtype="float32", speculative_model=str(target), speculative_position_cost=0.0
-    )
+    llm = LLM(target, dtype="float32", speculative_model=str(target), speculative_position_cost=0.0)
     policy = llm.engine.speculator.policy
     assert llm.engine.speculator.measure_draft_cost and policy.draft_cost == pytest.approx(1.0)
     policy.draft_cost = 0.0  # drafts go ahead, and get timed
