@@ -8,6 +8,7 @@ no KV block held, in the target's pool or the draft's.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -468,7 +469,8 @@ def test_the_draft_cost_follows_the_measured_time(target, other_draft):
     assert llm.engine.speculator.measure_draft_cost and policy.draft_cost == pytest.approx(1.0)
     policy.draft_cost = 0.0  # drafts go ahead, and get timed
     llm.generate(copying_prompts(2, seed=7), greedy(30))
-    assert policy.draft_cost > 0.0 and policy._draft_cost_samples  # measured, so drafts pause
+    # Measured by the tokens a pass fed (two sequences: mostly 2 or more), so drafts pause.
+    assert policy._draft_cost_samples and policy.draft_pass_cost(2) > 0.0
     given = LLM(
         target, dtype="float32", speculative_model=str(other_draft), speculative_draft_cost=0.3
     )
@@ -648,14 +650,14 @@ def test_drafts_per_step_follow_acceptance_and_batch_size():
 
 
 def test_the_draft_count_follows_a_cost_that_is_not_linear_in_the_rows():
-    """Rows nearly free up to 5, then dear (as measured on a Zen 4 in bf16): a sequence of
+    """Rows nearly free up to 4, then dear (as measured on a Zen 4 in bf16): a sequence of
     middling acceptance drafts 4, not the 8 that the cost of 4 drafts, spread evenly over
     every position, would allow."""
     from worker.spec_decode.backoff import best_draft_count
-    from worker.spec_decode.step_cost import StepCostCurve
+    from worker.spec_decode.step_cost import StepCostTable
 
-    curve = StepCostCurve((1, 5, 9, 17), (0.0175, 0.0180, 0.0210, 0.0285))
-    costs = [curve.verify_cost(1, n) for n in range(17)]
+    table = StepCostTable((1,), ((0, 4, 8, 16),), ((0.0175, 0.0180, 0.0210, 0.0285),))
+    costs = [table.verify_cost(1, n) for n in range(17)]
     assert costs[4] == pytest.approx(0.5 / 17.5) and costs[16] == pytest.approx(11 / 17.5)
     assert best_draft_count(0.6, 16, costs) == 4
     averaged = costs[4] / 4  # the same curve read as a flat cost per position
@@ -767,70 +769,124 @@ def test_a_malformed_output_vocabulary_is_refused(target, tmp_path):
             LLMEngine(target, dtype="float32", speculative_model=draft)
 
 
-def test_step_curve_prices_drafts_from_the_rows_they_add():
-    """T(rows) = 20 ms + 1 ms per row: a decoding sequence's plain step yields one token in
-    T(B) / B; n drafts each add n x B rows at 1 ms."""
-    from worker.spec_decode.step_cost import StepCostCurve
+def test_step_table_prices_drafts_by_batch_and_rows():
+    """T(B, n) = 20 ms + 1 ms per sequence + 0.5 ms per draft row, measured at 1, 2, 4 and
+    8 sequences and 0, 1, 2, 4, 8 drafts each: read back exactly between the points (it is
+    linear), extrapolated past them; n drafts each add n x B rows."""
+    from worker.spec_decode.step_cost import StepCostTable
 
-    rows = (1, 2, 4, 8, 16, 32, 64)
-    curve = StepCostCurve(rows, tuple(0.020 + 0.001 * r for r in rows))
-    assert curve.time(3) == pytest.approx(0.023) and curve.time(100) == pytest.approx(0.120)
-    for batch in (1, 3, 8, 16):
-        plain_per_token = (0.020 + 0.001 * batch) / batch
-        for n in (1, 4, 16):
-            expected = 0.001 * n / plain_per_token
-            assert curve.verify_cost(batch, n) == pytest.approx(expected)
-    flat = StepCostCurve((1, 8), (0.03, 0.03))  # rows cost nothing (a memory-bound step)
+    def t(b: float, n: float) -> float:
+        return 0.020 + 0.001 * b + 0.0005 * b * n
+
+    batches, counts = (1, 2, 4, 8), (0, 1, 2, 4, 8)
+    table = StepCostTable(
+        batches,
+        tuple(counts for _ in batches),
+        tuple(tuple(t(b, n) for n in counts) for b in batches),
+    )
+    assert table.time(3, 3) == pytest.approx(t(3, 3), rel=0.03)  # bilinear: near, not exact
+    assert table.time(2, 16) == pytest.approx(t(2, 16))  # past the last point: its slope
+    for batch in (1, 2, 4, 8):
+        for n in (1, 4, 6):
+            expected = (t(batch, n) - t(batch, 0)) / t(batch, 0)
+            assert table.verify_cost(batch, n) == pytest.approx(expected)
+    flat = StepCostTable((1,), ((0, 8),), ((0.03, 0.03),))  # rows cost nothing
     assert flat.verify_cost(1, 4) == 0.0
 
 
-def test_step_curve_is_timed_on_the_engines_pool_and_gives_its_blocks_back(target):
-    """The engine times its own forward pass by rows fed before serving (no position cost
-    given); the measurement holds no block afterwards."""
-    from worker.spec_decode.step_cost import measure_step_curve
+def test_timing_noise_never_makes_more_rows_cheaper():
+    """Timed points that dip (a hiccup of the machine on the smaller one) are pooled into
+    the closest non-decreasing sequence."""
+    from worker.spec_decode.step_cost import _monotone
+
+    assert _monotone([1.0, 2.0, 3.0]) == (1.0, 2.0, 3.0)
+    assert _monotone([2.0, 1.0, 3.0]) == (1.5, 1.5, 3.0)
+    assert _monotone([1.0, 3.0, 2.0, 2.0, 5.0]) == pytest.approx((1.0, 7 / 3, 7 / 3, 7 / 3, 5.0))
+
+
+def test_step_table_is_timed_on_the_engines_pool_and_gives_its_blocks_back(target):
+    """The engine times decode steps over a shared cached context before serving (no
+    position cost given), within the step's row limit; the measurement holds no block
+    afterwards, and the engine serves as before."""
+    from worker.spec_decode.step_cost import measure_step_costs
 
     engine = LLMEngine(target, dtype="float32", speculative_model="ngram", num_speculative_tokens=4)
     assert_no_block_leaks(engine)
-    curve = measure_step_curve(
+    table = measure_step_costs(
         engine.runner.execute,
         engine.block_manager,
-        40,
+        max_batch=6,
+        max_drafts=40,
         row_limit=24,
+        max_model_len=engine.max_model_len,
         vocab_size=engine.config.vocab_size,
         device=engine.device,
+        context=64,
     )
-    assert curve.rows == (1, 2, 4, 8, 16, 24)  # capped at the row limit
-    assert all(s > 0 for s in curve.seconds)
+    assert table.batches == (1, 2, 4, 6)
+    # Drafts capped by the row limit: B x (1 + n) <= 24.
+    assert table.drafts == (
+        (0, 1, 2, 4, 8, 16, 23),
+        (0, 1, 2, 4, 8, 11),
+        (0, 1, 2, 4, 5),
+        (0, 1, 2, 3),
+    )
+    for seconds in table.seconds:
+        assert all(0 < a <= b for a, b in itertools.pairwise(seconds))
     assert_no_block_leaks(engine)
     engine.add_request("r", [5, 6, 5, 6, 5, 6], SamplingParams(temperature=0.0, max_tokens=8))
     assert len(drain(engine)["r"].token_ids) == 8
     assert_no_block_leaks(engine)
 
 
-def test_the_policy_prices_drafts_from_the_measured_curve(target, monkeypatch):
-    """The curve the engine measures at start is what the back-off policy reads (here a
-    known one in place of the timing); a position cost given by the user skips measuring."""
+def test_a_small_pool_times_a_shorter_context():
+    """A pool too small for the context and eight sequences: the context shrinks first."""
+    from worker.block_manager import BlockManager
+    from worker.spec_decode.step_cost import measure_step_costs
+
+    pool = BlockManager(num_blocks=12, block_size=4, enable_caching=False)
+    fed = []
+    table = measure_step_costs(
+        lambda step: fed.append([s.start for s in step]),
+        pool,
+        max_batch=2,
+        max_drafts=3,
+        row_limit=64,
+        max_model_len=1024,
+        vocab_size=16,
+        device=torch.device("cpu"),
+        context=256,
+    )
+    assert table.batches == (1, 2)
+    assert max(start for starts in fed for start in starts) < 256  # a shorter context
+    assert pool.num_free_blocks == 12
+
+
+def test_the_policy_prices_drafts_from_the_measured_table(target, monkeypatch):
+    """The table the engine measures at start is what the back-off policy reads (here a
+    known one in place of the timing), measured up to the largest batch that speculates and
+    k drafts each (a draft model's alternatives too); a position cost given by the user
+    skips measuring."""
     from worker.spec_decode import step_cost
 
-    known = step_cost.StepCostCurve((1, 8, 64), (0.010, 0.012, 0.060))
+    known = step_cost.StepCostTable((1, 8), ((0, 4), (0, 4)), ((0.010, 0.012), (0.020, 0.030)))
     asked = []
 
-    def fake_measure(execute, block_manager, max_rows, **kwargs):
-        asked.append((max_rows, kwargs["row_limit"]))
+    def fake_measure(execute, block_manager, **kwargs):
+        asked.append((kwargs["max_batch"], kwargs["max_drafts"], kwargs["row_limit"]))
         return known
 
-    monkeypatch.setattr("worker.engine.measure_step_curve", fake_measure)
+    monkeypatch.setattr("worker.engine.measure_step_costs", fake_measure)
     engine = LLMEngine(
         target, dtype="float32", speculative_model="ngram", speculative_max_batch_size=6
     )
-    assert asked == [(30, 1024)]  # 6 sequences with 4 drafts each, the step's token budget
+    assert asked == [(6, 4, 1024)]
     policy = engine.speculator.policy
-    for batch in (1, 3, 6):  # by hand from the three points, as in the test above
-        plain = 0.010 + 0.002 * (batch - 1) / 7
-        rows = 5 * batch
-        five = 0.010 + 0.002 * (rows - 1) / 7 if rows <= 8 else 0.012 + 0.048 * (rows - 8) / 56
-        assert policy.verify_cost(batch, 4) == pytest.approx((five - plain) / plain)
+    assert policy.verify_cost(1, 2) == pytest.approx(0.001 / 0.010)
+    assert policy.verify_cost(8, 4) == pytest.approx(0.010 / 0.020)
+    LLMEngine(target, dtype="float32", speculative_model=str(target), speculative_alternatives=3)
+    assert asked[-1] == (8, 16, 1024)  # 4 drafts, each with 3 alternatives
     flat = LLMEngine(
         target, dtype="float32", speculative_model="ngram", speculative_position_cost=0.05
     )
-    assert len(asked) == 1 and flat.speculator.policy.verify_cost(3, 2) == pytest.approx(0.3)
+    assert len(asked) == 2 and flat.speculator.policy.verify_cost(3, 2) == pytest.approx(0.3)

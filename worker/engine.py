@@ -6,7 +6,6 @@ its own thread, the offline ``LLM`` calls it until every request is done.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from worker.spec_decode.proposal import NUM_ALTERNATIVES
 from worker.spec_decode.setup import build_speculator
 from worker.spec_decode.speculator import Verified
 from worker.spec_decode.stats import SpecDecodeStats
-from worker.spec_decode.step_cost import measure_step_curve
+from worker.spec_decode.step_cost import measure_step_costs
 from worker.tokenizer import load_tokenizer
 
 
@@ -158,11 +157,13 @@ class LLMEngine:
             num_alternatives=speculative_alternatives,
             draft_quantization=speculative_draft_quantization,
             copy_kv_slots=self.runner.copy_slots,
-            measure_steps=functools.partial(
-                measure_step_curve,
+            measure_steps=lambda max_batch, max_drafts: measure_step_costs(
                 self.runner.execute,
                 self.block_manager,
+                max_batch=max_batch,
+                max_drafts=max_drafts,
                 row_limit=min(max_num_batched_tokens, self.max_model_len),
+                max_model_len=self.max_model_len,
                 vocab_size=self.config.vocab_size,
                 device=self.device,
             ),

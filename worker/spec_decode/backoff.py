@@ -118,7 +118,8 @@ class BackoffPolicy:
         self._costs: dict[tuple[int, float], list[float]] = {}
         self._tracks: dict[Sequence, _Track] = {}
         self.acceptance = 0.5  # engine-wide moving average, over every verification
-        self._draft_cost_samples: deque[float] = deque(maxlen=DRAFT_COST_WINDOW)
+        # Measured draft passes, by tokens fed (a pass of 8 costs more than one of 1).
+        self._draft_cost_samples: dict[int, deque[float]] = {}
         self.alternative_rate = 0.0  # the same for alternatives catching the target's token
         self.rows_per_draft = 1.0  # verified rows per draft: itself and its alternatives
         # A draft model's, engine-wide: its calibration, and the share of the target's
@@ -167,15 +168,26 @@ class BackoffPolicy:
         added = max(ks) * self.draft_cost + self.verify_cost(num_decodes, rows)
         return num_decodes + gain >= num_decodes * (1.0 + added)
 
-    def observe_draft_cost(self, cost: float) -> None:
-        """A measured draft forward pass over the step's target forward pass: the draft's
-        cost as the engine pays it (its weights, evicted from cache by the target's between
-        calls, and its bookkeeping), rather than as its weights' ratio predicts. The median
-        of the last ``DRAFT_COST_WINDOW``: a step whose proposal also caught the draft up on
-        a long history, or was interrupted, is an outlier, not the price of a draft."""
-        self._draft_cost_samples.append(cost)
-        self.draft_cost = statistics.median(self._draft_cost_samples)
-        self._costs.clear()
+    def observe_draft_cost(self, cost: float, rows: int = 1) -> None:
+        """A measured draft pass that fed ``rows`` tokens, over a plain step of the target:
+        the draft's cost as the engine pays it (its weights, evicted from cache by the
+        target's between calls, and its bookkeeping), rather than as its weights' ratio
+        predicts. The median of the last ``DRAFT_COST_WINDOW`` of that size: a pass that was
+        interrupted is an outlier, not the price of a draft. ``draft_cost`` follows the
+        one-token passes (a single sequence's)."""
+        samples = self._draft_cost_samples.setdefault(rows, deque(maxlen=DRAFT_COST_WINDOW))
+        samples.append(cost)
+        if rows == 1:
+            self.draft_cost = statistics.median(samples)
+            self._costs.clear()
+
+    def draft_pass_cost(self, rows: int) -> float:
+        """What a draft pass feeding ``rows`` tokens costs, in plain steps: measured for
+        that size, else for the nearest size measured, else ``draft_cost``."""
+        if not self._draft_cost_samples:
+            return self.draft_cost
+        nearest = min(self._draft_cost_samples, key=lambda r: (abs(r - rows), -r))
+        return statistics.median(self._draft_cost_samples[nearest])
 
     # A draft model's steps: its confidence sizes them (draft_plan), not a chain's length.
 
@@ -190,11 +202,11 @@ class BackoffPolicy:
 
     def pass_pays(self, seqs: list[Sequence], num_decodes: int) -> list[Sequence]:
         """Of ``seqs`` (not paused), those that draft this step. A draft pass slows every
-        sequence of the step by ``draft_cost``: where the tokens the drafting sequences have
+        sequence of the step (``draft_pass_cost``): where the tokens the drafting sequences have
         been gaining per verification do not cover that, they pause, and only the probes
         (a pause just ended: measure again) go ahead."""
         gain = sum(self._track(s).calibration.emitted for s in seqs)
-        if gain >= num_decodes * self.draft_cost:
+        if gain >= num_decodes * self.draft_pass_cost(len(seqs)):
             return seqs
         probes = [s for s in seqs if self._track(s).probe]
         for s in seqs:
@@ -206,7 +218,7 @@ class BackoffPolicy:
         return StepPlan(
             num_decodes=num_decodes,
             factors=[self._track(s).calibration.factor for s in seqs],
-            draft_cost=self.draft_cost,
+            draft_cost=self.draft_pass_cost,
             verify_cost=self.verify_cost,
             level_mass=self.level_mass,
             probes=[self._track(s).probe for s in seqs],

@@ -102,9 +102,9 @@ class DraftProposer:
         )
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=block_size)
         self._shadows: dict[Sequence, _Shadow] = {}
-        # The last proposal's fastest forward pass that fed one token per sequence (none
-        # catching up on a history): what one more draft costs, for the policy.
-        self.decode_seconds: float | None = None
+        # The last proposal's passes (none catching up on a long history), as (tokens fed,
+        # seconds, its bookkeeping included): what drafting costs, for the policy.
+        self.pass_times: list[tuple[int, float]] = []
 
     def release(self, seq: Sequence) -> None:
         shadow = self._shadows.pop(seq, None)
@@ -131,7 +131,7 @@ class DraftProposer:
         """Up to ``ks[i]`` drafts each, one batched pass per depth; with a ``plan``, a
         sequence drafts one level deeper only while the plan says it is worth it."""
         proposals = [Proposal([]) for _ in seqs]
-        decode_seconds: list[float] = []
+        self.pass_times = []
         # The k-th draft is never fed back, so the draft holds len(tokens) + k - 1 tokens.
         live = [i for i, s in enumerate(seqs) if self._prepare(s, s.num_tokens + ks[i] - 1)]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -145,8 +145,6 @@ class DraftProposer:
             ]
             start = time.perf_counter()
             order, logits = self.runner.execute(scheduled)  # [len(active), vocab]
-            if all(s.num_tokens == 1 for s in scheduled):  # not catching up on a history
-                decode_seconds.append(time.perf_counter() - start)
             # The runner reorders the batch (decodes first): map rows back by shadow.
             index = {id(s): i for s, i in zip(shadows, active, strict=True)}
             for row, placed in zip(logits, order, strict=True):
@@ -168,15 +166,17 @@ class DraftProposer:
                     probs[i].append(p)
                 if plan is not None:
                     plan.add(i, proposal)
+            fed = sum(s.num_tokens for s in scheduled)
+            if all(s.num_tokens <= 2 for s in scheduled):  # not catching up on a history
+                self.pass_times.append((fed, time.perf_counter() - start))
             step += 1
             active = [i for i in active if step < ks[i]]
             if plan is not None:
-                plan.pass_done()
+                plan.pass_done(fed)
                 active = plan.continuing(active)
         for i in live:
             if probs[i]:
                 proposals[i].probs = torch.stack(probs[i])
-        self.decode_seconds = min(decode_seconds, default=None)
         return proposals
 
     def _prepare(self, seq: Sequence, num_tokens: int) -> bool:

@@ -9,8 +9,9 @@ its drafting sequences by falling estimate for as long as each one's expected to
 worth its verification row, read off the measured cost of rows (``VerifyCost``), and the
 draft makes one more pass while the tokens that pass can add are worth its time.
 
-Costs are in units of a plain decode step of the batch: a draft pass costs
-``draft_cost``, ``verify_cost(decodes, rows / decodes)`` is what ``rows`` more rows add.
+Costs are in units of a plain decode step of the batch: a draft pass feeding ``n`` tokens
+costs ``draft_cost(n)``, ``verify_cost(decodes, rows / decodes)`` is what ``rows`` more
+rows add.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class StepPlan:
         *,
         num_decodes: int,
         factors: list[float],
-        draft_cost: float,
+        draft_cost: Callable[[int], float],
         verify_cost: VerifyCost,
         level_mass: float,
         probes: list[bool] | None = None,
@@ -95,7 +96,7 @@ class StepPlan:
         self.draft_cost = draft_cost
         self.verify_cost = verify_cost
         self.level_mass = level_mass
-        self.passes = 0
+        self.spent = 0.0  # the passes run so far
         self.proposals: list[Proposal | None] = [None] * len(factors)
         self.masses: list[float] = []  # each level's candidate mass, for the moving average
 
@@ -105,8 +106,9 @@ class StepPlan:
         level = len(proposal.token_ids) - 1
         self.masses.append(proposal.confidence[level] + sum(proposal.alternative_probs[level]))
 
-    def pass_done(self) -> None:
-        self.passes += 1
+    def pass_done(self, rows: int) -> None:
+        """A pass that fed ``rows`` tokens ran."""
+        self.spent += self.draft_cost(rows)
 
     def continuing(self, active: list[int]) -> list[int]:
         """Of the sequences that may draft deeper, those that take one more pass; none if
@@ -120,7 +122,7 @@ class StepPlan:
         wanted = [i for i in active if gains[i] > rate * row_cost]
         if not wanted:
             return []
-        added = self.draft_cost + (
+        added = self.draft_cost(len(wanted)) + (
             self._rows_cost(rows + ROWS_PER_PASS * len(wanted)) - self._rows_cost(rows)
         )
         gain = sum(gains[i] for i in wanted)
@@ -141,7 +143,7 @@ class StepPlan:
     def _best(self) -> tuple[dict[int, Selection], float, float]:
         """The candidates that maximize the step's tokens per unit of time: the best prefix
         of all candidates by falling value (a candidate comes after its parent)."""
-        base_cost = 1.0 + self.passes * self.draft_cost
+        base_cost = 1.0 + self.spent
         tokens = float(self.num_decodes)
         best_tokens, best_cost, best_count = tokens, base_cost, 0
         order = self._candidates()

@@ -11,10 +11,11 @@ from worker.block_manager import BlockManager
 from worker.errors import SpeculativeConfigError
 from worker.sampling_params import MAX_SPECULATIVE_TOKENS
 from worker.spec_decode.backoff import BackoffPolicy, flat_verify_cost
+from worker.spec_decode.draft import DraftProposer
 from worker.spec_decode.ngram import NgramProposer
 from worker.spec_decode.proposal import MAX_ALTERNATIVES, Proposer
 from worker.spec_decode.speculator import Speculator
-from worker.spec_decode.step_cost import StepCostCurve
+from worker.spec_decode.step_cost import StepCostTable
 
 NGRAM = "ngram"
 # How a draft model's weights are held: "int4" (small passes through 4-bit copies, CPU),
@@ -55,12 +56,13 @@ def build_speculator(
     num_alternatives: int,
     draft_quantization: str = "auto",
     copy_kv_slots: Callable[[list[int], list[int]], None],
-    measure_steps: Callable[[int], StepCostCurve],
+    measure_steps: Callable[[int, int], StepCostTable],
 ) -> Speculator | None:
     """None when speculation is off. ``speculative_model``: ``"ngram"`` (prompt lookup) or a
     draft checkpoint directory; ``num_speculative_tokens`` (k) defaults to 4 with either.
-    ``position_cost`` None: the cost of verifying is measured, ``measure_steps(max_rows)``
-    timing the target's forward pass up to that many rows (once the settings are valid)."""
+    ``position_cost`` None: the cost of verifying is measured, ``measure_steps(max_batch,
+    max_drafts)`` timing the target's decode steps up to that many sequences and drafts
+    each (once the settings are valid)."""
     if speculative_model is None:
         if num_speculative_tokens:
             raise SpeculativeConfigError(
@@ -109,8 +111,6 @@ def build_speculator(
                 f"speculative_model must be 'ngram' or a checkpoint directory; {path} has no "
                 "config.json"
             )
-        from worker.spec_decode.draft import DraftProposer
-
         proposer = DraftProposer(
             path,
             dtype=dtype,
@@ -130,8 +130,9 @@ def build_speculator(
             draft_cost = proposer.model.decode_weight_bytes / target_weight_bytes
     if position_cost is not None or max_batch_size == 0:
         verify_cost = flat_verify_cost(position_cost or 0.0)
-    else:  # the rows of a step at the largest batch that speculates, with all its drafts
-        verify_cost = measure_steps(max_batch_size * (1 + k)).verify_cost
+    else:  # up to the largest batch that speculates, each sequence with all its rows
+        rows = k * (1 + num_alternatives) if isinstance(proposer, DraftProposer) else k
+        verify_cost = measure_steps(max_batch_size, rows).verify_cost
     return Speculator(
         proposer,
         num_speculative_tokens=k,

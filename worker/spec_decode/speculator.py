@@ -50,7 +50,7 @@ class Speculator:
         model runner's), for accepted alternatives. ``measure_draft_cost``: the policy's
         draft cost follows the proposer's measured time over the target's (``verify``)."""
         self.measure_draft_cost = measure_draft_cost
-        self._draft_seconds = 0.0  # this step's draft forward pass (one token each)
+        self._pass_times: list[tuple[int, float]] = []  # this step's draft passes, timed
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.block_manager = block_manager
@@ -68,7 +68,7 @@ class Speculator:
         """Give each decoding sequence that may speculate its draft tokens for this step."""
         self._proposals.clear()
         self._selections.clear()
-        self._draft_seconds = 0.0
+        self._pass_times = []
         for seq in running:
             seq.clear_spec()
         decoding = [
@@ -132,7 +132,7 @@ class Speculator:
         )
         self.policy.observe_level_mass(plan.masses)
         if self.measure_draft_cost:
-            self._draft_seconds = self.proposer.decode_seconds or 0.0
+            self._pass_times = self.proposer.pass_times
         for seq, proposal, selection in zip(ready, proposals, plan.select(), strict=True):
             self.policy.planned(seq, selection)
             if selection.rows:
@@ -162,8 +162,12 @@ class Speculator:
         """Split the step's logits: plain rows (one per sequence, for the sampler) and the
         verified tokens of every speculating sequence. ``step_seconds``: the target's
         forward pass, timed, for a step of decodes only (else None)."""
-        if self.measure_draft_cost and self._draft_seconds and step_seconds:
-            self.policy.observe_draft_cost(self._draft_seconds / step_seconds)
+        if self.measure_draft_cost and self._pass_times and step_seconds and sampling:
+            # The plain step this one stands for: the forward pass less its drafts' rows.
+            per_seq = sum(s.num_spec for s in sampling) / len(sampling)
+            plain = step_seconds / (1.0 + self.policy.verify_cost(len(sampling), per_seq))
+            for fed, seconds in self._pass_times:
+                self.policy.observe_draft_cost(seconds / plain, rows=fed)
         plain, plain_rows, verified = [], [], []
         row = 0
         for s in sampling:

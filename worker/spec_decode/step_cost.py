@@ -5,8 +5,13 @@ rows add. That time depends on the hardware far more than on the model, and is n
 in the rows: on a memory-bound CPU with native bf16 a step of 5 rows cost 3% more than one
 row; on a Zen 4 in bf16, 2-6 rows cost nothing extra and 17 rows 60% more; on an AVX2-only
 CPU in fp32 (the matmuls compute-bound from a few rows) 5 rows cost 35% more; on a GPU next
-to nothing. So the engine times forward passes of 1, 2, 4, ... rows before it serves, and
-the back-off policy reads the cost of n drafts off that curve.
+to nothing. It also depends on the batch and the context: each verified row attends its
+sequence's whole context, so on a 2-core Xeon a row cost ~0.3 ms beside one sequence of
+250 cached tokens and ~0.45 ms beside eight, against ~0.1 ms for a row of a fresh prefill
+(what this module timed before, which let the draft lose 6% at eight chats at once). So
+the engine times decode steps as they run, before it serves: B sequences with a cached
+context each feed their token and n draft rows, for B = 1, 2, 4, ... and n = 0, 1, 2, 4,
+...; the back-off policy reads the cost of drafts off that table.
 """
 
 from __future__ import annotations
@@ -26,74 +31,151 @@ from worker.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 MEASURE_REPEATS = 3  # per point; the fastest counts (noise only ever slows a run down)
+# Tokens each timed sequence has cached: a chat turn's context (a longer one makes rows
+# dearer, a shorter one cheaper).
+CONTEXT = 256
+MAX_MEASURED_DRAFTS = 32  # rows per sequence timed at most; more are extrapolated
+
+
+def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
+    """Piecewise linear through the points, the end segments' slopes past them."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 @dataclass(frozen=True, slots=True)
-class StepCostCurve:
-    """Seconds of a forward pass by rows fed, at increasing row counts."""
+class StepCostTable:
+    """Seconds of a decode step by decoding sequences and draft rows fed per sequence:
+    ``seconds[i][j]`` for ``batches[i]`` sequences feeding ``drafts[i][j]`` drafts each."""
 
-    rows: tuple[int, ...]
-    seconds: tuple[float, ...]
+    batches: tuple[int, ...]
+    drafts: tuple[tuple[int, ...], ...]
+    seconds: tuple[tuple[float, ...], ...]
 
-    def time(self, rows: float) -> float:
-        """Piecewise linear between the points; the last segment's slope past them."""
-        i = min(max(bisect.bisect_left(self.rows, rows), 1), len(self.rows) - 1)
-        r0, r1 = self.rows[i - 1], self.rows[i]
-        t0, t1 = self.seconds[i - 1], self.seconds[i]
-        return max(t0 + (t1 - t0) * (rows - r0) / (r1 - r0), 1e-9)
+    def time(self, num_decodes: float, num_drafts: float) -> float:
+        """Along the drafts at each measured batch size, then along the batch sizes."""
+        by_batch = tuple(
+            _interpolate(tuple(map(float, d)), s, num_drafts)
+            for d, s in zip(self.drafts, self.seconds, strict=True)
+        )
+        return max(_interpolate(tuple(map(float, self.batches)), by_batch, num_decodes), 1e-9)
 
-    def verify_cost(self, num_decodes: int, num_drafts: int) -> float:
-        """What ``num_drafts`` verified positions per sequence add to a step of
-        ``num_decodes`` sequences, per sequence, in units of the plain step's time per token
-        (it yields one token each): (T(B (1 + n)) - T(B)) / T(B)."""
+    def verify_cost(self, num_decodes: int, num_drafts: float) -> float:
+        """What ``num_drafts`` verified rows per sequence add to a step of ``num_decodes``
+        sequences, in units of the plain step: (T(B, n) - T(B, 0)) / T(B, 0)."""
         b = max(1, num_decodes)
-        plain = self.time(b)
-        return max(self.time(b * (1 + num_drafts)) - plain, 0.0) / plain
+        plain = self.time(b, 0)
+        return max(self.time(b, num_drafts) - plain, 0.0) / plain
 
     def describe(self) -> str:
-        pairs = zip(self.rows, self.seconds, strict=True)
-        return ", ".join(f"{rows}: {1000 * seconds:.1f} ms" for rows, seconds in pairs)
+        return "; ".join(
+            f"{b} seqs: " + ", ".join(f"+{n} {1000 * t:.1f} ms" for n, t in zip(d, s, strict=True))
+            for b, d, s in zip(self.batches, self.drafts, self.seconds, strict=True)
+        )
 
 
-def measure_step_curve(
+def _powers_of_two_to(limit: int, *, start: int) -> list[int]:
+    values, v = [], start
+    while v < limit:
+        values.append(v)
+        v = max(1, 2 * v)
+    return [*values, limit] if limit >= start else values
+
+
+def measure_step_costs(
     execute: Callable[[list[ScheduledSequence]], object],
     block_manager: BlockManager,
-    max_rows: int,
     *,
+    max_batch: int,
+    max_drafts: int,
     row_limit: int,
+    max_model_len: int,
     vocab_size: int,
     device: torch.device,
-) -> StepCostCurve:
-    """Times ``execute`` (the model runner's forward pass) on one scratch sequence feeding
-    1, 2, 4, ... up to ``max_rows`` tokens (at most ``row_limit``: the step's token budget,
-    the context length), its blocks taken from and returned to the pool.
-    Prefill rows stand in for verification rows: both run the same matmuls, which is what
-    grows with rows (the step of a long-context decode also reads its KV, so the measured
-    cost is, if anything, on the high side)."""
-    max_rows = max(1, min(max_rows, row_limit))
-    counts = []
-    rows = 1
-    while True:
-        counts.append(min(rows, max_rows))
-        if rows >= max_rows:
-            break
-        rows *= 2
-    tokens = [i % max(vocab_size, 1) for i in range(counts[-1])]
-    seconds = []
-    for n in [counts[0], *counts]:  # the first run warms the kernels up and is dropped
-        seq = Sequence("step-cost", tokens[:n], None, 0)
-        block_manager.allocate(seq.block_table, n)
-        try:
-            best = float("inf")
-            for _ in range(MEASURE_REPEATS):
-                start = time.perf_counter()
-                execute([ScheduledSequence(seq, 0, n)])
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                best = min(best, time.perf_counter() - start)
-            seconds.append(best)
-        finally:
+    context: int = CONTEXT,
+) -> StepCostTable:
+    """Times ``execute`` (the model runner's forward pass) on scratch decode steps: up to
+    ``max_batch`` sequences sharing one cached context (its blocks forked, so it is
+    prefilled once), each feeding its token and up to ``max_drafts`` drafts, within the
+    step's ``row_limit``; every block is returned to the pool afterwards."""
+    bs = block_manager.block_size
+    max_drafts = max(1, min(max_drafts, MAX_MEASURED_DRAFTS, row_limit - 1))
+    context = min(context, max_model_len - max_drafts - 1) // bs * bs
+    batches = _powers_of_two_to(max(1, max_batch), start=1)
+    tail_blocks = -(-(max_drafts + 1 + bs) // bs)
+    # A small pool (tests) times a shorter context, and fewer sequences if it must.
+    while context and not block_manager.can_allocate([], context + batches[-1] * tail_blocks * bs):
+        context = context // 2 // bs * bs
+    while len(batches) > 1 and not block_manager.can_allocate(
+        [], context + batches[-1] * tail_blocks * bs
+    ):
+        batches.pop()
+    tokens = [i % max(vocab_size, 1) for i in range(context + 1)]
+    base = Sequence("step-cost", tokens[:context], None, 0)
+    seqs: list[Sequence] = []
+    try:
+        block_manager.allocate(base.block_table, context)
+        for start in range(0, context, max(1, row_limit)):
+            execute([ScheduledSequence(base, start, min(row_limit, context - start))])
+        while len(seqs) < batches[-1]:
+            seq = Sequence(f"step-cost-{len(seqs)}", tokens, None, 0)
+            seq.block_table = block_manager.fork(base.block_table)
+            block_manager.allocate(seq.block_table, context + 1 + max_drafts)
+            seq.num_computed_tokens = context
+            seqs.append(seq)
+        points = []  # (batch, drafts)
+        drafts_by_batch = []
+        for batch in batches:
+            limit = min(max_drafts, row_limit // batch - 1)
+            counts = [0, *_powers_of_two_to(limit, start=1)] if limit >= 1 else [0]
+            drafts_by_batch.append(tuple(counts))
+            points += [(batch, n) for n in counts]
+        # Rounds over every point, the fastest of each kept: a hiccup of the machine spoils
+        # one point of one round, not a point (the first round warms up and is dropped).
+        best = {p: float("inf") for p in points}
+        for round_ in range(MEASURE_REPEATS + 1):
+            for batch, n in points:
+                seconds = _time_step(execute, seqs[:batch], n, context, device)
+                if round_:
+                    best[batch, n] = min(best[batch, n], seconds)
+        seconds_by_batch = [
+            _monotone([best[b, n] for n in counts])
+            for b, counts in zip(batches, drafts_by_batch, strict=True)
+        ]
+    finally:
+        for seq in seqs:
             block_manager.free(seq.block_table)
-    curve = StepCostCurve(tuple(counts), tuple(seconds[1:]))
-    logger.info("speculation cost model: forward pass by rows fed: %s", curve.describe())
-    return curve
+        block_manager.free(base.block_table)
+    table = StepCostTable(tuple(batches), tuple(drafts_by_batch), tuple(seconds_by_batch))
+    logger.info("speculation cost model: decode step by drafts fed: %s", table.describe())
+    return table
+
+
+def _time_step(execute, seqs: list[Sequence], drafts: int, context: int, device) -> float:
+    """One step of ``seqs`` each feeding its token at ``context`` and ``drafts`` draft rows."""
+    for seq in seqs:
+        seq.spec_token_ids = [seq.tokens[-1]] * drafts
+    step = [ScheduledSequence(seq, context, 1, drafts) for seq in seqs]
+    start = time.perf_counter()
+    execute(step)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    for seq in seqs:
+        seq.clear_spec()
+    return seconds
+
+
+def _monotone(values: list[float]) -> tuple[float, ...]:
+    """The closest non-decreasing sequence (least squares: pool adjacent violators): more
+    rows never cost less, and timing noise should not say they do."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return tuple(m for m, c in blocks for _ in range(int(c)))
