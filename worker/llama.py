@@ -159,14 +159,21 @@ class LlamaModel:
                 adapters.add(hidden, act, "down")
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] -> [rows, vocab] fp32, for the rows that sample only."""
+    def compute_logits(self, hidden: torch.Tensor, *, kept_only: bool = False) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab] fp32, for the rows that sample only; with
+        ``kept_only``, [rows, len(output_token_ids)] for a cut-down output layer."""
         x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         logits = self.lm_head(x).float()
-        if self.output_token_ids is None:
+        if self.output_token_ids is None or kept_only:
             return logits
-        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.output_token_ids, logits)
+        return self.full_logits(logits)
+
+    def full_logits(self, kept: torch.Tensor) -> torch.Tensor:
+        """Logits over the kept tokens [rows, kept] -> [rows, vocab], -inf elsewhere."""
+        if self.output_token_ids is None:
+            return kept
+        full = kept.new_full((kept.shape[0], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.output_token_ids, kept)
 
 
 class _LayerLora:

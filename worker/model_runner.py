@@ -110,11 +110,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, scheduled: list[ScheduledSequence]
+        self, scheduled: list[ScheduledSequence], *, kept_only: bool = False
     ) -> tuple[list[ScheduledSequence], torch.Tensor]:
         """Run one step; returns the sampling sequences and their logits, one row per
         sampling sequence, or ``num_spec + 1`` consecutive rows for one verifying draft
-        tokens: [sum of rows, vocab]."""
+        tokens: [sum of rows, vocab] (``kept_only``: a cut-down output layer's columns)."""
         inputs = self.prepare(scheduled)
         lora = None
         # The per-token adapter list is only built when some sequence uses an adapter.
@@ -126,7 +126,7 @@ class ModelRunner:
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, lora
         )
-        logits = self.model.compute_logits(hidden[inputs.logit_rows])
+        logits = self.model.compute_logits(hidden[inputs.logit_rows], kept_only=kept_only)
         return [s for s in inputs.order if s.samples], logits
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:

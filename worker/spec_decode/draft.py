@@ -9,7 +9,6 @@ speculating sequences batched in one forward pass per token.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,8 @@ from worker.model_runner import ModelRunner
 from worker.sampler import SamplingRow
 from worker.scheduler import ScheduledSequence
 from worker.sequence import Sequence
-from worker.spec_decode import distributions as dist
 from worker.spec_decode.draft_plan import StepPlan
+from worker.spec_decode.draft_ranking import rank_rows
 from worker.spec_decode.proposal import NUM_ALTERNATIVES, Proposal
 
 # Beside a draft checkpoint: the token ids its output layer covers (`distill` writes it).
@@ -144,26 +143,31 @@ class DraftProposer:
                 for s in shadows
             ]
             start = time.perf_counter()
-            order, logits = self.runner.execute(scheduled)  # [len(active), vocab]
+            # [len(active), the draft's output columns]
+            order, logits = self.runner.execute(scheduled, kept_only=True)
             # The runner reorders the batch (decodes first): map rows back by shadow.
             index = {id(s): i for s, i in zip(shadows, active, strict=True)}
-            for row, placed in zip(logits, order, strict=True):
-                shadow = placed.seq
-                i = index[id(shadow)]
+            placed = [index[id(p.seq)] for p in order]
+            ranked = rank_rows(
+                logits,
+                self.model.output_token_ids,
+                self.model.full_logits,
+                [rows[i] for i in placed],
+                [proposals[i].token_ids for i in placed],
+                count=self.num_alternatives,
+                min_prob=self.min_alternative_prob,
+            )
+            for i, r, scheduled_seq in zip(placed, ranked, order, strict=True):
+                shadow = scheduled_seq.seq
                 shadow.num_computed_tokens = shadow.num_tokens
                 proposal = proposals[i]
-                token, p, x = dist.next_token(row, rows[i], proposal.token_ids)
-                ranking = x if p is None else p.log()  # as the draft would sample
-                prob, alternatives, alternative_probs = runner_ups(
-                    ranking, token, count=self.num_alternatives, min_prob=self.min_alternative_prob
-                )
-                proposal.token_ids.append(token)
-                proposal.confidence.append(prob)
-                proposal.alternatives.append(alternatives)
-                proposal.alternative_probs.append(alternative_probs)
-                shadow.tokens.append(token)
-                if p is not None:
-                    probs[i].append(p)
+                proposal.token_ids.append(r.token)
+                proposal.confidence.append(r.prob)
+                proposal.alternatives.append(r.alternatives)
+                proposal.alternative_probs.append(r.alternative_probs)
+                shadow.tokens.append(r.token)
+                if r.distribution is not None:
+                    probs[i].append(r.distribution)
                 if plan is not None:
                     plan.add(i, proposal)
             fed = sum(s.num_tokens for s in scheduled)
@@ -200,26 +204,6 @@ class DraftProposer:
             return False
         self.block_manager.allocate(draft.block_table, num_tokens)
         return True
-
-
-def runner_ups(
-    x: torch.Tensor, token: int, *, count: int, min_prob: float
-) -> tuple[float, list[int], list[float]]:
-    """The draft's probability of ``token`` under the softmax of ``x`` (logits or
-    log-probabilities [vocab], its own ranking), then up to ``count`` tokens after it in
-    that ranking whose probability is at least ``min_prob``, and their probabilities."""
-    logp = torch.log_softmax(x, dim=-1)
-    prob = float(logp[token].exp())
-    if count <= 0:
-        return prob, [], []
-    top = torch.topk(logp, count + 1)
-    floor = math.log(min_prob) if min_prob > 0 else float("-inf")
-    picked = [
-        (t, lp)
-        for t, lp in zip(top.indices.tolist(), top.values.tolist(), strict=True)
-        if t != token and lp >= floor
-    ][:count]
-    return prob, [t for t, _ in picked], [math.exp(lp) for _, lp in picked]
 
 
 def check_vocabulary(path, draft_vocab: int, target_vocab: int, target_tokenizer) -> None:
