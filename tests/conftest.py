@@ -76,3 +76,20 @@ def model_dir(tmp_path_factory):
     from tests.test_gateway_support import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="session")
+def target(tmp_path_factory):
+    """The speculative decoding tests' target: a tiny random Llama checkpoint."""
+    from factories import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("target"), seed=21)
+
+
+@pytest.fixture(scope="session")
+def close_draft(target, tmp_path_factory):
+    """The target with noise on its weights: agrees with it often (about 60% of sampled
+    drafts accepted), and where not, its runner-up is often the target's token."""
+    from factories import make_perturbed_checkpoint
+
+    return make_perturbed_checkpoint(target, tmp_path_factory.mktemp("close"), noise=0.1)

@@ -22,7 +22,6 @@ from factories import (
     load_hf_model,
     make_checkpoint,
     make_peft_adapter,
-    make_perturbed_checkpoint,
     random_prompts,
 )
 from worker import LLM, SamplingParams
@@ -34,20 +33,9 @@ MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("target"), seed=21)
-
-
-@pytest.fixture(scope="module")
 def other_draft(tmp_path_factory):
     """Same vocabulary, other weights: disagrees with the target most of the time."""
     return make_checkpoint(tmp_path_factory.mktemp("draft"), seed=99, num_layers=1)
-
-
-@pytest.fixture(scope="module")
-def close_draft(target, tmp_path_factory):
-    """The target with noise on its weights: accepts about 60% of sampled drafts."""
-    return make_perturbed_checkpoint(target, tmp_path_factory.mktemp("close"), noise=0.1)
 
 
 def with_output_vocab(checkpoint, path, *, seed: int):
@@ -90,6 +78,15 @@ def speculative(target, spec: str, k: int = 4, **kwargs) -> LLM:
     kwargs.setdefault("speculative_position_cost", 0.0)
     kwargs.setdefault("speculative_draft_cost", 0.0)
     return LLM(target, dtype="float32", speculative_model=spec, num_speculative_tokens=k, **kwargs)
+
+
+def assert_same_tokens_and_logprobs(outputs, expected) -> None:
+    """Speculative outputs against plain decoding's: the same tokens, logprobs and top."""
+    for out, exp in zip(outputs, expected, strict=True):
+        assert out.token_ids == exp.token_ids
+        for got, want in zip(out.logprobs, exp.logprobs, strict=True):
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+            assert [t for t, _ in got.top_logprobs] == [t for t, _ in want.top_logprobs]
 
 
 def proposer_path(name: str, target, other_draft, half_vocab_target=None) -> str:
@@ -177,11 +174,7 @@ def test_alternatives_add_tokens_and_keep_greedy_tokens_and_logprobs(target, clo
     if variant == "torch-attention":
         llm.engine.runner.native_decodes = False
     outputs = llm.generate(prompts, params)
-    for out, exp in zip(outputs, expected, strict=True):
-        assert out.token_ids == exp.token_ids
-        for got, want in zip(out.logprobs, exp.logprobs, strict=True):
-            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
-            assert [t for t, _ in got.top_logprobs] == [t for t, _ in want.top_logprobs]
+    assert_same_tokens_and_logprobs(outputs, expected)
     stats = llm.engine.spec_decode_stats
     assert stats.num_alternatives_accepted > 0
     assert stats.num_emitted == (
