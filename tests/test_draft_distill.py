@@ -9,7 +9,8 @@ import pytest
 
 from factories import add_byte_level_tokenizer, make_checkpoint
 from worker import LLM, SamplingParams
-from worker.spec_decode.distill import TEMPLATES, TOPICS, corpus_requests, distill
+from worker.spec_decode.distill import corpus_requests, distill
+from worker.spec_decode.distill_prompts import TEMPLATES, TOPICS
 
 
 @pytest.mark.parametrize("output_vocab", [0, 64])

@@ -28,58 +28,10 @@ from kernels.linear import INT4_GROUP, fake_int4
 from switchboard.home import switchboard_home
 from worker.placement import resolve_dtype
 from worker.sampling_params import SamplingParams
+from worker.spec_decode.distill_prompts import TEMPLATES, TOPICS
 from worker.spec_decode.draft import OUTPUT_VOCAB_FILE
 
 logger = logging.getLogger(__name__)
-
-TOPICS = [
-    "volcanoes",
-    "the history of bread",
-    "how batteries work",
-    "saving money",
-    "chess openings",
-    "the moon landing",
-    "composting",
-    "bees",
-    "writing a cover letter",
-    "the French revolution",
-    "machine learning",
-    "gardening in small spaces",
-    "the immune system",
-    "jazz music",
-    "climate change",
-    "how to train a puppy",
-    "the Roman empire",
-    "recycling plastic",
-    "planning a trip",
-    "black holes",
-    "healthy breakfasts",
-    "learning to code in Python",
-    "earthquakes",
-    "the printing press",
-    "time management",
-    "electric cars",
-    "coffee",
-    "the human heart",
-    "public speaking",
-    "rain forests",
-    "sorting algorithms",
-    "the ocean tides",
-]
-TEMPLATES = [
-    "Tell me about {}.",
-    "Write a short paragraph explaining {} to a child.",
-    "What are the most important facts about {}?",
-    "Give me a list of tips related to {}.",
-    "Summarize the following in two sentences: {} is a topic many people find interesting, "
-    "and it has a long history with many surprising details.",
-    "Explain {} in simple terms.",
-    "Write a short story involving {}.",
-    "What should a beginner know about {}?",
-    "Why does {} matter?",
-    "Describe {} step by step.",
-    "Give three interesting facts about {}.",
-]
 
 
 @dataclass(slots=True)
