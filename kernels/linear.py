@@ -82,27 +82,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def int4_levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``weight`` [out, in] on 16 levels per group of ``INT4_GROUP`` input features, from
-    the group's minimum to its maximum: (q [out, groups, INT4_GROUP] in 0..15, the groups'
-    minimum [out, groups], their step [out, groups]), in fp32."""
-    out_features, in_features = weight.shape
-    groups = weight.detach().float().view(out_features, in_features // INT4_GROUP, INT4_GROUP)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scale = (high - low).clamp(min=1e-12) / 15
-    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-    return q, low, scale
-
-
-def fake_int4(weight: torch.Tensor) -> torch.Tensor:
-    """What ``Int4Weight`` makes of ``weight`` (scale and zero unrounded), as a tensor of
-    its shape and dtype; the gradient passes straight through (Bengio et al. 2013), so a
-    model can be trained for the 4-bit weights it will run on."""
-    q, low, scale = int4_levels(weight)
-    levels = (low[..., None] + q * scale[..., None]).flatten(1).to(weight.dtype)
-    return weight + (levels - weight).detach()
-
-
 class Int4Weight:
     """A weight [out, in] as 4-bit values per group of ``INT4_GROUP`` input features:
     ``w[o, i] ~ (q[o, i] - 8) * scale[g, o] + zero[g, o]`` with g = i // INT4_GROUP,
@@ -111,8 +90,12 @@ class Int4Weight:
     __slots__ = ("packed", "scales_and_zeros")
 
     def __init__(self, weight: torch.Tensor) -> None:
-        q, low, scale = int4_levels(weight)
-        q = q.to(torch.int32).flatten(1)  # [out, in]
+        out_features, in_features = weight.shape
+        groups = weight.float().view(out_features, in_features // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)  # [out, groups]
+        scale = (high - low).clamp(min=1e-12) / 15
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        q = q.to(torch.int32).view(out_features, in_features)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
         # [groups, out, 2] in the activations' dtype, as the kernel reads them

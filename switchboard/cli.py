@@ -134,7 +134,6 @@ def draft_distill(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         output_vocab=args.output_vocab,
         train_minutes=args.train_minutes,
-        int4_aware=args.int4_aware,
     )
     print(
         f"draft saved to {result.path}: {result.output_vocab} output tokens, "
@@ -159,10 +158,6 @@ def _draft_distill_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens the draft's output layer keeps, the target's most frequent (0: all)",
     )  # fmt: skip
     parser.add_argument("--train-minutes", type=float, default=25.0, help="training budget")
-    parser.add_argument(
-        "--int4-aware", type=float, default=0.3,
-        help="last fraction of training on the 4-bit weights a bf16 draft runs on (CPU); 0: none",
-    )  # fmt: skip
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:

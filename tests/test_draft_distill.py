@@ -15,9 +15,8 @@ from worker.spec_decode.distill_prompts import TEMPLATES, TOPICS
 
 @pytest.mark.parametrize("output_vocab", [0, 64])
 def test_distilled_draft_is_a_checkpoint_the_engine_speculates_with(
-    tmp_path, output_vocab, monkeypatch, caplog
+    tmp_path, output_vocab, monkeypatch
 ):
-    caplog.set_level("INFO", logger="worker.spec_decode.distill")
     monkeypatch.setenv("SWITCHBOARD_HOME", str(tmp_path / "home"))  # the corpus cache
     target = make_checkpoint(tmp_path / "target", vocab_size=400, num_layers=3, eos_token_id=0)
     add_byte_level_tokenizer(target)
@@ -34,9 +33,6 @@ def test_distilled_draft_is_a_checkpoint_the_engine_speculates_with(
     )
     assert result.train_steps > 5
     assert result.final_loss < result.first_loss  # it learned something from the target
-    # The last 30% trained on the 4-bit levels (2 layers x 7 projections); the plain
-    # weights are what is saved (no parametrization left in the checkpoint).
-    assert "training on 4-bit levels from here (14 projections)" in caplog.text
 
     from transformers import AutoConfig, AutoTokenizer
 

@@ -102,20 +102,3 @@ def test_a_4bit_copy_reads_a_quarter_of_the_bytes():
     assert full == 256 * 128 * 2
     # 4 bits a weight, plus a bf16 scale and zero per group of 64
     assert quantized == 256 * 128 // 2 + 256 * 2 * 2 * 2
-
-
-def test_fake_int4_is_the_4bit_weight_with_a_straight_through_gradient():
-    """What training for 4-bit weights sees: the weight on its 16 levels per group (as the
-    product through Int4Weight computes with it, in fp32), and the gradient of the weight
-    itself."""
-    from kernels.linear import INT4_GROUP, fake_int4
-
-    gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(32, 128, generator=gen).requires_grad_()
-    levels = fake_int4(weight)
-    deq = dequantized_int4(weight.detach(), INT4_GROUP)
-    torch.testing.assert_close(levels.double(), deq, atol=1e-6, rtol=1e-6)
-    x = torch.randn(3, 128, generator=gen)
-    torch.testing.assert_close(Linear(weight.detach(), int4_rows=True)(x), x @ levels.detach().T)
-    (levels * torch.arange(128.0)).sum().backward()
-    torch.testing.assert_close(weight.grad, torch.arange(128.0).expand(32, 128))

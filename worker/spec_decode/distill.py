@@ -22,9 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils import parametrize
 
-from kernels.linear import INT4_GROUP, fake_int4
 from switchboard.home import switchboard_home
 from worker.placement import resolve_dtype
 from worker.sampling_params import SamplingParams
@@ -168,28 +166,6 @@ def build_draft(target_model, num_layers: int):
     return draft, picked
 
 
-class _Int4Levels(torch.nn.Module):
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return fake_int4(weight)
-
-
-def _fits_int4(weight: torch.Tensor) -> bool:
-    return weight.dim() == 2 and weight.shape[1] % INT4_GROUP == 0
-
-
-def _train_on_int4_levels(draft) -> list[torch.nn.Module]:
-    """From now on the decoder layers' projections compute with their 4-bit levels."""
-    modules = [
-        m
-        for m in draft.model.layers.modules()
-        if isinstance(m, torch.nn.Linear) and _fits_int4(m.weight)
-    ]
-    for module in modules:
-        parametrize.register_parametrization(module, "weight", _Int4Levels())
-    logger.info("training on 4-bit levels from here (%d projections)", len(modules))
-    return modules
-
-
 def distill(
     target: Path,
     out: Path,
@@ -203,15 +179,11 @@ def distill(
     lr: float = 1e-3,
     epochs: int = 4,
     train_minutes: float = 25.0,
-    int4_aware: float = 0.3,
     seed: int = 0,
 ) -> DistillResult:
     """Generate, initialize, train for ``train_minutes`` (or ``epochs``), save to ``out``.
 
-    ``output_vocab``: how many tokens the draft's output layer keeps (0: all).
-    ``int4_aware``: the last fraction of training runs the draft's projections and output
-    layer on their 4-bit levels (``kernels.linear.fake_int4``), as the engine runs a bf16
-    draft on CPU, so that it learns to predict through them (0: not at all)."""
+    ``output_vocab``: how many tokens the draft's output layer keeps (0: all)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.monotonic()
@@ -245,7 +217,6 @@ def distill(
     step, loss_value, first_loss = 0, float("nan"), float("nan")
     autocast = torch.autocast("cpu", dtype=compute_dtype, enabled=compute_dtype != torch.float32)
     draft.train()
-    quantized: list[torch.nn.Module] = []  # modules whose weights train on 4-bit levels
     while step < max_steps and time.monotonic() - train_start < budget_s:
         order = torch.randperm(len(chunks))
         for i in range(0, len(order), batch_size):
@@ -254,8 +225,6 @@ def distill(
                 break
             # Warm up, then a cosine decay over whichever runs out first, time or steps.
             progress = max(elapsed / budget_s, step / max_steps)
-            if not quantized and progress >= 1.0 - int4_aware:
-                quantized = _train_on_int4_levels(draft)
             for group in optimizer.param_groups:
                 warmup = min(1.0, (step + 1) / 20)
                 group["lr"] = lr * warmup * 0.5 * (1 + math.cos(math.pi * progress))
@@ -264,8 +233,7 @@ def distill(
                 hidden = teacher.model(batch).last_hidden_state
                 target_logp = F.log_softmax((hidden @ teacher_head.T).float(), dim=-1)
             with autocast:
-                head_weight = fake_int4(head) if quantized and _fits_int4(head) else head
-                logits = draft.model(batch).last_hidden_state @ head_weight.T
+                logits = draft.model(batch).last_hidden_state @ head.T
             draft_logp = F.log_softmax(logits.float(), dim=-1)  # [batch, seq, kept vocab]
             loss = F.kl_div(
                 draft_logp.flatten(0, 1),
@@ -283,8 +251,6 @@ def distill(
                 first_loss = loss_value
             if step % 10 == 0:
                 logger.info("step %d: KL %.3f", step, loss_value)
-    for module in quantized:  # the weights themselves are saved; the engine quantizes
-        parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
     with torch.no_grad():
         draft.lm_head.weight[rows] = head
     out.mkdir(parents=True, exist_ok=True)
