@@ -124,7 +124,7 @@ def generate_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: in
     params = [p for _, p in requests]
     stream: list[int] = []
     eos = tokenizer.eos_token_id
-    for out in llm.generate(texts, params):
+    for out in llm.generate(texts, params, use_tqdm=True):
         stream += [*out.prompt_token_ids, *out.token_ids, eos]
     return stream
 
