@@ -20,7 +20,8 @@ from worker.spec_decode.step_cost import StepCostTable
 NGRAM = "ngram"
 # How a draft model's weights are held: "int4" (small passes through 4-bit copies, CPU),
 # "none", or "auto": int4 where the draft runs on CPU in bf16, where it was measured to
-# pay (a one-token draft pass 2.5 -> ~1.3 ms for the default model's draft).
+# pay (a one-token draft pass 2.5 -> ~1.3 ms for the default model's draft). Not in fp32 (an
+# AVX2-only CPU): there torch's 4-bit kernel ran 4-27x slower than the fp32 matmul.
 DRAFT_QUANTIZATIONS = ("auto", "int4", "none")
 
 
