@@ -454,6 +454,15 @@ def test_the_draft_cost_follows_the_measured_time(target, other_draft):
     for cost in [0.1, 0.12, 0.9] * 10:  # a catch-up now and then: an outlier, not the price
         policy.observe_draft_cost(cost)
     assert policy.draft_cost == pytest.approx(0.12)
+    # Passes are priced by the tokens they feed (the nearest size measured); the one-token
+    # passes alone set draft_cost.
+    for cost in (0.3, 0.2, 0.25):
+        policy.observe_draft_cost(cost, rows=4)
+    assert policy.draft_cost == pytest.approx(0.12)
+    assert policy.draft_pass_cost(4) == pytest.approx(0.25)
+    assert policy.draft_pass_cost(3) == pytest.approx(0.25)
+    assert policy.draft_pass_cost(2) == pytest.approx(0.12)
+    assert policy.draft_pass_cost(16) == pytest.approx(0.25)
 
     # Rows priced at nothing (the step curve, timed on a tiny model, is noise here): every
     # step drafts as deep as it may, so one-token passes get timed.
