@@ -4,12 +4,21 @@ engine accepts it as a draft, and greedy output stays the target's own."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
 from factories import add_byte_level_tokenizer, make_checkpoint
 from worker import LLM, SamplingParams
-from worker.spec_decode.distill import corpus_requests, distill
+from worker.spec_decode.distill import (
+    TEACHER_TOP,
+    Corpus,
+    corpus_requests,
+    distill,
+    generate_corpus,
+    teacher_targets,
+)
 from worker.spec_decode.distill_prompts import TEMPLATES, TOPICS
 
 
@@ -83,9 +92,71 @@ def test_a_second_distillation_reads_the_generated_corpus_back(tmp_path, monkeyp
     monkeypatch.setattr(distill_module, "generate_corpus", counting)
     first = distill_module.cached_corpus(target, num_prompts=4, max_tokens=8, seed=0)
     again = distill_module.cached_corpus(target, num_prompts=4, max_tokens=8, seed=0)
-    assert again == first and generated == [4]
+    assert generated == [4]
+    for name in ("tokens", "teacher_ids", "teacher_logprobs"):
+        assert torch.equal(getattr(again, name), getattr(first, name))
     distill_module.cached_corpus(target, num_prompts=5, max_tokens=8, seed=0)
     assert generated == [4, 5]
     (target / "config.json").write_text((target / "config.json").read_text() + "\n")
     distill_module.cached_corpus(target, num_prompts=4, max_tokens=8, seed=0)
     assert generated == [4, 5, 4]  # the target's files changed: not the same corpus
+
+
+def test_the_recorded_teacher_is_the_targets_distribution_over_the_next_token(tmp_path):
+    """Each answer position holds the target's own log-probabilities for the token after it
+    (checked with transformers on every prompt + answer); instructions and the EOS that
+    ends each answer hold none."""
+    from transformers import AutoModelForCausalLM
+
+    target = make_checkpoint(tmp_path / "target", vocab_size=400, num_layers=2, eos_token_id=0)
+    add_byte_level_tokenizer(target)
+    corpus = generate_corpus(target, num_prompts=4, max_tokens=12, seed=3, dtype="float32")
+    assert corpus.teacher_ids.shape == corpus.teacher_logprobs.shape == (len(corpus), TEACHER_TOP)
+    scored = (corpus.teacher_ids >= 0).all(-1)
+    assert torch.equal(scored, (corpus.teacher_ids >= 0).any(-1))  # a whole row or nothing
+    # A request is its unscored instruction, then a scored run (the instruction's last
+    # token and the answer), then the answer's closing EOS (id 0), after its last token
+    # when the answer ran to max_tokens (that token has no next one to predict).
+    run_ends = [i + 1 for i in range(len(corpus) - 1) if scored[i] and not scored[i + 1]]
+    ends = [end + 1 if corpus.tokens[end] == 0 else end + 2 for end in run_ends]
+    assert len(ends) == 4 and ends[-1] == len(corpus)
+    assert all(corpus.tokens[end - 1] == 0 for end in ends)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    begin, worst, shifted = 0, 0.0, 0.0
+    for end in ends:
+        with torch.no_grad():
+            logits = model(corpus.tokens[begin:end].long()[None]).logits[0]
+        reference = torch.log_softmax(logits, dim=-1)
+        rows = torch.nonzero(scored[begin:end]).squeeze(1)
+        ids = corpus.teacher_ids[begin:end][rows].long()
+        recorded = corpus.teacher_logprobs[begin:end][rows]
+        worst = max(worst, (reference[rows].gather(1, ids) - recorded).abs().max().item())
+        shifted = max(shifted, (reference[rows - 1].gather(1, ids) - recorded).abs().max().item())
+        begin = end
+    assert worst < 1e-4
+    assert shifted > 0.1  # one position off would not pass
+
+
+def test_teacher_targets_are_the_recorded_distribution_over_the_drafts_columns():
+    """Ids the draft's output layer lacks drop out and the rest are renormalized; a
+    position with none of its tokens kept, or none recorded, scores nothing."""
+    logprobs = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.4, 0.0], [0.0, 0.0, 0.0]]))
+    corpus = Corpus(
+        tokens=torch.tensor([1, 2, 3], dtype=torch.int32),
+        teacher_ids=torch.tensor([[7, 3, 5], [4, 6, 0], [-1, -1, -1]], dtype=torch.int32),
+        teacher_logprobs=logprobs,
+    )
+    keep = torch.tensor([3, 5, 7])  # columns 0, 1, 2
+    targets = teacher_targets(corpus, keep, vocab_size=10)
+    assert targets.columns[0].tolist() == [2, 0, 1]
+    assert torch.allclose(targets.probs[0], torch.tensor([0.5, 0.3, 0.2]))
+    assert targets.probs[1].tolist() == [0.0, 0.0, 0.0]  # 4, 6 and 0 are not kept
+    assert targets.probs[2].tolist() == [0.0, 0.0, 0.0]
+    expected = 0.5 * math.log(0.5) + 0.3 * math.log(0.3) + 0.2 * math.log(0.2)
+    assert targets.neg_entropy[0].item() == pytest.approx(expected)
+    assert targets.neg_entropy[1:].tolist() == [0.0, 0.0]
+    keep_two = teacher_targets(corpus, torch.tensor([3, 7]), vocab_size=10)
+    assert torch.allclose(keep_two.probs[0], torch.tensor([0.5, 0.3, 0.0]) / 0.8)
+    everything = teacher_targets(corpus, None, vocab_size=10)
+    assert everything.columns[1].tolist() == [4, 6, 0]
+    assert torch.allclose(everything.probs[1], torch.tensor([0.6, 0.4, 0.0]))

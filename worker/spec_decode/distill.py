@@ -31,6 +31,24 @@ from worker.spec_decode.draft import OUTPUT_VOCAB_FILE
 
 logger = logging.getLogger(__name__)
 
+# The target's most likely next tokens recorded per position: the most the engine reports
+# (OpenAI's limit); they hold ~90% of its probability on its own answers.
+TEACHER_TOP = 20
+
+
+@dataclass(slots=True)
+class Corpus:
+    """The token stream, and at each position the target's distribution over the next token
+    as it generated it: its ``TEACHER_TOP`` most likely tokens and their raw log-probabilities,
+    ids -1 where the target did not predict the next token (instructions, separators)."""
+
+    tokens: torch.Tensor  # [n] int32
+    teacher_ids: torch.Tensor  # [n, TEACHER_TOP] int32
+    teacher_logprobs: torch.Tensor  # [n, TEACHER_TOP] float32
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
 
 @dataclass(slots=True)
 class DistillResult:
@@ -64,6 +82,7 @@ def corpus_requests(
                 temperature=0.0 if i % 2 == 0 and i < first_round else 0.8,
                 max_tokens=max_tokens,
                 seed=seed + i,
+                logprobs=TEACHER_TOP,
             ),
         )
         for i in range(num_prompts)
@@ -86,33 +105,43 @@ def corpus_cache_path(target: Path, *, num_prompts: int, max_tokens: int, seed: 
             for m, p in corpus_requests(num_prompts, max_tokens=max_tokens, seed=seed)
         ],
         "max_tokens": max_tokens,
+        "teacher_top": TEACHER_TOP,
     }
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     return switchboard_home() / "cache" / "draft-corpus" / f"{digest}.safetensors"
 
 
-def cached_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: int) -> list[int]:
+def cached_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: int) -> Corpus:
     """``generate_corpus``, read from ``corpus_cache_path`` when it was generated before."""
     from safetensors.torch import load_file, save_file
 
     path = corpus_cache_path(target, num_prompts=num_prompts, max_tokens=max_tokens, seed=seed)
     if path.exists():
         logger.info("corpus read from %s", path)
-        return load_file(path)["tokens"].tolist()
-    stream = generate_corpus(target, num_prompts=num_prompts, max_tokens=max_tokens, seed=seed)
+        return Corpus(**load_file(path))
+    corpus = generate_corpus(target, num_prompts=num_prompts, max_tokens=max_tokens, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
-    save_file({"tokens": torch.tensor(stream, dtype=torch.int32)}, partial)
+    save_file(
+        {
+            "tokens": corpus.tokens,
+            "teacher_ids": corpus.teacher_ids,
+            "teacher_logprobs": corpus.teacher_logprobs,
+        },
+        partial,
+    )
     partial.replace(path)
-    return stream
+    return corpus
 
 
-def generate_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: int) -> list[int]:
-    """Instructions and the target's own answers (``corpus_requests``), EOS-separated, as
-    one token stream."""
+def generate_corpus(
+    target: Path, *, num_prompts: int, max_tokens: int, seed: int, dtype: str = "auto"
+) -> Corpus:
+    """Instructions and the target's own answers (``corpus_requests``), each ended by one
+    EOS, as one stream, with the target's distribution at every answer position."""
     from worker import LLM
 
-    llm = LLM(target, dtype="auto", max_num_seqs=64)
+    llm = LLM(target, dtype=dtype, max_num_seqs=64)
     tokenizer = llm.tokenizer
     requests = corpus_requests(num_prompts, max_tokens=max_tokens, seed=seed)
     texts = [
@@ -122,18 +151,29 @@ def generate_corpus(target: Path, *, num_prompts: int, max_tokens: int, seed: in
         for m, _ in requests
     ]
     params = [p for _, p in requests]
-    stream: list[int] = []
     eos = tokenizer.eos_token_id
+    tokens, ids, logprobs = [], [], []
     for out in llm.generate(texts, params, use_tqdm=True):
-        stream += [*out.prompt_token_ids, *out.token_ids, eos]
-    return stream
+        answer = out.token_ids if out.token_ids[-1:] == [eos] else [*out.token_ids, eos]
+        length = len(out.prompt_token_ids) + len(answer)
+        # The last prompt token's distribution is the first answer token's, and so on.
+        first = len(out.prompt_token_ids) - 1
+        seq_ids = torch.full((length, TEACHER_TOP), -1, dtype=torch.int32)
+        seq_logprobs = torch.zeros(length, TEACHER_TOP)
+        top = [token.top_logprobs for token in out.logprobs]
+        seq_ids[first : first + len(top)] = torch.tensor([[t for t, _ in row] for row in top])
+        seq_logprobs[first : first + len(top)] = torch.tensor([[v for _, v in row] for row in top])
+        tokens.append(torch.tensor([*out.prompt_token_ids, *answer], dtype=torch.int32))
+        ids.append(seq_ids)
+        logprobs.append(seq_logprobs)
+    return Corpus(torch.cat(tokens), torch.cat(ids), torch.cat(logprobs))
 
 
 def most_frequent_tokens(
-    stream: list[int], *, size: int, vocab_size: int, eos: int
+    stream: torch.Tensor, *, size: int, vocab_size: int, eos: int
 ) -> torch.Tensor:
     """The ``size`` tokens that occur most in ``stream`` (EOS always), sorted by id."""
-    counts = torch.bincount(torch.tensor(stream), minlength=vocab_size)
+    counts = torch.bincount(stream.long(), minlength=vocab_size)
     counts[eos] = counts.max() + 1
     return torch.argsort(counts, descending=True, stable=True)[:size].sort().values
 
@@ -166,6 +206,33 @@ def build_draft(target_model, num_layers: int):
     return draft, picked
 
 
+@dataclass(slots=True)
+class TeacherTargets:
+    """The recorded distributions in the draft's output columns, ready for the loss."""
+
+    columns: torch.Tensor  # [n, TEACHER_TOP] int64: the draft's column of each token (0 if none)
+    probs: torch.Tensor  # [n, TEACHER_TOP]: renormalized over the kept tokens, 0 elsewhere
+    neg_entropy: torch.Tensor  # [n]: sum of probs * log(probs), KL's constant part
+
+
+def teacher_targets(corpus: Corpus, keep: torch.Tensor | None, vocab_size: int) -> TeacherTargets:
+    """Map the target's recorded tokens to the draft's output columns (``keep``: the ids
+    they stand for; None: all ids) and renormalize its probabilities over those the draft
+    can say, so the loss is a KL divergence between two distributions over its columns.
+    A position with none of them scores nothing (its probs are all 0)."""
+    column_of = torch.full((vocab_size,), -1, dtype=torch.long)
+    if keep is None:
+        column_of = torch.arange(vocab_size)
+    else:
+        column_of[keep] = torch.arange(len(keep))
+    ids = corpus.teacher_ids.long()
+    columns = torch.where(ids >= 0, column_of[ids.clamp(min=0)], -1)
+    probs = torch.where(columns >= 0, corpus.teacher_logprobs.float().exp(), 0.0)
+    mass = probs.sum(-1, keepdim=True)
+    probs = torch.where(mass > 0, probs / mass.clamp(min=1e-30), 0.0)
+    return TeacherTargets(columns.clamp(min=0), probs, torch.xlogy(probs, probs).sum(-1))
+
+
 def distill(
     target: Path,
     out: Path,
@@ -188,33 +255,36 @@ def distill(
 
     start = time.monotonic()
     torch.manual_seed(seed)
-    stream = cached_corpus(target, num_prompts=num_prompts, max_tokens=max_tokens, seed=seed)
-    logger.info("corpus of %d tokens ready after %.0f s", len(stream), time.monotonic() - start)
-    teacher = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    draft, picked = build_draft(teacher, num_layers)
-    vocab_size = teacher.config.vocab_size
+    corpus = cached_corpus(target, num_prompts=num_prompts, max_tokens=max_tokens, seed=seed)
+    logger.info("corpus of %d tokens ready after %.0f s", len(corpus), time.monotonic() - start)
+    source = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    draft, picked = build_draft(source, num_layers)
+    vocab_size = source.config.vocab_size
+    logger.info("draft layers %s of the target's %d", picked, source.config.num_hidden_layers)
+    del source
     keep = None
     if 0 < output_vocab < vocab_size:
         eos = AutoTokenizer.from_pretrained(target).eos_token_id
-        keep = most_frequent_tokens(stream, size=output_vocab, vocab_size=vocab_size, eos=eos)
-    # The teacher only runs forward: in bf16 where the CPU computes it natively.
-    compute_dtype = resolve_dtype("auto")
-    teacher = teacher.to(compute_dtype)
-    teacher_head = teacher.lm_head.weight.detach()
-    if keep is not None:
-        teacher_head = teacher_head[keep]
-    logger.info("draft layers %s of the target's %d", picked, teacher.config.num_hidden_layers)
+        keep = most_frequent_tokens(
+            corpus.tokens, size=output_vocab, vocab_size=vocab_size, eos=eos
+        )
     for name, param in draft.named_parameters():
         param.requires_grad = name.startswith("model.layers.") or name == "model.norm.weight"
     rows = keep if keep is not None else slice(None)
     head = torch.nn.Parameter(draft.lm_head.weight.detach()[rows].clone())
     trainable = [p for p in draft.parameters() if p.requires_grad] + [head]
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
-    chunks = torch.tensor(stream[: len(stream) // seq_len * seq_len]).view(-1, seq_len)
+    usable = len(corpus) // seq_len * seq_len
+    chunks = corpus.tokens[:usable].long().view(-1, seq_len)
+    targets = teacher_targets(corpus, keep, vocab_size)
+    columns = targets.columns[:usable].view(-1, seq_len, TEACHER_TOP)
+    probs = targets.probs[:usable].view(-1, seq_len, TEACHER_TOP)
+    neg_entropy = targets.neg_entropy[:usable].view(-1, seq_len)
     max_steps = epochs * math.ceil(len(chunks) / batch_size)
     budget_s = train_minutes * 60
     train_start = time.monotonic()
     step, loss_value, first_loss = 0, float("nan"), float("nan")
+    compute_dtype = resolve_dtype("auto")
     autocast = torch.autocast("cpu", dtype=compute_dtype, enabled=compute_dtype != torch.float32)
     draft.train()
     while step < max_steps and time.monotonic() - train_start < budget_s:
@@ -228,19 +298,19 @@ def distill(
             for group in optimizer.param_groups:
                 warmup = min(1.0, (step + 1) / 20)
                 group["lr"] = lr * warmup * 0.5 * (1 + math.cos(math.pi * progress))
-            batch = chunks[order[i : i + batch_size]]  # [batch, seq_len]
-            with torch.no_grad():
-                hidden = teacher.model(batch).last_hidden_state
-                target_logp = F.log_softmax((hidden @ teacher_head.T).float(), dim=-1)
+            picked_chunks = order[i : i + batch_size]
+            batch_probs = probs[picked_chunks]  # [batch, seq_len, TEACHER_TOP]
+            scored = int((batch_probs.sum(-1) > 0).sum())
+            if scored == 0:
+                continue  # instructions only: nothing to learn from
             with autocast:
-                logits = draft.model(batch).last_hidden_state @ head.T
+                logits = draft.model(chunks[picked_chunks]).last_hidden_state @ head.T
             draft_logp = F.log_softmax(logits.float(), dim=-1)  # [batch, seq, kept vocab]
-            loss = F.kl_div(
-                draft_logp.flatten(0, 1),
-                target_logp.flatten(0, 1),
-                log_target=True,
-                reduction="batchmean",
-            )
+            draft_at_teacher = draft_logp.gather(-1, columns[picked_chunks])
+            # KL(target || draft) over the target's recorded tokens, per scored position.
+            loss = (
+                neg_entropy[picked_chunks].sum() - (batch_probs * draft_at_teacher).sum()
+            ) / scored
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -263,4 +333,4 @@ def distill(
         vocab_file.unlink(missing_ok=True)
     elapsed = time.monotonic() - start
     kept = len(keep) if keep is not None else vocab_size
-    return DistillResult(out, len(stream), step, first_loss, loss_value, elapsed, kept)
+    return DistillResult(out, len(corpus), step, first_loss, loss_value, elapsed, kept)
