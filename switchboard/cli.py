@@ -133,6 +133,7 @@ def draft_distill(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts,
         max_tokens=args.max_tokens,
         output_vocab=args.output_vocab,
+        epochs=args.epochs,
         train_minutes=args.train_minutes,
     )
     print(
@@ -156,6 +157,11 @@ def _draft_distill_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output-vocab", type=int, default=8192,
         help="tokens the draft's output layer keeps, the target's most frequent (0: all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--epochs", type=int, default=6,
+        help="passes over the corpus, unless --train-minutes runs out first (a corpus cached "
+        "by an earlier run is read back: training alone)",
     )  # fmt: skip
     parser.add_argument("--train-minutes", type=float, default=25.0, help="training budget")
 
