@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from bench.spec import QUESTIONS
+from bench.spec import QUESTIONS, chat_prompts
 
 MORE_QUESTIONS = [
     "How does a refrigerator keep food cold?",
@@ -38,12 +38,7 @@ def target_answers(target: Path, max_tokens: int) -> tuple[list[list[int]], list
     from worker import LLM, SamplingParams
 
     llm = LLM(target, dtype="auto")
-    texts = [
-        llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-        )
-        for q in QUESTIONS + MORE_QUESTIONS
-    ]
+    texts = chat_prompts(llm.tokenizer, QUESTIONS + MORE_QUESTIONS)
     outputs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return [o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs]
 

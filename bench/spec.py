@@ -65,6 +65,11 @@ def prompts(tokenizer, workload: str, num: int) -> list[str]:
         ]
     else:
         messages = [QUESTIONS[i % len(QUESTIONS)] for i in range(num)]
+    return chat_prompts(tokenizer, messages)
+
+
+def chat_prompts(tokenizer, messages: list[str]) -> list[str]:
+    """Each message as a one-turn chat, templated for the model to answer."""
     return [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": m}], add_generation_prompt=True, tokenize=False

@@ -17,6 +17,7 @@ from worker.spec_decode.distill import (
     corpus_requests,
     distill,
     generate_corpus,
+    recorded_kl,
     teacher_targets,
 )
 from worker.spec_decode.distill_prompts import TEMPLATES, TOPICS
@@ -160,3 +161,27 @@ def test_teacher_targets_are_the_recorded_distribution_over_the_drafts_columns()
     everything = teacher_targets(corpus, None, vocab_size=10)
     assert everything.columns[1].tolist() == [4, 6, 0]
     assert torch.allclose(everything.probs[1], torch.tensor([0.6, 0.4, 0.0]))
+
+
+def test_the_loss_is_torchs_kl_divergence_from_the_recorded_distribution():
+    """recorded_kl against F.kl_div with the target's recorded tokens scattered into a dense
+    distribution over the draft's columns (renormalized), averaged over scored positions."""
+    torch.manual_seed(0)
+    vocab, kept = 30, 12
+    keep = torch.randperm(vocab)[:kept].sort().values
+    full = torch.log_softmax(torch.randn(5, vocab) * 2, dim=-1)
+    top = full.topk(TEACHER_TOP, dim=-1)  # 20 of 30 tokens: most, not all, of the mass
+    ids = top.indices.to(torch.int32)
+    ids[3] = -1  # an instruction position: nothing recorded
+    corpus = Corpus(torch.zeros(5, dtype=torch.int32), ids, top.values)
+    targets = teacher_targets(corpus, keep, vocab)
+    draft_logp = torch.log_softmax(torch.randn(5, kept), dim=-1)
+    dense = torch.zeros(5, kept)
+    for row in (0, 1, 2, 4):
+        for token, logprob in zip(ids[row].tolist(), top.values[row].tolist(), strict=True):
+            if token in keep.tolist():
+                dense[row, keep.tolist().index(token)] = math.exp(logprob)
+        dense[row] /= dense[row].sum()
+    expected = torch.nn.functional.kl_div(draft_logp, dense, reduction="sum") / 4
+    loss = recorded_kl(draft_logp, targets.columns, targets.probs, targets.neg_entropy)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)

@@ -226,10 +226,10 @@ def teacher_targets(corpus: Corpus, keep: torch.Tensor | None, vocab_size: int) 
     they stand for; None: all ids) and renormalize its probabilities over those the draft
     can say, so the loss is a KL divergence between two distributions over its columns.
     A position with none of them scores nothing (its probs are all 0)."""
-    column_of = torch.full((vocab_size,), -1, dtype=torch.long)
     if keep is None:
         column_of = torch.arange(vocab_size)
     else:
+        column_of = torch.full((vocab_size,), -1, dtype=torch.long)
         column_of[keep] = torch.arange(len(keep))
     ids = corpus.teacher_ids.long()
     columns = torch.where(ids >= 0, column_of[ids.clamp(min=0)], -1)
@@ -237,6 +237,16 @@ def teacher_targets(corpus: Corpus, keep: torch.Tensor | None, vocab_size: int) 
     mass = probs.sum(-1, keepdim=True)
     probs = torch.where(mass > 0, probs / mass.clamp(min=1e-30), 0.0)
     return TeacherTargets(columns.clamp(min=0), probs, torch.xlogy(probs, probs).sum(-1))
+
+
+def recorded_kl(
+    draft_logp: torch.Tensor, columns: torch.Tensor, probs: torch.Tensor, neg_entropy: torch.Tensor
+) -> torch.Tensor:
+    """KL(target || draft) over the target's recorded tokens, averaged over the positions
+    that score (``teacher_targets``' rows for them; ``draft_logp``: the draft's
+    log-probabilities over its columns, the same positions). At least one must score."""
+    scored = (probs.sum(-1) > 0).sum()
+    return (neg_entropy.sum() - (probs * draft_logp.gather(-1, columns)).sum()) / scored
 
 
 def distill(
@@ -306,17 +316,14 @@ def distill(
                 group["lr"] = lr * warmup * 0.5 * (1 + math.cos(math.pi * progress))
             picked_chunks = order[i : i + batch_size]
             batch_probs = probs[picked_chunks]  # [batch, seq_len, TEACHER_TOP]
-            scored = int((batch_probs.sum(-1) > 0).sum())
-            if scored == 0:
+            if not batch_probs.any():
                 continue  # instructions only: nothing to learn from
             with autocast:
                 logits = draft.model(chunks[picked_chunks]).last_hidden_state @ head.T
             draft_logp = F.log_softmax(logits.float(), dim=-1)  # [batch, seq, kept vocab]
-            draft_at_teacher = draft_logp.gather(-1, columns[picked_chunks])
-            # KL(target || draft) over the target's recorded tokens, per scored position.
-            loss = (
-                neg_entropy[picked_chunks].sum() - (batch_probs * draft_at_teacher).sum()
-            ) / scored
+            loss = recorded_kl(
+                draft_logp, columns[picked_chunks], batch_probs, neg_entropy[picked_chunks]
+            )
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
