@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--draft-quantization",
         default=None,
-        help="the draft's weights: auto, int4 or none (default: the engine's, auto)",
+        help="the draft's weights: auto, int4, int8 or none (default: the engine's, auto)",
     )
     parser.add_argument("--out", default="bench/results/spec.json")
     args = parser.parse_args(argv)

@@ -9,10 +9,17 @@ an AVX2-only AMD Zen 3 (576x1536, against ``F.linear``'s MKL path): 288 vs 414 u
 token, 0.58 vs 1.0 ms at 32, 14 vs 17 ms at 1,024. Results differ from ``F.linear`` only
 in summation order (~1e-7 relative in fp32).
 
-A projection may also keep a 4-bit copy of its weight for small batches (``int4_rows``):
-a draft model for speculative decoding reads its weights from DRAM on every one-token
+On an AVX2-only CPU (where the engine runs in fp32) oneDNN's packed matmul is itself the
+bottleneck of decoding: it streams weights at ~2/3 of what the cores can read and each row
+added to a step costs more arithmetic time that does not hide behind the bytes. There the
+weights go into panels for our own kernel (``kernels/linear_cpu.c``), which reads them once
+for every row of a step and prefetches the next panel while it computes.
+
+A draft model for speculative decoding reads its weights from DRAM on every one-token
 pass, so halving or quartering the bytes is what makes it cheaper; exactness does not
-suffer, since the target verifies every draft. Per-group asymmetric 4-bit weights
+suffer, since the target verifies every draft (``quantization``). "int8" (fp32 CPUs): int8
+panels with a scale per output feature, through the same native kernel. "int4" (bf16 CPUs):
+a 4-bit copy for small batches, per-group asymmetric 4-bit weights
 (groups of ``INT4_GROUP`` input features, bf16 or fp32 scale and zero per group) through
 torch's CPU kernel for them (the one torchao's int4 weight-only layout uses on CPU),
 measured here against the bf16 packed matmul, weights streamed from DRAM: 576x3072, 1 row
@@ -27,12 +34,41 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kernels.linear_native import PanelLinear, native_linear
+
 # The packed layout is tuned for this many rows; larger batches still run correctly.
 PACK_BATCH_HINT = 1024
 # 4-bit weights: input features per scale/zero group, and the most rows that use them
 # (measured crossover with the bf16 packed matmul: 5-6 rows).
 INT4_GROUP = 64
 INT4_MAX_ROWS = 4
+# A draft model's approximate weights (``Linear``'s ``quantization``): None for exact.
+QUANTIZATIONS = (None, "int4", "int8")
+
+
+def panels_preferred(weight: torch.Tensor) -> bool:
+    """Whether ``Linear`` multiplies by this weight through the native panel kernel: fp32 on
+    an x86 CPU whose widest vectors are AVX2's (the kernel's width; with AVX-512 oneDNN's
+    wider kernels win the larger batches, not measured against ours). Measured on a 2-core
+    Zen 3, the default model's projections, weights streamed from DRAM: 26.5 ms against
+    oneDNN's 41.2 at 1 row, 25.1 vs 51.0 at 4, 44.8 vs 79.0 at 16, 374 vs 432 at 256 and
+    1,805 vs 1,654 at 1,024 (bench/README.md)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.cpu.get_cpu_capability() == "AVX2"
+        and native_linear() is not None
+    )
+
+
+def can_quantize_int8(weight: torch.Tensor) -> bool:
+    """Whether ``Linear(..., quantization="int8")`` can hold this weight: fp32 on CPU, where
+    the native kernel (any CPU with a C compiler) multiplies fp32 rows by int8 panels."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and native_linear() is not None
+    )
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -111,40 +147,60 @@ class Int4Weight:
 class Linear:
     """``y = x @ weight.T + bias`` with ``weight`` [out_features, in_features].
 
-    ``int4_rows``: batches of up to ``INT4_MAX_ROWS`` rows multiply by a 4-bit copy of the
-    weight (approximate; for a draft model) where ``can_quantize_int4``; others by the
-    weight itself."""
+    On CPU the weight is held once, packed for the fastest kernel here: in panels for the
+    native kernel (``kernels/linear_cpu.c``) where ``panels_preferred`` (fp32 on AVX2-only
+    CPUs), else for oneDNN. ``quantization`` (a draft model's; approximate): "int8", every
+    product through int8 panels with a scale per output feature (fp32 weights, native kernel);
+    "int4", batches of up to ``INT4_MAX_ROWS`` rows through a 4-bit copy (torch's kernel)
+    where ``can_quantize_int4``, others through the weight itself."""
 
-    __slots__ = ("bias", "in_features", "int4", "out_features", "packed", "weight")
+    __slots__ = ("bias", "in_features", "int4", "out_features", "packed", "panel", "weight")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, int4_rows: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        quantization: str | None = None,
     ) -> None:
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.int4 = Int4Weight(weight) if int4_rows and can_quantize_int4(weight) else None
+        self.int4 = None
+        if quantization == "int4" and can_quantize_int4(weight):
+            self.int4 = Int4Weight(weight)
+        self.panel: PanelLinear | None = None
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight
-        if can_pack(weight):
+        # The packed copy replaces the weight: one copy in memory.
+        if quantization == "int8":
+            if not can_quantize_int8(weight):
+                raise ValueError("int8 weights need fp32 on CPU and the native linear kernel")
+            self.panel, self.weight = PanelLinear(weight, bias, int8=True), None
+        elif panels_preferred(weight):
+            self.panel, self.weight = PanelLinear(weight, bias), None
+        elif can_pack(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-            self.weight = None  # the packed copy replaces it; keep one copy in memory
+            self.weight = None
 
     @property
     def decode_bytes(self) -> int:
         """Bytes a one-row product reads: the 4-bit copy's where there is one."""
         if self.int4 is not None:
             return self.int4.packed.numel() + _nbytes(self.int4.scales_and_zeros)
-        return self.out_features * self.in_features * self._element_size()
-
-    def _element_size(self) -> int:
+        if self.panel is not None:
+            return self.panel.nbytes
         weight = self.weight if self.weight is not None else self.packed
         assert weight is not None
-        return weight.element_size()
+        return self.out_features * self.in_features * weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
             y = self.int4(x)
             return y if self.bias is None else y + self.bias
+        if self.panel is not None:
+            return self.panel(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -153,6 +209,8 @@ class Linear:
         """``residual + x @ weight.T (+ bias)``; on CPU the add is fused into the matmul."""
         if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
             return residual + self(x)
+        if self.panel is not None:
+            return self.panel(x, residual)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(
                 x, residual, self.packed, self.bias, "add"

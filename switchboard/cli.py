@@ -217,11 +217,13 @@ def up(args: argparse.Namespace) -> int:
     print("starting Redis, worker(s) and gateway ...", flush=True)
     with stack:
         key = stack.create_tenant_key(args.tenant)
-        print(_up_banner(stack, key, model.name), flush=True)
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
         # Also when started in the background, where SIGINT arrives ignored: Ctrl-C on the
-        # process group must still reach this loop, not only the children.
+        # process group must still reach this loop, not only the children. Before the
+        # banner, which says Ctrl-C stops everything: a Ctrl-C right after it found SIGINT
+        # still ignored here, and the children's exit then read as a crash (status 1).
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        print(_up_banner(stack, key, model.name), flush=True)
         try:
             while True:
                 time.sleep(1)

@@ -191,10 +191,11 @@ def _speculative_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--speculative-draft-quantization",
-        choices=("auto", "int4", "none"),  # worker.spec_decode.setup.DRAFT_QUANTIZATIONS
+        choices=("auto", "int4", "int8", "none"),  # worker.spec_decode.setup.DRAFT_QUANTIZATIONS
         default="auto",
-        help="a draft model's one-token passes on 4-bit weights (CPU): 'auto' where the "
-        "draft runs in bf16; outputs stay the target's (default: %(default)s)",
+        help="a draft model's weights on CPU: int8 (fp32 models), int4 for its small passes "
+        "(bf16 models), 'auto' the one that fits; outputs stay the target's "
+        "(default: %(default)s)",
     )
 
 

@@ -1,4 +1,5 @@
-"""kernels.linear: oneDNN-packed projections against a float64 matmul of the same weights."""
+"""kernels.linear: packed projections (oneDNN's, or panels for our native kernel) and the
+draft's quantized copies, against a float64 matmul of the same (or the dequantized) weights."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import platform
 import pytest
 import torch
 
-from kernels.linear import Linear, can_pack
+from kernels.linear import Linear, can_pack, panels_preferred
+from kernels.linear_native import PANEL, PanelLinear, native_linear
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -22,7 +24,10 @@ def test_projection_and_fused_residual_match_float64(dtype, tokens):
     x = torch.randn(tokens, 80, generator=gen).to(dtype)
     residual = torch.randn(tokens, 96, generator=gen).to(dtype)
     linear = Linear(weight, bias)
-    assert (linear.packed is not None) == can_pack(weight)
+    if panels_preferred(weight):
+        assert linear.panel is not None and linear.packed is None
+    else:
+        assert (linear.packed is not None) == can_pack(weight)
     want = x.double() @ weight.double().T + bias.double()
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(linear(x).double(), want, atol=tol, rtol=tol)
@@ -31,10 +36,15 @@ def test_projection_and_fused_residual_match_float64(dtype, tokens):
     )
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="oneDNN packing checked on x86")
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="packing checked on x86")
 def test_fp32_weights_are_packed_on_this_cpu():
-    """oneDNN packs fp32 on every x86 CPU torch runs on; bf16 only where it is native."""
-    assert Linear(torch.randn(8, 8)).packed is not None
+    """fp32 weights go into panels for the native kernel on an AVX2-only CPU, else into
+    oneDNN's layout (which takes fp32 on every x86 CPU torch runs on); never both."""
+    linear = Linear(torch.randn(8, 8))
+    avx2_only = torch.backends.cpu.get_cpu_capability() == "AVX2"
+    assert (linear.panel is not None) == (avx2_only and native_linear() is not None)
+    assert (linear.packed is not None) != (linear.panel is not None)
+    assert linear.weight is None
 
 
 def dequantized_int4(weight: torch.Tensor, group: int) -> torch.Tensor:
@@ -62,7 +72,7 @@ def test_small_batches_multiply_by_the_4bit_weight(dtype, tokens):
     bias = torch.randn(96, generator=gen).to(dtype)
     x = torch.randn(tokens, 128, generator=gen).to(dtype)
     residual = torch.randn(tokens, 96, generator=gen).to(dtype)
-    linear = Linear(weight, bias, int4_rows=True)
+    linear = Linear(weight, bias, quantization="int4")
     assert linear.int4 is not None
     deq = dequantized_int4(weight, INT4_GROUP)
     # Rounding to 16 levels moves a weight by at most half a level (and bf16's scale and
@@ -90,15 +100,105 @@ def test_larger_batches_and_unfit_shapes_keep_the_full_weight():
     exact = x.double() @ weight.double().T
     tol = TOLERANCE[torch.float32]
     torch.testing.assert_close(
-        Linear(weight, int4_rows=True)(x).double(), exact, atol=tol, rtol=tol
+        Linear(weight, quantization="int4")(x).double(), exact, atol=tol, rtol=tol
     )
-    unfit = Linear(torch.randn(32, 80), int4_rows=True)
+    unfit = Linear(torch.randn(32, 80), quantization="int4")
     assert unfit.int4 is None
 
 
 def test_a_4bit_copy_reads_a_quarter_of_the_bytes():
     weight = torch.randn(256, 128, dtype=torch.bfloat16)
-    full, quantized = Linear(weight).decode_bytes, Linear(weight, int4_rows=True).decode_bytes
+    full, quantized = Linear(weight).decode_bytes, Linear(weight, quantization="int4").decode_bytes
     assert full == 256 * 128 * 2
     # 4 bits a weight, plus a bf16 scale and zero per group of 64
     assert quantized == 256 * 128 // 2 + 256 * 2 * 2 * 2
+
+
+needs_native = pytest.mark.skipif(native_linear() is None, reason="no C compiler here")
+
+
+def float64_linear(x, weight, bias=None, residual=None):
+    y = x.double() @ weight.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y if residual is None else y + residual.double()
+
+
+@needs_native
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    # rows around the kernel's 6-row tiles; a partial last panel; one input feature; a
+    # wide input (the down projection's shape class)
+    [(1, 16, 8), (5, 37, 13), (6, 48, 1), (7, 33, 64), (13, 96, 80), (40, 17, 300)],
+)
+def test_the_native_kernel_matches_float64(rows, out_features, in_features, int8):
+    gen = torch.Generator().manual_seed(rows * out_features)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    bias = torch.randn(out_features, generator=gen)
+    # rows of a wider buffer (copied to contiguous rows for the kernel)
+    x = torch.randn(rows, in_features + 3, generator=gen)[:, :in_features]
+    residual = torch.randn(rows, out_features, generator=gen)
+    for b in (None, bias):
+        linear = PanelLinear(weight, b, int8=int8)
+        assert linear.panels.shape == (-(-out_features // PANEL), in_features, PANEL)
+        w = linear.dequantized().double()  # the weight the copy multiplies by
+        if not int8:
+            assert torch.equal(w, weight.double())
+        for r in (None, residual):
+            got = linear(x, r).double()
+            torch.testing.assert_close(got, float64_linear(x, w, b, r), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
+def test_int8_weights_round_each_to_the_nearest_of_255_levels_of_its_output():
+    """Symmetric per output feature: the largest magnitude is exact and every weight moves
+    by at most half a level; an all-zero output stays zero (no division by zero)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(20, 50, generator=gen)
+    weight[3] = 0.0
+    linear = PanelLinear(weight, int8=True)
+    w = linear.dequantized()
+    level = weight.abs().amax(dim=1, keepdim=True) / 127
+    assert ((w - weight).abs() <= level / 2 + 1e-7).all()
+    assert torch.equal(w[3], weight[3]) and torch.isfinite(w).all()
+    biggest = weight.abs().argmax(dim=1)
+    rows = torch.arange(20)
+    torch.testing.assert_close(w[rows, biggest], weight[rows, biggest], rtol=1e-6, atol=0)
+    assert linear.nbytes == 20 * 50 + 20 * 4  # a byte a weight, a scale an output
+
+
+@needs_native
+def test_int8_linear_serves_every_batch_and_reads_a_quarter_of_the_bytes():
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(64, 96, generator=gen)
+    linear = Linear(weight, quantization="int8")
+    w = linear.panel.dequantized()
+    for rows in (1, 4, 33):
+        x = torch.randn(rows, 96, generator=gen)
+        want = float64_linear(x, w)
+        torch.testing.assert_close(linear(x).double(), want, atol=1e-5, rtol=1e-5)
+    assert linear.decode_bytes == 64 * 96 + 64 * 4
+    assert Linear(weight).decode_bytes == 64 * 96 * 4
+
+
+def test_bad_quantizations_are_refused():
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        Linear(torch.randn(4, 4), quantization="int2")
+    with pytest.raises(ValueError, match="int8 weights need fp32"):
+        Linear(torch.randn(4, 4, dtype=torch.bfloat16), quantization="int8")
+
+
+@needs_native
+def test_the_native_kernel_refuses_what_it_cannot_read():
+    linear = PanelLinear(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="fp32 CPU rows of 4 features"):
+        linear(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="fp32 CPU rows"):
+        linear(torch.randn(2, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="fp32 CPU rows"):
+        linear(torch.randn(4))
+    with pytest.raises(ValueError, match="residual must be fp32"):
+        linear(torch.randn(2, 4), torch.randn(3, 8))
+    with pytest.raises(ValueError, match="bias must be fp32"):
+        PanelLinear(torch.randn(8, 4), torch.randn(7))

@@ -24,6 +24,7 @@ from factories import (
     make_peft_adapter,
     random_prompts,
 )
+from kernels.linear_native import native_linear
 from worker import LLM, SamplingParams
 from worker.engine import LLMEngine
 from worker.errors import SpeculativeConfigError
@@ -74,9 +75,11 @@ def copying_prompts(num: int, seed: int) -> list[list[int]]:
 
 def speculative(target, spec: str, k: int = 4, **kwargs) -> LLM:
     """An engine that speculates whenever it may: these tests are about exactness, so the
-    cost model (which would not let a draft as big as the target run) is off."""
+    cost model (which would not let a draft as big as the target run) is off, and the draft
+    keeps its exact weights (a draft equal to the target is then always right)."""
     kwargs.setdefault("speculative_position_cost", 0.0)
     kwargs.setdefault("speculative_draft_cost", 0.0)
+    kwargs.setdefault("speculative_draft_quantization", "none")
     return LLM(target, dtype="float32", speculative_model=spec, num_speculative_tokens=k, **kwargs)
 
 
@@ -369,7 +372,13 @@ def test_default_costs_keep_a_draft_as_costly_as_the_target_to_rare_probes(targe
     lookup (free to propose) speculates on most steps of the same copying prompts."""
     prompts = copying_prompts(2, seed=5)
     expected = LLM(target, dtype="float32").generate(prompts, greedy(40))
-    costly = LLM(target, dtype="float32", speculative_model=str(target), num_speculative_tokens=4)
+    costly = LLM(
+        target,
+        dtype="float32",
+        speculative_model=str(target),
+        num_speculative_tokens=4,
+        speculative_draft_quantization="none",  # int8 would read a quarter of the bytes
+    )
     assert costly.engine.speculator.policy.draft_cost == pytest.approx(1.0)
     # The weights' ratio as it starts; the engine then follows the time it measures (timing
     # noise on a tiny model: see test_the_draft_cost_follows_the_measured_time).
@@ -466,7 +475,13 @@ def test_the_draft_cost_follows_the_measured_time(target, other_draft):
 
     # Rows priced at nothing (the step curve, timed on a tiny model, is noise here): every
     # step drafts as deep as it may, so one-token passes get timed.
-    llm = LLM(target, dtype="float32", speculative_model=str(target), speculative_position_cost=0.0)
+    llm = LLM(
+        target,
+        dtype="float32",
+        speculative_model=str(target),
+        speculative_position_cost=0.0,
+        speculative_draft_quantization="none",
+    )
     policy = llm.engine.speculator.policy
     assert llm.engine.speculator.measure_draft_cost and policy.draft_cost == pytest.approx(1.0)
     policy.draft_cost = 0.0  # drafts go ahead, and get timed
@@ -724,16 +739,31 @@ def test_failed_probes_double_the_pause_under_the_cost_model():
 def test_a_draft_models_cost_is_its_weights_over_the_targets(target, other_draft):
     """The draft cost the policy starts from: what one decode step of each reads, i.e. all
     weights with the tied embedding counted once as the output layer (transformers' own
-    parameter count is the reference)."""
+    parameter count is the reference); int8 weights read a byte each (and a 4-byte scale per
+    output feature) where fp32 ones read four."""
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(target, dtype="float32", speculative_model=str(other_draft))
+    llm = LLM(
+        target,
+        dtype="float32",
+        speculative_model=str(other_draft),
+        speculative_draft_quantization="none",
+    )
     ratio = (
         AutoModelForCausalLM.from_pretrained(other_draft).num_parameters()
         / AutoModelForCausalLM.from_pretrained(target).num_parameters()
     )
     assert 0 < ratio < 1
     assert llm.engine.speculator.policy.draft_cost == pytest.approx(ratio)
+    if native_linear() is not None:
+        int8 = LLM(
+            target,
+            dtype="float32",
+            speculative_model=str(other_draft),
+            speculative_draft_quantization="int8",
+        )
+        # between a quarter of the fp32 ratio and a quarter plus the scales and norms
+        assert ratio / 4 < int8.engine.speculator.policy.draft_cost < ratio / 3
 
 
 def test_a_cut_down_output_layer_gives_the_full_layers_logits_where_it_keeps_tokens(
@@ -746,7 +776,12 @@ def test_a_cut_down_output_layer_gives_the_full_layers_logits_where_it_keeps_tok
     from worker.spec_decode.draft import read_output_vocab
 
     kept = read_output_vocab(half_vocab_target)
-    llm = LLM(target, dtype="float32", speculative_model=str(half_vocab_target))
+    llm = LLM(
+        target,
+        dtype="float32",
+        speculative_model=str(half_vocab_target),
+        speculative_draft_quantization="none",
+    )
     draft = llm.engine.speculator.proposer.model
     hidden_size = draft.config.hidden_size
     hidden = torch.randn(3, hidden_size, generator=torch.Generator().manual_seed(6))

@@ -11,6 +11,7 @@ import torch
 from test_spec_engine import assert_same_tokens_and_logprobs, exact_joint
 
 from factories import assert_no_block_leaks, random_prompts
+from kernels.linear_native import native_linear
 from worker import LLM, SamplingParams
 from worker.errors import SpeculativeConfigError
 from worker.spec_decode.draft_plan import Selection, StepPlan
@@ -96,34 +97,49 @@ def test_sampled_tokens_follow_the_target_whatever_the_selections_shape(
     assert_no_block_leaks(llm.engine)
 
 
-def test_a_draft_on_4bit_weights_proposes_but_the_target_decides(target, close_draft):
-    """The draft's small passes on 4-bit weights: its projections hold 4-bit copies, its
-    drafts are still often right, and every output is plain decoding's."""
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_a_draft_on_quantized_weights_proposes_but_the_target_decides(
+    target, close_draft, quantization
+):
+    """The draft on 4-bit (small passes) or int8 weights: its projections hold those
+    copies, its drafts are still often right, and every output is plain decoding's."""
+    if quantization == "int8" and native_linear() is None:
+        pytest.skip("no C compiler here")
     prompts = random_prompts(4, min_len=2, max_len=20, seed=6)
     expected = LLM(target, dtype="float32").generate(prompts, greedy())
-    llm = speculating(target, target, speculative_draft_quantization="int4")
+    llm = speculating(target, target, speculative_draft_quantization=quantization)
     draft = llm.engine.speculator.proposer.model
-    assert draft.int4_rows and all(layer.qkv.int4 is not None for layer in draft.layers)
+    assert draft.quantization == quantization
+    if quantization == "int4":
+        assert all(layer.qkv.int4 is not None for layer in draft.layers)
+    else:
+        assert all(layer.down.panel.scales is not None for layer in draft.layers)
     outputs = llm.generate(prompts, greedy())
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     stats = llm.engine.spec_decode_stats
-    assert stats.acceptance_rate > 0.5  # the target itself, on 4 bits: mostly right
+    assert stats.acceptance_rate > 0.5  # the target itself, quantized: mostly right
     plain_draft = speculating(target, target, speculative_draft_quantization="none")
-    assert plain_draft.engine.speculator.proposer.model.layers[0].qkv.int4 is None
+    plain_layer = plain_draft.engine.speculator.proposer.model.layers[0]
+    assert plain_layer.qkv.int4 is None
+    assert plain_layer.qkv.panel is None or plain_layer.qkv.panel.scales is None
     assert_no_block_leaks(llm.engine)
 
 
-def test_draft_quantization_auto_means_a_bf16_draft_on_cpu_and_bad_values_are_refused():
+def test_draft_quantization_auto_fits_the_dtype_on_cpu_and_bad_values_are_refused():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_draft_quantization("auto", dtype=torch.bfloat16, device=cpu)
-    assert not resolve_draft_quantization("auto", dtype=torch.float32, device=cpu)
-    assert not resolve_draft_quantization("auto", dtype=torch.bfloat16, device=cuda)
-    assert resolve_draft_quantization("int4", dtype=torch.float32, device=cpu)
-    assert not resolve_draft_quantization("none", dtype=torch.bfloat16, device=cpu)
-    with pytest.raises(SpeculativeConfigError, match="CPU only"):
-        resolve_draft_quantization("int4", dtype=torch.bfloat16, device=cuda)
-    with pytest.raises(SpeculativeConfigError, match="must be one of auto, int4, none"):
+    fp32_auto = "int8" if native_linear() is not None else None
+    assert resolve_draft_quantization("auto", dtype=torch.bfloat16, device=cpu) == "int4"
+    assert resolve_draft_quantization("auto", dtype=torch.float32, device=cpu) == fp32_auto
+    assert resolve_draft_quantization("auto", dtype=torch.bfloat16, device=cuda) is None
+    assert resolve_draft_quantization("int4", dtype=torch.float32, device=cpu) == "int4"
+    assert resolve_draft_quantization("none", dtype=torch.bfloat16, device=cpu) is None
+    for name in ("int4", "int8"):
+        with pytest.raises(SpeculativeConfigError, match="CPU only"):
+            resolve_draft_quantization(name, dtype=torch.float32, device=cuda)
+    with pytest.raises(SpeculativeConfigError, match="'int8' needs a float32 model"):
         resolve_draft_quantization("int8", dtype=torch.bfloat16, device=cpu)
+    with pytest.raises(SpeculativeConfigError, match="must be one of auto, int4, int8, none"):
+        resolve_draft_quantization("int2", dtype=torch.float32, device=cpu)
 
 
 def test_the_worker_flag_reaches_the_draft(target):
@@ -136,10 +152,10 @@ def test_the_worker_flag_reaches_the_draft(target):
         ["worker", "--speculative-model", str(target), "--speculative-draft-quantization", "int4"]
     )
     engine = LLMEngine(target, dtype="float32", **worker_engine_kwargs(args))
-    assert engine.speculator.proposer.model.int4_rows
+    assert engine.speculator.proposer.model.quantization == "int4"
     assert parser.parse_args(["worker"]).speculative_draft_quantization == "auto"
     with pytest.raises(SystemExit):
-        parser.parse_args(["worker", "--speculative-draft-quantization", "int8"])
+        parser.parse_args(["worker", "--speculative-draft-quantization", "int2"])
 
 
 def test_with_costs_the_plan_verifies_some_candidates_and_keeps_outputs(target, close_draft):

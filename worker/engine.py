@@ -84,8 +84,9 @@ class LLMEngine:
         target's; 0 for prompt lookup). Zero both to speculate whatever it costs. A draft
         model also offers up to ``speculative_alternatives`` runner-up tokens per draft, each
         verified in a row of its own (0: the chain alone). ``speculative_draft_quantization``
-        "int4" runs the draft's small passes on 4-bit copies of its weights (CPU; "auto":
-        where the draft runs in bf16 on CPU; "none"); outputs stay the target's either way.
+        (CPU): "int8" holds the draft's weights in int8 (fp32 models), "int4" runs its small
+        passes on 4-bit copies (bf16 models), "auto" picks the one that fits the dtype,
+        "none" keeps the draft exact; outputs stay the target's either way.
 
         ``device``: where the weights, the KV cache and the adapter slots live. On ``cuda``
         the LoRA ops run the Triton kernels and attention runs on the GPU through the same

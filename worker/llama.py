@@ -45,14 +45,14 @@ class LlamaModel:
         dtype: torch.dtype,
         output_token_ids: torch.Tensor | None = None,
         *,
-        int4_rows: bool = False,
+        quantization: str | None = None,
     ):
         """``weights`` on the device the model runs on (``kernels.linear`` packs on CPU).
 
         ``output_token_ids``: compute logits for these tokens only, the rest -inf (a draft
         model's cut-down output layer: for a small model the full one is most of a step).
-        ``int4_rows``: small batches multiply by 4-bit copies of the projections and the
-        output layer (``kernels.linear``): approximate, for a draft model only."""
+        ``quantization``: "int8" or "int4" copies of the projections and the output layer
+        (``kernels.linear``): approximate, for a draft model only."""
         self.config = config
         self.dtype = dtype
         self.device = weights["model.embed_tokens.weight"].device
@@ -70,8 +70,8 @@ class LlamaModel:
         if output_token_ids is not None:
             self.output_token_ids = output_token_ids.to(self.device)
             head_weight = head_weight[self.output_token_ids].contiguous()
-        self.int4_rows = int4_rows
-        self.lm_head = Linear(head_weight, int4_rows=int4_rows)
+        self.quantization = quantization
+        self.lm_head = Linear(head_weight, quantization=quantization)
         self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
         # What one decode step reads (the embedding table is only gathered from): a small
         # batch's step time on CPU goes with it.
@@ -93,11 +93,11 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         output_token_ids: torch.Tensor | None = None,
-        int4_rows: bool = False,
+        quantization: str | None = None,
     ) -> LlamaModel:
         config = ModelConfig.from_pretrained(path)
         weights = {k: v.to(device) for k, v in load_safetensors(Path(path), dtype).items()}
-        return cls(config, weights, dtype, output_token_ids, int4_rows=int4_rows)
+        return cls(config, weights, dtype, output_token_ids, quantization=quantization)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -106,15 +106,15 @@ class LlamaModel:
         bias = None
         if self.config.qkv_bias:
             bias = torch.cat([w[attn + f"{n}_proj.bias"] for n in "qkv"])
-        q4 = self.int4_rows
+        q = self.quantization
         gate_up = torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])
         return LayerWeights(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=Linear(qkv, bias, int4_rows=q4),
-            o=Linear(w[attn + "o_proj.weight"], int4_rows=q4),
+            qkv=Linear(qkv, bias, quantization=q),
+            o=Linear(w[attn + "o_proj.weight"], quantization=q),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=Linear(gate_up, int4_rows=q4),
-            down=Linear(w[mlp + "down_proj.weight"], int4_rows=q4),
+            gate_up=Linear(gate_up, quantization=q),
+            down=Linear(w[mlp + "down_proj.weight"], quantization=q),
         )
 
     def forward(

@@ -83,9 +83,9 @@ class DraftProposer:
         target_tokenizer=None,
         num_alternatives: int = NUM_ALTERNATIVES,
         min_alternative_prob: float = MIN_ALTERNATIVE_PROB,
-        int4_rows: bool = False,
+        quantization: str | None = None,
     ) -> None:
-        """``int4_rows``: the draft's small passes use 4-bit weights (see kernels/linear)."""
+        """``quantization``: "int8" or "int4" weights for the draft (see kernels/linear)."""
         self.num_alternatives = num_alternatives
         self.min_alternative_prob = min_alternative_prob
         self.model = LlamaModel.from_pretrained(
@@ -93,7 +93,7 @@ class DraftProposer:
             dtype=dtype,
             device=device,
             output_token_ids=read_output_vocab(path),
-            int4_rows=int4_rows,
+            quantization=quantization,
         )
         check_vocabulary(path, self.model.config.vocab_size, target_vocab_size, target_tokenizer)
         self.block_manager = BlockManager(

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.linear_native import native_linear
 from worker.block_manager import BlockManager
 from worker.errors import SpeculativeConfigError
 from worker.sampling_params import MAX_SPECULATIVE_TOKENS
@@ -18,25 +19,38 @@ from worker.spec_decode.speculator import Speculator
 from worker.spec_decode.step_cost import StepCostTable
 
 NGRAM = "ngram"
-# How a draft model's weights are held: "int4" (small passes through 4-bit copies, CPU),
-# "none", or "auto": int4 where the draft runs on CPU in bf16, where it was measured to
-# pay (a one-token draft pass 2.5 -> ~1.3 ms for the default model's draft). Not in fp32 (an
-# AVX2-only CPU): there torch's 4-bit kernel ran 4-27x slower than the fp32 matmul.
-DRAFT_QUANTIZATIONS = ("auto", "int4", "none")
+# How a draft model's weights are held on CPU, where its one-token passes read them all from
+# memory: "int4" (small passes through 4-bit copies; bf16 models: a one-token pass of the
+# default model's draft 2.5 -> ~1.3 ms on an AMX Xeon), "int8" (every pass through int8
+# weights, our native kernel; fp32 models: torch's 4-bit kernel ran 4-27x slower than fp32
+# on an AVX2-only CPU), "none", or "auto": the one that fits the dtype, where it can run.
+DRAFT_QUANTIZATIONS = ("auto", "int4", "int8", "none")
 
 
-def resolve_draft_quantization(name: str, *, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the draft's small passes use 4-bit weights."""
+def resolve_draft_quantization(
+    name: str, *, dtype: torch.dtype, device: torch.device
+) -> str | None:
+    """``kernels.linear.Linear``'s quantization for the draft's weights (None: exact)."""
     if name not in DRAFT_QUANTIZATIONS:
         raise SpeculativeConfigError(
             f"speculative_draft_quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, "
             f"got {name!r}"
         )
-    if name == "int4" and device.type != "cpu":
+    if name in ("int4", "int8") and device.type != "cpu":
+        raise SpeculativeConfigError(f"speculative_draft_quantization {name!r} runs on CPU only")
+    int8_runs = dtype == torch.float32 and native_linear() is not None
+    if name == "int8" and not int8_runs:
         raise SpeculativeConfigError(
-            "speculative_draft_quantization 'int4' runs on CPU only (torch's 4-bit kernel)"
+            "speculative_draft_quantization 'int8' needs a float32 model and the native "
+            "linear kernel (a C compiler)"
         )
-    return name == "int4" or (name == "auto" and device.type == "cpu" and dtype == torch.bfloat16)
+    if name == "auto":
+        if device.type != "cpu":
+            return None
+        if dtype == torch.bfloat16:
+            return "int4"
+        return "int8" if int8_runs else None
+    return None if name == "none" else name
 
 
 def build_speculator(
@@ -90,7 +104,7 @@ def build_speculator(
         raise SpeculativeConfigError(
             "speculative_max_batch_size must be >= 0 and speculative_min_acceptance in [0, 1]"
         )
-    int4_rows = resolve_draft_quantization(
+    quantization = resolve_draft_quantization(
         draft_quantization, dtype=dtype, device=torch.device(device)
     )
     if (position_cost is not None and position_cost < 0) or (
@@ -121,7 +135,7 @@ def build_speculator(
             target_vocab_size=vocab_size,
             target_tokenizer=tokenizer,
             num_alternatives=num_alternatives,
-            int4_rows=int4_rows,
+            quantization=quantization,
         )
         # On a GPU the forward pass returns before the device is done: not timed there.
         measure = draft_cost is None and torch.device(device).type == "cpu"

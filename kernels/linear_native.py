@@ -1,0 +1,135 @@
+"""The native CPU projection kernel (``kernels/linear_cpu.c``): weights packed in panels.
+
+Built and loaded by ``kernels/native.py``; ``native_linear()`` is None where it cannot be,
+and ``kernels.linear.Linear`` then uses oneDNN's packed matmul (or ``F.linear``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels import native
+
+PANEL = 16  # output features per panel, as NR in linear_cpu.c
+INT8_LEVELS = 127  # symmetric int8: q in [-127, 127], W[n] ~ q[n] * scale[n]
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Panels(ctypes.Structure):
+    """``struct sb_panels`` in linear_cpu.c."""
+
+    _fields_ = [
+        ("in_features", _i64),
+        ("out_features", _i64),
+        ("panels", _ptr),
+        ("scales", _ptr),
+        ("bias", _ptr),
+    ]
+
+
+class PanelLinear:
+    """``y = x @ weight.T (+ bias)`` through the native kernel, the weight [out, in] in panels
+    of ``PANEL`` output features, each [in][PANEL] (one cache line of fp32 weights per input
+    feature), the last one zero-padded: fp32, or int8 with one scale per output feature (an
+    approximate copy). The kernel must load (``native_linear()``)."""
+
+    __slots__ = ("_call", "_desc", "_desc_address", "bias", "in_features", "out_features")
+    __slots__ += ("panels", "scales")
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, int8: bool = False
+    ) -> None:
+        kernel = native_linear()
+        if kernel is None:
+            raise RuntimeError("the native linear kernel is not available here")
+        out_features, in_features = weight.shape
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
+            raise ValueError(f"native linear: bias must be fp32 ({out_features},)")
+        self.out_features, self.in_features = out_features, in_features
+        self.bias = None if bias is None else bias.contiguous()
+        padded = -(-out_features // PANEL) * PANEL
+        w = torch.zeros(padded, in_features, dtype=torch.float32)
+        w[:out_features] = weight.float()
+        self.scales: torch.Tensor | None = None
+        if int8:
+            # [padded]: the largest magnitude of each output's weights maps to 127
+            scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
+            scales /= INT8_LEVELS
+            w = torch.round(w / scales[:, None]).clamp(-INT8_LEVELS, INT8_LEVELS)
+            w = w.to(torch.int8)
+            self.scales = scales.contiguous()
+        # [padded, in] -> [panels, in, PANEL]
+        self.panels = w.view(padded // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
+        self._desc = _Panels(
+            in_features,
+            out_features,
+            self.panels.data_ptr(),
+            None if self.scales is None else self.scales.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(),
+        )
+        self._desc_address = ctypes.addressof(self._desc)
+        self._call = kernel.linear
+
+    @property
+    def nbytes(self) -> int:
+        """The weight's bytes as held (the last panel's padding not counted)."""
+        count = self.out_features * self.in_features
+        if self.scales is None:
+            return count * 4
+        return count + self.out_features * 4
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this copy multiplies by, [out, in] fp32 (exact for fp32 panels)."""
+        w = self.panels.transpose(1, 2).reshape(-1, self.in_features).float()
+        if self.scales is not None:
+            w = w * self.scales[:, None]
+        return w[: self.out_features]
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [rows, in] fp32
+        residual: torch.Tensor | None = None,  # [rows, out] fp32
+    ) -> torch.Tensor:  # [rows, out] fp32
+        """Semantics: ``x @ W.T (+ bias) (+ residual)``, W the weight the panels hold."""
+        # Checks kept to what guards the kernel's memory accesses: this runs ~120 times a
+        # decode step of the default model.
+        if (
+            x.dtype != torch.float32
+            or x.dim() != 2
+            or x.shape[1] != self.in_features
+            or x.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"native linear: x {tuple(x.shape)} {x.dtype} on {x.device}: fp32 CPU rows of "
+                f"{self.in_features} features"
+            )
+        x = x.contiguous()
+        rows = x.shape[0]
+        res = None
+        if residual is not None:
+            if residual.dtype != torch.float32 or residual.shape != (rows, self.out_features):
+                raise ValueError(
+                    f"native linear: residual must be fp32 ({rows}, {self.out_features})"
+                )
+            res = residual.contiguous().data_ptr()
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        if rows:
+            self._call(self._desc_address, x.data_ptr(), rows, res, y.data_ptr())
+        return y
+
+
+class NativeLinear:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.linear = lib.sb_linear
+        self.linear.restype = None
+        self.linear.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr]
+
+
+@functools.cache
+def native_linear() -> NativeLinear | None:
+    """The kernel, built on first use; None where it cannot be (reason logged once)."""
+    lib = native.load("linear_cpu.c")
+    return None if lib is None else NativeLinear(lib)
