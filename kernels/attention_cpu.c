@@ -19,6 +19,11 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include "bf16.h"
 
@@ -63,10 +68,14 @@ static inline const char *slot_row(const Item *it, const char *cache, int64_t sl
     return cache + (slot * it->kv_heads + it->kv_head) * it->head_dim * it->elem_bytes;
 }
 
-#define FOR_EACH_KEY(it, cache, len, j, ptr, ...)                                        \
+#define FOR_EACH_KEY(it, cache, len, j, ptr, ...) \
+    FOR_EACH_KEY_PREFETCHING(it, cache, len, j, ptr, 1, __VA_ARGS__)
+
+/* The same; prefetch 0: the keys were walked once already (they sit in cache). */
+#define FOR_EACH_KEY_PREFETCHING(it, cache, len, j, ptr, prefetch, ...)                 \
     for (int64_t blk_ = 0, j = 0; j < (len); blk_++) {                                  \
         const char *row_ = block_rows((it), (cache), blk_);                             \
-        if (j + (it)->block_size < (len))                                               \
+        if ((prefetch) && j + (it)->block_size < (len))                                 \
             prefetch_block((it), block_rows((it), (cache), blk_ + 1),                   \
                            (len) - j - (it)->block_size < (it)->block_size              \
                                ? (len) - j - (it)->block_size : (it)->block_size);      \
@@ -111,16 +120,9 @@ static inline void add_scaled_f32(float *out, float p, const float *v, int64_t d
     for (int64_t c = 0; c < d; c++) out[c] += p * v[c];
 }
 
-/* q: [rows, head_dim] fp32; scores: [rows, len] scratch; out: [rows, head_dim] fp32. */
-static void attend_portable(const Item *it, const float *q, float scale, float *scores,
-                            float *out) {
-    int64_t d = it->head_dim, rows = it->rows, len = visible(it, rows - 1);
-    float buf[MAX_HEAD_DIM];
-    FOR_EACH_KEY(it, it->key_cache, len, j, key, {
-        const float *k = as_f32(key, d, it->elem_bytes == 4, buf);
-        for (int64_t r = 0; r < rows; r++) scores[r * it->stride + j] = dot_f32(q + r * d, k, d) * scale;
-    })
-    for (int64_t r = 0; r < rows; r++) {
+/* Each row's scores -> probabilities over its visible keys, zeros up to len. */
+static void softmax_rows(const Item *it, float *scores, int64_t len) {
+    for (int64_t r = 0; r < it->rows; r++) {
         float *sr = scores + r * it->stride, max = -INFINITY, sum = 0.0f;
         int64_t n = visible(it, r);
 #pragma omp simd reduction(max : max)
@@ -132,11 +134,198 @@ static void attend_portable(const Item *it, const float *q, float scale, float *
         }
         float inv = 1.0f / sum;
         for (int64_t j = 0; j < len; j++) sr[j] = j < n ? sr[j] * inv : 0.0f;
-        for (int64_t c = 0; c < d; c++) out[r * d + c] = 0.0f;
     }
+}
+
+/* q: [rows, head_dim] fp32; scores: [rows, len] scratch; out: [rows, head_dim] fp32. */
+static void attend_portable(const Item *it, const float *q, float scale, float *scores,
+                            float *out) {
+    int64_t d = it->head_dim, rows = it->rows, len = visible(it, rows - 1);
+    float buf[MAX_HEAD_DIM];
+    FOR_EACH_KEY(it, it->key_cache, len, j, key, {
+        const float *k = as_f32(key, d, it->elem_bytes == 4, buf);
+        for (int64_t r = 0; r < rows; r++) scores[r * it->stride + j] = dot_f32(q + r * d, k, d) * scale;
+    })
+    softmax_rows(it, scores, len);
+    for (int64_t i = 0; i < rows * d; i++) out[i] = 0.0f;
     FOR_EACH_KEY(it, it->value_cache, len, j, value, {
         const float *v = as_f32(value, d, it->elem_bytes == 4, buf);
         for (int64_t r = 0; r < rows; r++) add_scaled_f32(out + r * d, scores[r * it->stride + j], v, d);
+    })
+}
+
+/* --- 8-wide vector loops: fp32 caches, and bf16 where AVX-512 is missing ------------------
+ * GCC's vector extensions (the compiler maps them to AVX/AVX2+FMA, AVX-512's lower half or
+ * NEON), for head_dim a multiple of 8. The portable loops' dot product reduces across its
+ * lanes at every key (~40 cycles a key and row on a Zen 3: a 17-row verification spent
+ * 0.7 ms a layer there); here eight keys' dot products reduce together, and each row's
+ * weighted sum of values stays in registers. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+static inline v8f load8(const void *p, int fp32) {
+    if (fp32) {
+        v8f v;
+        memcpy(&v, p, sizeof v);
+        return v;
+    }
+    v8u16 h;
+    memcpy(&h, p, sizeof h);
+    return (v8f)(__builtin_convertvector(h, v8u32) << 16);
+}
+
+/* [sum of a[0]'s lanes, ..., sum of a[7]'s]. */
+static inline v8f sum_lanes8(const v8f a[8]) {
+#if defined(__AVX__)
+    __m256 s01 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]);
+    __m256 s23 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    __m256 s45 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]);
+    __m256 s67 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    /* lanes 0-3: a[0..3]'s low halves, then high halves; the same for a[4..7] */
+    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                              _mm256_permute2f128_ps(s0123, s4567, 0x31));
+#else
+    v8f out;
+    for (int i = 0; i < 8; i++) {
+        float s = 0.0f;
+        for (int l = 0; l < 8; l++) s += a[i][l];
+        out[i] = s;
+    }
+    return out;
+#endif
+}
+
+/* e^x for x <= 0, 8 at a time: exp_nonpositive_f32's method (which the compiler leaves
+ * scalar inside the softmax's loops), rounding by the 1.5 * 2^23 trick. */
+static inline v8f exp_nonpositive8(v8f x) {
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    v8f t = x * 1.44269504089f;
+    v8i low = t < -125.0f; /* lanes of -1 where 2^t would not be a normal float */
+    t = (v8f)(((v8i)t & ~low) | ((v8i)((v8f){0} - 125.0f) & low));
+    v8f n = (t + 12582912.0f) - 12582912.0f; /* t rounded to the nearest integer */
+    v8f f = (t - n) * 0.69314718056f;
+    v8f p = (v8f){0} + 1.0f / 720;
+    p = p * f + 1.0f / 120;
+    p = p * f + 1.0f / 24;
+    p = p * f + 1.0f / 6;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    return p * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
+}
+
+/* softmax_rows, 8 keys at a time. */
+static void softmax_rows8(const Item *it, float *scores, int64_t len) {
+    for (int64_t r = 0; r < it->rows; r++) {
+        float *sr = scores + r * it->stride, max = -INFINITY, sum = 0.0f;
+        int64_t n = visible(it, r), j = 0;
+        v8f vmax = (v8f){0} - INFINITY, vsum = {0};
+        for (; j + 8 <= n; j += 8) {
+            v8f v = load8(sr + j, 1);
+            vmax = (v8f)(((v8u32)(v > vmax) & (v8u32)v) | (~(v8u32)(v > vmax) & (v8u32)vmax));
+        }
+        for (int l = 0; l < 8; l++) max = vmax[l] > max ? vmax[l] : max;
+        for (; j < n; j++) max = sr[j] > max ? sr[j] : max;
+        for (j = 0; j + 8 <= n; j += 8) {
+            v8f e = exp_nonpositive8(load8(sr + j, 1) - max);
+            memcpy(sr + j, &e, sizeof e);
+            vsum += e;
+        }
+        for (; j < n; j++) {
+            sr[j] = exp_nonpositive_f32(sr[j] - max);
+            sum += sr[j];
+        }
+        for (int l = 0; l < 8; l++) sum += vsum[l];
+        float inv = 1.0f / sum;
+        for (j = 0; j < n; j++) sr[j] *= inv;
+        for (; j < len; j++) sr[j] = 0.0f;
+    }
+}
+
+/* scores[r, j0 + i] = scale * q[r] . key i, for the nk <= 8 keys given and every row. */
+static void score_keys8(const Item *it, const char *const keys[8], int nk, int64_t j0,
+                        const float *q, float scale, float *scores) {
+    int64_t chunks = it->head_dim / 8, step = 8 * it->elem_bytes;
+    int fp32 = it->elem_bytes == 4;
+    for (int64_t r = 0; r < it->rows; r++) {
+        const float *qr = q + r * it->head_dim;
+        v8f acc[8] = {{0}};
+        for (int64_t c = 0; c < chunks; c++) {
+            v8f qv = load8(qr + 8 * c, 1);
+            for (int i = 0; i < 8; i++) acc[i] += qv * load8(keys[i] + c * step, fp32);
+        }
+        v8f s = sum_lanes8(acc) * scale;
+        float *to = scores + r * it->stride + j0;
+        if (nk == 8)
+            memcpy(to, &s, sizeof s);
+        else
+            for (int i = 0; i < nk; i++) to[i] = s[i];
+    }
+}
+
+/* VALUES_PER_PASS values at a time (they stay in L1 while every row reads them): out[r] +=
+ * sum over the nv values given (keys j0 ..) of p[r, j] value j, 8 CN features from 8 c0 on;
+ * CN is a constant at every call site, so each row's sums stay in registers. */
+#define VALUES_PER_PASS 16
+
+static inline __attribute__((always_inline)) void weigh_values8(
+    const Item *it, const char *const *values, int nv, int64_t j0, const float *scores,
+    int64_t c0, float *out, const int cn) {
+    int fp32 = it->elem_bytes == 4;
+    int64_t step = 8 * it->elem_bytes;
+    for (int64_t r = 0; r < it->rows; r++) {
+        const float *p = scores + r * it->stride + j0;
+        float *o = out + r * it->head_dim + 8 * c0;
+        v8f acc[8];
+        memcpy(acc, o, sizeof(v8f) * cn);
+        for (int i = 0; i < nv; i++) {
+            v8f w = (v8f){0} + p[i];
+            for (int c = 0; c < cn; c++) acc[c] += w * load8(values[i] + (c0 + c) * step, fp32);
+        }
+        memcpy(o, acc, sizeof(v8f) * cn);
+    }
+}
+
+static void weigh_values_pass8(const Item *it, const char *const *values, int nv, int64_t j0,
+                               const float *scores, float *out) {
+    int64_t chunks = it->head_dim / 8;
+    for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
+        switch (chunks - c0 < 8 ? chunks - c0 : 8) {
+        case 1: weigh_values8(it, values, nv, j0, scores, c0, out, 1); break;
+        case 2: weigh_values8(it, values, nv, j0, scores, c0, out, 2); break;
+        case 3: weigh_values8(it, values, nv, j0, scores, c0, out, 3); break;
+        case 4: weigh_values8(it, values, nv, j0, scores, c0, out, 4); break;
+        case 5: weigh_values8(it, values, nv, j0, scores, c0, out, 5); break;
+        case 6: weigh_values8(it, values, nv, j0, scores, c0, out, 6); break;
+        case 7: weigh_values8(it, values, nv, j0, scores, c0, out, 7); break;
+        default: weigh_values8(it, values, nv, j0, scores, c0, out, 8); break;
+        }
+    }
+}
+
+static void attend_vec8(const Item *it, const float *q, float scale, float *scores,
+                        float *out) {
+    int64_t len = visible(it, it->rows - 1);
+    const char *keys[VALUES_PER_PASS];
+    int nk = 0;
+    FOR_EACH_KEY(it, it->key_cache, len, j, key, {
+        keys[nk++] = key;
+        if (nk == 8 || j + 1 == len) {
+            for (int i = nk; i < 8; i++) keys[i] = keys[0]; /* padding, its scores unused */
+            score_keys8(it, keys, nk, j + 1 - nk, q, scale, scores);
+            nk = 0;
+        }
+    })
+    softmax_rows8(it, scores, len); /* zero past each row's own keys */
+    for (int64_t i = 0; i < it->rows * it->head_dim; i++) out[i] = 0.0f;
+    FOR_EACH_KEY(it, it->value_cache, len, j, value, {
+        keys[nk++] = value;
+        if (nk == VALUES_PER_PASS || j + 1 == len) {
+            weigh_values_pass8(it, keys, nk, j + 1 - nk, scores, out);
+            nk = 0;
+        }
     })
 }
 
@@ -348,6 +537,9 @@ int sb_paged_decode(const void *q, int64_t q_row, int64_t q_head, void *out, int
                     attend_avx512(&it, qf, scale, scores, of);
             } else
 #endif
+            if (!portable && head_dim % 8 == 0)
+                attend_vec8(&it, qf, scale, scores, of);
+            else
                 attend_portable(&it, qf, scale, scores, of);
             for (int64_t r = 0; r < it.rows; r++) {
                 int64_t at = (row0 + r / group) * out_row + (g * group + r % group) * out_head;
