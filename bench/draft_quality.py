@@ -6,7 +6,9 @@ and at every answer position we count whether the target's token is among the dr
 1, 2, 4 or 8 most likely (over the draft's output columns). ``chain k`` replays greedy
 speculation with a fixed chain of k drafts along each answer: the tokens one verification
 gives on average (the matches in a row, capped at k, plus the target's own token).
-Usage: ``python -m bench.draft_quality [--draft DIR ...] [--max-tokens 128]``.
+``--int8`` ranks each draft a second time with its projections and output layer rounded as
+the engine holds them in int8 (``speculative_draft_quantization``, fp32 CPUs).
+Usage: ``python -m bench.draft_quality [--draft DIR ...] [--max-tokens 128] [--int8]``.
 """
 
 from __future__ import annotations
@@ -58,12 +60,31 @@ def chain_tokens(matches: list[bool], k: int) -> float:
     return len(matches) / max(1, steps)
 
 
-def draft_quality(draft: Path, prompts: list[list[int]], answers: list[list[int]]) -> dict:
+def round_to_int8(model) -> None:
+    """The model's projections and output layer as the engine's int8 panels hold them (the
+    embedding, which the output layer may share, stays exact, as in the engine)."""
+    from kernels.linear_native import PanelLinear
+
+    def rounded(weight: torch.Tensor) -> torch.nn.Parameter:
+        return torch.nn.Parameter(PanelLinear(weight.detach(), int8=True).dequantized())
+
+    for layer in model.model.layers:
+        for module in (*layer.self_attn.children(), *layer.mlp.children()):
+            if isinstance(module, torch.nn.Linear):
+                module.weight = rounded(module.weight)
+    model.lm_head.weight = rounded(model.lm_head.weight)  # untied from the embedding
+
+
+def draft_quality(
+    draft: Path, prompts: list[list[int]], answers: list[list[int]], *, int8: bool = False
+) -> dict:
     from transformers import AutoModelForCausalLM
 
     from worker.spec_decode.draft import read_output_vocab
 
     model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    if int8:
+        round_to_int8(model)
     columns = read_output_vocab(draft)
     hits = dict.fromkeys(TOP_KS, 0)
     chains = {k: [] for k in CHAIN_KS}
@@ -86,6 +107,7 @@ def draft_quality(draft: Path, prompts: list[list[int]], answers: list[list[int]
         positions += len(answer)
     return {
         "draft": str(draft),
+        "weights": "int8" if int8 else "fp32",
         "positions": positions,
         **{f"top{k}": hits[k] / positions for k in TOP_KS},
         **{f"chain{k}_tokens": sum(v) / len(v) for k, v in chains.items()},
@@ -100,10 +122,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model", help="target checkpoint (default: the default model)")
     parser.add_argument("--draft", nargs="+", help="draft checkpoints (default: the distilled)")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--int8", action="store_true", help="also with int8 weights")
     args = parser.parse_args(argv)
     prompts, answers = target_answers(resolve_model_path(args.model), args.max_tokens)
     drafts = [Path(d) for d in args.draft] if args.draft else [default_draft_path()]
-    results = [draft_quality(d, prompts, answers) for d in drafts]
+    variants = (False, True) if args.int8 else (False,)
+    results = [draft_quality(d, prompts, answers, int8=q) for d in drafts for q in variants]
     for result in results:
         print(json.dumps(result))
     return results

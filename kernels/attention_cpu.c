@@ -1,13 +1,14 @@
 /* Decode attention straight from the paged KV cache on CPU, bf16 or fp32 (PagedAttention,
  * Kwon et al., SOSP 2023): each decoding sequence's queries against its own blocks, read in
- * place. The hand-written AVX-512 loops serve bf16; fp32 (and bf16 without AVX-512) takes
- * the portable loops, written so that the compiler vectorizes them (omp simd).
+ * place. Hand-written AVX-512 loops serve bf16 where the CPU has them; fp32, and bf16
+ * elsewhere, take 8-wide loops in GCC's vector extensions (AVX2, NEON, ...) where head_dim
+ * is a multiple of 8; the portable loops (omp simd) serve the rest.
  *
  * Why native code: the torch path gathers each sequence's blocks into a padded copy, then
  * runs SDPA with a mask over the padding, so K and V cross memory three times and short
  * sequences pay for long ones; here each key and value is read once, where it lies, and
  * only up to each query's own position. Built by kernels/native.py (-march=native); the
- * portable loops are compiled always and tests check both against the torch reference.
+ * portable loops are compiled always and tests check each path against a float64 loop.
  *
  * Cache layout (kernels/paged_attention.py): [num_blocks, block_size, kv_heads, head_dim].
  * Query head h reads KV head h / (heads / kv_heads) (grouped-query attention). A sequence

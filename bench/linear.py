@@ -1,0 +1,115 @@
+"""Dense projections on CPU: the native panel kernel against oneDNN's packed matmul.
+
+A "step" is every projection of the default model's shape (30 layers of q/k/v 576 -> 960,
+o 576 -> 576, gate/up 576 -> 3072, down 1536 -> 576, then the output layer 576 -> 49152;
+seeded random fp32 weights, 540 MB in all, so each step streams its weights from DRAM as a
+decode step does) applied to R rows. Methods: ``onednn`` (the weight reordered once for
+oneDNN, ``kernels.linear``'s path on CPUs with AVX-512), ``panels`` (``kernels/linear_cpu.c``
+over fp32 panels, its path on AVX2-only CPUs) and ``panels-int8`` (int8 panels, a draft
+model's weights; a quarter of the bytes). Before timing, each method's output is checked
+against ``F.linear`` on one layer.
+
+Timing: rounds outermost, then the row counts, then the methods in a shuffled order, so a
+burst of load from other processes hits them all alike; the figure per method is its
+fastest step over the rounds. Usage:
+``python -m bench.linear [--rows 1,2,4,8,16,32,64,256] [--rounds 5] [--out FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from bench.report import write_report
+from kernels.linear import can_pack
+from kernels.linear_native import PanelLinear, native_linear
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
+LAYER_SHAPES = ((960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+def default_model_weights(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [s for _ in range(LAYERS) for s in LAYER_SHAPES] + [(VOCAB, HIDDEN)]
+    return [torch.randn(out, inp, generator=gen) * inp**-0.5 for out, inp in shapes]
+
+
+def onednn(weight: torch.Tensor) -> Projection:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1024)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def methods(weights: list[torch.Tensor]) -> dict[str, list[Projection]]:
+    found: dict[str, list[Projection]] = {}
+    if can_pack(weights[0]):
+        found["onednn"] = [onednn(w) for w in weights]
+    if native_linear() is not None:
+        found["panels"] = [PanelLinear(w) for w in weights]
+        found["panels-int8"] = [PanelLinear(w, int8=True) for w in weights]
+    return found
+
+
+def check(name: str, projections: list[Projection], weights: list[torch.Tensor]) -> None:
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1))
+    want = F.linear(x, weights[2])
+    tolerance = 2e-2 if name.endswith("int8") else 1e-4  # int8: within its rounding
+    error = (projections[2](x) - want).abs().max().item() / want.abs().max().item()
+    if error > tolerance:
+        raise AssertionError(f"{name}: relative error {error:.2e} against F.linear")
+
+
+def time_step(projections: list[Projection], rows: int) -> float:
+    narrow, wide = torch.randn(rows, HIDDEN), torch.randn(rows, INTERMEDIATE)
+    head = projections[-1]
+    start = time.perf_counter()
+    for i, projection in enumerate(projections[:-1]):
+        projection(wide if i % 4 == 3 else narrow)
+    head(narrow)
+    return time.perf_counter() - start
+
+
+def run(rows: list[int], rounds: int, seed: int = 0) -> dict:
+    weights = default_model_weights(seed)
+    candidates = methods(weights)
+    for name, projections in candidates.items():
+        check(name, projections, weights)
+    del weights
+    order = random.Random(seed)
+    best = {(name, r): float("inf") for name in candidates for r in rows}
+    for _ in range(rounds + 1):  # the first round warms up and is not counted
+        warm = _ == 0
+        for r in rows:
+            names = list(candidates)
+            order.shuffle(names)
+            for name in names:
+                seconds = time_step(candidates[name], r)
+                if not warm:
+                    best[name, r] = min(best[name, r], seconds)
+    results = [
+        {"rows": r, **{name: round(1000 * best[name, r], 2) for name in candidates}} for r in rows
+    ]
+    print("rows  " + "  ".join(f"{name:>12}" for name in candidates) + "   (ms a step, best)")
+    for line in results:
+        print(f"{line['rows']:>4}  " + "  ".join(f"{line[name]:>12.1f}" for name in candidates))
+    return {"threads": torch.get_num_threads(), "rounds": rounds, "steps": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,256")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default="bench/results/linear.json")
+    args = parser.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    write_report(run(rows, args.rounds), args.out)
+
+
+if __name__ == "__main__":
+    main()
