@@ -49,10 +49,11 @@ QUANTIZATIONS = (None, "int4", "int8")
 def panels_preferred(weight: torch.Tensor) -> bool:
     """Whether ``Linear`` multiplies by this weight through the native panel kernel: fp32 on
     an x86 CPU whose widest vectors are AVX2's (the kernel's width; with AVX-512 oneDNN's
-    wider kernels win the larger batches, not measured against ours). Measured on a 2-core
-    Zen 3, the default model's projections, weights streamed from DRAM: 26.5 ms against
-    oneDNN's 41.2 at 1 row, 25.1 vs 51.0 at 4, 44.8 vs 79.0 at 16, 374 vs 432 at 256 and
-    1,805 vs 1,654 at 1,024 (bench/README.md)."""
+    wider kernels win the larger batches, not measured against ours). ``bench.linear`` on a
+    2-core Zen 3, every projection of the default model (540 MB streamed from DRAM): 37 ms
+    against oneDNN's 55 at 1 row, 36 vs 68 at 4, 50 vs 90 at 16, 115 vs 176 at 64; 616 vs
+    589 at 256 and 2.9 vs 2.3 s at 1,024 rows: a long prompt's prefill runs up to ~25%
+    slower than through oneDNN there, while every decode step runs 1.5-2x faster."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32

@@ -75,8 +75,24 @@ static inline void store_tile(v8f acc[][2], int rows, int cols, const float *sca
         const float *x, int64_t ldx, const WTYPE *panel, int64_t K, const char *pf,           \
         int64_t pf_lines, int rows, v8f acc[MR][2]) {                                         \
         for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (v8f){0};                      \
-        int64_t due = 0;                                                                      \
-        for (int64_t k = 0; k < K; k++) {                                                     \
+        int64_t due = 0, k = 0;                                                               \
+        if (rows == 1) {                                                                      \
+            /* one row: two k at a time into two more sums, or each sum's chain of FMAs      \
+             * (4 cycles each) would bound the loop, int8 weights most (seen: 10 GB/s) */     \
+            v8f odd0 = {0}, odd1 = {0};                                                       \
+            for (; k + 1 < K; k += 2) {                                                       \
+                due += 2 * pf_lines;                                                          \
+                for (; due >= K; due -= K, pf += 64) __builtin_prefetch(pf);                  \
+                float x0 = x[k], x1 = x[k + 1];                                               \
+                acc[0][0] += LOAD(panel + k * NR) * x0;                                       \
+                acc[0][1] += LOAD(panel + k * NR + 8) * x0;                                   \
+                odd0 += LOAD(panel + (k + 1) * NR) * x1;                                      \
+                odd1 += LOAD(panel + (k + 1) * NR + 8) * x1;                                  \
+            }                                                                                 \
+            acc[0][0] += odd0;                                                                \
+            acc[0][1] += odd1;                                                                \
+        }                                                                                     \
+        for (; k < K; k++) {                                                                  \
             due += pf_lines;                                                                  \
             if (due >= K) {                                                                   \
                 due -= K;                                                                     \
