@@ -223,8 +223,9 @@ def up(args: argparse.Namespace) -> int:
         # banner, which says Ctrl-C stops everything: a Ctrl-C right after it found SIGINT
         # still ignored here, and the children's exit then read as a crash (status 1).
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        print(_up_banner(stack, key, model.name), flush=True)
         try:
+            # Inside the try: a Ctrl-C the moment the banner's last line is out lands here too.
+            print(_up_banner(stack, key, model.name), flush=True)
             while True:
                 time.sleep(1)
                 stack._check_children()
