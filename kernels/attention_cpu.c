@@ -88,6 +88,18 @@ static inline const char *slot_row(const Item *it, const char *cache, int64_t sl
         }                                                                               \
     }
 
+/* e^f for |f| <= ln(2)/2, its series to f^6 by Horner's rule, p holding 1/720 on entry:
+ * one body for the scalar and the 8-wide exp below. */
+#define EXP_SERIES_FROM_720TH(p, f)                                                      \
+    do {                                                                                  \
+        p = p * f + 1.0f / 120;                                                           \
+        p = p * f + 1.0f / 24;                                                            \
+        p = p * f + 1.0f / 6;                                                             \
+        p = p * f + 0.5f;                                                                 \
+        p = p * f + 1.0f;                                                                 \
+        p = p * f + 1.0f;                                                                 \
+    } while (0)
+
 /* e^x for x <= 0 in plain C that vectorizes (libm's expf does not without -ffast-math):
  * x = n ln2 + f ln2 with |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error
  * < 2e-7), 2^n built in the exponent bits. Below -87 (e^-87 ~ 1.6e-38) it clamps. */
@@ -97,12 +109,7 @@ static inline float exp_nonpositive_f32(float x) {
     float n = floorf(t + 0.5f);
     float f = (t - n) * 0.69314718056f;
     float p = 1.0f / 720;
-    p = p * f + 1.0f / 120;
-    p = p * f + 1.0f / 24;
-    p = p * f + 1.0f / 6;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
+    EXP_SERIES_FROM_720TH(p, f);
     union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
     return p * scale.f;
 }
@@ -208,12 +215,7 @@ static inline v8f exp_nonpositive8(v8f x) {
     v8f n = (t + 12582912.0f) - 12582912.0f; /* t rounded to the nearest integer */
     v8f f = (t - n) * 0.69314718056f;
     v8f p = (v8f){0} + 1.0f / 720;
-    p = p * f + 1.0f / 120;
-    p = p * f + 1.0f / 24;
-    p = p * f + 1.0f / 6;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
+    EXP_SERIES_FROM_720TH(p, f);
     return p * (v8f)((__builtin_convertvector(n, v8i) + 127) << 23);
 }
 
