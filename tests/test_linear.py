@@ -129,8 +129,18 @@ def float64_linear(x, weight, bias=None, residual=None):
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features"),
     # rows around the kernel's 6-row tiles; a partial last panel; one input feature; a
-    # wide input (the down projection's shape class)
-    [(1, 16, 8), (5, 37, 13), (6, 48, 1), (7, 33, 64), (13, 96, 80), (40, 17, 300)],
+    # wide input (the down projection's shape class); a single row (its own loop, two input
+    # features a step) with an odd count of features and with one
+    [
+        (1, 16, 8),
+        (5, 37, 13),
+        (6, 48, 1),
+        (7, 33, 64),
+        (13, 96, 80),
+        (40, 17, 300),
+        (1, 37, 13),
+        (1, 20, 1),
+    ],
 )
 def test_the_native_kernel_matches_float64(rows, out_features, in_features, int8):
     gen = torch.Generator().manual_seed(rows * out_features)
