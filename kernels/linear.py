@@ -17,14 +17,17 @@ for every row of a step and prefetches the next panel while it computes.
 
 A draft model for speculative decoding reads its weights from DRAM on every one-token
 pass, so halving or quartering the bytes is what makes it cheaper; exactness does not
-suffer, since the target verifies every draft (``quantization``). "int8" (fp32 CPUs): int8
-panels with a scale per output feature, through the same native kernel. "int4" (bf16 CPUs):
-a 4-bit copy for small batches, per-group asymmetric 4-bit weights
-(groups of ``INT4_GROUP`` input features, bf16 or fp32 scale and zero per group) through
-torch's CPU kernel for them (the one torchao's int4 weight-only layout uses on CPU),
-measured here against the bf16 packed matmul, weights streamed from DRAM: 576x3072, 1 row
-90 vs 168 us, 4 rows 119 vs 182; 8192x576 (a draft's cut-down output layer), 1 row 144 vs
-427 us; from 6 rows on it is no faster, so larger batches use the full-precision weight.
+suffer, since the target verifies every draft (``quantization``). "int4": passes of up to
+``Q4_MAX_ROWS`` rows multiply by 4-bit levels of the weight (per group of 64 input
+features, an fp16 step and minimum) through our native kernel (``kernels/q4_cpu.c``), the
+activations rounded to int8 per group, measured on a 2-core Zen 4 against the bf16
+packed matmul (hot in cache): 576x3072 at 1 row 26 vs 72 us, at 8 rows 77 vs 121, at 16
+151 vs 192; the draft's cut-down output layer (8,192 x 576) 49 vs 123 us at 1 row. Without
+a C compiler, torch's CPU int4 kernel (the one torchao's int4 weight-only layout uses)
+serves up to ``INT4_MAX_ROWS`` rows: it widens each weight to float and ran at about half
+the native kernel's speed (576x3072, 1 row: 64 us). Larger batches use the full weight.
+"int8" (fp32 CPUs): int8 panels with a scale per output feature, through the native panel
+kernel.
 """
 
 from __future__ import annotations
@@ -35,13 +38,16 @@ import torch
 import torch.nn.functional as F
 
 from kernels.linear_native import PanelLinear, native_linear
+from kernels.q4_native import GROUP as Q4_GROUP
+from kernels.q4_native import Q4Linear, native_q4, quantize_weight
 
 # The packed layout is tuned for this many rows; larger batches still run correctly.
 PACK_BATCH_HINT = 1024
 # 4-bit weights: input features per scale/zero group, and the most rows that use them
-# (measured crossover with the bf16 packed matmul: 5-6 rows).
+# (measured crossover with the bf16 packed matmul: torch's kernel 5-6 rows, ours 16-32).
 INT4_GROUP = 64
 INT4_MAX_ROWS = 4
+Q4_MAX_ROWS = 16
 # A draft model's approximate weights (``Linear``'s ``quantization``): None for exact.
 QUANTIZATIONS = (None, "int4", "int8")
 
@@ -104,9 +110,20 @@ def _packing_works(dtype: torch.dtype) -> bool:
     return True
 
 
+def can_quantize_q4(weight: torch.Tensor) -> bool:
+    """Whether ``Linear(..., quantization="int4")`` multiplies small batches through the
+    native 4-bit kernel: CPU, fp32 or bf16, input features a multiple of its group."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.shape[1] % Q4_GROUP == 0
+        and native_q4() is not None
+    )
+
+
 def can_quantize_int4(weight: torch.Tensor) -> bool:
-    """Whether ``Linear(..., int4_rows=True)`` can keep a 4-bit copy of this weight: CPU,
-    fp32 or bf16, input features a multiple of ``INT4_GROUP``, and torch's kernel present."""
+    """Whether torch's CPU int4 kernel can hold this weight (where the native one cannot):
+    CPU, fp32 or bf16, input features a multiple of ``INT4_GROUP``."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16)
@@ -120,29 +137,33 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Int4Weight:
-    """A weight [out, in] as 4-bit values per group of ``INT4_GROUP`` input features:
-    ``w[o, i] ~ (q[o, i] - 8) * scale[g, o] + zero[g, o]`` with g = i // INT4_GROUP,
-    q in 0..15, the group's minimum and maximum exact (asymmetric rounding)."""
+    """A weight [out, in] as 4-bit levels through torch's CPU kernel, the same levels as the
+    native kernel's (``kernels.q4_native.quantize_weight``: ``low + q * step`` per group of
+    ``INT4_GROUP`` input features, q in 0..15), with the activations unrounded."""
 
-    __slots__ = ("packed", "scales_and_zeros")
+    __slots__ = ("bias", "packed", "scales_and_zeros")
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        out_features, in_features = weight.shape
-        groups = weight.float().view(out_features, in_features // INT4_GROUP, INT4_GROUP)
-        low, high = groups.amin(-1), groups.amax(-1)  # [out, groups]
-        scale = (high - low).clamp(min=1e-12) / 15
-        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-        q = q.to(torch.int32).view(out_features, in_features)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        zero = low + 8 * scale  # the kernel computes (q - 8) * scale + zero
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        q, step, low = quantize_weight(weight)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        step, low = step.float(), low.float()
+        zero = low + 8 * step  # the kernel computes (q - 8) * scale + zero
         # [groups, out, 2] in the activations' dtype, as the kernel reads them
-        both = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        both = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous()
         self.scales_and_zeros = both.to(weight.dtype)
+        self.bias = bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + _nbytes(self.scales_and_zeros)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, INT4_GROUP, self.scales_and_zeros
         )
+        if self.bias is not None:
+            y = y + self.bias
+        return y if residual is None else residual + y
 
 
 class Linear:
@@ -152,10 +173,12 @@ class Linear:
     native kernel (``kernels/linear_cpu.c``) where ``panels_preferred`` (fp32 on AVX2-only
     CPUs), else for oneDNN. ``quantization`` (a draft model's; approximate): "int8", every
     product through int8 panels with a scale per output feature (fp32 weights, native kernel);
-    "int4", batches of up to ``INT4_MAX_ROWS`` rows through a 4-bit copy (torch's kernel)
-    where ``can_quantize_int4``, others through the weight itself."""
+    "int4", small batches through a 4-bit copy (up to ``Q4_MAX_ROWS`` rows through the
+    native kernel where ``can_quantize_q4``, else ``INT4_MAX_ROWS`` through torch's where
+    ``can_quantize_int4``), others through the weight itself."""
 
-    __slots__ = ("bias", "in_features", "int4", "out_features", "packed", "panel", "weight")
+    __slots__ = ("bias", "in_features", "int4", "int4_rows", "out_features", "packed")
+    __slots__ += ("panel", "weight")
 
     def __init__(
         self,
@@ -168,9 +191,12 @@ class Linear:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.int4 = None
-        if quantization == "int4" and can_quantize_int4(weight):
-            self.int4 = Int4Weight(weight)
+        self.int4: Q4Linear | Int4Weight | None = None
+        self.int4_rows = 0  # the most rows that go through ``int4``
+        if quantization == "int4" and can_quantize_q4(weight):
+            self.int4, self.int4_rows = Q4Linear(weight, bias), Q4_MAX_ROWS
+        elif quantization == "int4" and can_quantize_int4(weight):
+            self.int4, self.int4_rows = Int4Weight(weight, bias), INT4_MAX_ROWS
         self.panel: PanelLinear | None = None
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight
@@ -189,7 +215,7 @@ class Linear:
     def decode_bytes(self) -> int:
         """Bytes a one-row product reads: the 4-bit copy's where there is one."""
         if self.int4 is not None:
-            return self.int4.packed.numel() + _nbytes(self.int4.scales_and_zeros)
+            return self.int4.nbytes
         if self.panel is not None:
             return self.panel.nbytes
         weight = self.weight if self.weight is not None else self.packed
@@ -197,9 +223,8 @@ class Linear:
         return self.out_features * self.in_features * weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
-            y = self.int4(x)
-            return y if self.bias is None else y + self.bias
+        if self.int4 is not None and x.shape[0] <= self.int4_rows:
+            return self.int4(x)
         if self.panel is not None:
             return self.panel(x)
         if self.packed is not None:
@@ -208,8 +233,8 @@ class Linear:
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + x @ weight.T (+ bias)``; on CPU the add is fused into the matmul."""
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
-            return residual + self(x)
+        if self.int4 is not None and x.shape[0] <= self.int4_rows:
+            return self.int4(x, residual)
         if self.panel is not None:
             return self.panel(x, residual)
         if self.packed is not None:

@@ -7,9 +7,18 @@ import platform
 
 import pytest
 import torch
+from test_q4_native import activation_levels, weight_levels
 
-from kernels.linear import Linear, can_pack, panels_preferred
+from kernels.linear import (
+    INT4_MAX_ROWS,
+    Q4_MAX_ROWS,
+    Int4Weight,
+    Linear,
+    can_pack,
+    panels_preferred,
+)
 from kernels.linear_native import PANEL, PanelLinear, native_linear
+from kernels.q4_native import Q4Linear, native_q4
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -47,41 +56,23 @@ def test_fp32_weights_are_packed_on_this_cpu():
     assert linear.weight is None
 
 
-def dequantized_int4(weight: torch.Tensor, group: int) -> torch.Tensor:
-    """The 4-bit weight as specified: per group of input features, 16 levels from its
-    minimum to its maximum, each weight rounded to the nearest level, q in 0..15; stored
-    as (q - 8) x scale + zero with scale and zero in the weight's dtype (fp64 here)."""
-    out_features, in_features = weight.shape
-    # In fp32, so that weights on bf16's grid that sit on a tie between levels round the
-    # same way as in the implementation (fp64 would break some ties the other way).
-    w = weight.float().view(out_features, in_features // group, group)
-    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    step = (high - low) / 15
-    q = torch.round((w - low) / step).double()
-    scale, zero = (t.to(weight.dtype).double() for t in (step, low + 8 * step))
-    return ((q - 8) * scale + zero).view(out_features, in_features)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens", [1, 3, 4])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 16])
 def test_small_batches_multiply_by_the_4bit_weight(dtype, tokens):
-    from kernels.linear import INT4_GROUP
-
+    """Through the native kernel where it builds (the rows rounded to int8 as well), else
+    through torch's int4 kernel (the rows as they are): the same 4-bit levels either way."""
     gen = torch.Generator().manual_seed(tokens)
     weight = (torch.randn(96, 128, generator=gen) / 128**0.5).to(dtype)
     bias = torch.randn(96, generator=gen).to(dtype)
     x = torch.randn(tokens, 128, generator=gen).to(dtype)
     residual = torch.randn(tokens, 96, generator=gen).to(dtype)
     linear = Linear(weight, bias, quantization="int4")
-    assert linear.int4 is not None
-    deq = dequantized_int4(weight, INT4_GROUP)
-    # Rounding to 16 levels moves a weight by at most half a level (and bf16's scale and
-    # zero by their own rounding).
-    w = weight.double().view(96, -1, INT4_GROUP)
-    half_level = ((w.amax(-1) - w.amin(-1)) / 30).repeat_interleave(INT4_GROUP, dim=1)
-    slack = 1e-6 if dtype == torch.float32 else 0.02 * weight.double().abs().max()
-    assert ((deq - weight.double()).abs() <= half_level + slack).all()
-    want = x.double() @ deq.T + bias.double()
+    native = native_q4() is not None
+    assert isinstance(linear.int4, Q4Linear if native else Int4Weight)
+    if tokens > linear.int4_rows:
+        pytest.skip("past the 4-bit rows of torch's kernel")
+    rows = activation_levels(x) if native else x.double()
+    want = rows @ weight_levels(weight).T + bias.double()
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(linear(x).double(), want, atol=tol, rtol=tol)
     torch.testing.assert_close(
@@ -89,19 +80,34 @@ def test_small_batches_multiply_by_the_4bit_weight(dtype, tokens):
     )
 
 
-def test_larger_batches_and_unfit_shapes_keep_the_full_weight():
-    """Past INT4_MAX_ROWS rows the 4-bit copy is no faster, so the weight itself serves;
-    input features that are not a whole number of groups get no 4-bit copy at all."""
-    from kernels.linear import INT4_MAX_ROWS
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_torchs_int4_kernel_multiplies_by_the_same_levels(dtype):
+    """The fallback where no C compiler builds the native kernel."""
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(48, 192, generator=gen) / 192**0.5).to(dtype)
+    bias = torch.randn(48, generator=gen).to(dtype)
+    x = torch.randn(3, 192, generator=gen).to(dtype)
+    residual = torch.randn(3, 48, generator=gen).to(dtype)
+    int4 = Int4Weight(weight, bias)
+    want = x.double() @ weight_levels(weight).T + bias.double()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(int4(x).double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        int4(x, residual).double(), want + residual.double(), atol=2 * tol, rtol=tol
+    )
 
+
+def test_larger_batches_and_unfit_shapes_keep_the_full_weight():
+    """Past the 4-bit copy's rows it is no faster, so the weight itself serves; input
+    features that are not a whole number of groups get no 4-bit copy at all."""
     gen = torch.Generator().manual_seed(1)
     weight = torch.randn(32, 64, generator=gen)
-    x = torch.randn(INT4_MAX_ROWS + 1, 64, generator=gen)
+    linear = Linear(weight, quantization="int4")
+    assert linear.int4_rows == (Q4_MAX_ROWS if native_q4() is not None else INT4_MAX_ROWS)
+    x = torch.randn(linear.int4_rows + 1, 64, generator=gen)
     exact = x.double() @ weight.double().T
     tol = TOLERANCE[torch.float32]
-    torch.testing.assert_close(
-        Linear(weight, quantization="int4")(x).double(), exact, atol=tol, rtol=tol
-    )
+    torch.testing.assert_close(linear(x).double(), exact, atol=tol, rtol=tol)
     unfit = Linear(torch.randn(32, 80), quantization="int4")
     assert unfit.int4 is None
 
@@ -110,7 +116,7 @@ def test_a_4bit_copy_reads_a_quarter_of_the_bytes():
     weight = torch.randn(256, 128, dtype=torch.bfloat16)
     full, quantized = Linear(weight).decode_bytes, Linear(weight, quantization="int4").decode_bytes
     assert full == 256 * 128 * 2
-    # 4 bits a weight, plus a bf16 scale and zero per group of 64
+    # 4 bits a weight, plus a 16-bit step and minimum per group of 64
     assert quantized == 256 * 128 // 2 + 256 * 2 * 2 * 2
 
 
