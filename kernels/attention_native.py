@@ -86,6 +86,8 @@ class NativeAttention:
         self._decode.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr]
         self._decode.argtypes += [_i64] * 5 + [_ptr] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
         self.has_avx512 = bool(lib.sb_attention_has_avx512())
+        # The kernel's address, for native code that calls it (kernels/draft_cpu.c).
+        self.address = ctypes.cast(self._decode, ctypes.c_void_p).value
 
     def decode(
         self,

@@ -85,7 +85,7 @@ class Q4Linear:
     to int8 per row and group of ``GROUP`` features: approximate, for a draft model. bf16 or
     fp32 rows in, the same dtype out. The kernel must load (``native_q4()``)."""
 
-    __slots__ = ("_call", "_desc", "_desc_address", "bias", "blocks", "in_features")
+    __slots__ = ("_call", "_desc", "bias", "blocks", "desc_address", "in_features")
     __slots__ += ("out_features",)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -104,7 +104,7 @@ class Q4Linear:
             self.blocks.data_ptr(),
             None if self.bias is None else self.bias.data_ptr(),
         )
-        self._desc_address = ctypes.addressof(self._desc)
+        self.desc_address = ctypes.addressof(self._desc)  # what a kernel call passes
         self._call = kernel.linear
 
     @property
@@ -143,7 +143,7 @@ class Q4Linear:
         y = torch.empty(rows, self.out_features, dtype=x.dtype)
         fp32 = x.dtype == torch.float32
         if rows and self._call(
-            self._desc_address, x.data_ptr(), fp32, rows, res, y.data_ptr(), path
+            self.desc_address, x.data_ptr(), fp32, rows, res, y.data_ptr(), path
         ):
             raise MemoryError("native 4-bit linear: no memory for the rounded rows")
         return y

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from kernels.linear import Linear
+from kernels.draft_native import NativeDecodePass, native_draft
+from kernels.linear import Q4_MAX_ROWS, Linear
 from kernels.lora import add_lora
 from kernels.norm_native import rms_norm
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
@@ -158,6 +159,32 @@ class LlamaModel:
             if adapters is not None:
                 adapters.add(hidden, act, "down")
         return hidden
+
+    def native_decode_pass(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> NativeDecodePass | None:
+        """One-token passes of this model in one native call each (kernels/draft_cpu.c),
+        where its weights have native 4-bit copies (a draft model on CPU), else None. The
+        rows then run in fp32 throughout, on fp32 RoPE tables."""
+        if self.quantization != "int4" or self.device.type != "cpu" or native_draft() is None:
+            return None
+        c = self.config
+        rope = RopeTables.build(c.head_dim, c.rope, c.max_position_embeddings, torch.float32)
+        try:
+            return NativeDecodePass(
+                embed=self.embed.contiguous(),
+                layers=self.layers,
+                final_norm=self.final_norm,
+                lm_head=self.lm_head,
+                cos=rope.cos.contiguous(),
+                signed_sin=rope.signed_sin.contiguous(),
+                kv_caches=kv_caches,
+                heads=c.num_heads,
+                eps=c.rms_norm_eps,
+                max_rows=Q4_MAX_ROWS,
+            )
+        except (RuntimeError, ValueError):  # a projection without a native 4-bit copy
+            return None
 
     def compute_logits(self, hidden: torch.Tensor, *, kept_only: bool = False) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] fp32, for the rows that sample only; with

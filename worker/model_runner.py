@@ -78,6 +78,8 @@ class ModelRunner:
             )
             for _ in range(c.num_layers if num_host_blocks else 0)
         ]
+        # A draft model's one-token passes in one native call (None: the torch path only).
+        self.native_pass = model.native_decode_pass(self.kv_caches)
 
     @torch.inference_mode()
     def move_blocks(self, moves: list[BlockMove]) -> None:
@@ -115,6 +117,9 @@ class ModelRunner:
         """Run one step; returns the sampling sequences and their logits, one row per
         sampling sequence, or ``num_spec + 1`` consecutive rows for one verifying draft
         tokens: [sum of rows, vocab] (``kept_only``: a cut-down output layer's columns)."""
+        native = self._execute_native(scheduled, kept_only)
+        if native is not None:
+            return native
         inputs = self.prepare(scheduled)
         lora = None
         # The per-token adapter list is only built when some sequence uses an adapter.
@@ -128,6 +133,31 @@ class ModelRunner:
         )
         logits = self.model.compute_logits(hidden[inputs.logit_rows], kept_only=kept_only)
         return [s for s in inputs.order if s.samples], logits
+
+    def _execute_native(
+        self, scheduled: list[ScheduledSequence], kept_only: bool
+    ) -> tuple[list[ScheduledSequence], torch.Tensor] | None:
+        """The step through ``native_pass`` if it fits one: a few sequences each decoding
+        one token (no drafts to verify, no adapters); else None."""
+        native = self.native_pass
+        if (
+            native is None
+            or not scheduled
+            or len(scheduled) > native.max_rows
+            or any(s.num_fed != 1 or s.start == 0 or not s.samples for s in scheduled)
+            or any(s.seq.adapter_id for s in scheduled)
+        ):
+            return None
+        bs = self.block_size
+        positions = [s.start for s in scheduled]
+        tables = [s.seq.block_table for s in scheduled]
+        logits = native(
+            [s.seq.tokens[s.start] for s in scheduled],
+            positions,
+            [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)],
+            tables,
+        )
+        return list(scheduled), logits if kept_only else self.model.full_logits(logits)
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
         # Decodes (one real token, maybe draft tokens after it) sorted by tokens fed, then

@@ -1,0 +1,199 @@
+"""kernels/draft_cpu.c: a 4-bit draft model's one-token passes in one native call.
+
+The reference is transformers on the same checkpoint with every projection replaced by
+the 4-bit levels the kernel multiplies by (``kernels.q4_native.quantize_weight``), and
+each projection's input rows rounded to int8 per group as the kernel rounds them (a hook
+before every ``nn.Linear``). In fp32 the two agree to summation order (rounding the rows
+alone moves these logits by ~3%, so a pass wired wrong cannot hide in the tolerance).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_q4_native import activation_levels
+
+from factories import load_hf_model, make_checkpoint
+from kernels.draft_native import native_draft
+from kernels.q4_native import dequantize_weight, native_q4, quantize_weight
+from worker.block_manager import BlockManager
+from worker.llama import LlamaModel
+from worker.model_runner import ModelRunner
+from worker.scheduler import ScheduledSequence
+from worker.sequence import Sequence
+
+pytestmark = pytest.mark.skipif(
+    native_q4() is None or native_draft() is None, reason="no C compiler here"
+)
+BLOCK = 4  # small blocks: the sequences below cross several
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def four_bit_checkpoint(src: Path, dst: Path) -> Path:
+    """The checkpoint with each projection and the output layer on its 4-bit levels."""
+    dst.mkdir()
+    weights = load_file(src / "model.safetensors")
+    for name, w in weights.items():
+        if name.endswith(".weight") and (name.split(".")[-2] in PROJECTIONS or "lm_head" in name):
+            weights[name] = dequantize_weight(*quantize_weight(w)).contiguous()
+    save_file(weights, dst / "model.safetensors")
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    return dst
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def checkpoints(request, tmp_path_factory):
+    """(draft checkpoint, the same on its 4-bit levels): hidden 128 (two groups of 64
+    features), untied output layer (quantized; the embeddings are not), every weight on
+    bf16's grid (so that a bf16 model quantizes the same values)."""
+    root = tmp_path_factory.mktemp(request.param)
+    src = make_checkpoint(
+        root / "draft",
+        arch=request.param,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        tie_word_embeddings=False,
+        seed=3,
+    )
+    weights = load_file(src / "model.safetensors")
+    save_file({k: w.bfloat16().float() for k, w in weights.items()}, src / "model.safetensors")
+    return src, four_bit_checkpoint(src, root / "levels")
+
+
+def runner_for(path: Path, dtype: torch.dtype, output_token_ids=None):
+    model = LlamaModel.from_pretrained(
+        path, dtype=dtype, quantization="int4", output_token_ids=output_token_ids
+    )
+    blocks = BlockManager(num_blocks=64, block_size=BLOCK, enable_caching=False)
+    return ModelRunner(model, num_blocks=64, block_size=BLOCK), blocks
+
+
+def decode_token_by_token(runner, blocks, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Each prompt's tokens fed one a step, all prompts batched (the first token of each as
+    a one-token prefill), as a draft catching up token by token would; returns each
+    prompt's logits [len - 1, columns], from its second token on."""
+    seqs = [Sequence(str(i), [p[0]], None, 0) for i, p in enumerate(prompts)]
+    for s, p in zip(seqs, prompts, strict=True):
+        blocks.allocate(s.block_table, len(p))
+        runner.execute([ScheduledSequence(s, 0, 1)], kept_only=True)
+        s.num_computed_tokens = 1
+    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for t in range(1, max(map(len, prompts))):
+        live = [i for i, p in enumerate(prompts) if t < len(p)]
+        for i in live:
+            seqs[i].tokens.append(prompts[i][t])
+        order, logits = runner.execute(
+            [ScheduledSequence(seqs[i], t, 1) for i in live], kept_only=True
+        )
+        assert [o.seq for o in order] == [seqs[i] for i in live]  # rows in the order given
+        for row, i in enumerate(live):
+            rows[i].append(logits[row])
+            seqs[i].num_computed_tokens += 1
+    return [torch.stack(r) for r in rows]
+
+
+def reference(levels: Path):
+    """transformers on the 4-bit levels, each projection's input rows rounded to int8 per
+    group of 64 features as the kernel rounds them (``activation_levels``)."""
+    model = load_hf_model(levels)
+
+    def round_rows(module, args):
+        x = args[0]
+        return (activation_levels(x.reshape(-1, x.shape[-1])).to(x.dtype).view_as(x),)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(round_rows)
+    return model
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_passes_match_transformers_on_the_4bit_levels(checkpoints, dtype):
+    src, levels = checkpoints
+    runner, blocks = runner_for(src, dtype)
+    assert runner.native_pass is not None
+    prompts = [[5, 9, 3, 7, 11, 40, 2, 8, 13, 90, 77], [17, 4, 200], [250, 6, 6, 6, 31, 8, 1]]
+    logits = decode_token_by_token(runner, blocks, prompts)
+    hf = reference(levels)
+    # fp32: the same arithmetic up to summation order. bf16: the K/V cached in bf16 move
+    # some rows' int8 levels, as much again as the rounding itself (the pass runs in fp32);
+    # a pass wired wrong is off by ~100%.
+    tol = 1e-4 if dtype == torch.float32 else 0.08
+    for prompt, got in zip(prompts, logits, strict=True):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0, 1:]  # [len - 1, vocab]
+        assert relative_error(got, want) < tol, relative_error(got, want)
+
+
+def test_a_cut_down_output_layer_gives_its_own_columns(checkpoints, tmp_path):
+    """A draft's output layer cut to some tokens (draft_vocab.json): the pass returns those
+    columns; the runner widens them to the vocabulary (-inf elsewhere) unless asked not to."""
+    src, levels = checkpoints
+    kept = torch.tensor([2, 5, 9, 40, 41, 77, 100, 255])
+    runner, blocks = runner_for(src, torch.float32, output_token_ids=kept)
+    prompt = [5, 9, 3, 7, 11, 40]
+    (got,) = decode_token_by_token(runner, blocks, [prompt])
+    with torch.no_grad():
+        want = reference(levels)(torch.tensor([prompt])).logits[0, 1:, kept]
+    assert got.shape == (len(prompt) - 1, len(kept))
+    assert relative_error(got, want) < 1e-4
+    s = Sequence("wide", prompt, None, 0)
+    blocks.allocate(s.block_table, len(prompt))
+    runner.execute([ScheduledSequence(s, 0, len(prompt) - 1)])
+    _, wide = runner.execute([ScheduledSequence(s, len(prompt) - 1, 1)])
+    assert wide.shape == (1, 256) and torch.isinf(wide[0, 3])
+    assert torch.isfinite(wide[0, kept]).all()
+
+
+def test_other_steps_take_the_torch_path(checkpoints):
+    """Prefill chunks, verification rows and models without native 4-bit copies never
+    reach the native pass; the torch path computes the same step within rounding."""
+    src, _ = checkpoints
+    runner, blocks = runner_for(src, torch.float32)
+    calls = []
+    native = runner.native_pass
+
+    class Counting:
+        max_rows = native.max_rows
+
+        def __call__(self, *args):
+            calls.append(args)
+            return native(*args)
+
+    runner.native_pass = Counting()  # type: ignore[assignment]
+    s = Sequence("a", [5, 9, 3, 7, 11], None, 0)
+    blocks.allocate(s.block_table, 8)
+    runner.execute([ScheduledSequence(s, 0, 4)])
+    assert not calls  # a prefill chunk
+    s.num_computed_tokens = 4
+    s.spec_token_ids = [4, 4]
+    runner.execute([ScheduledSequence(s, 4, 1, num_spec=2)])
+    assert not calls  # a verification
+    s.clear_spec()
+    _, fast = runner.execute([ScheduledSequence(s, 4, 1)])
+    assert len(calls) == 1
+    runner.native_pass = None
+    _, slow = runner.execute([ScheduledSequence(s, 4, 1)])
+    assert relative_error(fast, slow) < 0.02
+    plain = LlamaModel.from_pretrained(src, dtype=torch.float32)
+    assert ModelRunner(plain, num_blocks=8, block_size=BLOCK).native_pass is None
+
+
+def test_rows_that_do_not_fit_are_refused(checkpoints):
+    src, _ = checkpoints
+    runner, _ = runner_for(src, torch.float32)
+    native = runner.native_pass
+    with pytest.raises(ValueError, match="do not fit"):
+        native([5], [9], [9], [[0, 1]])  # position 9 past a table of 2 blocks of 4
+    with pytest.raises(ValueError, match="do not fit"):
+        native([256], [0], [0], [[0]])  # a token past the vocabulary
+    with pytest.raises(ValueError, match="do not fit"):
+        native([5] * 17, [0] * 17, [0] * 17, [[0]] * 17)  # more rows than the pass takes
