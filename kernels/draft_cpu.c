@@ -1,4 +1,4 @@
-/* A draft model's one-token decode pass in one native call, on its 4-bit weights (q4.h).
+/* A draft model's decode pass in one native call, on its 4-bit weights (q4.h).
  *
  * Why: a draft for speculative decoding runs a pass for every token it proposes, one token
  * per sequence, right after the target's step has evicted it from every cache. Through
@@ -11,9 +11,10 @@
  * implementation), the o projection added into the residual, the MLP (SwiGLU) and the
  * output layer.
  *
- * Every row is one sequence feeding one token at its position; the runner sends anything
- * else (prefill chunks, verification rows, LoRA) through the model's torch path. Shapes
- * and the weight layout are the model's (kernels/draft_native.py builds the descriptors).
+ * Each sequence feeds a few consecutive tokens (one, or the tokens the target accepted since
+ * the draft's last pass); the runner sends anything else (long prefills, verification rows,
+ * LoRA) through the model's torch path. Shapes and the weight layout are the model's
+ * (kernels/draft_native.py builds the descriptors).
  */
 #include <math.h>
 #include <stdint.h>
@@ -93,14 +94,18 @@ static void load(float *dst, const void *src, int64_t n, int fp32) {
     for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
 }
 
-/* Semantics: the model's forward pass for `rows` sequences, sequence r feeding tokens[r] at
- * positions[r] (its K/V written to flat cache slot slots[r]; it attends keys 0 ..
- * positions[r] through its block table, tables[table_starts[r]:]), then
- * logits[r] = lm_head(final_norm(h[r])) [rows, lm_head out], fp32.
+/* Semantics: the model's forward pass over `rows` tokens: row t feeds tokens[t] at
+ * positions[t], its K/V written to flat cache slot slots[t]. Sequence s owns rows
+ * seq_row[s] .. + seq_queries[s] (consecutive positions from seq_start[s]); query i of it
+ * attends keys 0 .. seq_start[s] + i through its block table, tables[table_starts[s]:].
+ * Then logits[o] = lm_head(final_norm(h[logit_rows[o]])) for o < num_logits, fp32.
  * Returns 0, -1 if scratch memory ran out, or the attention kernel's error. */
 int sb_draft_decode(const struct sb_draft *m, int64_t rows, const int64_t *tokens,
-                    const int64_t *positions, const int64_t *slots, const int64_t *table_starts,
-                    const int64_t *tables, float *logits) {
+                    const int64_t *positions, const int64_t *slots, int64_t n_seqs,
+                    const int64_t *seq_row, const int64_t *seq_queries,
+                    const int64_t *seq_start, const int64_t *table_starts,
+                    const int64_t *tables, int64_t num_logits, const int64_t *logit_rows,
+                    float *logits) {
     int64_t H = m->hidden, hd = m->head_dim, Q = m->heads * hd, KV = m->kv_heads * hd;
     int64_t I = m->intermediate, wide = I > Q ? I : Q, elem = m->fp32 ? 4 : 2;
     float *h = malloc(sizeof(float) * rows * H);
@@ -108,14 +113,13 @@ int sb_draft_decode(const struct sb_draft *m, int64_t rows, const int64_t *token
     float *qkv = malloc(sizeof(float) * rows * (Q + 2 * KV));
     float *gu = malloc(sizeof(float) * rows * 2 * I);
     char *qa = malloc(elem * rows * Q), *oa = malloc(elem * rows * Q);
-    int64_t *seq_rows = malloc(sizeof(int64_t) * rows * 3);
+    int64_t *own = malloc(sizeof(int64_t) * n_seqs);
     Q4Rows xh = {0}, xq = {0}, xi = {0};
     int status = -1;
-    if (!h || !x || !qkv || !gu || !qa || !oa || !seq_rows || q4_rows_alloc(&xh, rows, H) ||
+    if (!h || !x || !qkv || !gu || !qa || !oa || !own || q4_rows_alloc(&xh, rows, H) ||
         q4_rows_alloc(&xq, rows, Q) || q4_rows_alloc(&xi, rows, I))
         goto done;
-    int64_t *queries = seq_rows + rows, *own = seq_rows + 2 * rows;
-    for (int64_t r = 0; r < rows; r++) seq_rows[r] = r, queries[r] = 1, own[r] = -1;
+    for (int64_t s = 0; s < n_seqs; s++) own[s] = -1;
     PanelFn panel = q4_pick(0);
     for (int64_t r = 0; r < rows; r++)
         load(h + r * H, (const char *)m->embed + tokens[r] * H * elem, H, m->fp32);
@@ -135,8 +139,8 @@ int sb_draft_decode(const struct sb_draft *m, int64_t rows, const int64_t *token
             store(qa + r * Q * elem, row, Q, m->fp32);
         }
         status = m->attention(qa, Q, hd, oa, Q, hd, m->key_caches[l], m->value_caches[l],
-                              m->block_size, m->heads, m->kv_heads, hd, rows, seq_rows,
-                              queries, positions, table_starts, tables, own, m->scale,
+                              m->block_size, m->heads, m->kv_heads, hd, n_seqs, seq_row,
+                              seq_queries, seq_start, table_starts, tables, own, m->scale,
                               m->fp32, 0);
         load(x, oa, rows * Q, m->fp32);
         q4_quantize_rows(x, 1, rows, &xq);
@@ -153,12 +157,13 @@ int sb_draft_decode(const struct sb_draft *m, int64_t rows, const int64_t *token
         q4_project(L->down, &xi, rows, h, h, 1, panel); /* h += down(silu(gate) * up) */
     }
     if (!status) {
-        rms_norm(h, m->final_norm, rows, H, m->eps, x);
-        q4_quantize_rows(x, 1, rows, &xh);
-        q4_project(m->lm_head, &xh, rows, NULL, logits, 1, panel);
+        for (int64_t o = 0; o < num_logits; o++) /* the rows that sample, packed */
+            rms_norm(h + logit_rows[o] * H, m->final_norm, 1, H, m->eps, x + o * H);
+        q4_quantize_rows(x, 1, num_logits, &xh);
+        q4_project(m->lm_head, &xh, num_logits, NULL, logits, 1, panel);
     }
 done:
-    free(h), free(x), free(qkv), free(gu), free(qa), free(oa), free(seq_rows);
+    free(h), free(x), free(qkv), free(gu), free(qa), free(oa), free(own);
     q4_rows_free(&xh), q4_rows_free(&xq), q4_rows_free(&xi);
     return status;
 }

@@ -63,9 +63,9 @@ def q4_weights(linears: Sequence[Linear]) -> list[Q4Linear] | None:
 
 
 class NativeDecodePass:
-    """The model's forward pass for rows that each feed one token of their own sequence,
-    through its 4-bit weights (approximate: for a draft model), into the given KV caches.
-    ``max_rows``: the most rows a call takes (the 4-bit copies' own limit)."""
+    """The model's forward pass for a few sequences feeding a few tokens each, through its
+    4-bit weights (approximate: for a draft model), into the given KV caches. ``max_rows``:
+    the most tokens a call takes in all (the 4-bit copies' own limit)."""
 
     def __init__(
         self,
@@ -133,44 +133,60 @@ class NativeDecodePass:
         self._desc_address = ctypes.addressof(self._desc)
         self._call = kernel.decode
 
-    def __call__(
-        self,
-        tokens: list[int],
-        positions: list[int],
-        slots: list[int],
-        tables: list[list[int]],
-    ) -> torch.Tensor:  # [rows, lm_head out] fp32
-        """Row r feeds ``tokens[r]`` at ``positions[r]``, writes its K/V to flat cache slot
-        ``slots[r]`` and attends keys 0 .. ``positions[r]`` through block table
-        ``tables[r]``; returns the logits of every row."""
+    def __call__(self, feeds: Sequence[tuple[Sequence[int], int, Sequence[int]]]) -> torch.Tensor:
+        """``feeds``: per sequence, (tokens it feeds, the position of the first, its block
+        table), the tokens at consecutive positions, their K/V written into the cache where
+        the table puts them, each attending the keys up to its own position. Returns each
+        sequence's logits after its last token, [sequences, lm_head out] fp32."""
+        bs = self.block_size
+        tokens, positions, slots, flat = [], [], [], []
+        seq_rows, seq_queries, seq_starts, table_starts, logit_rows = [], [], [], [], []
+        for fed, start, table in feeds:
+            seq_rows.append(len(tokens))
+            seq_queries.append(len(fed))
+            seq_starts.append(start)
+            table_starts.append(len(flat))
+            end = start + len(fed)
+            if not fed or start < 0 or len(table) * bs < end or end > self.max_positions:
+                raise ValueError("native draft pass: a sequence its table or positions do not fit")
+            tokens.extend(fed)
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            flat.extend(table)
+            logit_rows.append(len(tokens) - 1)
         rows = len(tokens)
-        flat = [b for table in tables for b in table]
         if (
             not 0 < rows <= self.max_rows
-            or not len(positions) == len(slots) == len(tables) == rows
             or max(tokens) >= self.vocab
             or min(tokens) < 0
-            or max(slots) >= self.num_slots
-            or max(positions) >= self.max_positions
             or max(flat) >= self.num_blocks
-            or any(len(t) * self.block_size <= p for t, p in zip(tables, positions, strict=True))
+            or min(flat) < 0
         ):
-            raise ValueError("native draft pass: rows that do not fit its caches or tables")
-        starts, at = [], 0
-        for table in tables:
-            starts.append(at)
-            at += len(table)
-        ints = torch.tensor([*tokens, *positions, *slots, *starts, *flat], dtype=torch.int64)
-        logits = torch.empty(rows, self.out_features, dtype=torch.float32)
-        address = ints.data_ptr()
+            raise ValueError("native draft pass: rows that do not fit its caches or vocabulary")
+        n = len(feeds)
+        fields = [tokens, positions, slots, seq_rows, seq_queries, seq_starts, table_starts]
+        fields += [logit_rows, flat]
+        ints = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
+        pointers, at = [], ints.data_ptr()
+        for f in fields:  # each field's address in the one tensor
+            pointers.append(at)
+            at += 8 * len(f)
+        tok, pos, slot, row, query, first, table_start, logit_row, table = pointers
+        logits = torch.empty(n, self.out_features, dtype=torch.float32)
         status = self._call(
             self._desc_address,
             rows,
-            address,
-            address + 8 * rows,
-            address + 16 * rows,
-            address + 24 * rows,
-            address + 32 * rows,
+            tok,
+            pos,
+            slot,
+            n,
+            row,
+            query,
+            first,
+            table_start,
+            table,
+            n,
+            logit_row,
             logits.data_ptr(),
         )
         if status:
@@ -182,7 +198,8 @@ class NativeDraft:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.decode = lib.sb_draft_decode
         self.decode.restype = _int
-        self.decode.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
+        self.decode.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]
+        self.decode.argtypes += [_ptr, _i64, _ptr, _ptr]
 
 
 @functools.cache

@@ -153,9 +153,41 @@ def test_a_cut_down_output_layer_gives_its_own_columns(checkpoints, tmp_path):
     assert torch.isfinite(wide[0, kept]).all()
 
 
+def test_sequences_feeding_several_tokens_at_once(checkpoints):
+    """As after a verification that accepted drafts: each sequence feeds the tokens since
+    its last pass in one go (chunks of 1-5 here, sequences of different lengths batched),
+    attending causally among them; logits after each chunk's last token."""
+    src, levels = checkpoints
+    runner, blocks = runner_for(src, torch.float32)
+    prompts = [[5, 9, 3, 7, 11, 40, 2, 8, 13, 90, 77, 6], [17, 4, 200, 31, 9, 9, 1]]
+    chunks = [[3, 1, 5, 2, 1], [2, 4, 1]]  # tokens fed per pass
+    seqs = [Sequence(str(i), list(p), None, 0) for i, p in enumerate(prompts)]
+    for s, p in zip(seqs, prompts, strict=True):
+        blocks.allocate(s.block_table, len(p))
+    got: list[list[torch.Tensor]] = [[], []]
+    ends: list[list[int]] = [[], []]
+    for step in range(max(map(len, chunks))):
+        scheduled = []
+        for i, s in enumerate(seqs):
+            if step < len(chunks[i]):
+                start = sum(chunks[i][:step])
+                s.tokens = prompts[i][: start + chunks[i][step]]  # it samples after them
+                scheduled.append(ScheduledSequence(s, start, chunks[i][step]))
+        order, logits = runner.execute(scheduled, kept_only=True)
+        for row, sch in zip(logits, order, strict=True):
+            i = seqs.index(sch.seq)
+            got[i].append(row)
+            ends[i].append(sch.start + sch.num_tokens - 1)
+    hf = reference(levels)
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0, ends[i]]
+        assert relative_error(torch.stack(got[i]), want) < 1e-4
+
+
 def test_other_steps_take_the_torch_path(checkpoints):
-    """Prefill chunks, verification rows and models without native 4-bit copies never
-    reach the native pass; the torch path computes the same step within rounding."""
+    """Steps past the pass's rows, verification rows and models without native 4-bit copies
+    never reach the native pass; the torch path computes the same step within rounding."""
     src, _ = checkpoints
     runner, blocks = runner_for(src, torch.float32)
     calls = []
@@ -164,25 +196,26 @@ def test_other_steps_take_the_torch_path(checkpoints):
     class Counting:
         max_rows = native.max_rows
 
-        def __call__(self, *args):
-            calls.append(args)
-            return native(*args)
+        def __call__(self, feeds):
+            calls.append(feeds)
+            return native(feeds)
 
     runner.native_pass = Counting()  # type: ignore[assignment]
-    s = Sequence("a", [5, 9, 3, 7, 11], None, 0)
-    blocks.allocate(s.block_table, 8)
-    runner.execute([ScheduledSequence(s, 0, 4)])
-    assert not calls  # a prefill chunk
-    s.num_computed_tokens = 4
+    prompt = list(range(3, 3 + native.max_rows + 2))
+    s = Sequence("a", prompt, None, 0)
+    blocks.allocate(s.block_table, len(prompt) + 3)
+    runner.execute([ScheduledSequence(s, 0, native.max_rows + 1)])
+    assert not calls  # a prefill of more rows than the pass takes
+    s.num_computed_tokens = native.max_rows + 1
     s.spec_token_ids = [4, 4]
-    runner.execute([ScheduledSequence(s, 4, 1, num_spec=2)])
+    runner.execute([ScheduledSequence(s, s.num_computed_tokens, 1, num_spec=2)])
     assert not calls  # a verification
     s.clear_spec()
-    _, fast = runner.execute([ScheduledSequence(s, 4, 1)])
+    _, fast = runner.execute([ScheduledSequence(s, s.num_computed_tokens, 1)])
     assert len(calls) == 1
     runner.native_pass = None
-    _, slow = runner.execute([ScheduledSequence(s, 4, 1)])
-    assert relative_error(fast, slow) < 0.02
+    _, slow = runner.execute([ScheduledSequence(s, s.num_computed_tokens, 1)])
+    assert relative_error(fast, slow) < 0.05
     plain = LlamaModel.from_pretrained(src, dtype=torch.float32)
     assert ModelRunner(plain, num_blocks=8, block_size=BLOCK).native_pass is None
 
@@ -192,8 +225,10 @@ def test_rows_that_do_not_fit_are_refused(checkpoints):
     runner, _ = runner_for(src, torch.float32)
     native = runner.native_pass
     with pytest.raises(ValueError, match="do not fit"):
-        native([5], [9], [9], [[0, 1]])  # position 9 past a table of 2 blocks of 4
+        native([([5, 6], 7, [0, 1])])  # positions 7-8 past a table of 2 blocks of 4
     with pytest.raises(ValueError, match="do not fit"):
-        native([256], [0], [0], [[0]])  # a token past the vocabulary
+        native([([256], 0, [0])])  # a token past the vocabulary
     with pytest.raises(ValueError, match="do not fit"):
-        native([5] * 17, [0] * 17, [0] * 17, [[0]] * 17)  # more rows than the pass takes
+        native([([5] * 17, 0, list(range(5)))])  # more rows than the pass takes
+    with pytest.raises(ValueError, match="do not fit"):
+        native([([5], 0, [64])])  # a block past the cache

@@ -12,6 +12,7 @@ from test_spec_engine import assert_same_tokens_and_logprobs, exact_joint
 
 from factories import assert_no_block_leaks, random_prompts
 from kernels.linear_native import native_linear
+from kernels.q4_native import native_q4
 from worker import LLM, SamplingParams
 from worker.errors import SpeculativeConfigError
 from worker.spec_decode.draft_plan import Selection, StepPlan
@@ -127,7 +128,8 @@ def test_a_draft_on_quantized_weights_proposes_but_the_target_decides(
 
 def test_draft_quantization_auto_fits_the_dtype_on_cpu_and_bad_values_are_refused():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    fp32_auto = "int8" if native_linear() is not None else None
+    # fp32: 4-bit through the native kernel where it builds (it reads half of int8's bytes)
+    fp32_auto = "int4" if native_q4() is not None else "int8" if native_linear() else None
     assert resolve_draft_quantization("auto", dtype=torch.bfloat16, device=cpu) == "int4"
     assert resolve_draft_quantization("auto", dtype=torch.float32, device=cpu) == fp32_auto
     assert resolve_draft_quantization("auto", dtype=torch.bfloat16, device=cuda) is None

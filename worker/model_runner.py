@@ -137,25 +137,22 @@ class ModelRunner:
     def _execute_native(
         self, scheduled: list[ScheduledSequence], kept_only: bool
     ) -> tuple[list[ScheduledSequence], torch.Tensor] | None:
-        """The step through ``native_pass`` if it fits one: a few sequences each decoding
-        one token (no drafts to verify, no adapters); else None."""
+        """The step through ``native_pass`` if it fits one: sequences that each feed a few
+        tokens (up to the pass's rows in all) and sample after them, no drafts to verify,
+        no adapters; else None."""
         native = self.native_pass
         if (
             native is None
             or not scheduled
-            or len(scheduled) > native.max_rows
-            or any(s.num_fed != 1 or s.start == 0 or not s.samples for s in scheduled)
-            or any(s.seq.adapter_id for s in scheduled)
+            or sum(s.num_tokens for s in scheduled) > native.max_rows
+            or any(s.num_spec or not s.samples or s.seq.adapter_id for s in scheduled)
         ):
             return None
-        bs = self.block_size
-        positions = [s.start for s in scheduled]
-        tables = [s.seq.block_table for s in scheduled]
         logits = native(
-            [s.seq.tokens[s.start] for s in scheduled],
-            positions,
-            [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)],
-            tables,
+            [
+                (s.seq.tokens[s.start : s.start + s.num_tokens], s.start, s.seq.block_table)
+                for s in scheduled
+            ]
         )
         return list(scheduled), logits if kept_only else self.model.full_logits(logits)
 

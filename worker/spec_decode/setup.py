@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from kernels.linear_native import native_linear
+from kernels.q4_native import native_q4
 from worker.block_manager import BlockManager
 from worker.errors import SpeculativeConfigError
 from worker.sampling_params import MAX_SPECULATIVE_TOKENS
@@ -20,10 +21,12 @@ from worker.spec_decode.step_cost import StepCostTable
 
 NGRAM = "ngram"
 # How a draft model's weights are held on CPU, where its one-token passes read them all from
-# memory: "int4" (small passes through 4-bit copies; bf16 models: a one-token pass of the
-# default model's draft 2.5 -> ~1.3 ms on an AMX Xeon), "int8" (every pass through int8
-# weights, our native kernel; fp32 models: torch's 4-bit kernel ran 4-27x slower than fp32
-# on an AVX2-only CPU), "none", or "auto": the one that fits the dtype, where it can run.
+# memory: "int4" (small passes through 4-bit copies: with a C compiler, one-token passes run
+# as one native call, kernels/draft_cpu.c, the default model's draft 2.6 -> 0.75 ms on a
+# Zen 4 in bf16, weights evicted; without one, torch's 4-bit kernel), "int8" (every pass
+# through int8 weights, our panel kernel; fp32 models), "none", or "auto": int4 where the
+# native 4-bit kernel builds, else the one that fits the dtype (torch's 4-bit kernel ran
+# 4-27x slower than fp32 on an AVX2-only CPU, so fp32 models then take int8).
 DRAFT_QUANTIZATIONS = ("auto", "int4", "int8", "none")
 
 
@@ -45,9 +48,9 @@ def resolve_draft_quantization(
             "linear kernel (a C compiler)"
         )
     if name == "auto":
-        if device.type != "cpu":
+        if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
             return None
-        if dtype == torch.bfloat16:
+        if dtype == torch.bfloat16 or native_q4() is not None:
             return "int4"
         return "int8" if int8_runs else None
     return None if name == "none" else name
