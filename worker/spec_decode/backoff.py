@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from worker.sequence import Sequence
 from worker.spec_decode.draft_plan import Calibration, Selection, StepPlan
+from worker.spec_decode.step_cost import LiveStepCosts
 
 # A fixed cost per verified position and decoding sequence, for tests and for users who
 # set one: about 2% of a plain decode step on a memory-bound CPU with native bf16 (default
@@ -107,11 +108,17 @@ class BackoffPolicy:
         max_pause_steps: int = 256,
         verify_cost: VerifyCost | None = None,
         draft_cost: float = 0.0,
+        step_costs: LiveStepCosts | None = None,
     ) -> None:
+        """``step_costs``: the measured costs of rows, corrected by ``observe_step`` (then
+        ``verify_cost`` is theirs)."""
         self.max_batch_size = max_batch_size
         self.min_acceptance = min_acceptance
         self.pause_steps = pause_steps
         self.max_pause_steps = max_pause_steps
+        self.step_costs = step_costs
+        if step_costs is not None:
+            verify_cost = step_costs.verify_cost
         self.verify_cost = verify_cost or flat_verify_cost(POSITION_COST)
         self.draft_cost = draft_cost
         # By decoding sequences: the cost of 0, 1, ... drafts each (asked per sequence a step).
@@ -167,6 +174,13 @@ class BackoffPolicy:
         rows = sum(ks) * self.rows_per_draft / num_decodes
         added = max(ks) * self.draft_cost + self.verify_cost(num_decodes, rows)
         return num_decodes + gain >= num_decodes * (1.0 + added)
+
+    def observe_step(self, num_decodes: int, rows: int, seconds: float) -> None:
+        """A timed decode step of the target: ``num_decodes`` sequences, ``rows`` draft
+        rows verified in all (see ``LiveStepCosts``)."""
+        if self.step_costs is not None:
+            self.step_costs.observe(num_decodes, rows, seconds)
+            self._costs.clear()
 
     def observe_draft_cost(self, cost: float, rows: int = 1) -> None:
         """A measured draft pass that fed ``rows`` tokens, over a plain step of the target:

@@ -17,7 +17,7 @@ from worker.spec_decode.draft import DraftProposer
 from worker.spec_decode.ngram import NgramProposer
 from worker.spec_decode.proposal import MAX_ALTERNATIVES, Proposer
 from worker.spec_decode.speculator import Speculator
-from worker.spec_decode.step_cost import StepCostTable
+from worker.spec_decode.step_cost import LiveStepCosts, StepCostTable
 
 NGRAM = "ngram"
 # How a draft model's weights are held on CPU, where its one-token passes read them all from
@@ -146,11 +146,16 @@ def build_speculator(
             # A small batch's decode step reads the weights: a draft step costs their ratio,
             # to start with; then what the engine measures (Speculator.verify).
             draft_cost = proposer.model.decode_weight_bytes / target_weight_bytes
+    step_costs = None
     if position_cost is not None or max_batch_size == 0:
         verify_cost = flat_verify_cost(position_cost or 0.0)
     else:  # up to the largest batch that speculates, each sequence with all its rows
         rows = k * (1 + num_alternatives) if isinstance(proposer, DraftProposer) else k
-        verify_cost = measure_steps(max_batch_size, rows).verify_cost
+        table = measure_steps(max_batch_size, rows)
+        verify_cost = table.verify_cost
+        # Corrected by the steps that run, where they are timed as they run (not on a GPU).
+        if torch.device(device).type == "cpu":
+            step_costs = LiveStepCosts(table)
     return Speculator(
         proposer,
         num_speculative_tokens=k,
@@ -163,5 +168,6 @@ def build_speculator(
             min_acceptance=min_acceptance,
             verify_cost=verify_cost,
             draft_cost=draft_cost,
+            step_costs=step_costs,
         ),
     )

@@ -162,6 +162,9 @@ class Speculator:
         """Split the step's logits: plain rows (one per sequence, for the sampler) and the
         verified tokens of every speculating sequence. ``step_seconds``: the target's
         forward pass, timed, for a step of decodes only (else None)."""
+        if step_seconds and sampling:
+            fed = sum(s.num_spec for s in sampling)
+            self.policy.observe_step(len(sampling), fed, step_seconds)
         if self.measure_draft_cost and self._pass_times and step_seconds and sampling:
             # The plain step this one stands for: the forward pass less its drafts' rows.
             per_seq = sum(s.num_spec for s in sampling) / len(sampling)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import bisect
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +37,10 @@ MEASURE_REPEATS = 3  # per point; the fastest counts (noise only ever slows a ru
 # dearer, a shorter one cheaper).
 CONTEXT = 256
 MAX_MEASURED_DRAFTS = 32  # rows per sequence timed at most; more are extrapolated
+# The engine's own decode steps (LiveStepCosts): the latest kept per size, and how many
+# before their median replaces the start-up figure.
+OBSERVED_WINDOW = 32
+MIN_OBSERVATIONS = 4
 
 
 def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
@@ -75,6 +81,85 @@ class StepCostTable:
             f"{b} seqs: " + ", ".join(f"+{n} {1000 * t:.1f} ms" for n, t in zip(d, s, strict=True))
             for b, d, s in zip(self.batches, self.drafts, self.seconds, strict=True)
         )
+
+
+class LiveStepCosts:
+    """The start-up table, corrected by the decode steps the engine runs (each timed, the
+    speculator reports them: ``observe``). A point timed three times at start can be far
+    off on these machines: 8 draft rows beside one chat read +11% of a plain step in one
+    start, +45% in another, and +13% timed at length; a plan that believes rows cheaper
+    than they are verifies alternatives that do not repay them (chat at batch 1, one
+    draft: 1,696 alternatives verified and 62 tok/s in one run, 728 and 78 tok/s in the
+    next). Where enough steps of one size ran (``MIN_OBSERVATIONS``; decoding sequences
+    and draft rows in all), the median of the latest ``OBSERVED_WINDOW`` replaces the
+    table's figure (those figures made non-decreasing in rows); the table's other points
+    are scaled by how far the machine moved (at the fewest rows observed) and kept between
+    the observed figures around them, so more rows never cost less."""
+
+    def __init__(
+        self,
+        table: StepCostTable,
+        *,
+        window: int = OBSERVED_WINDOW,
+        min_observations: int = MIN_OBSERVATIONS,
+    ) -> None:
+        self.table = table
+        self.window = window
+        self.min_observations = min_observations
+        self._samples: dict[tuple[int, int], deque[float]] = {}
+        # Per batch size: the merged curve, (rows in all, seconds), rebuilt when it changes.
+        self._curves: dict[int, tuple[tuple[float, ...], tuple[float, ...]]] = {}
+
+    def observe(self, num_decodes: int, rows: int, seconds: float) -> None:
+        """A decode step of ``num_decodes`` sequences feeding ``rows`` draft rows in all."""
+        if num_decodes < 1 or rows < 0 or not seconds > 0:
+            return
+        key = (num_decodes, rows)
+        samples = self._samples.get(key)
+        if samples is None:
+            samples = self._samples[key] = deque(maxlen=self.window)
+        samples.append(seconds)
+        if len(samples) >= self.min_observations:
+            self._curves.pop(num_decodes, None)
+
+    def time(self, num_decodes: int, num_drafts: float) -> float:
+        """Seconds of a step of ``num_decodes`` sequences feeding ``num_drafts`` each."""
+        xs, ys = self._curve(max(1, num_decodes))
+        return max(_interpolate(xs, ys, num_drafts * max(1, num_decodes)), 1e-9)
+
+    def verify_cost(self, num_decodes: int, num_drafts: float) -> float:
+        """As ``StepCostTable.verify_cost``, from the corrected figures."""
+        plain = self.time(num_decodes, 0)
+        return max(self.time(num_decodes, num_drafts) - plain, 0.0) / plain
+
+    def _curve(self, batch: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        curve = self._curves.get(batch)
+        if curve is not None:
+            return curve
+        nearest = min(self.table.batches, key=lambda b: abs(b - batch))
+        drafts = self.table.drafts[self.table.batches.index(nearest)]
+        points = {float(batch * d): self.table.time(batch, d) for d in drafts}
+        observed = sorted(
+            (float(rows), statistics.median(samples))
+            for (b, rows), samples in self._samples.items()
+            if b == batch and len(samples) >= self.min_observations
+        )
+        obs_xs = [x for x, _ in observed]
+        obs_ys = _monotone([y for _, y in observed])
+        # How far the machine moved since the table: at the fewest rows observed, the
+        # figure least touched by the table's errors about rows.
+        scale = obs_ys[0] / self.table.time(batch, obs_xs[0] / batch) if observed else 1.0
+        merged = dict(zip(obs_xs, obs_ys, strict=True))
+        for x, t in points.items():
+            if x not in merged:  # the table's, between the observed figures around it
+                i = bisect.bisect_left(obs_xs, x)
+                low = obs_ys[i - 1] if i else 0.0
+                high = obs_ys[i] if i < len(obs_ys) else float("inf")
+                merged[x] = min(max(t * scale, low), high)
+        xs = tuple(sorted(merged))
+        curve = (xs, tuple(merged[x] for x in xs))
+        self._curves[batch] = curve
+        return curve
 
 
 def _powers_of_two_to(limit: int, *, start: int) -> list[int]:
