@@ -94,27 +94,15 @@ class PanelLinear:
         residual: torch.Tensor | None = None,  # [rows, out] fp32
     ) -> torch.Tensor:  # [rows, out] fp32
         """Semantics: ``x @ W.T (+ bias) (+ residual)``, W the weight the panels hold."""
-        # Checks kept to what guards the kernel's memory accesses: this runs ~120 times a
-        # decode step of the default model.
-        if (
-            x.dtype != torch.float32
-            or x.dim() != 2
-            or x.shape[1] != self.in_features
-            or x.device.type != "cpu"
-        ):
-            raise ValueError(
-                f"native linear: x {tuple(x.shape)} {x.dtype} on {x.device}: fp32 CPU rows of "
-                f"{self.in_features} features"
-            )
-        x = x.contiguous()
+        x, res = native.checked_rows(
+            "native linear",
+            x,
+            residual,
+            in_features=self.in_features,
+            out_features=self.out_features,
+            dtypes=(torch.float32,),
+        )
         rows = x.shape[0]
-        res = None
-        if residual is not None:
-            if residual.dtype != torch.float32 or residual.shape != (rows, self.out_features):
-                raise ValueError(
-                    f"native linear: residual must be fp32 ({rows}, {self.out_features})"
-                )
-            res = residual.contiguous().data_ptr()
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         if rows:
             self._call(self._desc_address, x.data_ptr(), rows, res, y.data_ptr())

@@ -26,6 +26,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
@@ -90,3 +92,31 @@ def _cpu_id() -> bytes:
         return platform.processor().encode()
     wanted = {line for line in info.splitlines() if line.startswith(("model name", "flags"))}
     return "\n".join(sorted(wanted)).encode()
+
+
+def checked_rows(
+    name: str,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    *,
+    in_features: int,
+    out_features: int,
+    dtypes: tuple[torch.dtype, ...],
+) -> tuple[torch.Tensor, int | None]:
+    """A native projection's input as the kernel reads it: ``x`` as contiguous CPU rows of
+    ``in_features`` in one of ``dtypes``, and the address of ``residual`` ([rows,
+    out_features], x's dtype) or None. Checks kept to what guards the kernel's memory
+    accesses: projections run ~120 times a decode step of the default model."""
+    if x.dtype not in dtypes or x.dim() != 2 or x.shape[1] != in_features or x.is_cuda:
+        names = " or ".join({torch.bfloat16: "bf16", torch.float32: "fp32"}[d] for d in dtypes)
+        raise ValueError(
+            f"{name}: x {tuple(x.shape)} {x.dtype} on {x.device}: {names} CPU rows of "
+            f"{in_features} features"
+        )
+    x = x.contiguous()
+    if residual is None:
+        return x, None
+    if residual.dtype != x.dtype or residual.shape != (x.shape[0], out_features):
+        names = {torch.bfloat16: "bf16", torch.float32: "fp32"}[x.dtype]
+        raise ValueError(f"{name}: residual must be {names} ({x.shape[0]}, {out_features})")
+    return x, residual.contiguous().data_ptr()

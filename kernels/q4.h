@@ -119,6 +119,19 @@ static void panel_portable(const uint8_t *blocks, const Q4Rows *x, int64_t m0, i
     }
 }
 
+/* NAME(...) calls ROWS_FN with a constant row count (1-4), so its accumulators stay in
+ * registers. */
+#define ROW_DISPATCH(NAME, ROWS_FN)                                                           \
+    static void NAME(const uint8_t *blocks, const Q4Rows *x, int64_t m0, int rows,            \
+                     float out[ROW_TILE][Q4_NR]) {                                            \
+        switch (rows) {                                                                       \
+        case 1: ROWS_FN(blocks, x, m0, 1, out); break;                                        \
+        case 2: ROWS_FN(blocks, x, m0, 2, out); break;                                        \
+        case 3: ROWS_FN(blocks, x, m0, 3, out); break;                                        \
+        default: ROWS_FN(blocks, x, m0, 4, out); break;                                       \
+        }                                                                                     \
+    }
+
 static inline int32_t load_i32(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
@@ -187,15 +200,7 @@ static inline __attribute__((always_inline)) void panel_avx2_rows(
     }
 }
 
-static void panel_avx2(const uint8_t *blocks, const Q4Rows *x, int64_t m0, int rows,
-                       float out[ROW_TILE][Q4_NR]) {
-    switch (rows) { /* constant row counts: the accumulators stay in registers */
-    case 1: panel_avx2_rows(blocks, x, m0, 1, out); break;
-    case 2: panel_avx2_rows(blocks, x, m0, 2, out); break;
-    case 3: panel_avx2_rows(blocks, x, m0, 3, out); break;
-    default: panel_avx2_rows(blocks, x, m0, 4, out); break;
-    }
-}
+ROW_DISPATCH(panel_avx2, panel_avx2_rows)
 #define HAVE_AVX2_PATH 1
 #endif
 
@@ -236,15 +241,7 @@ static inline __attribute__((always_inline)) void panel_vnni_rows(
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(out[r], accf[r]);
 }
 
-static void panel_vnni(const uint8_t *blocks, const Q4Rows *x, int64_t m0, int rows,
-                       float out[ROW_TILE][Q4_NR]) {
-    switch (rows) {
-    case 1: panel_vnni_rows(blocks, x, m0, 1, out); break;
-    case 2: panel_vnni_rows(blocks, x, m0, 2, out); break;
-    case 3: panel_vnni_rows(blocks, x, m0, 3, out); break;
-    default: panel_vnni_rows(blocks, x, m0, 4, out); break;
-    }
-}
+ROW_DISPATCH(panel_vnni, panel_vnni_rows)
 #define HAVE_VNNI_PATH 1
 #endif
 

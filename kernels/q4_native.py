@@ -121,25 +121,15 @@ class Q4Linear:
     ) -> torch.Tensor:  # [rows, out], x's dtype
         """Semantics: ``xq @ W.T (+ bias) (+ residual)`` in fp32, rounded once to x's dtype,
         xq the rows as their int8 levels."""
-        if (
-            x.dtype not in (torch.float32, torch.bfloat16)
-            or x.dim() != 2
-            or x.shape[1] != self.in_features
-            or x.device.type != "cpu"
-        ):
-            raise ValueError(
-                f"native 4-bit linear: x {tuple(x.shape)} {x.dtype} on {x.device}: bf16 or "
-                f"fp32 CPU rows of {self.in_features} features"
-            )
-        x = x.contiguous()
+        x, res = native.checked_rows(
+            "native 4-bit linear",
+            x,
+            residual,
+            in_features=self.in_features,
+            out_features=self.out_features,
+            dtypes=(torch.bfloat16, torch.float32),
+        )
         rows = x.shape[0]
-        res = None
-        if residual is not None:
-            if residual.dtype != x.dtype or residual.shape != (rows, self.out_features):
-                raise ValueError(
-                    f"native 4-bit linear: residual must be {x.dtype} ({rows}, {self.out_features})"
-                )
-            res = residual.contiguous().data_ptr()
         y = torch.empty(rows, self.out_features, dtype=x.dtype)
         fp32 = x.dtype == torch.float32
         if rows and self._call(
