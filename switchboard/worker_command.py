@@ -193,8 +193,9 @@ def _speculative_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-draft-quantization",
         choices=("auto", "int4", "int8", "none"),  # worker.spec_decode.setup.DRAFT_QUANTIZATIONS
         default="auto",
-        help="a draft model's weights on CPU: int8 (fp32 models), int4 for its small passes "
-        "(bf16 models), 'auto' the one that fits; outputs stay the target's "
+        help="a draft model's weights on CPU: int4 for its small passes (one native call each "
+        "where a C compiler builds it), int8 (fp32 models), 'auto' int4 where the native "
+        "kernel builds, else the one that fits the dtype; outputs stay the target's "
         "(default: %(default)s)",
     )
 

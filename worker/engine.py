@@ -84,8 +84,9 @@ class LLMEngine:
         target's; 0 for prompt lookup). Zero both to speculate whatever it costs. A draft
         model also offers up to ``speculative_alternatives`` runner-up tokens per draft, each
         verified in a row of its own (0: the chain alone). ``speculative_draft_quantization``
-        (CPU): "int8" holds the draft's weights in int8 (fp32 models), "int4" runs its small
-        passes on 4-bit copies (bf16 models), "auto" picks the one that fits the dtype,
+        (CPU): "int4" runs its small passes on 4-bit copies (with a C compiler, each pass one
+        native call: kernels/draft_cpu.c), "int8" holds its weights in int8 (fp32 models),
+        "auto" picks int4 where the native kernel builds, else the one that fits the dtype,
         "none" keeps the draft exact; outputs stay the target's either way.
 
         ``device``: where the weights, the KV cache and the adapter slots live. On ``cuda``
