@@ -1,4 +1,5 @@
-"""A draft model's one-token decode pass in one native call (``kernels/draft_cpu.c``).
+"""A draft model's decode pass, a few tokens per sequence, in one native call
+(``kernels/draft_cpu.c``).
 
 Built and loaded by ``kernels/native.py``; ``native_draft()`` is None where it cannot be,
 and the model runner then runs the draft's passes through its torch path.
@@ -14,12 +15,11 @@ from typing import Protocol
 import torch
 
 from kernels import native
-from kernels.attention_native import MAX_HEAD_DIM, native_attention
+from kernels.attention_native import DTYPES, MAX_HEAD_DIM, native_attention
 from kernels.linear import Linear
 from kernels.q4_native import Q4Linear
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-DTYPES = (torch.bfloat16, torch.float32)
 
 
 class DecoderLayer(Protocol):
@@ -93,7 +93,6 @@ class NativeDecodePass:
         self.max_rows = max_rows
         self.out_features = lm_head.out_features
         self.vocab = embed.shape[0]
-        self.num_slots = num_blocks * block_size
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_positions = cos.shape[0]
         # Everything the kernel reads, held here for as long as the pass lives.

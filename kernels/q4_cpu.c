@@ -22,8 +22,6 @@
  * byte i = q[j, k0 + i] | q[j, k0 + 4 + i] << 4, so the low nibbles of a lane are 4
  * consecutive features, its high nibbles the next 4 (one 32-bit dot product each).
  */
-#include <stdlib.h>
-
 #include "q4.h"
 
 /* The loops this build has, as a bit mask: 1 VNNI, 2 AVX2, 4 portable. */

@@ -163,9 +163,9 @@ class LlamaModel:
     def native_decode_pass(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> NativeDecodePass | None:
-        """One-token passes of this model in one native call each (kernels/draft_cpu.c),
-        where its weights have native 4-bit copies (a draft model on CPU), else None. The
-        rows then run in fp32 throughout, on fp32 RoPE tables."""
+        """Passes of a few tokens per sequence in one native call each (kernels/draft_cpu.c),
+        where this model's weights have native 4-bit copies (a draft model on CPU), else
+        None. The rows then run in fp32 throughout, on fp32 RoPE tables."""
         if self.quantization != "int4" or self.device.type != "cpu" or native_draft() is None:
             return None
         c = self.config

@@ -78,7 +78,7 @@ class ModelRunner:
             )
             for _ in range(c.num_layers if num_host_blocks else 0)
         ]
-        # A draft model's one-token passes in one native call (None: the torch path only).
+        # A draft model's small passes in one native call (None: the torch path only).
         self.native_pass = model.native_decode_pass(self.kv_caches)
 
     @torch.inference_mode()

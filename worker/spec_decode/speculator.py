@@ -167,7 +167,7 @@ class Speculator:
             self.policy.observe_step(len(sampling), fed, step_seconds)
         if self.measure_draft_cost and self._pass_times and step_seconds and sampling:
             # The plain step this one stands for: the forward pass less its drafts' rows.
-            per_seq = sum(s.num_spec for s in sampling) / len(sampling)
+            per_seq = fed / len(sampling)
             plain = step_seconds / (1.0 + self.policy.verify_cost(len(sampling), per_seq))
             for fed, seconds in self._pass_times:
                 self.policy.observe_draft_cost(seconds / plain, rows=fed)
