@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=rpc_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
                 response_deserializer=rpc_dot_worker__pb2.UnloadAdapterResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/switchboard.v1.Worker/Abort',
+                request_serializer=rpc_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=rpc_dot_worker__pb2.AbortResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/switchboard.v1.Worker/Stats',
                 request_serializer=rpc_dot_worker__pb2.StatsRequest.SerializeToString,
@@ -92,6 +97,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Ends a running request (its Generate or GenerateAll call then finishes with "abort")
+        and says what it had generated, so the caller charges it even when its client left.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -120,6 +133,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.UnloadAdapter,
                     request_deserializer=rpc_dot_worker__pb2.UnloadAdapterRequest.FromString,
                     response_serializer=rpc_dot_worker__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=rpc_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=rpc_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -235,6 +253,33 @@ class Worker:
             '/switchboard.v1.Worker/UnloadAdapter',
             rpc_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
             rpc_dot_worker__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/switchboard.v1.Worker/Abort',
+            rpc_dot_worker__pb2.AbortRequest.SerializeToString,
+            rpc_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

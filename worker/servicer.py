@@ -107,7 +107,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.model_name = model_name
         self.metrics = metrics
         # The store the gateway writes validated adapters to: requests name adapters by
-        # content id, and the worker reads them from here (`adapter_path` overrides it).
+        # content id, and the worker reads them only from here, never from a caller's path.
         self.adapter_store = adapter_store
         self.engine: AsyncEngine | None = None
         self.draining = False
@@ -152,7 +152,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         tokens = 0
         try:
             if request.adapter_id and request.adapter_id not in engine.stats.adapter_ids:
-                path = request.adapter_path or self._stored(request.adapter_id)
+                path = self._stored(request.adapter_id)
                 await self._load_adapter(engine, request.adapter_id, path)
             samples = engine.generate(
                 request.request_id or uuid.uuid4().hex,
@@ -188,8 +188,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not request.adapter_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "adapter_id is required")
         try:
-            if request.adapter_id not in engine.stats.adapter_ids or request.path:
-                path = request.path or self._stored(request.adapter_id)
+            if request.adapter_id not in engine.stats.adapter_ids:
+                path = self._stored(request.adapter_id)
                 await self._load_adapter(engine, request.adapter_id, path)
         except Exception as exc:
             await self._abort_with(context, exc)
@@ -226,7 +226,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             waiting=stats.waiting,
             free_kv_blocks=stats.free_kv_blocks,
             total_kv_blocks=stats.total_kv_blocks,
-            adapter_ids=stats.adapter_ids,
+            adapters_loaded=len(stats.adapter_ids),
         )
 
     def _stored(self, adapter_id: str) -> Path:
