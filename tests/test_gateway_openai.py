@@ -264,8 +264,9 @@ async def test_adapter_request_carries_the_adapter(stack, tmp_path):
         out = await client.completions.create(model="sql", prompt="SELECT")
     assert out.model == "sql"
     sent = stack.worker.requests[-1]
-    # By content id only: the worker reads the adapter from the shared store.
-    assert (sent.adapter_id, sent.adapter_path) == (record["adapter_id"], "")
+    # By content id only (the wire has no path field): the worker reads its own store.
+    assert sent.adapter_id == record["adapter_id"]
+    assert "adapter_path" not in sent.DESCRIPTOR.fields_by_name
 
 
 async def test_request_errors_in_openai_format(stack):

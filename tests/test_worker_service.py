@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 import sys
 import time
@@ -46,6 +47,19 @@ def adapter_dirs(base, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def store(base, adapter_dirs, tmp_path_factory):
+    """The workers' adapter store, as the gateway fills it: validated adapters by content id."""
+    from adapters import FilesystemAdapterStore, load_adapter_dir
+    from adapters.base_model import BaseModelSpec
+
+    store = FilesystemAdapterStore(tmp_path_factory.mktemp("store"))
+    spec = BaseModelSpec.from_config_dict(json.loads((base / "config.json").read_text()))
+    for path in adapter_dirs.values():
+        store.put(load_adapter_dir(path, base=spec, max_lora_rank=64, max_bytes=1 << 24))
+    return store
+
+
+@pytest.fixture(scope="module")
 def offline(base, adapter_dirs):
     """The reference: the offline API, no threads, no gRPC. Adapters named by content id."""
     llm = LLM(base, **ENGINE_KWARGS)
@@ -65,8 +79,8 @@ async def start_worker(base, **kwargs) -> WorkerServer:
 
 
 @pytest.fixture
-async def worker(base):
-    server = await start_worker(base)
+async def worker(base, store):
+    server = await start_worker(base, adapter_store=store.root)
     yield server
     await server.shutdown(drain_timeout=2.0)
 
@@ -81,14 +95,12 @@ def request(prompt_ids, **params) -> worker_pb2.GenerateRequest:
     """A GenerateRequest as the gateway sends it (proto3 bools default to false)."""
     params.setdefault("skip_special_tokens", True)
     adapter_id = params.pop("adapter_id", "")
-    adapter_path = params.pop("adapter_path", "")
     tenant = params.pop("tenant", "")
     return worker_pb2.GenerateRequest(
         request_id=params.pop("request_id", "r1"),
         prompt_token_ids=prompt_ids,
         params=worker_pb2.SamplingParams(**params),
         adapter_id=adapter_id,
-        adapter_path=str(adapter_path),
         tenant=tenant,
     )
 
@@ -269,7 +281,8 @@ async def test_logprobs(stub, offline, prompt_ids):
         ([5, 6], {"top_p": 1.5}, grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
         ([5, 6], {"n": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "n must be"),
         ([5, 6], {"max_tokens": 5000}, grpc.StatusCode.INVALID_ARGUMENT, "KV blocks"),
-        ([5, 6], {"adapter_id": "f" * 64}, grpc.StatusCode.NOT_FOUND, "not loaded"),
+        ([5, 6], {"adapter_id": "f" * 64}, grpc.StatusCode.NOT_FOUND, "not in the store"),
+        ([5, 6], {"adapter_id": "../x"}, grpc.StatusCode.INVALID_ARGUMENT, "64 lowercase hex"),
     ],
 )
 async def test_invalid_requests(stub, worker, prompt, params, code, message):
@@ -300,11 +313,9 @@ async def test_cancelling_a_stream_frees_every_kv_block(stub, prompt_ids):
     assert await wait_for(all_free, timeout=3.0)
 
 
-async def test_concurrent_streams_with_mixed_adapters(stub, offline, adapter_dirs, prompt_ids):
+async def test_concurrent_streams_with_mixed_adapters(stub, offline, prompt_ids):
     qv = offline.ids["qv"]
-    await stub.LoadAdapter(
-        worker_pb2.LoadAdapterRequest(adapter_id=qv, path=str(adapter_dirs["qv"]))
-    )
+    await stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id=qv))
     prompts = [prompt_ids, prompt_ids[:4], prompt_ids[2:], prompt_ids]
     names = [None, "qv", None, "qv"]
     expected = offline.generate(
@@ -352,7 +363,7 @@ async def test_an_idle_worker_does_not_spin(worker):
 # --- adapters ----------------------------------------------------------------------------
 
 
-async def test_load_adapter_then_generate_matches_offline(stub, offline, adapter_dirs, prompt_ids):
+async def test_load_adapter_then_generate_matches_offline(stub, offline, prompt_ids):
     adapter_id = offline.ids["qv"]
     [expected] = offline.generate(
         prompt_ids, SamplingParams(temperature=0.0, max_tokens=16), adapters=["qv"]
@@ -360,83 +371,67 @@ async def test_load_adapter_then_generate_matches_offline(stub, offline, adapter
     [base_only] = offline.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=16))
     assert expected.token_ids != base_only.token_ids  # the adapter matters
 
-    loaded = await stub.LoadAdapter(
-        worker_pb2.LoadAdapterRequest(adapter_id=adapter_id, path=str(adapter_dirs["qv"]))
-    )
+    loaded = await stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id=adapter_id))
     messages = await collect(stub, request(prompt_ids, max_tokens=16, adapter_id=adapter_id))
 
     assert loaded.adapter_id == adapter_id
     assert joined(messages) == (expected.token_ids, expected.text)
     stats = await stub.Stats(worker_pb2.StatsRequest())
-    assert list(stats.adapter_ids) == [adapter_id]
+    assert stats.adapters_loaded == 1  # a count: which ids are loaded is no caller's business
+    assert adapter_id not in str(stats)
 
 
-async def test_generate_loads_an_adapter_from_its_path(stub, offline, adapter_dirs, prompt_ids):
+async def test_generate_loads_an_adapter_from_the_store(stub, offline, prompt_ids):
     adapter_id = offline.ids["mlp"]
     [expected] = offline.generate(
         prompt_ids, SamplingParams(temperature=0.0, max_tokens=16), adapters=["mlp"]
     )
 
-    req = request(
-        prompt_ids, max_tokens=16, adapter_id=adapter_id, adapter_path=adapter_dirs["mlp"]
-    )
-    messages = await collect(stub, req)
+    messages = await collect(stub, request(prompt_ids, max_tokens=16, adapter_id=adapter_id))
 
     assert joined(messages) == (expected.token_ids, expected.text)
     await stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id))
-    assert list((await stub.Stats(worker_pb2.StatsRequest())).adapter_ids) == []
+    assert (await stub.Stats(worker_pb2.StatsRequest())).adapters_loaded == 0
 
 
 async def test_generate_reads_an_adapter_from_the_store_by_content_id(
-    base, offline, adapter_dirs, prompt_ids, tmp_path
+    stub, store, offline, prompt_ids
 ):
-    """What the gateway sends: a content id only; the worker finds it in the shared store,
-    and an id that is not there is NOT_FOUND (so the gateway may retry elsewhere)."""
-    from adapters import FilesystemAdapterStore, load_adapter_dir
-    from adapters.base_model import BaseModelSpec
-
-    store = FilesystemAdapterStore(tmp_path / "store")
-    spec = BaseModelSpec.from_config_dict(json.loads((base / "config.json").read_text()))
-    adapter = load_adapter_dir(adapter_dirs["qv"], base=spec, max_lora_rank=64, max_bytes=1 << 24)
-    adapter_id = store.put(adapter)
-    assert adapter_id == offline.ids["qv"]
+    """What the gateway sends: a content id only; the worker finds it in its own store, and
+    an id that is not there is NOT_FOUND (so the gateway may retry elsewhere)."""
+    adapter_id = offline.ids["qv"]
+    assert store.exists(adapter_id)  # the store's id is the engine's id
     [expected] = offline.generate(
         prompt_ids, SamplingParams(temperature=0.0, max_tokens=16), adapters=["qv"]
     )
-    server = await start_worker(base, adapter_store=store.root)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            messages = await collect(
-                stub, request(prompt_ids, max_tokens=16, adapter_id=adapter_id)
-            )
-            assert joined(messages) == (expected.token_ids, expected.text)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await collect(stub, request(prompt_ids, max_tokens=4, adapter_id="0" * 64))
-            assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    finally:
-        await server.shutdown(drain_timeout=2.0)
+    messages = await collect(stub, request(prompt_ids, max_tokens=16, adapter_id=adapter_id))
+    assert joined(messages) == (expected.token_ids, expected.text)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, request(prompt_ids, max_tokens=4, adapter_id="0" * 64))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-async def test_unloading_lets_running_requests_finish(stub, offline, adapter_dirs, prompt_ids):
-    """What deleting an adapter does on a worker: new requests can no longer use it, the
-    ones already running finish with its weights, token for token."""
+async def test_unloading_lets_running_requests_finish(stub, offline, store, prompt_ids):
+    """What deleting an adapter does on a worker (the gateway removes it from the store, then
+    unloads it): new requests can no longer use it, the ones already running finish with its
+    weights, token for token."""
     adapter_id = offline.ids["qv"]
+    kept = store.root.parent / f"kept-{adapter_id}"
     [expected] = offline.generate(
         prompt_ids, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), adapters=["qv"]
     )
-    req = request(
-        prompt_ids, max_tokens=24, ignore_eos=True, adapter_id=adapter_id,
-        adapter_path=adapter_dirs["qv"],
-    )  # fmt: skip
-    call = stub.Generate(req)
+    call = stub.Generate(request(prompt_ids, max_tokens=24, ignore_eos=True, adapter_id=adapter_id))
     first = await call.read()
-    await stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id))
-    messages = [first, *await rest_of(call)]
-    assert joined(messages) == (expected.token_ids, expected.text)
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await collect(stub, request(prompt_ids, max_tokens=2, adapter_id=adapter_id))
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    store.get(adapter_id).rename(kept)  # deleted from the store (kept aside for other tests)
+    try:
+        await stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id))
+        messages = [first, *await rest_of(call)]
+        assert joined(messages) == (expected.token_ids, expected.text)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(stub, request(prompt_ids, max_tokens=2, adapter_id=adapter_id))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        kept.rename(store.root / adapter_id)
 
 
 async def test_concurrent_loads_of_one_adapter_read_it_once(worker, offline, adapter_dirs):
@@ -456,31 +451,50 @@ async def test_concurrent_loads_of_one_adapter_read_it_once(worker, offline, ada
     assert len(reads) == 1 and adapter_id in engine.stats.adapter_ids
 
 
-async def test_adapter_errors(stub, offline, adapter_dirs, tmp_path):
-    wrong_id = offline.ids["mlp"]  # a valid id, but not the one in these files
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.LoadAdapter(
-            worker_pb2.LoadAdapterRequest(adapter_id=wrong_id, path=str(adapter_dirs["qv"]))
-        )
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert offline.ids["qv"] in info.value.details()
-
-    not_an_adapter = tmp_path / "empty"
-    not_an_adapter.mkdir()
-    cases = [
-        (wrong_id, str(tmp_path / "missing"), grpc.StatusCode.NOT_FOUND),
-        (wrong_id, "", grpc.StatusCode.NOT_FOUND),  # not loaded, and no path to load from
-        (wrong_id, str(not_an_adapter), grpc.StatusCode.INVALID_ARGUMENT),
-        ("", str(adapter_dirs["qv"]), grpc.StatusCode.INVALID_ARGUMENT),
-    ]
-    for adapter_id, path, code in cases:
+async def test_adapter_errors(stub, store, offline):
+    # No field of the wire names a path: a worker reads its own store only.
+    assert "path" not in worker_pb2.LoadAdapterRequest.DESCRIPTOR.fields_by_name
+    assert "adapter_path" not in worker_pb2.GenerateRequest.DESCRIPTOR.fields_by_name
+    wrong_id = "e" * 64  # well formed, but not in the store
+    for adapter_id, code in [
+        (wrong_id, grpc.StatusCode.NOT_FOUND),
+        ("", grpc.StatusCode.INVALID_ARGUMENT),
+    ]:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id=adapter_id, path=path))
-        assert info.value.code() == code, (adapter_id, path)
+            await stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id=adapter_id))
+        assert info.value.code() == code, adapter_id
+    # Files under an id they do not hash to (a store tampered with) are refused by content.
+    planted = store.root / wrong_id
+    shutil.copytree(store.get(offline.ids["qv"]), planted)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id=wrong_id))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert offline.ids["qv"] in info.value.details()
+    finally:
+        shutil.rmtree(planted)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=wrong_id))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    assert list((await stub.Stats(worker_pb2.StatsRequest())).adapter_ids) == []
+    assert (await stub.Stats(worker_pb2.StatsRequest())).adapters_loaded == 0
+
+
+@pytest.mark.parametrize(
+    "adapter_id",
+    ["../x", "/etc", "..", "../" + "a" * 61, "A" * 64, "a" * 63 + "/", "a" * 64 + "/../b"],
+)
+async def test_a_caller_cannot_make_the_worker_read_a_path_of_its_choosing(
+    stub, worker, prompt_ids, adapter_id
+):
+    """Ids become path names in the store, so anything but 64 lowercase hex digits is refused
+    before the file system is touched, by LoadAdapter and by Generate alike."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.LoadAdapter(worker_pb2.LoadAdapterRequest(adapter_id=adapter_id))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(stub, request(prompt_ids, max_tokens=2, adapter_id=adapter_id))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert worker.engine.stats.adapter_ids == ()
 
 
 # --- health, registry, shutdown ----------------------------------------------------------
