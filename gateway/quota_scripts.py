@@ -143,13 +143,17 @@ if #ARGV >= 6 then redis.call('EXPIRE', KEYS[5], tonumber(ARGV[5])) end
 return refund
 """
 
-# KEYS: 1 in-flight leases; ARGV: 1 request id, 2 lease ms. Extends a running request's lease.
+# KEYS: 1 in-flight leases; ARGV: 1 request id, 2 lease ms. Extends a running request's lease;
+# returns 0 (and changes nothing) when the lease is gone: settled (SETTLE removed it) or expired.
+# A renewal still on its way when the request settles must not bring the slot back to life.
 RENEW = """
 redis.replicate_commands()
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not expiry or tonumber(expiry) < now then return 0 end
 local lease = tonumber(ARGV[2])
-redis.call('ZADD', KEYS[1], now + lease, ARGV[1])
+redis.call('ZADD', KEYS[1], 'XX', now + lease, ARGV[1])
 redis.call('PEXPIRE', KEYS[1], lease)
 return 1
 """

@@ -192,17 +192,25 @@ class QuotaService:
             metered=False,
         )  # fmt: skip
 
-    async def _keep_leased(self, reservation: Reservation) -> None:
+    async def renew(self, reservation: Reservation) -> bool:
+        """Extend the request's concurrency lease; False once it is gone (settled or
+        expired): a late renewal never brings a released slot back."""
         key = self._k(reservation.tenant, "inflight")
+        args = [reservation.request_id, self.lease_ms]
+        return bool(await self._scripts.run(self._renew, keys=[key], args=args))
+
+    async def _keep_leased(self, reservation: Reservation) -> None:
         while True:
             await asyncio.sleep(self.lease_ms / 3000)
             try:
-                await self._scripts.run(
-                    self._renew, keys=[key], args=[reservation.request_id, self.lease_ms]
-                )
+                alive = await self.renew(reservation)
             except redis.exceptions.RedisError as exc:
                 metrics.QUOTA_REDIS_ERRORS.labels(outcome="renew_failed").inc()
                 log.warning("lease renewal failed for %s: %r", reservation.request_id, exc)
+                continue
+            if not alive:  # expired (Redis was out of reach longer than a lease) or settled
+                log.warning("the lease of %s is gone; not renewing it", reservation.request_id)
+                return
 
     async def settle(
         self, reservation: Reservation, *, used_tokens: int, usage: UsageDelta

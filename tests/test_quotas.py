@@ -245,6 +245,33 @@ async def test_concurrency_slots_are_released_and_leases_expire(make_service, cl
     assert await client.zcard(key(redis_prefix, "inflight")) == 0
 
 
+async def test_a_settled_lease_cannot_be_renewed_back_to_life(make_service, client, redis_prefix):
+    """A renewal still on its way when its request settles (the renewal task is cancelled,
+    but its script was already sent) must not put the released slot back."""
+    service = make_service(lease_s=30.0)
+    await service.set_quota(T, Quota(max_concurrent_requests=1))
+    running = await admit(service)
+    assert await service.renew(running)
+    await settle(service, running, used=0)
+    assert not await service.renew(running)  # the late renewal lands after the settlement
+    assert await client.zcard(key(redis_prefix, "inflight")) == 0
+    other = await admit(service)  # the one slot is free
+    await settle(service, other, used=0)
+
+
+async def test_an_expired_lease_cannot_be_renewed(make_service, client, redis_prefix):
+    service = make_service(lease_s=0.2)
+    await service.set_quota(T, Quota(max_concurrent_requests=1))
+    stalled = await admit(service)
+    stalled.renewal.cancel()  # its gateway stalls past the lease
+    await asyncio.sleep(0.3)
+    assert not await service.renew(stalled)
+    newcomer = await admit(service)  # the expired lease did not come back to hold the slot
+    await settle(service, newcomer, used=0)
+    await settle(service, stalled, used=0)
+    assert await client.zcard(key(redis_prefix, "inflight")) == 0
+
+
 async def test_daily_budget(make_service):
     service = make_service()
     await service.set_quota(T, Quota(daily_tokens=500))
