@@ -15,6 +15,12 @@ Order of transforms, per row (the order of vLLM and Hugging Face `generate`):
 7. One draw from softmax of what is left, by inverse CDF with one uniform per row. Seeded rows
    draw their uniform from their own generator, so their tokens do not depend on the batch.
 
+Non-finite values, from any source (the model or an adapter, a penalty, a tiny temperature):
+a row with a NaN, or with no token above -inf, is not sampled; its `SampledToken.failure`
+says why, and the engine ends that request alone. Where a row has +inf logits (after the
+penalties and the temperature), its distribution is their limit: uniform over the +inf
+tokens, every other token at zero; greedy takes the lowest of them, as for any tie.
+
 Speed on the CPU (32 x 49152): an exponential race needs a random number per token (30 ms),
 `torch.multinomial` takes 34 ms, `torch.sort` 100 ms. So rows with top-k or top-p work on their
 `WINDOW` most likely tokens (one numpy argpartition) and fall back to the full vocabulary only
@@ -45,6 +51,9 @@ _BLOCK = 256
 # token, -inf (banned) included, has weight exactly 0 (it had probability < 5e-35).
 _MIN_LOG_WEIGHT = -80.0
 _WEIGHT_FLOOR = math.exp(-79.0)
+# Reported logprobs of impossible tokens (-inf) are this, as OpenAI reports them: JSON has
+# no infinity.
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass(slots=True)
@@ -62,6 +71,9 @@ class SampledToken:
     token_id: int
     logprob: float | None  # of the chosen token; None unless params.logprobs is not None
     top_logprobs: list[tuple[int, float]] | None  # params.logprobs best (id, logprob), desc
+    # Set when the row could not be sampled (NaN logits, or none above -inf): token_id is
+    # then meaningless and the request must end with this message.
+    failure: str | None = None
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -86,14 +98,17 @@ class Sampler:
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
         with_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         plain = [i for i, p in enumerate(params) if greedy[i] and not p.has_penalties]
+        # Every row: cheaper than copying a subset first; the max finds unusable rows.
+        argmax, top = _argmax_and_max(logits)
+        unusable = {i: why for i, v in enumerate(top) if (why := _why_unusable(v)) is not None}
         if len(plain) == len(rows) and not with_logprobs:
-            return [SampledToken(t, None, None) for t in _argmax(logits)]
+            return [SampledToken(t, None, None, unusable.get(i)) for i, t in enumerate(argmax)]
+        if unusable:
+            return self._without(logits, rows, unusable)
 
         token_ids = [0] * len(rows)
-        if plain:
-            argmax = _argmax(logits)  # every row: cheaper than copying a subset first
-            for i in plain:
-                token_ids[i] = argmax[i]
+        for i in plain:
+            token_ids[i] = argmax[i]
         # One fp32 scratch copy of the other rows, grouped so each group is a slice of it:
         # penalized greedy rows, then rows sampled in a window, then rows sampled in full.
         vocab = logits.shape[1]
@@ -101,19 +116,34 @@ class Sampler:
         windowed = [i for i, p in enumerate(params) if not greedy[i] and _windowed(p, vocab)]
         whole = [i for i, p in enumerate(params) if not greedy[i] and not _windowed(p, vocab)]
         order = penalized_greedy + windowed + whole
+        failures: dict[int, str] = {}
         if order:
             x = _gather_fp32(logits, order)  # [len(order), vocab]
             if any(params[i].has_penalties for i in order):
                 _penalize(x, [rows[i] for i in order])
             num_greedy = len(penalized_greedy)
+            _divide_by_temperature_(x[num_greedy:], [params[i] for i in order[num_greedy:]])
+            for j in _tame_(x):  # rows left with no token above -inf
+                failures[order[j]] = "every token's logit is -inf after the penalties"
             picked = _argmax(x[:num_greedy]) if num_greedy else []
             picked += _sample_rows(x[num_greedy:], [rows[i] for i in order[num_greedy:]])
             for i, t in zip(order, picked, strict=True):
                 token_ids[i] = t
-        results = [SampledToken(t, None, None) for t in token_ids]
+        results = [SampledToken(t, None, None, failures.get(i)) for i, t in enumerate(token_ids)]
         if with_logprobs:
             _attach_logprobs(results, logits, with_logprobs, [params[i] for i in with_logprobs])
         return results
+
+    def _without(
+        self, logits: torch.Tensor, rows: list[SamplingRow], unusable: dict[int, str]
+    ) -> list[SampledToken]:
+        """Samples the usable rows only; the others get their failure (rare: a copy)."""
+        keep = [i for i in range(len(rows)) if i not in unusable]
+        sampled = iter(self(logits[keep], [rows[i] for i in keep]) if keep else [])
+        return [
+            SampledToken(0, None, None, unusable[i]) if i in unusable else next(sampled)
+            for i in range(len(rows))
+        ]
 
 
 def filter_logits(
@@ -161,13 +191,10 @@ def _thresholds(
 
 
 def _sample_rows(x: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """Temperature, filters, one draw per row. x: [m, vocab] fp32 scratch (modified), rows
-    that `_windowed` accepts first."""
+    """Filters, one draw per row. x: [m, vocab] fp32 scratch (modified), temperature
+    applied and tamed (`_tame_`), rows that `_windowed` accepts first."""
     params = [row.params for row in rows]
     uniforms = _uniforms([row.generator for row in rows]).to(x.device)  # [m]
-    temperatures = [p.temperature for p in params]
-    if any(t != 1.0 for t in temperatures):
-        x.div_(torch.tensor(temperatures, device=x.device)[:, None])
     vocab = x.shape[1]
     num_windowed = sum(_windowed(p, vocab) for p in params)
     token_ids: list[int] = []
@@ -184,6 +211,43 @@ def _sample_rows(x: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         rest = slice(num_windowed, None)
         token_ids += _sample_whole(x[rest], params[rest], uniforms[rest])
     return token_ids
+
+
+def _divide_by_temperature_(x: torch.Tensor, params: list[SamplingParams]) -> None:
+    """x /= T per row, in place. x: [m, vocab] fp32; every T >= GREEDY_TEMPERATURE."""
+    temperatures = [p.temperature for p in params]
+    if any(t != 1.0 for t in temperatures):
+        x.div_(torch.tensor(temperatures, device=x.device)[:, None])
+
+
+def _why_unusable(top: float) -> str | None:
+    """Why a row of raw logits cannot be sampled at all, or None. `top`: the row's max with
+    NaN propagated (numpy's and torch's argmax both do). Penalties and temperature cannot
+    make a NaN out of numbers (x / p, x * p, x - c, x / T with finite p, c and T > 0 only
+    overflow to +-inf, which `_tame_` handles), so raw logits are all there is to check."""
+    if math.isnan(top):
+        return "the model's logits for this request are not numbers (NaN)"
+    if top == -math.inf:
+        return "the model's logits for this request are all -inf"
+    return None
+
+
+def _tame_(x: torch.Tensor) -> list[int]:
+    """Rows with +inf logits become their limit distribution in place: 0 at the +inf
+    tokens, -inf elsewhere (uniform over them). Returns the rows with nothing above -inf;
+    those are set to 0 everywhere, so sampling them is harmless (the caller discards them).
+    x: [m, vocab] fp32 without NaN."""
+    if x.shape[0] == 0:
+        return []
+    top = x.amax(dim=-1)  # [m]
+    infinite = torch.isposinf(top)
+    if bool(infinite.any()):
+        rows = infinite.nonzero().flatten()
+        x[rows] = torch.where(torch.isposinf(x[rows]), 0.0, -math.inf)
+    empty = torch.isneginf(top).nonzero().flatten()
+    if empty.numel():
+        x[empty] = 0.0
+    return empty.tolist()
 
 
 def _windowed(params: SamplingParams, vocab: int) -> bool:
@@ -325,6 +389,17 @@ def _sort_ascending(x: torch.Tensor) -> torch.Tensor:
     return torch.sort(x, dim=-1).values
 
 
+def _argmax_and_max(x: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Row argmax and the value there: NaN if the row has one (both numpy's and torch's
+    argmax return a NaN's index), -inf if every entry is. x: [n, vocab]."""
+    if x.device.type == "cpu":
+        a = x.detach().float().numpy()
+        ids = a.argmax(axis=-1)
+        return ids.tolist(), a[np.arange(a.shape[0]), ids].tolist()
+    ids = x.argmax(dim=-1)
+    return ids.tolist(), x.gather(1, ids[:, None]).squeeze(1).float().tolist()
+
+
 def _argmax(x: torch.Tensor) -> list[int]:
     """Row argmax, first index on ties (both numpy and torch). x: [n, vocab]."""
     if x.device.type == "cpu":
@@ -359,8 +434,13 @@ def _attach_logprobs(
     indices: list[int],
     params: list[SamplingParams],
 ) -> None:
-    """Fill logprob and top_logprobs of results[indices] from the raw logits."""
-    logprobs = torch.log_softmax(_take(logits, indices).float(), dim=-1)  # [m, vocab]
+    """Fill logprob and top_logprobs of results[indices] from the raw logits (rows with +inf
+    through `_tame_`, so no NaN; -inf reported as LOGPROB_FLOOR)."""
+    x = _take(logits, indices).float()
+    if bool(torch.isposinf(x).any()):
+        x = x.clone()
+        _tame_(x)
+    logprobs = torch.log_softmax(x, dim=-1).clamp_(min=LOGPROB_FLOOR)  # [m, vocab]
     chosen = torch.tensor([results[i].token_id for i in indices], device=logits.device)
     chosen_logprobs = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
     max_n = max(p.logprobs or 0 for p in params)

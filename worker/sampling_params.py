@@ -1,13 +1,35 @@
-"""Per-request sampling settings, validated once when the request arrives."""
+"""Per-request sampling settings, validated once when the request arrives.
+
+The worker re-checks every value because the gateway is not its only client. The bounds
+are these constants (the gateway's table, gateway/protocol.py, must lie within them):
+OpenAI's ranges where OpenAI has the field, vLLM's otherwise, and a cap where neither has
+one. Every float must be finite. The checks that need the model (top_k and stop_token_ids
+against the vocabulary, the prompt against the context) are the engine's.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from worker.errors import InvalidRequestError
 
 # The most draft tokens one sequence gets in a step (the engine's k and a request's).
 MAX_SPECULATIVE_TOKENS = 16
+# Wider than OpenAI's 2 (vLLM has no cap): past 100 a distribution is flat anyway.
+MAX_TEMPERATURE = 100.0
+# (0, 2]: HF and vLLM only ask > 0; the sampler is safe for any positive value, but past
+# 2 (or near 0) the penalty only ever picks garbage.
+MAX_REPETITION_PENALTY = 2.0
+# presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI).
+MAX_PENALTY = 2.0
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs
+MAX_N = 128  # OpenAI's n
+MAX_TOKENS = 2**31 - 1  # the engine stops at its context length anyway
+MAX_STOP_STRINGS = 32  # OpenAI takes 4; each is checked against every new piece of text
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as on the wire
 
 
 @dataclass(slots=True)
@@ -43,37 +65,47 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
-        _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, f"top_k must be -1, 0 or positive, got {self.top_k}")
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        self._check_numbers()
+        self._check_stops()
+
+    def _check_numbers(self) -> None:
+        _check_int(
+            "max_tokens", self.max_tokens, 1, MAX_TOKENS,
+            f"max_tokens must be at least 1 and at most {MAX_TOKENS}, got {self.max_tokens!r}",
+        )  # fmt: skip
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_float("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        _check_int("top_k", self.top_k, 0, None, "top_k must be -1, 0 or positive")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float(
+            "repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
+            open_low=True,
+        )  # fmt: skip
+        _check_float("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_float("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        if self.seed is not None:
+            _check_int("seed", self.seed, *SEED_RANGE)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.num_speculative_tokens is not None:
+            _check_int(
+                "num_speculative_tokens", self.num_speculative_tokens, 0, MAX_SPECULATIVE_TOKENS
+            )
+
+    def _check_stops(self) -> None:
         _check(
-            self.repetition_penalty > 0.0,
-            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            len(self.stop) <= MAX_STOP_STRINGS,
+            f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}",
         )
         _check(
-            -2.0 <= self.presence_penalty <= 2.0,
-            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters",
         )
         _check(
-            -2.0 <= self.frequency_penalty <= 2.0,
-            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
         )
-        _check(all(s for s in self.stop), "stop strings must not be empty")
-        _check(
-            self.logprobs is None or 0 <= self.logprobs <= 20,
-            f"logprobs must be between 0 and 20, got {self.logprobs}",
-        )
-        k = self.num_speculative_tokens
-        _check(
-            k is None
-            or (
-                isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_SPECULATIVE_TOKENS
-            ),
-            f"num_speculative_tokens must be an integer from 0 to {MAX_SPECULATIVE_TOKENS}, "
-            f"got {k!r}",
-        )
+        _check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids must be integers")
 
     @property
     def greedy(self) -> bool:
@@ -91,3 +123,26 @@ class SamplingParams:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise InvalidRequestError(message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(
+    name: str, value: object, low: int, high: int | None, message: str | None = None
+) -> None:
+    ok = _is_int(value) and low <= value and (high is None or value <= high)  # type: ignore[operator]
+    upper = f" to {high}" if high is not None else " or more"
+    _check(ok, message or f"{name} must be an integer from {low}{upper}, got {value!r}")
+
+
+def _check_float(
+    name: str, value: object, low: float, high: float, *, open_low: bool = False
+) -> None:
+    """A finite number in [low, high] ((low, high] with ``open_low``); NaN and inf fail."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    ok = number and math.isfinite(value) and (low < value if open_low else low <= value)  # type: ignore[arg-type, operator]
+    ok = ok and value <= high  # type: ignore[operator]
+    bracket = "(" if open_low else "["
+    _check(ok, f"{name} must be a number in {bracket}{low}, {high}], got {value!r}")
