@@ -10,7 +10,9 @@ actually produced, never taken from headers, so archive bombs stop at the limit.
 
 Tar archives are read as a stream (`r|`) through a byte-counting reader, so even a bomb
 hidden in a pax header stops at the limit. Zip keeps its directory at the end: its entry
-count is read from the end record before `zipfile` builds an object per entry.
+count and size are read from the end record before `zipfile` reads the directory and builds
+an object per entry. A member we would write is refused on its declared size before a byte
+of it is decompressed (declared sizes can lie, so the copy counts again).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ CHUNK = 1 << 20
 TAR_OVERHEAD_PER_MEMBER = 1536
 ZIP_END_RECORD = b"PK\x05\x06"
 ZIP64_LOCATOR = b"PK\x06\x07"
+# A directory entry is 46 bytes plus its name, extra field and comment: 32 members of real
+# adapters take a few KiB.
+MAX_ZIP_DIRECTORY_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +80,7 @@ class _Placement:
         self.limits = limits
         self.members = 0
         self.written = 0
+        self.declared = 0
         self.folder: tuple[str, ...] | None = None  # where the adapter's files sit
 
     def count(self, name: str) -> PurePosixPath:
@@ -106,6 +112,21 @@ class _Placement:
         if out.exists():
             raise InvalidAdapterError(f"{path}: the archive holds it twice", field=str(path))
         return out
+
+    def check_declared(self, size: int, *, member: str) -> None:
+        """Refuse a member on the size its header declares, before decompressing it."""
+        if size > self.limits.max_member_bytes:
+            raise AdapterTooLargeError(
+                f"{member}: declares {size} bytes uncompressed, over "
+                f"{self.limits.max_member_bytes}",
+                field=member,
+            )
+        self.declared += size
+        if self.declared > self.limits.max_total_bytes:
+            raise AdapterTooLargeError(
+                f"the archive's members declare over {self.limits.max_total_bytes} bytes",
+                field="file",
+            )
 
     def copy(self, source: BinaryIO, out: Path, *, member: str) -> None:
         """Copy at most the limits' bytes of `source` to `out` (a new file)."""
@@ -183,6 +204,7 @@ def _unpack_tar(archive: Path, dest: Path, *, limits: ArchiveLimits, gzipped: bo
                 out = placement.target(path)
                 if out is None:
                     continue  # the stream skips its bytes, still counted by the reader
+                placement.check_declared(member.size, member=member.name)
                 extracted = tar.extractfile(member)
                 assert extracted is not None  # a regular file always has a reader
                 placement.copy(extracted, out, member=member.name)
@@ -194,10 +216,16 @@ def _unpack_tar(archive: Path, dest: Path, *, limits: ArchiveLimits, gzipped: bo
 def _unpack_zip(archive: Path, dest: Path, *, limits: ArchiveLimits) -> None:
     placement = _Placement(dest, limits)
     with archive.open("rb") as raw, _corrupt_as_invalid():
-        entries = _zip_entry_count(raw)
+        entries, directory_bytes = _zip_directory_size(raw)
         if entries > limits.max_members:
             raise AdapterTooLargeError(
                 f"the archive has {entries} members, over {limits.max_members}", field="file"
+            )
+        if directory_bytes > MAX_ZIP_DIRECTORY_BYTES:
+            raise AdapterTooLargeError(
+                f"the archive's directory is {directory_bytes} bytes, over "
+                f"{MAX_ZIP_DIRECTORY_BYTES}",
+                field="file",
             )
         with zipfile.ZipFile(raw) as zf:
             for info in zf.infolist():
@@ -217,35 +245,40 @@ def _unpack_zip(archive: Path, dest: Path, *, limits: ArchiveLimits) -> None:
                     )
                 out = placement.target(path)
                 if out is not None:
+                    placement.check_declared(info.file_size, member=info.filename)
                     with zf.open(info) as member:
                         placement.copy(member, out, member=info.filename)
 
 
-def _zip_entry_count(f: BinaryIO) -> int:
-    """Entries in the zip's central directory, from its end record (zip64 included).
+def _zip_directory_size(f: BinaryIO) -> tuple[int, int]:
+    """Entries in the zip's central directory and its bytes, from its end record (zip64
+    included).
 
     Read by hand because `zipfile.ZipFile` builds a `ZipInfo` for every entry before we could
     count them, and a small upload can declare millions.
     """
     f.seek(0, io.SEEK_END)
-    size = f.tell()
-    tail_start = max(0, size - (22 + 0xFFFF))
+    file_size = f.tell()
+    tail_start = max(0, file_size - (22 + 0xFFFF))
     f.seek(tail_start)
     tail = f.read()
     at = tail.rfind(ZIP_END_RECORD)
     if at < 0 or at + 22 > len(tail):
         raise InvalidAdapterError("the zip archive is truncated or corrupt", field="file")
     count = int.from_bytes(tail[at + 10 : at + 12], "little")
+    size = int.from_bytes(tail[at + 12 : at + 16], "little")
     locator = at - 20
-    if count == 0xFFFF and locator >= 0 and tail[locator : locator + 4] == ZIP64_LOCATOR:
+    zip64 = count == 0xFFFF or size == 0xFFFFFFFF
+    if zip64 and locator >= 0 and tail[locator : locator + 4] == ZIP64_LOCATOR:
         record_offset = int.from_bytes(tail[locator + 8 : locator + 16], "little")
         f.seek(record_offset)
         record = f.read(56)
-        if len(record) < 40:
+        if len(record) < 48:
             raise InvalidAdapterError("the zip archive is truncated or corrupt", field="file")
         count = int.from_bytes(record[32:40], "little")
+        size = int.from_bytes(record[40:48], "little")
     f.seek(0)
-    return count
+    return count, size
 
 
 @contextmanager

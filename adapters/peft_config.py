@@ -9,18 +9,26 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from adapters.errors import InvalidAdapterError, UnsupportedAdapterFeatureError
+from adapters.linear_regex import PatternError, compile_linear
 from adapters.peft_patterns import lookup_pattern, target_selected
 
 T = TypeVar("T")
 
 CONFIG_FILE = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 << 20  # a real one is ~1.5 KB; refuse before parsing anything huge
+# Bounds on the numbers and lists, so nothing downstream is sized or looped by a hostile value.
+# Ranks past 2^16 fit no device slot anyway (max_lora_rank refuses far smaller ones); with
+# |alpha| <= 1e4 and r >= 1, every scaling (alpha / r or alpha / sqrt(r)) is finite and
+# within +-1e4 (real adapters use alpha of a few r: scalings of 0.5 to 4).
+MAX_RANK = 1 << 16
+MAX_ABS_ALPHA = 1e4
+MAX_LIST_ITEMS = 4096  # target_modules, exclude_modules, layers_to_transform, patterns
+MAX_LAYER_INDEX = 1 << 20
 
 # Fields that, when truthy, make the adapter something other than plain LoRA on Linear layers.
 _UNSUPPORTED_FIELDS: dict[str, str] = {
@@ -89,19 +97,21 @@ def parse_adapter_config(data: bytes | str) -> AdapterConfig:
         raw = json.loads(data, parse_constant=_refuse_constant)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise InvalidAdapterError(f"{CONFIG_FILE}: not valid JSON ({exc})") from exc
+    except RecursionError as exc:  # `[[[[...` a megabyte deep
+        raise InvalidAdapterError(f"{CONFIG_FILE}: JSON nested too deeply") from exc
     if not isinstance(raw, dict):
         raise InvalidAdapterError(f"{CONFIG_FILE}: top level is not a JSON object")
     _refuse_unsupported(raw)
     config = AdapterConfig(
-        r=_positive_int(raw.get("r", 8), "r"),
-        lora_alpha=_finite_number(raw.get("lora_alpha", 8), "lora_alpha"),
+        r=_rank(raw.get("r", 8), "r"),
+        lora_alpha=_alpha(raw.get("lora_alpha", 8), "lora_alpha"),
         use_rslora=_bool(raw.get("use_rslora", False), "use_rslora"),
         target_modules=_target_modules(raw.get("target_modules")),
         exclude_modules=_names_or_regex(raw.get("exclude_modules"), "exclude_modules"),
         layers_to_transform=_layers_to_transform(raw.get("layers_to_transform")),
         layers_pattern=_names_or_regex(raw.get("layers_pattern"), "layers_pattern"),
-        rank_pattern=_pattern_dict(raw.get("rank_pattern"), "rank_pattern", _positive_int),
-        alpha_pattern=_pattern_dict(raw.get("alpha_pattern"), "alpha_pattern", _finite_number),
+        rank_pattern=_pattern_dict(raw.get("rank_pattern"), "rank_pattern", _rank),
+        alpha_pattern=_pattern_dict(raw.get("alpha_pattern"), "alpha_pattern", _alpha),
         base_model_name_or_path=_optional_str(raw.get("base_model_name_or_path")),
     )
     _check_like_lora_config_post_init(config)
@@ -168,14 +178,10 @@ def _names_or_regex(value: Any, field: str) -> str | tuple[str, ...] | None:
     if value is None:
         return None
     if isinstance(value, str):
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise InvalidAdapterError(
-                f"{CONFIG_FILE}: {field} {value!r} is not a valid regex ({exc})", field=field
-            ) from exc
+        _check_regex(value, field, what=f"{field} {value[:200]!r}")
         return value
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        _check_length(value, field)
         return tuple(value)
     raise InvalidAdapterError(
         f"{CONFIG_FILE}: {field} must be a string or a list of strings, got {value!r}",
@@ -187,6 +193,7 @@ def _layers_to_transform(value: Any) -> int | tuple[int, ...] | None:
     if value is None:
         return None
     if isinstance(value, list):
+        _check_length(value, "layers_to_transform")
         return tuple(_non_negative_int(v, "layers_to_transform") for v in value)
     return _non_negative_int(value, "layers_to_transform")
 
@@ -196,15 +203,43 @@ def _pattern_dict(value: Any, field: str, parse_value: Callable[[Any, str], T]) 
         return {}
     if not isinstance(value, dict):
         raise InvalidAdapterError(f"{CONFIG_FILE}: {field} must be an object", field=field)
+    _check_length(value, field)
     for pattern in value:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise InvalidAdapterError(
-                f"{CONFIG_FILE}: {field} key {pattern!r} is not a valid regex ({exc})",
-                field=field,
-            ) from exc
+        # PEFT wraps each key as `(.*\.)?(key)$`; the wrapped form must compile too.
+        _check_regex(rf"(.*\.)?({pattern})$", field, what=f"{field} key {pattern[:200]!r}")
     return {k: parse_value(v, f"{field}[{k!r}]") for k, v in value.items()}
+
+
+def _check_regex(pattern: str, field: str, *, what: str) -> None:
+    try:
+        compile_linear(pattern)
+    except PatternError as exc:
+        raise InvalidAdapterError(
+            f"{CONFIG_FILE}: {what} is not a valid regex ({exc})", field=field
+        ) from exc
+
+
+def _check_length(items: list | dict, field: str) -> None:
+    if len(items) > MAX_LIST_ITEMS:
+        raise InvalidAdapterError(
+            f"{CONFIG_FILE}: {field} has {len(items)} entries, over {MAX_LIST_ITEMS}", field=field
+        )
+
+
+def _rank(value: Any, field: str) -> int:
+    rank = _positive_int(value, field)
+    if rank > MAX_RANK:
+        raise InvalidAdapterError(f"{CONFIG_FILE}: {field}={rank} is over {MAX_RANK}", field=field)
+    return rank
+
+
+def _alpha(value: Any, field: str) -> float:
+    alpha = _finite_number(value, field)
+    if abs(alpha) > MAX_ABS_ALPHA:
+        raise InvalidAdapterError(
+            f"{CONFIG_FILE}: {field}={alpha!r} is outside +-{MAX_ABS_ALPHA:g}", field=field
+        )
+    return alpha
 
 
 def _positive_int(value: Any, field: str) -> int:
@@ -216,9 +251,10 @@ def _positive_int(value: Any, field: str) -> int:
 
 
 def _non_negative_int(value: Any, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LAYER_INDEX:
         raise InvalidAdapterError(
-            f"{CONFIG_FILE}: {field} must hold non-negative integers, got {value!r}", field=field
+            f"{CONFIG_FILE}: {field} must hold integers from 0 to {MAX_LAYER_INDEX}, got {value!r}",
+            field=field,
         )
     return value
 

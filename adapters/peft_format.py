@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from adapters.base_model import BaseModelSpec
+from adapters.base_model import PROJECTIONS, BaseModelSpec
 from adapters.errors import InvalidAdapterError, UnsupportedAdapterFeatureError
 from adapters.lora import LoraAdapter, LoraWeights
 from adapters.peft_config import (
@@ -21,7 +21,7 @@ from adapters.peft_config import (
     parse_adapter_config,
 )
 from adapters.peft_names import WEIGHTS_FILE
-from adapters.safetensors_io import read_header, to_float32
+from adapters.safetensors_io import check_header_length, read_header, to_float32
 from adapters.validation import (
     ModuleTensors,
     check_against_base,
@@ -59,6 +59,8 @@ def load_adapter_dir(
     if weights_path.is_file():
         size = weights_path.stat().st_size
         check_weight_file_size(size, max_bytes=max_bytes, what=WEIGHTS_FILE)
+        with weights_path.open("rb") as f:  # the header's bound, before reading the file
+            check_header_length(f.read(8), size, what=WEIGHTS_FILE)
     weights = _read_file(weights_path, limit=max_bytes)
     return parse_adapter(
         config_json, weights, base=base, max_lora_rank=max_lora_rank, max_bytes=max_bytes
@@ -77,7 +79,10 @@ def parse_adapter(
     config = parse_adapter_config(config_json)
     check_no_head_targets(config)
     check_weight_file_size(len(weights), max_bytes=max_bytes, what=WEIGHTS_FILE)
-    modules = pair_tensors(read_header(weights, what=WEIGHTS_FILE))
+    # One A and one B per projection, and room for stray tensors (biases, DoRA magnitudes)
+    # so that their own refusals name them; the bound is on size, the checks on exactness.
+    max_tensors = 4 * len(PROJECTIONS) * base.num_layers
+    modules = pair_tensors(read_header(weights, what=WEIGHTS_FILE, max_tensors=max_tensors))
     check_against_base(modules, base)
     check_against_config(modules, config, base)
     check_limits(modules, max_lora_rank=max_lora_rank, max_bytes=max_bytes)

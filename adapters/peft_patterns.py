@@ -9,15 +9,19 @@ Mirrors peft 0.21 exactly, so an adapter means here what it means in `PeftModel`
 
 `key` is always the module name PEFT saw when it built the adapter: the tensor name without
 `base_model.model.` and `.lora_A.weight`, e.g. `model.layers.3.self_attn.q_proj`.
+
+PEFT matches with Python's `re`; every tenant-written pattern here is matched with RE2
+(`adapters.linear_regex`), in linear time, with the same meaning (fullmatch for a regex
+string, suffix match for a list of names).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 from adapters.base_model import PROJECTIONS
+from adapters.linear_regex import fullmatch, match
 
 ALL_LINEAR = "all-linear"
 
@@ -35,7 +39,7 @@ def target_selected(
     """Whether PEFT would put a LoRA layer on module `key` (check_target_module_exists)."""
     if exclude_modules:
         if isinstance(exclude_modules, str):
-            if re.fullmatch(exclude_modules, key):
+            if fullmatch(exclude_modules, key):
                 return False
         elif key in exclude_modules or any(key.endswith(f".{e}") for e in exclude_modules):
             return False
@@ -45,7 +49,7 @@ def target_selected(
             # PEFT expands it to the full names of every nn.Linear except the output embedding.
             return key.rsplit(".", 1)[-1] in PROJECTIONS
         # A string is a regex that must match the whole name; layers_to_transform is unused.
-        return re.fullmatch(target_modules, key) is not None
+        return fullmatch(target_modules, key)
     if key in target_modules:
         # An exact full name wins before, and without, the layers_to_transform filter (PEFT's
         # elif chain does the same).
@@ -69,15 +73,15 @@ def layer_index(key: str, layers_pattern: str | Sequence[str] | None) -> int | N
     if not layers_pattern:
         # Lazy `.*?` takes the first index, as PEFT does; it needs one dotted segment before
         # the list's name, so `layers.3.mlp.up_proj` (no `model.`) yields no index at all.
-        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+        match_ = match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
     else:
         patterns = [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern
-        match = None
+        match_ = None
         for pattern in patterns:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
-            if match is not None:
+            match_ = match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+            if match_ is not None:
                 break
-    return None if match is None else int(match.group("idx"))
+    return None if match_ is None else int(match_.group("idx"))
 
 
 def lookup_pattern(patterns: Mapping[str, T], key: str, default: T) -> T:
@@ -92,7 +96,7 @@ def lookup_pattern(patterns: Mapping[str, T], key: str, default: T) -> T:
     follow the file.
     """
     for pattern in patterns:
-        if re.match(rf"(.*\.)?({pattern})$", key):
+        if match(rf"(.*\.)?({pattern})$", key):
             return patterns[pattern]
     # get_pattern_key then returns `key` itself, and `.get(key, default)` looks it up
     # verbatim; kept for exactness (a key that is not a regex for itself could hit here).

@@ -24,8 +24,11 @@ from adapters.errors import InvalidAdapterError, UnsupportedAdapterFeatureError
 
 # Accepted dtypes → bytes per element. BF16 is read as uint16 and widened by hand.
 ITEM_SIZES: dict[str, int] = {"F32": 4, "F16": 2, "BF16": 2}
-# The safetensors library refuses headers over 100 MB; so do we, before parsing JSON.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# A LoRA header is ~150 bytes a tensor: 1 MiB holds ~7,000 tensors, over twice the 1,764 of a
+# 126-layer model with all seven projections. Checked on the 8-byte prefix, before anything
+# is read or parsed (the safetensors library allows 100 MB, which json expands ~10x).
+MAX_HEADER_BYTES = 1 << 20
+MAX_DIMS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,22 +46,42 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
-def read_header(data: bytes, *, what: str = "adapter_model.safetensors") -> dict[str, TensorInfo]:
-    """Parse and check the header: dtypes, shapes, offsets in bounds, buffer covered exactly."""
-    if len(data) < 8:
-        raise InvalidAdapterError(f"{what}: file is {len(data)} bytes, shorter than its header")
-    header_len = int.from_bytes(data[:8], "little")
-    if header_len > min(MAX_HEADER_BYTES, len(data) - 8):
+def check_header_length(prefix: bytes, file_len: int, *, what: str) -> int:
+    """The header length from the file's first 8 bytes, refused past the bound or the file."""
+    if len(prefix) < 8:
+        raise InvalidAdapterError(f"{what}: file is {file_len} bytes, shorter than its header")
+    header_len = int.from_bytes(prefix[:8], "little")
+    if header_len > MAX_HEADER_BYTES:
         raise InvalidAdapterError(
-            f"{what}: header length {header_len} exceeds the file ({len(data)} bytes)"
+            f"{what}: header length {header_len} is over the limit of {MAX_HEADER_BYTES} bytes"
         )
+    if header_len > file_len - 8:
+        raise InvalidAdapterError(
+            f"{what}: header length {header_len} exceeds the file ({file_len} bytes)"
+        )
+    return header_len
+
+
+def read_header(
+    data: bytes, *, what: str = "adapter_model.safetensors", max_tensors: int | None = None
+) -> dict[str, TensorInfo]:
+    """Parse and check the header: dtypes, shapes, offsets in bounds, buffer covered exactly.
+    `max_tensors` bounds the entries (the base model's layers x projections x 2)."""
+    header_len = check_header_length(data[:8], len(data), what=what)
     try:
         raw = json.loads(data[8 : 8 + header_len], object_pairs_hook=_no_duplicate_keys)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidAdapterError(f"{what}: header is not valid JSON ({exc})") from exc
+    except RecursionError as exc:
+        raise InvalidAdapterError(f"{what}: header JSON is nested too deeply") from exc
     if not isinstance(raw, dict):
         raise InvalidAdapterError(f"{what}: header is not a JSON object")
     raw.pop("__metadata__", None)
+    if max_tensors is not None and len(raw) > max_tensors:
+        raise InvalidAdapterError(
+            f"{what}: header lists {len(raw)} tensors; a LoRA of this base model has at most "
+            f"{max_tensors}"
+        )
     buffer_start = 8 + header_len
     tensors = {name: _tensor_info(name, entry, buffer_start, what) for name, entry in raw.items()}
     _check_buffer_covered(tensors, buffer_start, len(data), what)
@@ -93,7 +116,7 @@ def _tensor_info(name: str, entry: object, buffer_start: int, what: str) -> Tens
             f"{what}: tensor {name!r} has dtype {dtype!r}; only F32, F16 and BF16 are served",
             field=name,
         )
-    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(map(_is_uint, shape)):
         raise InvalidAdapterError(f"{what}: tensor {name!r} has a malformed shape {shape!r}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_uint, offsets))):
         raise InvalidAdapterError(f"{what}: tensor {name!r} has malformed data_offsets {offsets!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import pickle
 import stat
+import struct
 import tarfile
 import zipfile
 from dataclasses import dataclass
@@ -90,3 +91,35 @@ class PicklePayload:
 
 def pickle_bytes(marker: Path) -> bytes:
     return pickle.dumps(PicklePayload(marker))
+
+
+def zip64_declaring(data: bytes, *, entries: int, directory_bytes: int | None = None) -> bytes:
+    """`data` (a zip) whose end records claim `entries` members (and a directory of
+    `directory_bytes`): a zip64 end record and locator before the classic end record, which
+    points at them with 0xFFFF, as writers do past 65,535 entries. Nothing else changes."""
+    end = data.rfind(b"PK\x05\x06")
+    head, classic = data[:end], bytearray(data[end:])
+    cd_size = int.from_bytes(classic[12:16], "little")
+    cd_offset = int.from_bytes(classic[16:20], "little")
+    record = (
+        b"PK\x06\x06"
+        + struct.pack("<QHHII", 44, 45, 45, 0, 0)
+        + struct.pack("<QQQQ", entries, entries, directory_bytes or cd_size, cd_offset)
+    )
+    locator = b"PK\x06\x07" + struct.pack("<IQI", 0, len(head), 1)
+    classic[8:12] = b"\xff\xff\xff\xff"  # entries on this disk / in total: see zip64
+    return head + record + locator + bytes(classic)
+
+
+def with_declared_size(data: bytes, member: str, size: int) -> bytes:
+    """`data` (a zip) whose central directory declares `size` uncompressed bytes for `member`
+    (its data unchanged): a header that lies, or a bomb announced honestly."""
+    out = bytearray(data)
+    at = out.find(b"PK\x01\x02")
+    while at >= 0:
+        name_len = int.from_bytes(out[at + 28 : at + 30], "little")
+        if out[at + 46 : at + 46 + name_len].decode() == member:
+            out[at + 24 : at + 28] = size.to_bytes(4, "little")
+            return bytes(out)
+        at = out.find(b"PK\x01\x02", at + 4)
+    raise KeyError(member)

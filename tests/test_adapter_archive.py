@@ -3,6 +3,7 @@ refused with an error naming the member, and nothing is written outside the dest
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,9 @@ from tests.archive_factories import (
     adapter_members,
     pickle_bytes,
     tar_bytes,
+    with_declared_size,
     zeros_member,
+    zip64_declaring,
     zip_bytes,
 )
 
@@ -200,3 +203,47 @@ def test_a_zip_declaring_millions_of_entries_is_refused_before_reading_them(
     data[end + 8 : end + 12] = (0xFFFE).to_bytes(2, "little") * 2  # entries on disk / total
     with pytest.raises(AdapterTooLargeError, match="65534 members"):
         unpack(tmp_path, bytes(data))
+
+
+def test_a_zip64_declaring_a_million_entries_is_refused_fast(
+    adapter_dir: Path, tmp_path: Path
+) -> None:
+    data = zip64_declaring(zip_bytes(adapter_members(adapter_dir)), entries=10**6)
+    started = time.perf_counter()
+    with pytest.raises(AdapterTooLargeError, match="1000000 members, over 8"):
+        unpack(tmp_path, data)
+    assert time.perf_counter() - started < 0.5
+
+
+def test_a_zip_declaring_a_huge_directory_is_refused(adapter_dir: Path, tmp_path: Path) -> None:
+    data = zip64_declaring(
+        zip_bytes(adapter_members(adapter_dir)), entries=2, directory_bytes=1 << 40
+    )
+    with pytest.raises(AdapterTooLargeError, match="directory is 1099511627776 bytes"):
+        unpack(tmp_path, data)
+
+
+def test_declared_sizes_are_refused_before_decompressing(adapter_dir: Path, tmp_path: Path) -> None:
+    config, weights = adapter_members(adapter_dir)
+    honest_bomb = with_declared_size(zip_bytes([config, weights]), weights.name, 3 << 30)
+    with pytest.raises(AdapterTooLargeError, match=r"declares 3221225472 bytes uncompressed"):
+        unpack(tmp_path / "zip", honest_bomb)
+    big = zeros_member("adapter_model.safetensors", (1 << 20) + 1)
+    with pytest.raises(AdapterTooLargeError, match=r"declares 1048577 bytes uncompressed"):
+        unpack(tmp_path / "tar", tar_bytes([config, big]))
+    # Two members, each under the member bound, declaring more than the total together.
+    limits = ArchiveLimits(max_members=8, max_member_bytes=1 << 20, max_total_bytes=1 << 20)
+    halves = [zeros_member("adapter_config.json", 600 << 10), zeros_member(weights.name, 600 << 10)]
+    with pytest.raises(AdapterTooLargeError, match="members declare over 1048576 bytes"):
+        unpack(tmp_path / "total", zip_bytes(halves), limits=limits)
+
+
+def test_a_lying_declared_size_still_stops_at_the_limit(adapter_dir: Path, tmp_path: Path) -> None:
+    config, _ = adapter_members(adapter_dir)
+    bomb = zeros_member("adapter_model.safetensors", 4 << 20)
+    liar = with_declared_size(zip_bytes([config, bomb]), bomb.name, 100)
+    with pytest.raises((AdapterTooLargeError, InvalidAdapterError)):
+        unpack(tmp_path, liar)
+    assert not (tmp_path / "dest" / bomb.name).exists() or (
+        (tmp_path / "dest" / bomb.name).stat().st_size <= LIMITS.max_member_bytes
+    )

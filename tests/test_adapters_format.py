@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from adapters import (
     load_adapter_dir,
     parse_adapter,
 )
+from adapters.peft_patterns import layer_index, lookup_pattern, target_selected
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 Q_A0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
@@ -281,6 +283,25 @@ INVALID_CONFIGS = [
     pytest.param({"lora_alpha": float("nan")}, "NaN is not valid JSON", id="NaN alpha"),
     pytest.param({"r": True}, "r must be a positive integer, got True", id="bool r"),
     pytest.param({"target_modules": None}, "target_modules is missing", id="no targets"),
+    pytest.param({"r": 10**9}, "r=1000000000 is over 65536", id="huge r"),
+    pytest.param({"rank_pattern": {"q_proj": 2**40}}, "is over 65536", id="huge rank_pattern"),
+    pytest.param({"lora_alpha": float("inf")}, "Infinity is not valid JSON", id="inf alpha"),
+    pytest.param({"lora_alpha": 1e300}, "lora_alpha=1e+300 is outside +-10000", id="huge alpha"),
+    pytest.param(
+        {"alpha_pattern": {"v_proj": -1e5}}, "is outside +-10000", id="huge alpha_pattern"
+    ),
+    pytest.param(
+        {"target_modules": r"(q)_proj\1"}, "is not a valid regex (invalid escape", id="RE2 refuses"
+    ),
+    pytest.param(
+        {"target_modules": "(?=q).*"}, "is not a valid regex (invalid perl operator", id="lookahead"
+    ),
+    pytest.param({"target_modules": ["q_proj"] * 5000}, "over 4096", id="long target list"),
+    pytest.param(
+        {"layers_to_transform": [10**12], "layers_pattern": "layers"},
+        "integers from 0 to 1048576",
+        id="huge layer index",
+    ),
 ]
 
 
@@ -459,8 +480,8 @@ def test_malformed_safetensors(adapter_dir: Path) -> None:
     file.write_bytes(data[:-4])
     with pytest.raises(InvalidAdapterError, match=r"tensors cover \d+ bytes of a \d+-byte buffer"):
         load(adapter_dir)
-    file.write_bytes((10**9).to_bytes(8, "little") + data[8:])
-    with pytest.raises(InvalidAdapterError, match="header length 1000000000 exceeds the file"):
+    file.write_bytes((10**6).to_bytes(8, "little") + data[8:])
+    with pytest.raises(InvalidAdapterError, match="header length 1000000 exceeds the file"):
         load(adapter_dir)
     write_raw_safetensors(file, [(Q_A0, "F64", (4, 64), bytes(4 * 64 * 8))])
     with pytest.raises(UnsupportedAdapterFeatureError, match="dtype 'F64'; only F32, F16 and BF16"):
@@ -527,3 +548,66 @@ def test_adapter_saved_from_a_bare_model_is_the_same_adapter(adapter_dir: Path) 
     }
     write_tensors(adapter_dir, bare)
     assert load_id(adapter_dir) == reference
+
+
+# --- bounds against hostile files ------------------------------------------------------
+
+
+def test_giant_header_length_is_refused_before_reading(adapter_dir: Path) -> None:
+    """A prefix claiming 2^63 header bytes is refused on the 8 bytes, whatever the file."""
+    file = adapter_dir / "adapter_model.safetensors"
+    file.write_bytes((2**63).to_bytes(8, "little") + bytes(64))
+    started = time.perf_counter()
+    with pytest.raises(InvalidAdapterError, match="is over the limit of 1048576 bytes"):
+        load(adapter_dir)
+    with pytest.raises(InvalidAdapterError, match="is over the limit of 1048576 bytes"):
+        parse_adapter(
+            (adapter_dir / "adapter_config.json").read_bytes(),
+            file.read_bytes(),
+            base=tiny_spec(),
+            **{"max_lora_rank": 64, "max_bytes": 8 << 20},
+        )
+    assert time.perf_counter() - started < 1.0
+
+
+def test_header_with_more_tensors_than_the_base_allows(adapter_dir: Path) -> None:
+    # The tiny base has 2 layers x 7 projections: 28 LoRA tensors, and room for as many strays.
+    entries = [(f"t{i}", "F32", (1,), bytes(4)) for i in range(57)]
+    write_raw_safetensors(adapter_dir / "adapter_model.safetensors", entries)
+    with pytest.raises(InvalidAdapterError, match=r"lists 57 tensors; .* at most 56"):
+        load(adapter_dir)
+
+
+def test_deeply_nested_json_is_a_clear_refusal(adapter_dir: Path) -> None:
+    (adapter_dir / "adapter_config.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(InvalidAdapterError, match="nested too deeply"):
+        load(adapter_dir)
+
+
+PATHOLOGICAL = r"([a-z_.0-9]+)+X"  # Python's re: 2^len(name) steps before it fails
+
+
+@pytest.mark.parametrize(
+    "field", ["target_modules", "exclude_modules", "rank_pattern", "layers_pattern"]
+)
+def test_pathological_regexes_match_in_linear_time(field: str) -> None:
+    long_name = "model." + "a" * 50_000 + ".self_attn.q_proj"
+    started = time.perf_counter()
+    for key in ("model.layers.0.self_attn.q_proj", long_name):
+        if field == "target_modules":
+            assert not target_selected(key, target_modules=PATHOLOGICAL)
+        elif field == "exclude_modules":
+            assert target_selected(key, target_modules=["q_proj"], exclude_modules=PATHOLOGICAL)
+        elif field == "rank_pattern":
+            assert lookup_pattern({PATHOLOGICAL: 2}, key, 8) == 8
+        else:
+            assert layer_index(key, PATHOLOGICAL) is None
+    assert time.perf_counter() - started < 1.0
+
+
+def test_pathological_target_modules_adapter_is_refused_fast(adapter_dir: Path) -> None:
+    edit_config(adapter_dir, target_modules=PATHOLOGICAL)
+    started = time.perf_counter()
+    with pytest.raises(InvalidAdapterError, match=r"which adapter_config\.json does not"):
+        load(adapter_dir)
+    assert time.perf_counter() - started < 1.0

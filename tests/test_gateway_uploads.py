@@ -225,7 +225,7 @@ def hostile_cases(adapter: Path, tmp: Path, marker: Path) -> dict[str, tuple[dic
             archive_upload(
                 "x", tar_bytes([good[0], zeros_member("adapter_model.safetensors", 64 << 20)])
             ),
-            (413, None, "file", "expands past"),
+            (413, None, "adapter_model.safetensors", "declares 67108864 bytes"),
         ),
         "pickle-payload": (
             archive_upload(
