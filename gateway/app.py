@@ -18,6 +18,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Response
+from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -27,13 +28,15 @@ from gateway import adapter_routes, admin_routes, metrics, openai_routes
 from gateway.adapter_catalog import AdapterCatalog
 from gateway.deps import State, require_admin
 from gateway.errors import install_error_handlers
+from gateway.http_server import start_side_listener
+from gateway.limits import BodyLimits, RequestBodyGuard
 from gateway.quotas import QuotaService
 from gateway.routing import WorkerDirectory
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.tenants import TenantStore
 from gateway.tokenizer import ChatTokenizer
-from gateway.worker_client import WorkerChannels
+from gateway.worker_client import WorkerChannels, WorkerCredentials
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,9 @@ def _context_length(config: dict[str, Any], configured: int) -> int:
 async def open_state(settings: GatewaySettings) -> GatewayState:
     """Everything the requests share; the caller closes it (`GatewayState.close`)."""
     config = json.loads((settings.model / "config.json").read_text())
-    tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, settings.model)
+    tokenizer = await asyncio.to_thread(
+        ChatTokenizer.from_dir, settings.model, threads=settings.tokenizer_threads
+    )
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
         max_connections=settings.redis_max_connections,
@@ -95,7 +100,7 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
             load_factor=settings.route_load_factor,
             load_slack=settings.route_load_slack,
         ),
-        channels=WorkerChannels(),
+        channels=WorkerChannels(WorkerCredentials.from_settings(settings)),
     )
 
 
@@ -113,42 +118,103 @@ class StampArrival:
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
-    """The app; `settings` default to the `SWITCHBOARD_*` environment."""
+    """The app; `settings` default to the `SWITCHBOARD_*` environment.
+
+    With `admin_port` set, /admin, /metrics and the docs are served only by a second app
+    on that port (`app.state.admin_port`), started and stopped by this one's lifespan."""
     settings = settings or GatewaySettings()
+    separate = settings.admin_port is not None
+    admin_app = _admin_app(settings) if separate and (settings.admin_api or settings.docs) else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await open_state(settings)
         app.state.gateway = state
-        listener = None
+        listener = admin = None
         try:
             if settings.metrics_port is not None:
                 listener = metrics.serve(settings.metrics_port, host=settings.host)
                 app.state.metrics_port = listener.port
                 log.info("metrics on http://%s:%d/metrics", settings.host, listener.port)
+            if admin_app is not None:
+                admin_app.state.gateway = state
+                admin = await start_side_listener(
+                    admin_app, settings, host=settings.admin_host, port=settings.admin_port
+                )
+                app.state.admin_port = admin[0].port
+                log.info("admin on http://%s:%d/admin", settings.admin_host, admin[0].port)
             yield
         finally:
+            if admin is not None:
+                admin[0].should_exit = True
+                await admin[1]
             if listener is not None:
                 await asyncio.to_thread(listener.close)
             await state.close()
+            state.tokenizer.close()
 
-    app = FastAPI(title="Switchboard gateway", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="Switchboard gateway",
+        version=VERSION,
+        lifespan=lifespan,
+        **_docs_urls(settings.docs and not separate),
+    )
+    _build(app, settings, public=True, admin=settings.admin_api and not separate)
+    if admin_app is not None:
+        # The admin port's docs describe both ports' routes.
+        admin_app.openapi = lambda: _openapi(admin_app, app)  # type: ignore[method-assign]
+    return app
+
+
+VERSION = "0.1.0"
+
+
+def _docs_urls(enabled: bool) -> dict[str, str | None]:
+    if enabled:
+        return {}
+    return {"docs_url": None, "redoc_url": None, "openapi_url": None}
+
+
+def _admin_app(settings: GatewaySettings) -> FastAPI:
+    app = FastAPI(title="Switchboard gateway (admin)", version=VERSION, **_docs_urls(settings.docs))
+    _build(app, settings, public=False, admin=settings.admin_api)
+    return app
+
+
+def _openapi(admin_app: FastAPI, public: FastAPI) -> dict[str, Any]:
+    if admin_app.openapi_schema is None:
+        admin_app.openapi_schema = get_openapi(
+            title=public.title,
+            version=VERSION,
+            routes=[*public.routes, *(r for r in admin_app.routes if not _also_public(r))],
+        )
+    return admin_app.openapi_schema
+
+
+def _also_public(route: Any) -> bool:
+    return getattr(route, "path", None) in {"/health", "/ready"}
+
+
+def _build(app: FastAPI, settings: GatewaySettings, *, public: bool, admin: bool) -> None:
+    """Routes and middleware of the public app and/or the admin routes."""
     app.add_middleware(StampArrival)
     install_error_handlers(app)
-    app.include_router(openai_routes.router)
-    app.include_router(adapter_routes.router)
-    app.include_router(admin_routes.router)
+    if public:
+        app.include_router(openai_routes.router)
+        app.include_router(adapter_routes.router)
+    if admin:
+        app.include_router(admin_routes.router)
+
+        @app.get("/metrics", include_in_schema=False, dependencies=[Depends(require_admin)])
+        async def metrics_text() -> Response:
+            """This process's `switchboard_…` metrics, for the admin only: their labels name
+            every tenant and adapter. Prometheus scrapes `metrics_port` instead."""
+            return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         """Liveness: the process serves HTTP."""
         return {"status": "ok"}
-
-    @app.get("/metrics", include_in_schema=False, dependencies=[Depends(require_admin)])
-    async def metrics_text() -> Response:
-        """This process's `switchboard_…` metrics, for the admin only: their labels name every
-        tenant and adapter. Prometheus scrapes `metrics_port` instead."""
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/ready")
     async def ready(state: State) -> dict[str, str]:
@@ -156,4 +222,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         await state.redis.ping()
         return {"status": "ready"}
 
-    return app
+    # Outermost of ours: sizes and paces bodies before any route, parser or dependency.
+    limits = BodyLimits(
+        generation=settings.max_request_body_bytes,
+        upload=settings.max_upload_bytes,
+        other=settings.max_small_body_bytes,
+    )
+    app.add_middleware(RequestBodyGuard, limits=limits, read_timeout_s=settings.http_body_timeout_s)

@@ -87,6 +87,14 @@ class PayloadTooLargeError(GatewayError):
     code = "payload_too_large"
 
 
+class RequestTimeoutError(GatewayError):
+    """The client stopped sending its body (a pause past `http_body_timeout_s`)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class RateLimitError(GatewayError):
     """A quota refused the request (429), with OpenAI's rate-limit and Retry-After headers.
     `kind` is OpenAI's error type: "requests", "tokens" or "insufficient_quota"."""

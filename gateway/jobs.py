@@ -1,5 +1,6 @@
-"""From an OpenAI request to a `Job` the workers can run: resolve the model, tokenize,
-settle max_tokens against the context, and translate the sampling fields.
+"""From an OpenAI request to a `Job` the workers can run: resolve the model (the prompt's
+tokens come from `gateway.prompts`), settle max_tokens against the context, and translate
+the sampling fields.
 
 max_tokens defaults (documented in README): completions 16 (OpenAI's default for the
 legacy endpoint), chat the whole remaining context; both are capped by the context, and an
@@ -14,14 +15,11 @@ import uuid
 from dataclasses import dataclass
 
 from gateway.errors import InvalidRequestError, ModelNotFoundError
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.protocol import SamplingFields
 from gateway.tenants import Caller, TenantAdapter, TenantStore
-from gateway.tokenizer import ChatTokenizer
 from rpc import worker_pb2
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-# Tokenize long texts off the event loop so one big prompt does not stall every stream.
-INLINE_TOKENIZE_CHARS = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,28 +64,6 @@ async def resolve_model(
     if adapter is None:
         raise ModelNotFoundError(model)
     return adapter
-
-
-async def _encode(tokenizer: ChatTokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
-    if len(text) <= INLINE_TOKENIZE_CHARS:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
-
-
-async def completion_prompt_ids(body: CompletionRequest, *, tokenizer: ChatTokenizer) -> list[int]:
-    prompt = body.single_prompt()
-    if isinstance(prompt, str):
-        return await _encode(tokenizer, prompt, add_special_tokens=True)
-    vocab = tokenizer.vocab_size
-    if any(not 0 <= t < vocab for t in prompt):
-        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-    return list(prompt)
-
-
-async def chat_prompt_ids(body: ChatCompletionRequest, *, tokenizer: ChatTokenizer) -> list[int]:
-    messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-    text = tokenizer.render_chat(messages, add_generation_prompt=body.add_generation_prompt)
-    return await _encode(tokenizer, text, add_special_tokens=False)
 
 
 def settle_max_tokens(

@@ -2,10 +2,15 @@
 
 Unknown fields are ignored, as vLLM does: clients and benchmark tools send many. Fields we
 accept but cannot honour are refused with a 400 by `check_supported`, never silently dropped.
+Every sampling field is bounded here (the table is in gateway/README.md; the workers check
+the same bounds again); NaN and infinity are refused wherever a number is taken (Python's
+json parser accepts `NaN` and `Infinity`). Bounds that are settings (stop strings, message
+counts) are checked by `check_shape`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,6 +28,30 @@ INT64 = {"ge": -(2**63), "le": 2**63 - 1}
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
+# repetition_penalty divides positive logits: near 0 it overflows them to infinity.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeLimits:
+    """Bounds on a request's shape that are settings (`GatewaySettings.max_stop_strings`…)."""
+
+    max_stop_strings: int
+    max_stop_string_chars: int
+    max_stop_token_ids: int
+    max_chat_messages: int
+
+    @classmethod
+    def of(cls, settings: Any) -> ShapeLimits:
+        return cls(
+            max_stop_strings=settings.max_stop_strings,
+            max_stop_string_chars=settings.max_stop_string_chars,
+            max_stop_token_ids=settings.max_stop_token_ids,
+            max_chat_messages=settings.max_chat_messages,
+        )
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -30,7 +59,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """What both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -48,7 +77,9 @@ class SamplingFields(BaseModel):
     # vLLM extras.
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    repetition_penalty: float = Field(
+        default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     skip_special_tokens: bool = True
@@ -65,6 +96,26 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_shape(self, limits: ShapeLimits) -> None:
+        """The bounds that are settings; each past its bound is a 400 naming the field."""
+        stops = self.stop_strings
+        if len(stops) > limits.max_stop_strings:
+            raise InvalidRequestError(
+                f"at most {limits.max_stop_strings} stop strings are allowed, got {len(stops)}",
+                param="stop",
+            )
+        if any(len(s) > limits.max_stop_string_chars for s in stops):
+            raise InvalidRequestError(
+                f"a stop string may have at most {limits.max_stop_string_chars} characters",
+                param="stop",
+            )
+        if len(self.stop_token_ids) > limits.max_stop_token_ids:
+            raise InvalidRequestError(
+                f"at most {limits.max_stop_token_ids} stop_token_ids are allowed, "
+                f"got {len(self.stop_token_ids)}",
+                param="stop_token_ids",
+            )
 
     def check_supported(self) -> None:
         if self.logit_bias:
@@ -115,7 +166,7 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     type: str
     text: str | None = None
@@ -165,6 +216,15 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def check_shape(self, limits: ShapeLimits) -> None:
+        super().check_shape(limits)
+        if len(self.messages) > limits.max_chat_messages:
+            raise InvalidRequestError(
+                f"at most {limits.max_chat_messages} messages are allowed, "
+                f"got {len(self.messages)}",
+                param="messages",
+            )
 
     def check_supported(self) -> None:
         super().check_supported()

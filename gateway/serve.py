@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from gateway.app import create_app
+from gateway.http_server import server_config
 from gateway.settings import GatewaySettings
 
 # Successful generation requests are logged by gateway.metrics.RequestObservation, with the
@@ -39,16 +40,13 @@ def serve(args: argparse.Namespace) -> int:
     overrides = {name: value for name in flags if (value := getattr(args, name)) is not None}
     settings = GatewaySettings(**overrides)
     app = create_app(settings)
-    uvicorn.run(
+    config = server_config(
         app,
-        host=settings.host,
-        port=settings.port,
+        settings,
         log_level=args.log_level,
         log_config=None,  # keep the process's logging (JSON lines with request ids)
-        # Longer than clients keep idle connections (httpx and the openai client: 5 s, the
-        # same as uvicorn's default), so the server never closes one a client is reusing.
-        timeout_keep_alive=settings.http_keep_alive_s,
         # Ctrl-C / SIGTERM: stop accepting, let streams finish for a few seconds.
         timeout_graceful_shutdown=args.graceful_s,
     )
+    uvicorn.Server(config).run()
     return 0

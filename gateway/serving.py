@@ -14,14 +14,12 @@ from fastapi.sse import EventSourceResponse
 
 from gateway import metrics
 from gateway.admission import Admission
-from gateway.errors import ClientDisconnectedError, status_of
+from gateway.errors import ClientDisconnectedError, InvalidRequestError, status_of
 from gateway.generation import Tally, collect, generate_all, open_stream, stream_events
 from gateway.interrupts import Interrupt
 from gateway.jobs import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     Job,
-    chat_prompt_ids,
-    completion_prompt_ids,
     new_job,
     resolve_model,
     sampling_params,
@@ -29,7 +27,8 @@ from gateway.jobs import (
 )
 from gateway.metrics import RequestObservation
 from gateway.openai_format import ChatFormat, CompletionFormat, Header, OutputFormat
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.prompts import chat_prompt_ids, completion_prompt_ids
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, ShapeLimits
 from gateway.state import GatewayState
 from gateway.tenants import Caller
 from gateway.usage import UsageDelta
@@ -39,6 +38,9 @@ T = TypeVar("T")
 # What proxies must not do to an event stream: cache it or buffer it.
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 OVERHEAD_HEADER = "x-switchboard-overhead-ms"
+# Non-streaming replies with more token entries (tokens and their top logprobs) than this
+# are assembled and serialized on a thread, so a big n × logprobs answer stalls no stream.
+INLINE_COLLECT_ENTRIES = 2048
 
 
 async def list_models(*, state: GatewayState, caller: Caller) -> dict[str, Any]:
@@ -74,8 +76,11 @@ async def serve_completion(
     tally = Tally(arrived=arrival_of(request))
     with _observed(caller, body.model, "completions", tally) as observation:
         body.check_supported()
+        body.check_shape(ShapeLimits.of(state.settings))
         adapter = await _resolve(body.model, state=state, caller=caller)
-        prompt_ids = await completion_prompt_ids(body, tokenizer=state.tokenizer)
+        prompt_ids = await completion_prompt_ids(
+            body, tokenizer=state.tokenizer, max_model_len=state.max_model_len
+        )
         best_of = body.samples_to_generate if body.samples_to_generate > body.n else None
         return await _serve(
             body,
@@ -102,8 +107,11 @@ async def serve_chat(
     tally = Tally(arrived=arrival_of(request))
     with _observed(caller, body.model, "chat", tally) as observation:
         body.check_supported()
+        body.check_shape(ShapeLimits.of(state.settings))
         adapter = await _resolve(body.model, state=state, caller=caller)
-        prompt_ids = await chat_prompt_ids(body, tokenizer=state.tokenizer)
+        prompt_ids = await chat_prompt_ids(
+            body, tokenizer=state.tokenizer, max_model_len=state.max_model_len
+        )
         return await _serve(
             body,
             adapter=adapter,
@@ -169,6 +177,12 @@ async def _serve(
         prompt_len=len(prompt_ids),
         max_model_len=state.max_model_len,
     )
+    max_tokens = bound_generated_tokens(
+        max_tokens,
+        samples=best_of or body.n,
+        explicit=requested_max_tokens is not None,
+        limit=state.settings.max_generated_tokens,
+    )
     params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, n=best_of)
     job = new_job(
         body,
@@ -212,6 +226,20 @@ async def _serve(
         observation.finish(status_of(exc))
         await settle()
         raise
+
+
+def bound_generated_tokens(max_tokens: int, *, samples: int, explicit: bool, limit: int) -> int:
+    """n (or best_of) × max_tokens within `max_generated_tokens`: an explicit max_tokens past
+    it is a 400; a default one is cut to fit."""
+    if samples * max_tokens <= limit:
+        return max_tokens
+    if explicit or samples > limit:
+        raise InvalidRequestError(
+            f"n × max_tokens may be at most {limit} tokens; this request asks for "
+            f"{samples} × {max_tokens}",
+            param="max_tokens" if explicit else "n",
+        )
+    return limit // samples
 
 
 def arrival_of(request: Request) -> float:
@@ -273,9 +301,21 @@ async def respond(
         return ClosingEventStream(events, on_close=on_close, headers=headers)
 
     reply = await until_disconnect(request, admission.run(lambda: generate_all(job, **where)))
-    body = collect(reply, job=job, fmt=fmt, tally=tally)
+    top = job.params.logprobs if job.params.HasField("logprobs") else 0
+    entries = sum(len(m.token_ids) for m in reply.responses) * (1 + top)
+    if entries <= INLINE_COLLECT_ENTRIES:
+        body = collect(reply, job=job, fmt=fmt, tally=tally)
+        await on_close()
+        return JSONResponse(body, headers={**admission.headers, **_overhead_header(tally)})
+    # Assembled and serialized on a thread; the tally is final once it is back.
+    response = await asyncio.to_thread(_collected_response, reply, job, fmt, tally)
     await on_close()
-    return JSONResponse(body, headers={**admission.headers, **_overhead_header(tally)})
+    response.headers.update({**admission.headers, **_overhead_header(tally)})
+    return response
+
+
+def _collected_response(reply, job: Job, fmt: OutputFormat, tally: Tally) -> JSONResponse:
+    return JSONResponse(collect(reply, job=job, fmt=fmt, tally=tally))
 
 
 def _overhead_header(tally: Tally) -> dict[str, str]:

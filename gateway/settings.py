@@ -33,6 +33,20 @@ class GatewaySettings(BaseSettings):
     # Every key starts with it, so several deployments (or tests) can share one Redis.
     key_prefix: str = "sb:"
 
+    # How the gateway proves itself to workers (worker/auth.py). With any of these set every
+    # worker is dialled over TLS; with none, loopback workers in plaintext and any other over
+    # TLS against the system's roots (never plaintext off this machine).
+    # The CA that signed the workers' certificates (PEM).
+    worker_tls_ca: Path | None = None
+    # The gateway's client certificate and key (PEM), for workers that require mutual TLS.
+    worker_tls_cert: Path | None = None
+    worker_tls_key: Path | None = None
+    # The name checked on a worker's certificate: workers are dialled by pod IP, which no
+    # certificate made in advance names (switchboard/certs.py WORKER_NAME). "": the address.
+    worker_tls_server_name: str = "switchboard-worker"
+    # A shared secret sent as gRPC call credentials (`authorization: Bearer …`), over TLS.
+    worker_token: SecretStr = SecretStr("")
+
     admin_token: SecretStr = SecretStr("")
     # Allows an empty or well-known admin token: for a laptop, never for a deployment.
     dev_mode: bool = False
@@ -41,6 +55,42 @@ class GatewaySettings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     # Idle keep-alive connections are closed after this; keep it above clients' own expiry.
     http_keep_alive_s: float = Field(default=75.0, gt=0)
+    # Slowloris bounds: a request's line and headers must all arrive within this of the
+    # connection opening (or of the first byte of a kept-alive connection's next request),
+    # and a body may pause at most body_timeout_s between chunks (408 past it).
+    http_header_timeout_s: float = Field(default=10.0, gt=0)
+    http_body_timeout_s: float = Field(default=30.0, gt=0)
+    # Open connections (and running requests) past which uvicorn answers 503 at once.
+    http_max_connections: int = Field(default=2048, ge=1)
+    http_backlog: int = Field(default=2048, ge=1)
+    # The request line plus headers, in bytes (h11's max incomplete event): 431/400 past it.
+    http_max_header_bytes: int = Field(default=64 << 10, ge=1024)
+    # Request bodies, refused with 413 from Content-Length (or as they stream) before any
+    # parsing or authentication. Completions and chat: a whole context of text with room to
+    # spare; uploads: max_upload_bytes; every other route (admin, usage): small.
+    max_request_body_bytes: int = Field(default=4 << 20, ge=1024)
+    max_small_body_bytes: int = Field(default=64 << 10, ge=1024)
+
+    # /admin (and the admin-token /metrics): None serves them on `port`; a number serves them
+    # only on that port of admin_host (0: any free one, logged), never on `port`.
+    admin_port: int | None = Field(default=None, ge=0, le=65535)
+    admin_host: str = "127.0.0.1"
+    # False: no /admin routes at all (manage tenants with another gateway that has them).
+    admin_api: bool = True
+    # /docs and /openapi.json, beside /admin (on admin_port when set); None: on in dev mode.
+    docs: bool | None = None
+
+    # Request shape (each past its bound is a 400 naming the field).
+    max_stop_strings: int = Field(default=16, ge=0)
+    max_stop_string_chars: int = Field(default=256, ge=1)
+    max_stop_token_ids: int = Field(default=64, ge=0)
+    max_chat_messages: int = Field(default=1024, ge=1)
+    # n (or best_of) × max_tokens: tokens one request may ask the workers to generate. A
+    # request without max_tokens gets its default cut to fit instead of a 400.
+    max_generated_tokens: int = Field(default=65536, ge=1)
+    # Threads that tokenize and render chat templates (off the event loop).
+    tokenizer_threads: int = Field(default=2, ge=1)
+
     # Prometheus' own port, unauthenticated, on `host`: metric labels name tenants and
     # adapters, so the HTTP port's /metrics needs the admin token and Prometheus scrapes here
     # (a port kept out of the Service; the NetworkPolicy opens it for scraping only).
@@ -102,6 +152,12 @@ class GatewaySettings(BaseSettings):
                 '"import secrets; print(secrets.token_urlsafe(32))"`) or set '
                 "SWITCHBOARD_DEV_MODE=1 on a development machine"
             )
+        if self.docs is None:
+            self.docs = self.dev_mode
         if not self.served_model_name:
             self.served_model_name = self.model.name
+        if (self.worker_tls_cert is None) != (self.worker_tls_key is None):
+            raise ValueError(
+                "SWITCHBOARD_WORKER_TLS_CERT and SWITCHBOARD_WORKER_TLS_KEY go together"
+            )
         return self

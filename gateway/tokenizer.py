@@ -7,24 +7,36 @@ Rust tokenizer transformers wraps) and render the chat template with a sandboxed
 environment configured the way transformers configures it (`trim_blocks`, `lstrip_blocks`,
 `loopcontrols`, `raise_exception`, `tojson`, the special tokens as variables). A test checks
 the rendering against transformers' `apply_chat_template`.
+
+Long texts are tokenized, and large conversations rendered, on a small thread pool of the
+tokenizer's own, never on the event loop; `min_tokens` bounds a text's token count from its
+byte length alone, so a prompt that cannot fit is refused without tokenizing it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers
 
 from gateway.errors import InvalidRequestError
 
 SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Texts up to this many characters are tokenized inline: the hand-off to a thread costs more.
+INLINE_CHARS = 8192
+INLINE_MESSAGES = 64
+# Pre-tokenizers and normalizers that never drop or shrink text (see `_longest_token_bytes`).
+KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split"})
 
 
 class TokenizerFilesError(RuntimeError):
@@ -38,9 +50,18 @@ class ChatTokenizer:
     tokenizer: Tokenizer
     chat_template: jinja2.Template | None
     special_tokens: Mapping[str, str]
+    # Bytes of text one token can cover at most; None where the tokenizer can shrink text
+    # (a normalizer, an unknown-token fallback) and no byte bound holds.
+    longest_token_bytes: int | None = None
+    threads: int = 2
+    pool: ThreadPoolExecutor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="tokenize")
+        object.__setattr__(self, "pool", pool)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> ChatTokenizer:
+    def from_dir(cls, path: str | Path, *, threads: int = 2) -> ChatTokenizer:
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
@@ -53,7 +74,40 @@ class ChatTokenizer:
         }
         source = _chat_template_source(path, config)
         template = _compile(source) if source is not None else None
-        return cls(Tokenizer.from_file(str(file)), template, special)
+        tokenizer = Tokenizer.from_file(str(file))
+        return cls(tokenizer, template, special, _longest_token_bytes(tokenizer), threads)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `encode(text)`'s length: every token covers at most
+        `longest_token_bytes` bytes of the text (0 where no bound holds)."""
+        if self.longest_token_bytes is None:
+            return 0
+        return math.ceil(len(text.encode("utf-8", "surrogatepass")) / self.longest_token_bytes)
+
+    async def encode_async(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, on the pool unless the text is short."""
+        if len(text) <= INLINE_CHARS:
+            return self.encode(text, add_special_tokens=add_special_tokens)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.pool, lambda: self.encode(text, add_special_tokens=add_special_tokens)
+        )
+
+    async def render_chat_async(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """`render_chat`, on the pool unless the conversation is small."""
+        size = sum(len(m.get("content") or "") for m in messages)
+        if size <= INLINE_CHARS and len(messages) <= INLINE_MESSAGES:
+            return self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.pool,
+            lambda: self.render_chat(messages, add_generation_prompt=add_generation_prompt),
+        )
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -90,6 +144,55 @@ class ChatTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def _longest_token_bytes(tokenizer: Tokenizer) -> int | None:
+    """The most bytes of input text one token can stand for, where that is bounded.
+
+    A BPE token's vocabulary string is never shorter in UTF-8 than the input it matches:
+    byte-level pieces spell each input byte as one character of 1-2 bytes, Metaspace spells a
+    1-byte space as "▁" (3), byte fallback spells a byte as "<0xAB>". That holds only if
+    nothing shrinks the text first, so any normalizer other than Prepend/expanding Replace,
+    a pre-tokenizer that drops text (whitespace splitting), an added token that strips
+    spaces, another model (WordPiece maps a whole unknown word to one token) or an unknown
+    token that is reachable gives None.
+    """
+    spec = json.loads(tokenizer.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or not _keeps_text(spec.get("normalizer"), "normalizer"):
+        return None
+    if not _keeps_text(spec.get("pre_tokenizer"), "pre_tokenizer"):
+        return None
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []):
+        return None  # such a token swallows any run of whitespace beside it
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    byte_level = set(pre_tokenizers.ByteLevel.alphabet()) <= vocab.keys() and "ByteLevel" in (
+        json.dumps(spec.get("pre_tokenizer"))
+    )
+    if model.get("unk_token") is not None and not model.get("byte_fallback") and not byte_level:
+        return None
+    return max(len(token.encode("utf-8")) for token in vocab)
+
+
+def _keeps_text(spec: Mapping[str, Any] | None, kind: str) -> bool:
+    if spec is None:
+        return True
+    name = spec.get("type")
+    if name == "Sequence":
+        parts = spec.get("normalizers" if kind == "normalizer" else "pretokenizers") or []
+        return all(_keeps_text(part, kind) for part in parts)
+    if kind == "normalizer":
+        if name == "Prepend":
+            return True
+        pattern = (spec.get("pattern") or {}).get("String")
+        return (
+            name == "Replace"
+            and pattern is not None
+            and len(spec.get("content", "").encode()) >= len(pattern.encode())
+        )
+    if name == "Split":
+        return spec.get("behavior") != "Removed"
+    return name in KEEPING_PRE_TOKENIZERS
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,0 +1,108 @@
+"""The gateway's uvicorn server: connection, header and keep-alive limits from the settings.
+
+uvicorn bounds the size of a request's headers (h11's max incomplete event) but not how
+long they may take: a client that sends half a header and then a byte every few seconds
+(slowloris) holds its connection forever. `HeaderDeadlineH11` closes a connection whose
+request line and headers are not complete within `http_header_timeout_s` of the connection
+opening, or of the first byte of a kept-alive connection's next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from gateway.settings import GatewaySettings
+
+
+class HeaderDeadlineH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's line and headers."""
+
+    header_timeout_s: float = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.header_deadline: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self.header_deadline is None and self.conn.their_state is h11.IDLE:
+            self._arm()  # a kept-alive connection's next request starts arriving
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._disarm()  # the headers are in (the body has its own timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self.header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self.header_deadline is not None:
+            self.header_deadline.cancel()
+            self.header_deadline = None
+
+    def _headers_late(self) -> None:
+        self.header_deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def protocol_class(header_timeout_s: float) -> type[HeaderDeadlineH11]:
+    """The protocol with this deadline (uvicorn builds protocols from a class alone)."""
+    return type("HeaderDeadlineH11", (HeaderDeadlineH11,), {"header_timeout_s": header_timeout_s})
+
+
+def server_config(app: Any, settings: GatewaySettings, **overrides: Any) -> uvicorn.Config:
+    """uvicorn's Config for the gateway's public port (`overrides`: host, port, log_level…)."""
+    options: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "http": protocol_class(settings.http_header_timeout_s),
+        # Longer than clients keep idle connections (httpx and the openai client: 5 s, the
+        # same as uvicorn's default), so the server never closes one a client is reusing.
+        "timeout_keep_alive": settings.http_keep_alive_s,
+        "limit_concurrency": settings.http_max_connections,
+        "backlog": settings.http_backlog,
+        "h11_max_incomplete_event_size": settings.http_max_header_bytes,
+    }
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
+
+
+class SideListener(uvicorn.Server):
+    """A second port in the gateway's own loop (the admin API): it starts and stops with
+    the app's lifespan, and leaves signals to the main server."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    @property
+    def port(self) -> int:
+        return self.servers[0].sockets[0].getsockname()[1]
+
+    async def start(self) -> asyncio.Task:
+        task = asyncio.create_task(self.serve())
+        while not self.started:
+            if task.done():
+                task.result()  # re-raise a failed start (port taken)
+                raise RuntimeError("the side listener exited before it started")
+            await asyncio.sleep(0.01)
+        return task
+
+
+async def start_side_listener(
+    app: Any, settings: GatewaySettings, *, host: str, port: int
+) -> tuple[SideListener, asyncio.Task]:
+    config = server_config(app, settings, host=host, port=port, lifespan="off", log_config=None)
+    listener = SideListener(config)
+    return listener, await listener.start()

@@ -1,0 +1,134 @@
+"""What a client may send before the app does any work: body size per route and body pace.
+
+`RequestBodyGuard` is a plain ASGI middleware, outside routing, parsing and authentication: a
+declared Content-Length over the route's limit is answered 413 before a byte of the body is
+read; a chunked body is counted as it streams and cut off at the limit; a body that pauses
+longer than the read timeout is answered 408. Either answer closes the connection, so the
+rest of a refused body is never read. Header pace is the server protocol's (`gateway.http_server`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+from gateway.errors import (
+    GatewayError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
+    gateway_error_body,
+)
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+UPLOAD_PATH = "/v1/adapters"
+
+
+@dataclass(frozen=True, slots=True)
+class BodyLimits:
+    """Bytes a body may hold: generation routes, adapter uploads, and every other route."""
+
+    generation: int
+    upload: int
+    other: int
+
+    def for_route(self, method: str, path: str) -> int:
+        if path in GENERATION_PATHS:
+            return self.generation
+        if path == UPLOAD_PATH and method == "POST":
+            return self.upload
+        return self.other
+
+
+class _Refused(Exception):
+    """Raised from `receive` into the app; the guard answers with `error` instead."""
+
+    def __init__(self, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def too_large(limit: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(f"the request body is over {limit} bytes", param=None)
+
+
+def declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
+
+
+class RequestBodyGuard:
+    """Size and pace limits on request bodies, enforced before the app sees the body."""
+
+    def __init__(self, app, *, limits: BodyLimits, read_timeout_s: float) -> None:
+        self.app = app
+        self.limits = limits
+        self.read_timeout_s = read_timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"][len(scope.get("root_path", "")) :] or "/"
+        limit = self.limits.for_route(scope["method"], path)
+        declared = declared_length(scope["headers"])
+        if declared is not None and declared > limit:
+            await refuse(send, too_large(limit))
+            return
+
+        received = 0
+        body_done = False
+        refused: GatewayError | None = None
+        started = False
+
+        async def guarded_receive():
+            nonlocal received, body_done, refused
+            if body_done:  # later receives wait for the disconnect: no timeout on those
+                return await receive()
+            try:
+                async with asyncio.timeout(self.read_timeout_s):
+                    message = await receive()
+            except TimeoutError:
+                refused = RequestTimeoutError(
+                    f"the request body paused for over {self.read_timeout_s:g} s"
+                )
+                raise _Refused(refused) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    refused = too_large(limit)
+                    raise _Refused(refused)
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
+            return message
+
+        async def guarded_send(message) -> None:
+            nonlocal started
+            if refused is not None and not started:
+                return  # the app's own answer to a body it could not read: ours replaces it
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, guarded_receive, guarded_send)
+        except Exception:
+            if refused is None:
+                raise  # the app's own failure, not the refused body's
+        if refused is not None and not started:
+            await refuse(send, refused)
+
+
+async def refuse(send, error: GatewayError) -> None:
+    """An OpenAI error body that closes the connection (what is left of the body is unread)."""
+    body = json.dumps(gateway_error_body(error)).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,268 @@
+"""The gateway stays live under hostile input: body sizes and pace, header pace, prompt bytes,
+request shape and non-finite numbers, and the admin API kept off the public port. Every case
+goes through the real app under uvicorn (the gateway's own server settings) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import uvicorn
+
+from gateway.app import create_app
+from gateway.http_server import server_config
+from gateway.settings import GatewaySettings
+from gateway.tokenizer import ChatTokenizer
+from tests.test_gateway_support import (
+    ADMIN_TOKEN,
+    MODEL_NAME,
+    RunningGateway,
+    create_tenant_key,
+    delete_prefix,
+    gateway_settings,
+)
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@contextlib.asynccontextmanager
+async def served(settings: GatewaySettings) -> AsyncIterator[tuple[RunningGateway, object]]:
+    """The app under uvicorn with `gateway.http_server`'s config, as `switchboard gateway`."""
+    app = create_app(settings)
+    server = uvicorn.Server(server_config(app, settings, port=0, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield RunningGateway(url=f"http://127.0.0.1:{port}", settings=settings), app
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, timeout=10)
+        await delete_prefix(settings.redis_url, settings.key_prefix)
+
+
+@pytest.fixture
+def settings_for(redis_url, redis_prefix, model_dir, tmp_path):
+    def make(**overrides) -> GatewaySettings:
+        return gateway_settings(
+            redis_url=redis_url,
+            prefix=redis_prefix,
+            model_dir=model_dir,
+            store=tmp_path / "store",
+            **overrides,
+        )
+
+    return make
+
+
+async def raw_exchange(url: str, data: bytes, *, wait_s: float = 5.0) -> tuple[bytes, float]:
+    """Send `data` on a fresh connection; what came back until the server closed it, and
+    how long that took."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    started = time.monotonic()
+    try:
+        writer.write(data)
+        received = b""
+        async with asyncio.timeout(wait_s):
+            with contextlib.suppress(ConnectionResetError):  # closed with our bytes unread
+                await writer.drain()
+                while chunk := await reader.read(1 << 16):
+                    received += chunk
+        return received, time.monotonic() - started
+    finally:
+        writer.close()
+
+
+def status_and_body(response: bytes) -> tuple[int, dict]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def assert_openai_error(status: int, body: dict, expected: int, code: str | None = None) -> None:
+    assert status == expected, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    if code is not None:
+        assert error["code"] == code
+
+
+async def test_declared_oversized_body_is_refused_before_auth_and_unread(settings_for):
+    async with served(settings_for(max_request_body_bytes=64 << 10)) as (gw, _):
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n"
+        )
+        # 1 KB of a declared 100 MB, no Authorization: the answer comes without the rest.
+        response, took = await raw_exchange(gw.url, head + b"{" + b" " * 1000)
+        status, body = status_and_body(response)
+        assert_openai_error(status, body, 413, "payload_too_large")
+        assert b"connection: close" in response.lower()
+        assert took < 2.0
+
+
+async def test_chunked_oversized_body_is_cut_off_at_the_limit(settings_for):
+    async with served(settings_for(max_request_body_bytes=64 << 10)) as (gw, _):
+        chunk = b"x" * (16 << 10)
+        chunks = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(8))
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        response, _ = await raw_exchange(gw.url, head + chunks)  # no terminating chunk
+        assert_openai_error(*status_and_body(response), 413, "payload_too_large")
+
+
+async def test_other_routes_have_the_small_limit(settings_for):
+    async with (
+        served(settings_for(max_small_body_bytes=2048)) as (gw, _),
+        httpx.AsyncClient(base_url=gw.url, headers=ADMIN) as admin,
+    ):
+        big = await admin.post("/admin/tenants", json={"name": "x" * 4096})
+        assert_openai_error(big.status_code, big.json(), 413, "payload_too_large")
+        small = await admin.post("/admin/tenants", json={"name": "fits"})
+        assert small.status_code == 201, small.text
+
+
+async def test_a_body_that_stalls_gets_408(settings_for):
+    async with served(settings_for(http_body_timeout_s=0.3)) as (gw, _):
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        )
+        response, took = await raw_exchange(gw.url, head + b'{"model"')
+        assert_openai_error(*status_and_body(response), 408, "request_timeout")
+        assert 0.25 < took < 3.0
+
+
+async def test_slow_headers_are_closed_while_models_stays_fast(settings_for):
+    async with served(settings_for(http_header_timeout_s=0.5)) as (gw, _):
+        key = await create_tenant_key(gw, "acme")
+        slow = asyncio.create_task(
+            raw_exchange(gw.url, b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Slow: ")
+        )
+        latencies = []
+        async with httpx.AsyncClient(
+            base_url=gw.url, headers={"Authorization": f"Bearer {key}"}
+        ) as client:
+            while not slow.done():
+                started = time.monotonic()
+                assert (await client.get("/v1/models")).status_code == 200
+                latencies.append(time.monotonic() - started)
+                await asyncio.sleep(0.02)
+        response, took = await slow
+        assert response == b""  # closed without an answer: the headers never completed
+        assert 0.4 < took < 2.0
+        assert len(latencies) >= 5 and max(latencies) < 0.1, latencies
+
+
+async def test_a_prompt_too_long_in_bytes_is_refused_without_tokenizing(settings_for, model_dir):
+    tokenizer = ChatTokenizer.from_dir(model_dir)
+    assert tokenizer.longest_token_bytes is not None  # the tiny byte-level BPE has a bound
+    async with served(settings_for(max_request_body_bytes=64 << 20)) as (gw, _):
+        key = await create_tenant_key(gw, "acme")
+        prompt = "hello world " * (50_000_000 // 12)  # 50 MB
+        async with httpx.AsyncClient(
+            base_url=gw.url, headers={"Authorization": f"Bearer {key}"}, timeout=30
+        ) as client:
+            started = time.monotonic()
+            r = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt})
+            took = time.monotonic() - started
+    assert_openai_error(r.status_code, r.json(), 400)
+    error = r.json()["error"]
+    # "at least": the byte bound refused it (tokenizing 50 MB would take far longer).
+    assert error["param"] == "prompt" and "at least" in error["message"], error
+    assert took < 10.0
+
+
+def test_the_byte_bound_never_refuses_a_prompt_that_fits(model_dir):
+    tokenizer = ChatTokenizer.from_dir(model_dir)
+    for text in ["hello world", " " * 5000, "ab" * 3000, "日本語" * 500, "<|im_start|>" * 300]:
+        assert tokenizer.min_tokens(text) <= len(tokenizer.encode(text)), text
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
+        ({"stop": "x" * 257}, "stop"),
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+        ({"n": 8, "max_tokens": 200}, "max_tokens"),
+    ],
+)
+async def test_request_shape_bounds(settings_for, extra, param):
+    settings = settings_for(max_model_len=4096, max_generated_tokens=1000)
+    async with served(settings) as (gw, _):
+        key = await create_tenant_key(gw, "acme")
+        async with httpx.AsyncClient(
+            base_url=gw.url, headers={"Authorization": f"Bearer {key}"}
+        ) as client:
+            body = {"model": MODEL_NAME, "prompt": "hi", **extra}
+            r = await client.post("/v1/completions", json=body)
+            assert_openai_error(r.status_code, r.json(), 400)
+            assert r.json()["error"]["param"] == param
+            chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}] * 1025}
+            r = await client.post("/v1/chat/completions", json=chat)
+            assert_openai_error(r.status_code, r.json(), 400)
+            assert r.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        '"temperature": NaN',
+        '"top_p": Infinity',
+        '"presence_penalty": -Infinity',
+        '"repetition_penalty": 0.001',
+        '"repetition_penalty": 2.5',
+        '"min_p": NaN',
+    ],
+)
+async def test_non_finite_and_out_of_range_sampling_values_are_refused(settings_for, field):
+    async with served(settings_for()) as (gw, _):
+        key = await create_tenant_key(gw, "acme")
+        content = f'{{"model": "{MODEL_NAME}", "prompt": "hi", {field}}}'.encode()
+        async with httpx.AsyncClient(base_url=gw.url) as client:
+            r = await client.post(
+                "/v1/completions",
+                content=content,
+                headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+            )
+    assert 400 <= r.status_code < 500, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == field.split('"')[1]
+
+
+async def test_admin_and_docs_on_their_own_port_only(settings_for):
+    settings = settings_for(admin_port=0, admin_host="127.0.0.1", docs=True)
+    async with served(settings) as (gw, app):
+        admin_url = f"http://127.0.0.1:{app.state.admin_port}"
+        async with httpx.AsyncClient(headers=ADMIN) as client:
+            for path in ("/admin/tenants", "/docs", "/openapi.json", "/metrics"):
+                assert (await client.get(gw.url + path)).status_code == 404, path
+            created = await client.post(admin_url + "/admin/tenants", json={"name": "acme"})
+            assert created.status_code == 201, created.text
+            assert (await client.get(admin_url + "/docs")).status_code == 200
+            schema = (await client.get(admin_url + "/openapi.json")).json()
+            assert "/admin/tenants" in schema["paths"] and "/v1/completions" in schema["paths"]
+            assert (await client.get(gw.url + "/health")).status_code == 200
+
+
+async def test_docs_are_off_outside_dev_mode_and_admin_can_be_switched_off(settings_for):
+    async with (
+        served(settings_for(admin_api=False)) as (gw, _),
+        httpx.AsyncClient(base_url=gw.url, headers=ADMIN) as client,
+    ):
+        assert (await client.get("/docs")).status_code == 404
+        assert (await client.get("/openapi.json")).status_code == 404
+        assert (await client.get("/admin/tenants")).status_code == 404
