@@ -4,10 +4,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -18,6 +20,9 @@ from gateway.errors import (
     WorkerFailedError,
 )
 from rpc import worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
@@ -65,20 +70,70 @@ def translate_rpc_error(exc: grpc.RpcError, *, address: str) -> WorkerStreamErro
     return WorkerStreamError(error, retryable=code in RETRYABLE)
 
 
-class WorkerChannels:
-    """A `grpc.aio` channel per worker address, opened on first use, closed together."""
+@dataclass(frozen=True)
+class WorkerCredentials:
+    """What the gateway shows workers (worker/auth.py): TLS files' contents and a token."""
 
-    def __init__(self) -> None:
+    ca: bytes | None = None  # None: the system's roots
+    cert: bytes | None = None
+    key: bytes | None = None
+    token: str = ""
+    server_name: str = ""  # checked on the worker's certificate; "": the dialled host
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> WorkerCredentials | None:
+        """None when nothing is configured: plaintext to loopback workers only."""
+        token = settings.worker_token.get_secret_value()
+        files = (settings.worker_tls_ca, settings.worker_tls_cert, settings.worker_tls_key)
+        if not token and all(f is None for f in files):
+            return None
+        ca, cert, key = (f.read_bytes() if f is not None else None for f in files)
+        return cls(ca, cert, key, token, settings.worker_tls_server_name)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        tls = grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+        if not self.token:
+            return tls
+        return grpc.composite_channel_credentials(
+            tls, grpc.access_token_call_credentials(self.token)
+        )
+
+
+class WorkerChannels:
+    """A `grpc.aio` channel per worker address, opened on first use, closed together.
+
+    With credentials every channel is TLS (plus the token); without, only loopback workers
+    are dialled in plaintext, any other over TLS against the system's roots: a request and its
+    tenant never cross a network unencrypted and unauthenticated."""
+
+    def __init__(self, credentials: WorkerCredentials | None = None) -> None:
+        self._credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._open(address)
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub
+
+    def _open(self, address: str) -> grpc.aio.Channel:
+        credentials = self._credentials
+        if credentials is None:
+            if _is_loopback(address):
+                return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            log.warning(
+                "worker %s is not on loopback and no worker credentials are set "
+                "(SWITCHBOARD_WORKER_TLS_*): dialling it over TLS with the system's roots",
+                address,
+            )
+            credentials = WorkerCredentials()
+        options = list(CHANNEL_OPTIONS)
+        if credentials.server_name:
+            options.append(("grpc.ssl_target_name_override", credentials.server_name))
+        return grpc.aio.secure_channel(address, credentials.channel_credentials(), options)
 
     async def close(self) -> None:
         channels = list(self._channels.values())
@@ -206,3 +261,14 @@ async def unload_adapter(
         log.warning("unloading adapter %s from %s failed: %s", adapter_id, address, exc)
         return False
     return True
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether "host:port" dials this machine ("localhost", 127.0.0.0/8, [::1])."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -205,6 +205,35 @@ def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def certs(args: argparse.Namespace) -> int:
+    """Write a CA, a worker and a gateway certificate for mutual TLS (switchboard/certs.py)."""
+    from pathlib import Path
+
+    from switchboard.certs import CertSet, write_certs
+
+    out = Path(args.out)
+    existing = CertSet.in_dir(out)
+    if (existing.worker.exist() or existing.gateway.exist()) and not args.force:
+        print(f"switchboard: error: {out} already holds certificates (--force)", file=sys.stderr)
+        return 1
+    made = write_certs(out, days=args.days, worker_name=args.worker_name)
+    print(f"{made.worker.cert.parent}  (worker: ca.crt, tls.crt, tls.key)")
+    print(f"{made.gateway.cert.parent}  (gateway: ca.crt, tls.crt, tls.key)")
+    return 0
+
+
+def _certs_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", help="directory to write worker/ and gateway/ into")
+    parser.add_argument("--days", type=int, default=825, help="validity")
+    parser.add_argument(
+        "--worker-name",
+        default="switchboard-worker",
+        help="DNS name on the worker certificate; gateways check it "
+        "(SWITCHBOARD_WORKER_TLS_SERVER_NAME)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace certificates there")
+
+
 def up(args: argparse.Namespace) -> int:
     """Redis (reused or embedded), one worker and the gateway; a demo tenant; Ctrl-C stops."""
     import signal
@@ -300,6 +329,12 @@ COMMANDS: tuple[Command, ...] = (
     WORKER_COMMAND,
     Command(("gateway",), "serve the OpenAI-compatible gateway", gateway, _gateway_arguments),
     Command(("up",), "run Redis, a worker and the gateway together", up, _up_arguments),
+    Command(
+        ("certs",),
+        "write mutual-TLS certificates for gateways and workers",
+        certs,
+        _certs_arguments,
+    ),
     *ADMIN_COMMANDS,
 )
 

@@ -28,3 +28,8 @@ def default_model_dir(home: Path | None = None) -> Path:
 def default_adapter_store(home: Path | None = None) -> Path:
     """Where the gateway writes adapters by content id and workers read them."""
     return (home or switchboard_home()) / "adapters"
+
+
+def default_tls_dir(home: Path | None = None) -> Path:
+    """Where `switchboard up` keeps the gateway⇄worker certificates (switchboard/certs.py)."""
+    return (home or switchboard_home()) / "tls"

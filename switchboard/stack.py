@@ -1,7 +1,9 @@
 """The whole system on one machine: Redis, workers and the gateway as child processes.
 
 ``switchboard up`` (and ``make run``) use it, and so do the end-to-end tests, so what the
-tests exercise is exactly what a user starts. Every child binds to 127.0.0.1.
+tests exercise is exactly what a user starts. Every child binds to 127.0.0.1, and the
+gateway reaches the workers over mutual TLS with certificates made once under
+``$SWITCHBOARD_HOME/tls`` (switchboard/certs.py), as a deployment does.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from pathlib import Path
 
 import httpx
 
+from switchboard.certs import CertSet, ensure_certs
 from switchboard.embedded_redis import EmbeddedRedis, free_port
+from switchboard.home import default_tls_dir
 
 
 @dataclass
@@ -40,6 +44,7 @@ class Stack:
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)
     worker_ports: dict[str, int] = field(default_factory=dict)
     gateway: subprocess.Popen | None = None
+    certs: CertSet | None = None
     _redis: EmbeddedRedis | None = None
     _ports: set[int] = field(default_factory=set)  # worker ports handed out so far
 
@@ -48,6 +53,7 @@ class Stack:
         return f"http://127.0.0.1:{self.gateway_port}"
 
     def start(self, *, timeout: float = 180.0) -> Stack:
+        self.certs = ensure_certs(default_tls_dir(self.home))
         self.redis_url = self.redis_url or reachable_redis()
         if self.redis_url is None:
             self._redis = EmbeddedRedis().start()
@@ -72,12 +78,40 @@ class Stack:
             "--model", str(self.model), "--port", str(port), "--dtype", self.dtype,
             "--redis-url", str(self.redis_url), "--redis-prefix", self.key_prefix,
             "--worker-id", worker_id, "--metrics-port", str(metrics_port),
-            *self.worker_args,
+            *self._worker_tls_args(), *self.worker_args,
         ]  # fmt: skip
         process = subprocess.Popen(args, env=self._env())
         self.workers[worker_id] = process
         self.worker_ports[worker_id] = port
         return process
+
+    def _worker_tls_args(self) -> list[str]:
+        assert self.certs is not None
+        tls = self.certs.worker
+        return [
+            "--tls-cert",
+            str(tls.cert),
+            "--tls-key",
+            str(tls.key),
+            "--tls-client-ca",
+            str(tls.ca),
+        ]
+
+    def worker_channel(self, worker_id: str, *, aio: bool = False):
+        """A gRPC channel to one worker as the gateway dials it (its client certificate)."""
+        import grpc
+
+        from switchboard.certs import WORKER_NAME
+
+        assert self.certs is not None
+        tls = self.certs.gateway
+        credentials = grpc.ssl_channel_credentials(
+            tls.ca.read_bytes(), tls.key.read_bytes(), tls.cert.read_bytes()
+        )
+        options = [("grpc.ssl_target_name_override", WORKER_NAME)]
+        address = f"127.0.0.1:{self.worker_ports[worker_id]}"
+        module = grpc.aio if aio else grpc
+        return module.secure_channel(address, credentials, options)
 
     def _unused_port(self) -> int:
         while (port := free_port()) in self._ports or port == self.gateway_port:
@@ -94,6 +128,12 @@ class Stack:
             SWITCHBOARD_MODEL=str(self.model),
             PYTHONUNBUFFERED="1",
         )
+        if self.certs is not None:  # the gateway's side (GatewaySettings.worker_tls_*)
+            env.update(
+                SWITCHBOARD_WORKER_TLS_CA=str(self.certs.gateway.ca),
+                SWITCHBOARD_WORKER_TLS_CERT=str(self.certs.gateway.cert),
+                SWITCHBOARD_WORKER_TLS_KEY=str(self.certs.gateway.key),
+            )
         if self.home is not None:
             env["SWITCHBOARD_HOME"] = str(self.home)
         return env

@@ -18,15 +18,24 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 def worker(args: argparse.Namespace) -> int:
     """Serve one engine over gRPC until SIGTERM/SIGINT, then drain (see worker/server.py)."""
     import logging
+    import os
     from pathlib import Path
 
     import uvloop
 
     from switchboard.logs import configure_logging, json_lines_wanted
+    from worker.auth import TOKEN_ENV, WorkerAuth
     from worker.main_thread import MainThreadEngineLoop
     from worker.server import serve
 
     configure_logging(level=logging.INFO, json_lines=json_lines_wanted())
+    auth = WorkerAuth(
+        tls_cert=_path(args.tls_cert),
+        tls_key=_path(args.tls_key),
+        tls_client_ca=_path(args.tls_client_ca),
+        token=os.environ.get(TOKEN_ENV) or None,
+    )
+    auth.check(args.host)  # a worker that would listen unauthenticated stops here, at once
     engine_kwargs = worker_engine_kwargs(args)
     # The engine's step loop runs on this (the main) thread, the gRPC asyncio loop beside it.
     engine_loop = MainThreadEngineLoop()
@@ -47,10 +56,18 @@ def worker(args: argparse.Namespace) -> int:
             adapter_store=Path(args.adapter_store),
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
             engine_loop=engine_loop,
+            auth=auth,
+            health_port=None if args.health_port < 0 else args.health_port,
         ),
     )
     engine_loop.run(rpc)
     return 0
+
+
+def _path(value: str | None):
+    from pathlib import Path
+
+    return Path(value) if value else None
 
 
 def worker_engine_kwargs(args: argparse.Namespace) -> dict:
@@ -129,6 +146,7 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--swap-space-gb", type=float, default=1.0, help="host memory for swapped-out KV blocks"
     )
+    _auth_arguments(parser)
     _speculative_arguments(parser)
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may finish"
@@ -144,6 +162,35 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("SWITCHBOARD_ADAPTER_STORE") or str(default_adapter_store()),
         help="where the gateway stores adapters by content id (default: "
         "$SWITCHBOARD_ADAPTER_STORE, else $SWITCHBOARD_HOME/adapters)",
+    )
+
+
+def _auth_arguments(parser: argparse.ArgumentParser) -> None:
+    import os
+
+    parser.add_argument(
+        "--tls-cert",
+        default=os.environ.get("SWITCHBOARD_TLS_CERT"),
+        help="the worker's TLS certificate, PEM (default: $SWITCHBOARD_TLS_CERT)",
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=os.environ.get("SWITCHBOARD_TLS_KEY"),
+        help="its private key, PEM (default: $SWITCHBOARD_TLS_KEY)",
+    )
+    parser.add_argument(
+        "--tls-client-ca",
+        default=os.environ.get("SWITCHBOARD_TLS_CLIENT_CA"),
+        help="require callers' certificates signed by this CA: mutual TLS (default: "
+        "$SWITCHBOARD_TLS_CLIENT_CA). With it and/or a token in $SWITCHBOARD_WORKER_TOKEN "
+        "(sent over TLS) the worker may listen beyond loopback; without both it refuses to",
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=-1,
+        help="also serve grpc.health.v1 alone, in plaintext, on this port of --host: for "
+        "probes that cannot present a client certificate (0: any free one; -1: off)",
     )
 
 

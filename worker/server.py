@@ -6,6 +6,10 @@ One process serves one engine. The engine steps on the process's main thread
 itself to the Redis registry every heartbeat, and on SIGTERM/SIGINT it drains: health goes
 NOT_SERVING, it leaves the registry, new Generate calls get UNAVAILABLE, running ones finish
 (up to a deadline, after which they are aborted), then it stops.
+
+Callers authenticate (``worker.auth``): mutual TLS and/or a shared token over TLS; without
+either the worker refuses to listen anywhere but loopback. ``health_port`` serves
+``grpc.health.v1`` alone in plaintext, for probes that can present no certificate.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError
 
 from rpc import worker_pb2, worker_pb2_grpc
 from switchboard import registry
 from worker.async_engine import AsyncEngine
+from worker.auth import WorkerAuth, WorkerAuthError
 from worker.engine import LLMEngine
 from worker.main_thread import STOP_SIGNALS, MainThreadEngineLoop
 from worker.metrics import WorkerMetrics
@@ -57,7 +62,12 @@ class WorkerServer:
         heartbeat_interval: float = registry.HEARTBEAT_INTERVAL_S,
         adapter_store: Path | None = None,
         engine_runner: Callable[[Callable[[], None]], None] | None = None,
+        auth: WorkerAuth | None = None,
+        health_port: int | None = None,
     ) -> None:
+        self.auth = auth or WorkerAuth()
+        self.auth.check(host)  # before anything slow: a misconfigured worker fails at once
+        self.health_port = health_port
         self._engine_factory = engine_factory
         self._engine_runner = engine_runner  # see AsyncEngine.start
         self.model_name = model_name
@@ -74,7 +84,8 @@ class WorkerServer:
             model_name=model_name, metrics=self.metrics, adapter_store=adapter_store
         )
         self.health = health_aio.HealthServicer()
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(interceptors=self.auth.interceptors())
+        self._health_server = grpc.aio.server() if health_port is not None else None
         self.engine: AsyncEngine | None = None
         self._heartbeat_task: asyncio.Task | None = None
         self._beat_now = asyncio.Event()
@@ -87,16 +98,28 @@ class WorkerServer:
 
     async def start(self) -> None:
         """Listen (health NOT_SERVING), load the model, then serve and register."""
+        await self._check_redis_credentials()
         worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        credentials = self.auth.server_credentials()
+        address = f"{self.host}:{self.port}"
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
         self.worker_id = self.worker_id or f"{socket.gethostname()}-{self.port}"
         await self._set_health(Status.NOT_SERVING)
         await self.server.start()
+        if self._health_server is not None:
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+            self.health_port = self._health_server.add_insecure_port(
+                f"{self.host}:{self.health_port}"
+            )
+            await self._health_server.start()
         try:
             llm_engine = await asyncio.to_thread(self._engine_factory)
         except BaseException:
-            await self.server.stop(grace=None)
+            await self._stop_servers(grace=None)
             raise
         self.engine = AsyncEngine(llm_engine)
         self.engine.start(self._engine_runner)
@@ -143,13 +166,33 @@ class WorkerServer:
                 self.engine.abort_all()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.servicer.wait_idle(), 5.0)
-        await self.server.stop(grace=1.0)
+        await self._stop_servers(grace=1.0)
         if self.engine is not None:
             await self.engine.stop()
+
+    async def _stop_servers(self, *, grace: float | None) -> None:
+        await self.server.stop(grace=grace)
+        if self._health_server is not None:
+            await self._health_server.stop(grace=None)
 
     async def _set_health(self, status: Status) -> None:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, status)
+
+    async def _check_redis_credentials(self) -> None:
+        """A wrong or missing Redis password never heals: say so now, not every heartbeat.
+        Redis being down is different: the worker serves and its heartbeats retry."""
+        if self.redis is None:
+            return
+        try:
+            await asyncio.wait_for(self.redis.ping(), 5.0)
+        except AuthenticationError as exc:
+            raise WorkerAuthError(
+                f"Redis refused the worker's credentials ({exc}): give the password in "
+                "--redis-url (redis://:PASSWORD@host:port/0, or user:PASSWORD@)"
+            ) from exc
+        except (RedisError, OSError, TimeoutError):
+            pass
 
     async def _beat(self) -> None:
         assert self.redis is not None
@@ -202,6 +245,8 @@ async def serve(
     adapter_store: Path | None = None,
     metrics_port: int | None = None,
     engine_loop: MainThreadEngineLoop | None = None,
+    auth: WorkerAuth | None = None,
+    health_port: int | None = None,
 ) -> None:
     """Run a worker until SIGTERM or SIGINT, then drain and stop (``switchboard worker``).
 
@@ -216,6 +261,8 @@ async def serve(
         path: Path = resolve_model_path(model)
         return LLMEngine(path, dtype=dtype, **(engine_kwargs or {}))
 
+    (auth or WorkerAuth()).check(host)  # before connecting to anything
+    # Password and TLS come with the URL (redis://user:pass@..., rediss://...?ssl_ca_certs=...).
     redis = Redis.from_url(redis_url) if redis_url else None
     server = WorkerServer(
         build_engine,
@@ -228,6 +275,8 @@ async def serve(
         redis_prefix=redis_prefix,
         adapter_store=adapter_store,
         engine_runner=engine_loop.runner if engine_loop is not None else None,
+        auth=auth,
+        health_port=health_port,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
