@@ -36,8 +36,8 @@ def serve(args: argparse.Namespace) -> int:
 
     skip_observed_access_lines()
 
-    flags = ("host", "port", "metrics_port", "model")
-    overrides = {name: value for name in flags if (value := getattr(args, name)) is not None}
+    flags = ("host", "port", "metrics_port", "admin_port", "model")
+    overrides = {name: value for name in flags if (value := getattr(args, name, None)) is not None}
     settings = GatewaySettings(**overrides)
     app = create_app(settings)
     config = server_config(

@@ -198,6 +198,12 @@ def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
         help="Prometheus /metrics port on --host, no auth (0: any free one; default: "
         "$SWITCHBOARD_METRICS_PORT, else none: /metrics on the HTTP port, admin token only)",
     )
+    parser.add_argument(
+        "--admin-port",
+        type=int,
+        help="serve /admin (and /metrics, docs) only on this port of $SWITCHBOARD_ADMIN_HOST "
+        "(default 127.0.0.1), never on --port (default: $SWITCHBOARD_ADMIN_PORT, else --port)",
+    )
     parser.add_argument("--model", help="base checkpoint directory (default: $SWITCHBOARD_MODEL)")
     parser.add_argument("--log-level", default="info")
     parser.add_argument(

@@ -236,6 +236,13 @@ def check_ports(m: Manifest, ports: dict[str, int]) -> None:
     assert named_port(gw, "metrics") == gateway_metrics
     assert int(env_value(gw, "SWITCHBOARD_METRICS_PORT")) == gateway_metrics
     assert scraped_port(gateway) == gateway_metrics
+    # /admin on its own port of the pod's loopback: declared by no container port, so no
+    # Service or NetworkPolicy can carry it (both are checked below).
+    admin = ports["gateway-admin"]
+    assert int(env_value(gw, "SWITCHBOARD_ADMIN_PORT")) == admin
+    assert env_value(gw, "SWITCHBOARD_ADMIN_HOST") == "127.0.0.1"
+    assert env_value(gw, "SWITCHBOARD_GATEWAY_URL") == f"http://127.0.0.1:{admin}"  # the CLI
+    assert admin not in {p["containerPort"] for p in gw["ports"]}
 
     grpc = ports["worker-grpc"]
     assert named_port(wk, "grpc") == grpc
@@ -305,6 +312,7 @@ def test_changing_ports_yaml_moves_every_port(tmp_path):
     new = {
         "gateway-http": 8081,
         "gateway-metrics": 9412,
+        "gateway-admin": 8011,
         "worker-grpc": 50061,
         "worker-metrics": 9411,
         "redis": 6390,
