@@ -299,14 +299,12 @@ def _short_completion(stack, api_key, model) -> httpx.Response:
 
 def _serving_worker(stack) -> str:
     """The worker running a request now, asked directly over gRPC (the registry lags)."""
-    import grpc
-
     from rpc import worker_pb2, worker_pb2_grpc
 
-    for worker_id, port in stack.worker_ports.items():
+    for worker_id in stack.worker_ports:
         if stack.workers[worker_id].poll() is not None:
             continue
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with stack.worker_channel(worker_id) as channel:  # mutual TLS, as the gateway
             stats = worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5)
         if stats.running + stats.waiting > 0:
             return worker_id
@@ -323,3 +321,20 @@ def _registry(stack) -> list[dict]:
 def _workers_holding(stack, adapter_id: str) -> list[str]:
     time.sleep(2.5)  # one heartbeat publishes the loaded adapters
     return [w["worker_id"] for w in _registry(stack) if adapter_id in w["adapters"]]
+
+
+def test_workers_answer_only_the_gateways_certificate(stack):
+    """`switchboard up` is secure as started: its workers require the client certificate it
+    made (mutual TLS) even on loopback; a caller without it gets no answer."""
+    import grpc
+
+    from rpc import worker_pb2, worker_pb2_grpc
+
+    for worker_id, port in stack.worker_ports.items():
+        plain = grpc.insecure_channel(f"127.0.0.1:{port}")
+        with plain, pytest.raises(grpc.RpcError) as info:
+            worker_pb2_grpc.WorkerStub(plain).Stats(worker_pb2.StatsRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        with stack.worker_channel(worker_id) as channel:
+            stats = worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=5)
+        assert stats.total_kv_blocks > 0

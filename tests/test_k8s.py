@@ -251,15 +251,19 @@ def check_ports(m: Manifest, ports: dict[str, int]) -> None:
     assert named_port(wk, "metrics") == metrics
     assert int(flag(wk, "metrics-port")) == metrics
     assert scraped_port(worker) == metrics
+    # Probes go to the plaintext health port: kubelet cannot present a client certificate.
+    health = ports["worker-health"]
+    assert named_port(wk, "health") == health
+    assert int(flag(wk, "health-port")) == health
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert wk[probe]["grpc"]["port"] == grpc, probe
+        assert wk[probe]["grpc"]["port"] == health, probe
 
     assert named_port(rd, "redis") == ports["redis"]
     assert int(env_value(rd, "REDIS_PORT")) == ports["redis"]
     assert rd["args"][rd["args"].index("--port") + 1] == str(ports["redis"])
     for c in (gw, wk):
         url = env_value(c, "SWITCHBOARD_REDIS_URL")
-        assert url == f"redis://switchboard-redis:{ports['redis']}", url
+        assert url == f"redis://:$(REDIS_PASSWORD)@switchboard-redis:{ports['redis']}", url
 
     expected_service_port = {
         "switchboard-gateway": http,
@@ -314,6 +318,7 @@ def test_changing_ports_yaml_moves_every_port(tmp_path):
         "gateway-metrics": 9412,
         "gateway-admin": 8011,
         "worker-grpc": 50061,
+        "worker-health": 50062,
         "worker-metrics": 9411,
         "redis": 6390,
     }
@@ -506,6 +511,79 @@ def test_no_secret_is_written_in_the_manifests(manifest):
     assert token["valueFrom"]["secretKeyRef"] == {"name": "switchboard-admin", "key": "token"}
 
 
+# --- who may call a worker, Redis' password --------------------------------------------------
+
+
+def secret_mount(m: Manifest, workload: dict[str, Any], name: str, secret: str) -> str:
+    """Where `secret` is mounted read-only in container `name` (0440: the pod's group)."""
+    (volume,) = [
+        v for v in pod_spec(workload)["volumes"] if v.get("secret", {}).get("secretName") == secret
+    ]
+    assert volume["secret"]["defaultMode"] == 0o440
+    (mount,) = [m for m in container(workload, name)["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True
+    return mount["mountPath"]
+
+
+def test_workers_require_the_gateways_client_certificate(manifest):
+    """Workers listen on 0.0.0.0 with mutual TLS from Secret switchboard-worker-tls; gateways
+    present the client certificate from switchboard-gateway-tls (`switchboard certs` writes
+    both in the Secrets' layout: ca.crt, tls.crt, tls.key)."""
+    from gateway.settings import GatewaySettings
+    from worker.auth import WorkerAuth
+
+    worker = manifest.one("Deployment", "switchboard-worker")
+    wk = container(worker, "worker")
+    at = secret_mount(manifest, worker, "worker", "switchboard-worker-tls")
+    files = {name: flag(wk, name) for name in ("tls-cert", "tls-key", "tls-client-ca")}
+    assert files == {
+        "tls-cert": f"{at}/tls.crt", "tls-key": f"{at}/tls.key", "tls-client-ca": f"{at}/ca.crt"
+    }  # fmt: skip
+    # What the worker itself checks at start: these flags may listen on the pod's IP.
+    auth = WorkerAuth(**{k.replace("-", "_"): Path(v) for k, v in files.items()})
+    auth.check(flag(wk, "host"))
+    with pytest.raises(ValueError):
+        WorkerAuth().check(flag(wk, "host"))
+
+    gateway = manifest.one("Deployment", "switchboard-gateway")
+    gw = container(gateway, "gateway")
+    at = secret_mount(manifest, gateway, "gateway", "switchboard-gateway-tls")
+    tls = {
+        e["name"]: e["value"] for e in gw["env"] if e["name"].startswith("SWITCHBOARD_WORKER_TLS")
+    }
+    assert tls == {
+        "SWITCHBOARD_WORKER_TLS_CA": f"{at}/ca.crt",
+        "SWITCHBOARD_WORKER_TLS_CERT": f"{at}/tls.crt",
+        "SWITCHBOARD_WORKER_TLS_KEY": f"{at}/tls.key",
+    }
+    fields = GatewaySettings.model_fields
+    assert {name.removeprefix("SWITCHBOARD_").lower() for name in tls} <= set(fields)
+    # The optional shared token comes from one Secret for both sides, never a literal.
+    for c in (gw, wk):
+        (token,) = [e for e in c["env"] if e["name"] == "SWITCHBOARD_WORKER_TOKEN"]
+        ref = token["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "switchboard-worker-token", "key": "token", "optional": True}
+
+
+def test_redis_requires_a_password_from_a_secret(manifest):
+    redis = manifest.one("StatefulSet", "switchboard-redis")
+    rd = container(redis, "redis")
+    assert rd["args"][rd["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert "--protected-mode" not in rd["args"]
+    assert 'REDISCLI_AUTH="$REDIS_PASSWORD"' in rd["readinessProbe"]["exec"]["command"][-1]
+    gw = container(manifest.one("Deployment", "switchboard-gateway"), "gateway")
+    wk = container(manifest.one("Deployment", "switchboard-worker"), "worker")
+    for c in (rd, gw, wk):
+        names = [e["name"] for e in c["env"]]
+        (password,) = [e for e in c["env"] if e["name"] == "REDIS_PASSWORD"]
+        ref = {"name": "switchboard-redis", "key": "password"}
+        assert password["valueFrom"]["secretKeyRef"] == ref, c["name"]
+        if c is not rd:
+            # $(VAR) expands only from entries listed before it.
+            assert names.index("REDIS_PASSWORD") < names.index("SWITCHBOARD_REDIS_URL")
+            assert "$(REDIS_PASSWORD)@" in env_value(c, "SWITCHBOARD_REDIS_URL")
+
+
 # --- security, resources, storage ----------------------------------------------------------
 
 
@@ -556,7 +634,7 @@ def test_workers_run_the_engine_on_the_gpu_they_request(manifest):
 
 
 def test_adapter_store_is_shared_at_one_path(manifest):
-    """The gateway sends workers the stored path, so both mount the store at the same place."""
+    """Gateway and workers mount the store at one place (SWITCHBOARD_ADAPTER_STORE)."""
     gateway = manifest.one("Deployment", "switchboard-gateway")
     worker = manifest.one("Deployment", "switchboard-worker")
 

@@ -215,10 +215,8 @@ async def _load(stack: Stack, key: str, gateway: psutil.Process, *, clients: int
 
 
 async def _worker_stats(stack: Stack) -> worker_pb2.StatsResponse:
-    import grpc
-
-    (port,) = stack.worker_ports.values()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    (worker_id,) = stack.worker_ports
+    async with stack.worker_channel(worker_id, aio=True) as channel:  # mutual TLS
         return await worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest())
 
 
