@@ -4,7 +4,10 @@ uvicorn bounds the size of a request's headers (h11's max incomplete event) but 
 long they may take: a client that sends half a header and then a byte every few seconds
 (slowloris) holds its connection forever. `HeaderDeadlineH11` closes a connection whose
 request line and headers are not complete within `http_header_timeout_s` of the connection
-opening, or of the first byte of a kept-alive connection's next request.
+opening, or of the first byte of a kept-alive connection's next request. A request answered
+before its body was read (a 413, a 408) has the rest of its body read and dropped for at most
+`linger_s`, then the connection closes: closing at once would reset it under a client that
+is still sending, and that client would lose the answer (nginx's lingering close).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ class HeaderDeadlineH11(H11Protocol):
     """uvicorn's h11 protocol with a deadline on each request's line and headers."""
 
     header_timeout_s: float = 10.0
+    linger_s: float = 30.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.header_deadline: asyncio.TimerHandle | None = None
+        self.linger: asyncio.TimerHandle | None = None
         super().connection_made(transport)
         self._arm()
 
@@ -37,9 +42,20 @@ class HeaderDeadlineH11(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:
             self._disarm()  # the headers are in (the body has its own timeout)
+        elif self.linger is not None:
+            self.linger.cancel()  # the unread body ended: the connection is reusable
+            self.linger = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            # Answered before its body was read: drop the rest for a while, then close.
+            self.linger = self.loop.call_later(self.linger_s, self.transport.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self.linger is not None:
+            self.linger.cancel()
         super().connection_lost(exc)
 
     def _arm(self) -> None:
@@ -56,9 +72,10 @@ class HeaderDeadlineH11(H11Protocol):
             self.transport.close()
 
 
-def protocol_class(header_timeout_s: float) -> type[HeaderDeadlineH11]:
-    """The protocol with this deadline (uvicorn builds protocols from a class alone)."""
-    return type("HeaderDeadlineH11", (HeaderDeadlineH11,), {"header_timeout_s": header_timeout_s})
+def protocol_class(*, header_timeout_s: float, linger_s: float) -> type[HeaderDeadlineH11]:
+    """The protocol with these times (uvicorn builds protocols from a class alone)."""
+    times = {"header_timeout_s": header_timeout_s, "linger_s": linger_s}
+    return type("HeaderDeadlineH11", (HeaderDeadlineH11,), times)
 
 
 def server_config(app: Any, settings: GatewaySettings, **overrides: Any) -> uvicorn.Config:
@@ -66,7 +83,10 @@ def server_config(app: Any, settings: GatewaySettings, **overrides: Any) -> uvic
     options: dict[str, Any] = {
         "host": settings.host,
         "port": settings.port,
-        "http": protocol_class(settings.http_header_timeout_s),
+        "http": protocol_class(
+            header_timeout_s=settings.http_header_timeout_s,
+            linger_s=settings.http_body_timeout_s,
+        ),
         # Longer than clients keep idle connections (httpx and the openai client: 5 s, the
         # same as uvicorn's default), so the server never closes one a client is reusing.
         "timeout_keep_alive": settings.http_keep_alive_s,

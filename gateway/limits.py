@@ -3,8 +3,9 @@
 `RequestBodyGuard` is a plain ASGI middleware, outside routing, parsing and authentication: a
 declared Content-Length over the route's limit is answered 413 before a byte of the body is
 read; a chunked body is counted as it streams and cut off at the limit; a body that pauses
-longer than the read timeout is answered 408. Either answer closes the connection, so the
-rest of a refused body is never read. Header pace is the server protocol's (`gateway.http_server`).
+longer than the read timeout is answered 408. The rest of a refused body never reaches the
+app; the server drops it for a bounded time, then closes the connection (and header pace is
+the server protocol's too: `gateway.http_server`).
 """
 
 from __future__ import annotations
@@ -123,12 +124,8 @@ class RequestBodyGuard:
 
 
 async def refuse(send, error: GatewayError) -> None:
-    """An OpenAI error body that closes the connection (what is left of the body is unread)."""
+    """The error in OpenAI's format, with the app's body unread."""
     body = json.dumps(gateway_error_body(error)).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),
-    ]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
