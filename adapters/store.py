@@ -4,6 +4,12 @@ The store persists only `LoraAdapter`s, i.e. adapters already read and validated
 gateway calls `load_adapter_dir` / `parse_adapter` once, at upload); it knows nothing about
 base models or limits. Because ids are content hashes, `put` is idempotent and concurrent
 puts of one adapter are harmless: whoever renames first wins, the other finds it done.
+
+The gateway validates uploads in a child process, which writes the canonical directory
+(`write_staged`) under the store's root; `adopt` then renames it into place, so the gateway
+never holds the weights. `stale_entries`, `set_aside` and `restore` let the gateway sweep
+what crashes leave (staging, upload and trash directories; blobs no name references), each
+only once older than a grace period, and never a blob a name just took.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Protocol
@@ -26,6 +33,8 @@ from adapters.lora import LoraAdapter
 # nothing for others: tenants' adapters are private.
 DIR_MODE = 0o750
 FILE_MODE = 0o640
+# Names of what is not (yet, or any more) an adapter: never listed, swept once stale.
+STAGING_PREFIXES = (".tmp-", ".upload-", ".trash-")
 
 
 class AdapterStore(Protocol):
@@ -59,24 +68,79 @@ class FilesystemAdapterStore:
 
     def put(self, adapter: LoraAdapter) -> str:
         """Store `adapter` under its id (no-op if already there); returns the id."""
-        final = self.root / check_adapter_id(adapter.id)
-        if final.is_dir():
+        if (self.root / check_adapter_id(adapter.id)).is_dir():
             return adapter.id
         staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
         try:
-            for name, data in canonical_files(adapter).items():
-                _write_durably(staging / name, data)
-            os.chmod(staging, DIR_MODE)
-            _fsync_dir(staging)
-            try:
-                os.rename(staging, final)  # atomic: readers see all of it or none of it
-            except OSError:
-                if not final.is_dir():  # anything but "a concurrent put won the race"
-                    raise
+            write_staged(adapter, staging)
+            self.adopt(adapter.id, staging)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        _fsync_dir(self.root)
         return adapter.id
+
+    def adopt(self, adapter_id: str, staged: Path) -> bool:
+        """Move `staged` (a `write_staged` directory on the store's filesystem) into place
+        as `adapter_id`; False if the id was there already (its mtime is renewed then, so a
+        sweep's grace period counts from this upload). `staged` is gone or left to the caller."""
+        final = self.root / check_adapter_id(adapter_id)
+        if final.is_dir():
+            os.utime(final)
+            return False
+        try:
+            os.rename(staged, final)  # atomic: readers see all of it or none of it
+        except OSError:
+            if not final.is_dir():  # anything but "a concurrent put won the race"
+                raise
+            os.utime(final)
+            return False
+        os.utime(final)  # the grace period counts from now, not from when it was written
+        _fsync_dir(self.root)
+        return True
+
+    def touch(self, adapter_id: str) -> bool:
+        """Renew a stored blob's mtime (a name is about to reference it); False if absent."""
+        try:
+            os.utime(self.root / check_adapter_id(adapter_id))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def set_aside(self, adapter_id: str) -> Path | None:
+        """Move a blob out of readers' sight (atomically), to delete or `restore` it; None
+        if it is not there."""
+        aside = self.root / f".trash-{uuid.uuid4().hex}"
+        try:
+            os.rename(self.root / check_adapter_id(adapter_id), aside)
+        except FileNotFoundError:
+            return None
+        os.utime(aside)  # fresh: no other sweep takes it for a stale leftover meanwhile
+        return aside
+
+    def restore(self, adapter_id: str, aside: Path) -> None:
+        """Put a blob set aside back; if an upload re-adopted it meanwhile, keep that one."""
+        try:
+            os.rename(aside, self.root / check_adapter_id(adapter_id))
+        except OSError:
+            shutil.rmtree(aside, ignore_errors=True)
+
+    def stale_entries(
+        self, *, grace_s: float, now: float | None = None
+    ) -> tuple[builtins.list[Path], builtins.list[str]]:
+        """(staging / upload / trash directories, blob ids) last modified over `grace_s`
+        ago: what a sweep may remove, the blobs once no name references them."""
+        now = time.time() if now is None else now
+        leftovers, blobs = [], []
+        for entry in self.root.iterdir():
+            try:
+                if now - entry.lstat().st_mtime < grace_s:
+                    continue
+            except FileNotFoundError:
+                continue
+            if entry.name.startswith(STAGING_PREFIXES):
+                leftovers.append(entry)
+            elif is_adapter_id(entry.name) and entry.is_dir():
+                blobs.append(entry.name)
+        return leftovers, sorted(blobs)
 
     def get(self, adapter_id: str) -> Path:
         path = self.root / check_adapter_id(adapter_id)
@@ -104,6 +168,14 @@ class FilesystemAdapterStore:
     def list(self) -> builtins.list[str]:
         """Stored ids, sorted; staging and trash directories are not ids, so never listed."""
         return sorted(p.name for p in self.root.iterdir() if is_adapter_id(p.name) and p.is_dir())
+
+
+def write_staged(adapter: LoraAdapter, staging: Path) -> None:
+    """Write `adapter`'s canonical files durably into the empty directory `staging`."""
+    for name, data in canonical_files(adapter).items():
+        _write_durably(staging / name, data)
+    os.chmod(staging, DIR_MODE)
+    _fsync_dir(staging)
 
 
 def _write_durably(path: Path, data: bytes) -> None:

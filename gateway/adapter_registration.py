@@ -2,24 +2,26 @@
 validate against the base model, store by content id, name; and delete, unloading the
 adapter from every worker once no name points at it.
 
-Validation reads and checks every tensor (numpy work), so it runs in a thread, off the event
-loop. Adapter errors propagate as `adapters.AdapterError` and become 400/413 at the edge.
+Validation runs in a child process under CPU and memory limits (`gateway.upload_validation`),
+never on the event loop. A tenant has at most `max_concurrent_uploads` uploads in flight.
+Adapter errors propagate as `adapters.AdapterError` and become 400/413 at the edge.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import shutil
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 from fastapi import Request
 
-from adapters import ArchiveLimits, load_adapter_dir
-from gateway.adapter_catalog import Removal
+from gateway.adapter_catalog import Registration, Removal
 from gateway.errors import GatewayError, InvalidRequestError
 from gateway.state import GatewayState
 from gateway.tenants import TenantAdapter
@@ -51,43 +53,52 @@ def check_adapter_name(name: str, *, served_model_name: str) -> str:
 async def register_adapter_dir(
     *, state: GatewayState, tenant: str, name: str, path: Path
 ) -> TenantAdapter:
-    """Validate the adapter directory at `path`, store it, and name it for `tenant`."""
-    settings = state.settings
-    check_adapter_name(name, served_model_name=settings.served_model_name)
-    await state.catalog.check_name_free(tenant, name)
-    adapter = await asyncio.to_thread(
-        load_adapter_dir,
-        path,
-        base=state.base,
-        max_lora_rank=settings.max_lora_rank,
-        max_bytes=settings.max_adapter_bytes,
-    )
-    return await state.catalog.register(tenant, name, adapter)
+    """Validate the server-side adapter directory at `path`, store it, name it for `tenant`."""
+    async with state.catalog.upload_slot(tenant), _staging(state) as staging:
+        registration = await _register(
+            state=state, tenant=tenant, name=name, source="dir", path=path, staging=staging
+        )
+    return registration.record
 
 
-async def upload_adapter(request: Request, *, state: GatewayState, tenant: str) -> TenantAdapter:
+async def upload_adapter(request: Request, *, state: GatewayState, tenant: str) -> Registration:
     """Receive a multipart upload into a private staging directory inside the store's volume,
-    register it, and remove the staging directory whatever happened."""
-    settings = state.settings
-    staging = Path(tempfile.mkdtemp(prefix=".upload-", dir=state.adapter_store.root))
-    try:
+    validate and register it, and remove the staging directory whatever happened."""
+    async with state.catalog.upload_slot(tenant), _staging(state) as staging:
         upload = await receive_adapter_upload(
-            request,
+            request, staging=staging, max_upload_bytes=state.settings.max_upload_bytes
+        )
+        registration = await _register(
+            state=state,
+            tenant=tenant,
+            name=upload.name,
+            source=upload.source,
+            path=upload.path,
             staging=staging,
-            max_upload_bytes=settings.max_upload_bytes,
-            archive_limits=ArchiveLimits(
-                max_members=settings.max_archive_members,
-                max_member_bytes=settings.max_adapter_bytes,
-                max_total_bytes=settings.max_adapter_bytes + (1 << 20),
-            ),
         )
-        record = await register_adapter_dir(
-            state=state, tenant=tenant, name=upload.name, path=upload.adapter_dir
-        )
+    if registration.created:
+        state.spawn(preload(state=state, adapter_id=registration.record.adapter_id))
+    return registration
+
+
+async def _register(
+    *, state: GatewayState, tenant: str, name: str, source, path: Path, staging: Path
+) -> Registration:
+    check_adapter_name(name, served_model_name=state.settings.served_model_name)
+    validated = await state.catalog.validator.validate(source=source, path=path, work_dir=staging)
+    return await state.catalog.register(tenant, name, validated)
+
+
+@contextlib.asynccontextmanager
+async def _staging(state: GatewayState) -> AsyncIterator[Path]:
+    """A private directory in the store's volume (so blobs move into place by rename);
+    removed afterwards, or by the store's sweep if the gateway dies first."""
+    root = state.adapter_store.root
+    staging = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix=".upload-", dir=root))
+    try:
+        yield staging
     finally:
         await asyncio.to_thread(shutil.rmtree, staging, ignore_errors=True)
-    state.spawn(preload(state=state, adapter_id=record.adapter_id))
-    return record
 
 
 async def preload(*, state: GatewayState, adapter_id: str) -> None:

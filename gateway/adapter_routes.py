@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from gateway.adapter_catalog import adapter_not_found
 from gateway.adapter_registration import delete_adapter, upload_adapter
@@ -33,10 +33,16 @@ def adapter_object(record: TenantAdapter, *, base_model: str) -> dict[str, Any]:
 
 
 @router.post("", status_code=201)
-async def create(request: Request, caller: CurrentTenant, state: State) -> dict[str, Any]:
-    """Multipart: `name` plus a `file` archive, or `adapter_config` and `adapter_model`."""
-    record = await upload_adapter(request, state=state, tenant=caller.tenant)
-    return adapter_object(record, base_model=state.settings.served_model_name)
+async def create(
+    request: Request, response: Response, caller: CurrentTenant, state: State
+) -> dict[str, Any]:
+    """Multipart: `name` plus a `file` archive, or `adapter_config` and `adapter_model`.
+    201 with the new record; 200 with the existing one when the name already holds this
+    very content (an upload retried); 409 when it holds other content."""
+    registration = await upload_adapter(request, state=state, tenant=caller.tenant)
+    if not registration.created:
+        response.status_code = 200
+    return adapter_object(registration.record, base_model=state.settings.served_model_name)
 
 
 @router.get("")

@@ -31,6 +31,10 @@ class QuotaBody(BaseModel):
     tokens_per_minute: int | None = Field(default=None, ge=1)
     max_concurrent_requests: int | None = Field(default=None, ge=1)
     daily_tokens: int | None = Field(default=None, ge=1)
+    # Adapter storage (float32 bytes of all the tenant's adapters); left out or null: the
+    # gateway's defaults, not unlimited.
+    max_adapters: int | None = Field(default=None, ge=0)
+    max_adapter_bytes: int | None = Field(default=None, ge=0)
 
 
 class NewAdapter(BaseModel):

@@ -82,8 +82,8 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
         base=BaseModelSpec.from_config_dict(config),
         max_model_len=_context_length(config, settings.max_model_len),
         adapter_store=store,
-        catalog=AdapterCatalog(
-            redis=client, prefix=settings.key_prefix, tenants=tenants, store=store
+        catalog=AdapterCatalog.from_settings(
+            settings, redis=client, tenants=tenants, store=store, config=config
         ),
         quotas=QuotaService(
             client,
@@ -130,6 +130,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await open_state(settings)
         app.state.gateway = state
+        state.spawn(state.catalog.keep_swept())  # the adapter store's crash leftovers
         listener = admin = None
         try:
             if settings.metrics_port is not None:

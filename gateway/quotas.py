@@ -40,6 +40,10 @@ QUOTA_FIELDS = {  # Quota attribute → field in the quota hash
     "tokens_per_minute": "tpm",
     "max_concurrent_requests": "concurrency",
     "daily_tokens": "daily_tokens",
+    # Adapter storage, checked by the upload's registration script (gateway.upload_scripts);
+    # unset, the settings' defaults apply (never unlimited: the store is shared).
+    "max_adapters": "max_adapters",
+    "max_adapter_bytes": "max_adapter_bytes",
 }
 
 
@@ -51,6 +55,8 @@ class Quota:
     tokens_per_minute: int | None = None
     max_concurrent_requests: int | None = None
     daily_tokens: int | None = None
+    max_adapters: int | None = None  # None: the gateway's default_max_adapters
+    max_adapter_bytes: int | None = None  # None: default_max_adapter_storage_bytes
 
 
 @dataclass(slots=True)

@@ -117,6 +117,26 @@ class GatewaySettings(BaseSettings):
     max_upload_bytes: int = Field(default=256 << 20, ge=1)
     # Entries an uploaded archive may hold (READMEs and folders count too).
     max_archive_members: int = Field(default=32, ge=2)
+    # Per-tenant adapter storage, for tenants whose quota leaves max_adapters /
+    # max_adapter_bytes out: the count of names, and the float32 bytes of all their adapters
+    # (one shared blob counts for each tenant naming it). Past either: 403.
+    default_max_adapters: int = Field(default=64, ge=0)
+    default_max_adapter_storage_bytes: int = Field(default=2 << 30, ge=0)
+    # Uploads one tenant may have in flight at once (leased like request slots, with
+    # quota_lease_s); past it: 429.
+    max_concurrent_uploads: int = Field(default=2, ge=1)
+    # Each upload is validated in a child process with these limits (RLIMIT_CPU, RLIMIT_AS);
+    # past them: 422 (CPU or wall time, twice the CPU limit) or 413 (memory). The memory
+    # limit is the child's whole address space (~150 MB of it is Python and numpy).
+    upload_validation_cpu_s: int = Field(default=60, ge=1)
+    upload_validation_memory_bytes: int = Field(default=2 << 30, ge=256 << 20)
+    # Validation children one gateway runs at once; more uploads wait their turn.
+    upload_validations: int = Field(default=2, ge=1)
+    # Crash leftovers in the adapter store (staging directories, blobs no name references)
+    # are removed at start and every adapter_sweep_interval_s once older than the grace
+    # period, which must exceed the longest upload. 0: no periodic sweep.
+    adapter_sweep_grace_s: float = Field(default=3600.0, ge=0)
+    adapter_sweep_interval_s: float = Field(default=600.0, ge=0)
 
     # A running request's concurrency slot is leased for this long and renewed every third
     # of it; a gateway that dies stops renewing, and its slots come back after at most this.

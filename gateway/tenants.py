@@ -221,6 +221,11 @@ class TenantStore:
         else:
             self._known_keys[digest] = (known[0], time.monotonic() + self.key_cache_s)
 
+    def adapters_key(self, tenant: str) -> str:
+        """The tenant's names hash (adapter name -> JSON TenantAdapter), for the catalog's
+        registration script."""
+        return self._k("tenant", tenant, "adapters")
+
     async def add_adapter(self, tenant: str, adapter: TenantAdapter) -> bool:
         """Record the name unless the tenant already uses it; False if it does."""
         key = self._k("tenant", tenant, "adapters")

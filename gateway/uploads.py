@@ -8,7 +8,8 @@ The body is bounded while it streams (a declared Content-Length over the limit i
 before anything is read; a chunked body is cut off at the limit). Starlette's multipart
 parser spools file parts to temporary files past 1 MiB, so an upload is never held in
 memory; we then copy the parts into the staging directory under fixed names (never the
-client's file names) and unpack archives there with `adapters.unpack_adapter_archive`.
+client's file names). Archives are unpacked by the validation child
+(`gateway.upload_validation`), never in the gateway.
 """
 
 from __future__ import annotations
@@ -17,13 +18,12 @@ import asyncio
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 from fastapi import Request
 from starlette.datastructures import FormData, UploadFile
 from starlette.types import Message
 
-from adapters import ArchiveLimits, unpack_adapter_archive
 from adapters.peft_config import CONFIG_FILE
 from adapters.peft_names import WEIGHTS_FILE
 from gateway.errors import InvalidRequestError, PayloadTooLargeError
@@ -38,11 +38,12 @@ MAX_PARTS = 8
 @dataclass(frozen=True, slots=True)
 class ReceivedUpload:
     name: str
-    adapter_dir: Path  # holds adapter_config.json and adapter_model.safetensors
+    source: Literal["archive", "dir"]
+    path: Path  # the archive, or a directory with the adapter's two files
 
 
 async def receive_adapter_upload(
-    request: Request, *, staging: Path, max_upload_bytes: int, archive_limits: ArchiveLimits
+    request: Request, *, staging: Path, max_upload_bytes: int
 ) -> ReceivedUpload:
     """Parse the multipart body into `staging` (an empty directory the caller removes)."""
     content_type = request.headers.get("content-type", "")
@@ -62,25 +63,26 @@ async def receive_adapter_upload(
     try:
         name = _text_field(form, "name")
         files = _file_fields(form)
-        # Copying and unpacking up to the size limit is disk work: off the event loop.
-        adapter_dir = await asyncio.to_thread(_materialize, files, staging, archive_limits)
-        return ReceivedUpload(name=name, adapter_dir=adapter_dir)
+        # Copying up to the size limit is disk work: off the event loop.
+        source, path = await asyncio.to_thread(_materialize, files, staging)
+        return ReceivedUpload(name=name, source=source, path=path)
     finally:
         await form.close()
 
 
-def _materialize(files: dict[str, UploadFile], staging: Path, limits: ArchiveLimits) -> Path:
-    """The adapter's two files in `staging/adapter`, from an archive or as sent."""
-    adapter_dir = staging / "adapter"
-    adapter_dir.mkdir()
+def _materialize(
+    files: dict[str, UploadFile], staging: Path
+) -> tuple[Literal["archive", "dir"], Path]:
+    """`staging/upload.archive`, or the adapter's two files in `staging/files`."""
     if ARCHIVE_FIELD in files:
         archive = staging / "upload.archive"
         _save(files[ARCHIVE_FIELD], archive)
-        unpack_adapter_archive(archive, adapter_dir, limits=limits)
-    else:
-        for field, filename in FILE_FIELDS.items():
-            _save(files[field], adapter_dir / filename)
-    return adapter_dir
+        return "archive", archive
+    adapter_dir = staging / "files"
+    adapter_dir.mkdir()
+    for field, filename in FILE_FIELDS.items():
+        _save(files[field], adapter_dir / filename)
+    return "dir", adapter_dir
 
 
 def _bounded(request: Request, limit: int) -> Request:

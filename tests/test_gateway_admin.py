@@ -191,8 +191,14 @@ async def test_adapter_registration_errors(admin, tmp_path):
     body = {"name": MODEL_NAME, "path": str(good)}
     assert_openai_error(await admin.post("/admin/tenants/carol/adapters", json=body), 400)
     body = {"name": "ok", "path": str(good)}
-    assert (await admin.post("/admin/tenants/carol/adapters", json=body)).status_code == 201
-    assert_openai_error(await admin.post("/admin/tenants/carol/adapters", json=body), 409)
+    first = await admin.post("/admin/tenants/carol/adapters", json=body)
+    assert first.status_code == 201
+    # The same content under the same name again is the same record (idempotent); other
+    # content under it is a conflict.
+    again = await admin.post("/admin/tenants/carol/adapters", json=body)
+    assert again.json() == first.json()
+    other = {"name": "ok", "path": str(write_adapter(tmp_path / "other", seed=3))}
+    assert_openai_error(await admin.post("/admin/tenants/carol/adapters", json=other), 409)
 
 
 async def test_admin_cli_wraps_the_api(gw, tmp_path, capsys):
@@ -228,6 +234,8 @@ async def test_admin_cli_wraps_the_api(gw, tmp_path, capsys):
         "tokens_per_minute": None,
         "max_concurrent_requests": None,
         "daily_tokens": 9,
+        "max_adapters": None,
+        "max_adapter_bytes": None,
     }
     status, out = await asyncio.to_thread(cli, "admin", "quotas", "get", "dave")
     assert status == 0 and json.loads(out)["requests_per_minute"] == 60

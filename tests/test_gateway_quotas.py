@@ -249,6 +249,8 @@ async def test_quota_admin_validation(env):
             "tokens_per_minute": None,
             "max_concurrent_requests": None,
             "daily_tokens": 9,
+            "max_adapters": None,
+            "max_adapter_bytes": None,
         }
         assert (
             await admin.get("/admin/tenants/acme/quotas", headers=headers)
