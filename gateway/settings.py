@@ -81,9 +81,11 @@ class GatewaySettings(BaseSettings):
     docs: bool | None = None
 
     # Request shape (each past its bound is a 400 naming the field).
-    max_stop_strings: int = Field(default=16, ge=0)
-    max_stop_string_chars: int = Field(default=256, ge=1)
-    max_stop_token_ids: int = Field(default=64, ge=0)
+    # At most the workers' own limits (worker/sampling_params.py: 32, 1024, 1024), so the
+    # gateway never forwards what a worker would refuse.
+    max_stop_strings: int = Field(default=16, ge=0, le=32)
+    max_stop_string_chars: int = Field(default=256, ge=1, le=1024)
+    max_stop_token_ids: int = Field(default=64, ge=0, le=1024)
     max_chat_messages: int = Field(default=1024, ge=1)
     # n (or best_of) × max_tokens: tokens one request may ask the workers to generate. A
     # request without max_tokens gets its default cut to fit instead of a 400.
