@@ -317,3 +317,56 @@ async def test_the_gateway_serves_through_tls_workers_and_a_password_redis(
     finally:
         await delete_prefix(password_redis["with"], redis_prefix)
         await client.aclose()
+
+
+@pytest.fixture(scope="module")
+def tls_redis(certs, tmp_path_factory):
+    """A real redis-server on TLS only, with a password; its certificate is the test CA's."""
+    password, port = "redis-pass-0123456789", free_port()
+    files = certs.worker
+    process = subprocess.Popen(
+        ["/usr/bin/redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", str(files.cert), "--tls-key-file", str(files.key),
+         "--tls-ca-cert-file", str(files.ca), "--tls-auth-clients", "no",
+         "--requirepass", password, "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path_factory.mktemp("tls-redis"))],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"rediss://:{password}@127.0.0.1:{port}/0?ssl_ca_certs={files.ca}"
+    deadline = time.monotonic() + 10
+    while True:
+        if process.poll() is not None:
+            pytest.skip("this redis-server was built without TLS")
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=0.2).ping()
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    yield url
+    process.terminate()
+    process.wait(timeout=10)
+
+
+async def test_rediss_urls_carry_tls_and_the_ca_for_worker_and_gateway(
+    base, tls_redis, redis_prefix, tmp_path
+):
+    """`rediss://…?ssl_ca_certs=` is all either side needs for a private CA's Redis; without
+    the CA the certificate is refused."""
+    client = Redis.from_url(tls_redis)
+    try:
+        async with running_worker(base, redis=client, redis_prefix=redis_prefix, worker_id="w"):
+            [info] = await registry.live_workers(client, redis_prefix)
+            assert info.worker_id == "w"
+            settings = gateway_settings(
+                redis_url=tls_redis, prefix=redis_prefix, model_dir=base, store=tmp_path / "s"
+            )
+            async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url) as http:
+                assert (await http.get("/ready")).status_code == 200
+        no_ca = Redis.from_url(tls_redis.split("?")[0], socket_connect_timeout=1)
+        with pytest.raises(redis.ConnectionError):
+            await no_ca.ping()
+        await no_ca.aclose()
+    finally:
+        await delete_prefix(tls_redis, redis_prefix)
+        await client.aclose()
