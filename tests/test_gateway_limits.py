@@ -281,3 +281,30 @@ async def test_an_oversized_upload_is_answered_to_a_client_still_sending(setting
         r = await client.post("/v1/adapters", data={"name": "x"}, files=files)
         assert_openai_error(r.status_code, r.json(), 413, "payload_too_large")
         assert (await client.get("/health")).status_code == 200  # the connection is reusable
+
+
+def test_every_value_the_gateway_admits_the_worker_admits_too():
+    """The gateway's bounds are the workers' or stricter: its extreme values pass there."""
+    from gateway.protocol import MAX_N, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY
+    from worker import sampling_params as worker
+
+    extremes = [
+        {"temperature": 0.0}, {"temperature": 2.0}, {"top_p": 1e-9}, {"min_p": 1.0},
+        {"repetition_penalty": MIN_REPETITION_PENALTY}, {"repetition_penalty": 2.0},
+        {"presence_penalty": -2.0}, {"frequency_penalty": 2.0}, {"top_k": -1},
+        {"logprobs": MAX_TOP_LOGPROBS}, {"seed": -(2**63)}, {"seed": 2**63 - 1},
+        {"stop": ["x" * 1024] * 32}, {"stop_token_ids": list(range(1024))},
+        {"max_tokens": 2**31 - 1},
+    ]  # fmt: skip
+    for values in extremes:
+        worker.SamplingParams(**values)
+    assert MAX_N <= worker.MAX_N
+    fields = GatewaySettings.model_fields
+    limits = {
+        "max_stop_strings": worker.MAX_STOP_STRINGS,
+        "max_stop_string_chars": worker.MAX_STOP_STRING_CHARS,
+        "max_stop_token_ids": worker.MAX_STOP_TOKEN_IDS,
+    }
+    for name, worker_limit in limits.items():
+        (le,) = [m.le for m in fields[name].metadata if getattr(m, "le", None) is not None]
+        assert le <= worker_limit, name
