@@ -173,6 +173,40 @@ async def test_the_gateways_channels_generate_through_mutual_tls_and_the_token(b
         assert sum(len(r.token_ids) for r in reply.responses) == 4
 
 
+def non_loopback_address() -> str | None:
+    """One of this machine's own non-loopback IPv4 addresses, if it has a route."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.123", 9))  # no packet is sent
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+async def test_a_gateway_without_credentials_never_dials_off_loopback_in_plaintext():
+    """A plaintext worker (one built without worker.auth, listening everywhere): without
+    credentials the gateway talks to it over loopback, but over any other address it insists
+    on TLS, so the call fails instead of crossing a network in the clear."""
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("no non-loopback IPv4 address on this machine")
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(worker_pb2_grpc.WorkerServicer(), server)
+    port = server.add_insecure_port("0.0.0.0:0")
+    await server.start()
+    channels = WorkerChannels()
+    try:
+        # UNIMPLEMENTED: the call reached the (empty) servicer.
+        assert await stats_code(channels.stub(f"127.0.0.1:{port}")) == grpc.StatusCode.UNIMPLEMENTED
+        assert await stats_code(channels.stub(f"{address}:{port}")) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await channels.close()
+        await server.stop(grace=None)
+
+
 # --- refusing to listen unauthenticated ----------------------------------------------------
 
 
