@@ -123,10 +123,9 @@ async def load_a(
     start = time.monotonic()
     gateway = await asyncio.gather(*(one(b) for b in bodies))
     gateway_result = summarize("gateway (OpenAI SSE)", gateway, time.monotonic() - start)
-    import grpc
-
-    port = next(iter(stack.worker_ports.values()))
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    worker_id = next(iter(stack.worker_ports))
+    # Over the same mutual TLS as the gateway's calls, so the comparison stays like for like.
+    async with stack.worker_channel(worker_id, aio=True) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         messages = [
             worker_pb2.GenerateRequest(
@@ -157,15 +156,14 @@ async def load_d(
     Pairs start 100 ms apart (a steady state, not load A's burst); a pair that starts
     before ``seconds`` runs to the end.
     """
-    import grpc
 
     from rpc import worker_pb2, worker_pb2_grpc
 
-    port = next(iter(stack.worker_ports.values()))
+    worker_id = next(iter(stack.worker_ports))
     timings: dict[str, list[Timing]] = {"gateway": [], "direct": []}
     ttft_added: list[float] = []
     rng = np.random.default_rng(5)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with stack.worker_channel(worker_id, aio=True) as channel:  # mutual TLS
         stub = worker_pb2_grpc.WorkerStub(channel)
         params = {"max_tokens": output_len, "temperature": 0, "ignore_eos": True}
         deadline = time.monotonic() + seconds
