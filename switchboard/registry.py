@@ -8,6 +8,10 @@ Format (the gateway codes against exactly this):
   a worker rewrites it every heartbeat, so a dead worker's key expires by itself.
 - ``{prefix}workers`` is a set of worker ids (SADD on register, SREM on deregister).
   Ids whose key has expired are swept from it by ``live_workers``.
+
+Records name the adapter ids each worker holds (the gateway routes by them), which is why
+workers' own ``Stats`` answers only counts: the registry is for those holding Redis's
+credentials (the password in the URL), i.e. gateways and workers.
 """
 
 from __future__ import annotations
