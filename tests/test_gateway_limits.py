@@ -308,3 +308,25 @@ def test_every_value_the_gateway_admits_the_worker_admits_too():
     for name, worker_limit in limits.items():
         (le,) = [m.le for m in fields[name].metadata if getattr(m, "le", None) is not None]
         assert le <= worker_limit, name
+
+
+async def test_a_big_n_times_logprobs_answer_is_assembled_off_the_loop(settings_for):
+    from tests.test_gateway_support import gateway_with_worker
+
+    async with gateway_with_worker(settings_for()) as live:
+        live.worker.pieces = tuple(f" t{i}" for i in range(200))
+        headers = {"Authorization": f"Bearer {live.keys['acme']}"}
+        body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 200, "n": 4, "logprobs": 3}
+        async with httpx.AsyncClient(base_url=live.gw.url, headers=headers) as client:
+            # 200 tokens × 4 samples × (1 + 3) entries: past INLINE_COLLECT_ENTRIES.
+            r = await client.post("/v1/completions", json=body)
+            small = await client.post("/v1/completions", json={**body, "n": 1, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert all(c["text"] == live.worker.text() for c in choices), choices[0]["text"][:80]
+    assert [len(c["logprobs"]["tokens"]) for c in choices] == [200] * 4
+    assert [len(c["logprobs"]["top_logprobs"]) for c in choices] == [200] * 4
+    assert r.json()["usage"]["completion_tokens"] == 800
+    # The same shape as an answer assembled inline.
+    assert small.status_code == 200 and set(small.json()) == set(r.json())
