@@ -404,3 +404,26 @@ async def test_rediss_urls_carry_tls_and_the_ca_for_worker_and_gateway(
     finally:
         await delete_prefix(tls_redis, redis_prefix)
         await client.aclose()
+
+
+# --- the certificates ----------------------------------------------------------------------
+
+
+def test_certificates_are_made_once_and_the_cli_never_overwrites_them(tmp_path, capsys):
+    from pydantic import ValidationError
+
+    from gateway.settings import GatewaySettings
+    from switchboard.certs import ensure_certs
+    from switchboard.cli import main
+
+    first = ensure_certs(tmp_path / "home")
+    written = {p: p.read_bytes() for f in (first.worker, first.gateway) for p in vars(f).values()}
+    assert ensure_certs(tmp_path / "home") == first  # the second `switchboard up` reuses them
+    assert all(path.read_bytes() == data for path, data in written.items())
+    assert first.worker.key.stat().st_mode & 0o077 == 0  # private keys: owner only
+    assert main(["certs", str(tmp_path / "home")]) == 1  # refuses to replace without --force
+    assert "--force" in capsys.readouterr().err
+    assert main(["certs", str(tmp_path / "home"), "--force"]) == 0
+    assert first.worker.ca.read_bytes() != written[first.worker.ca]
+    with pytest.raises(ValidationError, match="go together"):
+        GatewaySettings(dev_mode=True, worker_tls_cert=first.gateway.cert)
