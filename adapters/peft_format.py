@@ -8,6 +8,7 @@ is copied; pickled weights are refused by file name and never opened.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from adapters.base_model import PROJECTIONS, BaseModelSpec
@@ -106,7 +107,8 @@ def _read_file(path: Path, *, limit: int) -> bytes:
     if not path.is_file():
         raise InvalidAdapterError(f"{path.name} is missing from {path.parent}", field=path.name)
     with path.open("rb") as f:
-        data = f.read(limit + 1)
+        # read(n) allocates n bytes up front: ask for what the file holds, not the limit.
+        data = f.read(min(limit, os.fstat(f.fileno()).st_size) + 1)
     if len(data) > limit:
         raise InvalidAdapterError(f"{path.name} is over {limit} bytes", field=path.name)
     return data
