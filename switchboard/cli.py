@@ -275,6 +275,7 @@ def _up_banner(stack, key: str, model_name: str) -> str:
 Switchboard is up: gateway {base}, Redis {stack.redis_url}
   API key (tenant demo, shown once): {key}
   admin token:                       {stack.admin_token}
+  gateway -> workers: mutual TLS, certificates in {stack.certs.worker.cert.parent.parent}
 
 curl {base}/v1/chat/completions \\
   -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
