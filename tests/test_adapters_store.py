@@ -199,3 +199,57 @@ def test_replicas_creating_the_root_at_once_all_succeed(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert errors == [] and root.is_dir()
+
+
+# --- adopting staged blobs, setting aside, stale entries --------------------------------
+
+
+def staged_copy(adapter: LoraAdapter, store: FilesystemAdapterStore, name: str) -> Path:
+    from adapters.store import write_staged
+
+    staged = store.root / f".upload-{name}"
+    staged.mkdir()
+    write_staged(adapter, staged)
+    return staged
+
+
+def test_adopt_moves_a_staged_blob_in_once(saved: Path, store: FilesystemAdapterStore) -> None:
+    adapter = load(saved)
+    first, second = staged_copy(adapter, store, "a"), staged_copy(adapter, store, "b")
+    assert store.adopt(adapter.id, first) is True and not first.exists()
+    assert load(store.get(adapter.id)).id == adapter.id
+    old = 1_000_000_000
+    os.utime(store.get(adapter.id), (old, old))
+    # Already there: the staged copy stays with the caller, and the blob's mtime is renewed.
+    assert store.adopt(adapter.id, second) is False and second.exists()
+    assert store.get(adapter.id).stat().st_mtime > old
+
+
+def test_set_aside_and_restore(saved: Path, store: FilesystemAdapterStore) -> None:
+    adapter = load(saved)
+    store.put(adapter)
+    aside = store.set_aside(adapter.id)
+    assert aside is not None and not store.exists(adapter.id) and store.list() == []
+    assert store.set_aside(adapter.id) is None  # nothing left to set aside
+    store.restore(adapter.id, aside)
+    assert store.exists(adapter.id) and not aside.exists()
+    # An upload re-adopted the id while it was aside: that copy stays, the old one goes.
+    aside = store.set_aside(adapter.id)
+    assert store.adopt(adapter.id, staged_copy(adapter, store, "c")) is True
+    store.restore(adapter.id, aside)
+    assert store.exists(adapter.id) and not aside.exists()
+
+
+def test_stale_entries_are_old_leftovers_and_blobs(
+    saved: Path, store: FilesystemAdapterStore
+) -> None:
+    adapter = load(saved)
+    store.put(adapter)
+    for name in (".upload-x", ".tmp-x", ".trash-x", "notes"):
+        (store.root / name).mkdir()
+    now = store.get(adapter.id).stat().st_mtime
+    leftovers, blobs = store.stale_entries(grace_s=60, now=now + 30)
+    assert leftovers == [] and blobs == []  # all younger than the grace period
+    leftovers, blobs = store.stale_entries(grace_s=60, now=now + 120)
+    assert sorted(p.name for p in leftovers) == [".tmp-x", ".trash-x", ".upload-x"]
+    assert blobs == [adapter.id]  # "notes" is neither: never touched
