@@ -89,7 +89,7 @@ class GatewaySettings(BaseSettings):
     max_chat_messages: int = Field(default=1024, ge=1)
     # n (or best_of) × max_tokens: tokens one request may ask the workers to generate. A
     # request without max_tokens gets its default cut to fit instead of a 400.
-    max_generated_tokens: int = Field(default=65536, ge=1)
+    max_generated_tokens: int = Field(default=16384, ge=1)
     # Threads that tokenize and render chat templates (off the event loop).
     tokenizer_threads: int = Field(default=2, ge=1)
 
