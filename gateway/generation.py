@@ -105,9 +105,10 @@ async def _on_a_worker(
             raise DeadlineExceededError("the request's deadline passed") from exc
         except WorkerStreamError as exc:
             if not exc.retryable:
-                raise exc.error from exc
+                raise exc.error from exc  # the request's own failure: this worker is fine
             log.warning("request %s: %s", job.request_id, exc.error.message)
-            directory.failed(worker.worker_id)
+            if exc.worker_failed:
+                directory.failed(worker.worker_id)
             error = exc.error
     raise error
 

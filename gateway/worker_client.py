@@ -26,21 +26,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Codes after which another worker may well succeed; the others are the request's own fault
-# (INVALID_ARGUMENT, OUT_OF_RANGE) or final (DEADLINE_EXCEEDED).
+# Codes that say the worker, not the request, is unwell (it is shutting down, unreachable,
+# or refuses this gateway): the gateway tries another worker and routes around this one.
+# Connection-level failures arrive as UNAVAILABLE.
 RETRYABLE = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.ABORTED,
         grpc.StatusCode.CANCELLED,  # the worker shut down under us
-        grpc.StatusCode.UNIMPLEMENTED,
-        grpc.StatusCode.NOT_FOUND,  # e.g. it could not read the adapter from its store
-        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNIMPLEMENTED,  # not a worker of this contract
+        grpc.StatusCode.UNAUTHENTICATED,  # its credentials and ours disagree
+        grpc.StatusCode.PERMISSION_DENIED,
     }
 )
+# Codes after which another worker may succeed though this one is well: tried elsewhere,
+# never marked failed. NOT_FOUND: its store lacks the adapter (another's may have it).
+RETRY_ELSEWHERE = frozenset({grpc.StatusCode.NOT_FOUND})
+# Everything else is final: INVALID_ARGUMENT and OUT_OF_RANGE are the request's values
+# (400); INTERNAL and UNKNOWN are a request that failed alone in the engine (the worker
+# isolates it and serves on): retried, a poisonous request would hop from worker to worker
+# and get each one marked failed. DEADLINE_EXCEEDED is the request's own deadline.
 
 
 # A non-streaming answer arrives as one message (GenerateAll): n samples of long outputs
@@ -50,12 +54,16 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
 
 
 class WorkerStreamError(Exception):
-    """A Generate call failed; `retryable` says whether another worker may succeed."""
+    """A Generate call failed; `retryable` says whether another worker may succeed, and
+    `worker_failed` whether the worker itself is unwell (route around it for a while)."""
 
-    def __init__(self, error: GatewayError, *, retryable: bool) -> None:
+    def __init__(
+        self, error: GatewayError, *, retryable: bool, worker_failed: bool | None = None
+    ) -> None:
         super().__init__(error.message)
         self.error = error
         self.retryable = retryable
+        self.worker_failed = retryable if worker_failed is None else worker_failed
 
 
 def translate_rpc_error(exc: grpc.RpcError, *, address: str) -> WorkerStreamError:
@@ -66,8 +74,11 @@ def translate_rpc_error(exc: grpc.RpcError, *, address: str) -> WorkerStreamErro
         return WorkerStreamError(error, retryable=False)
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
         return WorkerStreamError(InvalidRequestError(details or "invalid request"), retryable=False)
-    error = WorkerFailedError(f"worker {address} failed: {code.name}: {details}")
-    return WorkerStreamError(error, retryable=code in RETRYABLE)
+    if code in RETRYABLE or code in RETRY_ELSEWHERE:
+        error = WorkerFailedError(f"worker {address} failed: {code.name}: {details}")
+        return WorkerStreamError(error, retryable=True, worker_failed=code in RETRYABLE)
+    error = WorkerFailedError(f"the worker could not complete this request: {code.name}: {details}")
+    return WorkerStreamError(error, retryable=False, worker_failed=False)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -195,15 +197,70 @@ async def test_non_streaming_requests_are_one_unary_call_and_old_workers_still_s
     assert old.json()["usage"] == unary.json()["usage"]
 
 
-async def test_a_unary_call_failing_mid_way_is_retried_on_another_worker(env):
+async def test_a_unary_call_failing_mid_way_is_the_requests_error_not_retried(env):
+    """INTERNAL mid-way is a request that failed alone in the engine (which isolates it and
+    serves on): retried, a poisonous request would hop from worker to worker."""
     crashing = ScriptedWorker("a-crashing", mode=Mode.FAIL_MID_STREAM, fail_after=2)
     healthy = ScriptedWorker("b-healthy")
     gw, key = await env(crashing, healthy, loads=[0, 3])
     async with http(gw, key) as client:
         response = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"})
-    assert response.status_code == 200, response.text
-    assert response.json()["choices"][0]["text"] == healthy.text()
-    assert (crashing.rpcs, healthy.rpcs) == (["GenerateAll"], ["GenerateAll"])
+    assert response.status_code == 502, response.text
+    assert response.json()["error"]["code"] == "worker_failed"
+    assert (crashing.rpcs, healthy.rpcs) == (["GenerateAll"], [])
+
+
+@dataclass
+class Refusing(ScriptedWorker):
+    """Fails every call with `code` before its first token; `code` None: serves as usual."""
+
+    code: grpc.StatusCode | None = grpc.StatusCode.INTERNAL
+
+    async def _script(self, request, context):
+        if self.code is not None:
+            await context.abort(self.code, f"{self.name} says {self.code.name}")
+        async for message in super()._script(request, context):
+            yield message
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "retried", "marked_failed"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, 200, True, True),  # shutting down, unreachable
+        (grpc.StatusCode.CANCELLED, 200, True, True),  # its server stopped under the call
+        (grpc.StatusCode.NOT_FOUND, 200, True, False),  # its store lacks the adapter
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, False, False),  # the request's values
+        (grpc.StatusCode.INTERNAL, 502, False, False),  # the request failed alone
+        (grpc.StatusCode.UNKNOWN, 502, False, False),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 502, False, False),  # e.g. a message too large
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_only_availability_failures_are_retried_or_blamed_on_the_worker(
+    env, code, status, retried, marked_failed, stream
+):
+    """The first worker fails one request with `code`, then serves again. Only a failure of
+    the worker itself routes the next request elsewhere; only transport, availability or a
+    worker that lacks what another may have is worth a second try."""
+    first, second = Refusing("a-first", code=code), ScriptedWorker("b-second")
+    # The first looks least loaded; the registry is read once for both requests (a read
+    # forgets which workers failed).
+    gw, key = await env(first, second, loads=[0, 3], worker_cache_s=30.0)
+    body = {"model": MODEL_NAME, "prompt": "hi", "stream": stream}
+    async with http(gw, key) as client:
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == status, response.text
+        if status != 200:
+            assert set(response.json()["error"]) >= {"message", "type", "code"}
+        assert (len(first.rpcs), len(second.rpcs)) == (1, int(retried))
+        first.code = None
+        again = await client.post("/v1/completions", json=body)
+    assert again.status_code == 200
+    served_by = "b-second" if marked_failed else "a-first"
+    assert (len(first.rpcs), len(second.rpcs)) == (
+        1 + (served_by == "a-first"),
+        int(retried) + (served_by == "b-second"),
+    )
 
 
 async def test_a_non_streaming_answer_over_grpcs_default_4_mb_gets_through(env):
