@@ -249,7 +249,7 @@ class AdapterCatalog:
             raise adapter_not_found(name)
         left = await self._unregister(
             keys=[self._names(tenant), self._refs(record.adapter_id)],
-            args=[name, record.to_json(), f"{tenant}/{name}"],
+            args=[name, record.adapter_id, f"{tenant}/{name}"],
         )
         if left < 0:
             raise adapter_not_found(name)  # deleted or replaced concurrently

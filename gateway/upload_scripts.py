@@ -36,11 +36,13 @@ return {'created', ARGV[2]}
 """
 
 # KEYS: 1 the tenant's names hash, 2 the blob's reference set
-# ARGV: 1 name, 2 the record JSON expected under it, 3 reference member
-# Deletes the name only if it still holds that record, and its reference with it.
+# ARGV: 1 name, 2 the adapter id expected under it, 3 reference member
+# Deletes the name only if it still names that blob, and its reference with it (compared by
+# id, so records written by older versions, with fewer fields, delete too).
 # Returns: -1 if the name changed or went, else the references left on the blob.
 UNREGISTER = """
-if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return -1 end
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+if not current or cjson.decode(current)['adapter_id'] ~= ARGV[2] then return -1 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('SREM', KEYS[2], ARGV[3])
 return redis.call('SCARD', KEYS[2])

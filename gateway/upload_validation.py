@@ -33,6 +33,9 @@ CHILD = [sys.executable, "-m", "adapters.isolated"]
 # One thread each for numpy's BLAS and malloc: a child's address space is its limit, and
 # per-thread arenas and buffers would spend it on nothing.
 CHILD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"}
+# What the child keeps of the gateway's environment: nothing secret (the admin token, Redis
+# credentials) reaches the process that parses a tenant's bytes.
+INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
 ADAPTER_ERRORS = {
     cls.__name__: cls
     for cls in vars(errors).values()
@@ -120,7 +123,7 @@ class UploadValidator:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            env={**os.environ, **CHILD_ENV},
+            env={**{k: os.environ[k] for k in INHERITED_ENV if k in os.environ}, **CHILD_ENV},
         )
         try:
             out, err = await asyncio.wait_for(child.communicate(job), self.limits.wall_s)
