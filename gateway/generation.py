@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -36,6 +36,7 @@ from gateway.worker_client import (
     WorkerStreamError,
     start_generate,
 )
+from gateway.worker_client import abort as call_abort
 from gateway.worker_client import generate_all as call_generate_all
 from rpc import worker_pb2
 
@@ -44,6 +45,9 @@ T = TypeVar("T")
 
 # A failure before the first token (or of a whole unary call) is retried on one other worker.
 MAX_TRIES = 2
+# How long a client's departure waits for the worker to report what the request generated;
+# a worker's Abort waits for its step in progress at most (well under a second here).
+ABORT_TIMEOUT_S = 2.0
 
 
 def _remaining(deadline: float) -> float:
@@ -88,6 +92,7 @@ async def _on_a_worker(
             raise DeadlineExceededError("the request's deadline passed before a worker answered")
         directory.sent(worker.worker_id)
         tally.called_at = time.monotonic()
+        tally.running_on = RunningCall(channels, worker.address, job.request_id, job.tenant)
         if attempt == 0:
             metrics.ADMISSION_TIME.observe(tally.called_at - tally.arrived)
         try:
@@ -100,7 +105,12 @@ async def _on_a_worker(
                     timeout_s=remaining,
                 )
             tally.answered_at = time.monotonic()
+            if not isinstance(answer, WorkerStream):
+                tally.running_on = None  # a whole answer: nothing runs any more
             return answer
+        except asyncio.CancelledError:
+            await stop_unfinished(tally)  # the client left: it pays what the worker did
+            raise
         except TimeoutError as exc:
             raise DeadlineExceededError("the request's deadline passed") from exc
         except WorkerStreamError as exc:
@@ -111,6 +121,39 @@ async def _on_a_worker(
                 directory.failed(worker.worker_id)
             error = exc.error
     raise error
+
+
+@dataclass(frozen=True, slots=True)
+class RunningCall:
+    """Where a request's worker call runs, for asking that worker to abort it."""
+
+    channels: WorkerChannels
+    address: str
+    request_id: str
+    tenant: str
+
+
+async def stop_unfinished(tally: Tally) -> None:
+    """Once a client leaves, its request still pays for every token the worker generated:
+    the worker aborts it and reports its count (Abort), and the tally keeps the larger of
+    that and what the gateway saw. A worker that cannot answer (an older one, a dead one,
+    the short deadline) leaves what the gateway saw: the client cannot cause that, and a
+    worker's own failure costs its tenant nothing, as a failed call does. The call itself is
+    cancelled by the caller, which frees its KV blocks at once if Abort did not."""
+    call, tally.running_on = tally.running_on, None
+    if call is None:
+        return
+    report = await call_abort(
+        call.channels,
+        address=call.address,
+        request_id=call.request_id,
+        tenant=call.tenant,
+        timeout_s=ABORT_TIMEOUT_S,
+    )
+    outcome = "failed" if report is None else "found" if report.found else "not_found"
+    metrics.ABORT_REPORTS.labels(outcome=outcome).inc()
+    if report is not None and report.found:
+        tally.charge_reported(report)
 
 
 @dataclass(slots=True)
@@ -126,6 +169,8 @@ class Tally:
     answered_at: float = 0.0  # ... and its first message (unary: its reply) came in
     error_status: int | None = None  # a failure after the response started
     finished: bool = False  # the whole response was produced
+    running_on: RunningCall | None = None  # a worker call that has not ended by itself
+    reported_completion: int = 0  # every sample's tokens, as an aborting worker counted them
 
     def record(self, message: worker_pb2.GenerateResponse) -> None:
         now = time.monotonic()
@@ -159,9 +204,15 @@ class Tally:
             return self.error_status
         return 200 if self.finished else ClientDisconnectedError.status
 
+    def charge_reported(self, report: worker_pb2.AbortResponse) -> None:
+        """What an aborted request's worker says it processed (prompt) and generated."""
+        self.started = True
+        self.reported_completion = max(self.reported_completion, report.completion_tokens)
+        self.cached_tokens = max(self.cached_tokens, report.cached_tokens)
+
     @property
     def completion_tokens(self) -> int:
-        return sum(self.completion.values())
+        return max(sum(self.completion.values()), self.reported_completion)
 
 
 def _check_not_aborted(message: worker_pb2.GenerateResponse, *, address: str) -> None:
@@ -175,20 +226,33 @@ async def _responses(
     stream: WorkerStream, *, deadline: float, tally: Tally
 ) -> AsyncIterator[worker_pb2.GenerateResponse]:
     """The worker's responses, as GatewayErrors on failure; the call is cancelled on exit."""
+    ended = False  # by itself: finished, failed or out of time
     try:
         async with asyncio.timeout(max(_remaining(deadline), 0.0)):
             async for message in stream.responses():
                 tally.record(message)
                 _check_not_aborted(message, address=stream.address)
                 yield message
+        ended = True
     except TimeoutError as exc:
+        ended = True
         raise DeadlineExceededError("the request's deadline passed") from exc
     except WorkerStreamError as exc:
+        ended = True
         raise exc.error from exc
     finally:
-        # A no-op after a clean end; on client disconnect (cancellation or generator close)
-        # it tells the worker to abort, which frees the request's KV blocks.
-        stream.cancel()
+        await _end_call(stream, tally, ended=ended)
+
+
+async def _end_call(stream: WorkerStream, tally: Tally, *, ended: bool) -> None:
+    """After a stream: charge what an unfinished call generated (the client left, or the
+    body was closed early), then cancel the call: a no-op after a clean end, otherwise the
+    worker aborts it and frees its KV blocks."""
+    if ended:
+        tally.running_on = None
+    else:
+        await stop_unfinished(tally)
+    stream.cancel()
 
 
 def collect(reply: WorkerReply, *, job: Job, fmt: OutputFormat, tally: Tally) -> dict:
@@ -243,17 +307,43 @@ def sse(data: str) -> bytes:
 DONE = sse("[DONE]")
 
 
-async def stream_events(
+class EventStream:
+    """A response body over a worker stream whose `aclose` ends the worker call however far
+    the body got: a client may leave before its first chunk was even asked for, when the
+    body's generator never started (and so never cleaned up)."""
+
+    def __init__(self, events: AsyncGenerator[bytes], *, stream: WorkerStream, tally: Tally):
+        self._events = events
+        self._stream = stream
+        self._tally = tally
+
+    def __aiter__(self) -> AsyncGenerator[bytes]:
+        return self._events
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+        await _end_call(self._stream, self._tally, ended=False)  # nothing left, if it ran
+
+
+def stream_events(
     stream: WorkerStream, *, job: Job, fmt: OutputFormat, include_usage: bool, tally: Tally
-) -> AsyncIterator[bytes]:
+) -> EventStream:
     """SSE bytes: a chunk per worker delta, the usage chunk if asked, then `[DONE]`.
 
     On failure mid-stream: an error event in OpenAI's format, then `[DONE]`.
     """
+    events = _events(stream, job=job, fmt=fmt, include_usage=include_usage, tally=tally)
+    return EventStream(events, stream=stream, tally=tally)
+
+
+async def _events(
+    stream: WorkerStream, *, job: Job, fmt: OutputFormat, include_usage: bool, tally: Tally
+) -> AsyncGenerator[bytes]:
     started: set[int] = set()
     offsets: dict[int, int] = {}
+    responses = _responses(stream, deadline=job.deadline, tally=tally)
     try:
-        async for message in _responses(stream, deadline=job.deadline, tally=tally):
+        async for message in responses:
             if not (message.text or message.finish_reason or message.logprobs):
                 continue  # tokens the detokenizer holds back (partial UTF-8, stop prefix)
             first = message.index not in started
@@ -279,5 +369,9 @@ async def stream_events(
         log.warning("request %s failed mid-stream: %s", job.request_id, exc.message)
         tally.error_status = exc.status
         yield sse(json.dumps(gateway_error_body(exc)))
+    finally:
+        # Closed here, not whenever it is collected: the charge of an unfinished call (see
+        # `_end_call`) must be in the tally before the request is settled.
+        await responses.aclose()
     yield DONE
     tally.finished = True

@@ -87,6 +87,13 @@ GATEWAY_ADDED = Histogram(
 ADMISSION_TIME = GATEWAY_ADDED.labels("admission")  # bound once: labels() costs a lookup
 RELAY_TIME = GATEWAY_ADDED.labels("relay")
 REQUEST_OVERHEAD = GATEWAY_ADDED.labels("request")
+ABORT_REPORTS = Counter(
+    "switchboard_abort_reports_total",
+    "Requests whose client left before their end, by what their worker's Abort answered: "
+    "found (charged what it generated), not_found, failed (charged what the gateway saw).",
+    ["outcome"],
+    registry=REGISTRY,
+)
 REDIS_ERRORS = Counter(
     "switchboard_redis_errors_total",
     "Requests that failed because Redis did not answer (503 state_unavailable).",

@@ -274,6 +274,19 @@ async def unload_adapter(
     return True
 
 
+async def abort(
+    channels: WorkerChannels, *, address: str, request_id: str, tenant: str, timeout_s: float
+) -> worker_pb2.AbortResponse | None:
+    """Ask one worker to stop a request and report what it generated; None (logged) if it
+    did not answer (an older worker without Abort, a dead one, the deadline)."""
+    request = worker_pb2.AbortRequest(request_id=request_id, tenant=tenant)
+    try:
+        return await channels.stub(address).Abort(request, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        log.warning("abort of %s on %s failed: %s", request_id, address, exc)
+        return None
+
+
 def _is_loopback(address: str) -> bool:
     """Whether "host:port" dials this machine ("localhost", 127.0.0.0/8, [::1])."""
     host = address.rsplit(":", 1)[0].strip("[]")

@@ -22,7 +22,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +33,13 @@ from worker.engine import LLMEngine
 from worker.engine_stats import EngineStats, snapshot
 from worker.errors import InvalidRequestError
 from worker.outputs import RequestOutput
-from worker.sampling_params import SamplingParams
+from worker.sampling_params import MAX_N, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# OpenAI accepts n up to 128; more would only crowd out every other request.
-MAX_N = 128
+# Ended requests whose costs stay known, for an Abort that arrives
+# just after the call it follows was cancelled or finished.
+ENDED_KEPT = 1024
 
 
 class AdapterMismatchError(AdapterError):
@@ -61,6 +62,26 @@ class SampleOutput:
 class _Stream:
     queue: asyncio.Queue  # of RequestOutput or BaseException
     index: int
+    engine_id: str = ""
+    tenant: str | None = None
+    # What the sample cost so far, whether its consumer read it or not (``abort_counted``).
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def note(self, out: RequestOutput) -> None:
+        """Count ``out``'s tokens (counts only grow: deliveries may arrive out of order)."""
+        self.completion_tokens = max(self.completion_tokens, len(out.token_ids))
+        self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCost:
+    """What one request consumed: its prompt, and every sample's generated tokens together."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
 
 
 class AsyncEngine:
@@ -77,6 +98,7 @@ class AsyncEngine:
         # Event-loop side only: engine request id -> its stream; request id -> engine ids.
         self._streams: dict[str, _Stream] = {}
         self._requests: dict[str, list[str]] = {}
+        self._ended: OrderedDict[str, list[_Stream]] = OrderedDict()  # request id -> streams
         # Adapter loads in progress, by content id: a second caller (a request arriving
         # while the gateway's preload runs) waits for the first instead of reading again.
         self._loading: dict[str, asyncio.Future] = {}
@@ -151,8 +173,11 @@ class AsyncEngine:
         engine_ids = [f"{request_id}-{i}" for i in range(n)]
         queue: asyncio.Queue = asyncio.Queue()
         self._requests[request_id] = engine_ids
-        for i, engine_id in enumerate(engine_ids):
-            self._streams[engine_id] = _Stream(queue, i)
+        streams = [
+            _Stream(queue, i, engine_id, tenant, len(prompt_token_ids))
+            for i, engine_id in enumerate(engine_ids)
+        ]
+        self._streams.update(zip(engine_ids, streams, strict=True))
         unfinished = set(engine_ids)
         try:
             if adapter_id is not None and adapter_path and not self._has_adapter(adapter_id):
@@ -175,17 +200,37 @@ class AsyncEngine:
                 yield SampleOutput(stream.index, item)
         finally:
             if unfinished:
-                leftover = sorted(unfinished)
-                self._post(lambda: self._abort_on_loop(leftover))
+                leftover = [s for s in streams if s.engine_id in unfinished]
+                self._post(lambda: self._abort_counted_on_loop(leftover))
             for engine_id in engine_ids:
                 self._streams.pop(engine_id, None)
             self._requests.pop(request_id, None)
+            self._ended[request_id] = streams
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks; its stream ends with ``"abort"``."""
         engine_ids = self._requests.get(request_id)
         if engine_ids:
             self._post(lambda: self._abort_on_loop(engine_ids))
+
+    async def abort_counted(self, request_id: str, *, tenant: str | None) -> RequestCost | None:
+        """Abort a request if it still runs, and report what it cost: its prompt and every
+        token its samples generated, read by anyone or not (the gateway charges it). Known
+        while it runs and for the last ``ENDED_KEPT`` ended requests; None otherwise, or
+        when ``tenant`` is not the request's own."""
+        ids = self._requests.get(request_id)
+        streams = [self._streams[i] for i in ids] if ids else self._ended.get(request_id)
+        if not streams or streams[0].tenant != tenant:
+            return None
+        # On the loop thread, after any abort already posted: the counts are final then.
+        await self._call(self._abort_counted_on_loop, streams)
+        return RequestCost(
+            prompt_tokens=streams[0].prompt_tokens,
+            completion_tokens=sum(s.completion_tokens for s in streams),
+            cached_tokens=max(s.cached_tokens for s in streams),
+        )
 
     def abort_all(self) -> None:
         """Abort every open request (the end of a drain deadline, or stop)."""
@@ -262,12 +307,14 @@ class AsyncEngine:
 
     def _step(self) -> None:
         """One engine step. The stats snapshot is taken before results are delivered, so a
-        caller that sees its request finish also sees the blocks it freed."""
+        caller that sees its request finish also sees the blocks it freed. A request that
+        failed the step alone gets its error instead of its last output."""
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            # A failed step would fail again with the same batch: end every request with
-            # the error rather than leave its caller waiting forever.
+            # The engine isolates what a request's values break (worker.isolation); a step
+            # that still raises (the scheduler's own bug) would fail again with the same
+            # batch: end every request with the error rather than leave it waiting forever.
             logger.exception("engine step failed; aborting %d requests", len(self.engine.requests))
             failed = list(self.engine.requests)
             for engine_id in failed:
@@ -276,8 +323,12 @@ class AsyncEngine:
             self._deliver_error(failed, exc)
             return
         self._stats = snapshot(self.engine)
+        failures = self.engine.take_failures()
+        outputs = [out for out in outputs if out.request_id not in failures]
         if outputs:
             self._deliver([_detach(out) for out in outputs])
+        for engine_id, error in failures.items():
+            self._deliver_error([engine_id], error)
 
     def _add_on_loop(
         self,
@@ -306,6 +357,17 @@ class AsyncEngine:
             raise AdapterMismatchError(
                 f"the adapter at {path} has content id {loaded}, not {adapter_id}"
             )
+
+    def _abort_counted_on_loop(self, streams: list[_Stream]) -> None:
+        """Abort what of ``streams`` still runs; each counts its final output first."""
+        aborted = []
+        for stream in streams:
+            out = self.engine.abort(stream.engine_id)
+            if out is not None:
+                stream.note(out)
+                aborted.append(out)
+        if aborted:
+            self._deliver([_detach(out) for out in aborted])
 
     def _abort_on_loop(self, engine_ids: list[str]) -> None:
         aborted = [out for i in engine_ids if (out := self.engine.abort(i)) is not None]
@@ -359,6 +421,7 @@ class AsyncEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:  # None: the consumer is gone already
+                stream.note(out)
                 stream.queue.put_nowait(out)
 
     def _route_error(self, engine_ids: list[str], exc: BaseException) -> None:

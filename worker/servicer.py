@@ -88,7 +88,13 @@ def response_from_sample(sample: SampleOutput) -> worker_pb2.GenerateResponse:
 
 
 def status_for(exc: Exception) -> grpc.StatusCode:
-    """The one place engine and adapter errors become gRPC status codes."""
+    """The one place engine and adapter errors become gRPC status codes.
+
+    UNAVAILABLE is the only code that blames the worker (the gateway then tries another);
+    INTERNAL is a request that failed alone (``SequenceFailedError``, or a bug it hit): the
+    gateway neither retries it nor marks the worker failed. A request whose logits the
+    model could not give (``NonFiniteLogitsError``) is INVALID_ARGUMENT, like bad values.
+    """
     if isinstance(exc, UnknownAdapterError | AdapterNotFoundError):
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, InvalidRequestError | AdapterError):
@@ -216,6 +222,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.metrics.adapter_unloads.inc()
         self.on_adapters_changed()
         return worker_pb2.UnloadAdapterResponse()
+
+    async def Abort(self, request, context):
+        """Stop a request and say what it cost (the gateway charges it when its client left);
+        only the request's own tenant finds it."""
+        engine = await self._engine_or_abort(context, refuse_while_draining=False)
+        try:
+            cost = await engine.abort_counted(request.request_id, tenant=request.tenant or None)
+        except Exception as exc:
+            await self._abort_with(context, exc)
+        if cost is None:
+            return worker_pb2.AbortResponse(found=False)
+        return worker_pb2.AbortResponse(
+            found=True,
+            prompt_tokens=cost.prompt_tokens,
+            completion_tokens=cost.completion_tokens,
+            cached_tokens=cost.cached_tokens,
+        )
 
     async def Stats(self, request, context):
         engine = await self._engine_or_abort(context, refuse_while_draining=False)
