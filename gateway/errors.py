@@ -212,7 +212,10 @@ def install_error_handlers(app: FastAPI) -> None:
             f"{_validation_param(tuple(e.get('loc', ()))) or 'body'}: {e['msg']}" for e in errors
         )
         body = error_body(message, type="invalid_request_error", param=param, code="invalid_value")
-        return JSONResponse(body, status_code=422)
+        # OpenAI's API (and vLLM's) answers a value it cannot take with 400; our own admin
+        # API keeps FastAPI's 422.
+        status = 400 if request.url.path.startswith("/v1/") else 422
+        return JSONResponse(body, status_code=status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
