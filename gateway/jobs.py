@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from gateway import metrics
 from gateway.errors import InvalidRequestError, ModelNotFoundError
 from gateway.protocol import SamplingFields
 from gateway.tenants import Caller, TenantAdapter, TenantStore
@@ -59,10 +60,12 @@ async def resolve_model(
     exactly as unknown as one that does not exist (same 404, same message).
     """
     if model == served_model_name:
+        metrics.known_model(caller.tenant, model)
         return None
     adapter = await tenants.get_adapter(caller.tenant, model)
     if adapter is None:
         raise ModelNotFoundError(model)
+    metrics.known_model(caller.tenant, model)  # a name the tenant registered: a label value
     return adapter
 
 

@@ -101,6 +101,25 @@ REDIS_ERRORS = Counter(
 )
 
 
+# Label values come only from names the server made or checked, never from what a client
+# typed: the model label is a name `resolve_model` found (the base model, or one of the
+# tenant's own adapters), anything else `unknown`; tenants are authenticated names; the
+# other labels are fixed words and status codes. So a client cannot grow the series.
+UNKNOWN = "unknown"
+MAX_KNOWN_MODELS = 10_000  # (tenant, model) pairs; past it new names count as unknown
+_known_models: set[tuple[str, str]] = set()
+
+
+def known_model(tenant: str, model: str) -> None:
+    """`model` resolved for `tenant`: from now on it may be a label value."""
+    if len(_known_models) < MAX_KNOWN_MODELS:
+        _known_models.add((tenant, model))
+
+
+def model_label(tenant: str, model: str) -> str:
+    return model if (tenant, model) in _known_models else UNKNOWN
+
+
 @dataclass(slots=True)
 class RequestObservation:
     """One completion or chat request, from arrival to `finish` (called once, any path)."""
@@ -120,11 +139,10 @@ class RequestObservation:
         self.done = True
         REQUESTS_IN_FLIGHT.dec()
         elapsed = time.monotonic() - self.started
-        REQUESTS.labels(self.tenant, self.model, self.endpoint, str(status)).inc()
+        model = model_label(self.tenant, self.model)
+        REQUESTS.labels(self.tenant, model, self.endpoint, str(status)).inc()
         REQUEST_DURATION.labels(self.endpoint).observe(elapsed)
-        log.info(
-            "%s %s for %s: %d in %.3f s", self.endpoint, self.model, self.tenant, status, elapsed
-        )
+        log.info("%s %s for %s: %d in %.3f s", self.endpoint, model, self.tenant, status, elapsed)
 
 
 def exposition() -> bytes:

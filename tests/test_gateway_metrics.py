@@ -75,9 +75,12 @@ async def test_metrics_follow_requests(redis_url, redis_prefix, model_dir, tmp_p
     assert delta(requests, **ok, status="200") == 3
     assert delta(requests, **ok, status="502") == 1  # failed mid-stream
     assert delta(requests, **ok, status="429") == 1
+    # A model name the gateway did not resolve is no label value of its own.
     assert (
-        delta(requests, tenant="metered", model="nope", endpoint="completions", status="404") == 1
+        delta(requests, tenant="metered", model="unknown", endpoint="completions", status="404")
+        == 1
     )
+    assert not [key for key in after if ("model", "nope") in key[1]]
     assert delta("switchboard_quota_rejections_total", tenant="metered", reason="requests") == 1
     assert delta("switchboard_time_to_first_token_seconds_count") == 4
     assert delta("switchboard_inter_token_latency_seconds_count") > 0
@@ -89,6 +92,47 @@ async def test_metrics_follow_requests(redis_url, redis_prefix, model_dir, tmp_p
     assert delta(f"{added}_count", phase="relay") > 0
     assert delta(f"{added}_sum", phase="admission") < 4 * 0.25  # seconds, in a test: generous
     assert after[("switchboard_requests_in_flight", ())] == 0
+
+
+async def test_client_chosen_names_leave_the_number_of_series_bounded(
+    redis_url, redis_prefix, model_dir, tmp_path
+):
+    """1,000 requests naming random models (chat and completions, with and without a
+    stream) and random paths add a fixed handful of series, whatever the names."""
+    import random
+    import string
+
+    settings = gateway_settings(
+        redis_url=redis_url, prefix=redis_prefix, model_dir=model_dir, store=tmp_path / "s"
+    )
+    rng = random.Random(27)
+
+    def name() -> str:
+        return "".join(rng.choices(string.ascii_letters + string.digits + "-_.:/", k=12))
+
+    async with gateway_with_worker(settings, tenants=("prober",)) as live:
+        headers = {"Authorization": f"Bearer {live.keys['prober']}"}
+        admin = live.gw.admin_headers
+        async with httpx.AsyncClient(base_url=live.gw.url, headers=headers) as client:
+            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            before = samples((await client.get("/metrics", headers=admin)).text)
+            names = []
+            for i in range(1000):
+                names.append(name())
+                if i % 4 == 3:
+                    reply = await client.get(f"/v1/{names[-1]}")
+                elif i % 2:
+                    body = {"model": names[-1], "prompt": "x", "stream": i % 3 == 0}
+                    reply = await client.post("/v1/completions", json=body)
+                else:
+                    body = {**CHAT, "model": names[-1]}
+                    reply = await client.post("/v1/chat/completions", json=body)
+                assert reply.status_code == 404, reply.text
+            after = samples((await client.get("/metrics", headers=admin)).text)
+    label_values = {value for _, labels in after for _, value in labels}
+    assert not label_values & set(names)
+    new_series = set(after) - set(before)
+    assert len(new_series) <= 8, sorted(new_series)
 
 
 async def test_arrival_is_stamped_before_the_app_parses_anything():
