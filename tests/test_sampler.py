@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from worker.penalties import apply_penalties_
 from worker.sampler import (
+    LOGPROB_FLOOR,
     SampledToken,
     Sampler,
     SamplingRow,
@@ -463,3 +465,151 @@ def test_logprobs_from_bfloat16_logits_are_computed_in_fp32() -> None:
     token = Sampler()(logits, [make_row(temperature=0.0, logprobs=1)])[0]
     expected = torch.log_softmax(logits.float(), dim=-1)[0, token.token_id].item()
     assert token.logprob == pytest.approx(expected, abs=1e-6)
+
+
+# --- non-finite values from any source ------------------------------------------------------
+
+
+def reference_penalized(
+    logits: np.ndarray, prompt: list[int], output: list[int], params: SamplingParams
+) -> np.ndarray:
+    """HF / OpenAI penalties on one fp32 row, in numpy (overflow to inf included)."""
+    x = logits.astype(np.float32).copy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        for t in set(prompt) | set(output):
+            r = np.float32(params.repetition_penalty)
+            x[t] = x[t] / r if x[t] > 0 else x[t] * r
+        for t in set(output):
+            x[t] -= np.float32(params.frequency_penalty * output.count(t) + params.presence_penalty)
+    return x
+
+
+def test_a_repetition_penalty_near_zero_samples_uniformly_among_the_overflowed_tokens():
+    """The attack of issue 27: positive logits of seen tokens / 1e-38 overflow to +inf; the
+    sampler drew from NaN weights and indexed past its blocks. Now the row's distribution
+    is the limit: uniform over the +inf tokens (numpy finds them independently)."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 1000, generator=generator) * 3
+    prompt = list(range(0, 60, 3))
+    params = dict(repetition_penalty=1e-38, temperature=0.7)
+    x = reference_penalized(logits[0].numpy(), prompt, [], SamplingParams(**params))
+    support = set(np.flatnonzero(np.isposinf(x / np.float32(0.7))).tolist())
+    assert 3 <= len(support) < len(prompt)
+    n = 3000
+    torch.manual_seed(0)
+    rows = [make_row(prompt=prompt, **params) for _ in range(n)]
+    draws = [t.token_id for t in Sampler()(logits.expand(n, -1), rows)]
+    assert all(t.failure is None for t in Sampler()(logits, rows[:1]))
+    counts = [draws.count(t) for t in sorted(support)]
+    assert sum(counts) == n
+    assert chi_square(counts, [1 / len(support)] * len(support)) < 3 * len(support) + 10
+    greedy = Sampler()(logits, [make_row(prompt=prompt, repetition_penalty=1e-38, temperature=0)])
+    assert greedy[0].token_id == min(support)  # ties go to the lowest id
+
+
+def test_rows_with_a_nan_or_no_finite_logit_fail_alone_and_the_others_are_untouched():
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 300, generator=generator)
+    logits[1, 17] = math.nan
+    logits[2] = -math.inf
+    logits[4, 5] = math.nan  # a greedy row
+    settings = [
+        dict(temperature=0.9, seed=1, top_p=0.8),
+        dict(temperature=0.9, seed=2),
+        dict(temperature=0.0, repetition_penalty=1.3, output=[1]),
+        dict(temperature=1.1, seed=3, top_k=20, logprobs=2),
+        dict(temperature=0.0),
+    ]
+    batch = Sampler()(logits, [make_row(**s) for s in settings])
+    assert [t.failure is not None for t in batch] == [False, True, True, False, True]
+    assert "NaN" in batch[1].failure and "-inf" in batch[2].failure
+    for i in (0, 3):
+        alone = Sampler()(logits[i : i + 1], [make_row(**settings[i])])[0]
+        assert (batch[i].token_id, batch[i].top_logprobs) == (alone.token_id, alone.top_logprobs)
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-6, 0.0])
+def test_tiny_temperatures_are_greedy_even_on_huge_logits(temperature: float) -> None:
+    logits = torch.tensor([[1e38, -3e38, 2e38, 0.0, 3e38]])
+    [token] = Sampler()(logits, [make_row(temperature=temperature)])
+    assert (token.token_id, token.failure) == (int(np.argmax(logits.numpy()[0])), None)
+
+
+def test_huge_logits_over_a_small_temperature_draw_among_those_that_overflow():
+    logits = torch.tensor([[3e38, 1e30, 3.1e38, -3e38, 5.0, 2e-3]])
+    temperature = 1e-3
+    with np.errstate(over="ignore"):
+        support = set(np.flatnonzero(np.isposinf(logits.numpy()[0] / np.float32(temperature))))
+    assert support == {0, 2}
+    torch.manual_seed(0)
+    n = 400
+    rows = [make_row(temperature=temperature, top_k=3, min_p=0.5) for _ in range(n)]
+    draws = [t.token_id for t in Sampler()(logits.expand(n, -1), rows)]
+    assert set(draws) == support
+
+
+def test_logprobs_of_a_row_with_inf_logits_are_its_limit_and_never_nan():
+    logits = torch.tensor([[1.0, math.inf, 2.0, math.inf, -math.inf]])
+    [token] = Sampler()(logits, [make_row(temperature=0.0, logprobs=4)])
+    assert token.token_id == 1
+    assert token.logprob == pytest.approx(math.log(0.5))
+    assert [t for t, _ in token.top_logprobs[:2]] == [1, 3]
+    assert [lp for _, lp in token.top_logprobs] == pytest.approx(
+        [math.log(0.5), math.log(0.5), LOGPROB_FLOOR, LOGPROB_FLOOR]
+    )
+
+
+def test_hostile_rows_never_break_the_sampler():
+    """Random rows with NaN, +-inf and huge values under random in-bounds settings: never
+    an exception; a row fails iff numpy finds a NaN or nothing above -inf in it; greedy rows
+    pick numpy's argmax of the penalized row; sampled tokens are never banned ones."""
+    rng = np.random.default_rng(27)
+    vocab = 700
+    for trial in range(20):
+        n = int(rng.integers(1, 9))
+        raw = rng.normal(0, 5, size=(n, vocab)).astype(np.float32)
+        for i in range(n):
+            kind = rng.integers(0, 6)
+            where = rng.choice(vocab, size=int(rng.integers(1, 5)), replace=False)
+            if kind == 1:
+                raw[i, where] = np.nan
+            elif kind == 2:
+                raw[i, where] = np.inf
+            elif kind == 3:
+                raw[i] = -np.inf
+            elif kind == 4:
+                raw[i, where] = rng.choice([3e38, -3e38, 1e37])
+        rows, settings = [], []
+        for _ in range(n):
+            params = SamplingParams(
+                temperature=float(rng.choice([0.0, 1e-30, 1e-5, 0.5, 1.0, 2.0, 100.0])),
+                top_k=int(rng.choice([0, 1, 5, vocab])),
+                top_p=float(rng.choice([1.0, 0.5, 1e-6])),
+                min_p=float(rng.choice([0.0, 0.3, 1.0])),
+                repetition_penalty=float(rng.choice([1.0, 1e-38, 1e-6, 2.0])),
+                presence_penalty=float(rng.choice([0.0, -2.0, 2.0])),
+                frequency_penalty=float(rng.choice([0.0, -2.0, 2.0])),
+                logprobs=int(rng.choice([0, 20])) if rng.random() < 0.3 else None,
+                seed=int(rng.integers(0, 2**62)) if rng.random() < 0.5 else None,
+            )
+            prompt = rng.choice(vocab, size=6).tolist()
+            output = rng.choice(vocab, size=int(rng.integers(0, 6))).tolist()
+            settings.append((params, prompt, output))
+            rows.append(SamplingRow(params, output, prompt, make_generator(params.seed)))
+        tokens = Sampler()(torch.from_numpy(raw), rows)
+        for i, token in enumerate(tokens):
+            row = raw[i]
+            unusable = bool(np.isnan(row).any()) or bool(np.isneginf(row).all())
+            params, prompt, output = settings[i]
+            penalized = reference_penalized(row, prompt, output, params)
+            unusable |= not unusable and bool(np.isneginf(penalized).all())
+            assert (token.failure is not None) == unusable, (trial, i)
+            if unusable:
+                continue
+            assert 0 <= token.token_id < vocab
+            assert penalized[token.token_id] > -np.inf, (trial, i)
+            if params.temperature < 1e-5:
+                assert token.token_id == int(np.argmax(penalized)), (trial, i)
+            if token.top_logprobs is not None:
+                assert all(math.isfinite(lp) for _, lp in token.top_logprobs)
+                assert math.isfinite(token.logprob)

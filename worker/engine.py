@@ -1,12 +1,15 @@
 """The engine: requests in, one batched forward pass per step, token deltas out.
 
 ``step()`` is schedule → run → sample → postprocess; the server calls it in a loop from
-its own thread, the offline ``LLM`` calls it until every request is done.
+its own thread, the offline ``LLM`` calls it until every request is done. A request that
+fails a step alone (``worker.isolation``) ends there, with ``finish_reason`` "abort" and
+its error in ``take_failures()``; the others go on.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from pathlib import Path
 
@@ -14,8 +17,19 @@ import torch
 
 from adapters.lora import LoraAdapter
 from worker.block_manager import BlockManager
-from worker.errors import InvalidRequestError, RequestTooLargeError
+from worker.errors import (
+    EngineError,
+    InvalidRequestError,
+    RequestTooLargeError,
+    SequenceFailedError,
+)
 from worker.forks import PendingForks
+from worker.isolation import (
+    drop_unusable_drafts,
+    execute_isolating,
+    plain_rows,
+    sample_isolating,
+)
 from worker.llama import LlamaModel
 from worker.lora_manager import LoraManager, UnknownAdapterError
 from worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -25,7 +39,7 @@ from worker.postprocess import Postprocessor
 from worker.prefix_cache import PrefixCacheStats, root_hash
 from worker.sampler import SampledToken, Sampler, SamplingRow
 from worker.sampling_params import SamplingParams
-from worker.scheduler import PreemptionMode, Scheduler
+from worker.scheduler import PreemptionMode, ScheduledSequence, Scheduler
 from worker.sequence import FinishReason, Sequence, SequenceStatus
 from worker.spec_decode.proposal import NUM_ALTERNATIVES
 from worker.spec_decode.setup import build_speculator
@@ -33,6 +47,8 @@ from worker.spec_decode.speculator import Verified
 from worker.spec_decode.stats import SpecDecodeStats
 from worker.spec_decode.step_cost import measure_step_costs
 from worker.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -177,6 +193,7 @@ class LLMEngine:
         self._rows: dict[str, SamplingRow] = {}
         self._forks = PendingForks(self.scheduler)  # n > 1 (see add_samples)
         self._arrivals = itertools.count()
+        self._failures: dict[str, EngineError] = {}  # request id -> why it failed alone
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -293,7 +310,9 @@ class LLMEngine:
         return self.postprocessor.output(seq, new_tokens=0, new_text="")
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: the outputs of every request that produced a token or finished."""
+        """One iteration: the outputs of every request that produced a token or finished.
+        A request whose forward pass, sampling or postprocessing fails alone is finished
+        (its output says "abort"; ``take_failures`` says why); the others are not touched."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self._rows)
         sched = self.scheduler.schedule()
@@ -301,25 +320,81 @@ class LLMEngine:
         if sched.is_empty:
             return []
         start = time.perf_counter()
-        sampling, logits = self.runner.execute(sched.scheduled)
+        executed = execute_isolating(self.runner.execute, sched.scheduled)
+        sampling, logits = executed.sampling, executed.logits
         # A step of decodes only prices a draft model's passes (a prefill would inflate it).
-        decodes_only = all(s.num_tokens == 1 for s in sched.scheduled)
+        decodes_only = executed.parts == 1 and all(s.num_tokens == 1 for s in sched.scheduled)
         step_seconds = time.perf_counter() - start if decodes_only else None
         self.scheduler.mark_computed(sched)
+        failed: list[tuple[Sequence, EngineError]] = list(executed.failed.items())
         verified: list[Verified] = []
-        if self.speculator is not None:
-            sampling, logits, verified = self.speculator.verify(
+        if self.speculator is not None and sampling:
+            sampling, logits, unusable = drop_unusable_drafts(sampling, logits)
+            sampling, logits, verified, lost = self._verify(sampling, logits, step_seconds)
+            failed += [*unusable.items(), *lost]
+        if self._forks and sampling:
+            sampling, logits = self._forks.join(sampling, logits)
+        rows = [self._rows[s.seq.request_id] for s in sampling]
+        sampled, failures = sample_isolating(self.sampler, logits, rows)
+        failed += [(sampling[j].seq, exc) for j, exc in failures.items()]
+        now = time.monotonic()
+        outputs = []
+        for j, (s, token) in enumerate(zip(sampling, sampled, strict=True)):
+            if j not in failures:
+                outputs += self._emit_isolating(s.seq, [token], now, failed)
+        for v in verified:
+            outputs += self._emit_isolating(v.seq, v.tokens, now, failed, verified=True)
+        return outputs + [
+            self._fail(seq, exc) for seq, exc in failed if seq.request_id in self.requests
+        ]
+
+    def take_failures(self) -> dict[str, EngineError]:
+        """Requests that failed a step alone since the last call, with their errors."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def _verify(
+        self, sampling: list[ScheduledSequence], logits: torch.Tensor, step_seconds: float | None
+    ) -> tuple[
+        list[ScheduledSequence], torch.Tensor, list[Verified], list[tuple[Sequence, EngineError]]
+    ]:
+        """The speculator's verification; if it raises, the speculating sequences (its
+        state for them is spent) fail and the plain ones are sampled as usual."""
+        assert self.speculator is not None
+        try:
+            plain, logits, verified = self.speculator.verify(
                 sampling, logits, self._rows, step_seconds
             )
-        if self._forks:
-            sampling, logits = self._forks.join(sampling, logits)
-        sampled = self.sampler(logits, [self._rows[s.seq.request_id] for s in sampling])
-        now = time.monotonic()
-        outputs = [
-            self._emit(s.seq, [token], now) for s, token in zip(sampling, sampled, strict=True)
-        ]
-        outputs += [self._emit(v.seq, v.tokens, now, verified=True) for v in verified]
-        return outputs
+            return plain, logits, verified, []
+        except Exception as exc:
+            logger.exception("verifying drafts failed; the speculating sequences end")
+            error = SequenceFailedError(f"verifying draft tokens failed: {exc!r}")
+            plain, logits = plain_rows(sampling, logits)
+            return plain, logits, [], [(s.seq, error) for s in sampling if s.num_spec]
+
+    def _emit_isolating(
+        self,
+        seq: Sequence,
+        tokens: list[SampledToken],
+        now: float,
+        failed: list[tuple[Sequence, EngineError]],
+        *,
+        verified: bool = False,
+    ) -> list[RequestOutput]:
+        """``_emit``, or nothing, with ``seq`` added to ``failed``, if postprocessing raises."""
+        try:
+            return [self._emit(seq, tokens, now, verified=verified)]
+        except Exception as exc:
+            logger.exception("postprocessing request %s failed", seq.request_id)
+            failed.append((seq, SequenceFailedError(f"postprocessing failed: {exc!r}")))
+            return []
+
+    def _fail(self, seq: Sequence, error: EngineError) -> RequestOutput:
+        """End a request that failed alone: free what it holds, keep why for its caller."""
+        self._failures[seq.request_id] = error
+        seq.finish_reason = FinishReason.ABORT
+        self._finish(seq)
+        return self.postprocessor.output(seq, new_tokens=0, new_text="")
 
     def _emit(
         self, seq: Sequence, tokens: list[SampledToken], now: float, *, verified: bool = False
@@ -367,6 +442,8 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"unknown stop_token_ids {bad[:5]} (vocabulary size {vocab})")
+        if params.top_k > vocab:
+            raise InvalidRequestError(f"top_k is {params.top_k}; the vocabulary has {vocab} tokens")
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_ids)} tokens; this model's context is "

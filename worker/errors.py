@@ -1,4 +1,5 @@
-"""Errors the engine raises for bad requests; the gateway maps them to OpenAI error bodies."""
+"""Errors the engine raises for bad requests, and for a request that failed a step alone;
+the servicer maps them to gRPC codes (`status_for`), the gateway to OpenAI error bodies."""
 
 
 class EngineError(Exception):
@@ -19,3 +20,14 @@ class ModelLoadError(EngineError):
 
 class SpeculativeConfigError(EngineError, ValueError):
     """Speculative decoding is misconfigured: bad k, or a draft model the target can't use."""
+
+
+class SequenceFailedError(EngineError):
+    """A step failed for this request alone (found by running its parts apart); the engine
+    ended it and went on with the others. Not the worker's fault: no other worker should
+    be asked to run it again."""
+
+
+class NonFiniteLogitsError(InvalidRequestError):
+    """The model gave this request no logits to sample from (NaN, or all -inf): its adapter
+    or its values broke the numbers; the request ends alone."""

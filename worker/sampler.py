@@ -100,7 +100,7 @@ class Sampler:
         plain = [i for i, p in enumerate(params) if greedy[i] and not p.has_penalties]
         # Every row: cheaper than copying a subset first; the max finds unusable rows.
         argmax, top = _argmax_and_max(logits)
-        unusable = {i: why for i, v in enumerate(top) if (why := _why_unusable(v)) is not None}
+        unusable = {i: why for i, v in enumerate(top) if (why := why_unusable(v)) is not None}
         if len(plain) == len(rows) and not with_logprobs:
             return [SampledToken(t, None, None, unusable.get(i)) for i, t in enumerate(argmax)]
         if unusable:
@@ -220,7 +220,7 @@ def _divide_by_temperature_(x: torch.Tensor, params: list[SamplingParams]) -> No
         x.div_(torch.tensor(temperatures, device=x.device)[:, None])
 
 
-def _why_unusable(top: float) -> str | None:
+def why_unusable(top: float) -> str | None:
     """Why a row of raw logits cannot be sampled at all, or None. `top`: the row's max with
     NaN propagated (numpy's and torch's argmax both do). Penalties and temperature cannot
     make a NaN out of numbers (x / p, x * p, x - c, x / T with finite p, c and T > 0 only
