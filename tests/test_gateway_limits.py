@@ -330,3 +330,52 @@ async def test_a_big_n_times_logprobs_answer_is_assembled_off_the_loop(settings_
     assert r.json()["usage"]["completion_tokens"] == 800
     # The same shape as an answer assembled inline.
     assert small.status_code == 200 and set(small.json()) == set(r.json())
+
+
+def _tokenizer_dir(path, tokenizer) -> ChatTokenizer:
+    path.mkdir()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return ChatTokenizer.from_dir(path)
+
+
+def test_the_byte_bound_is_off_where_a_tokenizer_can_shrink_text(tmp_path):
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    def trained(model, trainer, *, pre=None, normalizer=None) -> Tokenizer:
+        tokenizer = Tokenizer(model)
+        if pre is not None:
+            tokenizer.pre_tokenizer = pre
+        if normalizer is not None:
+            tokenizer.normalizer = normalizer
+        tokenizer.train_from_iterator(["hello world " * 50, "the quick brown fox"], trainer)
+        return tokenizer
+
+    bpe = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"])
+    # WordPiece maps a whole unknown word to one token: no byte bound holds.
+    wordpiece = trained(
+        models.WordPiece(unk_token="<unk>"),
+        trainers.WordPieceTrainer(vocab_size=300, special_tokens=["<unk>"]),
+        pre=pre_tokenizers.Whitespace(),
+    )
+    assert _tokenizer_dir(tmp_path / "wp", wordpiece).longest_token_bytes is None
+    # Whitespace splitting drops spaces; NFKC and Strip shrink text.
+    dropping = trained(models.BPE(), bpe, pre=pre_tokenizers.Whitespace())
+    assert _tokenizer_dir(tmp_path / "ws", dropping).longest_token_bytes is None
+    shrinking = trained(models.BPE(), bpe, normalizer=normalizers.NFKC())
+    assert _tokenizer_dir(tmp_path / "nfkc", shrinking).longest_token_bytes is None
+    # A reachable unknown token (no byte fallback, no byte-level alphabet) covers anything.
+    unknown = trained(models.BPE(unk_token="<unk>"), bpe)
+    assert _tokenizer_dir(tmp_path / "unk", unknown).longest_token_bytes is None
+    # SentencePiece-style BPE with byte fallback and Metaspace keeps a bound, and it holds.
+    fallback = trained(
+        models.BPE(unk_token="<unk>", byte_fallback=True),
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<unk>", *(f"<0x{b:02X}>" for b in range(256))],
+        ),
+        pre=pre_tokenizers.Metaspace(),
+    )
+    sentencepiece = _tokenizer_dir(tmp_path / "sp", fallback)
+    assert sentencepiece.longest_token_bytes is not None
+    for text in ["hello world " * 100, "ü" * 300, "zzzz qqqq " * 50]:
+        assert sentencepiece.min_tokens(text) <= len(sentencepiece.encode(text)), text
