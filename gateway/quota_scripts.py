@@ -2,8 +2,10 @@
 one atomic script, so limits hold exactly however many gateway replicas share the Redis.
 
 Time comes from Redis (`TIME`), so replicas with skewed clocks still agree on windows and
-leases. Every key a script touches carries the tenant's hash tag (`{tenant}`) and is passed
-in KEYS, so the scripts run unchanged on Redis Cluster.
+leases. Every key a script touches is passed in KEYS and carries the tenant's hash tag
+(`{tenant}`), so each script touches one hash slot: the rule for every multi-key script and
+transaction here, should the gateway ever run on Redis Cluster (it does not today: see
+gateway/README.md).
 
 Windows are sliding logs (exact, unlike fixed windows that admit 2x at a boundary):
 - requests: a sorted set of request ids scored by admission time (ms);
