@@ -64,7 +64,7 @@ class GatewaySettings(BaseSettings):
     http_max_connections: int = Field(default=2048, ge=1)
     http_backlog: int = Field(default=2048, ge=1)
     # The request line plus headers, in bytes (h11's max incomplete event): 431/400 past it.
-    http_max_header_bytes: int = Field(default=64 << 10, ge=1024)
+    http_max_header_bytes: int = Field(default=16 << 10, ge=1024)
     # Request bodies, refused with 413 from Content-Length (or as they stream) before any
     # parsing or authentication. Completions and chat: a whole context of text with room to
     # spare; uploads: max_upload_bytes; every other route (admin, usage): small.
