@@ -379,3 +379,22 @@ def test_the_byte_bound_is_off_where_a_tokenizer_can_shrink_text(tmp_path):
     assert sentencepiece.longest_token_bytes is not None
     for text in ["hello world " * 100, "ü" * 300, "zzzz qqqq " * 50]:
         assert sentencepiece.min_tokens(text) <= len(sentencepiece.encode(text)), text
+
+
+async def test_a_kept_alive_connections_next_headers_have_the_deadline_too(settings_for):
+    async with served(settings_for(http_header_timeout_s=0.5)) as (gw, _):
+        host, port = gw.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split()[0]))
+            await asyncio.sleep(0.7)  # idle past the header deadline: keep-alive's to judge
+            started = time.monotonic()
+            writer.write(b"GET /health HTTP/1.1\r\nHost: t\r\n")  # and never the blank line
+            async with asyncio.timeout(5):
+                assert await reader.read() == b""
+            assert 0.4 < time.monotonic() - started < 2.0
+        finally:
+            writer.close()
