@@ -1,9 +1,10 @@
 """The gateway's FastAPI app, built by `create_app(settings)`.
 
 The lifespan opens what requests share — the Redis pool, the tokenizer, the gRPC channels —
-and, with `metrics_port` set, Prometheus' own listener; it closes them on shutdown. Routes
-are thin; the logic lives in `gateway.serving`, `gateway.tenants` and
-`gateway.adapter_registration`.
+and, with `metrics_port` set, Prometheus' own listener, with `admin_port` set, the admin
+app's listener; it closes them on shutdown. Every app sizes and paces request bodies first
+(`gateway.limits`). Routes are thin; the logic lives in `gateway.serving`, `gateway.tenants`
+and `gateway.adapter_registration`.
 """
 
 from __future__ import annotations
