@@ -86,6 +86,8 @@ class RequestBodyGuard:
 
         async def guarded_receive():
             nonlocal received, body_done, refused
+            if refused is not None:  # the app asks again after its body was refused
+                return {"type": "http.disconnect"}
             if body_done:  # later receives wait for the disconnect: no timeout on those
                 return await receive()
             try:
