@@ -205,6 +205,8 @@ class AsyncEngine:
             for engine_id in engine_ids:
                 self._streams.pop(engine_id, None)
             self._requests.pop(request_id, None)
+            while not queue.empty():  # outputs nobody will read; the ledger keeps counts only
+                queue.get_nowait()
             self._ended[request_id] = streams
             while len(self._ended) > ENDED_KEPT:
                 self._ended.popitem(last=False)
