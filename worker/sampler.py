@@ -98,17 +98,19 @@ class Sampler:
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
         with_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         plain = [i for i, p in enumerate(params) if greedy[i] and not p.has_penalties]
-        # Every row: cheaper than copying a subset first; the max finds unusable rows.
-        argmax, top = _argmax_and_max(logits)
-        unusable = {i: why for i, v in enumerate(top) if (why := why_unusable(v)) is not None}
         if len(plain) == len(rows) and not with_logprobs:
-            return [SampledToken(t, None, None, unusable.get(i)) for i, t in enumerate(argmax)]
-        if unusable:
-            return self._without(logits, rows, unusable)
-
+            argmax, top = _argmax_and_max(logits)
+            pairs = zip(argmax, top, strict=True)
+            return [SampledToken(t, None, None, why_unusable(v)) for t, v in pairs]
         token_ids = [0] * len(rows)
-        for i in plain:
-            token_ids[i] = argmax[i]
+        failures: dict[int, str] = {}
+        if plain:
+            # Every row: cheaper than copying a subset first; the max finds unusable rows.
+            argmax, top = _argmax_and_max(logits)
+            for i in plain:
+                token_ids[i] = argmax[i]
+                if (why := why_unusable(top[i])) is not None:
+                    failures[i] = why
         # One fp32 scratch copy of the other rows, grouped so each group is a slice of it:
         # penalized greedy rows, then rows sampled in a window, then rows sampled in full.
         vocab = logits.shape[1]
@@ -116,15 +118,14 @@ class Sampler:
         windowed = [i for i, p in enumerate(params) if not greedy[i] and _windowed(p, vocab)]
         whole = [i for i, p in enumerate(params) if not greedy[i] and not _windowed(p, vocab)]
         order = penalized_greedy + windowed + whole
-        failures: dict[int, str] = {}
         if order:
             x = _gather_fp32(logits, order)  # [len(order), vocab]
             if any(params[i].has_penalties for i in order):
                 _penalize(x, [rows[i] for i in order])
             num_greedy = len(penalized_greedy)
             _divide_by_temperature_(x[num_greedy:], [params[i] for i in order[num_greedy:]])
-            for j in _tame_(x):  # rows left with no token above -inf
-                failures[order[j]] = "every token's logit is -inf after the penalties"
+            for j, why in _tame_(x).items():
+                failures[order[j]] = why
             picked = _argmax(x[:num_greedy]) if num_greedy else []
             picked += _sample_rows(x[num_greedy:], [rows[i] for i in order[num_greedy:]])
             for i, t in zip(order, picked, strict=True):
@@ -133,17 +134,6 @@ class Sampler:
         if with_logprobs:
             _attach_logprobs(results, logits, with_logprobs, [params[i] for i in with_logprobs])
         return results
-
-    def _without(
-        self, logits: torch.Tensor, rows: list[SamplingRow], unusable: dict[int, str]
-    ) -> list[SampledToken]:
-        """Samples the usable rows only; the others get their failure (rare: a copy)."""
-        keep = [i for i in range(len(rows)) if i not in unusable]
-        sampled = iter(self(logits[keep], [rows[i] for i in keep]) if keep else [])
-        return [
-            SampledToken(0, None, None, unusable[i]) if i in unusable else next(sampled)
-            for i in range(len(rows))
-        ]
 
 
 def filter_logits(
@@ -221,33 +211,37 @@ def _divide_by_temperature_(x: torch.Tensor, params: list[SamplingParams]) -> No
 
 
 def why_unusable(top: float) -> str | None:
-    """Why a row of raw logits cannot be sampled at all, or None. `top`: the row's max with
-    NaN propagated (numpy's and torch's argmax both do). Penalties and temperature cannot
-    make a NaN out of numbers (x / p, x * p, x - c, x / T with finite p, c and T > 0 only
-    overflow to +-inf, which `_tame_` handles), so raw logits are all there is to check."""
+    """Why a row cannot be sampled, or None. `top`: the row's max with NaN propagated
+    (numpy's and torch's max and argmax do). Penalties and temperature keep a NaN and make
+    none out of numbers (x / p, x * p, x - c, x / T with finite p, c and T > 0 only
+    overflow to +-inf), so checking the processed row checks the raw one too."""
     if math.isnan(top):
         return "the model's logits for this request are not numbers (NaN)"
     if top == -math.inf:
-        return "the model's logits for this request are all -inf"
+        return "no token's logit for this request is above -inf"
     return None
 
 
-def _tame_(x: torch.Tensor) -> list[int]:
+def _tame_(x: torch.Tensor) -> dict[int, str]:
     """Rows with +inf logits become their limit distribution in place: 0 at the +inf
-    tokens, -inf elsewhere (uniform over them). Returns the rows with nothing above -inf;
-    those are set to 0 everywhere, so sampling them is harmless (the caller discards them).
-    x: [m, vocab] fp32 without NaN."""
+    tokens, -inf elsewhere (uniform over them). Returns the rows that cannot be sampled
+    (`why_unusable`), set to 0 everywhere so that sampling them is harmless (the caller
+    discards them). x: [m, vocab] fp32, penalties and temperature applied."""
     if x.shape[0] == 0:
-        return []
-    top = x.amax(dim=-1)  # [m]
+        return {}
+    top = x.amax(dim=-1)  # [m], NaN where the row has one
     infinite = torch.isposinf(top)
     if bool(infinite.any()):
         rows = infinite.nonzero().flatten()
         x[rows] = torch.where(torch.isposinf(x[rows]), 0.0, -math.inf)
-    empty = torch.isneginf(top).nonzero().flatten()
-    if empty.numel():
-        x[empty] = 0.0
-    return empty.tolist()
+    bad = torch.isnan(top) | torch.isneginf(top)
+    if not bool(bad.any()):
+        return {}
+    unusable = {}
+    for j in bad.nonzero().flatten().tolist():
+        unusable[j] = why_unusable(float(top[j])) or "unusable logits"
+        x[j] = 0.0
+    return unusable
 
 
 def _windowed(params: SamplingParams, vocab: int) -> bool:
