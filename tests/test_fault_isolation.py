@@ -235,3 +235,50 @@ def test_a_sample_that_fails_its_prompt_hands_it_to_its_sibling(engine):
     assert len(done["p-1"].token_ids) == 3 and len(done["victim"].token_ids) == 12
     assert set(engine.take_failures()) == {"p-0"}
     assert_no_block_leaks(engine)
+
+
+async def test_over_grpc_the_poison_gets_its_code_and_the_victim_its_tokens(model, expected):
+    """Behind the real servicer: INTERNAL for the request that failed alone (the gateway
+    neither retries it nor blames the worker), INVALID_ARGUMENT for non-finite values."""
+    from rpc import worker_pb2_grpc
+    from worker.server import WorkerServer
+
+    def poisoned_engine() -> LLMEngine:
+        engine = LLMEngine(model, dtype="float32", block_size=4, num_kv_blocks=64, max_loras=0)
+        poison_where(
+            engine, "poison-0", engine.runner, "execute",
+            lambda scheduled, **_: {s.seq.request_id for s in scheduled},
+        )  # fmt: skip
+        return engine
+
+    def call(request_id, prompt, **params) -> worker_pb2.GenerateRequest:
+        return worker_pb2.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=worker_pb2.SamplingParams(skip_special_tokens=True, **params),
+        )
+
+    victim = dict(temperature=0.8, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    server = WorkerServer(poisoned_engine, model_name="tiny")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            answered, failed = await asyncio.gather(
+                stub.GenerateAll(call("victim", VICTIM_PROMPT, **victim)),
+                stub.GenerateAll(call("poison", POISON_PROMPT, max_tokens=12)),
+                return_exceptions=True,
+            )
+            assert [t for r in answered.responses for t in r.token_ids] == expected
+            assert isinstance(failed, grpc.aio.AioRpcError)
+            assert failed.code() is grpc.StatusCode.INTERNAL
+            assert "forward pass failed" in failed.details()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.GenerateAll(
+                    call("nan", VICTIM_PROMPT, max_tokens=4, temperature=math.nan)
+                )
+            assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            again = await stub.GenerateAll(call("again", VICTIM_PROMPT, **victim))
+            assert [t for r in again.responses for t in r.token_ids] == expected
+    finally:
+        await server.shutdown(drain_timeout=2.0)
