@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import InvalidRequestError
 
@@ -30,9 +30,6 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 # repetition_penalty divides positive logits: near 0 it overflows them to infinity.
 MIN_REPETITION_PENALTY = 0.01
-# Temperatures divide logits too: 0 is greedy, and a positive one below this is refused
-# (vLLM raises it to 0.01 with a warning; a client should know its value was not used).
-MIN_POSITIVE_TEMPERATURE = 0.01
 MAX_REPETITION_PENALTY = 2.0
 
 
@@ -99,15 +96,6 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_or_not_tiny(cls, value: float | None) -> float | None:
-        if value is not None and 0.0 < value < MIN_POSITIVE_TEMPERATURE:
-            raise ValueError(
-                f"temperature must be 0 (greedy) or at least {MIN_POSITIVE_TEMPERATURE}"
-            )
-        return value
 
     def check_shape(self, limits: ShapeLimits) -> None:
         """The bounds that are settings; each past its bound is a 400 naming the field."""

@@ -14,6 +14,7 @@ error (400/413), memory past its limit is 413, CPU time or wall time past its li
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -128,12 +129,16 @@ class UploadValidator:
         try:
             out, err = await asyncio.wait_for(child.communicate(job), self.limits.wall_s)
         except TimeoutError:
-            child.kill()
-            await child.wait()
+            await _kill(child)
             return -signal.SIGALRM, b"", b"wall-time limit"
+        except (BrokenPipeError, ConnectionResetError, RuntimeError):
+            # The child ended before it read its job (uvloop reports the closed pipe as a
+            # RuntimeError): what it said on the way out is all there is to report.
+            err = await child.stderr.read() if child.stderr else b""
+            await _kill(child)
+            return child.returncode or -signal.SIGKILL, b"", err
         except BaseException:  # cancelled (client gone, shutdown): never leave it running
-            child.kill()
-            await child.wait()
+            await _kill(child)
             raise
         assert child.returncode is not None
         return child.returncode, out, err
@@ -177,3 +182,10 @@ def _answer(out: bytes) -> dict | None:
     except ValueError:
         return None
     return answer if isinstance(answer, dict) and ("ok" in answer or "error" in answer) else None
+
+
+async def _kill(child: asyncio.subprocess.Process) -> None:
+    """Kill the child unless it has ended already, and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        child.kill()
+    await child.wait()
