@@ -74,6 +74,8 @@ QUOTA_OPTIONS = (
     "tokens_per_minute",
     "max_concurrent_requests",
     "daily_tokens",
+    "max_adapters",
+    "max_adapter_bytes",
 )
 
 

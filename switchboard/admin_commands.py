@@ -99,6 +99,8 @@ ADMIN_COMMANDS: tuple[Command, ...] = (
                 ("--tokens-per-minute", int, "prompt + max_tokens per sliding minute"),
                 ("--max-concurrent-requests", int, "requests running at once"),
                 ("--daily-tokens", int, "tokens per UTC day"),
+                ("--max-adapters", int, "adapter names (left out: the gateway's default)"),
+                ("--max-adapter-bytes", int, "adapter storage (left out: the gateway's default)"),
             ),
         ),
     ),

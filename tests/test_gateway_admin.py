@@ -225,8 +225,9 @@ async def test_admin_cli_wraps_the_api(gw, tmp_path, capsys):
     status, out = await asyncio.to_thread(cli, "admin", "keys", "revoke", key["key_id"])
     assert status == 1 and "error 404" in out
     status, out = await asyncio.to_thread(
-        cli, "admin", "quotas", "set", "dave", "--requests-per-minute", "60", "--daily-tokens", "9"
-    )
+        cli, "admin", "quotas", "set", "dave", "--requests-per-minute", "60", "--daily-tokens", "9",
+        "--max-adapters", "3",
+    )  # fmt: skip
     assert status == 0
     assert json.loads(out) == {
         "tenant": "dave",
@@ -234,7 +235,7 @@ async def test_admin_cli_wraps_the_api(gw, tmp_path, capsys):
         "tokens_per_minute": None,
         "max_concurrent_requests": None,
         "daily_tokens": 9,
-        "max_adapters": None,
+        "max_adapters": 3,
         "max_adapter_bytes": None,
     }
     status, out = await asyncio.to_thread(cli, "admin", "quotas", "get", "dave")
