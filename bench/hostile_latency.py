@@ -8,7 +8,9 @@ the same, while A attacker threads cycle through hostile requests: bodies declar
 gigabyte, 3 MB prompts, extreme sampling values, archive
 bombs, pathological `target_modules` regexes, half-sent headers held open (slowloris).
 Reports p50/p99/max of the probe in both phases, the ratio of the p99s, how many attacks got
-a 4xx (and any that got something else), and whether every victim stream was identical.
+a 4xx, how many connections the server closed without an answer (the half-sent headers:
+`SWITCHBOARD_HTTP_HEADER_TIMEOUT_S`) and any other outcome, and whether every victim answer
+was identical.
 
 Usage: ``python -m bench.hostile_latency [--seconds 10] [--attackers 4]``.
 """
@@ -63,12 +65,14 @@ def victim(base_url: str, key: str, model: str, stop: threading.Event, out: list
             out.append(response.json()["choices"][0]["text"] if response.is_success else "")
 
 
-def raw(port: int, data: bytes, *, hold_s: float = 0.0) -> int:
-    """Sends raw bytes; returns the status code answered (0: closed without one)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+def raw(port: int, data: bytes, *, hold: bool = False) -> int:
+    """Sends raw bytes, then stops sending (or, with `hold`, stays silent until the server
+    closes); returns the status code answered (0: closed without one)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
         try:
             sock.sendall(data)
-            time.sleep(hold_s)
+            if not hold:
+                sock.shutdown(socket.SHUT_WR)
             answer = sock.recv(4096)
         except OSError:
             return 0
@@ -112,7 +116,7 @@ def attacks(port: int, model: str) -> list:
         huge = b"Content-Length: 1073741824\r\n\r\n{"
         return [
             lambda: raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + huge),
-            lambda: raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", hold_s=2.0),
+            lambda: raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", hold=True),
             call("/v1/completions", json={"model": model, "prompt": "a" * 3_000_000}),
             call("/v1/completions", json={"model": model, "prompt": "x", "n": 10**6}),
             call(
@@ -135,7 +139,7 @@ def attacker(make, key: str, stop: threading.Event, outcomes: Counter) -> None:
             status = attack()
         except httpx.HTTPError:
             status = 0
-        outcomes["4xx" if 400 <= status < 500 else f"other:{status}"] += 1
+        outcomes["4xx" if 400 <= status < 500 else "closed" if status == 0 else "other"] += 1
 
 
 def phase(stack: Stack, keys: dict, model: str, *, seconds: float, make=None, attackers=0):
