@@ -61,7 +61,13 @@ def declared_length(headers: list[tuple[bytes, bytes]]) -> int | None:
 
 
 class RequestBodyGuard:
-    """Size and pace limits on request bodies, enforced before the app sees the body."""
+    """Size and pace limits on request bodies, enforced before the app sees the body.
+
+    Starlette's `RequestBodyLimitMiddleware` (FastAPI's `max_body_size`) counts size only:
+    it has no pace limit (a body trickled a byte a minute holds its connection forever), and
+    its 413 is raised into the app as an exception that FastAPI's handler renders as
+    `{"detail": ...}`. Doing both here keeps one place and OpenAI's error format.
+    """
 
     def __init__(self, app, *, limits: BodyLimits, read_timeout_s: float) -> None:
         self.app = app
