@@ -136,7 +136,7 @@ class UploadValidator:
             # RuntimeError): what it said on the way out is all there is to report.
             err = await child.stderr.read() if child.stderr else b""
             await _kill(child)
-            return child.returncode or -signal.SIGKILL, b"", err
+            return child.returncode, b"", err
         except BaseException:  # cancelled (client gone, shutdown): never leave it running
             await _kill(child)
             raise

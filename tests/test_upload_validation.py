@@ -64,3 +64,35 @@ async def test_a_child_past_its_time_is_killed_and_answered_422(tmp_path: Path) 
         await validator(wall_s=1.0).validate(source="archive", path=fifo, work_dir=work)
     assert caught.value.status == 422
     assert time.monotonic() - started < 5
+
+
+def test_a_child_that_ends_before_reading_its_job_is_a_422_not_a_crash(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A child gone before the gateway's loop got round to writing its job (here: spawning
+    returns 50 ms late, as on a busy loop): the write fails (EPIPE, which uvloop, the
+    gateway's loop, raises as RuntimeError), and the caller still gets a refusal with the
+    child's last words logged, never the write's error."""
+    import asyncio
+
+    import uvloop
+
+    from gateway import upload_validation
+
+    spawn = asyncio.create_subprocess_exec
+
+    async def spawn_then_stall(*args, **kwargs):
+        child = await spawn(*args, **kwargs)
+        await asyncio.sleep(0.05)
+        return child
+
+    monkeypatch.setattr(upload_validation, "CHILD", ["true"])
+    monkeypatch.setattr(upload_validation.asyncio, "create_subprocess_exec", spawn_then_stall)
+    checker = validator()
+    checker.job["padding"] = "x" * (4 << 20)  # past any pipe buffer
+    work = tmp_path / "work"
+    work.mkdir()
+    job = checker.validate(source="dir", path=write_adapter(tmp_path / "a"), work_dir=work)
+    with pytest.raises(UploadValidationLimitError, match="ended abnormally") as caught:
+        uvloop.run(job)
+    assert caught.value.status == 422
