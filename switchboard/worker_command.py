@@ -13,6 +13,7 @@ from switchboard.commands import Command
 
 # worker.placement's names; spelled out here because this module must not import torch.
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
+SCHEDULING_POLICIES = ("fair", "fcfs")  # worker.fairness.SchedulingPolicy's values
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -72,6 +73,8 @@ def _path(value: str | None):
 
 def worker_engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine's keyword arguments from the worker's flags."""
+    from worker.fairness import FairnessConfig
+
     return {
         "device": args.device,
         "max_loras": args.max_loras,
@@ -89,6 +92,10 @@ def worker_engine_kwargs(args: argparse.Namespace) -> dict:
         "speculative_draft_cost": args.speculative_draft_cost,
         "speculative_alternatives": args.speculative_alternatives,
         "speculative_draft_quantization": args.speculative_draft_quantization,
+        "fairness": FairnessConfig(
+            policy=args.scheduling_policy,
+            max_running_per_tenant=args.max_running_per_tenant,
+        ),
     } | (
         {}
         if args.speculative_position_cost is None
@@ -145,6 +152,18 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--swap-space-gb", type=float, default=1.0, help="host memory for swapped-out KV blocks"
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=SCHEDULING_POLICIES[0],
+        help="fair: each tenant its weighted share of the engine (virtual token counters); "
+        "fcfs: first come, first served",
+    )
+    parser.add_argument(
+        "--max-running-per-tenant",
+        type=int,
+        help="most sequences one tenant may run at once (default: no cap beyond --max-num-seqs)",
     )
     _auth_arguments(parser)
     _speculative_arguments(parser)

@@ -156,6 +156,7 @@ class AsyncEngine:
         adapter_path: str | Path | None = None,
         n: int = 1,
         tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[SampleOutput]:
         """Stream the deltas of ``n`` samples of one prompt, merged, until all have finished.
 
@@ -163,7 +164,8 @@ class AsyncEngine:
         naming); with a seed, sample i uses ``seed + i`` so the samples differ yet are
         reproducible. The prompt is computed once; the samples then share its KV blocks
         (copy-on-write). ``adapter_path`` loads the adapter first if it is not loaded;
-        ``tenant`` isolates the prefix cache. Invalid requests raise here, before any output.
+        ``tenant`` isolates the prefix cache and is served its share (``tenant_weight``) under
+        fair scheduling. Invalid requests raise here, before any output.
         Closing the iterator early (or cancelling its consumer) aborts what is left.
         """
         if not 1 <= n <= MAX_N:
@@ -189,6 +191,7 @@ class AsyncEngine:
                 params,
                 adapter_id,
                 tenant,
+                tenant_weight,
             )
             while unfinished:
                 item = await queue.get()
@@ -339,13 +342,19 @@ class AsyncEngine:
         params: SamplingParams,
         adapter_id: str | None,
         tenant: str | None,
+        tenant_weight: float,
     ) -> None:
         per_sample = [
             dataclasses.replace(params, seed=params.seed + i) if params.seed is not None else params
             for i in range(len(engine_ids))
         ]
         self.engine.add_samples(
-            engine_ids, prompt_token_ids, per_sample, adapter=adapter_id, tenant=tenant
+            engine_ids,
+            prompt_token_ids,
+            per_sample,
+            adapter=adapter_id,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
         )
 
     def _load_on_loop(self, adapter_id: str, path: str | Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from worker.errors import (
     RequestTooLargeError,
     SequenceFailedError,
 )
+from worker.fairness import MAX_TENANT_WEIGHT, FairnessConfig
 from worker.forks import PendingForks
 from worker.isolation import (
     drop_unusable_drafts,
@@ -80,6 +82,7 @@ class LLMEngine:
         speculative_draft_cost: float | None = None,
         speculative_alternatives: int = NUM_ALTERNATIVES,
         speculative_draft_quantization: str = "auto",
+        fairness: FairnessConfig | None = None,
     ) -> None:
         """``share_base_model_prefixes``: base-model requests of different tenants share
         cached prefixes (faster; but one tenant can then time another's prompts). Adapter
@@ -104,6 +107,9 @@ class LLMEngine:
         native call: kernels/draft_cpu.c), "int8" holds its weights in int8 (fp32 models),
         "auto" picks int4 where the native kernel builds, else the one that fits the dtype,
         "none" keeps the draft exact; outputs stay the target's either way.
+
+        ``fairness``: how the scheduler shares the engine between tenants (default: weighted
+        fair service, ``worker.fairness``).
 
         ``device``: where the weights, the KV cache and the adapter slots live. On ``cuda``
         the LoRA ops run the Triton kernels and attention runs on the GPU through the same
@@ -138,6 +144,7 @@ class LLMEngine:
             max_loras=max_loras,
             preemption_mode=preemption_mode,
             host_block_manager=host_pool,
+            fairness=fairness,
         )
         # max_loras=0 turns LoRA off (no slot buffers are ever allocated).
         self.lora_manager = None
@@ -239,14 +246,21 @@ class LLMEngine:
         *,
         adapter: str | None = None,
         tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> None:
         """Validate and queue a request; raises ``InvalidRequestError`` and queues nothing.
 
         ``adapter`` names a loaded LoRA adapter; None runs the base model. ``tenant``
-        isolates the request's prefix cache from other tenants'.
+        isolates the request's prefix cache from other tenants', and is served its share,
+        ``tenant_weight`` relative to the other tenants' weights, under fair scheduling.
         """
         self.add_samples(
-            [request_id], prompt, [params or SamplingParams()], adapter=adapter, tenant=tenant
+            [request_id],
+            prompt,
+            [params or SamplingParams()],
+            adapter=adapter,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
         )
 
     def add_samples(
@@ -257,6 +271,7 @@ class LLMEngine:
         *,
         adapter: str | None = None,
         tenant: str | None = None,
+        tenant_weight: float = 1.0,
     ) -> None:
         """Several samples of one prompt (``n > 1``), each its own request with its own params.
 
@@ -274,6 +289,10 @@ class LLMEngine:
             if self.lora_manager is None:
                 raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
             adapter_id = self.lora_manager.resolve(adapter)
+        if not (math.isfinite(tenant_weight) and 0 < tenant_weight <= MAX_TENANT_WEIGHT):
+            raise InvalidRequestError(
+                f"tenant_weight must be in (0, {MAX_TENANT_WEIGHT}], got {tenant_weight!r}"
+            )
         prompt_ids = self._tokenize(prompt)
         for p in params:
             self._validate(prompt_ids, p)
@@ -287,6 +306,8 @@ class LLMEngine:
                 p,
                 arrival_order=next(self._arrivals),
                 adapter_id=adapter_id,
+                tenant=tenant or "",
+                tenant_weight=tenant_weight,
                 cache_root=root,
             )
             if p.seed is not None:

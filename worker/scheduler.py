@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from worker.adapter_gate import AdapterGate
 from worker.block_manager import BlockManager
+from worker.fairness import FairnessConfig, ServiceLedger
 from worker.prefix_cache import extend_block_hashes
 from worker.sequence import Sequence, SequenceStatus
 
@@ -87,6 +88,44 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class _Admission(enum.Enum):
+    ADMITTED = "admitted"
+    PASSED = "passed"  # its adapter has no slot: others may overtake it
+    CAPPED = "capped"  # its tenant holds all the seats it may: its others wait too
+    NO_ROOM = "no_room"  # no seat or KV blocks: admissions stop for this step
+
+
+class _StepCharges:
+    """This step's tokens per tenant so far, so the next pick sees them (fair policy)."""
+
+    def __init__(self, ledger: ServiceLedger) -> None:
+        self.ledger = ledger
+        self.extra: dict[str, float] = {}
+
+    def note(self, placed: ScheduledSequence) -> ScheduledSequence:
+        if self.ledger.fair:
+            seq = placed.seq
+            cost = self.ledger.cost(seq, placed.start, placed.num_tokens, placed.num_spec)
+            virtual = self.ledger.virtual(seq.tenant, *cost)
+            self.extra[seq.tenant] = self.extra.get(seq.tenant, 0.0) + virtual
+        return placed
+
+    def lowest(self, queues: dict[str, deque[Sequence]], running: list[Sequence]) -> str:
+        """The tenant to serve next: lowest counter, then fewest seats held (a newcomer
+        lifted to an equal counter goes first), then the earliest head of queue."""
+        seats: dict[str, int] = {}
+        for s in running:
+            seats[s.tenant] = seats.get(s.tenant, 0) + 1
+        return min(
+            queues,
+            key=lambda t: (
+                self.ledger.counter(t) + self.extra.get(t, 0.0),
+                seats.get(t, 0),
+                queues[t][0].arrival_order,
+            ),
+        )
+
+
 class Scheduler:
     def __init__(
         self,
@@ -99,6 +138,7 @@ class Scheduler:
         max_lora_wait_steps: int = 64,
         preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE,
         host_block_manager: BlockManager | None = None,
+        fairness: FairnessConfig | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -115,6 +155,7 @@ class Scheduler:
         if self.preemption_mode is PreemptionMode.SWAP and host_block_manager is None:
             raise ValueError("swap preemption needs a host block pool")
         self.host_block_manager = host_block_manager
+        self.ledger = ServiceLedger(fairness or FairnessConfig())
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -128,6 +169,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.ledger.join(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out (finished or aborted) and free its blocks at once."""
@@ -139,6 +181,9 @@ class Scheduler:
             self.swapped.remove(seq)
             assert self.host_block_manager is not None
             self.host_block_manager.free(seq.host_block_table)
+        else:
+            return  # never queued here (a sample waiting for its fork)
+        self.ledger.leave(seq)
         self.block_manager.free(seq.block_table)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -151,33 +196,19 @@ class Scheduler:
         child.block_hashes = list(parent.block_hashes)
         child.num_registered_blocks = parent.num_registered_blocks
         child.num_cached_tokens = parent.num_cached_tokens
+        child.num_charged_tokens = parent.num_charged_tokens
         child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
+        self.ledger.join(child)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        # Decodes first (one token each), then running prefills that were cut short.
-        ordered = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival_order))
-        for seq in ordered:
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, num_tokens, out):
-                continue
-            num_spec = self._fit_speculation(seq, num_tokens, budget)
-            out.add(self._schedule(seq, num_tokens, out, num_spec))
-            budget = self.max_num_batched_tokens - out.num_tokens
-        if not out.preempted:
-            adapters = AdapterGate(
-                self.running, self.waiting, self.max_loras, self.max_lora_wait_steps
-            )
-            budget = self._resume_swapped(budget, out, adapters)
-            if not self.swapped:
-                self._admit_waiting(budget, out, adapters)
+        step = _StepCharges(self.ledger)
+        self._schedule_decodes(out, step)
+        self._schedule_prefills(out, step)
+        for placed in out.scheduled:
+            self.ledger.charge(placed.seq, placed.start, placed.num_tokens, placed.num_spec)
         return out
 
     def mark_computed(self, out: SchedulerOutput) -> None:
@@ -196,17 +227,191 @@ class Scheduler:
 
     # --- policy --------------------------------------------------------------------------
 
+    def _schedule_decodes(self, out: SchedulerOutput, step: _StepCharges) -> None:
+        """Running decodes first, one token each (plus drafts), in arrival order."""
+        decodes = [s for s in self.running if s.num_uncomputed_tokens <= 1]
+        for seq in sorted(decodes, key=lambda s: s.arrival_order):
+            budget = self.max_num_batched_tokens - out.num_tokens
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_tokens = seq.num_uncomputed_tokens
+            if not self._make_room(seq, num_tokens, out):
+                continue
+            num_spec = self._fit_speculation(seq, num_tokens, budget)
+            out.add(step.note(self._schedule(seq, num_tokens, out, num_spec)))
+
+    def _schedule_prefills(self, out: SchedulerOutput, step: _StepCharges) -> None:
+        """The rest of the budget: prefills cut short, swapped sequences, new arrivals.
+
+        Fair: the tenant with the lowest counter (this step's tokens included) places its
+        next piece of work, then the lowest again; within a tenant, its running prefills,
+        then its swapped sequences, then its arrivals (none while one of its own is
+        swapped). FCFS: the same order over everyone at once. A request whose adapter has
+        no free slot, or whose tenant is at its seat cap, is passed over; running out of
+        seats or KV blocks stops admissions outright (memory is granted strictly in order)
+        unless the one kept out may take room from a tenant over its share.
+        """
+        adapters = AdapterGate(self.running, self.waiting, self.max_loras, self.max_lora_wait_steps)
+        queues = self._work_queues()
+        admitting = not out.preempted
+        while queues:
+            budget = self.max_num_batched_tokens - out.num_tokens
+            if budget == 0:
+                break
+            tenant = step.lowest(queues, self.running) if self.ledger.fair else next(iter(queues))
+            queue = queues[tenant]
+            seq = queue.popleft()
+            if not queue:
+                del queues[tenant]
+            if seq.status is SequenceStatus.RUNNING:
+                num_tokens = min(seq.num_uncomputed_tokens, budget)
+                if self._make_room(seq, num_tokens, out):
+                    out.add(step.note(self._schedule(seq, num_tokens, out)))
+            elif admitting and not self._behind_swapped(seq):
+                outcome = self._admit(seq, budget, out, adapters, step)
+                if outcome is _Admission.NO_ROOM:
+                    admitting = False
+                elif outcome is _Admission.CAPPED and tenant in queues:
+                    queues[tenant] = deque(s for s in queue if s.status is SequenceStatus.RUNNING)
+            if out.preempted:
+                admitting = False
+
+    def _work_queues(self) -> dict[str, deque[Sequence]]:
+        """Prefill work by tenant (FCFS: one queue), each in the order it is served."""
+        by_arrival = sorted(
+            (s for s in self.running if s.num_uncomputed_tokens > 1), key=lambda s: s.arrival_order
+        )
+        queues: dict[str, deque[Sequence]] = {}
+        for seq in [*by_arrival, *sorted(self.swapped, key=lambda s: s.arrival_order)]:
+            queues.setdefault(self._queue_key(seq), deque()).append(seq)
+        for seq in self.waiting:
+            queues.setdefault(self._queue_key(seq), deque()).append(seq)
+        return queues
+
+    def _queue_key(self, seq: Sequence) -> str:
+        return seq.tenant if self.ledger.fair else ""
+
+    def _behind_swapped(self, seq: Sequence) -> bool:
+        """A new arrival waits while a swapped sequence of its queue does."""
+        key = self._queue_key(seq)
+        return seq.status is SequenceStatus.WAITING and any(
+            self._queue_key(s) == key for s in self.swapped
+        )
+
+    def _admit(
+        self,
+        seq: Sequence,
+        budget: int,
+        out: SchedulerOutput,
+        adapters: AdapterGate,
+        step: _StepCharges,
+    ) -> _Admission:
+        """Start a swapped or waiting sequence with up to ``budget`` tokens, if it fits.
+        Tokens found in the prefix cache cost neither budget nor compute."""
+        cap = self.ledger.config.max_running_per_tenant
+        if cap is not None and sum(s.tenant == seq.tenant for s in self.running) >= cap:
+            return _Admission.CAPPED
+        if not adapters.admits(seq):
+            if seq.status is SequenceStatus.WAITING:
+                seq.lora_wait_steps += 1
+            return _Admission.PASSED
+        swapped = seq.status is SequenceStatus.SWAPPED
+        hits = [] if swapped else self._prefix_hits(seq)
+        bs = self.block_manager.block_size
+        num_ready = seq.num_computed_tokens if swapped else len(hits) * bs
+        num_tokens = min(seq.num_tokens - num_ready, budget)
+        while len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(
+            [], num_ready + num_tokens, reserve=self.watermark_blocks, cached=hits
+        ):
+            needed = self.block_manager.blocks_needed([], num_ready + num_tokens)
+            if not self._take_share_room(seq, needed, out):
+                seq.share_wait_steps += 1
+                return _Admission.NO_ROOM
+        seq.share_wait_steps = 0
+        if swapped:
+            assert self.host_block_manager is not None
+            self.block_manager.allocate(seq.block_table, num_ready)
+            out.moves.extend(
+                BlockMove(MoveKind.SWAP_IN, host, device)
+                for host, device in zip(seq.host_block_table, seq.block_table, strict=True)
+            )
+            self.host_block_manager.free(seq.host_block_table)
+            self.swapped.remove(seq)
+        else:
+            self.block_manager.allocate(seq.block_table, num_ready, cached=hits)
+            seq.num_registered_blocks = len(hits)
+            seq.num_computed_tokens = num_ready
+            self._count_lookup(seq, num_ready)
+            self.waiting.remove(seq)
+        self._start(seq, adapters)
+        out.add(step.note(self._schedule(seq, num_tokens, out)))
+        return _Admission.ADMITTED
+
+    def _take_share_room(self, seq: Sequence, num_blocks: int, out: SchedulerOutput) -> bool:
+        """Preempt one sequence of the tenant furthest over its share, if ``seq``'s tenant
+        stays within its own share (seats and KV blocks) once admitted, and ``seq`` has
+        waited ``share_wait_steps`` already. False if there is no such room to take."""
+        if not self.ledger.fair or seq.share_wait_steps < self.ledger.config.share_wait_steps:
+            return False
+        shares = self.ledger.shares()
+        held = self._holdings()
+        seats, blocks = held.get(seq.tenant, (0, 0))
+        if seats + 1 > max(1.0, shares[seq.tenant] * self.max_num_seqs) or (
+            blocks + num_blocks > shares[seq.tenant] * self.block_manager.num_blocks
+        ):
+            return False
+        over = {t: self._over_share(t, held, shares) for t in held if t != seq.tenant}
+        tenant = max(over, key=lambda t: over[t], default=None)
+        if tenant is None or over[tenant] <= 1.0:
+            return False
+        victim = max((s for s in self.running if s.tenant == tenant), key=lambda s: s.arrival_order)
+        self._preempt(victim, out)
+        return True
+
     def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Preempt latest arrivals until ``seq`` can grow; False if ``seq`` itself went."""
+        """Preempt until ``seq`` can grow; False if ``seq`` itself went. The victim is the
+        latest arrival (fair: of the tenant furthest over its share of the KV blocks)."""
         start = seq.num_computed_tokens
         while not self.block_manager.can_allocate(
             seq.block_table, start + num_tokens, write_from=start
         ):
-            victim = max(self.running, key=lambda s: s.arrival_order)
+            victim = self._victim()
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
+
+    def _victim(self) -> Sequence:
+        if not self.ledger.fair:
+            return max(self.running, key=lambda s: s.arrival_order)
+        shares = self.ledger.shares()
+        held = self._holdings()
+        over = {t: self._over_share(t, held, shares) for t in held}
+        return max(
+            self.running,
+            key=lambda s: (over[s.tenant], self.ledger.counter(s.tenant), s.arrival_order),
+        )
+
+    def _holdings(self) -> dict[str, tuple[int, int]]:
+        """Seats and KV blocks each tenant's running sequences hold."""
+        held: dict[str, tuple[int, int]] = {}
+        for s in self.running:
+            seats, blocks = held.get(s.tenant, (0, 0))
+            held[s.tenant] = (seats + 1, blocks + len(s.block_table))
+        return held
+
+    def _over_share(
+        self, tenant: str, held: dict[str, tuple[int, int]], shares: dict[str, float]
+    ) -> float:
+        """How far past its share a tenant is: the larger of its seats and blocks held over
+        its share of them (above 1: over)."""
+        seats, blocks = held[tenant]
+        share = shares[tenant]
+        return max(
+            seats / (share * self.max_num_seqs), blocks / (share * self.block_manager.num_blocks)
+        )
 
     def _fit_speculation(self, seq: Sequence, num_tokens: int, budget: int) -> int:
         """How many of ``seq``'s draft tokens ride along: only on a decode, only within the
@@ -220,63 +425,6 @@ class Scheduler:
         ):
             num_spec -= 1
         return max(num_spec, 0)
-
-    def _resume_swapped(self, budget: int, out: SchedulerOutput, adapters: AdapterGate) -> int:
-        """Swap sequences back in, earliest arrival first, while budget, seats and blocks last."""
-        for seq in sorted(self.swapped, key=lambda s: s.arrival_order):
-            if budget == 0 or len(self.running) >= self.max_num_seqs:
-                break
-            if not adapters.admits(seq):
-                continue
-            computed = seq.num_computed_tokens
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(
-                [], computed + num_tokens, reserve=self.watermark_blocks
-            ):
-                break
-            assert self.host_block_manager is not None
-            self.block_manager.allocate(seq.block_table, computed)
-            out.moves.extend(
-                BlockMove(MoveKind.SWAP_IN, host, device)
-                for host, device in zip(seq.host_block_table, seq.block_table, strict=True)
-            )
-            self.host_block_manager.free(seq.host_block_table)
-            self.swapped.remove(seq)
-            self._start(seq, adapters)
-            out.add(self._schedule(seq, num_tokens, out))
-            budget -= num_tokens
-        return budget
-
-    def _admit_waiting(self, budget: int, out: SchedulerOutput, adapters: AdapterGate) -> int:
-        """Start waiting sequences in arrival order while budget, seats and blocks last.
-
-        A request whose adapter has no free slot is passed over (base-model requests and
-        requests for adapters already running may overtake it); running out of KV blocks
-        stops admission outright, so memory is granted strictly first come, first served.
-        Tokens found in the prefix cache cost neither budget nor compute.
-        """
-        for seq in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.max_num_seqs:
-                break
-            if not adapters.admits(seq):
-                seq.lora_wait_steps += 1
-                continue
-            hits = self._prefix_hits(seq)
-            num_hit_tokens = len(hits) * self.block_manager.block_size
-            num_tokens = min(seq.num_tokens - num_hit_tokens, budget)
-            if not self.block_manager.can_allocate(
-                [], num_hit_tokens + num_tokens, reserve=self.watermark_blocks, cached=hits
-            ):
-                break
-            self.block_manager.allocate(seq.block_table, num_hit_tokens, cached=hits)
-            seq.num_registered_blocks = len(hits)
-            seq.num_computed_tokens = num_hit_tokens
-            self._count_lookup(seq, num_hit_tokens)
-            self.waiting.remove(seq)
-            self._start(seq, adapters)
-            out.add(self._schedule(seq, num_tokens, out))
-            budget -= num_tokens
-        return budget
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks holding ``seq``'s leading tokens; the last token is always computed,
@@ -302,6 +450,7 @@ class Scheduler:
         self.running.append(seq)
         if seq.metrics.first_scheduled_time is None:
             seq.metrics.first_scheduled_time = time.monotonic()
+            self.ledger.record_queue_time(seq.tenant, seq.metrics.queue_time or 0.0)
 
     def _schedule(
         self, seq: Sequence, num_tokens: int, out: SchedulerOutput, num_spec: int = 0

@@ -64,6 +64,9 @@ class Sequence:
     arrival_order: int
     # Content id of the LoRA adapter this request runs with; None for the base model.
     adapter_id: str | None = None
+    # Who sent it, and that tenant's weight under fair scheduling (``worker.fairness``).
+    tenant: str = ""
+    tenant_weight: float = 1.0
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
@@ -82,8 +85,13 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    # Steps this request was passed over for want of a free adapter slot.
+    # Steps this request was passed over for want of a free adapter slot, and for want of
+    # room (seats or KV blocks) while its tenant was under its fair share.
     lora_wait_steps: int = 0
+    share_wait_steps: int = 0
+    # Tokens of ``tokens`` whose computation was charged to the tenant (a recompute after
+    # preemption is not charged again).
+    num_charged_tokens: int = 0
     # Speculative decoding: draft tokens proposed for this step, verified after it (never
     # part of ``tokens``: only accepted ones are appended). The chain of drafts comes first;
     # the last ``len(spec_alt_depths)`` are alternatives: the i-th stands in for the chain's

@@ -167,6 +167,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 adapter_id=request.adapter_id or None,
                 n=request.params.n or 1,
                 tenant=request.tenant or None,
+                tenant_weight=request.tenant_weight or 1.0,
             )
             async with contextlib.aclosing(samples):
                 async for sample in samples:

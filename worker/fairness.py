@@ -1,0 +1,184 @@
+"""Fair service across tenants: the Virtual Token Counter (Sheng et al., OSDI 2024).
+
+Each tenant has a counter of the service it has received: weighted tokens over its weight.
+A prefill token counts ``prefill_weight`` and a decoded token (or a draft token verified)
+``decode_weight``, the paper's 1 and 2. The scheduler serves the lowest counter first:
+admissions, the split of a step's token budget between prefill chunks, and whom to preempt.
+A tenant that arrives with nothing here starts no lower than the lowest counter of the
+tenants that have work (the paper's counter lift), so idle time is not banked as credit.
+
+Our variant counts tokens computed, not tokens sent: a prefix-cache hit costs nothing, and
+a recompute after preemption is not charged twice (``Sequence.num_charged_tokens``), since
+the counter measures the compute a tenant took from the others. While another tenant waits,
+a tenant holds at most its weighted share of the seats and KV blocks; past it, it is the
+first preempted, and a waiting tenant under its share may take room from it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import math
+from dataclasses import dataclass, field
+
+from worker.sequence import Sequence
+
+# Queue-time histogram buckets (seconds) kept per tenant for the worker's /metrics.
+QUEUE_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, math.inf)
+# Accounts of idle tenants are kept (a counter must survive a short pause, or leaving and
+# coming back would wipe it); past this many, those no higher than the floor are dropped.
+MAX_IDLE_ACCOUNTS = 4096
+# Weights are relative; bounded so that no tenant's counter stands still.
+MAX_TENANT_WEIGHT = 1000.0
+
+
+class SchedulingPolicy(enum.StrEnum):
+    FAIR = "fair"  # the lowest virtual counter first
+    FCFS = "fcfs"  # arrival order, whoever sent it
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessConfig:
+    """How the scheduler shares a worker between tenants; checked here, nothing else done."""
+
+    policy: SchedulingPolicy | str = SchedulingPolicy.FAIR
+    prefill_weight: float = 1.0
+    decode_weight: float = 2.0
+    # Seats a tenant may hold at once (None: no cap beyond max_num_seqs).
+    max_running_per_tenant: int | None = None
+    # Steps a request under its tenant's share waits for room before it preempts a tenant
+    # over its share (0: at once). Waiting first lets a finishing request free the room.
+    share_wait_steps: int = 4
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
+        for name in ("prefill_weight", "decode_weight"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.max_running_per_tenant is not None and self.max_running_per_tenant < 1:
+            raise ValueError("max_running_per_tenant must be at least 1 (or None)")
+        if self.share_wait_steps < 0:
+            raise ValueError("share_wait_steps must be >= 0")
+
+
+@dataclass(slots=True)
+class TenantAccount:
+    weight: float = 1.0
+    counter: float = 0.0  # weighted tokens served / weight
+    num_seqs: int = 0  # unfinished sequences here (waiting, running or swapped)
+    prefill_tokens: int = 0  # since start, for metrics
+    decode_tokens: int = 0
+    queue_time_sum: float = 0.0
+    queue_time_buckets: list[int] = field(default_factory=lambda: [0] * len(QUEUE_TIME_BUCKETS))
+
+
+@dataclass(frozen=True, slots=True)
+class TenantService:
+    """One tenant's totals, as a snapshot for metrics."""
+
+    tenant: str
+    weight: float
+    counter: float
+    prefill_tokens: int
+    decode_tokens: int
+    queue_time_sum: float
+    queue_time_buckets: tuple[int, ...]  # cumulative counts per QUEUE_TIME_BUCKETS bound
+
+
+class ServiceLedger:
+    """The counters, and the per-tenant questions the scheduler asks of them."""
+
+    def __init__(self, config: FairnessConfig) -> None:
+        self.config = config
+        self.accounts: dict[str, TenantAccount] = {}
+        self._last_left = 0.0  # counter of the last tenant to run out of work
+
+    @property
+    def fair(self) -> bool:
+        return self.config.policy is SchedulingPolicy.FAIR
+
+    def join(self, seq: Sequence) -> None:
+        """``seq`` is now queued or running here; lift its tenant if it had no work."""
+        account = self.accounts.get(seq.tenant)
+        if account is None:
+            account = self.accounts[seq.tenant] = TenantAccount()
+            if len(self.accounts) > MAX_IDLE_ACCOUNTS:
+                self._drop_idle()
+        if account.num_seqs == 0:
+            active = [a.counter for a in self.accounts.values() if a.num_seqs > 0]
+            account.counter = max(account.counter, min(active) if active else self._last_left)
+        account.weight = seq.tenant_weight
+        account.num_seqs += 1
+
+    def leave(self, seq: Sequence) -> None:
+        account = self.accounts[seq.tenant]
+        account.num_seqs -= 1
+        if account.num_seqs == 0:
+            self._last_left = account.counter
+
+    def cost(self, seq: Sequence, start: int, num_tokens: int, num_spec: int) -> tuple[int, int]:
+        """(prefill, decode) tokens not charged before, of computing ``seq.tokens[start:
+        start + num_tokens]`` plus ``num_spec`` drafts."""
+        begin = max(start, seq.num_charged_tokens)
+        end = start + num_tokens
+        prompt_end = seq.num_prompt_tokens
+        prefill = max(0, min(end, prompt_end) - begin)
+        decode = max(0, end - max(begin, prompt_end)) + num_spec
+        return prefill, decode
+
+    def virtual(self, tenant: str, prefill: int, decode: int) -> float:
+        """What that many tokens add to the tenant's counter."""
+        cfg = self.config
+        weight = self.accounts[tenant].weight
+        return (cfg.prefill_weight * prefill + cfg.decode_weight * decode) / weight
+
+    def charge(self, seq: Sequence, start: int, num_tokens: int, num_spec: int) -> None:
+        prefill, decode = self.cost(seq, start, num_tokens, num_spec)
+        account = self.accounts[seq.tenant]
+        account.counter += self.virtual(seq.tenant, prefill, decode)
+        account.prefill_tokens += prefill
+        account.decode_tokens += decode
+        seq.num_charged_tokens = max(seq.num_charged_tokens, start + num_tokens)
+
+    def counter(self, tenant: str) -> float:
+        return self.accounts[tenant].counter
+
+    def record_queue_time(self, tenant: str, seconds: float) -> None:
+        account = self.accounts[tenant]
+        account.queue_time_sum += seconds
+        account.queue_time_buckets[bisect.bisect_left(QUEUE_TIME_BUCKETS, seconds)] += 1
+
+    def shares(self) -> dict[str, float]:
+        """Each tenant with work here: its weight over the sum of theirs."""
+        active = {t: a.weight for t, a in self.accounts.items() if a.num_seqs > 0}
+        total = sum(active.values())
+        return {t: w / total for t, w in active.items()}
+
+    def snapshot(self) -> tuple[TenantService, ...]:
+        out = []
+        for tenant, a in sorted(self.accounts.items()):
+            cumulative = []
+            running = 0
+            for count in a.queue_time_buckets:
+                running += count
+                cumulative.append(running)
+            out.append(
+                TenantService(
+                    tenant,
+                    a.weight,
+                    a.counter,
+                    a.prefill_tokens,
+                    a.decode_tokens,
+                    a.queue_time_sum,
+                    tuple(cumulative),
+                )
+            )
+        return tuple(out)
+
+    def _drop_idle(self) -> None:
+        active = [a.counter for a in self.accounts.values() if a.num_seqs > 0]
+        floor = min(active) if active else self._last_left
+        for tenant in [t for t, a in self.accounts.items() if a.num_seqs == 0]:
+            if self.accounts[tenant].counter <= floor:
+                del self.accounts[tenant]
