@@ -19,9 +19,14 @@ from __future__ import annotations
 import bisect
 import enum
 import math
+from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from worker.sequence import Sequence
+
+if TYPE_CHECKING:
+    from worker.scheduler import ScheduledSequence
 
 # Queue-time histogram buckets (seconds) kept per tenant for the worker's /metrics.
 QUEUE_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, math.inf)
@@ -182,3 +187,82 @@ class ServiceLedger:
         for tenant in [t for t, a in self.accounts.items() if a.num_seqs == 0]:
             if self.accounts[tenant].counter <= floor:
                 del self.accounts[tenant]
+
+
+class StepCharges:
+    """This step's tokens per tenant so far, so that the next pick sees them."""
+
+    def __init__(self, ledger: ServiceLedger) -> None:
+        self.ledger = ledger
+        self.extra: dict[str, float] = {}
+
+    def note(self, placed: ScheduledSequence) -> ScheduledSequence:
+        if self.ledger.fair:
+            seq = placed.seq
+            cost = self.ledger.cost(seq, placed.start, placed.num_tokens, placed.num_spec)
+            virtual = self.ledger.virtual(seq.tenant, *cost)
+            self.extra[seq.tenant] = self.extra.get(seq.tenant, 0.0) + virtual
+        return placed
+
+    def lowest(self, queues: dict[str, deque[Sequence]], running: list[Sequence]) -> str:
+        """The tenant to serve next: lowest counter, then fewest seats held (a newcomer
+        lifted to an equal counter goes first), then the earliest head of queue."""
+        seats: dict[str, int] = {}
+        for s in running:
+            seats[s.tenant] = seats.get(s.tenant, 0) + 1
+        return min(
+            queues,
+            key=lambda t: (
+                self.ledger.counter(t) + self.extra.get(t, 0.0),
+                seats.get(t, 0),
+                queues[t][0].arrival_order,
+            ),
+        )
+
+
+class Shares:
+    """What each tenant's running sequences hold (seats, KV blocks) against its share of
+    them: the weight over the weights of the tenants with work here."""
+
+    def __init__(
+        self, ledger: ServiceLedger, running: list[Sequence], max_seats: int, num_blocks: int
+    ) -> None:
+        self.ledger = ledger
+        self.running = running
+        self.max_seats = max_seats
+        self.num_blocks = num_blocks
+        self.shares = ledger.shares()
+        self.held: dict[str, tuple[int, int]] = {}
+        for s in running:
+            seats, blocks = self.held.get(s.tenant, (0, 0))
+            self.held[s.tenant] = (seats + 1, blocks + len(s.block_table))
+
+    def over(self, tenant: str) -> float:
+        """The larger of its seats and its blocks over its share of them (above 1: over)."""
+        seats, blocks = self.held.get(tenant, (0, 0))
+        share = self.shares[tenant]
+        return max(seats / (share * self.max_seats), blocks / (share * self.num_blocks))
+
+    def victim(self) -> Sequence:
+        """Whom to preempt: the latest arrival of the tenant furthest over its share (ties:
+        the one served most)."""
+        over = {t: self.over(t) for t in self.held}
+        return max(
+            self.running,
+            key=lambda s: (over[s.tenant], self.ledger.counter(s.tenant), s.arrival_order),
+        )
+
+    def room_for(self, seq: Sequence, num_blocks: int) -> Sequence | None:
+        """A sequence to preempt so that ``seq`` (a seat and ``num_blocks`` blocks) can
+        start: only if its tenant stays within its share, from a tenant over its own."""
+        seats, blocks = self.held.get(seq.tenant, (0, 0))
+        share = self.shares[seq.tenant]
+        if seats + 1 > max(1.0, share * self.max_seats) or (
+            blocks + num_blocks > share * self.num_blocks
+        ):
+            return None
+        over = {t: self.over(t) for t in self.held if t != seq.tenant}
+        tenant = max(over, key=lambda t: over[t], default=None)
+        if tenant is None or over[tenant] <= 1.0:
+            return None
+        return max((s for s in self.running if s.tenant == tenant), key=lambda s: s.arrival_order)

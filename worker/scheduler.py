@@ -3,12 +3,14 @@
 Orca (Yu et al., OSDI 2022) schedules per iteration rather than per batch, so a finished
 sequence's place is taken at the very next step. Every sequence is "tokens to compute":
 a decode needs one, a prefill needs its prompt, cut into chunks that fit the step's
-token budget (chunked prefill, as in Sarathi / vLLM v1). Running decodes go first, then
-unfinished prefills, then swapped-out sequences, then new arrivals (none while a swapped
-one still waits). A new arrival whose leading blocks are in the prefix cache starts past
-them. When KV blocks run out, the latest arrival is preempted: its K/V are swapped out to
-the host pool (``PreemptionMode.SWAP``, while the pool has room) or dropped and
-recomputed later (``RECOMPUTE``, the default).
+token budget (chunked prefill, as in Sarathi / vLLM v1). Running decodes go first; the
+rest of the budget goes to unfinished prefills, swapped-out sequences and new arrivals,
+tenant by tenant in order of the service each has received (``worker.fairness``; or in
+arrival order under FCFS). A new arrival whose leading blocks are in the prefix cache
+starts past them. When KV blocks run out, a sequence is preempted (the latest arrival of
+the tenant furthest over its share): its K/V are swapped out to the host pool
+(``PreemptionMode.SWAP``, while the pool has room) or dropped and recomputed later
+(``RECOMPUTE``, the default).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 from worker.adapter_gate import AdapterGate
 from worker.block_manager import BlockManager
-from worker.fairness import FairnessConfig, ServiceLedger
+from worker.fairness import FairnessConfig, ServiceLedger, Shares, StepCharges
 from worker.prefix_cache import extend_block_hashes
 from worker.sequence import Sequence, SequenceStatus
 
@@ -93,37 +95,6 @@ class _Admission(enum.Enum):
     PASSED = "passed"  # its adapter has no slot: others may overtake it
     CAPPED = "capped"  # its tenant holds all the seats it may: its others wait too
     NO_ROOM = "no_room"  # no seat or KV blocks: admissions stop for this step
-
-
-class _StepCharges:
-    """This step's tokens per tenant so far, so the next pick sees them (fair policy)."""
-
-    def __init__(self, ledger: ServiceLedger) -> None:
-        self.ledger = ledger
-        self.extra: dict[str, float] = {}
-
-    def note(self, placed: ScheduledSequence) -> ScheduledSequence:
-        if self.ledger.fair:
-            seq = placed.seq
-            cost = self.ledger.cost(seq, placed.start, placed.num_tokens, placed.num_spec)
-            virtual = self.ledger.virtual(seq.tenant, *cost)
-            self.extra[seq.tenant] = self.extra.get(seq.tenant, 0.0) + virtual
-        return placed
-
-    def lowest(self, queues: dict[str, deque[Sequence]], running: list[Sequence]) -> str:
-        """The tenant to serve next: lowest counter, then fewest seats held (a newcomer
-        lifted to an equal counter goes first), then the earliest head of queue."""
-        seats: dict[str, int] = {}
-        for s in running:
-            seats[s.tenant] = seats.get(s.tenant, 0) + 1
-        return min(
-            queues,
-            key=lambda t: (
-                self.ledger.counter(t) + self.extra.get(t, 0.0),
-                seats.get(t, 0),
-                queues[t][0].arrival_order,
-            ),
-        )
 
 
 class Scheduler:
@@ -204,7 +175,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        step = _StepCharges(self.ledger)
+        step = StepCharges(self.ledger)
         self._schedule_decodes(out, step)
         self._schedule_prefills(out, step)
         for placed in out.scheduled:
@@ -227,7 +198,7 @@ class Scheduler:
 
     # --- policy --------------------------------------------------------------------------
 
-    def _schedule_decodes(self, out: SchedulerOutput, step: _StepCharges) -> None:
+    def _schedule_decodes(self, out: SchedulerOutput, step: StepCharges) -> None:
         """Running decodes first, one token each (plus drafts), in arrival order."""
         decodes = [s for s in self.running if s.num_uncomputed_tokens <= 1]
         for seq in sorted(decodes, key=lambda s: s.arrival_order):
@@ -242,7 +213,7 @@ class Scheduler:
             num_spec = self._fit_speculation(seq, num_tokens, budget)
             out.add(step.note(self._schedule(seq, num_tokens, out, num_spec)))
 
-    def _schedule_prefills(self, out: SchedulerOutput, step: _StepCharges) -> None:
+    def _schedule_prefills(self, out: SchedulerOutput, step: StepCharges) -> None:
         """The rest of the budget: prefills cut short, swapped sequences, new arrivals.
 
         Fair: the tenant with the lowest counter (this step's tokens included) places its
@@ -306,7 +277,7 @@ class Scheduler:
         budget: int,
         out: SchedulerOutput,
         adapters: AdapterGate,
-        step: _StepCharges,
+        step: StepCharges,
     ) -> _Admission:
         """Start a swapped or waiting sequence with up to ``budget`` tokens, if it fits.
         Tokens found in the prefix cache cost neither budget nor compute."""
@@ -351,22 +322,12 @@ class Scheduler:
 
     def _take_share_room(self, seq: Sequence, num_blocks: int, out: SchedulerOutput) -> bool:
         """Preempt one sequence of the tenant furthest over its share, if ``seq``'s tenant
-        stays within its own share (seats and KV blocks) once admitted, and ``seq`` has
-        waited ``share_wait_steps`` already. False if there is no such room to take."""
+        stays within its own share once admitted and ``seq`` has waited long enough."""
         if not self.ledger.fair or seq.share_wait_steps < self.ledger.config.share_wait_steps:
             return False
-        shares = self.ledger.shares()
-        held = self._holdings()
-        seats, blocks = held.get(seq.tenant, (0, 0))
-        if seats + 1 > max(1.0, shares[seq.tenant] * self.max_num_seqs) or (
-            blocks + num_blocks > shares[seq.tenant] * self.block_manager.num_blocks
-        ):
+        victim = self._shares().room_for(seq, num_blocks)
+        if victim is None:
             return False
-        over = {t: self._over_share(t, held, shares) for t in held if t != seq.tenant}
-        tenant = max(over, key=lambda t: over[t], default=None)
-        if tenant is None or over[tenant] <= 1.0:
-            return False
-        victim = max((s for s in self.running if s.tenant == tenant), key=lambda s: s.arrival_order)
         self._preempt(victim, out)
         return True
 
@@ -386,32 +347,10 @@ class Scheduler:
     def _victim(self) -> Sequence:
         if not self.ledger.fair:
             return max(self.running, key=lambda s: s.arrival_order)
-        shares = self.ledger.shares()
-        held = self._holdings()
-        over = {t: self._over_share(t, held, shares) for t in held}
-        return max(
-            self.running,
-            key=lambda s: (over[s.tenant], self.ledger.counter(s.tenant), s.arrival_order),
-        )
+        return self._shares().victim()
 
-    def _holdings(self) -> dict[str, tuple[int, int]]:
-        """Seats and KV blocks each tenant's running sequences hold."""
-        held: dict[str, tuple[int, int]] = {}
-        for s in self.running:
-            seats, blocks = held.get(s.tenant, (0, 0))
-            held[s.tenant] = (seats + 1, blocks + len(s.block_table))
-        return held
-
-    def _over_share(
-        self, tenant: str, held: dict[str, tuple[int, int]], shares: dict[str, float]
-    ) -> float:
-        """How far past its share a tenant is: the larger of its seats and blocks held over
-        its share of them (above 1: over)."""
-        seats, blocks = held[tenant]
-        share = shares[tenant]
-        return max(
-            seats / (share * self.max_num_seqs), blocks / (share * self.block_manager.num_blocks)
-        )
+    def _shares(self) -> Shares:
+        return Shares(self.ledger, self.running, self.max_num_seqs, self.block_manager.num_blocks)
 
     def _fit_speculation(self, seq: Sequence, num_tokens: int, budget: int) -> int:
         """How many of ``seq``'s draft tokens ride along: only on a decode, only within the
