@@ -245,7 +245,11 @@ class Scheduler:
                 if outcome is _Admission.NO_ROOM:
                     admitting = False
                 elif outcome is _Admission.CAPPED and tenant in queues:
-                    queues[tenant] = deque(s for s in queue if s.status is SequenceStatus.RUNNING)
+                    rest = deque(s for s in queue if s.status is SequenceStatus.RUNNING)
+                    if rest:
+                        queues[tenant] = rest
+                    else:
+                        del queues[tenant]
             if out.preempted:
                 admitting = False
 
