@@ -104,6 +104,14 @@ async def test_worker_metrics_and_request_ids_across_the_hop(
     assert values[("switchboard_worker_kv_blocks_total", ())] == 64
     assert values[("switchboard_worker_running_sequences", ())] == 0
     assert values[("switchboard_worker_prefix_cache_queries_total", ())] > 0
+    # Fair scheduling per tenant: the prompt and 4 fed-back tokens, one admission.
+    prompt_tokens = reply.json()["usage"]["prompt_tokens"]
+    tenant = (("kind", "prefill"), ("tenant", "obs"))
+    assert values[("switchboard_worker_tenant_service_tokens_total", tenant)] == prompt_tokens
+    tenant = (("kind", "decode"), ("tenant", "obs"))
+    assert values[("switchboard_worker_tenant_service_tokens_total", tenant)] == 4
+    assert values[("switchboard_worker_tenant_queue_seconds_count", (("tenant", "obs"),))] == 1
+    assert values[("switchboard_worker_tenant_weight", (("tenant", "obs"),))] > 0
 
     # The same id on the gateway's line and the worker's line for this request.
     every = json_logs()

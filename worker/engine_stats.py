@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from worker.engine import LLMEngine
+from worker.fairness import TenantService
 from worker.prefix_cache import PrefixCacheStats
 from worker.spec_decode.stats import SpecDecodeStats
 
@@ -28,6 +29,7 @@ class EngineStats:
     prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)
     spec_decode: SpecDecodeStats | None = None  # None: speculation is off
     adapter_evictions: AdapterEvictions = (0, 0)
+    tenants: tuple[TenantService, ...] = ()  # service and queue time per tenant
 
 
 def snapshot(engine: LLMEngine) -> EngineStats:
@@ -45,6 +47,7 @@ def snapshot(engine: LLMEngine) -> EngineStats:
         adapter_evictions=(manager.num_slot_evictions, manager.num_host_evictions)
         if manager is not None
         else (0, 0),
+        tenants=engine.scheduler.ledger.snapshot(),
     )
 
 

@@ -12,10 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from worker.engine_stats import EngineStats
+from worker.fairness import QUEUE_TIME_BUCKETS, TenantService
 from worker.spec_decode.stats import SpecDecodeStats
 
 
@@ -60,6 +66,41 @@ class EngineStatsCollector(Collector):
         yield evictions
         if stats.spec_decode is not None:
             yield from _speculation(stats.spec_decode)
+        yield from _tenants(stats.tenants)
+
+
+def _tenants(tenants: tuple[TenantService, ...]) -> Iterator[Metric]:
+    """Fair scheduling per tenant. Tenant names come from the gateway, which sends only
+    tenants it has authenticated, so the label's values are bounded by the tenants."""
+    service = CounterMetricFamily(
+        "switchboard_worker_tenant_service_tokens",
+        "Tokens computed for a tenant (prefix-cache hits and recomputes not counted).",
+        labels=["tenant", "kind"],
+    )
+    counter = GaugeMetricFamily(
+        "switchboard_worker_tenant_virtual_counter",
+        "A tenant's virtual token counter: weighted tokens served over its weight.",
+        labels=["tenant"],
+    )
+    weight = GaugeMetricFamily(
+        "switchboard_worker_tenant_weight", "A tenant's scheduling weight.", labels=["tenant"]
+    )
+    queue = HistogramMetricFamily(
+        "switchboard_worker_tenant_queue_seconds",
+        "Time from arrival to first scheduling, per tenant.",
+        labels=["tenant"],
+    )
+    for t in tenants:
+        name = t.tenant or "-"
+        service.add_metric([name, "prefill"], t.prefill_tokens)
+        service.add_metric([name, "decode"], t.decode_tokens)
+        counter.add_metric([name], t.counter)
+        weight.add_metric([name], t.weight)
+        bounds = ["+Inf" if b == float("inf") else repr(b) for b in QUEUE_TIME_BUCKETS]
+        queue.add_metric(
+            [name], list(zip(bounds, t.queue_time_buckets, strict=True)), t.queue_time_sum
+        )
+    yield from (service, counter, weight, queue)
 
 
 def _speculation(spec: SpecDecodeStats) -> Iterator[Metric]:
