@@ -88,6 +88,20 @@ def quotas_get(args: argparse.Namespace) -> int:
     return _call(args, "GET", f"/admin/tenants/{args.tenant}/quotas")
 
 
+def scheduling_set(args: argparse.Namespace) -> int:
+    """Sends what was given; the gateway insists on exactly one of the two."""
+    body = {k: v for k, v in (("tier", args.tier), ("weight", args.weight)) if v is not None}
+    return _call(args, "PUT", f"/admin/tenants/{args.tenant}/scheduling", body)
+
+
+def scheduling_get(args: argparse.Namespace) -> int:
+    return _call(args, "GET", f"/admin/tenants/{args.tenant}/scheduling")
+
+
+def scheduling_reset(args: argparse.Namespace) -> int:
+    return _call(args, "DELETE", f"/admin/tenants/{args.tenant}/scheduling")
+
+
 def usage(args: argparse.Namespace) -> int:
     params = {
         k: v

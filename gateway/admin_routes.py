@@ -1,4 +1,5 @@
-"""The admin API under /admin (bearer admin token): tenants, API keys, adapters."""
+"""The admin API under /admin (bearer admin token): tenants, API keys, adapters, quotas,
+scheduling weights, usage."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.adapter_registration import delete_adapter, register_adapter_dir
 from gateway.deps import State, require_admin
+from gateway.errors import InvalidRequestError
 from gateway.quotas import Quota
+from gateway.scheduling import Scheduling
 from gateway.usage import day_range, read_usage
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
@@ -37,6 +40,15 @@ class QuotaBody(BaseModel):
     max_adapter_bytes: int | None = Field(default=None, ge=0)
 
 
+class SchedulingBody(BaseModel):
+    """Exactly one of a tier (by name) or a weight of the tenant's own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tier: str | None = None
+    weight: float | None = None
+
+
 class NewAdapter(BaseModel):
     name: str
     path: str  # a PEFT adapter directory readable by the gateway
@@ -44,7 +56,13 @@ class NewAdapter(BaseModel):
 
 @router.post("/tenants", status_code=201)
 async def create_tenant(body: NewTenant, state: State) -> dict[str, Any]:
-    return asdict(await state.tenants.create_tenant(body.name))
+    """A new tenant starts with `default_max_concurrent_requests` in its quota (if set), so
+    no tenant is unbounded by omission; the quotas API changes it."""
+    tenant = await state.tenants.create_tenant(body.name)
+    limit = state.settings.default_max_concurrent_requests
+    if limit:
+        await state.quotas.set_quota(tenant.name, Quota(max_concurrent_requests=limit))
+    return asdict(tenant)
 
 
 @router.get("/tenants")
@@ -99,6 +117,42 @@ async def set_quotas(tenant: str, body: QuotaBody, state: State) -> dict[str, An
 async def get_quotas(tenant: str, state: State) -> dict[str, Any]:
     await state.tenants.require_tenant(tenant)
     return {"tenant": tenant, **asdict(await state.quotas.get_quota(tenant))}
+
+
+@router.put("/tenants/{tenant}/scheduling")
+async def set_scheduling(tenant: str, body: SchedulingBody, state: State) -> dict[str, Any]:
+    """Put the tenant on a tier or give it a weight (its share of busy workers relative to
+    other tenants'); this gateway applies it to the next request, others within
+    `scheduling_cache_s`."""
+    await state.tenants.require_tenant(tenant)
+    if (body.tier is None) == (body.weight is None):
+        raise InvalidRequestError(
+            'give exactly one of "tier" (one of '
+            f'{", ".join(sorted(state.scheduling.tiers))}) or "weight"',
+            param="tier" if body.tier is not None else None,
+        )
+    if body.tier is not None:
+        scheduling = await state.scheduling.set_tier(tenant, body.tier)
+    else:
+        scheduling = await state.scheduling.set_weight(tenant, body.weight)
+    return _scheduling(tenant, scheduling)
+
+
+@router.get("/tenants/{tenant}/scheduling")
+async def get_scheduling(tenant: str, state: State) -> dict[str, Any]:
+    await state.tenants.require_tenant(tenant)
+    return _scheduling(tenant, await state.scheduling.get(tenant))
+
+
+@router.delete("/tenants/{tenant}/scheduling")
+async def reset_scheduling(tenant: str, state: State) -> dict[str, Any]:
+    """Back to the default tier."""
+    await state.tenants.require_tenant(tenant)
+    return _scheduling(tenant, await state.scheduling.reset(tenant))
+
+
+def _scheduling(tenant: str, scheduling: Scheduling) -> dict[str, Any]:
+    return {"tenant": tenant, **asdict(scheduling)}
 
 
 @router.get("/usage")

@@ -29,10 +29,12 @@ from gateway import adapter_routes, admin_routes, metrics, openai_routes
 from gateway.adapter_catalog import AdapterCatalog
 from gateway.deps import State, require_admin
 from gateway.errors import install_error_handlers
+from gateway.fair_queue import FairQueue
 from gateway.http_server import start_side_listener
 from gateway.limits import BodyLimits, RequestBodyGuard
 from gateway.quotas import QuotaService
 from gateway.routing import WorkerDirectory
+from gateway.scheduling import SchedulingWeights
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.tenants import TenantStore
@@ -102,6 +104,18 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
             load_slack=settings.route_load_slack,
         ),
         channels=WorkerChannels(WorkerCredentials.from_settings(settings)),
+        scheduling=SchedulingWeights(
+            client,
+            prefix=settings.key_prefix,
+            tiers=settings.scheduling_tiers,
+            default_tier=settings.default_scheduling_tier,
+            cache_s=settings.scheduling_cache_s,
+        ),
+        fair_queue=FairQueue(
+            max_in_flight=settings.worker_max_in_flight,
+            tenant_queue_limit=settings.tenant_queue_limit,
+            timeout_s=settings.queue_timeout_s,
+        ),
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 import redis.exceptions
@@ -106,6 +107,33 @@ class RateLimitError(GatewayError):
         self.type = kind
         self.code = "insufficient_quota" if kind == "insufficient_quota" else "rate_limit_exceeded"
         self.headers = headers
+
+
+class TenantQueueFullError(RateLimitError):
+    """Every worker is saturated and the tenant's own queue is full (429, Retry-After)."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message, kind="requests", headers=retry_headers(retry_after_s))
+
+
+class QueueTimeoutError(GatewayError):
+    """The request waited in the fair queue past `queue_timeout_s` (503, Retry-After)."""
+
+    status = 503
+    type = "server_error"
+    code = "queue_timeout"
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.headers = retry_headers(retry_after_s)
+
+
+def retry_headers(seconds: float) -> dict[str, str]:
+    """Retry-After in whole seconds (at least 1, as clients round it) and in milliseconds."""
+    return {
+        "retry-after": str(max(1, math.ceil(seconds))),
+        "retry-after-ms": str(max(1, round(seconds * 1000))),
+    }
 
 
 class NoWorkerError(GatewayError):

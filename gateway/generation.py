@@ -1,4 +1,5 @@
-"""Run a `Job` on a worker: route, retry once before the first token, then stream or collect.
+"""Run a `Job` on a worker: route, wait for a slot (`gateway.fair_queue`) when every worker
+is saturated, retry once before the first token, then stream or collect.
 
 A stream's first token is awaited *before* the HTTP response starts, so every failure up to
 then (no worker, both tries failed, deadline) is a proper status code; after it, a failure
@@ -26,6 +27,7 @@ from gateway.errors import (
     WorkerFailedError,
     gateway_error_body,
 )
+from gateway.fair_queue import FairQueue, Grant
 from gateway.jobs import Job
 from gateway.openai_format import OutputFormat, Sample, Usage, stop_reason_of
 from gateway.routing import WorkerDirectory, prefix_affinity_key
@@ -55,20 +57,31 @@ def _remaining(deadline: float) -> float:
 
 
 async def open_stream(
-    job: Job, *, directory: WorkerDirectory, channels: WorkerChannels, tally: Tally
+    job: Job,
+    *,
+    directory: WorkerDirectory,
+    channels: WorkerChannels,
+    queue: FairQueue,
+    tally: Tally,
 ) -> WorkerStream:
     """A Generate call on the best worker that answers, with its first response in hand.
 
-    ``tally`` gets the times of the call that answered (see `Tally.overhead_s`)."""
-    return await _on_a_worker(job, start_generate, directory, channels, tally)
+    ``tally`` gets the times of the call that answered (see `Tally.overhead_s`) and the
+    request's slot (`Tally.grant`), which the caller releases when the request ends."""
+    return await _on_a_worker(job, start_generate, directory, channels, queue, tally)
 
 
 async def generate_all(
-    job: Job, *, directory: WorkerDirectory, channels: WorkerChannels, tally: Tally
+    job: Job,
+    *,
+    directory: WorkerDirectory,
+    channels: WorkerChannels,
+    queue: FairQueue,
+    tally: Tally,
 ) -> WorkerReply:
     """The whole answer, from the best worker that gives it (for non-streaming requests:
     nothing has reached the client yet, so any retryable failure may try another worker)."""
-    return await _on_a_worker(job, call_generate_all, directory, channels, tally)
+    return await _on_a_worker(job, call_generate_all, directory, channels, queue, tally)
 
 
 async def _on_a_worker(
@@ -76,20 +89,32 @@ async def _on_a_worker(
     call: Callable[..., Awaitable[T]],
     directory: WorkerDirectory,
     channels: WorkerChannels,
+    queue: FairQueue,
     tally: Tally,
 ) -> T:
-    """``call`` on the best worker for ``job``, and once more on another if it fails in a
-    way another worker may not; deadline errors are final."""
+    """``call`` on the best worker for ``job`` with a free slot (waiting for one in fair
+    order when none has), and once more on another if it fails in a way another worker may
+    not; deadline errors are final."""
     affinity = prefix_affinity_key(
         tenant=job.tenant, adapter_id=job.adapter_id, prompt_ids=job.prompt_ids
     )
     candidates = await directory.candidates(adapter_id=job.adapter_id, affinity_key=affinity)
+    grant = tally.grant = await queue.acquire(
+        tenant=job.tenant,
+        weight=job.tenant_weight,
+        tokens=len(job.prompt_ids),
+        workers=[w.worker_id for w in candidates],
+        deadline_s=_remaining(job.deadline),
+    )
+    # The granted worker first (the best with room), then the others in rank order.
+    candidates.sort(key=lambda w: w.worker_id != grant.worker_id)
     request = job.to_proto()
     error: GatewayError = WorkerFailedError("no worker answered")
     for attempt, worker in enumerate(candidates[:MAX_TRIES]):
         remaining = _remaining(job.deadline)
         if remaining <= 0:
             raise DeadlineExceededError("the request's deadline passed before a worker answered")
+        queue.move(grant, worker.worker_id)
         directory.sent(worker.worker_id)
         tally.called_at = time.monotonic()
         tally.running_on = RunningCall(channels, worker.address, job.request_id, job.tenant)
@@ -171,6 +196,7 @@ class Tally:
     finished: bool = False  # the whole response was produced
     running_on: RunningCall | None = None  # a worker call that has not ended by itself
     reported_completion: int = 0  # every sample's tokens, as an aborting worker counted them
+    grant: Grant | None = None  # the request's worker slot, released when it is settled
 
     def record(self, message: worker_pb2.GenerateResponse) -> None:
         now = time.monotonic()

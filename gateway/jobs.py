@@ -36,6 +36,12 @@ class Job:
     adapter: TenantAdapter | None
     deadline: float
     keep: int | None = None  # best_of: return only the `keep` most likely samples
+    tenant_weight: float = 1.0  # the tenant's share under fair scheduling (gateway.scheduling)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """What the quotas reserve: the prompt and every sample's max_tokens."""
+        return len(self.prompt_ids) + self.params.max_tokens * max(self.params.n, 1)
 
     @property
     def adapter_id(self) -> str | None:
@@ -48,6 +54,7 @@ class Job:
             params=self.params,
             adapter_id=self.adapter.adapter_id if self.adapter else "",
             tenant=self.tenant,
+            tenant_weight=self.tenant_weight,
         )
 
 
@@ -130,6 +137,7 @@ def new_job(
     adapter: TenantAdapter | None,
     timeout_s: float,
     keep: int | None = None,
+    tenant_weight: float = 1.0,
 ) -> Job:
     return Job(
         request_id=f"{id_prefix}-{uuid.uuid4().hex}",
@@ -141,4 +149,5 @@ def new_job(
         adapter=adapter,
         deadline=asyncio.get_running_loop().time() + timeout_s,
         keep=keep,
+        tenant_weight=tenant_weight,
     )

@@ -100,6 +100,33 @@ REDIS_ERRORS = Counter(
     registry=REGISTRY,
 )
 
+SCHEDULING_LOOKUP_ERRORS = Counter(
+    "switchboard_scheduling_lookup_errors_total",
+    "Reads of a tenant's scheduling weight that failed on Redis (the last known weight, or "
+    "the default tier's, served instead).",
+    registry=REGISTRY,
+)
+QUEUED_REQUESTS = Gauge(
+    "switchboard_queued_requests",
+    "Requests waiting in this gateway's fair queue (every worker saturated), by tenant.",
+    ["tenant"],
+    registry=REGISTRY,
+)
+QUEUE_WAIT = Histogram(
+    "switchboard_queue_wait_seconds",
+    "Time a request waited in the fair queue, by tenant, observed as it left (sent to a "
+    "worker, timed out or its client gone); requests that did not wait are not observed.",
+    ["tenant"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    registry=REGISTRY,
+)
+QUEUE_REJECTIONS = Counter(
+    "switchboard_queue_rejections_total",
+    "Requests the fair queue refused, by tenant and reason: full (429, the tenant's queue "
+    "held tenant_queue_limit) or timeout (503, waited queue_timeout_s).",
+    ["tenant", "reason"],
+    registry=REGISTRY,
+)
 
 # Label values come only from names the server made or checked, never from what a client
 # typed: the model label is a name `resolve_model` found (the base model, or one of the

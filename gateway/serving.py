@@ -184,6 +184,7 @@ async def _serve(
         limit=state.settings.max_generated_tokens,
     )
     params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, n=best_of)
+    weight = await state.scheduling.weight(caller.tenant)  # cached: no Redis trip as a rule
     job = new_job(
         body,
         id_prefix=id_prefix,
@@ -193,20 +194,23 @@ async def _serve(
         adapter=adapter,
         timeout_s=state.settings.request_timeout_s,
         keep=body.n if best_of else None,
+        tenant_weight=weight,
     )
     REQUEST_ID.set(job.request_id)  # every log line of this request carries it from here
     admission = Admission(
         state.quotas,
         caller.tenant,
         request_id=job.request_id,
-        tokens=len(prompt_ids) + max_tokens * max(params.n, 1),
+        tokens=job.reserved_tokens,
     )
 
     async def settle() -> None:
         observation.finish(tally.status)
+        used = (len(prompt_ids) if tally.started else 0) + tally.completion_tokens
+        if tally.grant is not None:  # its worker slot: to the next request in fair order
+            state.fair_queue.release(tally.grant, used_tokens=used)
         if admission.reservation is None:
             return  # refused, or never decided: nothing reserved
-        used = (len(prompt_ids) if tally.started else 0) + tally.completion_tokens
         usage = UsageDelta(
             model=job.model,
             prompt_tokens=len(prompt_ids) if tally.started else 0,
@@ -290,7 +294,12 @@ async def respond(
     """Once admitted, stream (after the first token is in) or collect; a client gone early
     cancels the call. `on_close` runs when the response is over (for a stream: when the
     stream ends)."""
-    where = {"directory": state.workers, "channels": state.channels, "tally": tally}
+    where = {
+        "directory": state.workers,
+        "channels": state.channels,
+        "queue": state.fair_queue,
+        "tally": tally,
+    }
     if stream:
         admitted = admission.run(lambda: open_stream(job, **where))
         worker_stream = await until_disconnect(request, admitted)

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gateway.scheduling import check_tiers
 from switchboard.home import default_adapter_store, default_model_dir
 
 # Secrets that appear in docs, examples and muscle memory: never acceptable outside dev mode.
@@ -163,6 +164,35 @@ class GatewaySettings(BaseSettings):
     route_load_factor: float = Field(default=1.5, ge=1.0)
     route_load_slack: int = Field(default=4, ge=0)
 
+    # Fair scheduling (gateway/scheduling.py, gateway/fair_queue.py). A tenant's weight is its
+    # share of contended workers relative to other tenants': the weight of its tier, a weight
+    # of its own, or default_scheduling_tier's. Sent to workers in every GenerateRequest (their
+    # scheduler shares each engine the same way) and used by the gateway's own queue.
+    scheduling_tiers: dict[str, float] = Field(
+        default_factory=lambda: {"free": 1.0, "standard": 2.0, "premium": 4.0}
+    )
+    default_scheduling_tier: str = "standard"
+    # How long a gateway trusts a tenant's weight without reading Redis again (renewed in the
+    # background past half of it, like API keys): a change through another replica applies
+    # here within this; one through this gateway at once.
+    scheduling_cache_s: float = Field(default=2.0, ge=0)
+    # Written into a new tenant's quota when it is created (admins change it with the quotas
+    # API): without it one tenant's burst could hold every slot of every worker. 0: none.
+    default_max_concurrent_requests: int = Field(default=64, ge=0)
+    # A worker is saturated once this gateway has this many requests in flight on it; when
+    # every worker is, requests wait here in their tenant's queue and are sent in weighted
+    # fair order. Twice the engine's max_num_seqs (128): a worker keeps a full batch waiting
+    # beside the running one (no idle gap between a sequence ending and the next arriving),
+    # and past that a request waits here, where a tenant over its share gets a 429 instead
+    # of lengthening every tenant's queue in the engine.
+    worker_max_in_flight: int = Field(default=256, ge=1)
+    # Requests one tenant may have waiting in this gateway's queue; past it: 429 with
+    # Retry-After. 0: no waiting (429 as soon as every worker is saturated).
+    tenant_queue_limit: int = Field(default=128, ge=0)
+    # The longest a request waits in the queue (the request's own deadline may end it first):
+    # past it, 503 queue_timeout with Retry-After.
+    queue_timeout_s: float = Field(default=60.0, gt=0)
+
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:
         token = self.admin_token.get_secret_value()
@@ -178,6 +208,7 @@ class GatewaySettings(BaseSettings):
             self.docs = self.dev_mode
         if not self.served_model_name:
             self.served_model_name = self.model.name
+        check_tiers(self.scheduling_tiers, default=self.default_scheduling_tier)
         if (self.worker_tls_cert is None) != (self.worker_tls_key is None):
             raise ValueError(
                 "SWITCHBOARD_WORKER_TLS_CERT and SWITCHBOARD_WORKER_TLS_KEY go together"

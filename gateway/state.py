@@ -11,8 +11,10 @@ import redis.asyncio as aioredis
 
 from adapters import BaseModelSpec, FilesystemAdapterStore
 from gateway.adapter_catalog import AdapterCatalog
+from gateway.fair_queue import FairQueue
 from gateway.quotas import QuotaService
 from gateway.routing import WorkerDirectory
+from gateway.scheduling import SchedulingWeights
 from gateway.settings import GatewaySettings
 from gateway.tenants import TenantStore
 from gateway.tokenizer import ChatTokenizer
@@ -32,6 +34,8 @@ class GatewayState:
     quotas: QuotaService
     workers: WorkerDirectory
     channels: WorkerChannels
+    scheduling: SchedulingWeights
+    fair_queue: FairQueue
     # Fire-and-forget work (adapter preloads), held so it is not garbage-collected mid-way
     # and cancelled at shutdown.
     background: set[asyncio.Task] = field(default_factory=set)

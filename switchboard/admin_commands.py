@@ -111,6 +111,30 @@ ADMIN_COMMANDS: tuple[Command, ...] = (
         _admin_arguments("tenant"),
     ),
     Command(
+        ("admin", "scheduling", "set"),
+        "put a tenant on a scheduling tier or give it a weight (exactly one of the two)",
+        _admin("scheduling_set"),
+        _admin_arguments(
+            "tenant",
+            options=(
+                ("--tier", str, "a tier named in the gateway's SWITCHBOARD_SCHEDULING_TIERS"),
+                ("--weight", float, "a weight of its own, in (0, 1000]"),
+            ),
+        ),
+    ),
+    Command(
+        ("admin", "scheduling", "get"),
+        "show a tenant's scheduling tier and weight",
+        _admin("scheduling_get"),
+        _admin_arguments("tenant"),
+    ),
+    Command(
+        ("admin", "scheduling", "reset"),
+        "put a tenant back on the default tier",
+        _admin("scheduling_reset"),
+        _admin_arguments("tenant"),
+    ),
+    Command(
         ("admin", "usage"),
         "usage per tenant, day and model",
         _admin("usage"),
