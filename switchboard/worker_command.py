@@ -80,6 +80,7 @@ def worker_engine_kwargs(args: argparse.Namespace) -> dict:
         "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank,
         "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
         "enable_prefix_caching": not args.no_prefix_caching,
         "share_base_model_prefixes": args.share_base_model_prefixes,
@@ -135,6 +136,12 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loras", type=int, default=8, help="adapter slots (0: no LoRA)")
     parser.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank")
     parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=1024,
+        help="tokens one step computes at most (long prompts are prefilled in chunks of it)",
+    )
     parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     parser.add_argument(
         "--no-prefix-caching", action="store_true", help="turn automatic prefix caching off"
