@@ -4,7 +4,8 @@ A key is `sk-` + 32 random bytes (urlsafe base64), shown once at creation. Redis
 its sha256: a request's key is hashed and looked up in one GET. Keys (all under the prefix):
 
     tenants                      set of tenant names
-    tenant:{name}                hash {name, created_at}
+    tenant:{name}                hash {name, created_at, and sched_tier or sched_weight
+                                 when set (gateway.scheduling)}
     tenant:{name}:keys           set of key ids
     tenant:{name}:adapters       hash adapter name -> JSON TenantAdapter
     apikey:{sha256 hex}          string: "{key_id} {tenant}"

@@ -65,9 +65,7 @@ class Env:
             text = (await admin.get("/metrics")).text
         want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
         for line in text.splitlines():
-            if line.startswith(f"{name}{{{want}}} ") or (
-                not labels and line.startswith(name + " ")
-            ):
+            if line.startswith(f"{name}{{{want}}} "):
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
 
@@ -233,6 +231,8 @@ async def test_a_full_tenant_queue_is_429_with_retry_after_while_another_tenant_
         replies = await asyncio.gather(a1, a2, b1)
     assert [r.status_code for r in replies] == [200, 200, 200]
     assert [r.tenant for r in live.worker.requests] == ["a", "b", "a"]
+    for tenant in ("a", "b"):  # every reservation settled, the refused one's too
+        assert await live.redis.zcard(tenant_key(live.prefix, tenant, "inflight")) == 0
     metric = live.metric
     assert (
         await metric("switchboard_queue_rejections_total", tenant="a", reason="full") == refused + 1
