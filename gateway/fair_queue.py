@@ -115,11 +115,11 @@ class FairQueue:
                 return self._dispatch(tenant, weight, tokens, free)
         if self.waiting(tenant) >= self.tenant_queue_limit:
             metrics.QUEUE_REJECTIONS.labels(tenant=tenant, reason="full").inc()
+            retry_s = self.retry_after_s(tenant, weight)
             raise TenantQueueFullError(
-                f"Every worker is busy and tenant {tenant} already has "
-                f"{self.waiting(tenant)} requests queued (the limit). Please retry after "
-                "the Retry-After header's seconds.",
-                retry_after_s=self.retry_after_s(tenant, weight),
+                f"Every worker is busy and tenant {tenant} has {self.waiting(tenant)} "
+                f"requests queued, its limit. Please try again in {retry_s:.1f}s.",
+                retry_after_s=retry_s,
             )
         waiter = _Waiter(tenant, weight, tokens, next(self._seq), self.clock())
         self._queues.setdefault(tenant, deque()).append(waiter)
@@ -157,11 +157,7 @@ class FairQueue:
         if grant.released:
             return
         grant.released = True
-        count = self._in_flight[grant.worker_id] - 1
-        if count:
-            self._in_flight[grant.worker_id] = count
-        else:
-            del self._in_flight[grant.worker_id]
+        self._take_off(grant.worker_id)
         extra = (used_tokens - grant.tokens) / grant.weight
         self._counters[grant.tenant] = self.counter(grant.tenant) + extra
         held = self.clock() - grant.granted_at
@@ -177,11 +173,7 @@ class FairQueue:
         exceed that worker's bound by one: it is rare, and it already waited its turn)."""
         if grant.released or grant.worker_id == worker_id:
             return
-        count = self._in_flight[grant.worker_id] - 1
-        if count:
-            self._in_flight[grant.worker_id] = count
-        else:
-            del self._in_flight[grant.worker_id]
+        self._take_off(grant.worker_id)
         self._in_flight[worker_id] = self.in_flight(worker_id) + 1
         grant.worker_id = worker_id
 
@@ -192,7 +184,7 @@ class FairQueue:
         if self._grants == 0:
             return 1.0
         hold = self._hold_s
-        if hold is None:  # nothing finished yet: a request lasts at least twice its mean age
+        if hold is None:  # nothing ended yet: those in flight are, on average, half way
             hold = 2 * (self.clock() - self._grant_times / self._grants)
         weights = {t: q[0].weight for t, q in self._queues.items()}
         weights[tenant] = weight
@@ -231,6 +223,13 @@ class FairQueue:
         self._grants += 1
         self._grant_times += now
         return Grant(tenant, weight, tokens, worker_id, now)
+
+    def _take_off(self, worker_id: str) -> None:
+        count = self._in_flight[worker_id] - 1
+        if count:
+            self._in_flight[worker_id] = count
+        else:
+            del self._in_flight[worker_id]  # workers come and go: keep only those in use
 
     def _pump(self, workers: Sequence[str]) -> None:
         """Hand free slots on ``workers`` to waiters, in fair order."""
