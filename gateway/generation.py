@@ -57,13 +57,9 @@ def _remaining(deadline: float) -> float:
 
 
 async def open_stream(
-    job: Job,
-    *,
-    directory: WorkerDirectory,
-    channels: WorkerChannels,
-    queue: FairQueue,
+    job: Job, *, directory: WorkerDirectory, channels: WorkerChannels, queue: FairQueue,
     tally: Tally,
-) -> WorkerStream:
+) -> WorkerStream:  # fmt: skip
     """A Generate call on the best worker that answers, with its first response in hand.
 
     ``tally`` gets the times of the call that answered (see `Tally.overhead_s`) and the
@@ -72,13 +68,9 @@ async def open_stream(
 
 
 async def generate_all(
-    job: Job,
-    *,
-    directory: WorkerDirectory,
-    channels: WorkerChannels,
-    queue: FairQueue,
+    job: Job, *, directory: WorkerDirectory, channels: WorkerChannels, queue: FairQueue,
     tally: Tally,
-) -> WorkerReply:
+) -> WorkerReply:  # fmt: skip
     """The whole answer, from the best worker that gives it (for non-streaming requests:
     nothing has reached the client yet, so any retryable failure may try another worker)."""
     return await _on_a_worker(job, call_generate_all, directory, channels, queue, tally)
@@ -100,12 +92,9 @@ async def _on_a_worker(
     )
     candidates = await directory.candidates(adapter_id=job.adapter_id, affinity_key=affinity)
     grant = tally.grant = await queue.acquire(
-        tenant=job.tenant,
-        weight=job.tenant_weight,
-        tokens=len(job.prompt_ids),
-        workers=[w.worker_id for w in candidates],
-        deadline_s=_remaining(job.deadline),
-    )
+        tenant=job.tenant, weight=job.tenant_weight, tokens=len(job.prompt_ids),
+        workers=[w.worker_id for w in candidates], deadline_s=_remaining(job.deadline),
+    )  # fmt: skip
     # The granted worker first (the best with room), then the others in rank order.
     candidates.sort(key=lambda w: w.worker_id != grant.worker_id)
     request = job.to_proto()
