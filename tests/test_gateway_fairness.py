@@ -241,6 +241,33 @@ async def test_a_full_tenant_queue_is_429_with_retry_after_while_another_tenant_
     assert await metric("switchboard_queued_requests", tenant="a") == 0
 
 
+async def test_three_to_one_weights_give_three_to_one_slots_through_the_gateway(env):
+    """Weights 3 and 1 set through the admin API; one slot, held while six requests of each
+    tenant queue, a's first: while both wait, a is sent three for b's one."""
+    live = await env(worker_max_in_flight=1)
+    async with live.admin() as admin:
+        await admin.put("/admin/tenants/a/scheduling", json={"weight": 3})
+        await admin.put("/admin/tenants/b/scheduling", json={"weight": 1})
+    async with live.client("a") as a, live.client("b") as b:
+        replies = [asyncio.create_task(a.post("/v1/completions", json=BODY))]
+        await live.wait_for(lambda: _seen(live.worker, 1))
+        for tenant, client in (("a", a), ("b", b)):
+            for i in range(1, 7):
+                replies.append(asyncio.create_task(client.post("/v1/completions", json=BODY)))
+                await live.wait_for(lambda: _queued(live, tenant, i))  # noqa: B023
+        live.worker.gate.set()
+        assert [r.status_code for r in await asyncio.gather(*replies)] == [200] * 13
+    order = [r.tenant for r in live.worker.requests[1:]]
+    served = {"a": 0, "b": 0}
+    for tenant in order[:8]:  # a's six are sent within the first eight
+        served[tenant] += 1
+        assert abs(served["a"] / 3 - served["b"]) <= 1, order
+    assert served == {"a": 6, "b": 2}, order
+    assert [r.tenant_weight for r in live.worker.requests[1:]] == [
+        3.0 if t == "a" else 1.0 for t in order
+    ]
+
+
 async def test_a_client_that_leaves_while_queued_leaves_the_queue_and_its_quota_slot(env):
     live = await env(worker_max_in_flight=1)
     async with live.client("a") as a, live.client("b", timeout=0.5) as b:
