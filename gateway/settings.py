@@ -174,7 +174,7 @@ class GatewaySettings(BaseSettings):
     default_scheduling_tier: str = "standard"
     # How long a gateway trusts a tenant's weight without reading Redis again (renewed in the
     # background past half of it, like API keys): a change through another replica applies
-    # here within this; one through this gateway at once.
+    # here within this; one through this gateway at once. 0: every request reads it.
     scheduling_cache_s: float = Field(default=2.0, ge=0)
     # Written into a new tenant's quota when it is created (admins change it with the quotas
     # API): without it one tenant's burst could hold every slot of every worker. 0: none.
