@@ -167,7 +167,7 @@ class SchedulingWeights:
         except redis.exceptions.RedisError as exc:
             metrics.SCHEDULING_LOOKUP_ERRORS.inc()
             log.warning("reading %s's weight failed (using %g): %r", tenant, fallback, exc)
-            return fallback
+            weight = fallback  # cached too: requests do not each wait for a Redis that is down
         if self.cache_s > 0 and epoch == self._epoch:
             if len(self._cached) >= MAX_CACHED_TENANTS:
                 self._cached.clear()

@@ -25,6 +25,7 @@ from test_gateway_support import (
     running_gateway,
 )
 
+from gateway import metrics
 from gateway.quotas import tenant_key
 from gateway.scheduling import SchedulingWeights
 from gateway.settings import GatewaySettings
@@ -333,7 +334,14 @@ async def test_weights_seen_by_another_replica_within_the_cache_time(redis_clien
     down = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
     broken = SchedulingWeights(down, prefix=redis_prefix, tiers=tiers, default_tier="free",
                                cache_s=0.3)  # fmt: skip
+
+    def errors() -> float:
+        return metrics.REGISTRY.get_sample_value("switchboard_scheduling_lookup_errors_total")
+
+    before = errors()
     assert await broken.weight("t") == 1.0
+    assert await broken.weight("t") == 1.0  # the fallback is cached: Redis is asked once
+    assert errors() == before + 1
     await down.aclose()
 
 
