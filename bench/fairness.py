@@ -8,7 +8,8 @@ is exactly ``max_tokens`` long).
    (closed loop; prompts of random vocabulary words, distinct per request so the prefix
    cache does not make them free, counted with the gateway's own tokenizer); tenant B sends
    one short question at a time. Reported: B's TTFT idle (before A starts) and under A's
-   load (B's requests sent in the window), B's completed requests, and output tokens/s of
+   load (B's requests waiting for a first token at some time in the window, so one stuck
+   since the warm-up counts), B's completed requests, and output tokens/s of
    A+B over a fixed window after a warm-up (prompt tokens/s beside it: a prefill-heavy
    window generates little).
 2. Weighted (``--weighted``): two tenants, both backlogged with A's long prompts, weights
@@ -228,7 +229,7 @@ async def contention(stack: Stack, model: str, prompts: Prompts, scale: Scale) -
     window = {"a": a.window(start, end), "b": b.window(start, end)}
     return {
         "b_ttft_idle_ms": ttft_ms(idle.streams[1:]),
-        "b_ttft_load_ms": ttft_ms([s for s in b.streams if start <= s.sent < end]),
+        "b_ttft_load_ms": ttft_ms([s for s in b.streams if s.sent < end and s.stamps[0] >= start]),
         "b_completed": sum(start <= s.stamps[-1] < end for s in b.streams),
         "a_completed": sum(start <= s.stamps[-1] < end for s in a.streams),
         "window": window,
