@@ -104,6 +104,36 @@ def test_a_newcomers_short_prompt_joins_the_next_step_beside_a_long_chunked_pref
         assert run_step(sched) == [(ids[t], start, n) for t, start, n in expected]
 
 
+def test_a_lone_requests_first_token_costs_a_short_step_not_another_tenants_chunk():
+    sched = make_scheduler(max_tokens=16, lone_prompt_step_tokens=2)
+    a = make_seq("a", 40)
+    sched.add(a)
+    assert run_step(sched) == [(a.request_id, 0, 16)]
+    b = make_seq("b", 3, max_tokens=3)
+    sched.add(b)
+    # b has nothing else running: its prompt, then 2 more tokens of a's chunk.
+    assert run_step(sched) == [(b.request_id, 0, 3), (a.request_id, 16, 2)]
+    # b decoding is not lone any more: a's chunk takes the rest again.
+    assert run_step(sched) == [(b.request_id, 3, 1), (a.request_id, 18, 15)]
+
+
+def test_lone_requests_arriving_all_the_time_do_not_starve_a_bulk_tenant():
+    sched = make_scheduler(num_blocks=64, max_num_seqs=12, max_tokens=32)
+    rng = random.Random(11)
+    interactive = [f"i{k}" for k in range(6)]
+    for _ in range(400):
+        for tenant in interactive:  # each sends one request at a time
+            if not any(s.tenant == tenant for s in (*sched.waiting, *sched.running)):
+                sched.add(make_seq(tenant, rng.randint(2, 8), max_tokens=rng.randint(1, 4)))
+        while sum(s.tenant == "bulk" for s in (*sched.waiting, *sched.running)) < 4:
+            sched.add(make_seq("bulk", 30, max_tokens=8))
+        run_step(sched)
+    bulk = service(sched, "bulk")
+    others = [service(sched, t) for t in interactive]
+    # The bulk tenant is the only one backlogged: it gets at least any other's service.
+    assert bulk >= max(others)
+
+
 def test_the_lowest_counter_places_work_first_and_this_steps_tokens_count():
     sched = make_scheduler(max_tokens=8)
     a1, a2 = make_seq("a", 6), make_seq("a", 6)

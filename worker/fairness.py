@@ -54,6 +54,10 @@ class FairnessConfig:
     # Steps a request under its tenant's share waits for room before it preempts a tenant
     # over its share (0: at once). Waiting first lets a finishing request free the room.
     share_wait_steps: int = 4
+    # A step that computes a lone request's whole prompt takes at most this many tokens
+    # of other prefill work after it (None: no limit): the first token of a tenant that
+    # sends one request at a time costs a short step, not a full chunk of someone else's.
+    lone_prompt_step_tokens: int | None = 64
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
@@ -65,6 +69,8 @@ class FairnessConfig:
             raise ValueError("max_running_per_tenant must be at least 1 (or None)")
         if self.share_wait_steps < 0:
             raise ValueError("share_wait_steps must be >= 0")
+        if self.lone_prompt_step_tokens is not None and self.lone_prompt_step_tokens < 0:
+            raise ValueError("lone_prompt_step_tokens must be >= 0 (or None)")
 
 
 @dataclass(slots=True)

@@ -223,10 +223,19 @@ class Scheduler:
         no free slot, or whose tenant is at its seat cap, is passed over; running out of
         seats or KV blocks stops admissions outright (memory is granted strictly in order)
         unless the one kept out may take room from a tenant over its share.
+
+        Fair: once a lone request (its tenant has nothing else running) has its whole
+        prompt placed, other work adds at most ``lone_prompt_step_tokens`` to the step, so
+        its first token waits for a short step instead of another tenant's full chunk.
+        Other lone requests still join. A tenant whose chunks are cut so is served less,
+        so its counter falls behind and it is placed first again.
         """
         adapters = AdapterGate(self.running, self.waiting, self.max_loras, self.max_lora_wait_steps)
         queues = self._work_queues()
         admitting = not out.preempted
+        lone_extra = self.ledger.config.lone_prompt_step_tokens if self.ledger.fair else None
+        busy = {s.tenant for s in self.running}  # tenants with a sequence running
+        short_limit = None  # the step's token limit once a lone request's prompt is in it
         while queues:
             budget = self.max_num_batched_tokens - out.num_tokens
             if budget == 0:
@@ -236,12 +245,28 @@ class Scheduler:
             seq = queue.popleft()
             if not queue:
                 del queues[tenant]
+            lone = (
+                seq.status is SequenceStatus.WAITING
+                and seq.metrics.first_scheduled_time is None
+                and seq.tenant not in busy
+            )
+            if short_limit is not None and not lone:
+                budget = min(budget, short_limit - out.num_tokens)
+                if budget <= 0:
+                    continue
             if seq.status is SequenceStatus.RUNNING:
                 num_tokens = min(seq.num_uncomputed_tokens, budget)
                 if self._make_room(seq, num_tokens, out):
                     out.add(step.note(self._schedule(seq, num_tokens, out)))
             elif admitting and not self._behind_swapped(seq):
                 outcome = self._admit(seq, budget, out, adapters, step)
+                if outcome is _Admission.ADMITTED:
+                    busy.add(seq.tenant)
+                    if lone and lone_extra is not None and out.scheduled[-1].samples:
+                        short_limit = min(
+                            short_limit or self.max_num_batched_tokens,
+                            out.num_tokens + lone_extra,
+                        )
                 if outcome is _Admission.NO_ROOM:
                     admitting = False
                 elif outcome is _Admission.CAPPED and tenant in queues:
