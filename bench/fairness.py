@@ -75,7 +75,7 @@ class Scale:
     idle_requests: int = 10
 
 
-FULL = Scale(48, 1100, 96, 16, warmup=60.0, seconds=60.0, weighted_streams=24)
+FULL = Scale(48, 1100, 96, 16, warmup=60.0, seconds=60.0, weighted_streams=48)
 # Four running sequences at most, so that 8 streams contend for the engine as 48 long ones
 # do for the full scale's KV cache and step budget.
 QUICK = Scale(8, 300, 96, 16, warmup=5.0, seconds=15.0, weighted_streams=4,
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--policies", default="fair,fcfs", help="comma-separated; '' for none")
     parser.add_argument("--weighted", action="store_true", help="also the 3:1 weighted run")
     parser.add_argument("--weighted-policy", default="fair")
-    parser.add_argument("--weighted-streams", type=int, help="per tenant (24; quick 4)")
+    parser.add_argument("--weighted-streams", type=int, help="per tenant (48; quick 4)")
     parser.add_argument("--worker-args", default="", help="extra worker flags, one string")
     parser.add_argument("--worker-nice", type=int, default=0)
     parser.add_argument("--out", default="bench/results/fairness.json")

@@ -25,7 +25,10 @@ from gateway.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-# Weights are relative; the bound keeps one tenant's share and the counters' arithmetic sane.
+# Weights are relative; the bounds keep one tenant's share and the counters' arithmetic sane,
+# and are the engine's (worker.fairness): a weight travels as a float32, so a tiny one would
+# round to 0, which the worker reads as unset.
+MIN_WEIGHT = 0.001
 MAX_WEIGHT = 1000.0
 TIER_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 TIER_FIELD = "sched_tier"
@@ -49,21 +52,24 @@ class Scheduling:
 
 
 def check_weight(weight: float, *, param: str = "weight") -> float:
-    if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
+    if not (math.isfinite(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT):
         raise InvalidRequestError(
-            f"weight must be a finite number in (0, {MAX_WEIGHT:g}], got {weight!r}",
+            f"weight must be a finite number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}], got {weight!r}",
             param=param,
         )
     return float(weight)
 
 
 def check_tiers(tiers: dict[str, float], *, default: str) -> None:
-    """The settings' tiers: valid names, weights in (0, MAX_WEIGHT], the default among them."""
+    """The settings' tiers: valid names, weights in [MIN_WEIGHT, MAX_WEIGHT], the default
+    among them."""
     for name, weight in tiers.items():
         if not TIER_NAME.match(name):
             raise ValueError(f"scheduling tier name {name!r}: 1-32 of a-z, 0-9, '-', '_'")
-        if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
-            raise ValueError(f"scheduling tier {name!r}: weight must be in (0, {MAX_WEIGHT:g}]")
+        if not (math.isfinite(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT):
+            raise ValueError(
+                f"scheduling tier {name!r}: weight must be in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]"
+            )
     if default not in tiers:
         raise ValueError(
             f"SWITCHBOARD_DEFAULT_SCHEDULING_TIER {default!r} is not one of the tiers "

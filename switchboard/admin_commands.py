@@ -118,7 +118,7 @@ ADMIN_COMMANDS: tuple[Command, ...] = (
             "tenant",
             options=(
                 ("--tier", str, "a tier named in the gateway's SWITCHBOARD_SCHEDULING_TIERS"),
-                ("--weight", float, "a weight of its own, in (0, 1000]"),
+                ("--weight", float, "a weight of its own, in [0.001, 1000]"),
             ),
         ),
     ),

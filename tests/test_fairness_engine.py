@@ -101,7 +101,19 @@ def test_fair_engine_outputs_match_the_plain_engine_with_adapters_cache_and_pree
 
 def test_a_tenant_weight_outside_its_bounds_is_refused(target):
     engine = LLMEngine(target, dtype="float32")
-    for weight in (0.0, -1.0, float("nan"), float("inf"), 1e9):
+    for weight in (0.0, 1e-4, -1.0, float("nan"), float("inf"), 1e9):
         with pytest.raises(InvalidRequestError, match="tenant_weight"):
             engine.add_request("r", [1, 2, 3], greedy(2), tenant="t", tenant_weight=weight)
     assert not engine.has_unfinished_requests
+
+
+def test_the_gateway_bounds_weights_as_the_engine_does():
+    """A weight the gateway accepts is one the engine accepts, also after the float32 of the
+    gRPC field (a tiny weight would round to 0, which the worker reads as unset)."""
+    import numpy as np
+
+    from gateway.scheduling import MAX_WEIGHT, MIN_WEIGHT
+    from worker.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
+
+    assert (MIN_WEIGHT, MAX_WEIGHT) == (MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT)
+    assert MIN_TENANT_WEIGHT <= float(np.float32(MIN_WEIGHT)) and np.float32(MAX_WEIGHT) == 1000

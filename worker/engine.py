@@ -24,7 +24,7 @@ from worker.errors import (
     RequestTooLargeError,
     SequenceFailedError,
 )
-from worker.fairness import MAX_TENANT_WEIGHT, FairnessConfig
+from worker.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT, FairnessConfig
 from worker.forks import PendingForks
 from worker.isolation import (
     drop_unusable_drafts,
@@ -289,9 +289,12 @@ class LLMEngine:
             if self.lora_manager is None:
                 raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
             adapter_id = self.lora_manager.resolve(adapter)
-        if not (math.isfinite(tenant_weight) and 0 < tenant_weight <= MAX_TENANT_WEIGHT):
+        if not (
+            math.isfinite(tenant_weight) and MIN_TENANT_WEIGHT <= tenant_weight <= MAX_TENANT_WEIGHT
+        ):
             raise InvalidRequestError(
-                f"tenant_weight must be in (0, {MAX_TENANT_WEIGHT}], got {tenant_weight!r}"
+                f"tenant_weight must be in [{MIN_TENANT_WEIGHT}, {MAX_TENANT_WEIGHT}], "
+                f"got {tenant_weight!r}"
             )
         prompt_ids = self._tokenize(prompt)
         for p in params:
