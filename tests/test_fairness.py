@@ -179,7 +179,7 @@ def test_when_blocks_run_out_the_tenant_over_its_share_is_preempted_not_the_late
     for policy, victims in (("fair", ["a2", "a1"]), ("fcfs", ["b", "a2"])):
         sched = make_scheduler(num_blocks=8, max_tokens=64, max_num_seqs=8, policy=policy)
         seqs = [make_seq("a", 8, max_tokens=8) for _ in range(3)] + [make_seq("b", 8)]
-        names = {s.request_id: name for s, name in zip(seqs, ["a0", "a1", "a2", "b"])}
+        names = {s.request_id: name for s, name in zip(seqs, ["a0", "a1", "a2", "b"], strict=True)}
         for s in seqs:
             sched.add(s)
         run_step(sched)
@@ -213,7 +213,7 @@ def test_a_waiting_tenant_under_its_share_takes_room_from_one_over_it_after_wait
 
 
 def test_fcfs_never_preempts_for_a_share():
-    sched, a1, a2, b = share_scene("fcfs", share_wait_steps=0)
+    sched, _, _, b = share_scene("fcfs", share_wait_steps=0)
     for _ in range(5):
         run_step(sched)
     assert b.status is SequenceStatus.WAITING and sched.num_preemptions == 0

@@ -116,4 +116,4 @@ def test_the_gateway_bounds_weights_as_the_engine_does():
     from worker.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
 
     assert (MIN_WEIGHT, MAX_WEIGHT) == (MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT)
-    assert MIN_TENANT_WEIGHT <= float(np.float32(MIN_WEIGHT)) and np.float32(MAX_WEIGHT) == 1000
+    assert float(np.float32(MIN_WEIGHT)) >= MIN_TENANT_WEIGHT and np.float32(MAX_WEIGHT) == 1000
