@@ -144,7 +144,11 @@ def test_a_cut_down_output_layer_gives_its_own_columns(checkpoints, tmp_path):
     with torch.no_grad():
         want = reference(levels)(torch.tensor([prompt])).logits[0, 1:, kept]
     assert got.shape == (len(prompt) - 1, len(kept))
-    assert relative_error(got, want) < 1e-4
+    # One row's int8 level can flip at a rounding boundary where the kernel's summation
+    # order differs from torch's (seen for qwen2 on a Xeon with AMX: 0.8% from the third
+    # row on, the first two equal to 1e-7); not rounding at all moves them 3%, a pass
+    # wired wrong ~100%.
+    assert relative_error(got, want) < 1.5e-2
     s = Sequence("wide", prompt, None, 0)
     blocks.allocate(s.block_table, len(prompt))
     runner.execute([ScheduledSequence(s, 0, len(prompt) - 1)])
