@@ -175,3 +175,21 @@ def assert_no_block_leaks(engine) -> None:
     if draft is not None:
         assert draft.num_free_blocks == draft.num_blocks
     assert not engine.scheduler.has_work and not engine._forks
+
+
+def pretend_step(sched, *, finish: bool = False) -> list[tuple[str, int, int]]:
+    """Schedule one step of a `Scheduler` and pretend the model ran it (``mark_computed``,
+    so full blocks get cached): a sampling sequence gets token 7, and with ``finish`` one
+    at its max_tokens ends. Returns the plan: (request id, start, tokens) per sequence."""
+    from worker.sequence import SequenceStatus
+
+    out = sched.schedule()
+    plan = [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled]
+    sched.mark_computed(out)
+    for s in out.scheduled:
+        if s.samples:
+            s.seq.append_token(7)
+            if finish and len(s.seq.output_token_ids) >= s.seq.params.max_tokens:
+                sched.remove(s.seq)
+                s.seq.status = SequenceStatus.FINISHED
+    return plan

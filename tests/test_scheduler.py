@@ -1,5 +1,6 @@
 """Scheduler scenarios without a model: who runs, how many tokens, who gets preempted."""
 
+from factories import pretend_step
 from worker.block_manager import BlockManager
 from worker.sampling_params import SamplingParams
 from worker.scheduler import BlockMove, MoveKind, Scheduler
@@ -158,13 +159,7 @@ def test_a_stream_of_requests_for_running_adapters_cannot_starve_another_adapter
 
 def run_step_with_cache(sched: Scheduler) -> list[tuple[str, int, int]]:
     """Like run_step, but through ``mark_computed``, so full blocks get cached."""
-    out = sched.schedule()
-    plan = [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled]
-    sched.mark_computed(out)
-    for s in out.scheduled:
-        if s.samples:
-            s.seq.append_token(7)
-    return plan
+    return pretend_step(sched)
 
 
 def test_a_cached_prefix_is_skipped_and_costs_no_budget():
