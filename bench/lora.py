@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="bench/results/lora.json")
     args = parser.parse_args(argv)
 
-    from worker import LLMEngine
+    from worker import LLMEngine, engine_config
     from worker.default_model import resolve_model_path
 
     model_path = resolve_model_path(args.model)
@@ -232,11 +232,13 @@ def main(argv: list[str] | None = None) -> dict:
     paths = make_adapters(model_path, Path(args.workdir), max(counts))
     engine = LLMEngine(
         model_path,
-        dtype=args.dtype,
-        device=args.device,
-        max_loras=args.max_loras,
-        max_lora_rank=16,
-        max_num_seqs=max(128, args.requests),
+        engine_config(
+            dtype=args.dtype,
+            device=args.device,
+            max_loras=args.max_loras,
+            max_lora_rank=16,
+            max_num_seqs=max(128, args.requests),
+        ),
     )
     for i, path in enumerate(paths):
         engine.load_adapter(f"adapter-{i}", path)

@@ -199,12 +199,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="bench/results/prefix.json")
     args = parser.parse_args(argv)
 
-    from worker import LLMEngine
+    from worker import LLMEngine, engine_config
     from worker.default_model import resolve_model_path
 
     model_path = resolve_model_path(args.model)
     engine = LLMEngine(
-        model_path, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens
+        model_path,
+        engine_config(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens),
     )
     warmup = argparse.Namespace(
         **{**vars(args), "sessions": 2, "turns": 2, "answer_tokens": 4, "think_time_s": 0.0}

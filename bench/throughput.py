@@ -164,12 +164,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="bench/results/throughput.json")
     args = parser.parse_args(argv)
 
-    from worker import LLMEngine
+    from worker import LLMEngine, engine_config
     from worker.default_model import resolve_model_path
 
     model_path = resolve_model_path(args.model)
     engine = LLMEngine(
-        model_path, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens
+        model_path,
+        engine_config(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens),
     )
     vocab = engine.config.vocab_size
     names = ["W1", "W2"] if args.workload == "all" else [args.workload]

@@ -8,6 +8,7 @@ import pytest
 
 from factories import assert_no_block_leaks, drain, make_peft_adapter, random_prompts
 from worker import SamplingParams
+from worker.config import engine_config
 from worker.engine import LLMEngine
 from worker.errors import InvalidRequestError
 from worker.fairness import FairnessConfig
@@ -74,9 +75,11 @@ def test_fair_engine_outputs_match_the_plain_engine_with_adapters_cache_and_pree
     jobs = workload()
     kwargs = {"dtype": "float32", "block_size": 4, "max_loras": 1, "max_num_batched_tokens": 32}
     expected = run(
-        LLMEngine(target, fairness=FairnessConfig(policy="fcfs"), **kwargs), jobs, adapters
+        LLMEngine(target, engine_config(fairness=FairnessConfig(policy="fcfs"), **kwargs)),
+        jobs,
+        adapters,
     )
-    engine = LLMEngine(target, fairness=FairnessConfig(), **kwargs, **variant)
+    engine = LLMEngine(target, engine_config(fairness=FairnessConfig(), **kwargs, **variant))
     assert run(engine, jobs, adapters) == expected
     accounts = engine.scheduler.ledger.accounts
     assert set(accounts) == {"heavy", "light", "other"}
@@ -100,7 +103,7 @@ def test_fair_engine_outputs_match_the_plain_engine_with_adapters_cache_and_pree
 
 
 def test_a_tenant_weight_outside_its_bounds_is_refused(target):
-    engine = LLMEngine(target, dtype="float32")
+    engine = LLMEngine(target, engine_config(dtype="float32"))
     for weight in (0.0, 1e-4, -1.0, float("nan"), float("inf"), 1e9):
         with pytest.raises(InvalidRequestError, match="tenant_weight"):
             engine.add_request("r", [1, 2, 3], greedy(2), tenant="t", tenant_weight=weight)

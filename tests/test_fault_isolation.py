@@ -12,7 +12,7 @@ import pytest
 
 from factories import add_byte_level_tokenizer, assert_no_block_leaks, drain, make_checkpoint
 from rpc import worker_pb2
-from worker import LLMEngine, SamplingParams
+from worker import LLMEngine, SamplingParams, engine_config
 from worker.async_engine import AsyncEngine
 from worker.errors import InvalidRequestError, NonFiniteLogitsError, SequenceFailedError
 from worker.servicer import sampling_params_from_proto, status_for
@@ -30,7 +30,9 @@ def model(tmp_path_factory):
 
 @pytest.fixture
 def engine(model):
-    return LLMEngine(model, dtype="float32", block_size=4, num_kv_blocks=64, max_loras=0)
+    return LLMEngine(
+        model, engine_config(dtype="float32", block_size=4, num_kv_blocks=64, max_loras=0)
+    )
 
 
 def victim_params() -> SamplingParams:
@@ -39,7 +41,9 @@ def victim_params() -> SamplingParams:
 
 
 def unattacked(model) -> list[int]:
-    engine = LLMEngine(model, dtype="float32", block_size=4, num_kv_blocks=64, max_loras=0)
+    engine = LLMEngine(
+        model, engine_config(dtype="float32", block_size=4, num_kv_blocks=64, max_loras=0)
+    )
     engine.add_request("victim", VICTIM_PROMPT, victim_params())
     return drain(engine)["victim"].token_ids
 
@@ -244,7 +248,9 @@ async def test_over_grpc_the_poison_gets_its_code_and_the_victim_its_tokens(mode
     from worker.server import WorkerServer
 
     def poisoned_engine() -> LLMEngine:
-        engine = LLMEngine(model, dtype="float32", block_size=4, num_kv_blocks=64, max_loras=0)
+        engine = LLMEngine(
+            model, engine_config(dtype="float32", block_size=4, num_kv_blocks=64, max_loras=0)
+        )
         poison_where(
             engine, "poison-0", engine.runner, "execute",
             lambda scheduled, **_: {s.seq.request_id for s in scheduled},

@@ -12,14 +12,16 @@ import threading
 import pytest
 
 from factories import make_checkpoint
-from worker import LLMEngine, SamplingParams
+from worker import LLMEngine, SamplingParams, engine_config
 from worker.async_engine import AsyncEngine
 from worker.main_thread import MainThreadEngineLoop
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    return LLMEngine(make_checkpoint(tmp_path_factory.mktemp("ckpt")), dtype="float32")
+    return LLMEngine(
+        make_checkpoint(tmp_path_factory.mktemp("ckpt")), engine_config(dtype="float32")
+    )
 
 
 def test_steps_run_on_the_main_thread_and_sigterm_reaches_the_rpc_loop(engine, monkeypatch):

@@ -18,6 +18,7 @@ from adapters.base_model import BaseModelSpec
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
 from switchboard.logs import configure_logging
 from tests.test_gateway_support import delete_prefix, gateway_settings, running_gateway
+from worker.config import engine_config
 from worker.engine import LLMEngine
 from worker.server import WorkerServer
 
@@ -59,7 +60,7 @@ async def test_worker_metrics_and_request_ids_across_the_hop(
 
     redis = aioredis.Redis.from_url(redis_url)
     worker = WorkerServer(
-        lambda: LLMEngine(base, dtype="float32", num_kv_blocks=64),
+        lambda: LLMEngine(base, engine_config(dtype="float32", num_kv_blocks=64)),
         model_name=base.name,
         redis=redis,
         redis_prefix=redis_prefix,

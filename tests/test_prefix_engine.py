@@ -18,6 +18,7 @@ from factories import (
     random_prompts,
 )
 from worker import LLM, SamplingParams
+from worker.config import engine_config
 from worker.engine import LLMEngine
 
 MAX_NEW = 12
@@ -106,7 +107,7 @@ def test_caching_on_and_off_give_the_same_tokens_and_later_turns_hit(checkpoint,
 
 
 def test_another_adapter_changed_weights_or_another_tenant_never_hit(checkpoint, adapters):
-    engine = LLMEngine(checkpoint, dtype="float32", max_loras=2)
+    engine = LLMEngine(checkpoint, engine_config(dtype="float32", max_loras=2))
     engine.load_adapter("sql", adapters["one"])
     prompt = [*SYSTEM, 5, 6, 7]
 
@@ -121,7 +122,9 @@ def test_another_adapter_changed_weights_or_another_tenant_never_hit(checkpoint,
     engine.load_adapter("sql", adapters["two"])  # same name, new weights
     changed = run(engine, {"changed": (prompt, greedy())}, adapter="sql", tenant="acme")["changed"]
     assert changed.num_cached_tokens == 0
-    fresh = LLMEngine(checkpoint, dtype="float32", max_loras=2, enable_prefix_caching=False)
+    fresh = LLMEngine(
+        checkpoint, engine_config(dtype="float32", max_loras=2, enable_prefix_caching=False)
+    )
     fresh.load_adapter("sql", adapters["two"])
     expected = run(fresh, {"x": (prompt, greedy())}, adapter="sql", tenant="acme")["x"]
     assert changed.token_ids == expected.token_ids
@@ -131,7 +134,9 @@ def test_another_adapter_changed_weights_or_another_tenant_never_hit(checkpoint,
 def test_tenants_share_base_model_prefixes_only_when_allowed(checkpoint):
     prompt = [*SYSTEM, 9, 9]
     for share, expected in ((False, 0), (True, 32)):
-        engine = LLMEngine(checkpoint, dtype="float32", share_base_model_prefixes=share)
+        engine = LLMEngine(
+            checkpoint, engine_config(dtype="float32", share_base_model_prefixes=share)
+        )
         run(engine, {"a": (prompt, greedy())}, tenant="acme")
         assert run(engine, {"b": (prompt, greedy())}, tenant="globex")["b"].num_cached_tokens == (
             expected
@@ -155,9 +160,9 @@ def test_n_samples_fork_after_the_prompt_and_match_separate_seeded_requests(
         SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, seed=100 + i, **SAMPLED[kind])
         for i in range(4)
     ]
-    oracle = LLMEngine(checkpoint, dtype="float32", enable_prefix_caching=False)
+    oracle = LLMEngine(checkpoint, engine_config(dtype="float32", enable_prefix_caching=False))
     expected = run(oracle, {f"r{i}": (prompt, p) for i, p in enumerate(params)})
-    engine = LLMEngine(checkpoint, dtype="float32", enable_prefix_caching=caching)
+    engine = LLMEngine(checkpoint, engine_config(dtype="float32", enable_prefix_caching=caching))
     engine.add_samples([f"r{i}" for i in range(4)], prompt, params)
     outs = drain(engine)
     assert [outs[f"r{i}"].token_ids for i in range(4)] == [
@@ -169,7 +174,7 @@ def test_n_samples_fork_after_the_prompt_and_match_separate_seeded_requests(
 
 
 def test_aborting_the_sample_that_computes_the_prompt_hands_over_to_a_sibling(checkpoint):
-    engine = LLMEngine(checkpoint, dtype="float32")
+    engine = LLMEngine(checkpoint, engine_config(dtype="float32"))
     prompt = random_prompts(1, min_len=30, max_len=30, seed=2)[0]
     engine.add_samples(["a", "b", "c"], prompt, [greedy()] * 3)
     engine.abort("a")
@@ -183,7 +188,7 @@ def test_n8_samples_of_a_long_prompt_share_its_blocks(checkpoint):
     """Memory: ≤ 1.2x the prompt's blocks plus the samples' own generated tokens."""
     prompt = random_prompts(1, min_len=1000, max_len=1000, seed=4)[0]
     max_tokens = 24
-    engine = LLMEngine(checkpoint, dtype="float32", num_kv_blocks=200)
+    engine = LLMEngine(checkpoint, engine_config(dtype="float32", num_kv_blocks=200))
     pool = engine.block_manager
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i) for i in range(8)]
     engine.add_samples([f"s{i}" for i in range(8)], prompt, params)
@@ -208,7 +213,9 @@ def test_swap_recompute_and_no_preemption_give_the_same_tokens(checkpoint, cachi
     results = {}
     for mode in ("none", "recompute", "swap"):
         kwargs = {} if mode == "none" else {**PRESSURE, "preemption_mode": mode}
-        engine = LLMEngine(checkpoint, dtype="float32", enable_prefix_caching=caching, **kwargs)
+        engine = LLMEngine(
+            checkpoint, engine_config(dtype="float32", enable_prefix_caching=caching, **kwargs)
+        )
         outs = run(engine, greedy_reqs)
         # n = 3 seeded samples under pressure too: forks, copy-on-write and swaps together.
         sampled = [SamplingParams(max_tokens=20, ignore_eos=True, seed=7 + i) for i in range(3)]

@@ -26,6 +26,7 @@ from factories import (
 )
 from kernels.linear_native import native_linear
 from worker import LLM, SamplingParams
+from worker.config import engine_config
 from worker.engine import LLMEngine
 from worker.errors import SpeculativeConfigError
 from worker.spec_decode.ngram import lookup
@@ -562,19 +563,28 @@ def test_a_draft_takes_up_only_sequences_it_can_catch_up_on_cheaply(target, shor
 def test_mismatched_vocabulary_and_invalid_k_are_refused(target, tmp_path):
     bigger = make_checkpoint(tmp_path / "bigger", vocab_size=320)
     with pytest.raises(SpeculativeConfigError, match="vocabulary of 320 tokens, the target 256"):
-        LLMEngine(target, dtype="float32", speculative_model=bigger, num_speculative_tokens=2)
+        LLMEngine(
+            target,
+            engine_config(dtype="float32", speculative_model=bigger, num_speculative_tokens=2),
+        )
     for k in (0, -1, 17, 2.5, True):
         with pytest.raises(SpeculativeConfigError, match="num_speculative_tokens must be"):
-            LLMEngine(target, dtype="float32", speculative_model="ngram", num_speculative_tokens=k)
+            LLMEngine(
+                target,
+                engine_config(dtype="float32", speculative_model="ngram", num_speculative_tokens=k),
+            )
     for bad in (-1, 9, 1.5):
         with pytest.raises(SpeculativeConfigError, match="speculative_alternatives must be"):
             LLMEngine(
-                target, dtype="float32", speculative_model="ngram", speculative_alternatives=bad
+                target,
+                engine_config(
+                    dtype="float32", speculative_model="ngram", speculative_alternatives=bad
+                ),
             )
     with pytest.raises(SpeculativeConfigError, match="speculative_model is not"):
-        LLMEngine(target, dtype="float32", num_speculative_tokens=3)
+        LLMEngine(target, engine_config(dtype="float32", num_speculative_tokens=3))
     with pytest.raises(SpeculativeConfigError, match=r"no config\.json"):
-        LLMEngine(target, dtype="float32", speculative_model=tmp_path / "nowhere")
+        LLMEngine(target, engine_config(dtype="float32", speculative_model=tmp_path / "nowhere"))
 
 
 @pytest.mark.parametrize(
@@ -598,14 +608,14 @@ def test_worker_flags_reach_the_engine(target):
         ["worker", "--speculative-model", "ngram", "--num-speculative-tokens", "3"]
     )
     kwargs = worker_engine_kwargs(args)
-    engine = LLMEngine(target, dtype="float32", **kwargs)
+    engine = LLMEngine(target, engine_config(dtype="float32", **kwargs))
     assert engine.speculator is not None and engine.speculator.k == 3
     off = worker_engine_kwargs(build_parser().parse_args(["worker"]))
-    assert LLMEngine(target, dtype="float32", **off).spec_decode_stats is None
+    assert LLMEngine(target, engine_config(dtype="float32", **off)).spec_decode_stats is None
     args = build_parser().parse_args(
         ["worker", "--speculative-model", str(target), "--speculative-alternatives", "5"]
     )
-    engine = LLMEngine(target, dtype="float32", **worker_engine_kwargs(args))
+    engine = LLMEngine(target, engine_config(dtype="float32", **worker_engine_kwargs(args)))
     assert engine.speculator.proposer.num_alternatives == 5
     from worker.spec_decode.proposal import NUM_ALTERNATIVES
 
@@ -803,7 +813,7 @@ def test_a_malformed_output_vocabulary_is_refused(target, tmp_path):
     for bad in ([], [1, 1], [TINY_VOCAB], "12", [1.5]):
         (draft / "draft_vocab.json").write_text(json.dumps(bad))
         with pytest.raises(SpeculativeConfigError, match="distinct token ids below"):
-            LLMEngine(target, dtype="float32", speculative_model=draft)
+            LLMEngine(target, engine_config(dtype="float32", speculative_model=draft))
 
 
 def test_step_table_prices_drafts_by_batch_and_rows():
@@ -847,7 +857,9 @@ def test_step_table_is_timed_on_the_engines_pool_and_gives_its_blocks_back(targe
     afterwards, and the engine serves as before."""
     from worker.spec_decode.step_cost import measure_step_costs
 
-    engine = LLMEngine(target, dtype="float32", speculative_model="ngram", num_speculative_tokens=4)
+    engine = LLMEngine(
+        target, engine_config(dtype="float32", speculative_model="ngram", num_speculative_tokens=4)
+    )
     assert_no_block_leaks(engine)
     table = measure_step_costs(
         engine.runner.execute,
@@ -915,15 +927,20 @@ def test_the_policy_prices_drafts_from_the_measured_table(target, monkeypatch):
 
     monkeypatch.setattr("worker.engine.measure_step_costs", fake_measure)
     engine = LLMEngine(
-        target, dtype="float32", speculative_model="ngram", speculative_max_batch_size=6
+        target,
+        engine_config(dtype="float32", speculative_model="ngram", speculative_max_batch_size=6),
     )
     assert asked == [(6, 4, 1024)]
     policy = engine.speculator.policy
     assert policy.verify_cost(1, 2) == pytest.approx(0.001 / 0.010)
     assert policy.verify_cost(8, 4) == pytest.approx(0.010 / 0.020)
-    LLMEngine(target, dtype="float32", speculative_model=str(target), speculative_alternatives=3)
+    LLMEngine(
+        target,
+        engine_config(dtype="float32", speculative_model=str(target), speculative_alternatives=3),
+    )
     assert asked[-1] == (8, 16, 1024)  # 4 drafts, each with 3 alternatives
     flat = LLMEngine(
-        target, dtype="float32", speculative_model="ngram", speculative_position_cost=0.05
+        target,
+        engine_config(dtype="float32", speculative_model="ngram", speculative_position_cost=0.05),
     )
     assert len(asked) == 2 and flat.speculator.policy.verify_cost(3, 2) == pytest.approx(0.3)

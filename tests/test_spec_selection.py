@@ -147,13 +147,14 @@ def test_draft_quantization_auto_fits_the_dtype_on_cpu_and_bad_values_are_refuse
 def test_the_worker_flag_reaches_the_draft(target):
     from switchboard.cli import build_parser
     from switchboard.worker_command import worker_engine_kwargs
+    from worker.config import engine_config
     from worker.engine import LLMEngine
 
     parser = build_parser()
     args = parser.parse_args(
         ["worker", "--speculative-model", str(target), "--speculative-draft-quantization", "int4"]
     )
-    engine = LLMEngine(target, dtype="float32", **worker_engine_kwargs(args))
+    engine = LLMEngine(target, engine_config(dtype="float32", **worker_engine_kwargs(args)))
     assert engine.speculator.proposer.model.quantization == "int4"
     assert parser.parse_args(["worker"]).speculative_draft_quantization == "auto"
     with pytest.raises(SystemExit):

@@ -32,7 +32,7 @@ from tests.test_gateway_support import (
     gateway_settings,
     running_gateway,
 )
-from worker import LLMEngine
+from worker import LLMEngine, engine_config
 from worker.auth import WorkerAuth, WorkerAuthError
 from worker.server import WorkerServer
 
@@ -65,7 +65,9 @@ def mtls(certs: CertSet, **extra) -> WorkerAuth:
 
 @contextlib.asynccontextmanager
 async def running_worker(base, **kwargs):
-    server = WorkerServer(lambda: LLMEngine(base, **ENGINE_KWARGS), model_name=MODEL_NAME, **kwargs)
+    server = WorkerServer(
+        lambda: LLMEngine(base, engine_config(**ENGINE_KWARGS)), model_name=MODEL_NAME, **kwargs
+    )
     await server.start()
     try:
         yield server

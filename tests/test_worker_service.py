@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
 from rpc import worker_pb2, worker_pb2_grpc
 from switchboard import registry
-from worker import LLM, LLMEngine, SamplingParams
+from worker import LLM, LLMEngine, SamplingParams, engine_config
 from worker.server import WorkerServer
 
 ENGINE_KWARGS = dict(
@@ -73,7 +73,9 @@ def prompt_ids(offline) -> list[int]:
 
 
 async def start_worker(base, **kwargs) -> WorkerServer:
-    server = WorkerServer(lambda: LLMEngine(base, **ENGINE_KWARGS), model_name="tiny", **kwargs)
+    server = WorkerServer(
+        lambda: LLMEngine(base, engine_config(**ENGINE_KWARGS)), model_name="tiny", **kwargs
+    )
     await server.start()
     return server
 

@@ -10,19 +10,22 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from worker.config import EngineConfig, engine_config
     from worker.engine import LLMEngine
     from worker.llm import LLM
     from worker.outputs import RequestOutput
     from worker.sampling_params import SamplingParams
 
 _EXPORTS = {
+    "EngineConfig": "worker.config",
+    "engine_config": "worker.config",
     "LLM": "worker.llm",
     "LLMEngine": "worker.engine",
     "RequestOutput": "worker.outputs",
     "SamplingParams": "worker.sampling_params",
 }
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "engine_config"]
 
 
 def __getattr__(name: str):

@@ -18,13 +18,14 @@ import torch
 
 from adapters.lora import LoraAdapter
 from worker.block_manager import BlockManager
+from worker.config import EngineConfig
 from worker.errors import (
     EngineError,
     InvalidRequestError,
     RequestTooLargeError,
     SequenceFailedError,
 )
-from worker.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT, FairnessConfig
+from worker.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
 from worker.forks import PendingForks
 from worker.isolation import (
     drop_unusable_drafts,
@@ -43,7 +44,6 @@ from worker.sampler import SampledToken, Sampler, SamplingRow
 from worker.sampling_params import SamplingParams
 from worker.scheduler import PreemptionMode, ScheduledSequence, Scheduler
 from worker.sequence import FinishReason, Sequence, SequenceStatus
-from worker.spec_decode.proposal import NUM_ALTERNATIVES
 from worker.spec_decode.setup import build_speculator
 from worker.spec_decode.speculator import Verified
 from worker.spec_decode.stats import SpecDecodeStats
@@ -54,97 +54,45 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device = "cpu",
-        block_size: int = 16,
-        kv_cache_memory_gb: float = 1.0,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 1024,
-        max_model_len: int | None = None,
-        max_loras: int = 8,
-        max_lora_rank: int = 32,
-        lora_host_cache_gb: float = 2.0,
-        enable_prefix_caching: bool = True,
-        share_base_model_prefixes: bool = False,
-        preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE,
-        swap_space_gb: float = 1.0,
-        num_host_blocks: int | None = None,
-        speculative_model: str | Path | None = None,
-        num_speculative_tokens: int | None = None,
-        speculative_max_batch_size: int = 8,
-        speculative_min_acceptance: float = 0.0,
-        speculative_position_cost: float | None = None,
-        speculative_draft_cost: float | None = None,
-        speculative_alternatives: int = NUM_ALTERNATIVES,
-        speculative_draft_quantization: str = "auto",
-        fairness: FairnessConfig | None = None,
-    ) -> None:
-        """``share_base_model_prefixes``: base-model requests of different tenants share
-        cached prefixes (faster; but one tenant can then time another's prompts). Adapter
-        requests are always isolated per tenant. ``swap_space_gb`` (or ``num_host_blocks``)
-        sizes the host pool used when ``preemption_mode`` is ``"swap"``.
-
-        Speculative decoding: ``speculative_model`` is ``"ngram"`` (prompt lookup) or a draft
-        checkpoint sharing the target's vocabulary; ``num_speculative_tokens`` is k, the most
-        drafts a sequence gets in a step (each gets as many as its acceptance makes worth
-        their cost: ``BackoffPolicy``). It is off for steps with more than
-        ``speculative_max_batch_size`` decoding sequences, and paused for a sequence whose
-        drafts are not worth their cost, or whose acceptance per position falls below
-        ``speculative_min_acceptance`` (a floor; off by default). The costs a draft
-        must cover, relative to a plain decode step: what verifying n drafts adds (measured
-        at start by timing the forward pass by rows, not linear in n; a number given as
-        ``speculative_position_cost`` is taken per position and decoding sequence), and
-        ``speculative_draft_cost`` per draft token (None: the draft's weights over the
-        target's; 0 for prompt lookup). Zero both to speculate whatever it costs. A draft
-        model also offers up to ``speculative_alternatives`` runner-up tokens per draft, each
-        verified in a row of its own (0: the chain alone). ``speculative_draft_quantization``
-        (CPU): "int4" runs its small passes on 4-bit copies (with a C compiler, each pass one
-        native call: kernels/draft_cpu.c), "int8" holds its weights in int8 (fp32 models),
-        "auto" picks int4 where the native kernel builds, else the one that fits the dtype,
-        "none" keeps the draft exact; outputs stay the target's either way.
-
-        ``fairness``: how the scheduler shares the engine between tenants (default: weighted
-        fair service, ``worker.fairness``).
-
-        ``device``: where the weights, the KV cache and the adapter slots live. On ``cuda``
-        the LoRA ops run the Triton kernels and attention runs on the GPU through the same
-        torch ops as on CPU; the scheduler, sampler bookkeeping and detokenizer stay on
-        the host."""
+    def __init__(self, model: str | Path, config: EngineConfig | None = None) -> None:
+        """The checkpoint at ``model``, served as ``config`` says (`worker.config`)."""
+        config = config or EngineConfig()
+        self.engine_config = config
+        device, dtype, block_size = config.device, config.dtype, config.block_size
+        num_kv_blocks, num_host_blocks = config.num_kv_blocks, config.num_host_blocks
+        max_num_batched_tokens, max_loras = config.max_num_batched_tokens, config.max_loras
         self.device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, self.device)
         self.model = LlamaModel.from_pretrained(model, dtype=torch_dtype, device=self.device)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(model)
-        self.max_model_len = min(max_model_len or 10**9, self.config.max_position_embeddings)
+        self.max_model_len = min(config.max_model_len or 10**9, self.config.max_position_embeddings)
         block_bytes = kv_bytes_per_block(self.config, block_size, torch_dtype)
         if num_kv_blocks is None:
-            num_kv_blocks = max(1, int(kv_cache_memory_gb * 2**30) // block_bytes)
+            num_kv_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
         self.block_manager = BlockManager(
-            num_blocks=num_kv_blocks, block_size=block_size, enable_caching=enable_prefix_caching
+            num_blocks=num_kv_blocks,
+            block_size=block_size,
+            enable_caching=config.enable_prefix_caching,
         )
-        self.share_base_model_prefixes = share_base_model_prefixes
+        self.share_base_model_prefixes = config.share_base_model_prefixes
         host_pool = None
-        preemption_mode = PreemptionMode(preemption_mode)
+        preemption_mode = config.preemption_mode
         if preemption_mode is PreemptionMode.SWAP:
             if num_host_blocks is None:
-                num_host_blocks = max(1, int(swap_space_gb * 2**30) // block_bytes)
+                num_host_blocks = max(1, int(config.swap_space_gb * 2**30) // block_bytes)
             host_pool = BlockManager(
                 num_blocks=num_host_blocks, block_size=block_size, enable_caching=False
             )
         self.scheduler = Scheduler(
             block_manager=self.block_manager,
-            max_num_seqs=max_num_seqs,
+            max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             watermark_blocks=num_kv_blocks // 100,
             max_loras=max_loras,
             preemption_mode=preemption_mode,
             host_block_manager=host_pool,
-            fairness=fairness,
+            fairness=config.fairness,
         )
         # max_loras=0 turns LoRA off (no slot buffers are ever allocated).
         self.lora_manager = None
@@ -154,8 +102,8 @@ class LLMEngine:
                 dtype=torch_dtype,
                 device=self.device,
                 max_loras=max_loras,
-                max_lora_rank=max_lora_rank,
-                host_cache_bytes=int(lora_host_cache_gb * 2**30),
+                max_lora_rank=config.max_lora_rank,
+                host_cache_bytes=int(config.lora_host_cache_gb * 2**30),
             )
         self.runner = ModelRunner(
             self.model,
@@ -166,21 +114,14 @@ class LLMEngine:
         )
         self.sampler = Sampler()
         self.speculator = build_speculator(
-            speculative_model,
-            num_speculative_tokens,
+            config.speculative,
             dtype=torch_dtype,
             device=self.device,
             block_manager=self.block_manager,
             max_model_len=self.max_model_len,
             vocab_size=self.config.vocab_size,
             tokenizer=self.tokenizer,
-            max_batch_size=speculative_max_batch_size,
-            min_acceptance=speculative_min_acceptance,
             target_weight_bytes=self.model.decode_weight_bytes,
-            position_cost=speculative_position_cost,
-            draft_cost=speculative_draft_cost,
-            num_alternatives=speculative_alternatives,
-            draft_quantization=speculative_draft_quantization,
             copy_kv_slots=self.runner.copy_slots,
             measure_steps=lambda max_batch, max_drafts: measure_step_costs(
                 self.runner.execute,

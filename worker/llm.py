@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from worker.config import engine_config
 from worker.engine import LLMEngine
 from worker.outputs import RequestOutput
 from worker.sampling_params import SamplingParams
@@ -16,10 +17,11 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """``LLM(path, dtype=...)``; extra keyword arguments go to :class:`LLMEngine`."""
+    """``LLM(path, dtype=...)``; extra keyword arguments are `worker.config.engine_config`'s
+    options (the engine's settings, ``speculative_*`` for speculative decoding)."""
 
-    def __init__(self, model: str | Path, *, dtype: str = "auto", **engine_kwargs) -> None:
-        self.engine = LLMEngine(model, dtype=dtype, **engine_kwargs)
+    def __init__(self, model: str | Path, *, dtype: str = "auto", **engine_options) -> None:
+        self.engine = LLMEngine(model, engine_config(dtype=dtype, **engine_options))
         self._ids = itertools.count()
 
     @property

@@ -253,13 +253,14 @@ async def serve(
     With ``engine_loop`` this runs off the main thread: the engine's step loop and the
     signal handlers live on the main thread (``worker.main_thread``)."""
     from switchboard.home import DEFAULT_MODEL_NAME
+    from worker.config import engine_config
     from worker.default_model import DEFAULT_MODEL_ALIASES, resolve_model_path
 
     model_name = DEFAULT_MODEL_NAME if model in (None, *DEFAULT_MODEL_ALIASES) else str(model)
 
     def build_engine() -> LLMEngine:
         path: Path = resolve_model_path(model)
-        return LLMEngine(path, dtype=dtype, **(engine_kwargs or {}))
+        return LLMEngine(path, engine_config(dtype=dtype, **(engine_kwargs or {})))
 
     (auth or WorkerAuth()).check(host)  # before connecting to anything
     # Password and TLS come with the URL (redis://user:pass@..., rediss://...?ssl_ca_certs=...).

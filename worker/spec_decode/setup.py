@@ -11,11 +11,11 @@ from kernels.linear_native import native_linear
 from kernels.q4_native import native_q4
 from worker.block_manager import BlockManager
 from worker.errors import SpeculativeConfigError
-from worker.sampling_params import MAX_SPECULATIVE_TOKENS
 from worker.spec_decode.backoff import BackoffPolicy, flat_verify_cost
+from worker.spec_decode.config import SpeculativeConfig
 from worker.spec_decode.draft import DraftProposer
 from worker.spec_decode.ngram import NgramProposer
-from worker.spec_decode.proposal import MAX_ALTERNATIVES, Proposer
+from worker.spec_decode.proposal import Proposer
 from worker.spec_decode.speculator import Speculator
 from worker.spec_decode.step_cost import LiveStepCosts, StepCostTable
 
@@ -57,8 +57,7 @@ def resolve_draft_quantization(
 
 
 def build_speculator(
-    speculative_model: str | Path | None,
-    num_speculative_tokens: int | None,
+    config: SpeculativeConfig,
     *,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
@@ -66,56 +65,25 @@ def build_speculator(
     max_model_len: int,
     vocab_size: int,
     tokenizer,
-    max_batch_size: int,
-    min_acceptance: float,
     target_weight_bytes: int,
-    position_cost: float | None,
-    draft_cost: float | None,
-    num_alternatives: int,
-    draft_quantization: str = "auto",
     copy_kv_slots: Callable[[list[int], list[int]], None],
     measure_steps: Callable[[int, int], StepCostTable],
 ) -> Speculator | None:
-    """None when speculation is off. ``speculative_model``: ``"ngram"`` (prompt lookup) or a
-    draft checkpoint directory; ``num_speculative_tokens`` (k) defaults to 4 with either.
-    ``position_cost`` None: the cost of verifying is measured, ``measure_steps(max_batch,
-    max_drafts)`` timing the target's decode steps up to that many sequences and drafts
-    each (once the settings are valid)."""
-    if speculative_model is None:
-        if num_speculative_tokens:
-            raise SpeculativeConfigError(
-                "num_speculative_tokens is set but speculative_model is not: "
-                "give a draft checkpoint path or 'ngram'"
-            )
+    """None when speculation is off; else the draft (or prompt lookup) loaded, its kernels
+    built, and the cost of verifying measured: ``config.position_cost`` None times the
+    target's decode steps with ``measure_steps(max_batch, max_drafts)``, up to that many
+    sequences and drafts each."""
+    if not config.enabled:
         return None
-    k = 4 if num_speculative_tokens is None else num_speculative_tokens
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise SpeculativeConfigError(
-            f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
-            f"got {k!r}"
-        )
-    if (
-        isinstance(num_alternatives, bool)
-        or not isinstance(num_alternatives, int)
-        or not 0 <= num_alternatives <= MAX_ALTERNATIVES
-    ):
-        raise SpeculativeConfigError(
-            f"speculative_alternatives must be an integer from 0 to {MAX_ALTERNATIVES}, "
-            f"got {num_alternatives!r}"
-        )
-    if max_batch_size < 0 or not 0.0 <= min_acceptance <= 1.0:
-        raise SpeculativeConfigError(
-            "speculative_max_batch_size must be >= 0 and speculative_min_acceptance in [0, 1]"
-        )
+    k = config.k
+    num_alternatives = config.alternatives
+    max_batch_size = config.max_batch_size
+    position_cost = config.position_cost
+    draft_cost = config.draft_cost
     quantization = resolve_draft_quantization(
-        draft_quantization, dtype=dtype, device=torch.device(device)
+        config.draft_quantization, dtype=dtype, device=torch.device(device)
     )
-    if (position_cost is not None and position_cost < 0) or (
-        draft_cost is not None and draft_cost < 0
-    ):
-        raise SpeculativeConfigError(
-            "speculative_position_cost and speculative_draft_cost must be >= 0"
-        )
+    speculative_model = config.model
     proposer: Proposer
     measure = False
     if str(speculative_model) == NGRAM:
@@ -165,7 +133,7 @@ def build_speculator(
         measure_draft_cost=measure,
         policy=BackoffPolicy(
             max_batch_size=max_batch_size,
-            min_acceptance=min_acceptance,
+            min_acceptance=config.min_acceptance,
             verify_cost=verify_cost,
             draft_cost=draft_cost,
             step_costs=step_costs,
