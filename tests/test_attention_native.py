@@ -13,10 +13,10 @@ import torch
 
 from factories import make_checkpoint, random_prompts
 from kernels.attention_native import NativeDecodes, native_attention
+from worker.batch import ScheduledSequence
 from worker.block_manager import BlockManager
 from worker.llama import LlamaModel
 from worker.model_runner import ModelRunner
-from worker.scheduler import ScheduledSequence
 from worker.sequence import Sequence
 
 KERNEL = native_attention()

@@ -19,10 +19,10 @@ from test_q4_native import activation_levels
 from factories import load_hf_model, make_checkpoint
 from kernels.draft_native import native_draft
 from kernels.q4_native import dequantize_weight, native_q4, quantize_weight
+from worker.batch import ScheduledSequence
 from worker.block_manager import BlockManager
 from worker.llama import LlamaModel
 from worker.model_runner import ModelRunner
-from worker.scheduler import ScheduledSequence
 from worker.sequence import Sequence
 
 pytestmark = pytest.mark.skipif(

@@ -9,10 +9,10 @@ import torch
 from bench.draft_quality import chain_tokens, round_to_int8
 from factories import make_checkpoint, random_prompts
 from kernels.linear_native import native_linear
+from worker.batch import ScheduledSequence
 from worker.block_manager import BlockManager
 from worker.llama import LlamaModel
 from worker.model_runner import ModelRunner
-from worker.scheduler import ScheduledSequence
 from worker.sequence import Sequence
 
 

@@ -2,10 +2,10 @@
 
 import pytest
 
+from worker.batch import PreemptionMode
 from worker.config import EngineConfig, engine_config
 from worker.errors import InvalidRequestError, SpeculativeConfigError
 from worker.fairness import FairnessConfig
-from worker.scheduler import PreemptionMode
 from worker.spec_decode.config import SpeculativeConfig
 
 

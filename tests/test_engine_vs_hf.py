@@ -8,10 +8,10 @@ from transformers import GenerationConfig
 
 from factories import load_hf_model, make_checkpoint, random_prompts
 from worker import LLM, SamplingParams
+from worker.batch import ScheduledSequence
 from worker.block_manager import BlockManager
 from worker.llama import LlamaModel
 from worker.model_runner import ModelRunner
-from worker.scheduler import ScheduledSequence
 from worker.sequence import Sequence
 
 CHECKPOINTS = {

@@ -1,9 +1,10 @@
 """Scheduler scenarios without a model: who runs, how many tokens, who gets preempted."""
 
 from factories import pretend_step
+from worker.batch import BlockMove, MoveKind
 from worker.block_manager import BlockManager
 from worker.sampling_params import SamplingParams
-from worker.scheduler import BlockMove, MoveKind, Scheduler
+from worker.scheduler import Scheduler
 from worker.sequence import Sequence, SequenceStatus
 
 

@@ -10,22 +10,20 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
 
 from adapters.lora import LoraAdapter
+from worker.batch import PreemptionMode, ScheduledSequence
 from worker.block_manager import BlockManager
 from worker.config import EngineConfig
 from worker.errors import (
     EngineError,
     InvalidRequestError,
-    RequestTooLargeError,
     SequenceFailedError,
 )
-from worker.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
 from worker.forks import PendingForks
 from worker.isolation import (
     drop_unusable_drafts,
@@ -40,9 +38,10 @@ from worker.outputs import RequestOutput
 from worker.placement import resolve_device, resolve_dtype
 from worker.postprocess import Postprocessor
 from worker.prefix_cache import PrefixCacheStats, root_hash
+from worker.request_checks import check_request, check_tenant_weight
 from worker.sampler import SampledToken, Sampler, SamplingRow
 from worker.sampling_params import SamplingParams
-from worker.scheduler import PreemptionMode, ScheduledSequence, Scheduler
+from worker.scheduler import Scheduler
 from worker.sequence import FinishReason, Sequence, SequenceStatus
 from worker.spec_decode.setup import build_speculator
 from worker.spec_decode.speculator import Verified
@@ -230,16 +229,16 @@ class LLMEngine:
             if self.lora_manager is None:
                 raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
             adapter_id = self.lora_manager.resolve(adapter)
-        if not (
-            math.isfinite(tenant_weight) and MIN_TENANT_WEIGHT <= tenant_weight <= MAX_TENANT_WEIGHT
-        ):
-            raise InvalidRequestError(
-                f"tenant_weight must be in [{MIN_TENANT_WEIGHT}, {MAX_TENANT_WEIGHT}], "
-                f"got {tenant_weight!r}"
-            )
+        check_tenant_weight(tenant_weight)
         prompt_ids = self._tokenize(prompt)
         for p in params:
-            self._validate(prompt_ids, p)
+            check_request(
+                prompt_ids,
+                p,
+                vocab_size=self.config.vocab_size,
+                max_model_len=self.max_model_len,
+                blocks=self.block_manager,
+            )
         salt = None if adapter_id is None and self.share_base_model_prefixes else tenant
         root = root_hash(adapter_id, salt)
         seqs = []
@@ -396,28 +395,3 @@ class LLMEngine:
                 raise InvalidRequestError("this model has no tokenizer: send token ids")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return [int(t) for t in prompt]
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"unknown token ids {bad[:5]} (vocabulary size {vocab})")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"unknown stop_token_ids {bad[:5]} (vocabulary size {vocab})")
-        if params.top_k > vocab:
-            raise InvalidRequestError(f"top_k is {params.top_k}; the vocabulary has {vocab} tokens")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens, leaving no room to generate"
-            )
-        longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
-        needed = self.block_manager.blocks_needed([], longest)
-        if needed > self.block_manager.num_blocks:
-            raise RequestTooLargeError(
-                f"prompt plus max_tokens ({longest} tokens) needs {needed} KV blocks; "
-                f"the whole cache has {self.block_manager.num_blocks}"
-            )

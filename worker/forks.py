@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from worker.scheduler import ScheduledSequence, Scheduler
+from worker.batch import ScheduledSequence
+from worker.scheduler import Scheduler
 from worker.sequence import Sequence
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from worker.batch import ScheduledSequence
 from worker.errors import NonFiniteLogitsError, SequenceFailedError
 from worker.sampler import SampledToken, Sampler, SamplingRow, why_unusable
-from worker.scheduler import ScheduledSequence
 from worker.sequence import Sequence
 
 logger = logging.getLogger(__name__)

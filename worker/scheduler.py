@@ -18,76 +18,19 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from worker.adapter_gate import AdapterGate
+from worker.batch import (
+    BlockMove,
+    MoveKind,
+    PreemptionMode,
+    ScheduledSequence,
+    SchedulerOutput,
+)
 from worker.block_manager import BlockManager
 from worker.fairness import FairnessConfig, ServiceLedger, Shares, StepCharges
-from worker.prefix_cache import extend_block_hashes
+from worker.prefix_cache import count_lookup, extend_block_hashes, prefix_hits
 from worker.sequence import Sequence, SequenceStatus
-
-
-class PreemptionMode(enum.StrEnum):
-    RECOMPUTE = "recompute"
-    SWAP = "swap"
-
-
-class MoveKind(enum.Enum):
-    SWAP_OUT = "swap_out"  # device block -> host block
-    SWAP_IN = "swap_in"  # host block -> device block
-    COPY = "copy"  # device block -> device block (copy-on-write)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockMove:
-    kind: MoveKind
-    src: int
-    dst: int
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    seq: Sequence
-    # Tokens ``seq.tokens[start:start + num_tokens]`` get computed this step, followed by
-    # ``seq.spec_token_ids[:num_spec]`` (draft tokens to verify; not counted as computed).
-    start: int
-    num_tokens: int
-    num_spec: int = 0
-
-    @property
-    def num_fed(self) -> int:
-        """Tokens this sequence puts through the forward pass."""
-        return self.num_tokens + self.num_spec
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence, so a new token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    # K/V block moves to make, in this order, before the forward pass.
-    moves: list[BlockMove] = field(default_factory=list)
-    num_tokens: int = 0  # kept equal to the sum of scheduled num_fed
-
-    def add(self, placed: ScheduledSequence) -> None:
-        self.scheduled.append(placed)
-        self.num_tokens += placed.num_fed
-
-    def drop(self, seq: Sequence) -> None:
-        """Take back ``seq``'s place, if it has one this step."""
-        for i, placed in enumerate(self.scheduled):
-            if placed.seq is seq:
-                self.num_tokens -= placed.num_fed
-                del self.scheduled[i]
-                return
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class _Admission(enum.Enum):
@@ -318,7 +261,7 @@ class Scheduler:
                 seq.lora_wait_steps += 1
             return _Admission.PASSED
         swapped = seq.status is SequenceStatus.SWAPPED
-        hits = [] if swapped else self._prefix_hits(seq)
+        hits = [] if swapped else prefix_hits(self.block_manager, seq)
         bs = self.block_manager.block_size
         num_ready = seq.num_computed_tokens if swapped else len(hits) * bs
         num_tokens = min(seq.num_tokens - num_ready, budget)
@@ -343,7 +286,7 @@ class Scheduler:
             self.block_manager.allocate(seq.block_table, num_ready, cached=hits)
             seq.num_registered_blocks = len(hits)
             seq.num_computed_tokens = num_ready
-            self._count_lookup(seq, num_ready)
+            count_lookup(self.block_manager, seq, num_ready)
             self.waiting.remove(seq)
         self._start(seq, adapters)
         out.add(step.note(self._schedule(seq, num_tokens, out)))
@@ -393,24 +336,6 @@ class Scheduler:
         ):
             num_spec -= 1
         return max(num_spec, 0)
-
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding ``seq``'s leading tokens; the last token is always computed,
-        since its logits are needed."""
-        if not self.block_manager.enable_caching:
-            return []
-        bs = self.block_manager.block_size
-        extend_block_hashes(seq.block_hashes, seq.cache_root, seq.tokens, bs)
-        return self.block_manager.match_prefix(seq.block_hashes[: (seq.num_tokens - 1) // bs])
-
-    def _count_lookup(self, seq: Sequence, num_hit_tokens: int) -> None:
-        if not self.block_manager.enable_caching:
-            return
-        stats = self.block_manager.stats
-        stats.queries += seq.num_tokens
-        stats.hits += num_hit_tokens
-        if seq.metrics.first_scheduled_time is None:  # first admission, not a recompute
-            seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)
 
     def _start(self, seq: Sequence, adapters: AdapterGate) -> None:
         adapters.start(seq)

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
+from worker.batch import ScheduledSequence
 from worker.block_manager import BlockManager
 from worker.errors import SpeculativeConfigError
 from worker.llama import LlamaModel
 from worker.model_runner import ModelRunner
 from worker.sampler import SamplingRow
-from worker.scheduler import ScheduledSequence
 from worker.sequence import Sequence
 from worker.spec_decode.draft_plan import StepPlan
 from worker.spec_decode.draft_ranking import rank_rows

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.batch import ScheduledSequence
 from worker.block_manager import BlockManager
 from worker.sampler import SampledToken, SamplingRow
-from worker.scheduler import ScheduledSequence
 from worker.sequence import Sequence, SequenceStatus
 from worker.spec_decode import distributions as dist
 from worker.spec_decode.backoff import BackoffPolicy

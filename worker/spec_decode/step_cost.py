@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.batch import ScheduledSequence
 from worker.block_manager import BlockManager
-from worker.scheduler import ScheduledSequence
 from worker.sequence import Sequence
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,72 @@
+"""What a scheduling step hands the runner: the sequences in this step's batch, with the
+tokens each computes, and the K/V block moves to make before the forward pass."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from worker.sequence import Sequence
+
+
+class PreemptionMode(enum.StrEnum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+class MoveKind(enum.Enum):
+    SWAP_OUT = "swap_out"  # device block -> host block
+    SWAP_IN = "swap_in"  # host block -> device block
+    COPY = "copy"  # device block -> device block (copy-on-write)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMove:
+    kind: MoveKind
+    src: int
+    dst: int
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    # Tokens ``seq.tokens[start:start + num_tokens]`` get computed this step, followed by
+    # ``seq.spec_token_ids[:num_spec]`` (draft tokens to verify; not counted as computed).
+    start: int
+    num_tokens: int
+    num_spec: int = 0
+
+    @property
+    def num_fed(self) -> int:
+        """Tokens this sequence puts through the forward pass."""
+        return self.num_tokens + self.num_spec
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence, so a new token is sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # K/V block moves to make, in this order, before the forward pass.
+    moves: list[BlockMove] = field(default_factory=list)
+    num_tokens: int = 0  # kept equal to the sum of scheduled num_fed
+
+    def add(self, placed: ScheduledSequence) -> None:
+        self.scheduled.append(placed)
+        self.num_tokens += placed.num_fed
+
+    def drop(self, seq: Sequence) -> None:
+        """Take back ``seq``'s place, if it has one this step."""
+        for i, placed in enumerate(self.scheduled):
+            if placed.seq is seq:
+                self.num_tokens -= placed.num_fed
+                del self.scheduled[i]
+                return
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
