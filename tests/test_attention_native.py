@@ -203,7 +203,7 @@ def test_model_steps_match_the_gathered_sdpa_path(tmp_path, dtype):
             # the chain 5, 9 has alternatives 7 and 11 for the 5 and 3 for the 9 (the kernel
             # attends each as a sequence of its own, the torch path the tree as a chunk)
             seqs[0].spec_token_ids = [5, 9, 7, 11, 3]
-            seqs[0].spec_alt_depths = [0, 0, 1]
+            seqs[0].spec_offsets = [0, 1, 0, 0, 1]
             pool.allocate(seqs[0].block_table, seqs[0].num_tokens + 5)
             step[0] = ScheduledSequence(seqs[0], seqs[0].num_tokens - 1, 1, num_spec=5)
             pool.allocate(seqs[4].block_table, seqs[4].num_tokens)

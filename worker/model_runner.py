@@ -35,9 +35,14 @@ class StepInputs:
     order: list[ScheduledSequence]  # the batch's sequences in flattened order
 
 
-def _alternatives(s: ScheduledSequence) -> list[int]:
-    """The chain index each alternative draft fed this step stands in for."""
-    return s.seq.spec_rows(s.num_spec)[1] if s.num_spec else []
+def _offsets(s: ScheduledSequence) -> list[int]:
+    """Each draft row's position offset past the real tokens fed (``Sequence.spec_offsets``)."""
+    return s.seq.draft_offsets(s.num_spec)
+
+
+def _plain(s: ScheduledSequence) -> bool:
+    """Every draft row follows the one before: a chunk with the causal mask."""
+    return _offsets(s) == list(range(s.num_spec))
 
 
 class ModelRunner:
@@ -102,8 +107,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
-        """Copy the K/V of cache slots ``src`` to slots ``dst``, every layer (an accepted
-        alternative draft, verified in a slot past its sequence's chain)."""
+        """Copy the K/V of cache slots ``src`` to slots ``dst``, every layer (a draft row
+        kept whose slot is not its position's)."""
         src_index, dst_index = self._indices(src), self._indices(dst)
         for caches in self.kv_caches:
             for cache in caches:  # keys, then values
@@ -173,13 +178,10 @@ class ModelRunner:
             table = s.seq.block_table
             ids.extend(s.seq.tokens[s.start : s.start + s.num_tokens])
             ids.extend(s.seq.spec_token_ids[: s.num_spec])
-            # Each row takes the next slot; an alternative takes the position of the draft
-            # it stands in for.
+            # Each row takes the next slot; a draft row takes its offset's position.
             span = range(s.start, s.start + s.num_fed)
-            alt_depths = _alternatives(s)
-            chain_end = s.start + s.num_fed - len(alt_depths)
-            positions.extend(range(s.start, chain_end))
-            positions.extend(s.start + s.num_tokens + d for d in alt_depths)
+            positions.extend(range(s.start, s.start + s.num_tokens))
+            positions.extend(s.start + s.num_tokens + o for o in _offsets(s))
             slots.extend(table[p // bs] * bs + p % bs for p in span)
             if s.samples:
                 # The last real token's row, then one row per draft token.
@@ -202,28 +204,30 @@ class ModelRunner:
 
     def _is_decode(self, s: ScheduledSequence) -> bool:
         """One real token past the prompt, plus any draft tokens to verify after it. Drafts
-        with alternatives form a small tree: the native kernel attends each alternative as
-        a sequence of its own; the torch path attends the tree as a chunk with a mask."""
-        return s.num_tokens == 1 and s.start > 0 and (self.native_decodes or not _alternatives(s))
+        laid out otherwise than one after another: the native kernel attends each such row
+        as a sequence of its own; the torch path attends them as a chunk with a mask."""
+        return s.num_tokens == 1 and s.start > 0 and (self.native_decodes or _plain(s))
 
     def _native_decodes(self, decodes: list[ScheduledSequence]) -> NativeDecodes:
-        """The decodes for the native kernel: each sequence's last token and chain of
-        drafts, then each alternative as a one-query sequence over the same blocks, seeing
-        the keys before the draft it stands in for and, at that draft's position, itself
-        (its own slot, past the chain)."""
+        """The decodes for the native kernel: each sequence's real token and the draft rows
+        that follow one another, then each other draft row as a one-query sequence over the
+        same blocks, seeing the keys before its position and, at its position, itself (its
+        own slot)."""
         bs = self.block_size
         starts, queries, tables, own_slots = [], [], [], []
         for s in decodes:
             table = s.seq.block_table
-            alt_depths = _alternatives(s)
-            chain_rows = s.num_fed - len(alt_depths)
+            offsets = _offsets(s)
+            in_line = 0
+            while in_line < len(offsets) and offsets[in_line] == in_line:
+                in_line += 1
             starts.append(s.start)
-            queries.append(chain_rows)
+            queries.append(s.num_tokens + in_line)
             tables.append(table)
             own_slots.append(-1)
-            for a, depth in enumerate(alt_depths):
-                index = s.start + chain_rows + a
-                starts.append(s.start + s.num_tokens + depth)
+            for j in range(in_line, len(offsets)):
+                index = s.start + s.num_tokens + j
+                starts.append(s.start + s.num_tokens + offsets[j])
                 queries.append(1)
                 tables.append(table)
                 own_slots.append(table[index // bs] * bs + index % bs)
@@ -298,16 +302,12 @@ class ModelRunner:
 def _chunk_mask(s: ScheduledSequence, span: int) -> torch.Tensor:
     """[rows fed, span] bool: which cache slots each row of a chunk attends to.
 
-    Row i (slot start + i) sees slots 0..start + i. An alternative draft sits in a slot
-    after the chain but stands in for the chain's draft at index d: it sees what that
-    draft sees (slots up to start + num_tokens + d - 1) and itself, not the chain beyond."""
+    Row i (slot start + i) sees slots 0..start + i. A draft row at offset o sees the slots
+    up to start + num_tokens + o - 1 and itself (for drafts one after another, the same)."""
     slot = torch.arange(s.start, s.start + s.num_fed).unsqueeze(1)  # [rows, 1]
     keys = torch.arange(span).unsqueeze(0)  # [1, span]
-    alt_depths = _alternatives(s)
-    if not alt_depths:
+    if _plain(s):
         return keys <= slot
-    # Rows past the chain: the last slot each sees contiguously, then itself.
-    first_alt = s.num_fed - len(alt_depths)
     last_seen = slot.clone()
-    last_seen[first_alt:, 0] = torch.tensor(alt_depths) + s.start + s.num_tokens - 1
+    last_seen[s.num_tokens :, 0] = torch.tensor(_offsets(s)) + s.start + s.num_tokens - 1
     return (keys <= last_seen) | (keys == slot)

@@ -92,13 +92,14 @@ class Sequence:
     # Tokens of ``tokens`` whose computation was charged to the tenant (a recompute after
     # preemption is not charged again).
     num_charged_tokens: int = 0
-    # Speculative decoding: draft tokens proposed for this step, verified after it (never
-    # part of ``tokens``: only accepted ones are appended). The chain of drafts comes first;
-    # the last ``len(spec_alt_depths)`` are alternatives: the i-th stands in for the chain's
-    # draft at index ``spec_alt_depths[i]`` (the draft's runner-up there), so that a step
-    # whose chain breaks at that draft can still keep the target's token and one more.
+    # Speculative decoding: draft tokens to feed after the real ones this step, verified
+    # after it (never part of ``tokens``: only accepted ones are appended), and their
+    # layout: draft j sits at position offset ``spec_offsets[j]`` past the real tokens fed
+    # and attends the step's first ``num_tokens + spec_offsets[j]`` rows and itself. Empty
+    # offsets: 0, 1, 2, ... (each draft follows the one before). The speculator decides
+    # what the rows mean; the runner only lays them out.
     spec_token_ids: list[int] = field(default_factory=list)
-    spec_alt_depths: list[int] = field(default_factory=list)
+    spec_offsets: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     stop_checker: StopChecker | None = None
@@ -128,15 +129,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def spec_rows(self, num_spec: int) -> tuple[int, list[int]]:
-        """Of the first ``num_spec`` draft tokens fed: how many belong to the chain, and
-        the chain index each alternative after them stands in for."""
-        chain = min(num_spec, len(self.spec_token_ids) - len(self.spec_alt_depths))
-        return chain, self.spec_alt_depths[: num_spec - chain]
+    def draft_offsets(self, num_spec: int) -> list[int]:
+        """The position offsets of the first ``num_spec`` drafts (see ``spec_offsets``)."""
+        return self.spec_offsets[:num_spec] if self.spec_offsets else list(range(num_spec))
 
     def clear_spec(self) -> None:
         self.spec_token_ids = []
-        self.spec_alt_depths = []
+        self.spec_offsets = []
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -138,7 +138,9 @@ class Speculator:
             if selection.rows:
                 chain = proposal.token_ids[: selection.chain]
                 seq.spec_token_ids = chain + [t for _, t in selection.alternatives]
-                seq.spec_alt_depths = [d for d, _ in selection.alternatives]
+                # An alternative stands in for the chain's draft at its depth: it takes
+                # that draft's position and sees what that draft sees.
+                seq.spec_offsets = [*range(len(chain)), *(d for d, _ in selection.alternatives)]
                 self._proposals[seq] = proposal
                 self._selections[seq] = selection
 
@@ -192,7 +194,12 @@ class Speculator:
     ) -> list[SampledToken]:
         """Rows of ``logits``: the last real token, the chain's drafts, the alternatives."""
         proposal = self._proposals.pop(seq)
-        chain, alt_depths = seq.spec_rows(num_spec)
+        # The chain comes first, the alternatives after it (offsets alone cannot tell a
+        # depth-0 alternative from the chain's first draft: both sit at offset 0).
+        selection = self._selections.get(seq)
+        num_alternatives = len(selection.alternatives) if selection is not None else 0
+        chain = min(num_spec, len(seq.spec_token_ids) - num_alternatives)
+        alt_depths = seq.draft_offsets(num_spec)[chain:]
         drafts = seq.spec_token_ids[:chain]
         rows = dist.position_rows(row, drafts)
         x = dist.processed_logits(logits[: chain + 1], rows)  # [chain + 1, vocab]
@@ -282,3 +289,4 @@ def _with_logprobs(
             alternatives = list(zip(top.indices[j].tolist(), top.values[j].tolist(), strict=True))
         out.append(SampledToken(t, float(logprobs[j, t]), alternatives))
     return out
+
