@@ -45,8 +45,8 @@ import numpy as np
 from bench.http_load import post_request, stream_events
 from bench.report import write_report
 from gateway.tokenizer import ChatTokenizer
-from switchboard.embedded_redis import free_port
-from switchboard.stack import Stack, switchboard_command
+from runtime.embedded_redis import free_port
+from runtime.stack import Stack, switchboard_command
 
 # Issue 28's targets on the 2-core machine.
 TARGETS = {"ttft_p50_ms": 1000.0, "ttft_p90_ms": 2000.0, "fair_over_fcfs_tok_s": 0.95,

@@ -34,9 +34,9 @@ import httpx
 import numpy as np
 
 from bench.report import write_report
-from switchboard.embedded_redis import free_port
-from switchboard.home import default_model_dir
-from switchboard.stack import Stack
+from runtime.embedded_redis import free_port
+from runtime.home import default_model_dir
+from runtime.stack import Stack
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

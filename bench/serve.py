@@ -37,8 +37,8 @@ import numpy as np
 from bench.http_load import hammer, post_request, stream_events
 from bench.report import write_report
 from bench.workloads import fixed_lengths
-from switchboard.embedded_redis import free_port
-from switchboard.stack import Stack
+from runtime.embedded_redis import free_port
+from runtime.stack import Stack
 
 
 @dataclass

@@ -168,9 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="bench/results/spec.json")
     args = parser.parse_args(argv)
 
+    from training.draft_distill import default_draft_path
     from worker import LLM
     from worker.default_model import resolve_model_path
-    from worker.spec_decode.distill import default_draft_path
 
     model = resolve_model_path(args.model)
     draft = Path(args.draft) if args.draft else default_draft_path()

@@ -39,8 +39,8 @@ from bench.report import write_report
 from gateway.quotas import Quota, QuotaService, Reservation
 from gateway.tenants import TenantAdapter, TenantStore
 from gateway.usage import UsageDelta
-from switchboard.embedded_redis import EmbeddedRedis, free_port
-from switchboard.stack import Stack, reachable_redis
+from runtime.embedded_redis import EmbeddedRedis, free_port
+from runtime.stack import Stack, reachable_redis
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
 

@@ -39,7 +39,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.errors import NoWorkerError
-from switchboard.registry import WorkerInfo, live_workers
+from runtime.registry import WorkerInfo, live_workers
 
 log = logging.getLogger(__name__)
 

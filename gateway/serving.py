@@ -32,7 +32,7 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest, ShapeLimi
 from gateway.state import GatewayState
 from gateway.tenants import Caller
 from gateway.usage import UsageDelta
-from switchboard.logs import REQUEST_ID
+from runtime.logs import REQUEST_ID
 
 T = TypeVar("T")
 # What proxies must not do to an event stream: cache it or buffer it.

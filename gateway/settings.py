@@ -13,7 +13,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.scheduling import check_tiers
-from switchboard.home import default_adapter_store, default_model_dir
+from runtime.home import default_adapter_store, default_model_dir
 
 # Secrets that appear in docs, examples and muscle memory: never acceptable outside dev mode.
 DEFAULT_SECRETS = frozenset({"", "admin", "changeme", "change-me", "secret", "password", "token"})
@@ -43,7 +43,7 @@ class GatewaySettings(BaseSettings):
     worker_tls_cert: Path | None = None
     worker_tls_key: Path | None = None
     # The name checked on a worker's certificate: workers are dialled by pod IP, which no
-    # certificate made in advance names (switchboard/certs.py WORKER_NAME). "": the address.
+    # certificate made in advance names (runtime/certs.py WORKER_NAME). "": the address.
     worker_tls_server_name: str = "switchboard-worker"
     # A shared secret sent as gRPC call credentials (`authorization: Bearer …`), over TLS.
     worker_token: SecretStr = SecretStr("")

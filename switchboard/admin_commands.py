@@ -1,6 +1,6 @@
 """`switchboard admin …`: the subcommands that wrap the gateway's admin API.
 
-Their handlers live in ``gateway.admin_cli`` and are imported on use, so the CLI stays light.
+Their handlers live in ``switchboard.admin_client`` and are imported on use, so the CLI stays light.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from switchboard.commands import Command, Handler
 
 
 def _admin(name: str) -> Handler:
-    """The handler `gateway.admin_cli.<name>`, imported on use (httpx loads only then)."""
+    """The handler `switchboard.admin_client.<name>`, imported on use (httpx loads only then)."""
 
     def run(args: argparse.Namespace) -> int:
-        from gateway import admin_cli
+        from switchboard import admin_client
 
-        return getattr(admin_cli, name)(args)
+        return getattr(admin_client, name)(args)
 
     return run
 

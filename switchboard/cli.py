@@ -13,9 +13,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+from runtime.logs import json_lines_wanted
 from switchboard.admin_commands import ADMIN_COMMANDS
 from switchboard.commands import Command
-from switchboard.logs import json_lines_wanted
 from switchboard.worker_command import DTYPE_CHOICES, WORKER_COMMAND
 
 DEMO_QUESTIONS = (
@@ -39,7 +39,7 @@ def _model_prepare_arguments(parser: argparse.ArgumentParser) -> None:
 
 def model_path(args: argparse.Namespace) -> int:
     """Print where the default model lives; exit 1 if it has not been prepared yet."""
-    from switchboard.home import default_model_dir
+    from runtime.home import default_model_dir
     from worker.default_model import is_prepared
 
     path = default_model_dir()
@@ -119,9 +119,9 @@ def draft_distill(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
-    from switchboard.logs import configure_logging
+    from runtime.logs import configure_logging
+    from training.draft_distill import default_draft_path, distill
     from worker.default_model import resolve_model_path
-    from worker.spec_decode.distill import default_draft_path, distill
 
     configure_logging(level=logging.INFO, json_lines=json_lines_wanted())
     target = resolve_model_path(args.model)
@@ -178,7 +178,7 @@ def gateway(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from gateway.serve import serve
-    from switchboard.logs import configure_logging
+    from runtime.logs import configure_logging
 
     configure_logging(level=logging.INFO, json_lines=json_lines_wanted())
     try:
@@ -212,10 +212,10 @@ def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def certs(args: argparse.Namespace) -> int:
-    """Write a CA, a worker and a gateway certificate for mutual TLS (switchboard/certs.py)."""
+    """Write a CA, a worker and a gateway certificate for mutual TLS (runtime/certs.py)."""
     from pathlib import Path
 
-    from switchboard.certs import CertSet, write_certs
+    from runtime.certs import CertSet, write_certs
 
     out = Path(args.out)
     existing = CertSet.in_dir(out)
@@ -244,7 +244,7 @@ def up(args: argparse.Namespace) -> int:
     """Redis (reused or embedded), one worker and the gateway; a demo tenant; Ctrl-C stops."""
     import signal
 
-    from switchboard.stack import Stack
+    from runtime.stack import Stack
     from worker.default_model import resolve_model_path
 
     model = resolve_model_path(args.model)

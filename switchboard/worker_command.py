@@ -24,7 +24,7 @@ def worker(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from switchboard.logs import configure_logging, json_lines_wanted
+    from runtime.logs import configure_logging, json_lines_wanted
     from worker.auth import TOKEN_ENV, WorkerAuth
     from worker.main_thread import MainThreadEngineLoop
     from worker.server import serve
@@ -107,7 +107,7 @@ def worker_engine_kwargs(args: argparse.Namespace) -> dict:
 def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     import os
 
-    from switchboard.home import default_adapter_store
+    from runtime.home import default_adapter_store
 
     parser.add_argument("--model", default="default", help="checkpoint directory or 'default'")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")

@@ -42,7 +42,7 @@ def redis_url() -> str:
         return
     except redis.ConnectionError:
         pass
-    from switchboard.embedded_redis import EmbeddedRedis
+    from runtime.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         yield server.url

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from runtime.home import DEFAULT_MODEL_NAME, default_model_dir
 from switchboard import cli
-from switchboard.home import DEFAULT_MODEL_NAME, default_model_dir
 from worker import default_model
 from worker.default_model import (
     COMPLETE_MARKER,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from factories import add_byte_level_tokenizer, make_checkpoint
-from worker import LLM, SamplingParams
-from worker.spec_decode.distill import (
+from training.distill_prompts import TEMPLATES, TOPICS
+from training.draft_distill import (
     TEACHER_TOP,
     Corpus,
     corpus_requests,
@@ -20,7 +20,7 @@ from worker.spec_decode.distill import (
     recorded_kl,
     teacher_targets,
 )
-from worker.spec_decode.distill_prompts import TEMPLATES, TOPICS
+from worker import LLM, SamplingParams
 
 
 @pytest.mark.parametrize("output_vocab", [0, 64])
@@ -78,7 +78,7 @@ def test_the_corpus_answers_each_instruction_greedily_once_and_samples_the_rest(
 def test_a_second_distillation_reads_the_generated_corpus_back(tmp_path, monkeypatch):
     """Generating is most of a distillation: the same target and settings read the stream
     from the cache; other settings, or a changed target, generate again."""
-    import worker.spec_decode.distill as distill_module
+    import training.draft_distill as distill_module
 
     monkeypatch.setenv("SWITCHBOARD_HOME", str(tmp_path / "home"))
     target = make_checkpoint(tmp_path / "target", vocab_size=400, num_layers=1, eos_token_id=0)

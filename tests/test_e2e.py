@@ -15,9 +15,9 @@ import redis
 from archive_factories import adapter_members, tar_bytes
 
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
-from switchboard.embedded_redis import free_port
-from switchboard.registry import DEFAULT_TTL_S
-from switchboard.stack import Stack
+from runtime.embedded_redis import free_port
+from runtime.registry import DEFAULT_TTL_S
+from runtime.stack import Stack
 from worker import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow

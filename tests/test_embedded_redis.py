@@ -2,7 +2,7 @@
 
 import redis
 
-from switchboard.embedded_redis import EmbeddedRedis
+from runtime.embedded_redis import EmbeddedRedis
 
 
 def test_embedded_redis_serves_and_stops():

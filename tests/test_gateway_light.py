@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import ChatTokenizer
-from switchboard.home import default_model_dir
+from runtime.home import default_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
-from switchboard.embedded_redis import free_port
+from runtime.embedded_redis import free_port
 from tests.test_gateway_support import (
     MODEL_NAME,
     Mode,

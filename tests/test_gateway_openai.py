@@ -303,7 +303,7 @@ async def test_request_errors_in_openai_format(stack):
 
 
 async def test_no_live_worker_is_503(stack):
-    from switchboard.registry import deregister
+    from runtime.registry import deregister
 
     await deregister(stack.redis, stack.prefix, "w1")
     async with stack.http() as http:

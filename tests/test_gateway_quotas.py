@@ -20,7 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.quotas import tenant_key
-from switchboard.stack import switchboard_command
+from runtime.stack import switchboard_command
 from tests.test_gateway_support import (
     ADMIN_TOKEN,
     MODEL_NAME,

@@ -9,7 +9,7 @@ import pytest
 
 from gateway.errors import NoWorkerError
 from gateway.routing import WorkerDirectory, rank_workers, rendezvous_score
-from switchboard.registry import WorkerInfo, register
+from runtime.registry import WorkerInfo, register
 
 
 def make_worker(worker_id: str, *, load: int = 0, adapters=(), model="m") -> WorkerInfo:

@@ -33,7 +33,7 @@ from tokenizers import decoders as tk_decoders
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from rpc import worker_pb2, worker_pb2_grpc
-from switchboard.registry import WorkerInfo, register
+from runtime.registry import WorkerInfo, register
 
 ADMIN_TOKEN = "test-admin-token-0123456789abcdef"
 MODEL_NAME = "tiny-chat"

@@ -26,8 +26,8 @@ import pytest
 from archive_factories import Member, adapter_members, pickle_bytes, tar_bytes, zip_bytes
 
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
-from switchboard.embedded_redis import free_port
-from switchboard.stack import Stack
+from runtime.embedded_redis import free_port
+from runtime.stack import Stack
 
 pytestmark = pytest.mark.slow
 

@@ -732,8 +732,18 @@ def test_gateway_autoscales_on_cpu_and_the_hpa_owns_its_replicas(manifest):
 
 # --- images ---------------------------------------------------------------------------------
 
-GATEWAY_ENTRY_MODULES = ("gateway.serve", "gateway.admin_cli", "worker.errors")
-FIRST_PARTY = {"switchboard", "worker", "kernels", "adapters", "gateway", "bench", "rpc"}
+GATEWAY_ENTRY_MODULES = ("gateway.serve", "switchboard.admin_client", "worker.errors")
+FIRST_PARTY = {
+    "switchboard",
+    "runtime",
+    "training",
+    "worker",
+    "kernels",
+    "adapters",
+    "gateway",
+    "bench",
+    "rpc",
+}
 HEAVY = {"torch", "triton", "transformers"}  # import names and distribution names alike
 
 

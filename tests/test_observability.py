@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from adapters import FilesystemAdapterStore, load_adapter_dir
 from adapters.base_model import BaseModelSpec
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
-from switchboard.logs import configure_logging
+from runtime.logs import configure_logging
 from tests.test_gateway_support import delete_prefix, gateway_settings, running_gateway
 from worker.config import engine_config
 from worker.engine import LLMEngine

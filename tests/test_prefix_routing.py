@@ -6,7 +6,7 @@ import random
 import time
 
 from gateway.routing import AFFINITY_BLOCK_SIZE, prefix_affinity_key, rank_workers
-from switchboard.registry import WorkerInfo
+from runtime.registry import WorkerInfo
 
 SYSTEM = list(range(100, 180))  # 80 tokens: five blocks
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 from redis.asyncio import Redis
 
-from switchboard import registry
-from switchboard.registry import WorkerInfo
+from runtime import registry
+from runtime.registry import WorkerInfo
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def test_prefix_default_and_no_heavy_imports():
     import subprocess
 
     code = (
-        "import sys, switchboard.registry; "
+        "import sys, runtime.registry; "
         "bad = [m for m in ('torch', 'worker', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )

@@ -23,8 +23,8 @@ from factories import add_byte_level_tokenizer, make_checkpoint
 from gateway import metrics
 from gateway.quotas import tenant_key
 from rpc import worker_pb2, worker_pb2_grpc
-from switchboard.embedded_redis import EmbeddedRedis, free_port
-from switchboard.stack import Stack
+from runtime.embedded_redis import EmbeddedRedis, free_port
+from runtime.stack import Stack
 from tests.test_gateway_support import (
     MODEL_NAME,
     gateway_settings,

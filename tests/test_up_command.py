@@ -18,8 +18,8 @@ import pytest
 import redis
 
 from factories import add_byte_level_tokenizer, make_checkpoint
-from switchboard.embedded_redis import free_port
-from switchboard.stack import switchboard_command
+from runtime.embedded_redis import free_port
+from runtime.stack import switchboard_command
 
 pytestmark = pytest.mark.slow
 BANNER_END = "Ctrl-C stops everything."

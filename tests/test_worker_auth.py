@@ -1,6 +1,6 @@
 """The worker's trust boundary: who may call it, and Redis behind a password.
 
-Real grpc.aio servers on loopback with a tiny model, certificates from switchboard/certs.py,
+Real grpc.aio servers on loopback with a tiny model, certificates from runtime/certs.py,
 a real redis-server started with --requirepass, and the real gateway under uvicorn.
 """
 
@@ -22,9 +22,9 @@ from redis.asyncio import Redis
 from factories import add_byte_level_tokenizer, make_checkpoint
 from gateway.worker_client import WorkerChannels, WorkerCredentials, generate_all
 from rpc import worker_pb2, worker_pb2_grpc
-from switchboard import registry
-from switchboard.certs import WORKER_NAME, CertSet, TlsFiles, write_certs
-from switchboard.embedded_redis import free_port
+from runtime import registry
+from runtime.certs import WORKER_NAME, CertSet, TlsFiles, write_certs
+from runtime.embedded_redis import free_port
 from tests.test_gateway_support import (
     MODEL_NAME,
     create_tenant_key,
@@ -261,7 +261,7 @@ def password_redis(tmp_path_factory):
     port = free_port()
     binary = "/usr/bin/redis-server"
     if not Path(binary).exists():
-        from switchboard.embedded_redis import redis_server_binary
+        from runtime.embedded_redis import redis_server_binary
 
         binary = str(redis_server_binary())
     process = subprocess.Popen(
@@ -415,7 +415,7 @@ def test_certificates_are_made_once_and_the_cli_never_overwrites_them(tmp_path, 
     from pydantic import ValidationError
 
     from gateway.settings import GatewaySettings
-    from switchboard.certs import ensure_certs
+    from runtime.certs import ensure_certs
     from switchboard.cli import main
 
     first = ensure_certs(tmp_path / "home")

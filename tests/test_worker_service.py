@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
 from rpc import worker_pb2, worker_pb2_grpc
-from switchboard import registry
+from runtime import registry
 from worker import LLM, LLMEngine, SamplingParams, engine_config
 from worker.server import WorkerServer
 
@@ -542,7 +542,7 @@ async def test_a_worker_serves_through_a_redis_outage_and_counts_failed_heartbea
 ):
     """No Redis at the registry's address: the worker still serves (the gateway keeps
     routing to it until its record expires), and each failed heartbeat is counted."""
-    from switchboard.embedded_redis import free_port
+    from runtime.embedded_redis import free_port
 
     redis = Redis.from_url(f"redis://127.0.0.1:{free_port()}", socket_connect_timeout=0.5)
     server = await start_worker(base, redis=redis, worker_id="w-alone", heartbeat_interval=0.2)

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from switchboard.home import DEFAULT_MODEL_NAME, default_model_dir
+from runtime.home import DEFAULT_MODEL_NAME, default_model_dir
 from worker.errors import ModelLoadError
 
 if TYPE_CHECKING:

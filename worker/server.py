@@ -29,7 +29,7 @@ from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError, RedisError
 
 from rpc import worker_pb2, worker_pb2_grpc
-from switchboard import registry
+from runtime import registry
 from worker.async_engine import AsyncEngine
 from worker.auth import WorkerAuth, WorkerAuthError
 from worker.engine import LLMEngine
@@ -252,7 +252,7 @@ async def serve(
 
     With ``engine_loop`` this runs off the main thread: the engine's step loop and the
     signal handlers live on the main thread (``worker.main_thread``)."""
-    from switchboard.home import DEFAULT_MODEL_NAME
+    from runtime.home import DEFAULT_MODEL_NAME
     from worker.config import engine_config
     from worker.default_model import DEFAULT_MODEL_ALIASES, resolve_model_path
 

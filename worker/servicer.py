@@ -20,7 +20,7 @@ import grpc
 from adapters.errors import AdapterError, AdapterNotFoundError
 from adapters.identity import check_adapter_id
 from rpc import worker_pb2, worker_pb2_grpc
-from switchboard.logs import REQUEST_ID
+from runtime.logs import REQUEST_ID
 from worker.async_engine import AsyncEngine, EngineStoppedError, SampleOutput
 from worker.errors import InvalidRequestError
 from worker.lora_manager import UnknownAdapterError

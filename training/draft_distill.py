@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from switchboard.home import switchboard_home
+from runtime.home import switchboard_home
+from training.distill_prompts import TEMPLATES, TOPICS
 from worker.placement import resolve_dtype
 from worker.sampling_params import SamplingParams
-from worker.spec_decode.distill_prompts import TEMPLATES, TOPICS
 from worker.spec_decode.draft import OUTPUT_VOCAB_FILE
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 ``switchboard up`` (and ``make run``) use it, and so do the end-to-end tests, so what the
 tests exercise is exactly what a user starts. Every child binds to 127.0.0.1, and the
 gateway reaches the workers over mutual TLS with certificates made once under
-``$SWITCHBOARD_HOME/tls`` (switchboard/certs.py), as a deployment does.
+``$SWITCHBOARD_HOME/tls`` (runtime/certs.py), as a deployment does.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from switchboard.certs import CertSet, ensure_certs
-from switchboard.embedded_redis import EmbeddedRedis, free_port
-from switchboard.home import default_tls_dir
+from runtime.certs import CertSet, ensure_certs
+from runtime.embedded_redis import EmbeddedRedis, free_port
+from runtime.home import default_tls_dir
 
 
 @dataclass
@@ -101,7 +101,7 @@ class Stack:
         """A gRPC channel to one worker as the gateway dials it (its client certificate)."""
         import grpc
 
-        from switchboard.certs import WORKER_NAME
+        from runtime.certs import WORKER_NAME
 
         assert self.certs is not None
         tls = self.certs.gateway
@@ -142,7 +142,7 @@ class Stack:
         """Until the gateway answers and every worker is in the registry."""
         import redis
 
-        from switchboard.registry import DEFAULT_PREFIX  # noqa: F401 (format owner)
+        from runtime.registry import DEFAULT_PREFIX  # noqa: F401 (format owner)
 
         deadline = time.monotonic() + timeout
         client = redis.Redis.from_url(str(self.redis_url), decode_responses=True)

@@ -31,5 +31,5 @@ def default_adapter_store(home: Path | None = None) -> Path:
 
 
 def default_tls_dir(home: Path | None = None) -> Path:
-    """Where `switchboard up` keeps the gateway⇄worker certificates (switchboard/certs.py)."""
+    """Where `switchboard up` keeps the gateway⇄worker certificates (runtime/certs.py)."""
     return (home or switchboard_home()) / "tls"
