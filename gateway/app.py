@@ -3,8 +3,8 @@
 The lifespan opens what requests share — the Redis pool, the tokenizer, the gRPC channels —
 and, with `metrics_port` set, Prometheus' own listener, with `admin_port` set, the admin
 app's listener; it closes them on shutdown. Every app sizes and paces request bodies first
-(`gateway.limits`). Routes are thin; the logic lives in `gateway.serving`, `gateway.tenants`
-and `gateway.adapter_registration`.
+(`gateway.limits`). Routes are thin; the logic lives in `gateway.pipeline` (completions and
+chat), `gateway.tenants` and `gateway.adapter_registration`.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizer import ChatTokenizer
 from rpc import worker_pb2
 
@@ -44,6 +45,16 @@ class Usage:
 def stop_reason_of(message: worker_pb2.GenerateResponse) -> int | str | None:
     which = message.WhichOneof("stop_reason")
     return getattr(message, which) if which else None
+
+
+def most_likely(samples: list[Sample], keep: int) -> list[Sample]:
+    """best_of: the `keep` samples with the highest cumulative logprob, re-indexed 0..keep-1
+    in that order (ties: the earlier sample)."""
+    ranked = sorted(samples, key=lambda s: (-sum(lp.logprob for lp in s.logprobs), s.index))
+    kept = ranked[:keep]
+    for index, sample in enumerate(kept):
+        sample.index = index
+    return kept
 
 
 @dataclass(frozen=True)
@@ -209,3 +220,12 @@ class CompletionFormat:
             "model": h.model,
             "choices": choices,
         }
+
+
+def output_format(
+    body: CompletionRequest | ChatCompletionRequest, header: Header, tokenizer: ChatTokenizer
+) -> OutputFormat:
+    """The format of the body's endpoint, with the logprobs it asked for."""
+    if isinstance(body, ChatCompletionRequest):
+        return ChatFormat(header, tokenizer, body.logprobs)
+    return CompletionFormat(header, tokenizer, body.logprobs)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API under /v1; each route is a few lines over `gateway.serving`."""
+"""The OpenAI-compatible API under /v1; completions and chat are one call into
+`gateway.pipeline`."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from gateway.deps import CurrentTenant, State
+from gateway.pipeline import serve
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.serving import list_models, serve_chat, serve_completion
+from gateway.resolution import list_models
 from gateway.usage import day_range, read_usage
 
 router = APIRouter(prefix="/v1")
@@ -25,14 +27,14 @@ async def models(caller: CurrentTenant, state: State) -> dict[str, Any]:
 async def completions(
     body: CompletionRequest, caller: CurrentTenant, state: State, request: Request
 ) -> Response:
-    return await serve_completion(body, state=state, caller=caller, request=request)
+    return await serve(body, state=state, caller=caller, http=request)
 
 
 @router.post("/chat/completions")
 async def chat_completions(
     body: ChatCompletionRequest, caller: CurrentTenant, state: State, request: Request
 ) -> Response:
-    return await serve_chat(body, state=state, caller=caller, request=request)
+    return await serve(body, state=state, caller=caller, http=request)
 
 
 @router.get("/usage")

@@ -52,3 +52,12 @@ async def chat_prompt_ids(
     check_text_fits(text, tokenizer=tokenizer, max_model_len=max_model_len, param="messages")
     # The template writes the special tokens itself, so none are added (like transformers).
     return await tokenizer.encode_async(text, add_special_tokens=False)
+
+
+async def prompt_ids(
+    body: CompletionRequest | ChatCompletionRequest, *, tokenizer: ChatTokenizer, max_model_len: int
+) -> list[int]:
+    """The prompt of either endpoint as token ids."""
+    if isinstance(body, ChatCompletionRequest):
+        return await chat_prompt_ids(body, tokenizer=tokenizer, max_model_len=max_model_len)
+    return await completion_prompt_ids(body, tokenizer=tokenizer, max_model_len=max_model_len)

@@ -11,7 +11,7 @@ counts) are checked by `check_shape`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -127,6 +127,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
+    endpoint: ClassVar[str] = "completions"  # the metrics label
+
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
@@ -204,6 +206,8 @@ class ResponseFormat(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    endpoint: ClassVar[str] = "chat"  # the metrics label
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False

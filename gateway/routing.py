@@ -22,6 +22,8 @@ bound. Prompts shorter than one block get no key; those shorter than `AFFINITY_B
 blocks may move once as they grow, which costs little (their prefill is short).
 
 `WorkerDirectory` reads the live list from the Redis registry at most once per `cache_s`.
+`route` is the request path's stage: the ranked workers, then a slot on the best with room
+(`gateway.fair_queue`), waiting for one in fair order while every worker is saturated.
 """
 
 from __future__ import annotations
@@ -34,12 +36,17 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.errors import NoWorkerError
+from gateway.fair_queue import FairQueue, Grant
 from runtime.registry import WorkerInfo, live_workers
+
+if TYPE_CHECKING:
+    from gateway.resolution import Job
 
 log = logging.getLogger(__name__)
 
@@ -193,3 +200,41 @@ class WorkerDirectory:
 
     def failed(self, worker_id: str) -> None:
         self._failed.add(worker_id)
+
+
+@dataclass(slots=True)
+class Route:
+    """Where a job goes: the workers to try, in order, and its slot on the first, which
+    follows the request if it is retried on the next."""
+
+    workers: list[WorkerInfo]
+    grant: Grant
+    directory: WorkerDirectory
+    queue: FairQueue
+
+    def sending(self, worker: WorkerInfo) -> None:
+        """The request goes to ``worker``: its slot moves there (a retry may exceed that
+        worker's bound by one), and the directory counts it until it reads the registry."""
+        self.queue.move(self.grant, worker.worker_id)
+        self.directory.sent(worker.worker_id)
+
+    def failed(self, worker: WorkerInfo) -> None:
+        """``worker`` is unwell: skipped until the registry is read again."""
+        self.directory.failed(worker.worker_id)
+
+
+async def route(job: Job, *, directory: WorkerDirectory, queue: FairQueue) -> Route:
+    """The workers for ``job``, best first, and a slot on the best with room: at once, or
+    after waiting in its tenant's queue while every worker is saturated. The caller
+    releases the slot (`FairQueue.release`) when the request ends."""
+    affinity = prefix_affinity_key(
+        tenant=job.tenant, adapter_id=job.adapter_id, prompt_ids=job.prompt_ids
+    )
+    workers = await directory.candidates(adapter_id=job.adapter_id, affinity_key=affinity)
+    grant = await queue.acquire(
+        tenant=job.tenant, weight=job.tenant_weight, tokens=len(job.prompt_ids),
+        workers=[w.worker_id for w in workers], deadline_s=job.remaining_s(),
+    )  # fmt: skip
+    # The granted worker first (the best with room), then the others in rank order.
+    workers.sort(key=lambda w: w.worker_id != grant.worker_id)
+    return Route(workers, grant, directory, queue)

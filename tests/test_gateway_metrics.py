@@ -143,7 +143,7 @@ async def test_arrival_is_stamped_before_the_app_parses_anything():
     from starlette.requests import Request
 
     from gateway.app import StampArrival
-    from gateway.serving import arrival_of
+    from gateway.connection import arrival_of
 
     seen = []
 

@@ -1,10 +1,8 @@
-"""From an OpenAI request to a `Job` the workers can run: resolve the model (the prompt's
-tokens come from `gateway.prompts`), settle max_tokens against the context, and translate
-the sampling fields.
-
-max_tokens defaults (documented in README): completions 16 (OpenAI's default for the
-legacy endpoint), chat the whole remaining context; both are capped by the context, and an
-explicit value that does not fit is a 400, as vLLM does.
+"""Resolve: a `ParsedRequest` → a `Job` the workers can run. The model name becomes the base
+model or one of the caller's adapters, the prompt becomes tokens (`gateway.prompts`),
+max_tokens is settled against the context and `max_generated_tokens`, and the sampling
+fields become the worker's params. An explicit max_tokens that does not fit is a 400, as
+vLLM does.
 """
 
 from __future__ import annotations
@@ -13,14 +11,18 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from gateway import metrics
 from gateway.errors import InvalidRequestError, ModelNotFoundError
+from gateway.parsing import ParsedRequest
+from gateway.prompts import prompt_ids
 from gateway.protocol import SamplingFields
 from gateway.tenants import Caller, TenantAdapter, TenantStore
 from rpc import worker_pb2
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+if TYPE_CHECKING:
+    from gateway.state import GatewayState
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,10 @@ class Job:
         """What the quotas reserve: the prompt and every sample's max_tokens."""
         return len(self.prompt_ids) + self.params.max_tokens * max(self.params.n, 1)
 
+    def remaining_s(self) -> float:
+        """Seconds left until the deadline (negative once past)."""
+        return self.deadline - asyncio.get_running_loop().time()
+
     @property
     def adapter_id(self) -> str | None:
         return self.adapter.adapter_id if self.adapter else None
@@ -56,6 +62,47 @@ class Job:
             tenant=self.tenant,
             tenant_weight=self.tenant_weight,
         )
+
+
+async def resolve(parsed: ParsedRequest, *, caller: Caller, state: GatewayState) -> Job:
+    """The model, then the prompt's tokens, then the budget and params, then the tenant's
+    scheduling weight (cached: no Redis trip as a rule)."""
+    body = parsed.body
+    adapter = await resolve_model(
+        tenants=state.tenants,
+        caller=caller,
+        model=body.model,
+        served_model_name=state.settings.served_model_name,
+    )
+    prompt = await prompt_ids(body, tokenizer=state.tokenizer, max_model_len=state.max_model_len)
+    max_tokens = settle_max_tokens(
+        requested=parsed.max_tokens,
+        default=parsed.default_max_tokens,
+        prompt_len=len(prompt),
+        max_model_len=state.max_model_len,
+    )
+    max_tokens = bound_generated_tokens(
+        max_tokens,
+        samples=parsed.samples,
+        explicit=parsed.max_tokens is not None,
+        limit=state.settings.max_generated_tokens,
+    )
+    params = sampling_params(
+        body, max_tokens=max_tokens, logprobs=parsed.logprobs, n=parsed.best_of
+    )
+    weight = await state.scheduling.weight(caller.tenant)
+    return Job(
+        request_id=f"{parsed.id_prefix}-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=body.model,
+        tenant=caller.tenant,
+        prompt_ids=prompt,
+        params=params,
+        adapter=adapter,
+        deadline=asyncio.get_running_loop().time() + state.settings.request_timeout_s,
+        keep=body.n if parsed.best_of else None,
+        tenant_weight=weight,
+    )
 
 
 async def resolve_model(
@@ -99,6 +146,20 @@ def settle_max_tokens(
     return requested
 
 
+def bound_generated_tokens(max_tokens: int, *, samples: int, explicit: bool, limit: int) -> int:
+    """n (or best_of) × max_tokens within `max_generated_tokens`: an explicit max_tokens past
+    it is a 400; a default one is cut to fit."""
+    if samples * max_tokens <= limit:
+        return max_tokens
+    if explicit or samples > limit:
+        raise InvalidRequestError(
+            f"n × max_tokens may be at most {limit} tokens; this request asks for "
+            f"{samples} × {max_tokens}",
+            param="max_tokens" if explicit else "n",
+        )
+    return limit // samples
+
+
 def sampling_params(
     body: SamplingFields, *, max_tokens: int, logprobs: int | None, n: int | None = None
 ) -> worker_pb2.SamplingParams:
@@ -127,27 +188,29 @@ def sampling_params(
     return params
 
 
-def new_job(
-    body: SamplingFields,
-    *,
-    id_prefix: str,
-    caller: Caller,
-    prompt_ids: list[int],
-    params: worker_pb2.SamplingParams,
-    adapter: TenantAdapter | None,
-    timeout_s: float,
-    keep: int | None = None,
-    tenant_weight: float = 1.0,
-) -> Job:
-    return Job(
-        request_id=f"{id_prefix}-{uuid.uuid4().hex}",
-        created=int(time.time()),
-        model=body.model,
-        tenant=caller.tenant,
-        prompt_ids=prompt_ids,
-        params=params,
-        adapter=adapter,
-        deadline=asyncio.get_running_loop().time() + timeout_s,
-        keep=keep,
-        tenant_weight=tenant_weight,
-    )
+async def list_models(*, state: GatewayState, caller: Caller) -> dict[str, Any]:
+    """The names a caller may resolve: the base model, then the caller's own adapters
+    (shaped like vLLM's LoRA entries)."""
+    base_id = state.settings.served_model_name
+    base = {
+        "id": base_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "switchboard",
+        "root": base_id,
+        "parent": None,
+        "max_model_len": state.max_model_len,
+    }
+    adapters = [
+        {
+            "id": a.name,
+            "object": "model",
+            "created": a.created_at,
+            "owned_by": caller.tenant,
+            "root": a.adapter_id,
+            "parent": base_id,
+            "max_model_len": state.max_model_len,
+        }
+        for a in await state.tenants.list_adapters(caller.tenant)
+    ]
+    return {"object": "list", "data": [base, *adapters]}

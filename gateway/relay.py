@@ -1,10 +1,11 @@
-"""Run a `Job` on a worker: route, wait for a slot (`gateway.fair_queue`) when every worker
-is saturated, retry once before the first token, then stream or collect.
+"""Relay: a `Job` to a worker on its `Route` and the worker's answer back, as SSE events or
+one JSON body. A call that fails before the first token (or a whole unary call that fails)
+is tried once more on the route's next worker, only when another worker may succeed.
 
 A stream's first token is awaited *before* the HTTP response starts, so every failure up to
-then (no worker, both tries failed, deadline) is a proper status code; after it, a failure
-ends the SSE stream with an OpenAI-style error event and `[DONE]`, never a hang. A
-non-streaming request is one unary call (`GenerateAll`), retried whole on another worker.
+then (both tries failed, deadline) is a proper status code; after it, a failure ends the SSE
+stream with an OpenAI-style error event and `[DONE]`, never a hang. A non-streaming request
+is one unary call (`GenerateAll`), retried whole on another worker.
 """
 
 from __future__ import annotations
@@ -14,32 +15,30 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi.sse import format_sse_event
 
 from gateway import metrics
 from gateway.errors import (
-    ClientDisconnectedError,
     DeadlineExceededError,
     GatewayError,
     WorkerFailedError,
     gateway_error_body,
 )
-from gateway.fair_queue import FairQueue, Grant
-from gateway.jobs import Job
-from gateway.openai_format import OutputFormat, Sample, Usage, stop_reason_of
-from gateway.routing import WorkerDirectory, prefix_affinity_key
+from gateway.openai_format import OutputFormat, Sample, Usage, most_likely, stop_reason_of
+from gateway.resolution import Job
+from gateway.routing import Route
+from gateway.tally import RunningCall, Tally
 from gateway.worker_client import (
     WorkerChannels,
     WorkerReply,
     WorkerStream,
     WorkerStreamError,
+    abort,
+    generate_all,
     start_generate,
 )
-from gateway.worker_client import abort as call_abort
-from gateway.worker_client import generate_all as call_generate_all
 from rpc import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -52,59 +51,40 @@ MAX_TRIES = 2
 ABORT_TIMEOUT_S = 2.0
 
 
-def _remaining(deadline: float) -> float:
-    return deadline - asyncio.get_running_loop().time()
-
-
 async def open_stream(
-    job: Job, *, directory: WorkerDirectory, channels: WorkerChannels, queue: FairQueue,
-    tally: Tally,
-) -> WorkerStream:  # fmt: skip
-    """A Generate call on the best worker that answers, with its first response in hand.
-
-    ``tally`` gets the times of the call that answered (see `Tally.overhead_s`) and the
-    request's slot (`Tally.grant`), which the caller releases when the request ends."""
-    return await _on_a_worker(job, start_generate, directory, channels, queue, tally)
+    job: Job, route: Route, *, channels: WorkerChannels, tally: Tally
+) -> WorkerStream:
+    """A Generate call on the route's first worker that answers, with its first response in
+    hand; ``tally`` gets the times of the call that answered (see `Tally.overhead_s`)."""
+    return await _on_a_worker(job, route, start_generate, channels=channels, tally=tally)
 
 
-async def generate_all(
-    job: Job, *, directory: WorkerDirectory, channels: WorkerChannels, queue: FairQueue,
-    tally: Tally,
-) -> WorkerReply:  # fmt: skip
-    """The whole answer, from the best worker that gives it (for non-streaming requests:
-    nothing has reached the client yet, so any retryable failure may try another worker)."""
-    return await _on_a_worker(job, call_generate_all, directory, channels, queue, tally)
+async def fetch_reply(
+    job: Job, route: Route, *, channels: WorkerChannels, tally: Tally
+) -> WorkerReply:
+    """The whole answer, from the route's first worker that gives it (for non-streaming
+    requests: nothing has reached the client yet, so any retryable failure may try another
+    worker)."""
+    return await _on_a_worker(job, route, generate_all, channels=channels, tally=tally)
 
 
 async def _on_a_worker(
     job: Job,
+    route: Route,
     call: Callable[..., Awaitable[T]],
-    directory: WorkerDirectory,
+    *,
     channels: WorkerChannels,
-    queue: FairQueue,
     tally: Tally,
 ) -> T:
-    """``call`` on the best worker for ``job`` with a free slot (waiting for one in fair
-    order when none has), and once more on another if it fails in a way another worker may
-    not; deadline errors are final."""
-    affinity = prefix_affinity_key(
-        tenant=job.tenant, adapter_id=job.adapter_id, prompt_ids=job.prompt_ids
-    )
-    candidates = await directory.candidates(adapter_id=job.adapter_id, affinity_key=affinity)
-    grant = tally.grant = await queue.acquire(
-        tenant=job.tenant, weight=job.tenant_weight, tokens=len(job.prompt_ids),
-        workers=[w.worker_id for w in candidates], deadline_s=_remaining(job.deadline),
-    )  # fmt: skip
-    # The granted worker first (the best with room), then the others in rank order.
-    candidates.sort(key=lambda w: w.worker_id != grant.worker_id)
+    """``call`` on the route's first worker, and once more on the next if it fails in a way
+    another worker may not; deadline errors are final."""
     request = job.to_proto()
     error: GatewayError = WorkerFailedError("no worker answered")
-    for attempt, worker in enumerate(candidates[:MAX_TRIES]):
-        remaining = _remaining(job.deadline)
+    for attempt, worker in enumerate(route.workers[:MAX_TRIES]):
+        remaining = job.remaining_s()
         if remaining <= 0:
             raise DeadlineExceededError("the request's deadline passed before a worker answered")
-        queue.move(grant, worker.worker_id)
-        directory.sent(worker.worker_id)
+        route.sending(worker)
         tally.called_at = time.monotonic()
         tally.running_on = RunningCall(channels, worker.address, job.request_id, job.tenant)
         if attempt == 0:
@@ -132,19 +112,9 @@ async def _on_a_worker(
                 raise exc.error from exc  # the request's own failure: this worker is fine
             log.warning("request %s: %s", job.request_id, exc.error.message)
             if exc.worker_failed:
-                directory.failed(worker.worker_id)
+                route.failed(worker)
             error = exc.error
     raise error
-
-
-@dataclass(frozen=True, slots=True)
-class RunningCall:
-    """Where a request's worker call runs, for asking that worker to abort it."""
-
-    channels: WorkerChannels
-    address: str
-    request_id: str
-    tenant: str
 
 
 async def stop_unfinished(tally: Tally) -> None:
@@ -157,7 +127,7 @@ async def stop_unfinished(tally: Tally) -> None:
     call, tally.running_on = tally.running_on, None
     if call is None:
         return
-    report = await call_abort(
+    report = await abort(
         call.channels,
         address=call.address,
         request_id=call.request_id,
@@ -170,66 +140,6 @@ async def stop_unfinished(tally: Tally) -> None:
         tally.charge_reported(report)
 
 
-@dataclass(slots=True)
-class Tally:
-    """What a request consumed so far, for quota settlement and usage, whatever its end."""
-
-    arrived: float = field(default_factory=time.monotonic)  # when the gateway got it
-    started: bool = False  # the worker answered: the prompt was processed
-    completion: dict[int, int] = field(default_factory=dict)  # sample index → tokens
-    cached_tokens: int = 0
-    last_message_at: float = 0.0
-    called_at: float = 0.0  # the call to the worker that answered went out
-    answered_at: float = 0.0  # ... and its first message (unary: its reply) came in
-    error_status: int | None = None  # a failure after the response started
-    finished: bool = False  # the whole response was produced
-    running_on: RunningCall | None = None  # a worker call that has not ended by itself
-    reported_completion: int = 0  # every sample's tokens, as an aborting worker counted them
-    grant: Grant | None = None  # the request's worker slot, released when it is settled
-
-    def record(self, message: worker_pb2.GenerateResponse) -> None:
-        now = time.monotonic()
-        if self.started:
-            metrics.INTER_TOKEN_LATENCY.observe(now - self.last_message_at)
-        else:
-            metrics.TIME_TO_FIRST_TOKEN.observe(now - self.arrived)
-        self.started = True
-        self.last_message_at = now
-        self.completion[message.index] = message.completion_tokens
-        self.cached_tokens = max(self.cached_tokens, message.cached_tokens)
-
-    def record_reply(self, reply: WorkerReply) -> None:
-        """A whole answer at once (not streamed): its first token's time, no gaps."""
-        metrics.TIME_TO_FIRST_TOKEN.observe(reply.first_token_at - self.arrived)
-        self.started = True
-        for message in reply.responses:
-            self.completion[message.index] = message.completion_tokens
-            self.cached_tokens = max(self.cached_tokens, message.cached_tokens)
-
-    def overhead_s(self) -> float:
-        """The gateway's own time on the request until now: all of it since arrival but the
-        wait for the worker that answered (a failed try's time counts, as a client waits
-        it too). Like LiteLLM's ``x-litellm-overhead-duration-ms``."""
-        return time.monotonic() - self.arrived - (self.answered_at - self.called_at)
-
-    @property
-    def status(self) -> int:
-        """The request's outcome as an HTTP status, once its response is over."""
-        if self.error_status is not None:
-            return self.error_status
-        return 200 if self.finished else ClientDisconnectedError.status
-
-    def charge_reported(self, report: worker_pb2.AbortResponse) -> None:
-        """What an aborted request's worker says it processed (prompt) and generated."""
-        self.started = True
-        self.reported_completion = max(self.reported_completion, report.completion_tokens)
-        self.cached_tokens = max(self.cached_tokens, report.cached_tokens)
-
-    @property
-    def completion_tokens(self) -> int:
-        return max(sum(self.completion.values()), self.reported_completion)
-
-
 def _check_not_aborted(message: worker_pb2.GenerateResponse, *, address: str) -> None:
     if message.finish_reason == "abort":
         raise WorkerStreamError(
@@ -238,12 +148,12 @@ def _check_not_aborted(message: worker_pb2.GenerateResponse, *, address: str) ->
 
 
 async def _responses(
-    stream: WorkerStream, *, deadline: float, tally: Tally
+    stream: WorkerStream, *, job: Job, tally: Tally
 ) -> AsyncIterator[worker_pb2.GenerateResponse]:
     """The worker's responses, as GatewayErrors on failure; the call is cancelled on exit."""
     ended = False  # by itself: finished, failed or out of time
     try:
-        async with asyncio.timeout(max(_remaining(deadline), 0.0)):
+        async with asyncio.timeout(max(job.remaining_s(), 0.0)):
             async for message in stream.responses():
                 tally.record(message)
                 _check_not_aborted(message, address=stream.address)
@@ -300,16 +210,6 @@ def collect(reply: WorkerReply, *, job: Job, fmt: OutputFormat, tally: Tally) ->
     return fmt.response(ordered, usage)
 
 
-def most_likely(samples: list[Sample], keep: int) -> list[Sample]:
-    """best_of: the `keep` samples with the highest cumulative logprob, re-indexed 0..keep-1
-    in that order (ties: the earlier sample)."""
-    ranked = sorted(samples, key=lambda s: (-sum(lp.logprob for lp in s.logprobs), s.index))
-    kept = ranked[:keep]
-    for index, sample in enumerate(kept):
-        sample.index = index
-    return kept
-
-
 def sse(data: str) -> bytes:
     """One `data:` event, encoded by FastAPI's own SSE encoder (what a
     `ServerSentEvent(raw_data=data)` yielded from a generator route becomes). We build the
@@ -356,7 +256,7 @@ async def _events(
 ) -> AsyncGenerator[bytes]:
     started: set[int] = set()
     offsets: dict[int, int] = {}
-    responses = _responses(stream, deadline=job.deadline, tally=tally)
+    responses = _responses(stream, job=job, tally=tally)
     try:
         async for message in responses:
             if not (message.text or message.finish_reason or message.logprobs):

@@ -1,0 +1,58 @@
+"""Parse: a validated OpenAI body → a `ParsedRequest`, the one shape the later stages read for
+completions and chat alike; what the gateway cannot honour, or a shape past a setting's
+bound, is a 400 here, before any lookup or tokenizing.
+
+max_tokens defaults (documented in README): completions 16 (OpenAI's default for the
+legacy endpoint), chat the whole remaining context (chat answers end at EOS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, ShapeLimits
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+OpenAIRequest = CompletionRequest | ChatCompletionRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A completion or chat request with the endpoints' differences settled."""
+
+    body: OpenAIRequest
+    id_prefix: str  # of the response's id: "cmpl" or "chatcmpl"
+    max_tokens: int | None  # as the client asked; None: `default_max_tokens`
+    default_max_tokens: int | None  # None: the rest of the context
+    logprobs: int | None  # top logprobs the worker reports per token; None: no logprobs
+    best_of: int | None = None  # samples to generate when more than n are kept
+
+    @property
+    def samples(self) -> int:
+        """Samples the worker generates: best_of, else n."""
+        return self.best_of or self.body.n
+
+
+def parse(body: OpenAIRequest, *, limits: ShapeLimits) -> ParsedRequest:
+    """``body`` checked (400 naming the field) and settled for the later stages."""
+    body.check_supported()
+    body.check_shape(limits)
+    if isinstance(body, ChatCompletionRequest):
+        return ParsedRequest(
+            body,
+            id_prefix="chatcmpl",
+            max_tokens=body.requested_max_tokens,
+            default_max_tokens=None,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        )
+    best_of = body.samples_to_generate if body.samples_to_generate > body.n else None
+    return ParsedRequest(
+        body,
+        id_prefix="cmpl",
+        max_tokens=body.max_tokens,
+        default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
+        # best_of ranks samples by cumulative logprob: the worker must send them.
+        logprobs=body.logprobs if body.logprobs is not None or not best_of else 0,
+        best_of=best_of,
+    )

@@ -1,0 +1,119 @@
+"""One completion or chat request, from its route to a worker and back, as one pipeline:
+
+    authorize → parse → resolve → admit → route → relay → settle
+
+Authorization is the route's dependency (`deps.CurrentTenant`: API key → tenant), which
+FastAPI solves before it validates the body. Each later stage lives in the module named for
+it (`parsing`, `resolution`, `admission`, `routing`, `relay`, `settlement`), and `serve` is
+the only place that calls them, in that order. Admission may decide beside the worker call
+(`gateway.admission`), so it wraps route and relay until the worker's first answer. The HTTP
+plumbing around them (arrival, the client leaving, the SSE response) is `gateway.connection`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from gateway import metrics, relay, routing
+from gateway.admission import Admission
+from gateway.connection import SSE_HEADERS, ClosingEventStream, arrival_of, until_disconnect
+from gateway.errors import status_of
+from gateway.metrics import RequestObservation
+from gateway.openai_format import Header, OutputFormat, output_format
+from gateway.parsing import OpenAIRequest, parse
+from gateway.protocol import ShapeLimits
+from gateway.resolution import Job, resolve
+from gateway.settlement import settle
+from gateway.state import GatewayState
+from gateway.tally import Tally
+from gateway.tenants import Caller
+from gateway.worker_client import WorkerReply
+from runtime.logs import REQUEST_ID
+
+T = TypeVar("T")
+OVERHEAD_HEADER = "x-switchboard-overhead-ms"
+# Non-streaming replies with more token entries (tokens and their top logprobs) than this
+# are assembled and serialized on a thread, so a big n × logprobs answer stalls no stream.
+INLINE_COLLECT_ENTRIES = 2048
+
+
+async def serve(
+    body: OpenAIRequest, *, state: GatewayState, caller: Caller, http: Request
+) -> Response:
+    """The response to one request; the request is settled however it ends (a stream: when
+    the stream ends) and counted once, with its final status."""
+    tally = Tally(arrived=arrival_of(http))
+    observation = RequestObservation(tenant=caller.tenant, model=body.model, endpoint=body.endpoint)
+    close: Callable[[], Awaitable[None]] | None = None
+    try:
+        parsed = parse(body, limits=ShapeLimits.of(state.settings))
+        job = await resolve(parsed, caller=caller, state=state)
+        REQUEST_ID.set(job.request_id)  # every log line of this request carries it from here
+        admission = Admission(
+            state.quotas, job.tenant, request_id=job.request_id, tokens=job.reserved_tokens
+        )
+        close = functools.partial(
+            settle, job, tally, admission=admission, observation=observation,
+            queue=state.fair_queue, quotas=state.quotas,
+        )  # fmt: skip
+        fmt = output_format(body, Header(job.request_id, job.created, job.model), state.tokenizer)
+        if body.stream:
+            stream = await until_disconnect(
+                http, admission.run(lambda: _route_and_relay(relay.open_stream, job, state, tally))
+            )
+            events = relay.stream_events(
+                stream, job=job, fmt=fmt, include_usage=body.include_usage, tally=tally
+            )
+            headers = {**SSE_HEADERS, **admission.headers, **_overhead_header(tally)}
+            return ClosingEventStream(events, on_close=close, headers=headers)
+        reply = await until_disconnect(
+            http, admission.run(lambda: _route_and_relay(relay.fetch_reply, job, state, tally))
+        )
+        response = await _collected(reply, job=job, fmt=fmt, tally=tally)
+        await close()
+        response.headers.update({**admission.headers, **_overhead_header(tally)})
+        return response
+    except BaseException as exc:
+        observation.finish(status_of(exc))
+        if close is not None:
+            await close()
+        raise
+
+
+async def _route_and_relay(
+    call: Callable[..., Awaitable[T]], job: Job, state: GatewayState, tally: Tally
+) -> T:
+    """route → relay: a slot on the best worker, then ``call`` on the route's workers."""
+    route = await routing.route(job, directory=state.workers, queue=state.fair_queue)
+    tally.grant = route.grant  # released by `settle`, however the request ends
+    return await call(job, route, channels=state.channels, tally=tally)
+
+
+async def _collected(
+    reply: WorkerReply, *, job: Job, fmt: OutputFormat, tally: Tally
+) -> JSONResponse:
+    """The whole body: assembled and serialized on a thread once it is large; the tally is
+    final once it is back."""
+    top = job.params.logprobs if job.params.HasField("logprobs") else 0
+    entries = sum(len(m.token_ids) for m in reply.responses) * (1 + top)
+    if entries <= INLINE_COLLECT_ENTRIES:
+        return JSONResponse(relay.collect(reply, job=job, fmt=fmt, tally=tally))
+    return await asyncio.to_thread(_collected_now, reply, job, fmt, tally)
+
+
+def _collected_now(reply: WorkerReply, job: Job, fmt: OutputFormat, tally: Tally) -> JSONResponse:
+    return JSONResponse(relay.collect(reply, job=job, fmt=fmt, tally=tally))
+
+
+def _overhead_header(tally: Tally) -> dict[str, str]:
+    """The gateway's own time on the request up to its response (for a stream: up to the
+    first token's chunk), for clients and load tests to attribute latency exactly."""
+    overhead = tally.overhead_s()
+    metrics.REQUEST_OVERHEAD.observe(overhead)
+    return {OVERHEAD_HEADER: f"{overhead * 1e3:.3f}"}
