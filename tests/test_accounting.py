@@ -31,6 +31,7 @@ from tests.test_gateway_support import (
     running_gateway,
 )
 from worker import LLMEngine
+from worker.config import engine_config
 from worker.server import WorkerServer
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
@@ -118,7 +119,7 @@ async def env(tiny_model, redis_url, redis_prefix, tmp_path):
     engines: list[CountingEngine] = []
 
     def build() -> CountingEngine:
-        engines.append(CountingEngine(tiny_model, dtype="float32", num_kv_blocks=64))
+        engines.append(CountingEngine(tiny_model, engine_config(dtype="float32", num_kv_blocks=64)))
         return engines[-1]
 
     worker = WorkerServer(build, model_name=MODEL_NAME, redis=redis, redis_prefix=redis_prefix)

@@ -10,6 +10,7 @@ import torch
 from factories import random_prompts
 from worker import LLM, SamplingParams
 from worker.spec_decode.backoff import BackoffPolicy
+from worker.spec_decode.config import SpeculativeConfig
 from worker.spec_decode.step_cost import MIN_OBSERVATIONS, LiveStepCosts, StepCostTable
 
 # Timed at start: one sequence 20 ms plain, drafts free up to 8 rows (underestimated),
@@ -126,20 +127,14 @@ def test_a_gpu_keeps_the_start_up_table():
     from worker.spec_decode import setup
 
     spec = setup.build_speculator(
-        "ngram",
-        4,
+        SpeculativeConfig(model="ngram", num_tokens=4, max_batch_size=8, alternatives=0),
         dtype=torch.float32,
         device="cuda",
         block_manager=None,  # type: ignore[arg-type]
         max_model_len=64,
         vocab_size=16,
         tokenizer=None,
-        max_batch_size=8,
-        min_acceptance=0.0,
         target_weight_bytes=1,
-        position_cost=None,
-        draft_cost=None,
-        num_alternatives=0,
         copy_kv_slots=lambda src, dst: None,
         measure_steps=lambda batch, drafts: TABLE,
     )

@@ -14,11 +14,11 @@ from worker.sampler import (
     SampledToken,
     Sampler,
     SamplingRow,
-    _pick,
     filter_logits,
     make_generator,
 )
 from worker.sampling_params import SamplingParams
+from worker.token_draw import pick
 
 NEG_INF = -math.inf
 
@@ -353,7 +353,7 @@ def test_inverse_cdf_stays_inside_the_chosen_block_when_fp32_block_sums_round_up
     weights[:, 1] = 3 * 2.0**-25
     largest_below_one = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0))
     uniforms = torch.stack([largest_below_one, torch.tensor(0.0, dtype=torch.float64)])
-    assert _pick(weights, uniforms).tolist() == [1, 0]
+    assert pick(weights, uniforms).tolist() == [1, 0]
 
 
 def test_same_seed_gives_the_same_tokens() -> None:

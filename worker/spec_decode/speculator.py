@@ -289,4 +289,3 @@ def _with_logprobs(
             alternatives = list(zip(top.indices[j].tolist(), top.values[j].tolist(), strict=True))
         out.append(SampledToken(t, float(logprobs[j, t]), alternatives))
     return out
-
