@@ -1,5 +1,9 @@
 """Prefix caching and copy-on-write in the block manager: scripted scenarios, no model."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from worker.block_manager import BlockCopy, BlockManager
@@ -57,7 +61,23 @@ def test_the_hash_chain_names_a_block_by_everything_before_it():
 )
 def test_the_root_separates_adapters_and_tenants(other):
     assert hashes(PROMPT, salt="tenant-a")[0] != hashes(PROMPT, **other)[0]
-    assert hashes(PROMPT, salt="tenant-a") == hashes(PROMPT, salt="tenant-a")
+
+
+def test_the_chain_is_the_same_in_another_process():
+    """Blocks are named alike by every process (gateway replicas route on them): nothing in
+    the chain may depend on Python's per-process hash seed."""
+    script = (
+        "from worker.prefix_cache import extend_block_hashes, root_hash\n"
+        "out = []\n"
+        f"extend_block_hashes(out, root_hash('sha256:ab', 'tenant-a'), {PROMPT!r}, {BS})\n"
+        "print(','.join(h.hex() for h in out))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    other = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    mine = ",".join(h.hex() for h in hashes(PROMPT, adapter="sha256:ab", salt="tenant-a"))
+    assert other == mine
 
 
 def test_a_second_request_reuses_the_full_blocks_of_the_first():
