@@ -116,7 +116,7 @@ def draft_quality(
 
 def main(argv: list[str] | None = None) -> list[dict]:
     from training.draft_distill import default_draft_path
-    from worker.default_model import resolve_model_path
+    from worker.model.default_model import resolve_model_path
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="target checkpoint (default: the default model)")

@@ -284,7 +284,7 @@ def policy_args(policy: str) -> list[str]:
 
 def with_stack(policy: str, scenario, scale: Scale, args: argparse.Namespace) -> dict:
     """Run one scenario on a fresh stack whose worker schedules by ``policy``."""
-    from worker.default_model import resolve_model_path
+    from worker.model.default_model import resolve_model_path
 
     model_path = resolve_model_path(None)
     extra = shlex.split(scale.worker_args) + shlex.split(args.worker_args)

@@ -153,7 +153,7 @@ def p50(values: list[float]) -> float:
 
 def measure(engine, run, args, *, caching: bool) -> RunResult:
     """One run with the cache on or off, from an empty cache and fresh counters."""
-    from worker.prefix_cache import PrefixCacheStats
+    from worker.engine.prefix_cache import PrefixCacheStats
 
     engine.reset_prefix_cache()
     engine.block_manager.enable_caching = caching
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     from worker import LLMEngine, engine_config
-    from worker.default_model import resolve_model_path
+    from worker.model.default_model import resolve_model_path
 
     model_path = resolve_model_path(args.model)
     engine = LLMEngine(

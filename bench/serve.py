@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
         "when it is not queued behind the engine for a core, as on a node of its own",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    from worker.default_model import resolve_model_path
+    from worker.model.default_model import resolve_model_path
 
     model_path = resolve_model_path(None)
     report: dict = {}

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from training.draft_distill import default_draft_path
     from worker import LLM
-    from worker.default_model import resolve_model_path
+    from worker.model.default_model import resolve_model_path
 
     model = resolve_model_path(args.model)
     draft = Path(args.draft) if args.draft else default_draft_path()

@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--adapters", type=int, default=5)
     parser.add_argument("--out", default="bench/results/tenancy.json")
     args = parser.parse_args(argv)
-    from worker.default_model import resolve_model_path
+    from worker.model.default_model import resolve_model_path
 
     report: dict = {}
     embedded = None

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     from worker import LLMEngine, engine_config
-    from worker.default_model import resolve_model_path
+    from worker.model.default_model import resolve_model_path
 
     model_path = resolve_model_path(args.model)
     engine = LLMEngine(

@@ -19,7 +19,7 @@ from gateway.errors import InvalidRequestError
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
-# The workers' limit (worker.sampling_params; the gateway does not import the engine).
+# The workers' limit (worker.sampling.sampling_params; the gateway does not import the engine).
 MAX_SPECULATIVE_TOKENS = 16
 # The wire format's integer widths (proto/rpc/worker.proto): larger values are refused here
 # with a 422 rather than failing inside the gateway with a 500.

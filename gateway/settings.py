@@ -34,7 +34,7 @@ class GatewaySettings(BaseSettings):
     # Every key starts with it, so several deployments (or tests) can share one Redis.
     key_prefix: str = "sb:"
 
-    # How the gateway proves itself to workers (worker/auth.py). With any of these set every
+    # How the gateway proves itself to workers (worker/serving/auth.py). With any of these set every
     # worker is dialled over TLS; with none, loopback workers in plaintext and any other over
     # TLS against the system's roots (never plaintext off this machine).
     # The CA that signed the workers' certificates (PEM).
@@ -82,7 +82,7 @@ class GatewaySettings(BaseSettings):
     docs: bool | None = None
 
     # Request shape (each past its bound is a 400 naming the field).
-    # At most the workers' own limits (worker/sampling_params.py: 32, 1024, 1024), so the
+    # At most the workers' own limits (worker/sampling/sampling_params.py: 32, 1024, 1024), so the
     # gateway never forwards what a worker would refuse.
     max_stop_strings: int = Field(default=16, ge=0, le=32)
     max_stop_string_chars: int = Field(default=256, ge=1, le=1024)

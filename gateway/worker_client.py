@@ -83,7 +83,7 @@ def translate_rpc_error(exc: grpc.RpcError, *, address: str) -> WorkerStreamErro
 
 @dataclass(frozen=True)
 class WorkerCredentials:
-    """What the gateway shows workers (worker/auth.py): TLS files' contents and a token."""
+    """What the gateway shows workers (worker/serving/auth.py): TLS files' contents and a token."""
 
     ca: bytes | None = None  # None: the system's roots
     cert: bytes | None = None

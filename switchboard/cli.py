@@ -27,7 +27,7 @@ DEMO_QUESTIONS = (
 
 def model_prepare(args: argparse.Namespace) -> int:
     """Convert the default model if needed; print its directory (for `$(switchboard ...)`)."""
-    from worker.default_model import prepare_default_model
+    from worker.model.default_model import prepare_default_model
 
     print(prepare_default_model(force=args.force))
     return 0
@@ -40,7 +40,7 @@ def _model_prepare_arguments(parser: argparse.ArgumentParser) -> None:
 def model_path(args: argparse.Namespace) -> int:
     """Print where the default model lives; exit 1 if it has not been prepared yet."""
     from runtime.home import default_model_dir
-    from worker.default_model import is_prepared
+    from worker.model.default_model import is_prepared
 
     path = default_model_dir()
     print(path)
@@ -53,7 +53,7 @@ def model_path(args: argparse.Namespace) -> int:
 def demo(args: argparse.Namespace) -> int:
     """Answer a few chat prompts greedily with the engine and report throughput."""
     from worker import LLM, SamplingParams
-    from worker.default_model import resolve_model_path
+    from worker.model.default_model import resolve_model_path
 
     llm = LLM(str(resolve_model_path(args.model)), dtype=args.dtype)
     questions = args.prompt or list(DEMO_QUESTIONS)
@@ -121,7 +121,7 @@ def draft_distill(args: argparse.Namespace) -> int:
 
     from runtime.logs import configure_logging
     from training.draft_distill import default_draft_path, distill
-    from worker.default_model import resolve_model_path
+    from worker.model.default_model import resolve_model_path
 
     configure_logging(level=logging.INFO, json_lines=json_lines_wanted())
     target = resolve_model_path(args.model)
@@ -245,7 +245,7 @@ def up(args: argparse.Namespace) -> int:
     import signal
 
     from runtime.stack import Stack
-    from worker.default_model import resolve_model_path
+    from worker.model.default_model import resolve_model_path
 
     model = resolve_model_path(args.model)
     stack = Stack(model=model, num_workers=args.workers, gateway_port=args.port)

@@ -11,13 +11,13 @@ import functools
 
 from switchboard.commands import Command
 
-# worker.placement's names; spelled out here because this module must not import torch.
+# worker.engine.placement's names; spelled out here because this module must not import torch.
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
-SCHEDULING_POLICIES = ("fair", "fcfs")  # worker.fairness.SchedulingPolicy's values
+SCHEDULING_POLICIES = ("fair", "fcfs")  # worker.engine.fairness.SchedulingPolicy's values
 
 
 def worker(args: argparse.Namespace) -> int:
-    """Serve one engine over gRPC until SIGTERM/SIGINT, then drain (see worker/server.py)."""
+    """Serve one engine over gRPC until SIGTERM/SIGINT, then drain (worker/serving/server.py)."""
     import logging
     import os
     from pathlib import Path
@@ -25,9 +25,9 @@ def worker(args: argparse.Namespace) -> int:
     import uvloop
 
     from runtime.logs import configure_logging, json_lines_wanted
-    from worker.auth import TOKEN_ENV, WorkerAuth
-    from worker.main_thread import MainThreadEngineLoop
-    from worker.server import serve
+    from worker.serving.auth import TOKEN_ENV, WorkerAuth
+    from worker.serving.main_thread import MainThreadEngineLoop
+    from worker.serving.server import serve
 
     configure_logging(level=logging.INFO, json_lines=json_lines_wanted())
     auth = WorkerAuth(
@@ -73,7 +73,7 @@ def _path(value: str | None):
 
 def worker_engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine's keyword arguments from the worker's flags."""
-    from worker.fairness import FairnessConfig
+    from worker.engine.fairness import FairnessConfig
 
     return {
         "device": args.device,

@@ -21,7 +21,7 @@ def default_model_path() -> Path:
     Converted on first use under the normal Switchboard home (~/.cache/switchboard or
     $SWITCHBOARD_HOME), so later sessions and CI runs on the same machine reuse it.
     """
-    from worker.default_model import prepare_default_model
+    from worker.model.default_model import prepare_default_model
 
     return prepare_default_model()
 

@@ -31,8 +31,8 @@ from tests.test_gateway_support import (
     running_gateway,
 )
 from worker import LLMEngine
-from worker.config import engine_config
-from worker.server import WorkerServer
+from worker.engine.config import engine_config
+from worker.serving.server import WorkerServer
 
 PROMPT = "the quick brown fox jumps over the lazy dog"
 

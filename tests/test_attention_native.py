@@ -13,11 +13,11 @@ import torch
 
 from factories import make_checkpoint, random_prompts
 from kernels.attention_native import NativeDecodes, native_attention
-from worker.batch import ScheduledSequence
-from worker.block_manager import BlockManager
-from worker.llama import LlamaModel
-from worker.model_runner import ModelRunner
-from worker.sequence import Sequence
+from worker.engine.batch import ScheduledSequence
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import Sequence
+from worker.model.llama import LlamaModel
+from worker.model.model_runner import ModelRunner
 
 KERNEL = native_attention()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler: kernel not built")

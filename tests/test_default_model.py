@@ -12,8 +12,8 @@ import pytest
 
 from runtime.home import DEFAULT_MODEL_NAME, default_model_dir
 from switchboard import cli
-from worker import default_model
-from worker.default_model import (
+from worker.model import default_model
+from worker.model.default_model import (
     COMPLETE_MARKER,
     FORMAT_VERSION,
     DefaultModelMissingError,

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from worker.detokenizer import IncrementalDetokenizer
+from worker.text.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "héllo 世界 🙂 hello world",

@@ -19,11 +19,11 @@ from test_q4_native import activation_levels
 from factories import load_hf_model, make_checkpoint
 from kernels.draft_native import native_draft
 from kernels.q4_native import dequantize_weight, native_q4, quantize_weight
-from worker.batch import ScheduledSequence
-from worker.block_manager import BlockManager
-from worker.llama import LlamaModel
-from worker.model_runner import ModelRunner
-from worker.sequence import Sequence
+from worker.engine.batch import ScheduledSequence
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import Sequence
+from worker.model.llama import LlamaModel
+from worker.model.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(
     native_q4() is None or native_draft() is None, reason="no C compiler here"

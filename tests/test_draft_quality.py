@@ -9,11 +9,11 @@ import torch
 from bench.draft_quality import chain_tokens, round_to_int8
 from factories import make_checkpoint, random_prompts
 from kernels.linear_native import native_linear
-from worker.batch import ScheduledSequence
-from worker.block_manager import BlockManager
-from worker.llama import LlamaModel
-from worker.model_runner import ModelRunner
-from worker.sequence import Sequence
+from worker.engine.batch import ScheduledSequence
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import Sequence
+from worker.model.llama import LlamaModel
+from worker.model.model_runner import ModelRunner
 
 
 def test_a_chain_of_k_drafts_gives_the_matches_in_a_row_plus_the_targets_token():

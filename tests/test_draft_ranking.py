@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from worker.sampler import SamplingRow, make_generator
-from worker.sampling_params import SamplingParams
+from worker.sampling.sampler import SamplingRow, make_generator
+from worker.sampling.sampling_params import SamplingParams
 from worker.spec_decode.draft_ranking import rank_rows
 
 VOCAB, KEPT = 100, 40

@@ -204,6 +204,6 @@ def test_an_unknown_dtype_is_refused_with_the_choices(text_model):
 def test_the_cli_offers_the_engines_dtype_names():
     """switchboard's CLI spells the names out (it must not import torch): the same set."""
     from switchboard.worker_command import DTYPE_CHOICES as CLI_CHOICES
-    from worker.placement import DTYPE_CHOICES
+    from worker.engine.placement import DTYPE_CHOICES
 
     assert set(CLI_CHOICES) == set(DTYPE_CHOICES)

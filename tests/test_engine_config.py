@@ -2,10 +2,10 @@
 
 import pytest
 
-from worker.batch import PreemptionMode
-from worker.config import EngineConfig, engine_config
+from worker.engine.batch import PreemptionMode
+from worker.engine.config import EngineConfig, engine_config
+from worker.engine.fairness import FairnessConfig
 from worker.errors import InvalidRequestError, SpeculativeConfigError
-from worker.fairness import FairnessConfig
 from worker.spec_decode.config import SpeculativeConfig
 
 

@@ -8,11 +8,11 @@ from transformers import GenerationConfig
 
 from factories import load_hf_model, make_checkpoint, random_prompts
 from worker import LLM, SamplingParams
-from worker.batch import ScheduledSequence
-from worker.block_manager import BlockManager
-from worker.llama import LlamaModel
-from worker.model_runner import ModelRunner
-from worker.sequence import Sequence
+from worker.engine.batch import ScheduledSequence
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import Sequence
+from worker.model.llama import LlamaModel
+from worker.model.model_runner import ModelRunner
 
 CHECKPOINTS = {
     "llama-gqa": {"arch": "llama", "num_heads": 4, "num_kv_heads": 2},

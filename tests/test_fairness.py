@@ -11,11 +11,11 @@ import random
 import pytest
 
 from factories import pretend_step
-from worker.block_manager import BlockManager
-from worker.fairness import FairnessConfig, ServiceLedger
-from worker.sampling_params import SamplingParams
-from worker.scheduler import Scheduler
-from worker.sequence import Sequence, SequenceStatus
+from worker.engine.block_manager import BlockManager
+from worker.engine.fairness import FairnessConfig, ServiceLedger
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence, SequenceStatus
+from worker.sampling.sampling_params import SamplingParams
 
 _orders = itertools.count()
 

@@ -8,10 +8,10 @@ import pytest
 
 from factories import assert_no_block_leaks, drain, make_peft_adapter, random_prompts
 from worker import SamplingParams
-from worker.config import engine_config
-from worker.engine import LLMEngine
+from worker.engine.config import engine_config
+from worker.engine.fairness import FairnessConfig
+from worker.engine.llm_engine import LLMEngine
 from worker.errors import InvalidRequestError
-from worker.fairness import FairnessConfig
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_the_gateway_bounds_weights_as_the_engine_does():
     import numpy as np
 
     from gateway.scheduling import MAX_WEIGHT, MIN_WEIGHT
-    from worker.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
+    from worker.engine.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
 
     assert (MIN_WEIGHT, MAX_WEIGHT) == (MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT)
     assert float(np.float32(MIN_WEIGHT)) >= MIN_TENANT_WEIGHT and np.float32(MAX_WEIGHT) == 1000

@@ -13,9 +13,9 @@ import pytest
 from factories import add_byte_level_tokenizer, assert_no_block_leaks, drain, make_checkpoint
 from rpc import worker_pb2
 from worker import LLMEngine, SamplingParams, engine_config
-from worker.async_engine import AsyncEngine
 from worker.errors import InvalidRequestError, NonFiniteLogitsError, SequenceFailedError
-from worker.servicer import sampling_params_from_proto, status_for
+from worker.serving.async_engine import AsyncEngine
+from worker.serving.servicer import sampling_params_from_proto, status_for
 
 VOCAB = 512
 VICTIM_PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
@@ -245,7 +245,7 @@ async def test_over_grpc_the_poison_gets_its_code_and_the_victim_its_tokens(mode
     """Behind the real servicer: INTERNAL for the request that failed alone (the gateway
     neither retries it nor blames the worker), INVALID_ARGUMENT for non-finite values."""
     from rpc import worker_pb2_grpc
-    from worker.server import WorkerServer
+    from worker.serving.server import WorkerServer
 
     def poisoned_engine() -> LLMEngine:
         engine = LLMEngine(

@@ -286,7 +286,7 @@ async def test_an_oversized_upload_is_answered_to_a_client_still_sending(setting
 def test_every_value_the_gateway_admits_the_worker_admits_too():
     """The gateway's bounds are the workers' or stricter: its extreme values pass there."""
     from gateway.protocol import MAX_N, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY
-    from worker import sampling_params as worker
+    from worker.sampling import sampling_params as worker
 
     extremes = [
         {"temperature": 0.0}, {"temperature": 2.0}, {"top_p": 1e-9}, {"min_p": 1.0},

@@ -36,7 +36,7 @@ K8S = ROOT / "k8s"
 OVERLAYS = ("cpu", "gpu")
 # Native gRPC probes are GA since 1.27; validate against it and the newest bundled schemas.
 K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
-# worker/server.py `_drain_and_stop`: after --drain-timeout it aborts what is left and waits
+# worker/serving/server.py `_drain_and_stop`: after --drain-timeout it aborts what is left and waits
 # up to 5 s for those calls, then stops the gRPC server with 1 s of grace.
 WORKER_POST_DRAIN_S = 5 + 1
 SHUTDOWN_MARGIN_S = 3
@@ -530,7 +530,7 @@ def test_workers_require_the_gateways_client_certificate(manifest):
     present the client certificate from switchboard-gateway-tls (`switchboard certs` writes
     both in the Secrets' layout: ca.crt, tls.crt, tls.key)."""
     from gateway.settings import GatewaySettings
-    from worker.auth import WorkerAuth
+    from worker.serving.auth import WorkerAuth
 
     worker = manifest.one("Deployment", "switchboard-worker")
     wk = container(worker, "worker")
@@ -861,8 +861,8 @@ def test_grafana_dashboard_queries_only_series_we_export():
     import json
 
     from gateway.metrics import REGISTRY
-    from worker.engine_stats import EngineStats
-    from worker.metrics import EngineStatsCollector, WorkerMetrics
+    from worker.engine.engine_stats import EngineStats
+    from worker.serving.metrics import EngineStatsCollector, WorkerMetrics
     from worker.spec_decode.stats import SpecDecodeStats
 
     dashboard = json.loads((K8S / "grafana-dashboard.json").read_text())

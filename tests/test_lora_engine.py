@@ -11,9 +11,9 @@ from factories import load_hf_model, make_checkpoint, make_peft_adapter, random_
 from kernels import lora_native
 from kernels.lora import SlotPairs
 from worker import LLM, SamplingParams
-from worker.async_engine import AsyncEngine
-from worker.lora_manager import UnknownAdapterError
-from worker.metrics import EngineStatsCollector
+from worker.model.lora_manager import UnknownAdapterError
+from worker.serving.async_engine import AsyncEngine
+from worker.serving.metrics import EngineStatsCollector
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Different ranks and target sets, including rank 1, MLP only, one layer, rank patterns.

@@ -13,8 +13,8 @@ import pytest
 
 from factories import make_checkpoint
 from worker import LLMEngine, SamplingParams, engine_config
-from worker.async_engine import AsyncEngine
-from worker.main_thread import MainThreadEngineLoop
+from worker.serving.async_engine import AsyncEngine
+from worker.serving.main_thread import MainThreadEngineLoop
 
 
 @pytest.fixture(scope="module")

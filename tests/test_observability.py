@@ -18,9 +18,9 @@ from adapters.base_model import BaseModelSpec
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
 from runtime.logs import configure_logging
 from tests.test_gateway_support import delete_prefix, gateway_settings, running_gateway
-from worker.config import engine_config
-from worker.engine import LLMEngine
-from worker.server import WorkerServer
+from worker.engine.config import engine_config
+from worker.engine.llm_engine import LLMEngine
+from worker.serving.server import WorkerServer
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +118,15 @@ async def test_worker_metrics_and_request_ids_across_the_hop(
     every = json_logs()
     mine = [line for line in every if line.get("request_id") == request_id]
     loggers = {line["logger"] for line in mine}
-    assert {"gateway.metrics", "worker.servicer"} <= loggers, mine
-    worker_line = next(line for line in mine if line["logger"] == "worker.servicer")
+    assert {"gateway.metrics", "worker.serving.servicer"} <= loggers, mine
+    worker_line = next(line for line in mine if line["logger"] == "worker.serving.servicer")
     assert "ok: " in worker_line["message"] and "5 generated" in worker_line["message"]
     assert {"time", "level", "message"} <= set(worker_line)
 
 
 def test_speculation_counters_are_exported_when_it_is_on():
-    from worker.engine_stats import EngineStats
-    from worker.metrics import EngineStatsCollector
+    from worker.engine.engine_stats import EngineStats
+    from worker.serving.metrics import EngineStatsCollector
     from worker.spec_decode.stats import SpecDecodeStats
 
     spec = SpecDecodeStats()

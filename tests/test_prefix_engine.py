@@ -18,8 +18,8 @@ from factories import (
     random_prompts,
 )
 from worker import LLM, SamplingParams
-from worker.config import engine_config
-from worker.engine import LLMEngine
+from worker.engine.config import engine_config
+from worker.engine.llm_engine import LLMEngine
 
 MAX_NEW = 12
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker.penalties import apply_penalties_
-from worker.sampler import (
+from worker.sampling.penalties import apply_penalties_
+from worker.sampling.sampler import (
     LOGPROB_FLOOR,
     SampledToken,
     Sampler,
@@ -17,8 +17,8 @@ from worker.sampler import (
     filter_logits,
     make_generator,
 )
-from worker.sampling_params import SamplingParams
-from worker.token_draw import pick
+from worker.sampling.sampling_params import SamplingParams
+from worker.sampling.token_draw import pick
 
 NEG_INF = -math.inf
 

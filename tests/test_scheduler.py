@@ -1,11 +1,11 @@
 """Scheduler scenarios without a model: who runs, how many tokens, who gets preempted."""
 
 from factories import pretend_step
-from worker.batch import BlockMove, MoveKind
-from worker.block_manager import BlockManager
-from worker.sampling_params import SamplingParams
-from worker.scheduler import Scheduler
-from worker.sequence import Sequence, SequenceStatus
+from worker.engine.batch import BlockMove, MoveKind
+from worker.engine.block_manager import BlockManager
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence, SequenceStatus
+from worker.sampling.sampling_params import SamplingParams
 
 
 def make_scheduler(

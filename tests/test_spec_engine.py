@@ -26,8 +26,8 @@ from factories import (
 )
 from kernels.linear_native import native_linear
 from worker import LLM, SamplingParams
-from worker.config import engine_config
-from worker.engine import LLMEngine
+from worker.engine.config import engine_config
+from worker.engine.llm_engine import LLMEngine
 from worker.errors import SpeculativeConfigError
 from worker.spec_decode.ngram import lookup
 
@@ -400,7 +400,7 @@ def test_drafts_must_pay_for_the_whole_step():
     """A draft model's passes slow every sequence of the step: one sequence of four drafting
     (accepted half the time, at 0.2 of a step) gains 0.5 tokens where the step loses 0.8
     tokens' worth, so it does not draft; all four drafting gain 2 for 0.8, and do."""
-    from worker.sequence import Sequence
+    from worker.engine.sequence import Sequence
     from worker.spec_decode.backoff import BackoffPolicy, flat_verify_cost
 
     policy = BackoffPolicy(
@@ -417,7 +417,7 @@ def test_a_draft_pass_must_pay_for_the_whole_step():
     four drafting, gaining 0.5 tokens a verification, does not cover the 0.8 tokens' worth
     a pass at 0.2 of a step costs the batch, so it pauses (and later probes); all four
     gaining 0.5 each do draft; a probe goes ahead whatever it is worth."""
-    from worker.sequence import Sequence
+    from worker.engine.sequence import Sequence
     from worker.spec_decode.backoff import BackoffPolicy
 
     policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.0, draft_cost=0.2, pause_steps=2)
@@ -623,7 +623,7 @@ def test_worker_flags_reach_the_engine(target):
 
 
 def test_backoff_pauses_a_failing_sequence_and_starts_newcomers_paused():
-    from worker.sequence import Sequence
+    from worker.engine.sequence import Sequence
     from worker.spec_decode.backoff import BackoffPolicy
 
     policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.2, pause_steps=4)
@@ -650,7 +650,7 @@ def test_drafts_per_step_follow_acceptance_and_batch_size():
     a step per position and decoding sequence, plus the proposer's own): long runs for a
     sequence that copies, one draft for one that rarely matches, none where the first draft
     is not worth it."""
-    from worker.sequence import Sequence
+    from worker.engine.sequence import Sequence
     from worker.spec_decode.backoff import BackoffPolicy
 
     def settled(accepted: int, proposed: int, *, draft_cost: float = 0.0) -> tuple:
@@ -698,7 +698,7 @@ def test_alternatives_that_catch_the_targets_token_make_drafts_worth_more():
     steps); if its alternatives catch the target's token another 20% of the time, it does
     (1.4 for 1.25). The policy learns that rate from verifications, and prices the rows the
     alternatives add."""
-    from worker.sequence import Sequence
+    from worker.engine.sequence import Sequence
     from worker.spec_decode.backoff import BackoffPolicy, best_draft_count, flat_verify_cost
 
     costs = [0.25 * n for n in range(5)]
@@ -725,7 +725,7 @@ def test_alternatives_that_catch_the_targets_token_make_drafts_worth_more():
 def test_failed_probes_double_the_pause_under_the_cost_model():
     """A draft not worth its cost (acceptance 0.5 against a cost of 0.52) pauses, probes
     with one draft, and pauses twice as long after each probe that fails."""
-    from worker.sequence import Sequence
+    from worker.engine.sequence import Sequence
     from worker.spec_decode.backoff import BackoffPolicy
 
     policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.0, pause_steps=4, draft_cost=0.5)
@@ -890,7 +890,7 @@ def test_step_table_is_timed_on_the_engines_pool_and_gives_its_blocks_back(targe
 
 def test_a_small_pool_times_a_shorter_context():
     """A pool too small for the context and eight sequences: the context shrinks first."""
-    from worker.block_manager import BlockManager
+    from worker.engine.block_manager import BlockManager
     from worker.spec_decode.step_cost import measure_step_costs
 
     pool = BlockManager(num_blocks=12, block_size=4, enable_caching=False)
@@ -925,7 +925,7 @@ def test_the_policy_prices_drafts_from_the_measured_table(target, monkeypatch):
         asked.append((kwargs["max_batch"], kwargs["max_drafts"], kwargs["row_limit"]))
         return known
 
-    monkeypatch.setattr("worker.engine.measure_step_costs", fake_measure)
+    monkeypatch.setattr("worker.engine.llm_engine.measure_step_costs", fake_measure)
     engine = LLMEngine(
         target,
         engine_config(dtype="float32", speculative_model="ngram", speculative_max_batch_size=6),

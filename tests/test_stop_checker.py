@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from worker.stop_checker import StopChecker, StopOutput
+from worker.text.stop_checker import StopChecker, StopOutput
 
 
 def make_checker(*stop: str, include: bool = False) -> StopChecker:

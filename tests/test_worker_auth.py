@@ -33,8 +33,8 @@ from tests.test_gateway_support import (
     running_gateway,
 )
 from worker import LLMEngine, engine_config
-from worker.auth import WorkerAuth, WorkerAuthError
-from worker.server import WorkerServer
+from worker.serving.auth import WorkerAuth, WorkerAuthError
+from worker.serving.server import WorkerServer
 
 ENGINE_KWARGS = dict(dtype="float32", num_kv_blocks=32, max_num_seqs=4, max_loras=0)
 TOKEN = "worker-token-0123456789abcdef"
@@ -189,7 +189,7 @@ def non_loopback_address() -> str | None:
 
 
 async def test_a_gateway_without_credentials_never_dials_off_loopback_in_plaintext():
-    """A plaintext worker (one built without worker.auth, listening everywhere): without
+    """A plaintext worker (one built without worker.serving.auth, listening everywhere): without
     credentials the gateway talks to it over loopback, but over any other address it insists
     on TLS, so the call fails instead of crossing a network in the clear."""
     address = non_loopback_address()

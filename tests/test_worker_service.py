@@ -23,7 +23,7 @@ from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapt
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime import registry
 from worker import LLM, LLMEngine, SamplingParams, engine_config
-from worker.server import WorkerServer
+from worker.serving.server import WorkerServer
 
 ENGINE_KWARGS = dict(
     dtype="float32", num_kv_blocks=48, max_num_seqs=8, max_loras=2, max_lora_rank=8
@@ -139,7 +139,7 @@ async def wait_for(predicate, timeout: float = 5.0):
 def test_a_requests_speculation_tokens_cross_the_wire_with_zero_apart_from_unset():
     """0 turns speculation off for the request; unset leaves the worker's k: the proto's
     optional field must keep the two apart."""
-    from worker.servicer import sampling_params_from_proto
+    from worker.serving.servicer import sampling_params_from_proto
 
     def read(**fields) -> int | None:
         msg = worker_pb2.SamplingParams(max_tokens=4, **fields)

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from runtime.home import switchboard_home
 from training.distill_prompts import TEMPLATES, TOPICS
-from worker.placement import resolve_dtype
-from worker.sampling_params import SamplingParams
+from worker.engine.placement import resolve_dtype
+from worker.sampling.sampling_params import SamplingParams
 from worker.spec_decode.draft import OUTPUT_VOCAB_FILE
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The worker: Switchboard's inference engine and (later) its gRPC service.
 
 The public names load lazily, so light modules such as ``worker.errors`` or
-``worker.default_model`` import without pulling in torch.
+``worker.model.default_model`` import without pulling in torch.
 """
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from worker.config import EngineConfig, engine_config
-    from worker.engine import LLMEngine
+    from worker.engine.config import EngineConfig, engine_config
+    from worker.engine.llm_engine import LLMEngine
+    from worker.engine.outputs import RequestOutput
     from worker.llm import LLM
-    from worker.outputs import RequestOutput
-    from worker.sampling_params import SamplingParams
+    from worker.sampling.sampling_params import SamplingParams
 
 _EXPORTS = {
-    "EngineConfig": "worker.config",
-    "engine_config": "worker.config",
+    "EngineConfig": "worker.engine.config",
+    "engine_config": "worker.engine.config",
     "LLM": "worker.llm",
-    "LLMEngine": "worker.engine",
-    "RequestOutput": "worker.outputs",
-    "SamplingParams": "worker.sampling_params",
+    "LLMEngine": "worker.engine.llm_engine",
+    "RequestOutput": "worker.engine.outputs",
+    "SamplingParams": "worker.sampling.sampling_params",
 }
 
 __all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "engine_config"]

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from worker.sequence import Sequence
+from worker.engine.sequence import Sequence
 from worker.spec_decode.draft_plan import Calibration, Selection, StepPlan
 from worker.spec_decode.step_cost import LiveStepCosts
 

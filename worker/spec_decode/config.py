@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.errors import SpeculativeConfigError
-from worker.sampling_params import MAX_SPECULATIVE_TOKENS
+from worker.sampling.sampling_params import MAX_SPECULATIVE_TOKENS
 from worker.spec_decode.proposal import MAX_ALTERNATIVES, NUM_ALTERNATIVES
 
 DEFAULT_SPECULATIVE_TOKENS = 4

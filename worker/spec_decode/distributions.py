@@ -1,6 +1,6 @@
 """The distribution a request samples from at each speculated position, from raw logits.
 
-Target and draft go through the same processing as the sampler (``worker.sampler``):
+Target and draft go through the same processing as the sampler (``worker.sampling.sampler``):
 penalties over prompt + output, where the output at position j includes the drafts before
 it; greedy rows stop there (argmax); others apply temperature, then top-k / top-p / min-p
 (``filter_logits``, the sampler's specification), then softmax.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from worker.penalties import apply_penalties_
-from worker.sampler import GREEDY_TEMPERATURE, SamplingRow, filter_logits
+from worker.sampling.penalties import apply_penalties_
+from worker.sampling.sampler import GREEDY_TEMPERATURE, SamplingRow, filter_logits
 from worker.spec_decode.rejection_sampler import draw
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from worker.batch import ScheduledSequence
-from worker.block_manager import BlockManager
+from worker.engine.batch import ScheduledSequence
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import Sequence
 from worker.errors import SpeculativeConfigError
-from worker.llama import LlamaModel
-from worker.model_runner import ModelRunner
-from worker.sampler import SamplingRow
-from worker.sequence import Sequence
+from worker.model.llama import LlamaModel
+from worker.model.model_runner import ModelRunner
+from worker.sampling.sampler import SamplingRow
 from worker.spec_decode.draft_plan import StepPlan
 from worker.spec_decode.draft_ranking import rank_rows
 from worker.spec_decode.proposal import NUM_ALTERNATIVES, Proposal
@@ -215,7 +215,7 @@ def check_vocabulary(path, draft_vocab: int, target_vocab: int, target_tokenizer
         )
     if target_tokenizer is None:
         return
-    from worker.tokenizer import load_tokenizer
+    from worker.text.tokenizer import load_tokenizer
 
     draft_tokenizer = load_tokenizer(path)
     if draft_tokenizer is not None and draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():

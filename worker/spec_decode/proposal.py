@@ -7,8 +7,8 @@ from typing import Protocol
 
 import torch
 
-from worker.sampler import SamplingRow
-from worker.sequence import Sequence
+from worker.engine.sequence import Sequence
+from worker.sampling.sampler import SamplingRow
 
 # Alternatives a draft model offers per draft by default, and the most it may offer (the
 # step verifies those worth their rows: ``draft_plan``).

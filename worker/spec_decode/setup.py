@@ -9,7 +9,7 @@ import torch
 
 from kernels.linear_native import native_linear
 from kernels.q4_native import native_q4
-from worker.block_manager import BlockManager
+from worker.engine.block_manager import BlockManager
 from worker.errors import SpeculativeConfigError
 from worker.spec_decode.backoff import BackoffPolicy, flat_verify_cost
 from worker.spec_decode.config import SpeculativeConfig

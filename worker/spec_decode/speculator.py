@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.batch import ScheduledSequence
-from worker.block_manager import BlockManager
-from worker.sampler import SampledToken, SamplingRow
-from worker.sequence import Sequence, SequenceStatus
+from worker.engine.batch import ScheduledSequence
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import Sequence, SequenceStatus
+from worker.sampling.sampler import SampledToken, SamplingRow
 from worker.spec_decode import distributions as dist
 from worker.spec_decode.backoff import BackoffPolicy
 from worker.spec_decode.draft_plan import Selection

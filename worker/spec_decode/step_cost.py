@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.batch import ScheduledSequence
-from worker.block_manager import BlockManager
-from worker.sequence import Sequence
+from worker.engine.batch import ScheduledSequence
+from worker.engine.block_manager import BlockManager
+from worker.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

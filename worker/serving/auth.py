@@ -6,7 +6,7 @@ gateway's quotas and shares a tenant's prefix cache), so on any other interface 
 unauthenticated worker would hand every tenant's service to whoever reaches its port.
 
 ``grpc.health.v1`` is exempt from the token (Kubernetes' gRPC probes send no metadata) and,
-since probes cannot present a client certificate either, ``worker.server`` can serve it on a
+since probes cannot present a client certificate either, ``worker.serving.server`` can serve it on a
 plaintext port of its own (``--health-port``) that answers nothing else.
 """
 

@@ -20,8 +20,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from worker.engine_stats import EngineStats
-from worker.fairness import QUEUE_TIME_BUCKETS, TenantService
+from worker.engine.engine_stats import EngineStats
+from worker.engine.fairness import QUEUE_TIME_BUCKETS, TenantService
 from worker.spec_decode.stats import SpecDecodeStats
 
 

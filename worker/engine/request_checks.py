@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 
-from worker.block_manager import BlockManager
+from worker.engine.block_manager import BlockManager
+from worker.engine.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
 from worker.errors import InvalidRequestError, RequestTooLargeError
-from worker.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
-from worker.sampling_params import SamplingParams
+from worker.sampling.sampling_params import SamplingParams
 
 
 def check_tenant_weight(tenant_weight: float) -> None:

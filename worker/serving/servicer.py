@@ -2,7 +2,7 @@
 and out, and the one mapping from engine and adapter errors to gRPC status codes.
 
 The handlers only translate, enqueue, stream and abort; the engine steps elsewhere
-(``AsyncEngine``), and ``worker.server`` owns the process around it.
+(``AsyncEngine``), and ``worker.serving.server`` owns the process around it.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from adapters.errors import AdapterError, AdapterNotFoundError
 from adapters.identity import check_adapter_id
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime.logs import REQUEST_ID
-from worker.async_engine import AsyncEngine, EngineStoppedError, SampleOutput
 from worker.errors import InvalidRequestError
-from worker.lora_manager import UnknownAdapterError
-from worker.metrics import WorkerMetrics
-from worker.sampling_params import SamplingParams
+from worker.model.lora_manager import UnknownAdapterError
+from worker.sampling.sampling_params import SamplingParams
+from worker.serving.async_engine import AsyncEngine, SampleOutput
+from worker.serving.engine_loop import EngineStoppedError
+from worker.serving.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 

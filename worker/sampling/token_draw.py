@@ -1,4 +1,4 @@
-"""Drawing one token per row from processed logits (`worker.sampler` applies penalties,
+"""Drawing one token per row from processed logits (`worker.sampling.sampler` applies penalties,
 temperature and the non-finite rules first): top-k, top-p and min-p on a window of each
 row's most likely tokens where they fit, else on the whole vocabulary, then one draw by
 inverse CDF with one uniform per row (a seeded row's from its own generator)."""
@@ -13,10 +13,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.sampling_params import SamplingParams
+from worker.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from worker.sampler import SamplingRow
+    from worker.sampling.sampler import SamplingRow
 
 
 # Candidates per row examined for top-k / top-p before falling back to the whole vocabulary.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from worker.sequence import Sequence
+from worker.engine.sequence import Sequence
 
 
 class PreemptionMode(enum.StrEnum):

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from worker.detokenizer import IncrementalDetokenizer
-from worker.outputs import RequestOutput
-from worker.sampler import SampledToken
-from worker.sequence import FinishReason, Sequence
-from worker.stop_checker import StopChecker
+from worker.engine.outputs import RequestOutput
+from worker.engine.sequence import FinishReason, Sequence
+from worker.sampling.sampler import SampledToken
+from worker.text.detokenizer import IncrementalDetokenizer
+from worker.text.stop_checker import StopChecker
 
 
 class Postprocessor:

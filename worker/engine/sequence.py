@@ -7,13 +7,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from worker.sampling_params import SamplingParams
+from worker.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
-    from worker.detokenizer import IncrementalDetokenizer
-    from worker.stop_checker import StopChecker
+    from worker.text.detokenizer import IncrementalDetokenizer
+    from worker.text.stop_checker import StopChecker
 
 
 class SequenceStatus(enum.Enum):
@@ -64,7 +64,7 @@ class Sequence:
     arrival_order: int
     # Content id of the LoRA adapter this request runs with; None for the base model.
     adapter_id: str | None = None
-    # Who sent it, and that tenant's weight under fair scheduling (``worker.fairness``).
+    # Who sent it, and that tenant's weight under fair scheduling (``worker.engine.fairness``).
     tenant: str = ""
     tenant_weight: float = 1.0
     status: SequenceStatus = SequenceStatus.WAITING

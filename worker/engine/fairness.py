@@ -23,10 +23,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from worker.sequence import Sequence
+from worker.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from worker.batch import ScheduledSequence
+    from worker.engine.batch import ScheduledSequence
 
 # Queue-time histogram buckets (seconds) kept per tenant for the worker's /metrics.
 QUEUE_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, math.inf)

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.batch import PreemptionMode
+from worker.engine.batch import PreemptionMode
+from worker.engine.fairness import FairnessConfig
 from worker.errors import InvalidRequestError
-from worker.fairness import FairnessConfig
 from worker.spec_decode.config import SpeculativeConfig
 
 # engine_config's flat names for SpeculativeConfig's fields.

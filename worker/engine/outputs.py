@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.sampler import SampledToken
-from worker.sequence import RequestMetrics
+from worker.engine.sequence import RequestMetrics
+from worker.sampling.sampler import SampledToken
 
 
 @dataclass(slots=True)

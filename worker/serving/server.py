@@ -2,12 +2,12 @@
 
 One process serves one engine. The engine steps on the process's main thread
 (``MainThreadEngineLoop``), gRPC's asyncio loop beside it; the handlers
-(``worker.servicer``) only translate messages, enqueue, stream and abort. The worker publishes
-itself to the Redis registry every heartbeat, and on SIGTERM/SIGINT it drains: health goes
+(``worker.serving.servicer``) only translate messages, enqueue, stream and abort. The worker
+publishes itself to the Redis registry every heartbeat, and on SIGTERM/SIGINT it drains: health goes
 NOT_SERVING, it leaves the registry, new Generate calls get UNAVAILABLE, running ones finish
 (up to a deadline, after which they are aborted), then it stops.
 
-Callers authenticate (``worker.auth``): mutual TLS and/or a shared token over TLS; without
+Callers authenticate (``worker.serving.auth``): mutual TLS and/or a shared token over TLS; without
 either the worker refuses to listen anywhere but loopback. ``health_port`` serves
 ``grpc.health.v1`` alone in plaintext, for probes that can present no certificate.
 """
@@ -30,12 +30,12 @@ from redis.exceptions import AuthenticationError, RedisError
 
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime import registry
-from worker.async_engine import AsyncEngine
-from worker.auth import WorkerAuth, WorkerAuthError
-from worker.engine import LLMEngine
-from worker.main_thread import STOP_SIGNALS, MainThreadEngineLoop
-from worker.metrics import WorkerMetrics
-from worker.servicer import WorkerServicer
+from worker.engine.llm_engine import LLMEngine
+from worker.serving.async_engine import AsyncEngine
+from worker.serving.auth import WorkerAuth, WorkerAuthError
+from worker.serving.main_thread import STOP_SIGNALS, MainThreadEngineLoop
+from worker.serving.metrics import WorkerMetrics
+from worker.serving.servicer import WorkerServicer
 
 logger = logging.getLogger(__name__)
 
@@ -251,10 +251,10 @@ async def serve(
     """Run a worker until SIGTERM or SIGINT, then drain and stop (``switchboard worker``).
 
     With ``engine_loop`` this runs off the main thread: the engine's step loop and the
-    signal handlers live on the main thread (``worker.main_thread``)."""
+    signal handlers live on the main thread (``worker.serving.main_thread``)."""
     from runtime.home import DEFAULT_MODEL_NAME
-    from worker.config import engine_config
-    from worker.default_model import DEFAULT_MODEL_ALIASES, resolve_model_path
+    from worker.engine.config import engine_config
+    from worker.model.default_model import DEFAULT_MODEL_ALIASES, resolve_model_path
 
     model_name = DEFAULT_MODEL_NAME if model in (None, *DEFAULT_MODEL_ALIASES) else str(model)
 

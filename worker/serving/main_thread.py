@@ -1,7 +1,7 @@
 """The worker process's threads: the engine's step loop on the main thread, RPC beside it.
 
-Why the main thread: see ``worker.async_engine`` (OpenMP parallel regions started from any
-other thread cost 0.1-0.3 ms each on CPU). The gRPC server's asyncio loop runs on a second
+Why the main thread: see ``worker.serving.engine_loop`` (OpenMP parallel regions started from
+any other thread pay a start-up cost each on CPU). The gRPC server's asyncio loop runs on a second
 thread, and asks for the step loop to be run here through ``runner``. Signals are
 delivered to the main thread only, so SIGTERM/SIGINT are caught here and passed on to the
 RPC side's ``on_signal`` callback.

@@ -1,19 +1,9 @@
-"""The engine behind a server: its step loop in a thread of its own, asyncio in front.
+"""The engine behind a server: asyncio in front of the engine's own thread
+(``worker.serving.engine_loop``).
 
-Only the loop thread touches the ``LLMEngine``. The asyncio side posts commands (add,
-abort, load/unload adapter) to a queue that the loop drains between steps, and waits on a
-future for each command's result; the loop hands every step's outputs back to the event
-loop with ``call_soon_threadsafe``, which routes each one to its request's ``asyncio.Queue``.
-The loop sleeps on a condition variable while there is neither work nor a command, so an
-idle worker burns no CPU. torch releases the GIL inside its ops, so the event loop keeps
-serving RPCs while a forward pass runs.
-
-Which thread runs the step loop matters on CPU: torch's OpenMP runtime (libgomp) keeps a
-hot thread team for parallel regions started from the process's initial thread, while
-each region started from any other thread paid 0.1-0.3 ms here (``F.rms_norm`` on 64 x 576
-bf16: 22 us on the main thread, ~280 us on another), which made a batch-64 decode step
-~35% slower. ``start(runner=...)`` hands the loop to a thread of the caller's choosing;
-the worker process gives it its main thread (``worker.main_thread``).
+Each request's samples stream through an ``asyncio.Queue``; the loop thread's outputs are
+routed to them by engine request id. What each sample generated is counted here, read or
+not, so an ``Abort`` can report what a departed caller owes.
 """
 
 from __future__ import annotations
@@ -21,19 +11,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from adapters.errors import AdapterError, AdapterNotFoundError
-from worker.engine import LLMEngine
-from worker.engine_stats import EngineStats, snapshot
+from worker.engine.engine_stats import EngineStats
+from worker.engine.llm_engine import LLMEngine
+from worker.engine.outputs import RequestOutput
 from worker.errors import InvalidRequestError
-from worker.outputs import RequestOutput
-from worker.sampling_params import MAX_N, SamplingParams
+from worker.sampling.sampling_params import MAX_N, SamplingParams
+from worker.serving.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +33,6 @@ ENDED_KEPT = 1024
 
 class AdapterMismatchError(AdapterError):
     """The files at the given path hold another adapter than the requested content id."""
-
-
-class EngineStoppedError(RuntimeError):
-    """The engine loop is not running (not started yet, or stopped)."""
 
 
 @dataclass(slots=True)
@@ -89,12 +74,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: deque[Callable[[], None]] = deque()
-        self._wakeup = threading.Condition()
-        self._stopping = False
-        self._running = False
-        self._finished = threading.Event()  # set when the step loop returns
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = EngineLoop(engine, on_outputs=self._route, on_error=self._route_error)
         # Event-loop side only: engine request id -> its stream; request id -> engine ids.
         self._streams: dict[str, _Stream] = {}
         self._requests: dict[str, list[str]] = {}
@@ -102,42 +82,26 @@ class AsyncEngine:
         # Adapter loads in progress, by content id: a second caller (a request arriving
         # while the gateway's preload runs) waits for the first instead of reading again.
         self._loading: dict[str, asyncio.Future] = {}
-        self._stats = snapshot(self.engine)
+        self._post = self._thread.post
+        self._call = self._thread.call
 
     # --- lifecycle ----------------------------------------------------------------------
 
     def start(self, runner: Callable[[Callable[[], None]], None] | None = None) -> None:
-        """Start the step loop; outputs go to the event loop this is called from.
-
-        ``runner`` receives the loop function and must run it soon on some thread (the
-        worker's main thread); by default the loop gets a thread of its own.
-        """
-        if self._running:
-            raise RuntimeError("the engine loop is already running")
-        self._loop = asyncio.get_running_loop()
-        self._stopping = False
-        self._running = True
-        self._finished.clear()
-        if runner is None:
-            threading.Thread(target=self._run_loop, name="engine-loop", daemon=True).start()
-        else:
-            runner(self._run_loop)
+        """Start the step loop (`EngineLoop.start`); outputs go to this event loop."""
+        self._thread.start(runner)
 
     async def stop(self) -> None:
         """Abort whatever is left, stop the step loop and wait for it."""
-        if not self._running:
+        if not self._thread.running:
             return
         self.abort_all()
-        with self._wakeup:
-            self._stopping = True
-            self._wakeup.notify()
-        await asyncio.to_thread(self._finished.wait)
-        self._running = False
+        await self._thread.stop()
 
     @property
     def stats(self) -> EngineStats:
         """The latest snapshot; safe to read from any thread."""
-        return self._stats
+        return self._thread.stats
 
     @property
     def num_requests(self) -> int:
@@ -218,7 +182,7 @@ class AsyncEngine:
         """Stop a request now and free its KV blocks; its stream ends with ``"abort"``."""
         engine_ids = self._requests.get(request_id)
         if engine_ids:
-            self._post(lambda: self._abort_on_loop(engine_ids))
+            self._post(lambda: self._thread.abort_on_loop(engine_ids))
 
     async def abort_counted(self, request_id: str, *, tenant: str | None) -> RequestCost | None:
         """Abort a request if it still runs, and report what it cost: its prompt and every
@@ -279,61 +243,7 @@ class AsyncEngine:
     async def unload_adapter(self, adapter_id: str) -> None:
         await self._call(self.engine.unload_adapter, adapter_id)
 
-    # --- the loop thread ----------------------------------------------------------------
-
-    def _run_loop(self) -> None:
-        try:
-            self._run()
-        finally:
-            self._finished.set()
-
-    def _run(self) -> None:
-        engine = self.engine
-        while True:
-            with self._wakeup:
-                while not (self._commands or engine.has_unfinished_requests or self._stopping):
-                    self._wakeup.wait()
-                commands = list(self._commands)
-                self._commands.clear()
-                stopping = self._stopping
-            for command in commands:
-                try:
-                    command()
-                except Exception:  # a bug: log it, keep serving everyone else
-                    logger.exception("engine command failed")
-            if stopping:
-                self._abort_on_loop(list(engine.requests))
-                self._stats = snapshot(self.engine)
-                return
-            if engine.has_unfinished_requests:
-                self._step()
-            else:
-                self._stats = snapshot(self.engine)
-
-    def _step(self) -> None:
-        """One engine step. The stats snapshot is taken before results are delivered, so a
-        caller that sees its request finish also sees the blocks it freed. A request that
-        failed the step alone gets its error instead of its last output."""
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            # The engine isolates what a request's values break (worker.isolation); a step
-            # that still raises (the scheduler's own bug) would fail again with the same
-            # batch: end every request with the error rather than leave it waiting forever.
-            logger.exception("engine step failed; aborting %d requests", len(self.engine.requests))
-            failed = list(self.engine.requests)
-            for engine_id in failed:
-                self.engine.abort(engine_id)
-            self._stats = snapshot(self.engine)
-            self._deliver_error(failed, exc)
-            return
-        self._stats = snapshot(self.engine)
-        failures = self.engine.take_failures()
-        outputs = [out for out in outputs if out.request_id not in failures]
-        if outputs:
-            self._deliver([_detach(out) for out in outputs])
-        for engine_id, error in failures.items():
-            self._deliver_error([engine_id], error)
+    # --- on the loop thread ------------------------------------------------------------
 
     def _add_on_loop(
         self,
@@ -377,56 +287,9 @@ class AsyncEngine:
             if out is not None:
                 stream.note(out)
                 aborted.append(out)
-        if aborted:
-            self._deliver([_detach(out) for out in aborted])
+        self._thread.deliver(aborted)
 
-    def _abort_on_loop(self, engine_ids: list[str]) -> None:
-        aborted = [out for i in engine_ids if (out := self.engine.abort(i)) is not None]
-        if aborted:
-            self._deliver([_detach(out) for out in aborted])
-
-    # --- crossing threads ---------------------------------------------------------------
-
-    def _post(self, command: Callable[[], None]) -> None:
-        """Queue ``command`` to run on the loop thread before its next step."""
-        with self._wakeup:
-            self._commands.append(command)
-            self._wakeup.notify()
-
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` on the loop thread; its result or exception comes back here."""
-        if not self._running or self._loop is None:
-            raise EngineStoppedError("the engine loop is not running")
-        loop = self._loop
-        future = loop.create_future()
-
-        def command() -> None:
-            try:
-                result = fn(*args)
-            except Exception as exc:
-                self._to_event_loop(_settle, future, None, exc)
-            else:
-                # Publish the effect (an adapter loaded, a request queued) before the caller
-                # resumes, so a Stats call right after it sees it.
-                self._stats = snapshot(self.engine)
-                self._to_event_loop(_settle, future, result, None)
-
-        self._post(command)
-        return await future
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        self._to_event_loop(self._route, outputs)
-
-    def _deliver_error(self, engine_ids: list[str], exc: BaseException) -> None:
-        self._to_event_loop(self._route_error, engine_ids, exc)
-
-    def _to_event_loop(self, fn: Callable[..., None], *args: Any) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is left to serve
-            logger.warning("the event loop closed under a running engine; stopping the loop")
-            self._stopping = True
+    # --- on the event loop -------------------------------------------------------------
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -439,22 +302,3 @@ class AsyncEngine:
         queues = {id(s.queue): s.queue for i in engine_ids if (s := self._streams.get(i))}
         for queue in queues.values():
             queue.put_nowait(exc)
-
-
-def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if future.done():  # the caller was cancelled meanwhile
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
-
-
-def _detach(out: RequestOutput) -> RequestOutput:
-    """Copy the lists the engine keeps appending to, so the event loop reads a stable view."""
-    return dataclasses.replace(
-        out,
-        token_ids=list(out.token_ids),
-        logprobs=list(out.logprobs) if out.logprobs is not None else None,
-        token_times=list(out.token_times),
-    )

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.batch import ScheduledSequence
+from worker.engine.batch import ScheduledSequence
+from worker.engine.sequence import Sequence
 from worker.errors import NonFiniteLogitsError, SequenceFailedError
-from worker.sampler import SampledToken, Sampler, SamplingRow, why_unusable
-from worker.sequence import Sequence
+from worker.sampling.sampler import SampledToken, Sampler, SamplingRow, why_unusable
 
 logger = logging.getLogger(__name__)
 

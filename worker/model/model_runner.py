@@ -14,10 +14,10 @@ import torch
 from kernels.attention_native import DTYPES as NATIVE_ATTENTION_DTYPES
 from kernels.attention_native import MAX_HEAD_DIM, NativeDecodes, native_attention
 from kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from worker.batch import BlockMove, MoveKind, ScheduledSequence
-from worker.llama import LlamaModel
-from worker.lora_manager import LoraManager
-from worker.model_config import ModelConfig
+from worker.engine.batch import BlockMove, MoveKind, ScheduledSequence
+from worker.model.llama import LlamaModel
+from worker.model.lora_manager import LoraManager
+from worker.model.model_config import ModelConfig
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -21,11 +21,11 @@ from kernels.lora import add_lora
 from kernels.norm_native import rms_norm
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from worker.errors import ModelLoadError
-from worker.model_config import ModelConfig
-from worker.rope import RopeTables, apply_rope
+from worker.model.model_config import ModelConfig
+from worker.model.rope import RopeTables, apply_rope
 
 if TYPE_CHECKING:
-    from worker.lora_manager import LoraBatch
+    from worker.model.lora_manager import LoraBatch
 
 
 @dataclass(slots=True)

@@ -21,10 +21,10 @@ says why, and the engine ends that request alone. Where a row has +inf logits (a
 penalties and the temperature), its distribution is their limit: uniform over the +inf
 tokens, every other token at zero; greedy takes the lowest of them, as for any tie.
 
-Speed on the CPU (32 x 49152): an exponential race needs a random number per token (30 ms),
-`torch.multinomial` takes 34 ms, `torch.sort` 100 ms. So rows with top-k or top-p work on
-their most likely tokens (`worker.token_draw`) and fall back to the full vocabulary only when
-the nucleus does not fit; the inverse CDF goes block sums first, then one block.
+Speed on the CPU: a full-vocabulary sort or an exponential race costs far more than the
+draw itself, so rows with top-k or top-p work on their most likely tokens
+(`worker.sampling.token_draw`) and fall back to the full vocabulary only when the nucleus
+does not fit; the inverse CDF goes block sums first, then one block.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.penalties import apply_penalties_
-from worker.sampling_params import SamplingParams
-from worker.token_draw import is_windowed, sample_rows, take_rows, thresholds
+from worker.sampling.penalties import apply_penalties_
+from worker.sampling.sampling_params import SamplingParams
+from worker.sampling.token_draw import is_windowed, sample_rows, take_rows, thresholds
 
 # Below this temperature `logits / T` overflows fp32; such rows are sampled greedily (as vLLM).
 GREEDY_TEMPERATURE = 1e-5

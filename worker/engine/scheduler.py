@@ -5,7 +5,7 @@ sequence's place is taken at the very next step. Every sequence is "tokens to co
 a decode needs one, a prefill needs its prompt, cut into chunks that fit the step's
 token budget (chunked prefill, as in Sarathi / vLLM v1). Running decodes go first; the
 rest of the budget goes to unfinished prefills, swapped-out sequences and new arrivals,
-tenant by tenant in order of the service each has received (``worker.fairness``; or in
+tenant by tenant in order of the service each has received (``worker.engine.fairness``; or in
 arrival order under FCFS). A new arrival whose leading blocks are in the prefix cache
 starts past them. When KV blocks run out, a sequence is preempted (the latest arrival of
 the tenant furthest over its share): its K/V are swapped out to the host pool
@@ -19,18 +19,18 @@ import enum
 import time
 from collections import deque
 
-from worker.adapter_gate import AdapterGate
-from worker.batch import (
+from worker.engine.adapter_gate import AdapterGate
+from worker.engine.batch import (
     BlockMove,
     MoveKind,
     PreemptionMode,
     ScheduledSequence,
     SchedulerOutput,
 )
-from worker.block_manager import BlockManager
-from worker.fairness import FairnessConfig, ServiceLedger, Shares, StepCharges
-from worker.prefix_cache import count_lookup, extend_block_hashes, prefix_hits
-from worker.sequence import Sequence, SequenceStatus
+from worker.engine.block_manager import BlockManager
+from worker.engine.fairness import FairnessConfig, ServiceLedger, Shares, StepCharges
+from worker.engine.prefix_cache import count_lookup, extend_block_hashes, prefix_hits
+from worker.engine.sequence import Sequence, SequenceStatus
 
 
 class _Admission(enum.Enum):

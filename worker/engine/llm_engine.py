@@ -2,7 +2,7 @@
 
 ``step()`` is schedule → run → sample → postprocess; the server calls it in a loop from
 its own thread, the offline ``LLM`` calls it until every request is done. A request that
-fails a step alone (``worker.isolation``) ends there, with ``finish_reason`` "abort" and
+fails a step alone (``worker.engine.isolation``) ends there, with ``finish_reason`` "abort" and
 its error in ``take_failures()``; the others go on.
 """
 
@@ -16,45 +16,45 @@ from pathlib import Path
 import torch
 
 from adapters.lora import LoraAdapter
-from worker.batch import PreemptionMode, ScheduledSequence
-from worker.block_manager import BlockManager
-from worker.config import EngineConfig
-from worker.errors import (
-    EngineError,
-    InvalidRequestError,
-    SequenceFailedError,
-)
-from worker.forks import PendingForks
-from worker.isolation import (
+from worker.engine.batch import PreemptionMode, ScheduledSequence
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import EngineConfig
+from worker.engine.forks import PendingForks
+from worker.engine.isolation import (
     drop_unusable_drafts,
     execute_isolating,
     plain_rows,
     sample_isolating,
 )
-from worker.llama import LlamaModel
-from worker.lora_manager import LoraManager, UnknownAdapterError
-from worker.model_runner import ModelRunner, kv_bytes_per_block
-from worker.outputs import RequestOutput
-from worker.placement import resolve_device, resolve_dtype
-from worker.postprocess import Postprocessor
-from worker.prefix_cache import PrefixCacheStats, root_hash
-from worker.request_checks import check_request, check_tenant_weight
-from worker.sampler import SampledToken, Sampler, SamplingRow
-from worker.sampling_params import SamplingParams
-from worker.scheduler import Scheduler
-from worker.sequence import FinishReason, Sequence, SequenceStatus
+from worker.engine.outputs import RequestOutput
+from worker.engine.placement import resolve_device, resolve_dtype
+from worker.engine.postprocess import Postprocessor
+from worker.engine.prefix_cache import PrefixCacheStats, root_hash
+from worker.engine.request_checks import check_request, check_tenant_weight
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from worker.errors import (
+    EngineError,
+    InvalidRequestError,
+    SequenceFailedError,
+)
+from worker.model.llama import LlamaModel
+from worker.model.lora_manager import LoraManager, UnknownAdapterError
+from worker.model.model_runner import ModelRunner, kv_bytes_per_block
+from worker.sampling.sampler import SampledToken, Sampler, SamplingRow
+from worker.sampling.sampling_params import SamplingParams
 from worker.spec_decode.setup import build_speculator
 from worker.spec_decode.speculator import Verified
 from worker.spec_decode.stats import SpecDecodeStats
 from worker.spec_decode.step_cost import measure_step_costs
-from worker.tokenizer import load_tokenizer
+from worker.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None) -> None:
-        """The checkpoint at ``model``, served as ``config`` says (`worker.config`)."""
+        """The checkpoint at ``model``, served as ``config`` says (`worker.engine.config`)."""
         config = config or EngineConfig()
         self.engine_config = config
         device, dtype, block_size = config.device, config.dtype, config.block_size

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from worker.block_manager import BlockManager
-    from worker.sequence import Sequence as Request
+    from worker.engine.block_manager import BlockManager
+    from worker.engine.sequence import Sequence as Request
 
 BlockHash = bytes  # 32-byte SHA-256 digest
 

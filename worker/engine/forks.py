@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from worker.batch import ScheduledSequence
-from worker.scheduler import Scheduler
-from worker.sequence import Sequence
+from worker.engine.batch import ScheduledSequence
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence
 
 
 class PendingForks:

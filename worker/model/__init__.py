@@ -1,0 +1,1 @@
+"""The model: our Llama-family forward pass, its runner over paged KV, LoRA slots, checkpoints."""

@@ -1,0 +1,1 @@
+"""Choosing the next token: sampling parameters, penalties, filters and the draw."""

@@ -1,0 +1,1 @@
+"""Text around the tokens: the tokenizer, incremental detokenizing and stop strings."""
