@@ -61,7 +61,7 @@ async def redis_client(redis_url, redis_prefix):
     """An asyncio client of the real Redis; this test's keys are deleted afterwards."""
     import redis.asyncio as aioredis
 
-    from tests.test_gateway_support import delete_prefix
+    from gateway_support import delete_prefix
 
     client = aioredis.Redis.from_url(redis_url, decode_responses=True)
     yield client
@@ -73,7 +73,7 @@ async def redis_client(redis_url, redis_prefix):
 def model_dir(tmp_path_factory):
     """The gateway tests' checkpoint directory: tokenizer, chat template, config, no weights
     (read-only, so one for the whole session)."""
-    from tests.test_gateway_support import make_model_dir
+    from gateway_support import make_model_dir
 
     return make_model_dir(tmp_path_factory.mktemp("model"))
 

@@ -21,8 +21,7 @@ import redis.asyncio as aioredis
 from factories import add_byte_level_tokenizer, make_checkpoint
 from gateway.quotas import tenant_key
 from gateway.usage import usage_key
-from rpc import worker_pb2, worker_pb2_grpc
-from tests.test_gateway_support import (
+from gateway_support import (
     ADMIN_TOKEN,
     MODEL_NAME,
     create_tenant_key,
@@ -30,6 +29,7 @@ from tests.test_gateway_support import (
     gateway_settings,
     running_gateway,
 )
+from rpc import worker_pb2, worker_pb2_grpc
 from worker import LLMEngine
 from worker.engine.config import engine_config
 from worker.serving.server import WorkerServer

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from adapter_factories import save_adapter
 from adapters import (
     AdapterTooLargeError,
     ArchiveLimits,
@@ -15,8 +16,7 @@ from adapters import (
     UnsafeArchiveError,
     unpack_adapter_archive,
 )
-from tests.adapter_factories import save_adapter
-from tests.archive_factories import (
+from archive_factories import (
     Member,
     adapter_members,
     pickle_bytes,

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from adapter_factories import (
     LIMITS,
     copy_adapter,
@@ -24,7 +25,6 @@ from adapter_factories import (
     write_raw_safetensors,
     write_tensors,
 )
-
 from adapters import (
     AdapterTooLargeError,
     BaseModelSpec,

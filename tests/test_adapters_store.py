@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from adapter_factories import LIMITS, peft_reference, reload_peft, save_adapter, tiny_spec
 
+from adapter_factories import LIMITS, peft_reference, reload_peft, save_adapter, tiny_spec
 from adapters import (
     AdapterNotFoundError,
     FilesystemAdapterStore,

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_q4_native import activation_levels
 
 from factories import load_hf_model, make_checkpoint
 from kernels.draft_native import native_draft
 from kernels.q4_native import dequantize_weight, native_q4, quantize_weight
+from q4_levels import activation_levels
 from worker.engine.batch import ScheduledSequence
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import Sequence

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 import redis
-from archive_factories import adapter_members, tar_bytes
 
+from archive_factories import adapter_members, tar_bytes
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
 from runtime.embedded_redis import free_port
 from runtime.registry import DEFAULT_TTL_S

@@ -11,7 +11,11 @@ import time
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from test_gateway_support import (
+
+from gateway.errors import AuthenticationError
+from gateway.serve import skip_observed_access_lines
+from gateway.tenants import TenantStore, hash_key
+from gateway_support import (
     ADMIN_TOKEN,
     MODEL_NAME,
     delete_prefix,
@@ -20,10 +24,6 @@ from test_gateway_support import (
     running_gateway,
     write_adapter,
 )
-
-from gateway.errors import AuthenticationError
-from gateway.serve import skip_observed_access_lines
-from gateway.tenants import TenantStore, hash_key
 
 
 @pytest.fixture

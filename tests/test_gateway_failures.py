@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 import redis.asyncio as aioredis
-from test_gateway_support import (
+
+from gateway_support import (
     MODEL_NAME,
     Mode,
     ScriptedWorker,
@@ -157,7 +158,7 @@ async def test_deadline_is_504_or_an_error_event(env):
 
 
 async def test_requests_for_an_adapter_go_to_the_worker_holding_it(env, tmp_path):
-    from test_gateway_support import write_adapter
+    from gateway_support import write_adapter
 
     holder, other = ScriptedWorker("holder"), ScriptedWorker("other")
     gw, key = await env(holder, other)

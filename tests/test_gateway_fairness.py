@@ -15,7 +15,12 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 from pydantic import ValidationError
-from test_gateway_support import (
+
+from gateway import metrics
+from gateway.quotas import tenant_key
+from gateway.scheduling import SchedulingWeights
+from gateway.settings import GatewaySettings
+from gateway_support import (
     ADMIN_TOKEN,
     MODEL_NAME,
     ScriptedWorker,
@@ -24,11 +29,6 @@ from test_gateway_support import (
     gateway_settings,
     running_gateway,
 )
-
-from gateway import metrics
-from gateway.quotas import tenant_key
-from gateway.scheduling import SchedulingWeights
-from gateway.settings import GatewaySettings
 
 BODY = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4}
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from tests.test_gateway_support import (
+from gateway_support import (
     ADMIN_TOKEN,
     MODEL_NAME,
     gateway_settings,

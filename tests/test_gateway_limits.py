@@ -18,7 +18,7 @@ from gateway.app import create_app
 from gateway.http_server import server_config
 from gateway.settings import GatewaySettings
 from gateway.tokenizer import ChatTokenizer
-from tests.test_gateway_support import (
+from gateway_support import (
     ADMIN_TOKEN,
     MODEL_NAME,
     RunningGateway,
@@ -311,7 +311,7 @@ def test_every_value_the_gateway_admits_the_worker_admits_too():
 
 
 async def test_a_big_n_times_logprobs_answer_is_assembled_off_the_loop(settings_for):
-    from tests.test_gateway_support import gateway_with_worker
+    from gateway_support import gateway_with_worker
 
     async with gateway_with_worker(settings_for()) as live:
         live.worker.pieces = tuple(f" t{i}" for i in range(200))

@@ -12,8 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
-from runtime.embedded_redis import free_port
-from tests.test_gateway_support import (
+from gateway_support import (
     MODEL_NAME,
     Mode,
     create_tenant_key,
@@ -22,6 +21,7 @@ from tests.test_gateway_support import (
     gateway_with_worker,
     running_gateway,
 )
+from runtime.embedded_redis import free_port
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
 

@@ -8,7 +8,9 @@ import json
 import httpx
 import openai
 import pytest
-from test_gateway_support import (
+from tokenizers import Tokenizer
+
+from gateway_support import (
     MODEL_NAME,
     ScriptedWorker,
     delete_prefix,
@@ -16,7 +18,6 @@ from test_gateway_support import (
     running_gateway,
     write_adapter,
 )
-from tokenizers import Tokenizer
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 

@@ -20,8 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.quotas import tenant_key
-from runtime.stack import switchboard_command
-from tests.test_gateway_support import (
+from gateway_support import (
     ADMIN_TOKEN,
     MODEL_NAME,
     Mode,
@@ -30,6 +29,7 @@ from tests.test_gateway_support import (
     gateway_settings,
     gateway_with_worker,
 )
+from runtime.stack import switchboard_command
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests.archive_factories import (
+from archive_factories import (
     Member,
     adapter_members,
     pickle_bytes,
@@ -21,8 +21,11 @@ from tests.archive_factories import (
     zeros_member,
     zip_bytes,
 )
-from tests.test_gateway_support import (
+from gateway_support import (
     MODEL_NAME,
+    archive_upload,
+    assert_error,
+    files_upload,
     gateway_settings,
     gateway_with_worker,
     write_adapter,
@@ -69,39 +72,6 @@ async def env(redis_url, redis_prefix, model_dir, tmp_path):
     )
     async with gateway_with_worker(settings, tenants=("alice", "bob")) as live:
         yield Env(live.gw, live.worker, live.redis, live.prefix, live.keys)
-
-
-def archive_upload(name: str, data: bytes, filename: str = "adapter.tar.gz") -> dict:
-    return {"data": {"name": name}, "files": {"file": (filename, data, "application/octet-stream")}}
-
-
-def files_upload(name: str, adapter: Path) -> dict:
-    return {
-        "data": {"name": name},
-        "files": {
-            "adapter_config": (
-                "adapter_config.json",
-                (adapter / "adapter_config.json").read_bytes(),
-            ),
-            "adapter_model": (
-                "adapter_model.safetensors",
-                (adapter / "adapter_model.safetensors").read_bytes(),
-            ),
-        },
-    }
-
-
-def assert_error(response: httpx.Response, status: int, *, code=None, param=None, says=""):
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == "invalid_request_error"
-    if code is not None:
-        assert error["code"] == code
-    if param is not None:
-        assert error["param"] == param
-    assert says in error["message"], error["message"]
-    return error
 
 
 async def _until(condition, timeout: float = 5.0) -> None:

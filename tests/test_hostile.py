@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from archive_factories import Member, adapter_members, pickle_bytes, tar_bytes, zip_bytes
 
+from archive_factories import Member, adapter_members, pickle_bytes, tar_bytes, zip_bytes
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
 from runtime.embedded_redis import free_port
 from runtime.stack import Stack

@@ -7,7 +7,6 @@ import platform
 
 import pytest
 import torch
-from test_q4_native import activation_levels, weight_levels
 
 from kernels.linear import (
     INT4_MAX_ROWS,
@@ -19,6 +18,7 @@ from kernels.linear import (
 )
 from kernels.linear_native import PANEL, PanelLinear, native_linear
 from kernels.q4_native import Q4Linear, native_q4
+from q4_levels import activation_levels, weight_levels
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

@@ -2,7 +2,7 @@
 
 Both of its inner loops run here for bf16: the AVX-512 one (where this CPU has it) and the
 portable C one; fp32 always takes the portable one. Shapes are the kernel-test shapes of
-test_lora_kernels.py: 80 inputs and 72 outputs, neither a multiple of 16, so the vector
+lora_factories.py: 80 inputs and 72 outputs, neither a multiple of 16, so the vector
 loops' tails and the tiles' padding are exercised.
 """
 
@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_lora_kernels import (
+
+from kernels.lora import LoraMapping, NativeSlots, add_lora
+from kernels.lora_native import NativeGroups, native_library
+from lora_factories import (
     IN_FEATURES,
     OUT_FEATURES,
     PATTERNS,
@@ -22,9 +25,6 @@ from test_lora_kernels import (
     make_inputs,
     make_stacks,
 )
-
-from kernels.lora import LoraMapping, NativeSlots, add_lora
-from kernels.lora_native import NativeGroups, native_library
 
 LIBRARY = native_library()
 pytestmark = pytest.mark.skipif(LIBRARY is None, reason="no C compiler: kernel not built")

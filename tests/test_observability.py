@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from adapters import FilesystemAdapterStore, load_adapter_dir
 from adapters.base_model import BaseModelSpec
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
+from gateway_support import delete_prefix, gateway_settings, running_gateway
 from runtime.logs import configure_logging
-from tests.test_gateway_support import delete_prefix, gateway_settings, running_gateway
 from worker.engine.config import engine_config
 from worker.engine.llm_engine import LLMEngine
 from worker.serving.server import WorkerServer

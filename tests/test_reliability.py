@@ -22,14 +22,14 @@ import redis.asyncio as aioredis
 from factories import add_byte_level_tokenizer, make_checkpoint
 from gateway import metrics
 from gateway.quotas import tenant_key
-from rpc import worker_pb2, worker_pb2_grpc
-from runtime.embedded_redis import EmbeddedRedis, free_port
-from runtime.stack import Stack
-from tests.test_gateway_support import (
+from gateway_support import (
     MODEL_NAME,
     gateway_settings,
     gateway_with_worker,
 )
+from rpc import worker_pb2, worker_pb2_grpc
+from runtime.embedded_redis import EmbeddedRedis, free_port
+from runtime.stack import Stack
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spec_engine import assert_same_tokens_and_logprobs, exact_joint
 
 from factories import assert_no_block_leaks, random_prompts
 from kernels.linear_native import native_linear
 from kernels.q4_native import native_q4
+from spec_checks import assert_same_tokens_and_logprobs, exact_joint
 from worker import LLM, SamplingParams
 from worker.errors import SpeculativeConfigError
 from worker.spec_decode.draft_plan import Selection, StepPlan

@@ -13,16 +13,18 @@ from pathlib import Path
 import httpx
 import pytest
 
+from archive_factories import adapter_members, tar_bytes, zeros_member, zip64_declaring
+from archive_factories import zip_bytes as make_zip
 from gateway.quotas import tenant_key
-from tests.archive_factories import adapter_members, tar_bytes, zeros_member, zip64_declaring
-from tests.archive_factories import zip_bytes as make_zip
-from tests.test_gateway_support import (
+from gateway_support import (
+    archive_upload,
+    assert_error,
+    files_upload,
     gateway_settings,
     gateway_with_worker,
     running_gateway,
     write_adapter,
 )
-from tests.test_gateway_uploads import archive_upload, assert_error, files_upload
 
 PATHOLOGICAL = r"([a-z_.0-9]+)+X"  # Python's re: 2^len(name) steps; RE2: linear
 

@@ -12,7 +12,7 @@ import pytest
 
 from adapters import ArchiveLimits, InvalidAdapterError
 from gateway.upload_validation import UploadValidationLimitError, UploadValidator, ValidationLimits
-from tests.test_gateway_support import TINY_CONFIG, write_adapter
+from gateway_support import TINY_CONFIG, write_adapter
 
 
 def validator(**limits) -> UploadValidator:

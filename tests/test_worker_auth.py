@@ -21,17 +21,17 @@ from redis.asyncio import Redis
 
 from factories import add_byte_level_tokenizer, make_checkpoint
 from gateway.worker_client import WorkerChannels, WorkerCredentials, generate_all
-from rpc import worker_pb2, worker_pb2_grpc
-from runtime import registry
-from runtime.certs import WORKER_NAME, CertSet, TlsFiles, write_certs
-from runtime.embedded_redis import free_port
-from tests.test_gateway_support import (
+from gateway_support import (
     MODEL_NAME,
     create_tenant_key,
     delete_prefix,
     gateway_settings,
     running_gateway,
 )
+from rpc import worker_pb2, worker_pb2_grpc
+from runtime import registry
+from runtime.certs import WORKER_NAME, CertSet, TlsFiles, write_certs
+from runtime.embedded_redis import free_port
 from worker import LLMEngine, engine_config
 from worker.serving.auth import WorkerAuth, WorkerAuthError
 from worker.serving.server import WorkerServer

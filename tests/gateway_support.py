@@ -8,6 +8,8 @@
   before the first token, fail mid-stream, or stall; it records requests and cancellations.
   (End-to-end tests with the real worker live elsewhere.)
 - `running_gateway`: the real app under a real uvicorn server on 127.0.0.1, in the test's loop.
+- `archive_upload`, `files_upload`: multipart bodies for POST /v1/adapters; `assert_error`:
+  an OpenAI-style invalid_request_error with the given status, code, param and message.
 """
 
 from __future__ import annotations
@@ -354,3 +356,39 @@ async def gateway_with_worker(
         await worker.stop()
         await delete_prefix(settings.redis_url, settings.key_prefix)
         await redis.aclose()
+
+
+# --- adapter uploads ---------------------------------------------------------------------
+
+
+def archive_upload(name: str, data: bytes, filename: str = "adapter.tar.gz") -> dict:
+    return {"data": {"name": name}, "files": {"file": (filename, data, "application/octet-stream")}}
+
+
+def files_upload(name: str, adapter: Path) -> dict:
+    return {
+        "data": {"name": name},
+        "files": {
+            "adapter_config": (
+                "adapter_config.json",
+                (adapter / "adapter_config.json").read_bytes(),
+            ),
+            "adapter_model": (
+                "adapter_model.safetensors",
+                (adapter / "adapter_model.safetensors").read_bytes(),
+            ),
+        },
+    }
+
+
+def assert_error(response: httpx.Response, status: int, *, code=None, param=None, says=""):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    if code is not None:
+        assert error["code"] == code
+    if param is not None:
+        assert error["param"] == param
+    assert says in error["message"], error["message"]
+    return error
