@@ -41,6 +41,7 @@ from worker.errors import (
 from worker.model.llama import LlamaModel
 from worker.model.lora_manager import LoraManager, UnknownAdapterError
 from worker.model.model_runner import ModelRunner, kv_bytes_per_block
+from worker.sampling.grammar import GrammarCompiler, MaskBatch
 from worker.sampling.sampler import SampledToken, Sampler, SamplingRow
 from worker.sampling.sampling_params import SamplingParams
 from worker.spec_decode.setup import build_speculator
@@ -112,6 +113,12 @@ class LLMEngine:
             num_host_blocks=host_pool.num_blocks if host_pool is not None else 0,
         )
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(
+            self.tokenizer,
+            vocab_size=self.config.vocab_size,
+            eos_token_ids=self.config.eos_token_ids,
+        )
+        self._masks = MaskBatch(self.config.vocab_size)
         self.speculator = build_speculator(
             config.speculative,
             dtype=torch_dtype,
@@ -145,6 +152,11 @@ class LLMEngine:
     @property
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def has_pending_forks(self) -> bool:
+        """Samples of an n > 1 request still waiting for their first sample's prompt."""
+        return bool(self._forks)
 
     @property
     def spec_decode_stats(self) -> SpecDecodeStats | None:
@@ -255,6 +267,8 @@ class LLMEngine:
             )
             if p.seed is not None:
                 seq.generator = torch.Generator().manual_seed(p.seed)
+            if p.structured_output is not None:
+                seq.grammar = self.grammars.matcher(p.structured_output)
             self.postprocessor.attach(seq, self.tokenizer)
             self.requests[request_id] = seq
             self._rows[request_id] = SamplingRow(
@@ -294,8 +308,11 @@ class LLMEngine:
         verified: list[Verified] = []
         if self.speculator is not None and sampling:
             sampling, logits, unusable = drop_unusable_drafts(sampling, logits)
+            failed += unusable.items()
+        failed += self._apply_grammars(sampling, logits)
+        if self.speculator is not None and sampling:
             sampling, logits, verified, lost = self._verify(sampling, logits, step_seconds)
-            failed += [*unusable.items(), *lost]
+            failed += lost
         if self._forks and sampling:
             sampling, logits = self._forks.join(sampling, logits)
         rows = [self._rows[s.seq.request_id] for s in sampling]
@@ -316,6 +333,26 @@ class LLMEngine:
         """Requests that failed a step alone since the last call, with their errors."""
         failures, self._failures = self._failures, {}
         return failures
+
+    def _apply_grammars(
+        self, sampling: list[ScheduledSequence], logits: torch.Tensor
+    ) -> list[tuple[Sequence, EngineError]]:
+        """Forbid, in place, the tokens each structured output does not allow next: in a
+        sequence's row, and in each draft's row after the drafts before it (a constrained
+        sequence verifies a chain only: no alternatives). If masking raises, the
+        constrained sequences fail (the failures returned) and their rows stay as they are."""
+        rows, row = [], 0
+        for s in sampling:
+            if s.seq.grammar is not None:
+                rows.append((s.seq.grammar, row, s.seq.spec_token_ids[: s.num_spec]))
+            row += 1 + s.num_spec
+        try:
+            self._masks.apply_(logits, rows)
+            return []
+        except Exception as exc:
+            logger.exception("masking the step's structured outputs failed")
+            error = SequenceFailedError(f"applying the structured output failed: {exc!r}")
+            return [(s.seq, error) for s in sampling if s.seq.grammar is not None]
 
     def _verify(
         self, sampling: list[ScheduledSequence], logits: torch.Tensor, step_seconds: float | None

@@ -36,6 +36,8 @@ class Postprocessor:
         seq.token_times.append(now)
         if seq.logprobs is not None:
             seq.logprobs.append(token)
+        if seq.grammar is not None:
+            seq.grammar.consume(token_id)
         params = seq.params
         if token_id in self.eos_token_ids and not params.ignore_eos:
             seq.finish_reason = FinishReason.STOP
@@ -46,6 +48,7 @@ class Postprocessor:
             seq.finish_reason = FinishReason.LENGTH
         # A stop token (EOS or one of stop_token_ids) ends the request but not the text.
         if seq.detokenizer is None or seq.finish_reason is FinishReason.STOP:
+            self._end_with_grammar(seq)
             return ""
         delta = seq.detokenizer.add(token_id)
         if seq.stop_checker is not None:
@@ -55,7 +58,14 @@ class Postprocessor:
                 seq.finish_reason = FinishReason.STOP
                 seq.stop_reason = checked.matched
         seq.text += delta
+        self._end_with_grammar(seq)
         return delta
+
+    @staticmethod
+    def _end_with_grammar(seq: Sequence) -> None:
+        """A structured output whose grammar allows nothing more is done ("stop")."""
+        if seq.finish_reason is None and seq.grammar is not None and seq.grammar.is_complete:
+            seq.finish_reason = FinishReason.STOP
 
     def flush(self, seq: Sequence) -> str:
         """Text held back until the end (an incomplete character, a possible stop string)."""

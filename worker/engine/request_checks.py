@@ -38,6 +38,11 @@ def check_request(
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
     if bad:
         raise InvalidRequestError(f"unknown stop_token_ids {bad[:5]} (vocabulary size {vocab})")
+    bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(
+            f"unknown logit_bias token ids {bad[:5]} (vocabulary size {vocab})"
+        )
     if params.top_k > vocab:
         raise InvalidRequestError(f"top_k is {params.top_k}; the vocabulary has {vocab} tokens")
     if len(prompt_ids) >= max_model_len:

@@ -12,6 +12,7 @@ from worker.sampling.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from worker.sampling.grammar import GrammarState
     from worker.text.detokenizer import IncrementalDetokenizer
     from worker.text.stop_checker import StopChecker
 
@@ -101,6 +102,8 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_offsets: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # A structured output's matcher (``worker.sampling.grammar``): which tokens may come next.
+    grammar: GrammarState | None = None
     detokenizer: IncrementalDetokenizer | None = None
     stop_checker: StopChecker | None = None
     text: str = ""

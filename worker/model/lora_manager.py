@@ -110,6 +110,11 @@ class LoraManager:
             kernel = "native kernel" if self.native else "torch paths"
             logger.info("LoRA on CPU in %s: %s", str(dtype).removeprefix("torch."), kernel)
 
+    @property
+    def stacks(self) -> list[dict[str, SlotStack]] | None:
+        """The slots' weights: per layer, by LoRA group; None before the first adapter."""
+        return self._stacks
+
     # --- registry ---------------------------------------------------------------------
 
     def load(self, name: str, path: str | Path) -> str:

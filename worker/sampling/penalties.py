@@ -1,4 +1,6 @@
-"""Repetition, frequency and presence penalties over a batch of logits rows.
+"""Logit bias, then repetition, frequency and presence penalties, over a batch of logits rows.
+
+Logit bias as OpenAI defines it: a number added to a token's logit (-100 bans it).
 
 Repetition penalty as in HF (CTRL, Keskar et al. 2019): divide positive logits and
 multiply negative ones for tokens seen in the prompt or output. Frequency and presence
@@ -23,14 +25,21 @@ def apply_penalties_(
     repetition_penalty: Sequence[float],
     presence_penalty: Sequence[float],
     frequency_penalty: Sequence[float],
+    logit_bias: Sequence[dict[int, float] | None] | None = None,
 ) -> torch.Tensor:
-    """Repetition, then frequency and presence penalties, in place; returns `logits`.
+    """Logit bias, then repetition, then frequency and presence penalties, in place;
+    returns `logits`.
 
     logits: [n, vocab] contiguous fp32; the other arguments have one entry per row. Only the
     logits of tokens that occur are touched, so the cost follows the token counts, not vocab.
     """
     vocab = logits.shape[1]
     flat = logits.view(-1)  # [n * vocab]
+    if logit_bias is not None and any(logit_bias):
+        positions = [row * vocab + t for row, b in enumerate(logit_bias) if b for t in b]
+        values = [v for b in logit_bias if b for v in b.values()]
+        index = torch.tensor(positions, dtype=torch.int64, device=logits.device)
+        flat.index_add_(0, index, torch.tensor(values, dtype=logits.dtype, device=logits.device))
     if any(r != 1.0 for r in repetition_penalty):
         both = [[*p, *o] for p, o in zip(prompt_token_ids, output_token_ids, strict=True)]
         seen = torch.unique(_flat_positions(both, vocab, logits.device))  # row * vocab + token

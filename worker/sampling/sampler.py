@@ -2,10 +2,12 @@
 
 Order of transforms, per row (the order of vLLM and Hugging Face `generate`):
 
-1. Reported logprobs: `log_softmax` of the model's raw logits (vLLM's default "raw logprobs"),
-   untouched by anything below.
-2. Repetition penalty (CTRL, Keskar et al. 2019, as in HF): for tokens in prompt + output,
-   positive logits are divided by the penalty and negative ones multiplied by it.
+1. Reported logprobs: `log_softmax` of the logits as the sampler gets them (vLLM's default
+   "raw logprobs"), untouched by anything below. The engine has already set the tokens a
+   structured output forbids to -inf (`worker.sampling.grammar`), as vLLM does.
+2. Logit bias (OpenAI's: added to the logits of the tokens it names), then the repetition
+   penalty (CTRL, Keskar et al. 2019, as in HF): for tokens in prompt + output, positive
+   logits are divided by the penalty and negative ones multiplied by it.
 3. Frequency penalty (`- freq * count`) and presence penalty (`- presence` once), counted over
    the output tokens only (OpenAI semantics).
 4. Greedy rows (temperature < 1e-5, like vLLM): argmax; ties go to the lowest token id.
@@ -213,6 +215,7 @@ def _penalize(x: torch.Tensor, rows: list[SamplingRow]) -> None:
         repetition_penalty=[row.params.repetition_penalty for row in rows],
         presence_penalty=[row.params.presence_penalty for row in rows],
         frequency_penalty=[row.params.frequency_penalty for row in rows],
+        logit_bias=[row.params.logit_bias for row in rows],
     )
 
 

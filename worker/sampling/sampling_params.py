@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from worker.errors import InvalidRequestError
+from worker.sampling.structured_output import StructuredOutput
 
 # The most draft tokens one sequence gets in a step (the engine's k and a request's).
 MAX_SPECULATIVE_TOKENS = 16
@@ -30,6 +31,8 @@ MAX_STOP_STRINGS = 32  # OpenAI takes 4; each is checked against every new piece
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 SEED_RANGE = (-(2**63), 2**63 - 1)  # int64, as on the wire
+MAX_LOGIT_BIAS_TOKENS = 1024  # OpenAI takes 300
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 
 
 @dataclass(slots=True)
@@ -57,6 +60,10 @@ class SamplingParams:
     # None: the engine's k). Capped by the engine's k, and moot where it does not speculate:
     # speculation never changes what is generated, only how fast.
     num_speculative_tokens: int | None = None
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    # The output must match this grammar (constrained decoding); None: free text.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +74,11 @@ class SamplingParams:
             self.top_k = 0
         self._check_numbers()
         self._check_stops()
+        self._check_logit_bias()
+        _check(
+            self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+            "structured_output must be a StructuredOutput",
+        )
 
     def _check_numbers(self) -> None:
         _check_int(
@@ -107,14 +119,29 @@ class SamplingParams:
         )
         _check(all(_is_int(t) for t in self.stop_token_ids), "stop_token_ids must be integers")
 
+    def _check_logit_bias(self) -> None:
+        if not self.logit_bias:
+            self.logit_bias = None
+            return
+        bias = self.logit_bias
+        _check(
+            isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS_TOKENS,
+            f"logit_bias may have at most {MAX_LOGIT_BIAS_TOKENS} entries",
+        )
+        _check(all(_is_int(t) and t >= 0 for t in bias), "logit_bias keys must be token ids")
+        for value in bias.values():
+            _check_float("logit_bias", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
     def has_penalties(self) -> bool:
+        """Whether the logits change before sampling: penalties or a logit bias."""
         return (
-            self.repetition_penalty != 1.0
+            self.logit_bias is not None
+            or self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )

@@ -24,6 +24,7 @@ from runtime.logs import REQUEST_ID
 from worker.errors import InvalidRequestError
 from worker.model.lora_manager import UnknownAdapterError
 from worker.sampling.sampling_params import SamplingParams
+from worker.sampling.structured_output import StructuredOutput
 from worker.serving.async_engine import AsyncEngine, SampleOutput
 from worker.serving.engine_loop import EngineStoppedError
 from worker.serving.metrics import WorkerMetrics
@@ -55,6 +56,10 @@ def sampling_params_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams
         skip_special_tokens=msg.skip_special_tokens,
         num_speculative_tokens=msg.num_speculative_tokens
         if msg.HasField("num_speculative_tokens")
+        else None,
+        logit_bias=dict(msg.logit_bias) or None,
+        structured_output=StructuredOutput(msg.structured_output.format, msg.structured_output.text)
+        if msg.HasField("structured_output")
         else None,
     )
 

@@ -41,6 +41,7 @@ def processed_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
             repetition_penalty=[params.repetition_penalty] * len(rows),
             presence_penalty=[params.presence_penalty] * len(rows),
             frequency_penalty=[params.frequency_penalty] * len(rows),
+            logit_bias=[params.logit_bias] * len(rows),
         )
     return x
 

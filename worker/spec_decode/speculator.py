@@ -134,6 +134,8 @@ class Speculator:
         if self.measure_draft_cost:
             self._pass_times = self.proposer.pass_times
         for seq, proposal, selection in zip(ready, proposals, plan.select(), strict=True):
+            if seq.grammar is not None:
+                selection.alternatives.clear()  # a grammar masks a chain's rows only
             self.policy.planned(seq, selection)
             if selection.rows:
                 chain = proposal.token_ids[: selection.chain]

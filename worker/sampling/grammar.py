@@ -1,0 +1,165 @@
+"""Constrained decoding: a request's output must match a grammar (a JSON schema, a regular
+expression, a choice of strings, a Lark or GBNF grammar).
+
+llguidance (Moskal et al., "Guidance", and its `llguidance` Rust core) turns the grammar into
+a matcher that says, before each token, which tokens of the vocabulary may come next (a
+bitmask); the engine masks those rows of the step's logits to -inf before sampling or
+verifying drafts, and feeds each emitted token back. Why llguidance: it has no dependencies
+(the gateway checks a grammar with the same library, before a request reaches a worker), it
+computes each mask lazily from a lexer and an Earley parser instead of compiling every schema
+to token tables up front, and ``LLParserLimits`` bounds the parser's work per token, so a
+hostile grammar cannot stall the step for everyone else.
+
+Compiling is cached by (format, text): a request's sequences each get a copy of the cached
+matcher in its start state. The server compiles off the step loop (``prepare``) before it
+queues a request, so the loop itself only copies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+
+import llguidance
+import llguidance.torch as llguidance_torch
+import numpy as np
+import torch
+
+from worker.errors import InvalidRequestError
+from worker.sampling.structured_output import StructuredOutput
+
+# Compiled grammars kept, by content.
+CACHE_SIZE = 256
+# The parser's work bounds: per token (lexer fuel, Earley items) and in all (grammar size).
+PARSER_LIMITS = dict(
+    max_items_in_row=2_000,
+    initial_lexer_fuel=1_000_000,
+    step_lexer_fuel=200_000,
+    step_max_items=50_000,
+    max_lexer_states=100_000,
+    max_grammar_size=2_000_000,
+)
+
+
+class GrammarCompiler:
+    """Matchers for a model's vocabulary, compiled once per grammar; safe from any thread."""
+
+    def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        """``tokenizer``: the model's Hugging Face tokenizer (its vocabulary and special
+        tokens); ``vocab_size``: rows of the model's logits (may exceed the tokenizer's)."""
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[bytes, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self.limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the vocabulary (about 0.3 s to build: built on first use)."""
+        with self._lock:
+            if self._tokenizer is None:
+                if self._hf_tokenizer is None:
+                    raise InvalidRequestError("this model has no tokenizer: no structured output")
+                from llguidance.hf import from_tokenizer
+
+                self._tokenizer = from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                )
+            return self._tokenizer
+
+    def prepare(self, spec: StructuredOutput) -> None:
+        """Compile ``spec`` into the cache (the slow part, for a thread off the step loop)."""
+        self._compiled(spec)
+
+    def matcher(self, spec: StructuredOutput) -> GrammarState:
+        """A fresh matcher in the grammar's start state; ``InvalidRequestError`` if the
+        grammar is invalid or too complex."""
+        return GrammarState(self._compiled(spec).deep_copy())
+
+    def _compiled(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+        key = hashlib.sha256(f"{spec.format}\0{spec.text}".encode()).digest()
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+        tokenizer = self.tokenizer
+        matcher = llguidance.LLMatcher(tokenizer, spec.grammar(), limits=self.limits, log_level=0)
+        if matcher.is_error():
+            error = matcher.get_error()
+            raise InvalidRequestError(f"invalid {spec.format} structured output: {error}")
+        with self._lock:
+            self._cache[key] = matcher
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return matcher
+
+
+class GrammarState:
+    """One sequence's matcher: which tokens may come next, fed every emitted token."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def fork(self) -> GrammarState:
+        return GrammarState(self.matcher.deep_copy())
+
+    def consume(self, token_id: int) -> None:
+        """Advance past ``token_id``; an error if the grammar did not allow it (the mask
+        forbids that, so it means the grammar ran out of its work bounds)."""
+        if not self.matcher.consume_token(token_id):
+            raise InvalidRequestError(
+                f"the output left its structured output's grammar: {self.matcher.get_error()}"
+            )
+
+    @property
+    def is_complete(self) -> bool:
+        """Nothing may follow but the end: the request is done. An error if the matcher
+        failed (its work bounds ran out): the request cannot go on."""
+        if self.matcher.is_error():
+            raise InvalidRequestError(f"the structured output failed: {self.matcher.get_error()}")
+        return self.matcher.is_stopped()
+
+
+class MaskBatch:
+    """Fills a step's masks, one row of the logits each, and applies them in place."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._executor = llguidance.LLExecutor()
+
+    @torch.inference_mode()
+    def apply_(self, logits: torch.Tensor, rows: list[tuple[GrammarState, int, list[int]]]) -> None:
+        """For each (state, row, drafts): mask ``logits[row]`` for the state's next token,
+        and ``logits[row + 1 + j]`` for the token after drafts[:j + 1] (speculation). Rows
+        after a draft the grammar refuses stay unmasked: verification stops at that draft.
+
+        logits: [num_rows, vocab] (modified: disallowed tokens become -inf)."""
+        if not rows:
+            return
+        positions = [row + j for _, row, drafts in rows for j in range(len(drafts) + 1)]
+        bitmask = torch.full((logits.shape[0], self.words), -1, dtype=torch.int32)
+        with_drafts = [(s.matcher, row, drafts) for s, row, drafts in rows if drafts]
+        if with_drafts:
+            llguidance_torch.fill_next_token_bitmask_par_with_draft_tokens(
+                self._executor, with_drafts, bitmask
+            )
+        plain = [(s.matcher, row) for s, row, drafts in rows if not drafts]
+        if plain:
+            llguidance_torch.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        index = torch.tensor(positions, dtype=torch.int64)
+        allowed = _unpack(bitmask[index], logits.shape[1]).to(logits.device)  # [m, vocab]
+        index = index.to(logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[m, words] int32 bitmask (bit i of word w: token 32 w + i) -> [m, vocab] bool."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab].astype(bool))
