@@ -33,7 +33,7 @@ import hashlib
 import logging
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -131,6 +131,7 @@ class WorkerDirectory:
     cache_s: float = 1.0
     load_factor: float = 1.5
     load_slack: int = 4
+    clock: Callable[[], float] = time.monotonic  # the cache's time (monotonic seconds)
     _workers: list[WorkerInfo] = field(default_factory=list)
     _read_at: float = float("-inf")
     # Requests this gateway sent since the last read: the registry's load lags by up to one
@@ -147,10 +148,10 @@ class WorkerDirectory:
         """The live list, read again every ``cache_s``: in the background while the list is
         younger than twice that (so under steady traffic no request waits for the registry's
         two round trips, ~5-20 ms on a loaded machine), on the caller's time past it."""
-        age = time.monotonic() - self._read_at
+        age = self.clock() - self._read_at
         if age >= 2 * self.cache_s:
             async with self._lock:
-                if time.monotonic() - self._read_at >= 2 * self.cache_s:
+                if self.clock() - self._read_at >= 2 * self.cache_s:
                     await self._refresh()
         elif age >= self.cache_s and (self._background is None or self._background.done()):
             self._background = asyncio.ensure_future(self._refresh_ahead())
@@ -158,7 +159,7 @@ class WorkerDirectory:
 
     async def _refresh_ahead(self) -> None:
         async with self._lock:
-            if time.monotonic() - self._read_at < self.cache_s:
+            if self.clock() - self._read_at < self.cache_s:
                 return  # read meanwhile
             try:
                 await self._refresh()
@@ -175,7 +176,7 @@ class WorkerDirectory:
             if (w.heartbeat_at <= 0 or w.heartbeat_at >= fresh_after)
             and serves_model(w, names=self.model_names)
         ]
-        self._read_at = time.monotonic()
+        self._read_at = self.clock()
         self._sent.clear()
         self._failed.clear()
 

@@ -24,6 +24,7 @@ import logging
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
 import redis.asyncio as aioredis
@@ -113,9 +114,17 @@ MAX_CACHED_KEYS = 100_000
 class TenantStore:
     """All tenant state; every method is one or a few Redis round trips."""
 
-    def __init__(self, client: aioredis.Redis, *, prefix: str, key_cache_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        prefix: str,
+        key_cache_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.redis = client
         self.prefix = prefix
+        self.clock = clock  # the key cache's time (monotonic seconds)
         self._delete_if_equal = client.register_script(DELETE_IF_EQUAL)
         # Known keys, by hash: (caller, monotonic expiry). Authentication is a Redis round
         # trip on every request, ~10% of a gateway's CPU under load; a key revoked through
@@ -126,6 +135,11 @@ class TenantStore:
         # in steady use never waits for Redis (the wait came once per key per key_cache_s,
         # ~2 ms on a loaded machine); an entry never outlives its expiry either way.
         self._rechecks: dict[str, asyncio.Task] = {}
+
+    def cached_until(self, key: str) -> float | None:
+        """When this replica's cached entry for `key` expires (on `clock`); None if uncached."""
+        known = self._known_keys.get(hash_key(key))
+        return known[1] if known is not None else None
 
     def _k(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -189,7 +203,7 @@ class TenantStore:
             )
         digest = hash_key(key)
         known = self._known_keys.get(digest)
-        now = time.monotonic()
+        now = self.clock()
         if known is not None and known[1] > now:
             if known[1] - now < self.key_cache_s / 2 and digest not in self._rechecks:
                 recheck = asyncio.create_task(self._recheck(digest, known))
@@ -220,7 +234,7 @@ class TenantStore:
         if found is None:
             del self._known_keys[digest]
         else:
-            self._known_keys[digest] = (known[0], time.monotonic() + self.key_cache_s)
+            self._known_keys[digest] = (known[0], self.clock() + self.key_cache_s)
 
     def adapters_key(self, tenant: str) -> str:
         """The tenant's names hash (adapter name -> JSON TenantAdapter), for the catalog's

@@ -174,7 +174,7 @@ def assert_no_block_leaks(engine) -> None:
     draft = getattr(getattr(speculator, "proposer", None), "block_manager", None)
     if draft is not None:
         assert draft.num_free_blocks == draft.num_blocks
-    assert not engine.scheduler.has_work and not engine._forks
+    assert not engine.scheduler.has_work and not engine.has_pending_forks
 
 
 def pretend_step(sched, *, finish: bool = False) -> list[tuple[str, int, int]]:

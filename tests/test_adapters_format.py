@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pickle
 import re
-import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import pytest
@@ -553,13 +552,50 @@ def test_adapter_saved_from_a_bare_model_is_the_same_adapter(adapter_dir: Path) 
 # --- bounds against hostile files ------------------------------------------------------
 
 
-def test_giant_header_length_is_refused_before_reading(adapter_dir: Path) -> None:
+class CountingReader:
+    """A file whose reads are tallied in `sizes` (bytes each read returned)."""
+
+    def __init__(self, file: BinaryIO, sizes: list[int]) -> None:
+        self.file, self.sizes = file, sizes
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.file.read(size)
+        self.sizes.append(len(data))
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)
+
+    def __enter__(self) -> CountingReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+
+def count_reads(monkeypatch: pytest.MonkeyPatch, path: Path) -> list[int]:
+    """From now on, the bytes each read of `path` (opened through Path.open) returns."""
+    sizes: list[int] = []
+    real_open = Path.open
+
+    def open_(self: Path, *args: Any, **kwargs: Any) -> Any:
+        file = real_open(self, *args, **kwargs)
+        return CountingReader(file, sizes) if self == path else file
+
+    monkeypatch.setattr(Path, "open", open_)
+    return sizes
+
+
+def test_giant_header_length_is_refused_before_reading(
+    adapter_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A prefix claiming 2^63 header bytes is refused on the 8 bytes, whatever the file."""
     file = adapter_dir / "adapter_model.safetensors"
     file.write_bytes((2**63).to_bytes(8, "little") + bytes(64))
-    started = time.perf_counter()
+    reads = count_reads(monkeypatch, file)
     with pytest.raises(InvalidAdapterError, match="is over the limit of 1048576 bytes"):
         load(adapter_dir)
+    assert sum(reads) == 8  # the length prefix alone: nothing past it was read
     with pytest.raises(InvalidAdapterError, match="is over the limit of 1048576 bytes"):
         parse_adapter(
             (adapter_dir / "adapter_config.json").read_bytes(),
@@ -567,7 +603,6 @@ def test_giant_header_length_is_refused_before_reading(adapter_dir: Path) -> Non
             base=tiny_spec(),
             **{"max_lora_rank": 64, "max_bytes": 8 << 20},
         )
-    assert time.perf_counter() - started < 1.0
 
 
 def test_header_with_more_tensors_than_the_base_allows(adapter_dir: Path) -> None:
@@ -587,12 +622,14 @@ def test_deeply_nested_json_is_a_clear_refusal(adapter_dir: Path) -> None:
 PATHOLOGICAL = r"([a-z_.0-9]+)+X"  # Python's re: 2^len(name) steps before it fails
 
 
+# A hang guard: a backtracking engine takes 2^len(name) steps on these and never finishes;
+# a linear-time one is done at once.
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "field", ["target_modules", "exclude_modules", "rank_pattern", "layers_pattern"]
 )
 def test_pathological_regexes_match_in_linear_time(field: str) -> None:
     long_name = "model." + "a" * 50_000 + ".self_attn.q_proj"
-    started = time.perf_counter()
     for key in ("model.layers.0.self_attn.q_proj", long_name):
         if field == "target_modules":
             assert not target_selected(key, target_modules=PATHOLOGICAL)
@@ -602,12 +639,10 @@ def test_pathological_regexes_match_in_linear_time(field: str) -> None:
             assert lookup_pattern({PATHOLOGICAL: 2}, key, 8) == 8
         else:
             assert layer_index(key, PATHOLOGICAL) is None
-    assert time.perf_counter() - started < 1.0
 
 
+@pytest.mark.timeout(60)  # a hang guard, as above
 def test_pathological_target_modules_adapter_is_refused_fast(adapter_dir: Path) -> None:
     edit_config(adapter_dir, target_modules=PATHOLOGICAL)
-    started = time.perf_counter()
     with pytest.raises(InvalidAdapterError, match=r"which adapter_config\.json does not"):
         load(adapter_dir)
-    assert time.perf_counter() - started < 1.0

@@ -247,8 +247,9 @@ def test_killing_a_worker_mid_stream_ends_the_stream_with_an_error(stack, api_ke
     events = _stream_events(stack, api_key, _long_stream(tiny_model), kill_its_worker)
     assert events[-1] == "[DONE]"
     assert "error" in json.loads(events[-2])
-    # The broken connection ends the stream at once, well within the request deadline.
-    assert time.monotonic() - killed_at < 5.0
+    # The broken connection ends the stream at once, not the request deadline (600 s) or the
+    # client's read timeout (60 s); the bound leaves room for a loaded machine.
+    assert time.monotonic() - killed_at < 30.0
     # New requests still succeed on the remaining worker.
     time.sleep(0.5)
     ok = _short_completion(stack, api_key, tiny_model)

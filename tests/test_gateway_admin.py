@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from gateway.errors import AuthenticationError
 from gateway.serve import skip_observed_access_lines
-from gateway.tenants import TenantStore, hash_key
+from gateway.tenants import TenantStore
 from gateway_support import (
     ADMIN_TOKEN,
     MODEL_NAME,
@@ -24,6 +24,24 @@ from gateway_support import (
     running_gateway,
     write_adapter,
 )
+
+
+class Clock:
+    """The key cache's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Wait for a background task's effect (a hang guard, not a timing check)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -249,9 +267,10 @@ async def test_a_key_revoked_through_another_replica_stops_within_the_cache_time
 ):
     """Two gateway replicas' stores on one Redis: revoking through one stops the key there
     at once and on the other once its cached entry expires (api_key_cache_s)."""
-    here = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=0.3)
-    there = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=0.3)
-    uncached = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=0.0)
+    clock = Clock()
+    here = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=0.3, clock=clock)
+    there = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=0.3, clock=clock)
+    uncached = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=0.0, clock=clock)
     await here.create_tenant("erin")
     key = await here.create_key("erin")
     for store in (here, there, uncached):
@@ -261,7 +280,7 @@ async def test_a_key_revoked_through_another_replica_stops_within_the_cache_time
         with pytest.raises(AuthenticationError):
             await store.authenticate(key.key)
     assert (await here.authenticate(key.key)).tenant == "erin"  # its cached entry
-    await asyncio.sleep(0.35)
+    clock.now += 0.35
     with pytest.raises(AuthenticationError):
         await here.authenticate(key.key)
 
@@ -269,29 +288,22 @@ async def test_a_key_revoked_through_another_replica_stops_within_the_cache_time
 async def test_a_key_in_use_is_checked_again_before_its_entry_expires(redis_client, redis_prefix):
     """Past half of api_key_cache_s a known key is still accepted at once, and checked
     again in the background: renewed while valid, dropped once revoked elsewhere."""
-    here = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=10.0)
-    there = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=10.0)
+    clock = Clock()
+    here = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=10.0, clock=clock)
+    there = TenantStore(redis_client, prefix=redis_prefix, key_cache_s=10.0, clock=clock)
     await here.create_tenant("finn")
     key = await here.create_key("finn")
-    digest = hash_key(key.key)
-
-    def age_past_half() -> None:
-        caller, _ = here._known_keys[digest]
-        here._known_keys[digest] = (caller, time.monotonic() + 4.0)
-
-    async def rechecked() -> None:
-        await asyncio.gather(*here._rechecks.values())
 
     await here.authenticate(key.key)
-    age_past_half()
+    assert here.cached_until(key.key) == 110.0
+    clock.now = 106.0  # past half its life
     assert (await here.authenticate(key.key)).tenant == "finn"
-    await rechecked()
-    assert here._known_keys[digest][1] > time.monotonic() + 9.0  # renewed
+    await until(lambda: here.cached_until(key.key) == 116.0)  # renewed in the background
     await there.revoke_key(key.key_id)
-    age_past_half()
+    clock.now = 112.0
     assert (await here.authenticate(key.key)).tenant == "finn"  # not expired yet
-    await rechecked()
-    with pytest.raises(AuthenticationError):  # dropped 4 s before its entry would expire
+    await until(lambda: here.cached_until(key.key) is None)  # dropped in the background
+    with pytest.raises(AuthenticationError):  # 4 s before its entry would have expired
         await here.authenticate(key.key)
 
 

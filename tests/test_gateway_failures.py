@@ -276,9 +276,9 @@ async def test_a_non_streaming_answer_over_grpcs_default_4_mb_gets_through(env):
 
 
 async def test_the_overhead_header_counts_the_gateway_and_not_the_worker(env):
-    """x-switchboard-overhead-ms on streamed and unary answers: a worker that takes 0.4 s
+    """x-switchboard-overhead-ms on streamed and unary answers: a worker that takes 1 s
     to its first token adds nothing to it, though the client waits that long."""
-    gw, key = await env(ScriptedWorker("slow-start", first_token_delay_s=0.4))
+    gw, key = await env(ScriptedWorker("slow-start", first_token_delay_s=1.0))
     body = {"model": MODEL_NAME, "prompt": "hi"}
     async with http(gw, key) as client:
         unary = await client.post("/v1/completions", json=body)
@@ -287,8 +287,9 @@ async def test_the_overhead_header_counts_the_gateway_and_not_the_worker(env):
             await sse.aread()
     for response_headers, kind in ((unary.headers, "unary"), (streamed_headers, "stream")):
         overhead_ms = float(response_headers["x-switchboard-overhead-ms"])
-        assert 0.0 < overhead_ms < 200.0, (kind, overhead_ms)
-    assert unary.elapsed.total_seconds() >= 0.4
+        # Under the worker's 1 s wait, which alone would reach it had it been counted.
+        assert 0.0 < overhead_ms < 1000.0, (kind, overhead_ms)
+    assert unary.elapsed.total_seconds() >= 1.0
 
 
 async def test_a_unary_answer_places_its_first_token_by_the_workers_offset(env):
@@ -307,7 +308,10 @@ async def test_a_unary_answer_places_its_first_token_by_the_workers_offset(env):
     async with http(gw, key) as client:
         response = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"})
         assert response.status_code == 200
-        assert response.elapsed.total_seconds() >= 0.5
+        waited = response.elapsed.total_seconds()
+        assert waited >= 0.5
     after_count, after_total = observed()
     assert after_count == count + 1
-    assert 0.0 <= after_total - total < 0.25
+    # The worker's 0.5 s after its first token is outside TTFT (the whole answer's time
+    # would not be).
+    assert 0.0 <= after_total - total <= waited - 0.5

@@ -63,9 +63,9 @@ def settings_for(redis_url, redis_prefix, model_dir, tmp_path):
     return make
 
 
-async def raw_exchange(url: str, data: bytes, *, wait_s: float = 5.0) -> tuple[bytes, float]:
+async def raw_exchange(url: str, data: bytes, *, wait_s: float = 30.0) -> tuple[bytes, float]:
     """Send `data` on a fresh connection; what came back until the server closed it, and
-    how long that took."""
+    how long that took (`wait_s`: a hang guard, past every server-side timeout here)."""
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     started = time.monotonic()
@@ -108,7 +108,7 @@ async def test_declared_oversized_body_is_refused_before_auth_and_unread(setting
         response, took = await raw_exchange(gw.url, head + b"{" + b" " * 1000)
         status, body = status_and_body(response)
         assert_openai_error(status, body, 413, "payload_too_large")
-        assert 0.4 < took < 3.0
+        assert 0.4 < took < 10.0  # at http_body_timeout_s (0.5), loose for a loaded machine
 
 
 async def test_chunked_oversized_body_is_cut_off_at_the_limit(settings_for):
@@ -143,47 +143,55 @@ async def test_a_body_that_stalls_gets_408(settings_for):
         )
         response, took = await raw_exchange(gw.url, head + b'{"model"')
         assert_openai_error(*status_and_body(response), 408, "request_timeout")
-        assert 0.25 < took < 3.0
+        assert 0.25 < took < 10.0  # at http_body_timeout_s (0.3), loose for a loaded machine
 
 
 async def test_slow_headers_are_closed_while_models_stays_fast(settings_for):
-    async with served(settings_for(http_header_timeout_s=0.5)) as (gw, _):
+    async with served(settings_for(http_header_timeout_s=1.0)) as (gw, _):
         key = await create_tenant_key(gw, "acme")
         slow = asyncio.create_task(
             raw_exchange(gw.url, b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Slow: ")
         )
-        latencies = []
+        answered_meanwhile = 0
         async with httpx.AsyncClient(
             base_url=gw.url, headers={"Authorization": f"Bearer {key}"}
         ) as client:
             while not slow.done():
-                started = time.monotonic()
                 assert (await client.get("/v1/models")).status_code == 200
-                latencies.append(time.monotonic() - started)
+                answered_meanwhile += not slow.done()
                 await asyncio.sleep(0.02)
         response, took = await slow
         assert response == b""  # closed without an answer: the headers never completed
-        assert 0.4 < took < 2.0
-        assert len(latencies) >= 5 and max(latencies) < 0.1, latencies
+        assert 0.9 < took < 10.0  # at http_header_timeout_s, loose for a loaded machine
+        # Served while the stalled connection was open: it blocks no one.
+        assert answered_meanwhile >= 5
 
 
-async def test_a_prompt_too_long_in_bytes_is_refused_without_tokenizing(settings_for, model_dir):
+async def test_a_prompt_too_long_in_bytes_is_refused_without_tokenizing(
+    settings_for, model_dir, monkeypatch
+):
     tokenizer = ChatTokenizer.from_dir(model_dir)
     assert tokenizer.longest_token_bytes is not None  # the tiny byte-level BPE has a bound
+    encoded: list[int] = []  # lengths of the texts the gateway tokenized
+    encode = ChatTokenizer.encode
+
+    def counted_encode(self, text: str, **kwargs) -> list[int]:
+        encoded.append(len(text))
+        return encode(self, text, **kwargs)
+
+    monkeypatch.setattr(ChatTokenizer, "encode", counted_encode)
     async with served(settings_for(max_request_body_bytes=64 << 20)) as (gw, _):
         key = await create_tenant_key(gw, "acme")
         prompt = "hello world " * (50_000_000 // 12)  # 50 MB
         async with httpx.AsyncClient(
             base_url=gw.url, headers={"Authorization": f"Bearer {key}"}, timeout=30
         ) as client:
-            started = time.monotonic()
             r = await client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt})
-            took = time.monotonic() - started
     assert_openai_error(r.status_code, r.json(), 400)
     error = r.json()["error"]
-    # "at least": the byte bound refused it (tokenizing 50 MB would take far longer).
+    # "at least": the byte bound refused it, and the prompt was never tokenized.
     assert error["param"] == "prompt" and "at least" in error["message"], error
-    assert took < 10.0
+    assert encoded == []
 
 
 def test_the_byte_bound_never_refuses_a_prompt_that_fits(model_dir):
@@ -393,8 +401,9 @@ async def test_a_kept_alive_connections_next_headers_have_the_deadline_too(setti
             await asyncio.sleep(0.7)  # idle past the header deadline: keep-alive's to judge
             started = time.monotonic()
             writer.write(b"GET /health HTTP/1.1\r\nHost: t\r\n")  # and never the blank line
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(30):  # a hang guard
                 assert await reader.read() == b""
-            assert 0.4 < time.monotonic() - started < 2.0
+            # At http_header_timeout_s (0.5), loose for a loaded machine.
+            assert 0.4 < time.monotonic() - started < 10.0
         finally:
             writer.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -81,6 +82,16 @@ def redis(redis_client):
     return redis_client
 
 
+class Clock:
+    """The directory's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def directory(redis, prefix, **kwargs) -> WorkerDirectory:
     values = {"model_names": frozenset({"m"}), "heartbeat_ttl_s": 10.0, "cache_s": 0.0}
     return WorkerDirectory(redis=redis, prefix=prefix, **{**values, **kwargs})
@@ -104,15 +115,19 @@ async def test_directory_reads_again_ahead_of_expiry_without_making_callers_wait
 ):
     """Past cache_s (and within twice it) a call still gets the cached list at once and
     starts a read in the background; the next call sees its result."""
-    d = directory(redis, redis_prefix, cache_s=2.0)
+    clock = Clock()
+    d = directory(redis, redis_prefix, cache_s=2.0, clock=clock)
     await register(redis, redis_prefix, make_worker("a"), ttl=30)
     assert ids(await d.workers()) == ["a"]
     await register(redis, redis_prefix, make_worker("b"), ttl=30)
-    d._read_at -= 2.5  # due to be read again, not too old to serve meanwhile
+    clock.now += 2.5  # due to be read again, not too old to serve meanwhile
     assert ids(await d.workers()) == ["a"]  # cached, without waiting for Redis
-    assert d._background is not None
-    await d._background
-    assert ids(await d.workers()) == ["a", "b"]
+    # The clock stands still, so only the read started above can bring "b" in (a call on
+    # the caller's time would take an age of 2 * cache_s); 10 s guards against a hang.
+    deadline = time.monotonic() + 10.0
+    while ids(await d.workers()) != ["a", "b"]:
+        assert time.monotonic() < deadline, "the background read never landed"
+        await asyncio.sleep(0.01)
 
 
 async def test_directory_caches_and_skips_failed_workers(redis, redis_prefix):

@@ -369,11 +369,11 @@ def test_a_client_that_never_finishes_its_headers_is_dropped(stack, victim, prob
     address = ("127.0.0.1", stack.gateway_port)
     with victim.alongside(), socket.create_connection(address, timeout=60) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        started = time.monotonic()
-        with contextlib.suppress(OSError):
+        # Closed by the server (end of stream, or a reset): our own 60 s timeout would raise
+        # TimeoutError out of here instead.
+        with contextlib.suppress(ConnectionResetError):
             while sock.recv(1024):
                 pass
-        assert time.monotonic() - started < 40
 
 
 def test_invalid_json_and_wrong_types_are_400(victim, attacker, prober, tiny_model):

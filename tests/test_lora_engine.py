@@ -215,7 +215,7 @@ def test_bf16_refilled_slot_serves_its_new_adapter(base, adapter_dirs, form, mon
     turns = [shared.generate([prompt], greedy(), adapters=[n])[0].token_ids for n in names * 2]
     manager = shared.engine.lora_manager
     assert manager.num_slot_loads == 4  # every turn refilled the one slot
-    kept = [getattr(s, form) for layer in manager._stacks for s in layer.values()]
+    kept = [getattr(s, form) for layer in manager.stacks for s in layer.values()]
     assert all(k is not None for k in kept)
     alone = {}
     for n in names:

@@ -336,8 +336,12 @@ async def test_redis_down_follows_the_configured_fail_mode(redis_prefix, fail_op
     dead = aioredis.Redis(host="127.0.0.1", port=_closed_port(), retry=Retry(NoBackoff(), 0))
     service = QuotaService(dead, prefix=redis_prefix, lease_s=5, fail_open=fail_open)
     outcome = "admitted" if fail_open else "refused"
-    counter = metrics.QUOTA_REDIS_ERRORS.labels(outcome=outcome)
-    before = counter._value.get()
+
+    def errors() -> float:
+        sample = "switchboard_quota_redis_errors_total"
+        return metrics.REGISTRY.get_sample_value(sample, {"outcome": outcome}) or 0.0
+
+    before = errors()
     try:
         if fail_open:
             reservation = await admit(service, tokens=10)
@@ -348,7 +352,7 @@ async def test_redis_down_follows_the_configured_fail_mode(redis_prefix, fail_op
                 await admit(service, tokens=10)
     finally:
         await dead.aclose()
-    assert counter._value.get() == before + 1
+    assert errors() == before + 1
 
 
 @pytest.mark.parametrize(

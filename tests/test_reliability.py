@@ -49,7 +49,7 @@ async def test_redis_outage_is_a_quick_503_and_the_gateway_recovers(model_dir, t
                 errors = counted(metrics.REDIS_ERRORS)
                 started = time.monotonic()
                 down = await client.post("/v1/chat/completions", json=CHAT)
-                assert time.monotonic() - started < 3.0  # nothing hangs
+                assert time.monotonic() - started < 3.0  # at once, not after redis_timeout_s (5 s)
                 assert down.status_code == 503
                 assert down.json()["error"]["code"] == "state_unavailable"
                 assert counted(metrics.REDIS_ERRORS) == errors + 1

@@ -256,13 +256,15 @@ HOSTILE = {
 }
 
 
+# A hang guard. Each refusal comes from a check on the upload's shape (linear-time regexes,
+# the 8-byte header prefix, the zip's end record); an upload that ran the validation child
+# into its CPU limit instead (60 s by default) would time the client out (60 s) or answer 422.
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 async def test_hostile_uploads_are_refused_fast(live, store, tmp_path, case):
     build, (status, param, says) = HOSTILE[case]
     async with client(live, "alice") as alice:
-        started = time.perf_counter()
         refused = await alice.post("/v1/adapters", **build(write_adapter(tmp_path / "a")))
-        assert time.perf_counter() - started < 10
         assert_error(refused, status, param=param, says=says)
     assert entries(store) == []
 

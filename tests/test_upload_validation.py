@@ -63,7 +63,9 @@ async def test_a_child_past_its_time_is_killed_and_answered_422(tmp_path: Path) 
     with pytest.raises(UploadValidationLimitError, match="past its limit") as caught:
         await validator(wall_s=1.0).validate(source="archive", path=fifo, work_dir=work)
     assert caught.value.status == 422
-    assert time.monotonic() - started < 5
+    # Killed at wall_s, counted from the child's start (spawning it can take seconds on a
+    # loaded machine): never before it, and nowhere near "never" (the FIFO blocks forever).
+    assert 1.0 <= time.monotonic() - started < 30
 
 
 def test_a_child_that_ends_before_reading_its_job_is_a_422_not_a_crash(

@@ -237,18 +237,17 @@ def test_incomplete_credentials_are_refused(certs):
             auth.check("127.0.0.1")
 
 
-def test_the_worker_command_stops_at_once_on_an_open_host(base):
-    started = time.monotonic()
+def test_the_worker_command_stops_at_once_on_an_open_host(tmp_path):
+    """Refused before the model is read: the --model directory here holds no model at all."""
     result = subprocess.run(
         [sys.executable, "-c", "from switchboard.cli import main; raise SystemExit(main())",
-         "worker", "--model", str(base), "--host", "0.0.0.0", "--port", "0"],
+         "worker", "--model", str(tmp_path), "--host", "0.0.0.0", "--port", "0"],
         capture_output=True, text=True, timeout=60, check=False,
         env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"},
     )  # fmt: skip
     assert result.returncode == 1, result.stderr
     assert "refusing to listen on '0.0.0.0'" in result.stderr
     assert "Traceback" not in result.stderr
-    assert time.monotonic() - started < 30  # no model was loaded
 
 
 # --- Redis behind a password ---------------------------------------------------------------
