@@ -1,9 +1,9 @@
 """A request's quota decision, taken before its worker call or beside it.
 
 Beside it when this gateway's last decision for the tenant left room for the request
-(`QuotaService.take_room`): the decision's Redis round trip (~0.5 ms at idle, 2-5 ms on a
-loaded machine, measured with ``bench.serve``'s load D) then runs while the worker
-prefills instead of adding to the time to first token. The decision is the same atomic
+(`QuotaService.take_room`): the decision's Redis round trip (several times longer on a
+loaded machine than at idle: docs/performance.md) then runs while the worker prefills
+instead of adding to the time to first token. The decision is the same atomic
 script either way, so limits hold exactly: a request it refuses is cancelled before its
 first token reaches anyone (the worker aborts it and frees its blocks) and gets its 429.
 A tenant this gateway has not seen yet, or last saw refused or near a limit, is decided
@@ -50,7 +50,7 @@ class Admission:
             await self.admit()
             return await make_work()
         # The decision on a task of its own, the work on the caller's, so the caller resumes
-        # straight from the worker's answer (a task hop more costs ~0.3 ms under load); a
+        # straight from the worker's answer (a task hop more is latency under load); a
         # refusal interrupts the caller's await.
         deciding = asyncio.ensure_future(self.admit())
         refusal = Interrupt(deciding, lambda decision: decision.exception() is not None)

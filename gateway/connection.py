@@ -75,8 +75,8 @@ class ClosingEventStream(EventSourceResponse):
     gone, error): the one place a streamed request is settled.
 
     Streams on two asyncio tasks (the events, and a watch for the client leaving) instead of
-    Starlette's anyio task group, which cost ~0.3 ms per request here (cancel scopes and
-    async-library detection on every call): that much of the gateway's added TTFT.
+    Starlette's anyio task group, whose cancel scopes and async-library detection on every
+    call were a visible share of the gateway's added TTFT (docs/performance.md).
     """
 
     def __init__(

@@ -1,9 +1,10 @@
 """Cut a task's await short when some other future ends: a client leaving, a quota refusal.
 
 asyncio has no "wait for this, unless that happens first" that keeps the work on the
-caller's own task (``asyncio.wait`` needs a task per side, ~0.3 ms of hops per request
-under load here); this cancels the caller instead and tells that cancellation apart from
-any other, so the caller can raise what actually happened.
+caller's own task (``asyncio.wait`` needs a task per side, and the hops between them show
+in every request's latency under load: docs/performance.md); this cancels the caller
+instead and tells that cancellation apart from any other, so the caller can raise what
+actually happened.
 """
 
 from __future__ import annotations

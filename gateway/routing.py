@@ -147,7 +147,7 @@ class WorkerDirectory:
     async def workers(self) -> list[WorkerInfo]:
         """The live list, read again every ``cache_s``: in the background while the list is
         younger than twice that (so under steady traffic no request waits for the registry's
-        two round trips, ~5-20 ms on a loaded machine), on the caller's time past it."""
+        two round trips, milliseconds on a loaded machine), on the caller's time past it."""
         age = self.clock() - self._read_at
         if age >= 2 * self.cache_s:
             async with self._lock:

@@ -2,10 +2,10 @@
 
 Every admitted request runs two quota scripts (admit, settle). Under load they come in
 bursts (a worker step finishes many requests at once; keep-alive clients answer at once),
-and one redis-py call costs ~0.1 ms of the gateway's CPU apart from Redis's own time:
-connection checkout, packing, a socket write and read wake-up. Calls made in the same
-event-loop turn are written as one pipeline (without MULTI: each script is atomic by
-itself, and they are independent) and each caller gets its own reply or error.
+and each redis-py call costs the gateway CPU apart from Redis's own time (connection
+checkout, packing, a socket write and read wake-up; docs/performance.md). Calls made in
+the same event-loop turn are written as one pipeline (without MULTI: each script is atomic
+by itself, and they are independent) and each caller gets its own reply or error.
 
 redis-py's pipelines check every registered script with SCRIPT EXISTS before each
 execute, a second round trip; here EVALSHA goes out directly and a NOSCRIPT reply (Redis

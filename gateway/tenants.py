@@ -132,8 +132,9 @@ class TenantStore:
         self.key_cache_s = key_cache_s
         self._known_keys: dict[str, tuple[Caller, float]] = {}
         # Past half its life a known key is checked again off the request's path, so a key
-        # in steady use never waits for Redis (the wait came once per key per key_cache_s,
-        # ~2 ms on a loaded machine); an entry never outlives its expiry either way.
+        # in steady use never waits for Redis (the wait came once per key per key_cache_s:
+        # a round trip, milliseconds on a loaded machine); an entry never outlives its
+        # expiry either way.
         self._rechecks: dict[str, asyncio.Task] = {}
 
     def cached_until(self, key: str) -> float | None:

@@ -4,8 +4,8 @@ memory limits, so no upload can stall the event loop or exhaust the gateway's me
 A fresh `python -m adapters.isolated` per upload, rather than a process pool: each child
 starts with its own limits and a clean address space, and one killed by a limit takes no
 other upload's work with it (a pool's broken worker fails every task in flight). Its start
-costs ~0.14 s (Python, numpy and adapters imported; measured on the 2-core dev machines),
-small next to receiving an upload. A gateway-wide semaphore bounds how many run at once.
+(Python, numpy and adapters imported) is small next to receiving an upload
+(docs/performance.md). A gateway-wide semaphore bounds how many run at once.
 
 A child's end becomes an error in OpenAI's format: its own refusals keep their adapter
 error (400/413), memory past its limit is 413, CPU time or wall time past its limit 422.

@@ -165,8 +165,8 @@ static void attend_portable(const Item *it, const float *q, float scale, float *
 /* --- 8-wide vector loops: fp32 caches, and bf16 where AVX-512 is missing ------------------
  * GCC's vector extensions (the compiler maps them to AVX/AVX2+FMA, AVX-512's lower half or
  * NEON), for head_dim a multiple of 8. The portable loops' dot product reduces across its
- * lanes at every key (~40 cycles a key and row on a Zen 3: a 17-row verification spent
- * 0.7 ms a layer there); here eight keys' dot products reduce together, and each row's
+ * lanes at every key, which dominated a verification's attention on a Zen 3
+ * (docs/performance.md); here eight keys' dot products reduce together, and each row's
  * weighted sum of values stays in registers. */
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));

@@ -4,12 +4,12 @@
  * per sequence, right after the target's step has evicted it from every cache. Through
  * torch, a 4-layer draft of the default model made ~120 op calls a pass (norms, rope, the
  * cache write, splits, silu, residual adds), each paying the dispatcher and its code's cache
- * misses: ~1.3-1.8 ms a pass on a Zen 4, of which its 9.5 MB of 4-bit weights take ~0.35.
- * Here the whole pass is one loop over layers with fp32 activations: RMSNorm, the fused qkv
- * projection, RoPE (rotate-half), the K/V write into the paged cache, decode attention
- * (attention_cpu.c's kernel, passed in as a function pointer so both share one
- * implementation), the o projection added into the residual, the MLP (SwiGLU) and the
- * output layer.
+ * misses: a pass took several times what reading its 4-bit weights takes
+ * (docs/performance.md). Here the whole pass is one loop over layers with fp32
+ * activations: RMSNorm, the fused qkv projection, RoPE (rotate-half), the K/V write into
+ * the paged cache, decode attention (attention_cpu.c's kernel, passed in as a function
+ * pointer so both share one implementation), the o projection added into the residual, the
+ * MLP (SwiGLU) and the output layer.
  *
  * Each sequence feeds a few consecutive tokens (one, or the tokens the target accepted since
  * the draft's last pass); the runner sends anything else (long prefills, verification rows,

@@ -3,11 +3,9 @@
 On CPU, oneDNN re-packs a plain weight into its blocked layout on every call, which
 halves the effective memory bandwidth of the small-batch matmuls that dominate decoding.
 We pack each weight once at load time (the same op torch's inductor uses when it freezes a
-CPU model) and call the packed matmul; measured on a 576x3072 bf16 weight streamed from
-DRAM (AVX512-BF16): 163 us vs 266 us at 1 token, 1.8 ms vs 2.5 ms at 1,024 tokens; fp32 on
-an AVX2-only AMD Zen 3 (576x1536, against ``F.linear``'s MKL path): 288 vs 414 us at 1
-token, 0.58 vs 1.0 ms at 32, 14 vs 17 ms at 1,024. Results differ from ``F.linear`` only
-in summation order (~1e-7 relative in fp32).
+CPU model) and call the packed matmul, faster at every batch size measured, most at the
+small batches of decoding (bf16 and fp32: docs/performance.md). Results differ from
+``F.linear`` only in summation order (~1e-7 relative in fp32).
 
 On an AVX2-only CPU (where the engine runs in fp32) oneDNN's packed matmul is itself the
 bottleneck of decoding: it streams weights at ~2/3 of what the cores can read and each row
@@ -20,12 +18,11 @@ pass, so halving or quartering the bytes is what makes it cheaper; exactness doe
 suffer, since the target verifies every draft (``quantization``). "int4": passes of up to
 ``Q4_MAX_ROWS`` rows multiply by 4-bit levels of the weight (per group of 64 input
 features, an fp16 step and minimum) through our native kernel (``kernels/q4_cpu.c``), the
-activations rounded to int8 per group, measured on a 2-core Zen 4 against the bf16
-packed matmul (hot in cache): 576x3072 at 1 row 26 vs 72 us, at 8 rows 77 vs 121, at 16
-151 vs 192; the draft's cut-down output layer (8,192 x 576) 49 vs 123 us at 1 row. Without
-a C compiler, torch's CPU int4 kernel (the one torchao's int4 weight-only layout uses)
-serves up to ``INT4_MAX_ROWS`` rows: it widens each weight to float and ran at about half
-the native kernel's speed (576x3072, 1 row: 64 us). Larger batches use the full weight.
+activations rounded to int8 per group: faster than the bf16 packed matmul up to 16 rows,
+over twice as fast at one (docs/performance.md). Without a C compiler, torch's CPU int4
+kernel (the one torchao's int4 weight-only layout uses) serves up to ``INT4_MAX_ROWS``
+rows: it widens each weight to float and ran at about half the native kernel's speed.
+Larger batches use the full weight.
 "int8" (fp32 CPUs): int8 panels with a scale per output feature, through the native panel
 kernel.
 """
@@ -56,10 +53,8 @@ def panels_preferred(weight: torch.Tensor) -> bool:
     """Whether ``Linear`` multiplies by this weight through the native panel kernel: fp32 on
     an x86 CPU whose widest vectors are AVX2's (the kernel's width; with AVX-512 oneDNN's
     wider kernels win the larger batches, not measured against ours). ``bench.linear`` on a
-    2-core Zen 3, every projection of the default model (540 MB streamed from DRAM): 37 ms
-    against oneDNN's 55 at 1 row, 36 vs 68 at 4, 50 vs 90 at 16, 115 vs 176 at 64; 616 vs
-    589 at 256 and 2.9 vs 2.3 s at 1,024 rows: a long prompt's prefill runs up to ~25%
-    slower than through oneDNN there, while every decode step runs 1.5-2x faster."""
+    2-core Zen 3 (docs/performance.md): every decode step runs 1.5-2x faster than through
+    oneDNN, while a long prompt's prefill runs up to ~25% slower."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
@@ -89,8 +84,8 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 def native_bf16() -> bool:
     """Whether this CPU's oneDNN computes bf16 matmuls natively. Without it (AVX2 only)
-    its bf16 path is a slow fallback: 14.6 GFLOPS against fp32's 80-140 on a Zen 3 here,
-    so ``dtype="auto"`` picks fp32 there."""
+    its bf16 path is a slow fallback, several times slower than fp32 on a Zen 3
+    (docs/performance.md), so ``dtype="auto"`` picks fp32 there."""
     return _packing_works(torch.bfloat16)
 
 

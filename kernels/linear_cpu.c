@@ -3,9 +3,10 @@
  * feature (an approximate copy, for a draft model's passes).
  *
  * Why native code: on an AVX2-only CPU (AMD Zen 2/3), where the engine runs in fp32, oneDNN's
- * packed matmul reads a decode step's weights at ~8 GB/s where the cores stream ~12, and its
- * cost grows with every row added (a step of 5 rows cost 30% more than one), although a few
- * rows of arithmetic hide behind the bytes of a memory-bound step. Here each panel of weights
+ * packed matmul reads a decode step's weights at about two thirds of the rate the cores can
+ * stream (docs/performance.md), and its cost grows with every row added (a step of 5 rows
+ * cost 30% more than one), although a few rows of arithmetic hide behind the bytes of a
+ * memory-bound step. Here each panel of weights
  * is read from memory once for all rows (a step of up to ~16 rows stays about as dear as
  * one), and for larger batches the same micro-kernel runs from cache (BLIS's register-blocked
  * outer products, Van Zee and van de Geijn 2015). Speculative decoding verifies its drafts
@@ -78,7 +79,7 @@ static inline void store_tile(v8f acc[][2], int rows, int cols, const float *sca
         int64_t due = 0, k = 0;                                                               \
         if (rows == 1) {                                                                      \
             /* one row: two k at a time into two more sums, or each sum's chain of FMAs      \
-             * (4 cycles each) would bound the loop, int8 weights most (seen: 10 GB/s) */     \
+             * (4 cycles each) would bound the loop, int8 weights most */                     \
             v8f odd0 = {0}, odd1 = {0};                                                       \
             for (; k + 1 < K; k += 2) {                                                       \
                 due += 2 * pf_lines;                                                          \
@@ -156,7 +157,7 @@ static void linear(const float *x, int64_t M, int64_t K, const void *panels, int
 }
 
 /* One projection, as kernels/linear_native.py lays it out (its PanelLinear): fixed at load,
- * so a call passes five arguments (each costs ~0.35 us through ctypes). */
+ * so a call passes five arguments (each argument costs time through ctypes). */
 struct sb_panels {
     int64_t in_features, out_features;
     const void *panels; /* [ceil(out / 16)][in][16], fp32 or int8 */

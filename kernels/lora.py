@@ -30,38 +30,32 @@ from kernels.lora_reference import BucketPass, SlotPairs
 
 __all__ = ["LoraMapping", "NativeSlots", "SlotPairs", "add_lora", "bucket_passes"]
 
-# The native kernel against the best torch path, the 120 LoRA groups of a default-model
-# step (bf16, ranks 8/16 in rank-16 stacks, weights cold behind the base matmuls, ms per
-# step): 1 token 7.0 -> 1.9; 32 tokens of 1 adapter 14.6 -> 3.7, of 8 adapters 29.5 -> 4.2,
-# of 32 adapters 42.7 -> 9.6; prefill 512 tokens of 1 adapter 58 -> 40, 4 x 128 tokens of 4
-# adapters 100 -> 35. So with the kernel at hand, every token takes it.
+# The native kernel beats the best torch path at every shape measured (the 120 LoRA groups
+# of a default-model step: decode with 1 to 32 adapters, prefill), several times over at
+# decode (docs/performance.md). So with the kernel at hand, every token takes it.
 
 # The CPU policy, from bench/lora_ops.py on the development machine (AMD Zen 5 with
-# AVX512-BF16; ms per call, rank 16, 576 -> 1536, bf16 model and stacks):
+# AVX512-BF16; rank 16, 576 -> 1536, bf16 model and stacks; the figures are in
+# docs/performance.md):
 # - runs of up to this many tokens compute in fp32, longer ones in the stacks' dtype. From
-#   the stacks, a bf16 matmul pair has ~45 us of fixed cost, an fp32 one ~18 us even with A
-#   and B cast on every call (1 token: 0.019 vs 0.053; a run of 32: 0.108 vs 0.063 in bf16).
-#   With each slot's pair cut to rank (``SlotPairs``), the fp32 copies beat the prepacked
-#   bf16 ones up to 16 tokens (120 pairs of the default model's fused groups, weights cold
-#   as in a real step, ms per step, rank 16 / rank 8 in a rank-16 stack: 1 token 6.1 / 4.8
-#   fp32 vs 9.1 / 8.8 packed vs 7.7 / 7.6 cast from the stacks per call; 16 tokens 9.8 /
-#   7.6 vs 10.5 / 10.4; 32 tokens 13.3 / 18.2 vs 11.2 / 12.1).
+#   the stacks, a bf16 matmul pair has over twice the fixed cost of an fp32 one, even with
+#   A and B cast on every call; with each slot's pair cut to rank (``SlotPairs``), the fp32
+#   copies beat the prepacked bf16 ones up to 16 tokens and lose from 32.
 FP32_MAX_RUN = 16
 # - runs this long take a matmul pair each (no gather, no padding); shorter ones are
-#   bucketed by slot (1,024 tokens in 32-token runs of 8 adapters: bucketed 0.67, a pair
-#   per run 1.53; a single run of 1,024: a pair 0.20, bucketed 0.55).
+#   bucketed by slot (32-token runs cost over twice as much as pairs as bucketed; a single
+#   1,024-token run costs under half as much as a pair as bucketed).
 SEGMENT_MIN_RUN = 64
-# - up to this many short runs, a pair per run beats bucketing (~65 us fixed per pass; 8
-#   tokens in 7 runs: bucketed 0.11, pairs 0.12).
+# - up to this many short runs, a pair per run beats bucketing (a bucketing pass has a fixed
+#   cost of its own: at 7 runs of 8 tokens the two were even).
 MAX_SHORT_RUNS = 3
 # - one bucketing pass pads every slot of the active range to the busiest slot's count;
-#   past both of these, passes of the mean count per slot waste less (1,024 tokens of 11
-#   zipf-drawn adapters: 2.79 in one pass, 1.52 in several; 32 tokens: 0.19 vs 0.41).
+#   past both of these, passes of the mean count per slot waste less (with zipf-drawn
+#   adapters, several passes took half the time of one at 1,024 tokens, twice it at 32).
 MAX_PADDING = 4
 MAX_PADDED_ROWS = 2048
 # A pass whose slots all hold ``width`` tokens (``BucketPass.dense``) skips the zero padding
-# and both scatters: 120 bucketed calls of a 32-adapter decode step, cold, 118 -> 99 ms
-# (measured with another job on the machine; no change at 8 adapters).
+# and both scatters: faster for a 32-adapter decode step, no change at 8 adapters.
 
 
 Run = tuple[int, int, int]  # (start, end, slot): tokens [start, end) on one adapter slot

@@ -1,10 +1,10 @@
 /* Batched multi-LoRA on CPU for bf16 and fp32 models: shrink (x A^T) and expand (+= scale
  * h B^T) over tokens grouped by adapter slot, in one call per projection group.
  *
- * Why native code: on CPU a LoRA pair through torch costs ~20-40 us of fixed overhead per
- * matmul call (oneDNN dispatch, casts, temporaries), and a decode step of the default model
- * makes 120 such pairs per adapter present, so 32 distinct adapters cost more in overhead
- * than in bytes. Here every group of tokens of one adapter reads that adapter's weights
+ * Why native code: on CPU a LoRA pair through torch pays a fixed overhead per matmul call
+ * (oneDNN dispatch, casts, temporaries; docs/performance.md), and a decode step of the
+ * default model makes 120 such pairs per adapter present, so 32 distinct adapters cost more
+ * in overhead than in bytes. Here every group of tokens of one adapter reads that adapter's weights
  * once, at the rank it really has, and the whole batch is one call.
  *
  * Compiled at run time by kernels/lora_native.py with the host's C compiler and

@@ -172,10 +172,10 @@ class SlotPairs:
     unpacked bf16 weight on every call, and an fp32 one must be cast first. So each slot
     is cut to its adapter's real rank (the stacks pad every slot to ``max_lora_rank``; the
     rows and columns dropped are zero, so the result is exact), then kept prepacked in the
-    stacks' dtype and as fp32. 120 pairs (a decode step of the default model with LoRA on
-    all projections, weights cold as in a real step, ms): at 32 tokens 8.0 packed vs 15.3
-    plain bf16; at 1 token 4.1 fp32 vs 6.3 packed vs 7.7 cast per call. A slot whose
-    adapter leaves this stack's modules alone has no pair and costs nothing. Memory: three
+    stacks' dtype and as fp32: in a default-model decode step, packed pairs take half the
+    time of plain bf16 ones at 32 tokens, and fp32 copies beat both packed and cast-per-call
+    at 1 token (docs/performance.md). A slot whose adapter leaves this stack's modules alone
+    has no pair and costs nothing. Memory: three
     times the adapter's real rank in bf16 bytes, beside the padded stacks.
     """
 

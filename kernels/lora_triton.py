@@ -59,11 +59,9 @@ class BgmvBlocks:
 # On a GPU, a program per token with large tiles, and the shrink spread over rank blocks of
 # 16 so one decoding sequence still fills several multiprocessors. The interpreter's
 # blocks (4 tokens, 2,048 elements) made one program walk a 4096-wide input 8 columns at
-# a time: on an H200 (bench.lora_triton), a rank-64 4096 -> 11008 decode took 262-403 us
-# for 1-128 tokens; these took 30-73 us (the projection itself: 34 us). Of the sizes
-# tried (tiles of 4,096-16,384 elements, 1-2 tokens, the rank whole or in blocks of 16)
-# this was the fastest in 7 of the 12 rows where the interpreter's sizes took over 200 us,
-# and within 8% of the fastest in the other 5 (which sat at that run's ~90 us launch floor).
+# a time, several times slower on an H200 (bench.lora_triton). Of the sizes tried (tiles
+# of 4,096-16,384 elements, 1-2 tokens, the rank whole or in blocks of 16) this was the
+# fastest in most rows and close to it in the rest (docs/performance.md).
 GPU_BGMV = BgmvBlocks(block_m=1, tile=16384, shrink_rank_block=MIN_DOT)
 # In the CPU interpreter a program costs Python time: fewer, smaller ones.
 INTERPRETER_BGMV = BgmvBlocks(block_m=4, tile=2048, shrink_rank_block=None)

@@ -1,10 +1,10 @@
 /* RMSNorm for bf16 or fp32 rows on CPU: out = x / sqrt(mean(x^2) + eps) * weight, fp32
  * inside, rounded to bf16 once.
  *
- * Why native code: in the engine, torch 2.13's CPU rms_norm costs ~36 us per call on a
- * few rows (a batch-1 decode: the op's thread-team start-up, not its bytes), and a step
- * of the default model calls it 61 times (fp32 on an AVX2 Zen 3: ~200 us a call at 32
- * rows); rows here run on the calling thread until a batch is large enough to share. Built by kernels/native.py; tests check it against a
+ * Why native code: in the engine, torch's CPU rms_norm on a few rows (a batch-1 decode)
+ * costs its thread team's start-up rather than its bytes, and a step of the default model
+ * calls it 61 times (docs/performance.md); rows here run on the calling thread until a
+ * batch is large enough to share. Built by kernels/native.py; tests check it against a
  * float64 RMSNorm.
  */
 #include <math.h>

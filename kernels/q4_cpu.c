@@ -5,11 +5,11 @@
  * (the target's step, 269 MB for the default model, evicts them in between), so its cost
  * is its bytes, and 4 bits a weight is a quarter of bf16's. torch's CPU int4 kernel
  * (_weight_int4pack_mm_for_cpu) widens every weight to float before its FMAs: on a Zen 4 it
- * read a 576 x 3072 weight at ~7 GB/s once evicted, where one core streams ~26; on an
- * AVX2-only Zen 3 it ran 20x slower than fp32. Here the activations are rounded to int8 too
- * (per row and group, as llama.cpp's Q4 x Q8 dot products do), so a group of 64 weights
- * costs a few integer dot-product instructions (AVX-512 VNNI, or AVX2's maddubs) and one
- * float multiply-add per output: the loop keeps up with memory.
+ * read an evicted weight at about a quarter of what one core streams, and on an AVX2-only
+ * Zen 3 it ran far slower than fp32 (docs/performance.md). Here the activations are rounded
+ * to int8 too (per row and group, as llama.cpp's Q4 x Q8 dot products do), so a group of 64
+ * weights costs a few integer dot-product instructions (AVX-512 VNNI, or AVX2's maddubs) and
+ * one float multiply-add per output: the loop keeps up with memory.
  *
  * Weights: per output n and group g of Q4_GROUP input features, 16 levels from the group's
  * minimum: W[n, k] ~ low[n, g] + q[n, k] * step[n, g], q in 0..15, low and step fp16.
