@@ -30,6 +30,7 @@ from gateway.adapter_catalog import AdapterCatalog
 from gateway.deps import State, require_admin
 from gateway.errors import install_error_handlers
 from gateway.fair_queue import FairQueue
+from gateway.grammar_checker import GrammarChecker, GrammarLimits
 from gateway.http_server import start_side_listener
 from gateway.limits import BodyLimits, RequestBodyGuard
 from gateway.quotas import QuotaService
@@ -115,6 +116,14 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
             max_in_flight=settings.worker_max_in_flight,
             tenant_queue_limit=settings.tenant_queue_limit,
             timeout_s=settings.queue_timeout_s,
+        ),
+        grammars=GrammarChecker(
+            GrammarLimits(
+                max_bytes=settings.max_grammar_bytes,
+                cache_entries=settings.grammar_cache_entries,
+                children=settings.grammar_checkers,
+                timeout_s=settings.grammar_check_timeout_s,
+            )
         ),
     )
 

@@ -94,6 +94,13 @@ ABORT_REPORTS = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+GRAMMAR_CHECKS = Counter(
+    "switchboard_grammar_checks_total",
+    "Grammars (JSON schemas, regexes, tool-call grammars) checked before a worker saw them, "
+    "by outcome: cached, valid, invalid, too_large, timeout, crashed (the checker died on it).",
+    ["outcome"],
+    registry=REGISTRY,
+)
 REDIS_ERRORS = Counter(
     "switchboard_redis_errors_total",
     "Requests that failed because Redis did not answer (503 state_unavailable).",

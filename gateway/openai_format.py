@@ -1,7 +1,9 @@
 """Worker outputs → OpenAI response bodies and stream chunks, for chat and for completions.
 
 `ChatFormat` and `CompletionFormat` share one interface (`chunk`, `response`, `usage_chunk`)
-so the streaming and collecting code is written once.
+so the streaming and collecting code is written once. A chat whose answer may call tools
+splits each sample's text into content and `tool_calls` (`gateway.tool_parsing`); its
+finish_reason is "tool_calls" when a sample that stopped by itself made a call.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any, Protocol
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizer import ChatTokenizer
+from gateway.tool_parsing import ParsedCall, ToolCallStream, ToolOutput, parse_tool_calls
 from rpc import worker_pb2
 
 
@@ -74,7 +77,9 @@ class OutputFormat(Protocol):
         first: bool,
         text_offset: int,
         include_usage: bool,
-    ) -> dict[str, Any]: ...
+    ) -> dict[str, Any] | None:
+        """The stream chunk of one worker delta; None when it has nothing to show yet."""
+        ...
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]: ...
 
@@ -86,6 +91,9 @@ class ChatFormat:
     header: Header
     tokenizer: ChatTokenizer
     logprobs: bool
+    tool_calls: bool = False  # the answer may call tools: parse them out of the text
+    # Each streamed sample's tool-call parser, by sample index.
+    _calls: dict[int, ToolCallStream] = field(default_factory=dict, init=False, repr=False)
 
     def _logprobs(self, entries: Sequence[worker_pb2.TokenLogprob]) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -106,15 +114,28 @@ class ChatFormat:
         first: bool,
         text_offset: int,
         include_usage: bool,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         # The role rides on the sample's first content chunk (no role-only chunk before prefill).
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        delta["content"] = message.text
+        finish_reason = message.finish_reason or None
+        if self.tool_calls:
+            piece, finish_reason = self._tool_piece(message)
+            if not (piece.content or piece.calls or finish_reason or message.logprobs):
+                return None  # held back: it may start a call
+            delta["content"] = piece.content or None
+            if piece.calls:
+                stream = self._calls[message.index]
+                first_index = stream.calls_made - len(piece.calls)
+                delta["tool_calls"] = [
+                    _call_delta(call, first_index + i) for i, call in enumerate(piece.calls)
+                ]
+        else:
+            delta["content"] = message.text
         choice = {
             "index": message.index,
             "delta": delta,
             "logprobs": self._logprobs(message.logprobs),
-            "finish_reason": message.finish_reason or None,
+            "finish_reason": finish_reason,
             "stop_reason": stop_reason_of(message),
         }
         body = self._base("chat.completion.chunk", [choice])
@@ -125,18 +146,38 @@ class ChatFormat:
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._base("chat.completion.chunk", []), "usage": usage.to_dict()}
 
+    def _tool_piece(self, message: worker_pb2.GenerateResponse) -> tuple[ToolOutput, str | None]:
+        """What a delta adds to its sample's content and calls, and its finish_reason."""
+        stream = self._calls.setdefault(message.index, ToolCallStream())
+        piece = stream.feed(message.text)
+        if not message.finish_reason:
+            return piece, None
+        piece = piece + stream.finish()
+        return piece, _finish_reason(message.finish_reason, called=stream.calls_made > 0)
+
     def response(self, samples: Sequence[Sample], usage: Usage) -> dict[str, Any]:
         choices = [
             {
                 "index": s.index,
-                "message": {"role": "assistant", "content": s.text},
+                **self._message(s),
                 "logprobs": self._logprobs(s.logprobs),
-                "finish_reason": s.finish_reason,
                 "stop_reason": s.stop_reason,
             }
             for s in samples
         ]
         return {**self._base("chat.completion", choices), "usage": usage.to_dict()}
+
+    def _message(self, sample: Sample) -> dict[str, Any]:
+        """A sample's `message` and `finish_reason`."""
+        if not self.tool_calls:
+            message = {"role": "assistant", "content": sample.text}
+            return {"message": message, "finish_reason": sample.finish_reason}
+        parsed = parse_tool_calls(sample.text)
+        message = {"role": "assistant", "content": parsed.content or None}
+        if parsed.calls:
+            message["tool_calls"] = [call.to_dict() for call in parsed.calls]
+        finish_reason = _finish_reason(sample.finish_reason, called=bool(parsed.calls))
+        return {"message": message, "finish_reason": finish_reason}
 
     def _base(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         h = self.header
@@ -147,6 +188,16 @@ class ChatFormat:
             "model": h.model,
             "choices": choices,
         }
+
+
+def _finish_reason(reason: str | None, *, called: bool) -> str | None:
+    """ "tool_calls" for a sample that ended by itself having made calls (not one cut short)."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _call_delta(call: ParsedCall, index: int) -> dict[str, Any]:
+    """One whole call as a stream delta's `tool_calls` entry."""
+    return {"index": index, **call.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -227,5 +278,5 @@ def output_format(
 ) -> OutputFormat:
     """The format of the body's endpoint, with the logprobs it asked for."""
     if isinstance(body, ChatCompletionRequest):
-        return ChatFormat(header, tokenizer, body.logprobs)
+        return ChatFormat(header, tokenizer, body.logprobs, tool_calls=body.calls_tools)
     return CompletionFormat(header, tokenizer, body.logprobs)

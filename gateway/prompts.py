@@ -10,6 +10,7 @@ from __future__ import annotations
 from gateway.errors import InvalidRequestError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.tokenizer import ChatTokenizer
+from gateway.tool_rendering import template_input
 
 
 def context_error(max_model_len: int, prompt_tokens: str, *, param: str) -> InvalidRequestError:
@@ -46,8 +47,11 @@ async def chat_prompt_ids(
     body: ChatCompletionRequest, *, tokenizer: ChatTokenizer, max_model_len: int
 ) -> list[int]:
     messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+    # The model sees the tools only when it may call them (tool_choice other than "none").
+    shown = [t.function.for_template() for t in body.tools or []] if body.calls_tools else None
+    messages, tools = template_input(messages, shown, native=tokenizer.renders_tools)
     text = await tokenizer.render_chat_async(
-        messages, add_generation_prompt=body.add_generation_prompt
+        messages, add_generation_prompt=body.add_generation_prompt, tools=tools
     )
     check_text_fits(text, tokenizer=tokenizer, max_model_len=max_model_len, param="messages")
     # The template writes the special tokens itself, so none are added (like transformers).

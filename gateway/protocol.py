@@ -5,17 +5,31 @@ accept but cannot honour are refused with a 400 by `check_supported`, never sile
 Every sampling field is bounded here (the table is in gateway/README.md; the workers check
 the same bounds again); NaN and infinity are refused wherever a number is taken (Python's
 json parser accepts `NaN` and `Infinity`). Bounds that are settings (stop strings, message
-counts) are checked by `check_shape`.
+counts) are checked by `check_shape`. The fields that constrain the output (response_format,
+tools, vLLM's structured_outputs) are modelled in `gateway.structured_protocol`.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import InvalidRequestError
+from gateway.structured_protocol import (
+    MAX_TOOLS,
+    ResponseFormat,
+    StructuredOutputsParams,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    check_tools,
+    effective_tool_choice,
+)
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
@@ -31,6 +45,10 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 # repetition_penalty divides positive logits: near 0 it overflows them to infinity.
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 2.0
+# OpenAI's logit_bias bounds: entries, and each bias (added to the token's logit).
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
+DECIMAL = re.compile(r"[0-9]{1,10}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +92,13 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM extras: constraints on the output (at most one source per request).
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # vLLM extras.
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -117,13 +142,78 @@ class SamplingFields(BaseModel):
                 param="stop_token_ids",
             )
 
+    @property
+    def constrained_by(self) -> list[str]:
+        """The fields that constrain the output, of those a client set."""
+        fields = []
+        if self.response_format is not None and self.response_format.type != "text":
+            fields.append("response_format")
+        if self.structured_outputs is not None:
+            fields.append("structured_outputs")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                fields.append(name)
+        return fields
+
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", param="stream_options"
             )
+        check_logit_bias(self.logit_bias)
+        if self.response_format is not None:
+            self.response_format.check()
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.given()
+            if len(given) != 1:
+                raise InvalidRequestError(
+                    "structured_outputs must set exactly one of json, regex, choice, grammar "
+                    f"and json_object; it sets {', '.join(given) or 'none'}",
+                    param="structured_outputs",
+                )
+        constrained_by = self.constrained_by
+        if len(constrained_by) > 1:
+            raise InvalidRequestError(
+                "at most one constraint on the output per request; this one sets "
+                f"{' and '.join(constrained_by)}",
+                param=constrained_by[1],
+            )
+
+
+def check_logit_bias(bias: dict[str, float] | None) -> None:
+    """OpenAI's bounds: at most 300 entries, keys token ids in decimal, biases in [-100, 100]
+    (the vocabulary bound is the tokenizer's: `logit_bias_ids`)."""
+    if not bias:
+        return
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(
+            f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}",
+            param="logit_bias",
+        )
+    for key, value in bias.items():
+        if not DECIMAL.fullmatch(key):
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids in decimal, got {key[:32]!r}",
+                param="logit_bias",
+            )
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise InvalidRequestError(
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                f"got {value} for token {key}",
+                param="logit_bias",
+            )
+
+
+def logit_bias_ids(bias: dict[str, float] | None, *, vocab_size: int) -> dict[int, float]:
+    """`logit_bias` (already `check_logit_bias`ed) by token id, each below ``vocab_size``."""
+    ids = {int(key): value for key, value in (bias or {}).items()}
+    outside = [token for token in ids if token >= vocab_size]
+    if outside:
+        raise InvalidRequestError(
+            f"logit_bias keys must be token ids in [0, {vocab_size}), got {outside[0]}",
+            param="logit_bias",
+        )
+    return ids
 
 
 class CompletionRequest(SamplingFields):
@@ -180,9 +270,24 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message answers this call
+
+    def check(self, index: int) -> None:
+        if self.tool_calls and self.role != "assistant":
+            raise InvalidRequestError(
+                "only assistant messages carry tool_calls", param=f"messages.{index}.tool_calls"
+            )
+        if self.role == "tool" and not self.tool_call_id:
+            raise InvalidRequestError(
+                "a tool message needs the tool_call_id it answers",
+                param=f"messages.{index}.tool_call_id",
+            )
 
     def for_template(self, index: int) -> dict[str, Any]:
-        """`{"role", "content"}` as chat templates expect; text parts are joined."""
+        """`{"role", "content"}` as chat templates expect; text parts are joined. Tool calls
+        come as transformers passes them (`tool_calls` with `arguments` parsed to a dict),
+        a tool message with its `tool_call_id`."""
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -196,13 +301,29 @@ class ChatMessage(BaseModel):
             content = "".join(texts)
         # Templates written before OpenAI's "developer" role know it as "system".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                _call_for_template(call, f"messages.{index}.tool_calls.{i}")
+                for i, call in enumerate(self.tool_calls)
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: str = "text"
+def _call_for_template(call: ToolCall, param: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequestError(
+            f"a tool call's arguments must be JSON text: {str(exc)[:200]}",
+            param=f"{param}.function.arguments",
+        ) from exc
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -212,14 +333,20 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True  # False: at most one call
     # vLLM extra: False to continue the last message instead of opening an assistant turn.
     add_generation_prompt: bool = True
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def calls_tools(self) -> bool:
+        """The answer may hold tool calls (tools given, tool_choice not "none")."""
+        return effective_tool_choice(self.tools, self.tool_choice) != "none"
 
     def check_shape(self, limits: ShapeLimits) -> None:
         super().check_shape(limits)
@@ -232,12 +359,10 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise InvalidRequestError("tools are not supported", param="tools")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequestError(
-                "only response_format type 'text' is supported", param="response_format"
-            )
+        constraint = next(iter(self.constrained_by), None)
+        check_tools(self.tools, self.tool_choice, constrained_by=constraint)
+        for index, message in enumerate(self.messages):
+            message.check(index)
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs"

@@ -261,15 +261,16 @@ async def _events(
         async for message in responses:
             if not (message.text or message.finish_reason or message.logprobs):
                 continue  # tokens the detokenizer holds back (partial UTF-8, stop prefix)
-            first = message.index not in started
-            started.add(message.index)
             body = fmt.chunk(
                 message,
-                first=first,
+                first=message.index not in started,
                 text_offset=offsets.get(message.index, 0),
                 include_usage=include_usage,
             )
             offsets[message.index] = offsets.get(message.index, 0) + len(message.text)
+            if body is None:
+                continue  # text held back (it may start a tool call)
+            started.add(message.index)
             yield sse(json.dumps(body, separators=(",", ":")))
             # Resumed once the server took the bytes: the relay share of this delta.
             metrics.RELAY_TIME.observe(time.monotonic() - tally.last_message_at)

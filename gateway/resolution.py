@@ -1,7 +1,8 @@
 """Resolve: a `ParsedRequest` → a `Job` the workers can run. The model name becomes the base
-model or one of the caller's adapters, the prompt becomes tokens (`gateway.prompts`),
-max_tokens is settled against the context and `max_generated_tokens`, and the sampling
-fields become the worker's params. An explicit max_tokens that does not fit is a 400, as
+model or one of the caller's adapters, the output's constraint is built and checked
+(`gateway.structured`), the prompt becomes tokens (`gateway.prompts`), max_tokens is settled
+against the context and `max_generated_tokens`, and the sampling fields become the worker's
+params. An explicit max_tokens that does not fit is a 400, as
 vLLM does.
 """
 
@@ -17,7 +18,8 @@ from gateway import metrics
 from gateway.errors import InvalidRequestError, ModelNotFoundError
 from gateway.parsing import ParsedRequest
 from gateway.prompts import prompt_ids
-from gateway.protocol import SamplingFields
+from gateway.protocol import SamplingFields, logit_bias_ids
+from gateway.structured import Constraint, constraint_for
 from gateway.tenants import Caller, TenantAdapter, TenantStore
 from rpc import worker_pb2
 
@@ -74,6 +76,7 @@ async def resolve(parsed: ParsedRequest, *, caller: Caller, state: GatewayState)
         model=body.model,
         served_model_name=state.settings.served_model_name,
     )
+    constraint = await constraint_for(body, checker=state.grammars)
     prompt = await prompt_ids(body, tokenizer=state.tokenizer, max_model_len=state.max_model_len)
     max_tokens = settle_max_tokens(
         requested=parsed.max_tokens,
@@ -88,7 +91,12 @@ async def resolve(parsed: ParsedRequest, *, caller: Caller, state: GatewayState)
         limit=state.settings.max_generated_tokens,
     )
     params = sampling_params(
-        body, max_tokens=max_tokens, logprobs=parsed.logprobs, n=parsed.best_of
+        body,
+        max_tokens=max_tokens,
+        logprobs=parsed.logprobs,
+        n=parsed.best_of,
+        vocab_size=state.tokenizer.vocab_size,
+        constraint=constraint,
     )
     weight = await state.scheduling.weight(caller.tenant)
     return Job(
@@ -161,9 +169,16 @@ def bound_generated_tokens(max_tokens: int, *, samples: int, explicit: bool, lim
 
 
 def sampling_params(
-    body: SamplingFields, *, max_tokens: int, logprobs: int | None, n: int | None = None
+    body: SamplingFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
+    n: int | None = None,
+    constraint: Constraint | None = None,
 ) -> worker_pb2.SamplingParams:
-    """The worker's params; `n` overrides the body's (best_of generates more than it keeps)."""
+    """The worker's params; `n` overrides the body's (best_of generates more than it keeps);
+    logit_bias keys must be below ``vocab_size``."""
     params = worker_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -178,7 +193,10 @@ def sampling_params(
         ignore_eos=body.ignore_eos,
         skip_special_tokens=body.skip_special_tokens,
         n=n or body.n,
+        logit_bias=logit_bias_ids(body.logit_bias, vocab_size=vocab_size),
     )
+    if constraint is not None:
+        params.structured_output.CopyFrom(constraint.to_proto())
     if body.seed is not None:
         params.seed = body.seed
     if logprobs is not None:

@@ -94,6 +94,15 @@ class GatewaySettings(BaseSettings):
     # Threads that tokenize and render chat templates (off the event loop).
     tokenizer_threads: int = Field(default=2, ge=1)
 
+    # Structured outputs and tool calls (gateway/grammar_checker.py). A grammar's text (JSON
+    # schema, regex, Lark, the tools' grammar) past max_grammar_bytes is a 400 before it is
+    # compiled; each is checked in a child process (grammar_checkers at once, each check
+    # killed past grammar_check_timeout_s), and verdicts are cached by content.
+    max_grammar_bytes: int = Field(default=256 << 10, ge=1024, le=1 << 20)
+    grammar_checkers: int = Field(default=2, ge=1)
+    grammar_check_timeout_s: float = Field(default=10.0, gt=0)
+    grammar_cache_entries: int = Field(default=1024, ge=1)
+
     # Prometheus' own port, unauthenticated, on `host`: metric labels name tenants and
     # adapters, so the HTTP port's /metrics needs the admin token and Prometheus scrapes here
     # (a port kept out of the Service; the NetworkPolicy opens it for scraping only).

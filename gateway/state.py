@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from adapters import BaseModelSpec, FilesystemAdapterStore
 from gateway.adapter_catalog import AdapterCatalog
 from gateway.fair_queue import FairQueue
+from gateway.grammar_checker import GrammarChecker
 from gateway.quotas import QuotaService
 from gateway.routing import WorkerDirectory
 from gateway.scheduling import SchedulingWeights
@@ -36,6 +37,7 @@ class GatewayState:
     channels: WorkerChannels
     scheduling: SchedulingWeights
     fair_queue: FairQueue
+    grammars: GrammarChecker
     # Fire-and-forget work (adapter preloads), held so it is not garbage-collected mid-way
     # and cancelled at shutdown.
     background: set[asyncio.Task] = field(default_factory=set)
@@ -50,5 +52,6 @@ class GatewayState:
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
         await self.channels.close()
+        await self.grammars.close()
         await self.quotas.close()
         await self.redis.aclose()

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, pre_tokenizers
 
@@ -54,6 +55,9 @@ class ChatTokenizer:
     # (a normalizer, an unknown-token fallback) and no byte bound holds.
     longest_token_bytes: int | None = None
     threads: int = 2
+    # The template reads `tools` (transformers' apply_chat_template(tools=...)): tools are
+    # rendered its own way, else by gateway.tool_rendering's fallback.
+    renders_tools: bool = False
     pool: ThreadPoolExecutor = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -75,7 +79,14 @@ class ChatTokenizer:
         source = _chat_template_source(path, config)
         template = _compile(source) if source is not None else None
         tokenizer = Tokenizer.from_file(str(file))
-        return cls(tokenizer, template, special, _longest_token_bytes(tokenizer), threads)
+        return cls(
+            tokenizer,
+            template,
+            special,
+            _longest_token_bytes(tokenizer),
+            threads,
+            renders_tools=source is not None and reads_tools(source),
+        )
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -97,25 +108,36 @@ class ChatTokenizer:
         )
 
     async def render_chat_async(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """`render_chat`, on the pool unless the conversation is small."""
+        """`render_chat`, on the pool unless the conversation is small (and has no tools)."""
         size = sum(len(m.get("content") or "") for m in messages)
-        if size <= INLINE_CHARS and len(messages) <= INLINE_MESSAGES:
+        if size <= INLINE_CHARS and len(messages) <= INLINE_MESSAGES and not tools:
             return self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self.pool,
-            lambda: self.render_chat(messages, add_generation_prompt=add_generation_prompt),
+            lambda: self.render_chat(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
+            ),
         )
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text of a conversation, as `apply_chat_template(tokenize=False)` gives."""
+        """The prompt text of a conversation, as `apply_chat_template(tokenize=False)` gives
+        (``tools``: its `tools=`, OpenAI's tool objects)."""
         if self.chat_template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions", param="messages"
@@ -123,6 +145,7 @@ class ChatTokenizer:
         try:
             return self.chat_template.render(
                 messages=list(messages),
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )
@@ -230,11 +253,20 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile(source: str) -> jinja2.Template:
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+def _compile(source: str) -> jinja2.Template:
+    return _environment().from_string(source)
+
+
+def reads_tools(source: str) -> bool:
+    """Whether a chat template reads the `tools` variable."""
+    return "tools" in meta.find_undeclared_variables(_environment().parse(source))

@@ -1,0 +1,105 @@
+"""Grammar checks in a child process: `python -m gateway.grammar_child` reads one check per
+line on stdin, `{"format", "text"}`, and answers each with one line on stdout, `{"error"}`
+("" when the grammar is valid).
+
+Why a process: llguidance's compiler recurses on the grammar's rules, and a chain of a few
+thousand `$ref`s or Lark rules (60 KB of text) overflows the stack and kills the process
+with SIGSEGV; no parser limit bounds that. Here it kills only this child, and the gateway
+refuses the grammar (`gateway.grammar_checker`). Each check runs on a thread with half the
+stack a Python thread normally gets (8 MiB), so what passes here compiles with room to spare
+in a worker. JSON schemas go through `jsonschema`'s metaschema check first (its message
+names the bad keyword), then llguidance's own (unsupported keywords by name); both with the
+worker's options (`worker/sampling/structured_output.py`, `worker/sampling/grammar.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import threading
+from typing import Any
+
+import jsonschema
+import llguidance
+
+# The stack of the thread a check runs on (see the module docstring).
+CHECK_STACK_BYTES = 4 << 20
+# The child's whole address space: llguidance's lexer states are bounded (~2 kB each).
+MEMORY_BYTES = 2 << 30
+# An answer's message is cut to this many characters (llguidance quotes the grammar).
+MAX_MESSAGE_CHARS = 1000
+# The worker's parser bounds (worker/sampling/grammar.py PARSER_LIMITS); the gateway cannot
+# import the worker, so they are repeated here.
+PARSER_LIMITS = dict(
+    max_items_in_row=2_000,
+    initial_lexer_fuel=1_000_000,
+    step_lexer_fuel=200_000,
+    step_max_items=50_000,
+    max_lexer_states=100_000,
+    max_grammar_size=2_000_000,
+)
+# The worker's JSON style (worker/sampling/structured_output.py JSON_STYLE).
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def check(fmt: str, text: str) -> str:
+    """Why ``text`` is not a valid grammar of format ``fmt``; "" if it is."""
+    try:
+        if fmt == "json_schema":
+            problem = _schema_problem(text)
+            if problem:
+                return problem
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_STYLE)
+        elif fmt == "json_object":
+            return ""
+        else:
+            grammar = llguidance.grammar_from(fmt, text)  # type: ignore[arg-type]
+        limits = llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
+        return llguidance.LLMatcher.validate_grammar(grammar, None, limits=limits)
+    except RecursionError:
+        return "the grammar is nested too deeply"
+    except (ValueError, TypeError) as exc:
+        return str(exc) or type(exc).__name__
+
+
+def _schema_problem(text: str) -> str:
+    """The metaschema's complaint about a JSON schema (Draft 2020-12), if any. `format`
+    values are not checked here: a `pattern` is llguidance's regex dialect, not Python's."""
+    try:
+        schema: Any = json.loads(text)
+    except ValueError as exc:
+        return f"not JSON: {exc}"
+    if not isinstance(schema, dict):
+        return "a JSON schema must be an object"
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema, format_checker=None)
+    except jsonschema.SchemaError as exc:
+        return f"{exc.message} (at {exc.json_path})"
+    return ""
+
+
+def _answer(line: str) -> str:
+    job = json.loads(line)
+    result: list[str] = []
+    thread = threading.Thread(target=lambda: result.append(check(job["format"], job["text"])))
+    thread.start()
+    thread.join()
+    return result[0][:MAX_MESSAGE_CHARS] if result else "the grammar could not be checked"
+
+
+def main() -> int:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+    threading.stack_size(CHECK_STACK_BYTES)  # this process's threads only run checks
+    # Answers go to the original stdout; anything a library prints goes to stderr.
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    for line in sys.stdin:
+        answers.write(json.dumps({"error": _answer(line)}) + "\n")
+        answers.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
