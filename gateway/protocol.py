@@ -336,6 +336,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool = True  # False: at most one call
+    # OpenAI's deprecated form of tools: refused (with a pointer to tools), never ignored.
+    functions: list[Any] | None = None
+    function_call: Any = None
     # vLLM extra: False to continue the last message instead of opening an assistant turn.
     add_generation_prompt: bool = True
 
@@ -359,6 +362,11 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        for legacy in ("functions", "function_call"):
+            if getattr(self, legacy) is not None:
+                raise InvalidRequestError(
+                    f"{legacy} is not supported; send tools and tool_choice", param=legacy
+                )
         constraint = next(iter(self.constrained_by), None)
         check_tools(self.tools, self.tool_choice, constrained_by=constraint)
         for index, message in enumerate(self.messages):

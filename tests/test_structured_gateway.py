@@ -274,6 +274,7 @@ REFUSED = {
         "tool_choice",
         "needs tools",
     ),
+    "the deprecated functions": ({"functions": [{"name": "f"}]}, "functions", "send tools"),
     "tools beside a response format": (
         with_tools(tool("a"), response_format={"type": "json_object"}),
         "response_format",
