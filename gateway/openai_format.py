@@ -191,7 +191,8 @@ class ChatFormat:
 
 
 def _finish_reason(reason: str | None, *, called: bool) -> str | None:
-    """ "tool_calls" for a sample that ended by itself having made calls (not one cut short)."""
+    """A sample that ended by itself having made calls ends with "tool_calls" (not one cut
+    short: that stays "length")."""
     return "tool_calls" if called and reason == "stop" else reason
 
 

@@ -2,9 +2,10 @@
 
 Calls are Hermes blocks (`gateway.tool_grammar`): `<tool_call>\\n{"name", "arguments"}\\n
 </tool_call>`. The content is the text outside the blocks, with leading and trailing
-whitespace stripped (None when nothing is left); a block whose JSON is not a call stays in
-the content as it was written. Each call gets a fresh id ("call_" + 24 letters and digits)
-and its arguments re-serialized as compact JSON text, as OpenAI returns them.
+whitespace stripped (the response's null when nothing is left); a block whose JSON is not a
+call stays in the content as it was written. Each call gets a fresh id ("call_" + 24
+letters and digits) and its arguments re-serialized as compact JSON text, as OpenAI returns
+them.
 
 `ToolCallStream` is the incremental form, one per sample: it passes content on as it comes,
 holds back what could still turn out to start `<tool_call>` (and whitespace that could end
