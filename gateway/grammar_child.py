@@ -24,24 +24,14 @@ from typing import Any
 import jsonschema
 import llguidance
 
+from runtime.grammar_bounds import JSON_STYLE, PARSER_LIMITS
+
 # The stack of the thread a check runs on (see the module docstring).
 CHECK_STACK_BYTES = 4 << 20
 # The child's whole address space: llguidance's lexer states are bounded (~2 kB each).
 MEMORY_BYTES = 2 << 30
 # An answer's message is cut to this many characters (llguidance quotes the grammar).
 MAX_MESSAGE_CHARS = 1000
-# The worker's parser bounds (worker/sampling/grammar.py PARSER_LIMITS); the gateway cannot
-# import the worker, so they are repeated here.
-PARSER_LIMITS = dict(
-    max_items_in_row=2_000,
-    initial_lexer_fuel=1_000_000,
-    step_lexer_fuel=200_000,
-    step_max_items=50_000,
-    max_lexer_states=100_000,
-    max_grammar_size=2_000_000,
-)
-# The worker's JSON style (worker/sampling/structured_output.py JSON_STYLE).
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def check(fmt: str, text: str) -> str:
@@ -56,7 +46,7 @@ def check(fmt: str, text: str) -> str:
             return ""
         else:
             grammar = llguidance.grammar_from(fmt, text)  # type: ignore[arg-type]
-        limits = llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
+        limits = llguidance.LLParserLimits(**PARSER_LIMITS)
         return llguidance.LLMatcher.validate_grammar(grammar, None, limits=limits)
     except RecursionError:
         return "the grammar is nested too deeply"

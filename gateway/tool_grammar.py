@@ -26,12 +26,12 @@ from typing import Any
 from llguidance import StructTag
 
 from gateway.structured_protocol import FunctionDefinition, NamedToolChoice, ToolChoice
+from runtime.grammar_bounds import JSON_STYLE
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-# The worker's JSON style (worker/sampling/structured_output.py JSON_STYLE), as the schema's
-# own llguidance options: the embedded %json schemas do not get the worker's defaults.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The embedded %json schemas get the worker's JSON style (JSON_STYLE) as their own
+# llguidance options ("x-guidance"): they do not get the worker's defaults.
 # Keywords whose values are JSON data, not schemas: a "$ref" key in them is not a reference.
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # Free text that holds no `<tool_call>` (what may stand before the one call, or alone).

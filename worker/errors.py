@@ -28,6 +28,11 @@ class SequenceFailedError(EngineError):
     be asked to run it again."""
 
 
+class StructuredOutputError(InvalidRequestError):
+    """A request's grammar failed while it generated (its parser's work bounds ran out):
+    the request ends alone; its grammar, not the worker, is at fault."""
+
+
 class NonFiniteLogitsError(InvalidRequestError):
     """The model gave this request no logits to sample from (NaN, or all -inf): its adapter
     or its values broke the numbers; the request ends alone."""

@@ -37,6 +37,7 @@ from worker.errors import (
     EngineError,
     InvalidRequestError,
     SequenceFailedError,
+    StructuredOutputError,
 )
 from worker.model.llama import LlamaModel
 from worker.model.lora_manager import LoraManager, UnknownAdapterError
@@ -385,6 +386,9 @@ class LLMEngine:
         """``_emit``, or nothing, with ``seq`` added to ``failed``, if postprocessing raises."""
         try:
             return [self._emit(seq, tokens, now, verified=verified)]
+        except StructuredOutputError as exc:  # the request's grammar: its own fault
+            failed.append((seq, exc))
+            return []
         except Exception as exc:
             logger.exception("postprocessing request %s failed", seq.request_id)
             failed.append((seq, SequenceFailedError(f"postprocessing failed: {exc!r}")))

@@ -20,26 +20,26 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
 import llguidance.torch as llguidance_torch
 import numpy as np
 import torch
 
-from worker.errors import InvalidRequestError
+from runtime.grammar_bounds import PARSER_LIMITS
+from worker.errors import InvalidRequestError, StructuredOutputError
 from worker.sampling.structured_output import StructuredOutput
 
 # Compiled grammars kept, by content.
 CACHE_SIZE = 256
-# The parser's work bounds: per token (lexer fuel, Earley items) and in all (grammar size).
-PARSER_LIMITS = dict(
-    max_items_in_row=2_000,
-    initial_lexer_fuel=1_000_000,
-    step_lexer_fuel=200_000,
-    step_max_items=50_000,
-    max_lexer_states=100_000,
-    max_grammar_size=2_000_000,
-)
+# The stack of the thread that compiles: llguidance recurses over a grammar's nesting (and
+# overflows a thread's stack, killing the process, on thousands of chained $refs or rules).
+# The gateway checks grammars on a 4 MiB stack in child processes and refuses what fails
+# there; compiling on 16x that leaves a direct caller (or the offline API) a wide margin.
+COMPILE_STACK_BYTES = 64 << 20
+# An error's text kept for the caller.
+MAX_ERROR_CHARS = 300
 
 
 class GrammarCompiler:
@@ -55,6 +55,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[bytes, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self.limits = llguidance.LLParserLimits(**PARSER_LIMITS)
+        self._compile_thread: ThreadPoolExecutor | None = None
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -86,16 +87,31 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(key)
                 return cached
-        tokenizer = self.tokenizer
-        matcher = llguidance.LLMatcher(tokenizer, spec.grammar(), limits=self.limits, log_level=0)
+        tokenizer, grammar = self.tokenizer, spec.grammar()
+        matcher = self._executor().submit(self._build, tokenizer, grammar).result()
         if matcher.is_error():
-            error = matcher.get_error()
+            error = matcher.get_error()[:MAX_ERROR_CHARS]
             raise InvalidRequestError(f"invalid {spec.format} structured output: {error}")
         with self._lock:
             self._cache[key] = matcher
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return matcher
+
+    def _build(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(tokenizer, grammar, limits=self.limits, log_level=0)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """One compiling thread with a deep stack (``COMPILE_STACK_BYTES``)."""
+        with self._lock:
+            if self._compile_thread is None:
+                previous = threading.stack_size(COMPILE_STACK_BYTES)
+                try:
+                    self._compile_thread = ThreadPoolExecutor(1, "grammar-compile")
+                    self._compile_thread.submit(lambda: None).result()  # start it now
+                finally:
+                    threading.stack_size(previous)
+            return self._compile_thread
 
 
 class GrammarState:
@@ -113,16 +129,16 @@ class GrammarState:
         """Advance past ``token_id``; an error if the grammar did not allow it (the mask
         forbids that, so it means the grammar ran out of its work bounds)."""
         if not self.matcher.consume_token(token_id):
-            raise InvalidRequestError(
-                f"the output left its structured output's grammar: {self.matcher.get_error()}"
-            )
+            error = self.matcher.get_error()[:MAX_ERROR_CHARS]
+            raise StructuredOutputError(f"the structured output failed: {error}")
 
     @property
     def is_complete(self) -> bool:
         """Nothing may follow but the end: the request is done. An error if the matcher
         failed (its work bounds ran out): the request cannot go on."""
         if self.matcher.is_error():
-            raise InvalidRequestError(f"the structured output failed: {self.matcher.get_error()}")
+            error = self.matcher.get_error()[:MAX_ERROR_CHARS]
+            raise StructuredOutputError(f"the structured output failed: {error}")
         return self.matcher.is_stopped()
 
 

@@ -7,14 +7,11 @@ import json
 from dataclasses import dataclass
 from typing import ClassVar
 
+from runtime.grammar_bounds import JSON_STYLE, MAX_GRAMMAR_BYTES
 from worker.errors import InvalidRequestError
 
-# Grammar text the worker compiles at most (the gateway's bound is smaller).
-MAX_GRAMMAR_CHARS = 1 << 20
-# JSON as Python's json.dumps writes it, which models have seen most: one space after ","
-# and ":", no other whitespace (free whitespace lets a model pad forever). A schema's own
-# "x-guidance" options override these.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Grammar text the worker compiles at most (characters: a UTF-8 byte is at most one).
+MAX_GRAMMAR_CHARS = MAX_GRAMMAR_BYTES
 
 
 @dataclass(frozen=True, slots=True)
