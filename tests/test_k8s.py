@@ -732,7 +732,12 @@ def test_gateway_autoscales_on_cpu_and_the_hpa_owns_its_replicas(manifest):
 
 # --- images ---------------------------------------------------------------------------------
 
-GATEWAY_ENTRY_MODULES = ("gateway.serve", "switchboard.admin_client", "worker.errors")
+GATEWAY_ENTRY_MODULES = (
+    "gateway.serve",
+    "gateway.grammar_child",  # the grammar checker's child processes
+    "switchboard.admin_client",
+    "worker.errors",
+)
 FIRST_PARTY = {
     "switchboard",
     "runtime",
