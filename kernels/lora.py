@@ -28,7 +28,15 @@ from kernels import lora_reference as ref
 from kernels.lora_native import NativeGroups, NativeSlots, native_library
 from kernels.lora_reference import BucketPass, SlotPairs
 
-__all__ = ["LoraMapping", "NativeSlots", "SlotPairs", "add_lora", "bucket_passes"]
+__all__ = [
+    "LoraMapping",
+    "NativeSlots",
+    "SlotPairs",
+    "add_lora",
+    "bucket_passes",
+    "lora_expand",
+    "lora_shrink",
+]
 
 # The native kernel beats the best torch path at every shape measured (the 120 LoRA groups
 # of a default-model step: decode with 1 to 32 adapters, prefill), several times over at
@@ -129,6 +137,9 @@ class LoraMapping:
     any_lora: bool  # False: add_lora returns at once
     all_decode: bool  # one token per sequence: BGMV on GPU
     cpu: CpuLoraPlan | None  # None on GPU
+    # Each slot's token rows, for the split ops on CPU (``lora_shrink``/``lora_expand``);
+    # made on their first call and shared by every layer after it.
+    slot_rows: list[tuple[int, torch.Tensor]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -245,3 +256,68 @@ def _add_lora_cpu(
             ref.lora_segments(*args, runs, out_offset=out_offset, compute_dtype=dtype)
     if plan.passes:
         ref.lora_bucketed(*args, plan.passes, out_offset=out_offset)
+
+
+# --- shrink and expand apart (tensor parallelism: S-LoRA's exchange goes between them) ----
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, in]
+    a_stack: torch.Tensor,  # [S, R, in]
+    mapping: LoraMapping,
+) -> torch.Tensor:  # [T, R], x's dtype
+    """Semantics: ``out[t] = x[t] @ a_stack[s_t].T`` if ``s_t >= 0`` else 0 (``bgmv_shrink``).
+
+    CUDA: Punica's Triton shrink (BGMV for an all-decode step, SGMV otherwise). CPU: one
+    matmul per slot of the step over its tokens gathered, in the stacks' dtype."""
+    if mapping.cpu is None:
+        from kernels import lora_triton as tri  # first CUDA call only
+
+        if mapping.all_decode:
+            return tri.bgmv_shrink(x, a_stack, mapping.token_slots)
+        return tri.sgmv_shrink(
+            x, a_stack, mapping.seg_starts, mapping.seg_slots, max_seg_len=mapping.max_seg_len
+        )
+    out = x.new_zeros(x.shape[0], a_stack.shape[1])
+    for slot, rows in _slot_rows(mapping):
+        out.index_copy_(0, rows, x.index_select(0, rows) @ a_stack[slot].T)
+    return out
+
+
+def lora_expand(
+    y: torch.Tensor,  # [T, out_total], updated in place
+    h: torch.Tensor,  # [T, R], the shrink output
+    b_stack: torch.Tensor,  # [S, out, R]
+    scales: torch.Tensor,  # [S] float32
+    mapping: LoraMapping,
+    *,
+    out_offset: int = 0,
+) -> None:
+    """Semantics: ``y[t, o:o+out] += scales[s_t] * h[t] @ b_stack[s_t].T`` for ``s_t >= 0``
+    (``bgmv_expand``). Kernels as ``lora_shrink``'s."""
+    if mapping.cpu is None:
+        from kernels import lora_triton as tri  # first CUDA call only
+
+        if mapping.all_decode:
+            tri.bgmv_expand(y, h, b_stack, mapping.token_slots, scales, out_offset=out_offset)
+        else:
+            seg = (mapping.seg_starts, mapping.seg_slots)
+            tri.sgmv_expand(
+                y, h, b_stack, *seg, scales, out_offset=out_offset, max_seg_len=mapping.max_seg_len
+            )
+        return
+    cols = y[:, out_offset : out_offset + b_stack.shape[1]]
+    for slot, rows in _slot_rows(mapping):
+        delta = h.index_select(0, rows) @ b_stack[slot].T
+        cols.index_add_(0, rows, delta, alpha=float(scales[slot]))
+
+
+def _slot_rows(mapping: LoraMapping) -> list[tuple[int, torch.Tensor]]:
+    """(slot, its token rows) for each slot the step uses, made once per mapping."""
+    if mapping.slot_rows is None:
+        slots = mapping.token_slots
+        mapping.slot_rows = [
+            (slot, (slots == slot).nonzero().squeeze(1))
+            for slot in sorted(set(slots.tolist()) - {-1})
+        ]
+    return mapping.slot_rows

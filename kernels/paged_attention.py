@@ -36,6 +36,15 @@ class PrefillChunk:
     # (plain causal).
     mask: torch.Tensor | None
 
+    def to(self, device: torch.device) -> PrefillChunk:
+        return PrefillChunk(
+            self.start,
+            self.length,
+            self.context_len,
+            None if self.block_table is None else self.block_table.to(device),
+            None if self.mask is None else self.mask.to(device),
+        )
+
 
 @dataclass(slots=True)
 class DecodeGroup:
@@ -55,6 +64,15 @@ class DecodeGroup:
     # group = heads per KV head; row g * queries + i belongs to the sequence's query i.
     mask: torch.Tensor
 
+    def to(self, device: torch.device) -> DecodeGroup:
+        return DecodeGroup(
+            self.start,
+            self.count,
+            self.queries,
+            self.block_tables.to(device),
+            self.mask.to(device),
+        )
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -65,6 +83,16 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     # The decodes for the native kernel instead of ``decode_groups`` (CPU, bf16 or fp32).
     native_decodes: NativeDecodes | None = None
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """The same metadata with its tensors on ``device`` (the native decodes stay on the
+        host, where their kernel runs)."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping.to(device),
+            decode_groups=[g.to(device) for g in self.decode_groups],
+            prefills=[c.to(device) for c in self.prefills],
+            native_decodes=self.native_decodes,
+        )
 
 
 def write_kv(

@@ -36,3 +36,13 @@ class StructuredOutputError(InvalidRequestError):
 class NonFiniteLogitsError(InvalidRequestError):
     """The model gave this request no logits to sample from (NaN, or all -inf): its adapter
     or its values broke the numbers; the request ends alone."""
+
+
+class TensorParallelConfigError(EngineError, ValueError):
+    """The model cannot be split over ``tensor_parallel_size`` ranks (a head count, the
+    hidden or the intermediate size that does not divide), or the group cannot be set up."""
+
+
+class TensorParallelError(EngineError):
+    """The tensor-parallel group failed: a rank died or a collective broke. The ranks are
+    out of step, so the engine serves no more (the worker exits and is restarted)."""

@@ -35,6 +35,10 @@ class LLM:
     def unload_adapter(self, name: str) -> None:
         self.engine.unload_adapter(name)
 
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do on one rank)."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

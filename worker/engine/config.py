@@ -38,7 +38,9 @@ class EngineConfig:
     requests of different tenants share cached prefixes (faster; but one tenant can then
     time another's prompts); adapter requests are always isolated per tenant.
     ``swap_space_gb`` (or ``num_host_blocks``) sizes the host pool used when
-    ``preemption_mode`` is ``"swap"``. ``max_loras=0`` turns LoRA off."""
+    ``preemption_mode`` is ``"swap"``. ``max_loras=0`` turns LoRA off.
+    ``tensor_parallel_size``: ranks the model is split over (docs/tensor-parallelism.md);
+    the KV cache and swap sizes are then each rank's."""
 
     dtype: str | torch.dtype = "auto"
     device: str | torch.device = "cpu"
@@ -56,6 +58,7 @@ class EngineConfig:
     preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE
     swap_space_gb: float = 1.0
     num_host_blocks: int | None = None
+    tensor_parallel_size: int = 1
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     fairness: FairnessConfig = field(default_factory=FairnessConfig)
 
@@ -67,6 +70,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidRequestError(f"{name} must be at least 1 (or unset), got {value}")
+        if self.tensor_parallel_size < 1:
+            raise InvalidRequestError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise InvalidRequestError("max_loras must be >= 0 and max_lora_rank >= 1")
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))

@@ -4,7 +4,8 @@ A request's values can fail only that request. The forward pass is bisected (a s
 logits and K/V depend only on its own tokens, so running parts of a batch apart writes the
 same slots with the same values and gives each sequence the same rows); sampling is redone
 row by row, with seeded generators rewound first so their draws are those of a clean step.
-Each costs nothing until a step raises.
+Each costs nothing until a step raises. A tensor-parallel group that fails
+(``TensorParallelError``) is not a request's fault and is never isolated: it propagates.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from worker.engine.batch import ScheduledSequence
 from worker.engine.sequence import Sequence
-from worker.errors import NonFiniteLogitsError, SequenceFailedError
+from worker.errors import NonFiniteLogitsError, SequenceFailedError, TensorParallelError
 from worker.sampling.sampler import SampledToken, Sampler, SamplingRow, why_unusable
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ def execute_isolating(execute: Execute, scheduled: list[ScheduledSequence]) -> E
     try:
         sampling, logits = execute(scheduled)
         return Executed(sampling, logits)
+    except TensorParallelError:
+        raise
     except Exception as exc:
         if len(scheduled) == 1:
             return _one_failed(scheduled[0].seq, exc)
@@ -55,6 +58,8 @@ def execute_isolating(execute: Execute, scheduled: list[ScheduledSequence]) -> E
         try:
             sampling, logits = execute(part)
             parts.append(Executed(sampling, logits))
+        except TensorParallelError:
+            raise
         except Exception as exc:
             if len(part) == 1:
                 parts.append(_one_failed(part[0].seq, exc))

@@ -41,7 +41,10 @@ from worker.errors import (
 )
 from worker.model.llama import LlamaModel
 from worker.model.lora_manager import LoraManager, UnknownAdapterError
+from worker.model.model_config import ModelConfig
 from worker.model.model_runner import ModelRunner, kv_bytes_per_block
+from worker.parallel.launch import start_ranks
+from worker.parallel.runner import TensorParallelRunner
 from worker.sampling.grammar import GrammarCompiler, MaskBatch
 from worker.sampling.sampler import SampledToken, Sampler, SamplingRow
 from worker.sampling.sampling_params import SamplingParams
@@ -64,13 +67,40 @@ class LLMEngine:
         max_num_batched_tokens, max_loras = config.max_num_batched_tokens, config.max_loras
         self.device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, self.device)
-        self.model = LlamaModel.from_pretrained(model, dtype=torch_dtype, device=self.device)
+        tp_size = config.tensor_parallel_size
+        model_config = ModelConfig.from_pretrained(model)
+        block_bytes = kv_bytes_per_block(
+            model_config, block_size, torch_dtype, tensor_parallel_size=tp_size
+        )
+        if num_kv_blocks is None:
+            num_kv_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
+        preemption_mode = config.preemption_mode
+        if preemption_mode is PreemptionMode.SWAP and num_host_blocks is None:
+            num_host_blocks = max(1, int(config.swap_space_gb * 2**30) // block_bytes)
+        # Tensor parallelism: ranks 1..N-1 load their shards while this process (rank 0)
+        # loads its own; None on one rank.
+        self.tensor_parallel = start_ranks(
+            model,
+            config,
+            dtype=torch_dtype,
+            device=self.device,
+            num_kv_blocks=num_kv_blocks,
+            num_host_blocks=num_host_blocks,
+        )
+        group = self.tensor_parallel.group if self.tensor_parallel is not None else None
+        try:
+            self.model = LlamaModel.from_pretrained(
+                model, dtype=torch_dtype, device=self.device, group=group
+            )
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.connect()
+        except BaseException:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.abandon()
+            raise
         self.config = self.model.config
         self.tokenizer = load_tokenizer(model)
         self.max_model_len = min(config.max_model_len or 10**9, self.config.max_position_embeddings)
-        block_bytes = kv_bytes_per_block(self.config, block_size, torch_dtype)
-        if num_kv_blocks is None:
-            num_kv_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
         self.block_manager = BlockManager(
             num_blocks=num_kv_blocks,
             block_size=block_size,
@@ -78,10 +108,8 @@ class LLMEngine:
         )
         self.share_base_model_prefixes = config.share_base_model_prefixes
         host_pool = None
-        preemption_mode = config.preemption_mode
         if preemption_mode is PreemptionMode.SWAP:
-            if num_host_blocks is None:
-                num_host_blocks = max(1, int(config.swap_space_gb * 2**30) // block_bytes)
+            assert num_host_blocks is not None
             host_pool = BlockManager(
                 num_blocks=num_host_blocks, block_size=block_size, enable_caching=False
             )
@@ -105,13 +133,18 @@ class LLMEngine:
                 max_loras=max_loras,
                 max_lora_rank=config.max_lora_rank,
                 host_cache_bytes=int(config.lora_host_cache_gb * 2**30),
+                shard=group.shard if group is not None else None,
             )
-        self.runner = ModelRunner(
-            self.model,
+        runner_options = dict(
             num_blocks=num_kv_blocks,
             block_size=block_size,
             lora_manager=self.lora_manager,
             num_host_blocks=host_pool.num_blocks if host_pool is not None else 0,
+        )
+        self.runner = (
+            ModelRunner(self.model, **runner_options)
+            if self.tensor_parallel is None
+            else TensorParallelRunner(self.model, ranks=self.tensor_parallel, **runner_options)
         )
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(
@@ -149,6 +182,11 @@ class LLMEngine:
         self._forks = PendingForks(self.scheduler)  # n > 1 (see add_samples)
         self._arrivals = itertools.count()
         self._failures: dict[str, EngineError] = {}  # request id -> why it failed alone
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do on one rank)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.shutdown()
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -3,10 +3,15 @@
 Plain tensors and functions rather than ``nn.Module``s: no hooks or parameter bookkeeping
 on the hot path. q/k/v and gate/up projections are fused into one matmul each (fewer,
 larger GEMMs); their HF weights are concatenated at load time.
+
+Under tensor parallelism each rank holds its shard (``worker.model.sharding``: Megatron-LM's
+split) and the forward pass adds the collectives: an all-reduce after the vocabulary-parallel
+embedding and after each row-parallel projection (o, down), the logits gathered to rank 0.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,15 +22,17 @@ from safetensors import safe_open
 
 from kernels.draft_native import NativeDecodePass, native_draft
 from kernels.linear import Q4_MAX_ROWS, Linear
-from kernels.lora import add_lora
+from kernels.lora import add_lora, lora_expand, lora_shrink
 from kernels.norm_native import rms_norm
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from worker.errors import ModelLoadError
 from worker.model.model_config import ModelConfig
 from worker.model.rope import RopeTables, apply_rope
+from worker.model.sharding import Shard, check_divisible, weight_slicer
 
 if TYPE_CHECKING:
     from worker.model.lora_manager import LoraBatch
+    from worker.parallel.group import TensorParallelGroup
 
 
 @dataclass(slots=True)
@@ -47,28 +54,40 @@ class LlamaModel:
         output_token_ids: torch.Tensor | None = None,
         *,
         quantization: str | None = None,
+        group: TensorParallelGroup | None = None,
     ):
         """``weights`` on the device the model runs on (``kernels.linear`` packs on CPU).
 
         ``output_token_ids``: compute logits for these tokens only, the rest -inf (a draft
         model's cut-down output layer: for a small model the full one is most of a step).
         ``quantization``: "int8" or "int4" copies of the projections and the output layer
-        (``kernels.linear``): approximate, for a draft model only."""
+        (``kernels.linear``): approximate, for a draft model only. ``group``: this rank's
+        tensor-parallel group, ``weights`` then being its shard (``from_pretrained``)."""
         self.config = config
         self.dtype = dtype
         self.device = weights["model.embed_tokens.weight"].device
+        self.group = group
         c = config
-        self.q_size = c.num_heads * c.head_dim
-        self.kv_size = c.num_kv_heads * c.head_dim
+        self.shard = group.shard if group is not None else Shard(0, 1)
+        self.num_heads = c.num_heads // self.shard.size  # this rank's heads
+        self.num_kv_heads = c.num_kv_heads // self.shard.size
+        self.q_size = self.num_heads * c.head_dim
+        self.kv_size = self.num_kv_heads * c.head_dim
         self.scale = c.head_dim**-0.5
-        self.embed = weights["model.embed_tokens.weight"]
+        # Vocabulary-parallel: this rank's rows of the embedding and the output layer, ids
+        # vocab_start .. vocab_start + rows, padded with zero rows to vocab_rows.
+        self.vocab_start = self.shard.vocab_span(c.vocab_size).start
+        self.vocab_rows = self.shard.vocab_rows(c.vocab_size)
+        self.embed = self._vocab_padded(weights["model.embed_tokens.weight"])
         self.final_norm = weights["model.norm.weight"]
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
         if head not in weights:
             raise ModelLoadError(f"the checkpoint has no {head} (tie_word_embeddings is False)")
         self.output_token_ids = output_token_ids
-        head_weight = weights[head]
+        head_weight = self._vocab_padded(weights[head])
         if output_token_ids is not None:
+            if group is not None:
+                raise ValueError("a cut-down output layer is for a draft model, never split")
             self.output_token_ids = output_token_ids.to(self.device)
             head_weight = head_weight[self.output_token_ids].contiguous()
         self.quantization = quantization
@@ -95,10 +114,25 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         output_token_ids: torch.Tensor | None = None,
         quantization: str | None = None,
+        group: TensorParallelGroup | None = None,
     ) -> LlamaModel:
+        """``group``: load this rank's shard only (each tensor's slice read from the file)."""
         config = ModelConfig.from_pretrained(path)
-        weights = {k: v.to(device) for k, v in load_safetensors(Path(path), dtype).items()}
-        return cls(config, weights, dtype, output_token_ids, quantization=quantization)
+        select = None
+        if group is not None:
+            check_divisible(config, group.size)
+            select = weight_slicer(config, group.shard)
+        weights = {
+            k: v.to(device) for k, v in load_safetensors(Path(path), dtype, select=select).items()
+        }
+        return cls(config, weights, dtype, output_token_ids, quantization=quantization, group=group)
+
+    def _vocab_padded(self, rows: torch.Tensor) -> torch.Tensor:
+        """A vocabulary shard [ids, hidden] padded with zero rows to ``vocab_rows``."""
+        missing = self.vocab_rows - rows.shape[0]
+        if missing <= 0:
+            return rows
+        return torch.cat([rows, rows.new_zeros(missing, rows.shape[1])])
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -128,12 +162,12 @@ class LlamaModel:
     ) -> torch.Tensor:  # [num_tokens, hidden]
         c = self.config
         cos, sin = self.rope.lookup(positions)  # each [num_tokens, 1, head_dim]
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self._embed(input_ids)
         num_tokens = hidden.shape[0]
         for index, (layer, (key_cache, value_cache)) in enumerate(
             zip(self.layers, kv_caches, strict=True)
         ):
-            adapters = None if lora is None else _LayerLora(lora, index)
+            adapters = None if lora is None else _LayerLora(lora, index, self.group)
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
             qkv = layer.qkv(x)
             if adapters is not None:
@@ -141,24 +175,50 @@ class LlamaModel:
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # q and k rotate together: [num_tokens, heads + kv_heads, head_dim]
             qk = apply_rope(qk.view(num_tokens, -1, c.head_dim), cos, sin)
-            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            v = v.view(num_tokens, self.num_kv_heads, c.head_dim)
             write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
             attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
             attn = attn.view(num_tokens, self.q_size)
-            hidden = layer.o.add_to(attn, hidden)
-            if adapters is not None:
-                adapters.add(hidden, attn, "o")
+            hidden = self._row_parallel(layer.o, attn, hidden, adapters, "o")
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate_up = layer.gate_up(x)
             if adapters is not None:
                 adapters.add(gate_up, x, "gate_up")
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-            hidden = layer.down.add_to(act, hidden)
-            if adapters is not None:
-                adapters.add(hidden, act, "down")
+            hidden = self._row_parallel(layer.down, act, hidden, adapters, "down")
         return hidden
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+        """The embedding rows; split by vocabulary, each rank looks up the ids it holds
+        (zeros for the rest) and one all-reduce sums them."""
+        if self.group is None:
+            return F.embedding(input_ids, self.embed)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_rows)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embed)
+        hidden.masked_fill_(outside[:, None], 0)
+        return self.group.all_reduce(hidden)
+
+    def _row_parallel(
+        self,
+        linear: Linear,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        adapters: _LayerLora | None,
+        lora_group: str,
+    ) -> torch.Tensor:
+        """``residual + x @ W.T`` plus the LoRA delta. Split by rows, each rank's product is
+        a partial sum (the residual added on rank 0 only, the LoRA delta on its columns) and
+        one all-reduce completes it."""
+        first = self.group is None or self.group.rank == 0
+        y = linear.add_to(x, residual) if first else linear(x)
+        if adapters is not None:
+            adapters.add(y, x, lora_group)
+        if self.group is not None:
+            self.group.all_reduce(y)
+        return y
 
     def native_decode_pass(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -186,11 +246,17 @@ class LlamaModel:
         except (RuntimeError, ValueError):  # a projection without a native 4-bit copy
             return None
 
-    def compute_logits(self, hidden: torch.Tensor, *, kept_only: bool = False) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, *, kept_only: bool = False
+    ) -> torch.Tensor | None:
         """[rows, hidden] -> [rows, vocab] fp32, for the rows that sample only; with
-        ``kept_only``, [rows, len(output_token_ids)] for a cut-down output layer."""
+        ``kept_only``, [rows, len(output_token_ids)] for a cut-down output layer. Split by
+        vocabulary, the ranks' columns are gathered to rank 0 (the others return None)."""
         x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         logits = self.lm_head(x).float()
+        if self.group is not None:
+            gathered = self.group.gather_to_first(logits)
+            return None if gathered is None else gathered[:, : self.config.vocab_size]
         if self.output_token_ids is None or kept_only:
             return logits
         return self.full_logits(logits)
@@ -204,23 +270,45 @@ class LlamaModel:
 
 
 class _LayerLora:
-    """Adds the step's LoRA deltas into one layer's fused projection outputs."""
+    """Adds the step's LoRA deltas into one layer's fused projection outputs.
 
-    __slots__ = ("mapping", "stacks")
+    Under tensor parallelism the slots hold S-LoRA's shards (``worker.model.lora_manager``):
+    shrink and expand run apart, with the rank-sized exchange between them, an all-gather
+    for a column-parallel group and an all-reduce for a row-parallel one."""
 
-    def __init__(self, lora: LoraBatch, layer: int) -> None:
+    __slots__ = ("group", "mapping", "stacks")
+
+    def __init__(self, lora: LoraBatch, layer: int, group: TensorParallelGroup | None) -> None:
         self.mapping = lora.mapping
         self.stacks = lora.stacks[layer]
+        self.group = group
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, group: str) -> None:
-        """``y += LoRA_group(x)``: y is the group's fused projection output."""
-        s = self.stacks[group]
-        if s.used:
+    def add(self, y: torch.Tensor, x: torch.Tensor, lora_group: str) -> None:
+        """``y += LoRA_group(x)``: y is the group's fused projection output (row-parallel
+        under tensor parallelism: this rank's partial sum, full width)."""
+        s = self.stacks[lora_group]
+        if not s.used:
+            return
+        if self.group is None:
             add_lora(y, x, s.a, s.b, s.scales, self.mapping, pairs=s.pairs, native=s.native)
+            return
+        if not self.mapping.any_lora:
+            return
+        h = lora_shrink(x, s.a, self.mapping)  # [T, this rank's share]
+        # Row-parallel: partial sums over the input split -> [T, R]; column-parallel: each
+        # rank's share of the ranks side by side -> [T, size * w].
+        h = self.group.all_reduce(h) if s.row_parallel else self.group.all_gather(h)
+        lora_expand(y, h, s.b, s.scales, self.mapping, out_offset=s.out_offset)
 
 
-def load_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of every ``*.safetensors`` shard in ``path``, cast to ``dtype``."""
+def load_safetensors(
+    path: Path,
+    dtype: torch.dtype,
+    *,
+    select: Callable[[str], tuple[int, slice] | None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` shard in ``path``, cast to ``dtype``.
+    ``select``: for a name, the (dim, slice) of it to read (None: all of it)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {path} (pickled weights are refused)")
@@ -228,7 +316,14 @@ def load_safetensors(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                weights[name] = f.get_tensor(name).to(dtype)
+                part = select(name) if select is not None else None
+                if part is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    dim, span = part
+                    sliced = f.get_slice(name)
+                    tensor = sliced[span] if dim == 0 else sliced[:, span]
+                weights[name] = tensor.to(dtype)
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError(f"{path} has no model.embed_tokens.weight: not a Llama checkpoint")
     return weights

@@ -12,12 +12,23 @@ matrices stack along the rank and their B matrices form a block diagonal, with e
 module's scaling folded into its B block. On CPU each LoRA call has a fixed cost of tens of
 microseconds (bench/lora_ops.py), so four calls per layer instead of seven matter more than
 the zeros the block diagonal multiplies.
+
+Under tensor parallelism (``shard``) each rank's slots hold its part of every adapter as
+S-LoRA partitions it (section 5), lined up with the base layer's split
+(``worker.model.sharding``). Column-parallel groups (q/k/v, gate/up): A split along the rank
+(each adapter's r rows in ``size`` chunks), B along its outputs like the base weight, its
+columns laid out as the ranks' shrink outputs arrive from the all-gather. Row-parallel
+groups (o, down): A split along its inputs like the base weight (the shrink is a partial
+sum, all-reduced), B along its outputs, added into this rank's columns of the partial sum
+that the base layer's all-reduce completes. Each slot is filled on every rank (rank 0
+records its fills, which travel with the next step).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +41,7 @@ from adapters.lora import LoraAdapter
 from adapters.peft_format import load_adapter_dir
 from kernels.lora import LoraMapping, NativeSlots, SlotPairs
 from worker.errors import InvalidRequestError
+from worker.model.sharding import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +57,8 @@ LORA_GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+# Groups whose base projections are row-parallel under tensor parallelism.
+ROW_PARALLEL_GROUPS = ("o", "down")
 
 
 @dataclass(slots=True)
@@ -61,6 +75,9 @@ class SlotStack:
     pairs: SlotPairs | None = None  # CPU fp16 (or bf16 without native): cut to rank, packed
     native: NativeSlots | None = None  # CPU bf16/fp32: slots cut to rank for the native kernel
     used: bool = False  # some adapter ever targeted this group (else skip the call)
+    # Tensor parallelism: a row-parallel group's B writes these columns of the partial sum.
+    row_parallel: bool = False
+    out_offset: int = 0
 
 
 @dataclass(slots=True)
@@ -69,6 +86,7 @@ class LoraBatch:
 
     mapping: LoraMapping
     stacks: list[dict[str, SlotStack]]  # per layer, by LoRA group (LORA_GROUPS)
+    token_slots: list[int]  # each token's slot, -1 for none (as the mapping holds them)
 
 
 class LoraManager:
@@ -82,7 +100,10 @@ class LoraManager:
         max_lora_rank: int = 32,
         max_adapter_bytes: int = 512 * 2**20,
         host_cache_bytes: int = 2 * 2**30,
+        shard: Shard | None = None,
     ) -> None:
+        """``shard``: this rank's place in a tensor-parallel group; its slots hold S-LoRA's
+        shards, for the split shrink and expand (no native kernel or prepacked pairs)."""
         config = json.loads((Path(model_path) / "config.json").read_text())
         self.spec = BaseModelSpec.from_config_dict(config)
         self.dtype = dtype
@@ -103,9 +124,15 @@ class LoraManager:
         # adapter dropped from the host cache (it is read from the store again when needed).
         self.num_slot_evictions = 0
         self.num_host_evictions = 0
+        self.shard = shard
+        # Rank 0 of a group: the slots filled since the last step, (slot, content id, path).
+        recording = shard is not None and shard.rank == 0
+        self._fills: list[tuple[int, str, str]] | None = [] if recording else None
         # bf16 or fp32 on CPU: the native kernel, built here (about a second, once per machine and
-        # source) rather than inside the first adapter load.
-        self.native = NativeSlots.wanted(torch.empty(0, dtype=dtype, device=self.device))
+        # source) rather than inside the first adapter load. It fuses shrink and expand, so a
+        # rank of a tensor-parallel group, which exchanges between them, does without it.
+        probe = torch.empty(0, dtype=dtype, device=self.device)
+        self.native = shard is None and NativeSlots.wanted(probe)
         if self.device.type == "cpu":
             kernel = "native kernel" if self.native else "torch paths"
             logger.info("LoRA on CPU in %s: %s", str(dtype).removeprefix("torch."), kernel)
@@ -162,12 +189,30 @@ class LoraManager:
             return None
         self._step += 1
         slot_of = {adapter: self._slot_for(adapter, needed) for adapter in needed}
-        slots = [-1 if a is None else slot_of[a] for a in token_adapters]
+        return self.batch([-1 if a is None else slot_of[a] for a in token_adapters], all_decode)
+
+    def batch(self, token_slots: list[int], all_decode: bool) -> LoraBatch:
+        """The step's LoRA from each token's slot (-1: none), its slots already filled."""
         assert self._stacks is not None
         mapping = LoraMapping.build(
-            slots, device=self.device, all_decode=all_decode, native=self.native
+            token_slots, device=self.device, all_decode=all_decode, native=self.native
         )
-        return LoraBatch(mapping, self._stacks)
+        return LoraBatch(mapping, self._stacks, token_slots)
+
+    def take_fills(self) -> list[tuple[int, str, str]]:
+        """Rank 0 of a group: the slots filled since the last call, for the other ranks."""
+        fills = self._fills or []
+        if self._fills is not None:
+            self._fills = []
+        return fills
+
+    def fill(self, slot: int, adapter_id: str, path: str | Path) -> None:
+        """Another rank: put adapter ``adapter_id`` (read from ``path`` unless cached) in
+        ``slot``, as rank 0 did."""
+        if self._stacks is None:
+            self._stacks = self._allocate()
+        self.paths[adapter_id] = Path(path)
+        self._fill_slot(slot, self._host_get(adapter_id))
 
     def _slot_for(self, adapter_id: str, needed: set[str]) -> int:
         if adapter_id in self.slots:
@@ -189,6 +234,9 @@ class LoraManager:
                 stack.a[slot].zero_()
                 stack.b[slot].zero_()
                 stack.scales[slot] = 1.0
+                if self.shard is not None:
+                    self._fill_shard(stack, group, layer, slot, adapter, self.shard)
+                    continue
                 row = 0
                 for m, module in enumerate(LORA_GROUPS[group]):
                     out_features = self.spec.projection_shape(module)[1]
@@ -206,6 +254,45 @@ class LoraManager:
                     stack.native.refresh(slot, stack.a[slot], stack.b[slot])
         self.slots[slot] = adapter.id
         self.num_slot_loads += 1
+        if self._fills is not None:
+            self._fills.append((slot, adapter.id, str(self.paths[adapter.id])))
+
+    def _fill_shard(
+        self,
+        stack: SlotStack,
+        group: str,
+        layer: int,
+        slot: int,
+        adapter: LoraAdapter,
+        shard: Shard,
+    ) -> None:
+        """This rank's S-LoRA shard of one group of ``adapter`` into ``slot`` (see the
+        module docstring; ``_allocate`` sizes the stacks)."""
+        modules = LORA_GROUPS[group]
+        width = stack.a.shape[1] // len(modules)  # A rows per module on this rank
+        row = 0
+        for m, module in enumerate(modules):
+            in_features, out_features = self.spec.projection_shape(module)
+            out_rows = shard.span(out_features)
+            weights = adapter.weights.get((layer, module))
+            if weights is not None:
+                r = weights.rank
+                a = torch.from_numpy(weights.a.copy())  # [r, in]
+                b = torch.from_numpy(weights.b * np.float32(weights.scaling))[out_rows]
+                if stack.row_parallel:  # A by input features, B by output features
+                    stack.a[slot, :r].copy_(a[:, shard.span(in_features)])
+                    stack.b[slot, :, :r].copy_(b)
+                else:  # A by rank, in chunks; B's columns where the all-gather puts them
+                    chunk = math.ceil(r / shard.size)
+                    for j in range(shard.size):
+                        ranks = slice(min(j * chunk, r), min((j + 1) * chunk, r))
+                        n = ranks.stop - ranks.start
+                        if j == shard.rank:
+                            stack.a[slot, m * width : m * width + n].copy_(a[ranks])
+                        col = (j * len(modules) + m) * width
+                        stack.b[slot, row : row + b.shape[0], col : col + n].copy_(b[:, ranks])
+                stack.used = True
+            row += out_rows.stop - out_rows.start
 
     # --- host cache -------------------------------------------------------------------
 
@@ -241,6 +328,8 @@ class LoraManager:
         return spans
 
     def _allocate(self) -> list[dict[str, SlotStack]]:
+        if self.shard is not None:
+            return self._allocate_shards(self.shard)
         rank, slots = self.max_lora_rank, self.max_loras
         stacks = []
         for _ in range(self.spec.num_layers):
@@ -262,6 +351,37 @@ class LoraManager:
                     native=NativeSlots(slots, in_features, self._outputs(modules), self.dtype)
                     if native
                     else None,
+                )
+            stacks.append(layer)
+        return stacks
+
+    def _allocate_shards(self, shard: Shard) -> list[dict[str, SlotStack]]:
+        """Slot stacks for this rank's shards: a row-parallel group's A [slots, R, in / size]
+        and B [slots, out / size, R]; a column-parallel group's A [slots, modules * w, in]
+        (w = ceil(R / size) of each module's ranks) and B [slots, out / size, size *
+        modules * w] (all the ranks, as gathered)."""
+        rank, slots = self.max_lora_rank, self.max_loras
+        on = {"dtype": self.dtype, "device": self.device}
+        width = math.ceil(rank / shard.size)
+        stacks = []
+        for _ in range(self.spec.num_layers):
+            layer = {}
+            for group, modules in LORA_GROUPS.items():
+                in_features = self.spec.projection_shape(modules[0])[0]
+                out_local = sum(self.spec.projection_shape(m)[1] for m in modules) // shard.size
+                row_parallel = group in ROW_PARALLEL_GROUPS
+                if row_parallel:
+                    a_shape = (slots, rank, in_features // shard.size)
+                    b_shape = (slots, out_local, rank)
+                else:
+                    a_shape = (slots, len(modules) * width, in_features)
+                    b_shape = (slots, out_local, shard.size * len(modules) * width)
+                layer[group] = SlotStack(
+                    a=torch.zeros(a_shape, **on),
+                    b=torch.zeros(b_shape, **on),
+                    scales=torch.zeros(slots, dtype=torch.float32, device=self.device),
+                    row_parallel=row_parallel,
+                    out_offset=shard.rank * out_local if row_parallel else 0,
                 )
             stacks.append(layer)
         return stacks

@@ -16,13 +16,17 @@ from kernels.attention_native import MAX_HEAD_DIM, NativeDecodes, native_attenti
 from kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from worker.engine.batch import BlockMove, MoveKind, ScheduledSequence
 from worker.model.llama import LlamaModel
-from worker.model.lora_manager import LoraManager
+from worker.model.lora_manager import LoraBatch, LoraManager
 from worker.model.model_config import ModelConfig
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (keys and values)."""
-    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+def kv_bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, *, tensor_parallel_size: int = 1
+) -> int:
+    """Bytes one block takes across all layers (keys and values), on each rank: a rank of
+    a tensor-parallel group holds its share of the KV heads."""
+    kv_heads = config.num_kv_heads // tensor_parallel_size
+    per_token = 2 * config.num_layers * kv_heads * config.head_dim
     return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
 
 
@@ -33,6 +37,18 @@ class StepInputs:
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # [num_sampling] rows of the flattened batch to sample from
     order: list[ScheduledSequence]  # the batch's sequences in flattened order
+
+    def to(self, device: torch.device) -> StepInputs:
+        """The same inputs with their tensors on ``device`` (``prepare`` makes them on the host)."""
+        if device.type == "cpu":
+            return self
+        return StepInputs(
+            input_ids=self.input_ids.to(device),
+            positions=self.positions.to(device),
+            meta=self.meta.to(device),
+            logit_rows=self.logit_rows.to(device),
+            order=self.order,
+        )
 
 
 def _offsets(s: ScheduledSequence) -> list[int]:
@@ -61,6 +77,7 @@ class ModelRunner:
         self.block_size = block_size
         c = model.config
         self.heads_per_kv_head = c.num_heads // c.num_kv_heads
+        kv_heads = model.num_kv_heads  # this rank's, under tensor parallelism
         # Decodes read the cache in place where the native kernel serves (CPU, bf16 or fp32).
         self.native_decodes = (
             self.device.type == "cpu"
@@ -68,7 +85,7 @@ class ModelRunner:
             and c.head_dim <= MAX_HEAD_DIM
             and native_attention() is not None
         )
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        shape = (num_blocks, block_size, kv_heads, c.head_dim)
         self.kv_caches = [
             tuple(torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in "kv")
             for _ in range(c.num_layers)
@@ -126,18 +143,28 @@ class ModelRunner:
         if native is not None:
             return native
         inputs = self.prepare(scheduled)
-        lora = None
-        # The per-token adapter list is only built when some sequence uses an adapter.
-        if self.lora_manager is not None and any(s.seq.adapter_id for s in inputs.order):
-            token_adapters = [a for s in inputs.order for a in [s.seq.adapter_id] * s.num_fed]
-            lora = self.lora_manager.prepare(
-                token_adapters, all_decode=len(inputs.meta.prefills) == 0
-            )
+        lora = self.lora_batch(inputs)
+        logits = self.run(inputs.to(self.device), lora, kept_only=kept_only)
+        assert logits is not None
+        return [s for s in inputs.order if s.samples], logits
+
+    def lora_batch(self, inputs: StepInputs) -> LoraBatch | None:
+        """This step's adapters in slots and each token's slot; None when no sequence has one
+        (the per-token list is only built then)."""
+        if self.lora_manager is None or not any(s.seq.adapter_id for s in inputs.order):
+            return None
+        token_adapters = [a for s in inputs.order for a in [s.seq.adapter_id] * s.num_fed]
+        return self.lora_manager.prepare(token_adapters, all_decode=not inputs.meta.prefills)
+
+    def run(
+        self, inputs: StepInputs, lora: LoraBatch | None, *, kept_only: bool = False
+    ) -> torch.Tensor | None:
+        """The forward pass over prepared inputs: the sampling rows' logits (None on a rank
+        of a tensor-parallel group other than 0, which only lends its share of the pass)."""
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, lora
         )
-        logits = self.model.compute_logits(hidden[inputs.logit_rows], kept_only=kept_only)
-        return [s for s in inputs.order if s.samples], logits
+        return self.model.compute_logits(hidden[inputs.logit_rows], kept_only=kept_only)
 
     def _execute_native(
         self, scheduled: list[ScheduledSequence], kept_only: bool
@@ -187,7 +214,7 @@ class ModelRunner:
                 # The last real token's row, then one row per draft token.
                 logit_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
         meta = AttentionMetadata(
-            slot_mapping=self._indices(slots),
+            slot_mapping=_host(slots),
             decode_groups=[] if self.native_decodes else self._decode_groups(decodes),
             prefills=self._prefill_chunks(prefills, start=sum(s.num_fed for s in decodes)),
             native_decodes=self._native_decodes(decodes)
@@ -195,10 +222,10 @@ class ModelRunner:
             else None,
         )
         return StepInputs(
-            input_ids=self._indices(ids),
-            positions=self._indices(positions),
+            input_ids=_host(ids),
+            positions=_host(positions),
             meta=meta,
-            logit_rows=self._indices(logit_rows),
+            logit_rows=_host(logit_rows),
             order=order,
         )
 
@@ -280,8 +307,8 @@ class ModelRunner:
             start=start,
             count=len(decodes),
             queries=queries,
-            block_tables=self._indices(flat),
-            mask=mask.to(self.device),
+            block_tables=_host(flat),
+            mask=mask,
         )
 
     def _prefill_chunks(
@@ -291,12 +318,16 @@ class ModelRunner:
         for s in prefills:
             table = mask = None
             if s.start > 0:
-                table = self._indices(s.seq.block_table)
+                table = _host(s.seq.block_table)
                 span = len(s.seq.block_table) * self.block_size
-                mask = _chunk_mask(s, span).to(self.device)
+                mask = _chunk_mask(s, span)
             chunks.append(PrefillChunk(start, s.num_fed, s.start, table, mask))
             start += s.num_fed
         return chunks
+
+
+def _host(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def _chunk_mask(s: ScheduledSequence, span: int) -> torch.Tensor:
