@@ -25,6 +25,7 @@ def worker(args: argparse.Namespace) -> int:
     import uvloop
 
     from runtime.logs import configure_logging, json_lines_wanted
+    from worker.errors import TensorParallelError
     from worker.serving.auth import TOKEN_ENV, WorkerAuth
     from worker.serving.main_thread import MainThreadEngineLoop
     from worker.serving.server import serve
@@ -61,7 +62,11 @@ def worker(args: argparse.Namespace) -> int:
             health_port=None if args.health_port < 0 else args.health_port,
         ),
     )
-    engine_loop.run(rpc)
+    try:
+        engine_loop.run(rpc)
+    except TensorParallelError as exc:  # a rank died: it left the registry; restart us
+        logging.getLogger("switchboard.worker").error("worker stopped: %s", exc)
+        return 1
     return 0
 
 
@@ -86,6 +91,7 @@ def worker_engine_kwargs(args: argparse.Namespace) -> dict:
         "share_base_model_prefixes": args.share_base_model_prefixes,
         "preemption_mode": args.preemption_mode,
         "swap_space_gb": args.swap_space_gb,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "speculative_model": args.speculative_model,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_max_batch_size": args.speculative_max_batch_size,
@@ -132,6 +138,13 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=DTYPE_CHOICES,
         help="auto: bf16 where this CPU or GPU computes it natively, else fp32 (CPU) or fp16",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many ranks (GPUs from --device's, or processes "
+        "sharing this machine's cores), rank 0 in this process (docs/tensor-parallelism.md)",
     )
     parser.add_argument("--max-loras", type=int, default=8, help="adapter slots (0: no LoRA)")
     parser.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank")

@@ -9,12 +9,18 @@ the other), prefix-cache hits, n > 1 and, on Qwen2, a draft model speculating on
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from dataclasses import dataclass
 
+import grpc
+import psutil
 import pytest
 import torch
+from redis.asyncio import Redis
 
 from factories import (
+    add_byte_level_tokenizer,
     assert_no_block_leaks,
     drain,
     make_checkpoint,
@@ -22,6 +28,8 @@ from factories import (
     make_perturbed_checkpoint,
     random_prompts,
 )
+from rpc import worker_pb2, worker_pb2_grpc
+from runtime import registry
 from worker import LLM, SamplingParams
 from worker.errors import TensorParallelConfigError
 
@@ -151,3 +159,63 @@ def test_a_head_count_the_group_does_not_divide_is_refused(tmp_path):
     base = make_checkpoint(tmp_path, num_heads=6, num_kv_heads=3, hidden_size=48)
     with pytest.raises(TensorParallelConfigError, match="num_key_value_heads=3"):
         LLM(base, dtype="float32", num_kv_blocks=8, tensor_parallel_size=2)
+
+
+# --- the worker: gRPC end to end, and a rank that dies --------------------------------------
+
+
+async def test_a_two_rank_worker_serves_over_grpc_and_exits_when_a_rank_dies(
+    tmp_path, redis_url, redis_prefix
+):
+    """The CLI worker with --tensor-parallel-size 2 streams what one rank generates; when
+    its other rank is killed, a stream in flight ends UNAVAILABLE (the gateway's cue to try
+    another worker), the worker leaves the registry and exits non-zero."""
+    base = add_byte_level_tokenizer(make_checkpoint(tmp_path / "base", vocab_size=512, seed=3))
+    prompt = [5, 17, 99, 230, 41, 8]
+    offline = LLM(base, dtype="float32", num_kv_blocks=64)
+    expected = offline.generate(prompt, greedy(8))[0].token_ids
+    redis = Redis.from_url(redis_url)
+    command = [
+        sys.executable, "-c", "from switchboard.cli import main; raise SystemExit(main())",
+        "worker", "--model", str(base), "--port", "0", "--dtype", "float32",
+        "--redis-url", redis_url, "--redis-prefix", redis_prefix, "--worker-id", "tp",
+        "--kv-cache-memory-gb", "0.01", "--max-loras", "1", "--tensor-parallel-size", "2",
+        "--metrics-port", "-1",
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
+    try:
+        line = await asyncio.wait_for(process.stdout.readline(), 120.0)
+        address = line.decode().split()[-1]
+        [info] = await registry.live_workers(redis, redis_prefix)
+        assert info.worker_id == "tp"
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            messages = [m async for m in stub.Generate(generate_request(prompt, 8))]
+            assert [t for m in messages for t in m.token_ids] == expected
+
+            long_stream = stub.Generate(generate_request(prompt, 900))
+            await long_stream.read()  # the first token: it runs
+            [rank_one] = psutil.Process(process.pid).children()
+            rank_one.kill()
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                while await long_stream.read() is not grpc.aio.EOF:
+                    pass
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        assert await asyncio.wait_for(process.wait(), 30.0) == 1
+        assert await registry.live_workers(redis, redis_prefix) == []
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await redis.aclose()
+
+
+def generate_request(prompt: list[int], max_tokens: int) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(
+        request_id=f"r{max_tokens}",
+        prompt_token_ids=prompt,
+        params=worker_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, skip_special_tokens=True
+        ),
+    )

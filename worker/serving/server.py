@@ -5,7 +5,9 @@ One process serves one engine. The engine steps on the process's main thread
 (``worker.serving.servicer``) only translate messages, enqueue, stream and abort. The worker
 publishes itself to the Redis registry every heartbeat, and on SIGTERM/SIGINT it drains: health goes
 NOT_SERVING, it leaves the registry, new Generate calls get UNAVAILABLE, running ones finish
-(up to a deadline, after which they are aborted), then it stops.
+(up to a deadline, after which they are aborted), then it stops. A tensor-parallel worker
+whose group loses a rank stops the same way at once, without the drain (its engine can
+run no more steps), and ``serve`` raises the group's error: the process exits non-zero.
 
 Callers authenticate (``worker.serving.auth``): mutual TLS and/or a shared token over TLS; without
 either the worker refuses to listen anywhere but loopback. ``health_port`` serves
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -31,6 +34,7 @@ from redis.exceptions import AuthenticationError, RedisError
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime import registry
 from worker.engine.llm_engine import LLMEngine
+from worker.errors import TensorParallelError
 from worker.serving.async_engine import AsyncEngine
 from worker.serving.auth import WorkerAuth, WorkerAuthError
 from worker.serving.main_thread import STOP_SIGNALS, MainThreadEngineLoop
@@ -41,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# A failed tensor-parallel group's worker stops within this, or exits regardless.
+FAILED_GROUP_STOP_S = 15.0
 Status = health_pb2.HealthCheckResponse.ServingStatus
 
 
@@ -64,7 +70,10 @@ class WorkerServer:
         engine_runner: Callable[[Callable[[], None]], None] | None = None,
         auth: WorkerAuth | None = None,
         health_port: int | None = None,
+        on_failure: Callable[[], None] | None = None,
     ) -> None:
+        """``on_failure``: called on the event loop when the engine's tensor-parallel group
+        fails (``failure`` then says why); the caller should stop the server."""
         self.auth = auth or WorkerAuth()
         self.auth.check(host)  # before anything slow: a misconfigured worker fails at once
         self.health_port = health_port
@@ -91,6 +100,8 @@ class WorkerServer:
         self._beat_now = asyncio.Event()
         self._shutdown_lock = asyncio.Lock()
         self._stopped = False
+        self._on_failure = on_failure or (lambda: None)
+        self.failure: TensorParallelError | None = None
 
     @property
     def address(self) -> str:
@@ -121,6 +132,11 @@ class WorkerServer:
         except BaseException:
             await self._stop_servers(grace=None)
             raise
+        if llm_engine.tensor_parallel is not None:
+            loop = asyncio.get_running_loop()
+            llm_engine.tensor_parallel.on_failure(
+                lambda exc: loop.call_soon_threadsafe(self._group_failed, exc)
+            )
         self.engine = AsyncEngine(llm_engine)
         self.engine.start(self._engine_runner)
         self.servicer.engine = self.engine
@@ -130,6 +146,11 @@ class WorkerServer:
             await self._beat()
             self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
         logger.info("worker %s serving %s on %s", self.worker_id, self.model_name, self.address)
+
+    def _group_failed(self, exc: TensorParallelError) -> None:
+        self.failure = exc
+        logger.error("the tensor-parallel group failed (%s): this worker stops", exc)
+        self._on_failure()
 
     def info(self) -> registry.WorkerInfo:
         """What the registry says about this worker now."""
@@ -169,6 +190,7 @@ class WorkerServer:
         await self._stop_servers(grace=1.0)
         if self.engine is not None:
             await self.engine.stop()
+            await asyncio.to_thread(self.engine.engine.shutdown)  # a group's other ranks
 
     async def _stop_servers(self, *, grace: float | None) -> None:
         await self.server.stop(grace=grace)
@@ -223,6 +245,16 @@ class WorkerServer:
                 logger.warning("could not leave the registry (the TTL will): %s", exc)
 
 
+async def _stop_failed(server: WorkerServer) -> None:
+    """Leave the registry and stop without a drain; a step loop stuck in a collective (a
+    GPU group's dead peer) must not keep the process alive: exit regardless after a while."""
+    try:
+        await asyncio.wait_for(server.shutdown(drain_timeout=0.0), FAILED_GROUP_STOP_S)
+    except TimeoutError:
+        logger.error("the failed worker did not stop in %.0f s: exiting", FAILED_GROUP_STOP_S)
+        os._exit(1)
+
+
 def _reachable_host(host: str) -> str:
     """The host to advertise: a wildcard bind address is not one others can dial."""
     if host in ("", "0.0.0.0", "::", "[::]"):
@@ -265,6 +297,7 @@ async def serve(
     (auth or WorkerAuth()).check(host)  # before connecting to anything
     # Password and TLS come with the URL (redis://user:pass@..., rediss://...?ssl_ca_certs=...).
     redis = Redis.from_url(redis_url) if redis_url else None
+    stop = asyncio.Event()
     server = WorkerServer(
         build_engine,
         model_name=model_name,
@@ -278,8 +311,8 @@ async def serve(
         engine_runner=engine_loop.runner if engine_loop is not None else None,
         auth=auth,
         health_port=health_port,
+        on_failure=stop.set,
     )
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     if engine_loop is not None:
         engine_loop.on_signal(lambda: loop.call_soon_threadsafe(stop.set))
@@ -293,6 +326,9 @@ async def serve(
             bound = server.metrics.serve(metrics_port, host=host)
             logger.info("metrics on http://%s:%d/metrics", host, bound)
         await stop.wait()
+        if server.failure is not None:
+            await _stop_failed(server)
+            raise server.failure
         logger.info("shutting down: draining for up to %.0f s", drain_timeout)
         await server.shutdown(drain_timeout)
     finally:

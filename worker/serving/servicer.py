@@ -21,7 +21,7 @@ from adapters.errors import AdapterError, AdapterNotFoundError
 from adapters.identity import check_adapter_id
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime.logs import REQUEST_ID
-from worker.errors import InvalidRequestError
+from worker.errors import InvalidRequestError, TensorParallelError
 from worker.model.lora_manager import UnknownAdapterError
 from worker.sampling.sampling_params import SamplingParams
 from worker.sampling.structured_output import StructuredOutput
@@ -96,7 +96,8 @@ def response_from_sample(sample: SampleOutput) -> worker_pb2.GenerateResponse:
 def status_for(exc: Exception) -> grpc.StatusCode:
     """The one place engine and adapter errors become gRPC status codes.
 
-    UNAVAILABLE is the only code that blames the worker (the gateway then tries another);
+    UNAVAILABLE is the only code that blames the worker (the gateway then tries another):
+    a stopped engine, or a tensor-parallel group that lost a rank;
     INTERNAL is a request that failed alone (``SequenceFailedError``, or a bug it hit): the
     gateway neither retries it nor marks the worker failed. A request whose logits the
     model could not give (``NonFiniteLogitsError``) is INVALID_ARGUMENT, like bad values.
@@ -105,7 +106,7 @@ def status_for(exc: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, InvalidRequestError | AdapterError):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, EngineStoppedError):
+    if isinstance(exc, EngineStoppedError | TensorParallelError):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
