@@ -33,7 +33,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "multi-gpu")
 # Native gRPC probes are GA since 1.27; validate against it and the newest bundled schemas.
 K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 # worker/serving/server.py `_drain_and_stop`: after --drain-timeout it aborts what is left and waits
@@ -615,22 +615,37 @@ def test_every_container_has_requests_and_limits(manifest):
                 assert {"cpu", "memory"} <= set(c["resources"][bound]), (c["name"], bound)
 
 
-def test_gpu_overlay_requests_one_gpu_per_worker(manifest):
+def test_gpu_overlays_request_a_gpu_per_rank_of_each_worker(manifest):
+    """gpu: one GPU per worker; multi-gpu: N per worker pod, its model split over N ranks
+    (--tensor-parallel-size) that talk through a /dev/shm sized for NCCL; cpu: none."""
     worker = manifest.one("Deployment", "switchboard-worker")
-    resources = container(worker, "worker")["resources"]
-    gpus = {bound: resources[bound].get("nvidia.com/gpu") for bound in ("requests", "limits")}
-    if manifest.overlay == "gpu":
-        assert gpus == {"requests": 1, "limits": 1}
-        assert worker["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0  # no spare GPU
-    else:
+    c = container(worker, "worker")
+    gpus = {bound: c["resources"][bound].get("nvidia.com/gpu") for bound in ("requests", "limits")}
+    assert flag(c, "tensor-parallel-size") == "$(SWITCHBOARD_WORKER_TENSOR_PARALLEL_SIZE)"
+    options = manifest.config_map("switchboard-worker")
+    ranks = int(options["SWITCHBOARD_WORKER_TENSOR_PARALLEL_SIZE"])
+    if manifest.overlay == "cpu":
         assert gpus == {"requests": None, "limits": None}
+        assert ranks == 1
+        return
+    assert worker["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0  # no spare GPU
+    assert gpus == {"requests": ranks, "limits": ranks}
+    assert ranks == (2 if manifest.overlay == "multi-gpu" else 1)
+    shm = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}.get("/dev/shm")
+    if ranks == 1:
+        assert shm is None
+        return
+    (volume,) = [v for v in pod_spec(worker)["volumes"] if v["name"] == shm]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    size = volume["emptyDir"]["sizeLimit"]
+    assert size.endswith("Gi") and int(size[:-2]) >= 1  # NCCL's buffers, past Docker's 64 MiB
 
 
 def test_workers_run_the_engine_on_the_gpu_they_request(manifest):
     worker = container(manifest.one("Deployment", "switchboard-worker"), "worker")
     assert flag(worker, "device") == "$(SWITCHBOARD_WORKER_DEVICE)"
     device = manifest.config_map("switchboard-worker")["SWITCHBOARD_WORKER_DEVICE"]
-    assert device == ("cuda" if manifest.overlay == "gpu" else "cpu")
+    assert device == ("cpu" if manifest.overlay == "cpu" else "cuda")
 
 
 def test_adapter_store_is_shared_at_one_path(manifest):
