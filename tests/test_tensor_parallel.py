@@ -195,7 +195,11 @@ async def test_a_two_rank_worker_serves_over_grpc_and_exits_when_a_rank_dies(
 
             long_stream = stub.Generate(generate_request(prompt, 900))
             await long_stream.read()  # the first token: it runs
-            [rank_one] = psutil.Process(process.pid).children()
+            [rank_one] = [
+                child
+                for child in psutil.Process(process.pid).children()
+                if "worker.parallel.follower" in child.cmdline()
+            ]
             rank_one.kill()
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 while await long_stream.read() is not grpc.aio.EOF:

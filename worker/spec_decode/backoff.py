@@ -13,9 +13,8 @@ from worker.spec_decode.draft_plan import Calibration, Selection, StepPlan
 from worker.spec_decode.step_cost import LiveStepCosts
 
 # A fixed cost per verified position and decoding sequence, for tests and for users who
-# set one: about 2% of a plain decode step on a memory-bound CPU with native bf16 (default
-# model: batch 1, 30.3 ms for one row, 31.1 for 5, 42.8 for 17; batch 8, 38.0 ms for 8
-# rows, 52.5 for 40, 96.8 for 136). By default the engine measures it (step_cost.py).
+# set one: about what a row costs on a memory-bound CPU with native bf16. By default the
+# engine measures it (step_cost.py).
 POSITION_COST = 0.02
 
 

@@ -22,11 +22,11 @@ from worker.spec_decode.step_cost import LiveStepCosts, StepCostTable
 NGRAM = "ngram"
 # How a draft model's weights are held on CPU, where its one-token passes read them all from
 # memory: "int4" (small passes through 4-bit copies: with a C compiler, one-token passes run
-# as one native call, kernels/draft_cpu.c, the default model's draft 2.6 -> 0.75 ms on a
-# Zen 4 in bf16, weights evicted; without one, torch's 4-bit kernel), "int8" (every pass
-# through int8 weights, our panel kernel; fp32 models), "none", or "auto": int4 where the
-# native 4-bit kernel builds, else the one that fits the dtype (torch's 4-bit kernel ran
-# 4-27x slower than fp32 on an AVX2-only CPU, so fp32 models then take int8).
+# as one native call, kernels/draft_cpu.c; without one, torch's 4-bit kernel), "int8"
+# (every pass through int8 weights, our panel kernel; fp32 models), "none", or "auto": int4
+# where the native 4-bit kernel builds, else the one that fits the dtype (torch's 4-bit
+# kernel is far slower than fp32 on AVX2-only CPUs, so fp32 models then take int8; figures
+# in docs/performance.md).
 DRAFT_QUANTIZATIONS = ("auto", "int4", "int8", "none")
 
 

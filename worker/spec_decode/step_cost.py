@@ -2,13 +2,11 @@
 
 Drafts pay when the tokens they are expected to add outweigh the time their verification
 rows add. That time depends on the hardware far more than on the model, and is not linear
-in the rows: on a memory-bound CPU with native bf16 a step of 5 rows cost 3% more than one
-row; on a Zen 4 in bf16, 2-6 rows cost nothing extra and 17 rows 60% more; on an AVX2-only
-CPU in fp32 (the matmuls compute-bound from a few rows) 5 rows cost 35% more; on a GPU next
-to nothing. It also depends on the batch and the context: each verified row attends its
-sequence's whole context, so on a 2-core Xeon a row cost ~0.3 ms beside one sequence of
-250 cached tokens and ~0.45 ms beside eight, against ~0.1 ms for a row of a fresh prefill
-(what this module timed before, which let the draft lose 6% at eight chats at once). So
+in the rows: a memory-bound CPU with native bf16 verifies a few rows almost for free, a
+CPU whose matmuls are compute-bound pays for each from the first, a GPU next to nothing
+(figures: docs/performance.md). It also depends on the batch and the context: each
+verified row attends its sequence's whole context, so a row beside cached chats costs
+several times one of a fresh prefill, and timing the latter misprices drafts. So
 the engine times decode steps as they run, before it serves: B sequences with a cached
 context each feed their token and n draft rows, for B = 1, 2, 4, ... and n = 0, 1, 2, 4,
 ...; the back-off policy reads the cost of drafts off that table.
@@ -86,11 +84,8 @@ class StepCostTable:
 class LiveStepCosts:
     """The start-up table, corrected by the decode steps the engine runs (each timed, the
     speculator reports them: ``observe``). A point timed three times at start can be far
-    off on these machines: 8 draft rows beside one chat read +11% of a plain step in one
-    start, +45% in another, and +13% timed at length; a plan that believes rows cheaper
-    than they are verifies alternatives that do not repay them (chat at batch 1, one
-    draft: 1,696 alternatives verified and 62 tok/s in one run, 728 and 78 tok/s in the
-    next). Where enough steps of one size ran (``MIN_OBSERVATIONS``; decoding sequences
+    off on a shared machine, and a plan that believes rows cheaper than they are verifies
+    alternatives that do not repay them (docs/performance.md). Where enough steps of one size ran (``MIN_OBSERVATIONS``; decoding sequences
     and draft rows in all), the median of the latest ``OBSERVED_WINDOW`` replaces the
     table's figure (those figures made non-decreasing in rows); the table's other points
     are scaled by how far the machine moved (at the fewest rows observed) and kept between
