@@ -9,6 +9,10 @@ which reads each sequence's keys and values in place; otherwise a sequence's blo
 whole (one contiguous copy per block, which runs at memory bandwidth, unlike a per-token
 gather) and padding past the context is masked. Prefill chunks always take SDPA.
 
+With ``AttentionMetadata.layout`` set (the ``triton`` backend), ``attend`` hands the whole
+step to the Triton kernels instead (``kernels/paged_attention_triton.py``), imported on
+first use so that a process on the torch path never imports triton.
+
 Semantics, per sequence with context ``c`` (tokens already cached) and chunk length ``n``:
 ``out[i] = softmax(scale * q[i] · K[:c+i+1]ᵀ) · V[:c+i+1]`` for i in 0..n-1, with query head
 ``h`` reading KV head ``h // (num_heads // num_kv_heads)`` (grouped-query attention).
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_native import NativeDecodes, native_attention
+from kernels.paged_layout import PagedLayout
 
 
 @dataclass(slots=True)
@@ -83,6 +88,13 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     # The decodes for the native kernel instead of ``decode_groups`` (CPU, bf16 or fp32).
     native_decodes: NativeDecodes | None = None
+    # The whole step for the Triton kernels (groups and chunks then empty).
+    layout: PagedLayout | None = None
+
+    @property
+    def all_decode(self) -> bool:
+        """No prefill chunk (on the Triton layout: no sequence past the decode launch's rows)."""
+        return not self.prefills if self.layout is None else self.layout.prefill.count == 0
 
     def to(self, device: torch.device) -> AttentionMetadata:
         """The same metadata with its tensors on ``device`` (the native decodes stay on the
@@ -92,7 +104,30 @@ class AttentionMetadata:
             decode_groups=[g.to(device) for g in self.decode_groups],
             prefills=[c.to(device) for c in self.prefills],
             native_decodes=self.native_decodes,
+            layout=None if self.layout is None else self.layout.to(device),
         )
+
+
+def attend(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], this step's fresh keys
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Write the fresh keys and values to their slots, then attend, on the metadata's path."""
+    if meta.layout is None:
+        write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        return paged_attention(query, key, value, key_cache, value_cache, meta, scale)
+    from kernels import paged_attention_triton as tri
+
+    tri.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    out = query.new_empty(query.shape)
+    tri.decode(query, key_cache, value_cache, meta.layout, scale, out)
+    tri.prefill(query, key_cache, value_cache, meta.layout, scale, out)
+    return out
 
 
 def write_kv(

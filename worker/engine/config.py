@@ -16,6 +16,8 @@ from worker.engine.fairness import FairnessConfig
 from worker.errors import InvalidRequestError
 from worker.spec_decode.config import SpeculativeConfig
 
+ATTENTION_BACKENDS = ("torch", "triton")
+
 # engine_config's flat names for SpeculativeConfig's fields.
 SPECULATIVE_OPTIONS = {
     "speculative_model": "model",
@@ -40,7 +42,9 @@ class EngineConfig:
     ``swap_space_gb`` (or ``num_host_blocks``) sizes the host pool used when
     ``preemption_mode`` is ``"swap"``. ``max_loras=0`` turns LoRA off.
     ``tensor_parallel_size``: ranks the model is split over (docs/tensor-parallelism.md);
-    the KV cache and swap sizes are then each rank's."""
+    the KV cache and swap sizes are then each rank's. ``attention_backend``: ``"triton"``
+    (kernels reading the cache in place, the default on CUDA) or ``"torch"`` (SDPA and the
+    native CPU kernel, the default elsewhere); see docs/engine.md."""
 
     dtype: str | torch.dtype = "auto"
     device: str | torch.device = "cpu"
@@ -59,6 +63,7 @@ class EngineConfig:
     swap_space_gb: float = 1.0
     num_host_blocks: int | None = None
     tensor_parallel_size: int = 1
+    attention_backend: str | None = None  # None: by device (placement.resolve_attention_backend)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     fairness: FairnessConfig = field(default_factory=FairnessConfig)
 
@@ -77,6 +82,11 @@ class EngineConfig:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise InvalidRequestError("max_loras must be >= 0 and max_lora_rank >= 1")
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise InvalidRequestError(
+                f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
+            )
 
 
 def engine_config(**options) -> EngineConfig:
@@ -99,4 +109,4 @@ def engine_config(**options) -> EngineConfig:
     return EngineConfig(**options)
 
 
-__all__ = ["SPECULATIVE_OPTIONS", "EngineConfig", "engine_config"]
+__all__ = ["ATTENTION_BACKENDS", "SPECULATIVE_OPTIONS", "EngineConfig", "engine_config"]

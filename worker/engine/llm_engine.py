@@ -27,7 +27,7 @@ from worker.engine.isolation import (
     sample_isolating,
 )
 from worker.engine.outputs import RequestOutput
-from worker.engine.placement import resolve_device, resolve_dtype
+from worker.engine.placement import resolve_attention_backend, resolve_device, resolve_dtype
 from worker.engine.postprocess import Postprocessor
 from worker.engine.prefix_cache import PrefixCacheStats, root_hash
 from worker.engine.request_checks import check_request, check_tenant_weight
@@ -67,6 +67,7 @@ class LLMEngine:
         max_num_batched_tokens, max_loras = config.max_num_batched_tokens, config.max_loras
         self.device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, self.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         tp_size = config.tensor_parallel_size
         model_config = ModelConfig.from_pretrained(model)
         block_bytes = kv_bytes_per_block(
@@ -140,6 +141,7 @@ class LLMEngine:
             block_size=block_size,
             lora_manager=self.lora_manager,
             num_host_blocks=host_pool.num_blocks if host_pool is not None else 0,
+            attention_backend=self.attention_backend,
         )
         self.runner = (
             ModelRunner(self.model, **runner_options)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from kernels.linear import native_bf16
@@ -41,3 +44,22 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) 
     if dtype not in DTYPES:
         raise InvalidRequestError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def resolve_attention_backend(backend: str | None, device: torch.device) -> str:
+    """``triton`` or ``torch``; None picks triton on CUDA (where triton is installed).
+
+    Triton needs the package, and on CPU its interpreter (``TRITON_INTERPRET=1``, for
+    tests: compiled kernels cannot launch without a GPU)."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    if backend is None:
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    if backend == "triton":
+        if not has_triton:
+            raise InvalidRequestError("attention_backend='triton' needs the triton package")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise InvalidRequestError(
+                "attention_backend='triton' on device 'cpu' runs only in Triton's interpreter "
+                "(TRITON_INTERPRET=1, for tests); use 'torch' on CPU"
+            )
+    return backend

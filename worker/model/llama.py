@@ -24,7 +24,7 @@ from kernels.draft_native import NativeDecodePass, native_draft
 from kernels.linear import Q4_MAX_ROWS, Linear
 from kernels.lora import add_lora, lora_expand, lora_shrink
 from kernels.norm_native import rms_norm
-from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from kernels.paged_attention import AttentionMetadata, attend
 from worker.errors import ModelLoadError
 from worker.model.model_config import ModelConfig
 from worker.model.rope import RopeTables, apply_rope
@@ -177,8 +177,7 @@ class LlamaModel:
             qk = apply_rope(qk.view(num_tokens, -1, c.head_dim), cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             v = v.view(num_tokens, self.num_kv_heads, c.head_dim)
-            write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
-            attn = paged_attention(q, k, v, key_cache, value_cache, meta, self.scale)
+            attn = attend(q, k, v, key_cache, value_cache, meta, self.scale)
             attn = attn.view(num_tokens, self.q_size)
             hidden = self._row_parallel(layer.o, attn, hidden, adapters, "o")
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)

@@ -2,7 +2,9 @@
 
 One flattened forward pass per step: decodes first (one token each), then prefill chunks.
 The KV cache is allocated here once, as ``num_blocks * block_size`` slots per layer, on the
-model's device; a step's index tensors are built on the host and copied there once.
+model's device; a step's index tensors are built on the host and copied there once. The
+attention metadata is the torch path's (decode groups, chunks, native decodes) or, with
+``attention_backend="triton"``, one ``PagedLayout`` for the Triton kernels.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from kernels.attention_native import DTYPES as NATIVE_ATTENTION_DTYPES
 from kernels.attention_native import MAX_HEAD_DIM, NativeDecodes, native_attention
 from kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from kernels.paged_layout import PagedLayout, PagedSequence
 from worker.engine.batch import BlockMove, MoveKind, ScheduledSequence
 from worker.model.llama import LlamaModel
 from worker.model.lora_manager import LoraBatch, LoraManager
@@ -70,17 +73,20 @@ class ModelRunner:
         block_size: int,
         lora_manager: LoraManager | None = None,
         num_host_blocks: int = 0,
+        attention_backend: str = "torch",
     ) -> None:
         self.model = model
         self.device = model.device
         self.lora_manager = lora_manager
         self.block_size = block_size
+        self.triton_attention = attention_backend == "triton"
         c = model.config
         self.heads_per_kv_head = c.num_heads // c.num_kv_heads
         kv_heads = model.num_kv_heads  # this rank's, under tensor parallelism
         # Decodes read the cache in place where the native kernel serves (CPU, bf16 or fp32).
         self.native_decodes = (
-            self.device.type == "cpu"
+            not self.triton_attention
+            and self.device.type == "cpu"
             and model.dtype in NATIVE_ATTENTION_DTYPES
             and c.head_dim <= MAX_HEAD_DIM
             and native_attention() is not None
@@ -154,7 +160,7 @@ class ModelRunner:
         if self.lora_manager is None or not any(s.seq.adapter_id for s in inputs.order):
             return None
         token_adapters = [a for s in inputs.order for a in [s.seq.adapter_id] * s.num_fed]
-        return self.lora_manager.prepare(token_adapters, all_decode=not inputs.meta.prefills)
+        return self.lora_manager.prepare(token_adapters, all_decode=inputs.meta.all_decode)
 
     def run(
         self, inputs: StepInputs, lora: LoraBatch | None, *, kept_only: bool = False
@@ -213,14 +219,17 @@ class ModelRunner:
             if s.samples:
                 # The last real token's row, then one row per draft token.
                 logit_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
-        meta = AttentionMetadata(
-            slot_mapping=_host(slots),
-            decode_groups=[] if self.native_decodes else self._decode_groups(decodes),
-            prefills=self._prefill_chunks(prefills, start=sum(s.num_fed for s in decodes)),
-            native_decodes=self._native_decodes(decodes)
-            if self.native_decodes and decodes
-            else None,
-        )
+        if self.triton_attention:
+            meta = AttentionMetadata(_host(slots), [], [], layout=self._layout(order))
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=_host(slots),
+                decode_groups=[] if self.native_decodes else self._decode_groups(decodes),
+                prefills=self._prefill_chunks(prefills, start=sum(s.num_fed for s in decodes)),
+                native_decodes=self._native_decodes(decodes)
+                if self.native_decodes and decodes
+                else None,
+            )
         return StepInputs(
             input_ids=_host(ids),
             positions=_host(positions),
@@ -259,6 +268,23 @@ class ModelRunner:
                 tables.append(table)
                 own_slots.append(table[index // bs] * bs + index % bs)
         return NativeDecodes.build(starts, queries, tables, own_slots)
+
+    def _layout(self, order: list[ScheduledSequence]) -> PagedLayout:
+        """The step for the Triton kernels: every sequence by its rows, context and table;
+        draft rows off their chain see their chain's keys, then themselves."""
+        sequences = []
+        for s in order:
+            last = None
+            if not _plain(s):
+                real = range(s.start, s.start + s.num_tokens)
+                last = [*real, *(s.start + s.num_tokens + o - 1 for o in _offsets(s))]
+            sequences.append(PagedSequence(s.start, s.num_fed, s.seq.block_table, last))
+        return PagedLayout.build(
+            sequences,
+            num_kv_heads=self.model.num_kv_heads,
+            group=self.heads_per_kv_head,
+            device_type=self.device.type,
+        )
 
     def _indices(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device)

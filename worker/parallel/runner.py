@@ -51,7 +51,7 @@ class TensorParallelRunner(ModelRunner):
             fills=self.lora_manager.take_fills() if self.lora_manager is not None else [],
             inputs=dataclasses.replace(inputs, order=[]),
             token_slots=lora.token_slots if lora is not None else None,
-            all_decode=not inputs.meta.prefills,
+            all_decode=inputs.meta.all_decode,
         )
         self._cache_ops = []
         try:

@@ -1,0 +1,97 @@
+"""The engine's attention backends: the Triton kernels (compiled on a GPU, in the interpreter
+on CPU) give the torch path's greedy tokens, and the backend is chosen or refused clearly."""
+
+import os
+
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from factories import make_checkpoint, make_perturbed_checkpoint, random_prompts  # noqa: E402
+from worker import LLM, SamplingParams  # noqa: E402
+from worker.engine.config import EngineConfig  # noqa: E402
+from worker.engine.placement import resolve_attention_backend  # noqa: E402
+from worker.errors import InvalidRequestError  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+needs_triton = pytest.mark.skipif(
+    not CUDA and type(tl.zeros).__name__ != "InterpretedFunction",
+    reason="the Triton kernels on CPU need TRITON_INTERPRET=1 before triton is imported",
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """Three query heads per KV head, as in the default model."""
+    return make_checkpoint(
+        tmp_path_factory.mktemp("backend"), num_heads=6, num_kv_heads=2, hidden_size=96, seed=3
+    )
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def tokens(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, greedy(max_tokens))]
+
+
+@needs_triton
+def test_triton_gives_the_torch_backends_tokens(checkpoint):
+    """Short prompts (the decode launch) and long ones (prefill tiles) in chunks of at most
+    16 tokens, so later chunks attend cached context; the last prompt shares 20 tokens of
+    the second and hits the prefix cache in the second call."""
+    prompts = random_prompts(3, min_len=2, max_len=40, seed=7)  # 8, 27 and 6 tokens
+    prompts.append(random_prompts(1, min_len=40, max_len=40, seed=9)[0])
+    prompts.append([*prompts[1][:20], 5, 6, 7])  # five blocks of prompt 1, then its own
+    options = dict(
+        dtype="float32", device=DEVICE, block_size=4, num_kv_blocks=96, max_num_batched_tokens=16
+    )
+    torch_llm = LLM(checkpoint, attention_backend="torch", **options)
+    triton_llm = LLM(checkpoint, attention_backend="triton", **options)
+    assert triton_llm.engine.runner.triton_attention
+    want = tokens(torch_llm, prompts, 6)
+    assert tokens(triton_llm, prompts, 6) == want
+    hits = triton_llm.engine.block_manager.stats.hits
+    assert tokens(triton_llm, prompts[4:], 6) == want[4:]
+    assert triton_llm.engine.block_manager.stats.hits >= hits + 20
+
+
+@needs_triton
+def test_triton_verifies_drafts_as_the_torch_backend_does(checkpoint, tmp_path):
+    """k + 1 verification rows and a draft model's runner-up rows (off their chain)."""
+    draft = make_perturbed_checkpoint(checkpoint, tmp_path / "draft", noise=0.05)
+    options = dict(
+        dtype="float32",
+        device=DEVICE,
+        num_kv_blocks=64,
+        speculative_model=str(draft),
+        num_speculative_tokens=3,
+        speculative_min_acceptance=0.0,
+        speculative_position_cost=0.0,
+        speculative_draft_cost=0.0,
+    )
+    prompts = random_prompts(2, min_len=3, max_len=10, seed=8)
+    want = tokens(LLM(checkpoint, attention_backend="torch", **options), prompts, 8)
+    spec = LLM(checkpoint, attention_backend="triton", **options)
+    assert tokens(spec, prompts, 8) == want
+    stats = spec.engine.spec_decode_stats
+    assert stats.num_proposed > 0 and stats.num_alternatives > 0
+
+
+def test_backend_is_chosen_by_device_and_refused_clearly(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_attention_backend(None, cpu) == "torch"
+    assert resolve_attention_backend("torch", cpu) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(InvalidRequestError, match="only in Triton's interpreter"):
+        resolve_attention_backend("triton", cpu)
+    with pytest.raises(InvalidRequestError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="flash")
+    if torch.cuda.is_available():
+        assert resolve_attention_backend(None, torch.device("cuda")) == "triton"
