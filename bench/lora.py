@@ -211,13 +211,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--adapters", default="1,8,32,128")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-loras", type=int, default=32)
-    parser.add_argument("--peft-subset", type=int, default=8)
+    parser.add_argument("--peft-subset", type=int, default=8, help="0: no peft baseline")
     parser.add_argument(
         "--repeats",
         type=int,
         default=3,
         help="runs of each case, alternating with the base model; the median counts",
     )
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="the engine's KV cache")
     parser.add_argument("--workdir", default="/tmp/switchboard-bench-lora")
     parser.add_argument("--out", default="bench/results/lora.json")
     args = parser.parse_args(argv)
@@ -238,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_loras=args.max_loras,
             max_lora_rank=16,
             max_num_seqs=max(128, args.requests),
+            kv_cache_memory_gb=args.kv_cache_gb,
         ),
     )
     for i, path in enumerate(paths):
@@ -247,6 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": str(model_path),
         "dtype": dtype,
         "device": str(engine.device),
+        "attention_backend": engine.attention_backend,
         "max_loras": args.max_loras,
     }
     warm = fixed_lengths(4, prompt_len=16, output_len=8, vocab=engine.config.vocab_size, seed=9)
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
             run.note = f"{run.output_tok_per_s / base.output_tok_per_s:.1%} of base"
             runs += [base, run]
             print(json.dumps(asdict(run)))
-        if count == 32:
+        if count == 32 and args.peft_subset > 0:
             peft = run_peft(
                 model_path,
                 paths,

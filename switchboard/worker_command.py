@@ -92,6 +92,7 @@ def worker_engine_kwargs(args: argparse.Namespace) -> dict:
         "preemption_mode": args.preemption_mode,
         "swap_space_gb": args.swap_space_gb,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "attention_backend": args.attention_backend,
         "speculative_model": args.speculative_model,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_max_batch_size": args.speculative_max_batch_size,
@@ -145,6 +146,12 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="split the model over this many ranks (GPUs from --device's, or processes "
         "sharing this machine's cores), rank 0 in this process (docs/tensor-parallelism.md)",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        choices=("torch", "triton"),
+        default=None,
+        help="paged attention's kernels (default: triton on CUDA, torch on CPU)",
     )
     parser.add_argument("--max-loras", type=int, default=8, help="adapter slots (0: no LoRA)")
     parser.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank")

@@ -14,7 +14,7 @@ import triton.language as tl  # noqa: E402
 
 from factories import make_checkpoint, make_perturbed_checkpoint, random_prompts  # noqa: E402
 from worker import LLM, SamplingParams  # noqa: E402
-from worker.engine.config import EngineConfig  # noqa: E402
+from worker.engine.config import EngineConfig, engine_config  # noqa: E402
 from worker.engine.placement import resolve_attention_backend  # noqa: E402
 from worker.errors import InvalidRequestError  # noqa: E402
 
@@ -85,6 +85,12 @@ def test_triton_verifies_drafts_as_the_torch_backend_does(checkpoint, tmp_path):
 
 
 def test_backend_is_chosen_by_device_and_refused_clearly(monkeypatch):
+    from switchboard.cli import build_parser
+    from switchboard.worker_command import worker_engine_kwargs
+
+    flags = build_parser().parse_args(["worker", "--attention-backend", "torch"])
+    assert engine_config(**worker_engine_kwargs(flags)).attention_backend == "torch"
+    assert EngineConfig().attention_backend is None
     cpu = torch.device("cpu")
     assert resolve_attention_backend(None, cpu) == "torch"
     assert resolve_attention_backend("torch", cpu) == "torch"
