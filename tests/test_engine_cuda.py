@@ -109,6 +109,31 @@ def test_sampled_speculation_with_a_draft_on_the_gpu(base, tmp_path):
     assert spec.engine.spec_decode_stats.num_proposed > 0
 
 
+@needs_cuda
+def test_cuda_graphs_give_the_eager_steps_tokens(base, tmp_path):
+    """Decode steps replayed as CUDA graphs (buckets 8, 4, 2, 1 as requests finish; LoRA
+    inside the graph over a static slot buffer) give the eager steps' greedy tokens."""
+    adapters = {
+        "r4-all": make_peft_adapter(base, tmp_path / "all", rank=4, targets=ALL, seed=1),
+        "r8-qv": make_peft_adapter(base, tmp_path / "qv", rank=8, targets=ALL[::2], seed=2),
+    }
+    prompts = random_prompts(5, min_len=2, max_len=30, seed=9)
+    names = [None, "r4-all", "r8-qv", None, "r4-all"]
+    params = [greedy(n) for n in (2, 12, 6, 9, 3)]
+    outputs = []
+    for cuda_graphs in (False, True):
+        llm = LLM(base, dtype="float32", device="cuda", max_loras=2, cuda_graphs=cuda_graphs)
+        for name, path in adapters.items():
+            llm.load_adapter(name, path)
+        outputs.append([o.token_ids for o in llm.generate(prompts, params, adapters=names)])
+        # and the base model alone (the graphs without LoRA)
+        outputs[-1].append(llm.generate(prompts[:3], greedy(8))[2].token_ids)
+    assert outputs[1] == outputs[0]
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.num_replays > 0
+    assert {key[0] for key in graphs.graphs} >= {8, 4, 2, 1}
+
+
 def test_unknown_or_unavailable_devices_are_refused_clearly(base):
     with pytest.raises(InvalidRequestError, match="device must be 'cpu' or 'cuda"):
         LLM(base, dtype="float32", device="tpu")

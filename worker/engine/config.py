@@ -44,7 +44,8 @@ class EngineConfig:
     ``tensor_parallel_size``: ranks the model is split over (docs/tensor-parallelism.md);
     the KV cache and swap sizes are then each rank's. ``attention_backend``: ``"triton"``
     (kernels reading the cache in place, the default on CUDA) or ``"torch"`` (SDPA and the
-    native CPU kernel, the default elsewhere); see docs/engine.md."""
+    native CPU kernel, the default elsewhere); ``cuda_graphs``: replay decode steps as CUDA
+    graphs (CUDA, triton, one rank: the default there); see docs/engine.md."""
 
     dtype: str | torch.dtype = "auto"
     device: str | torch.device = "cpu"
@@ -64,6 +65,7 @@ class EngineConfig:
     num_host_blocks: int | None = None
     tensor_parallel_size: int = 1
     attention_backend: str | None = None  # None: by device (placement.resolve_attention_backend)
+    cuda_graphs: bool | None = None  # decode steps as CUDA graphs; None: where they can run
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     fairness: FairnessConfig = field(default_factory=FairnessConfig)
 

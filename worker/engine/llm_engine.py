@@ -27,7 +27,12 @@ from worker.engine.isolation import (
     sample_isolating,
 )
 from worker.engine.outputs import RequestOutput
-from worker.engine.placement import resolve_attention_backend, resolve_device, resolve_dtype
+from worker.engine.placement import (
+    resolve_attention_backend,
+    resolve_cuda_graphs,
+    resolve_device,
+    resolve_dtype,
+)
 from worker.engine.postprocess import Postprocessor
 from worker.engine.prefix_cache import PrefixCacheStats, root_hash
 from worker.engine.request_checks import check_request, check_tenant_weight
@@ -69,6 +74,9 @@ class LLMEngine:
         torch_dtype = resolve_dtype(dtype, self.device)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         tp_size = config.tensor_parallel_size
+        cuda_graphs = resolve_cuda_graphs(
+            config.cuda_graphs, self.device, self.attention_backend, tp_size
+        )
         model_config = ModelConfig.from_pretrained(model)
         block_bytes = kv_bytes_per_block(
             model_config, block_size, torch_dtype, tensor_parallel_size=tp_size
@@ -142,6 +150,9 @@ class LLMEngine:
             lora_manager=self.lora_manager,
             num_host_blocks=host_pool.num_blocks if host_pool is not None else 0,
             attention_backend=self.attention_backend,
+            cuda_graphs=cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
         self.runner = (
             ModelRunner(self.model, **runner_options)

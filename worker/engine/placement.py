@@ -63,3 +63,17 @@ def resolve_attention_backend(backend: str | None, device: torch.device) -> str:
                 "(TRITON_INTERPRET=1, for tests); use 'torch' on CPU"
             )
     return backend
+
+
+def resolve_cuda_graphs(
+    requested: bool | None, device: torch.device, attention_backend: str, tensor_parallel_size: int
+) -> bool:
+    """Decode steps as CUDA graphs: on CUDA with the triton backend on one rank (None: there
+    by default); asking for them anywhere else is refused."""
+    possible = device.type == "cuda" and attention_backend == "triton" and tensor_parallel_size == 1
+    if requested and not possible:
+        raise InvalidRequestError(
+            "cuda_graphs needs device 'cuda', attention_backend 'triton' and one rank "
+            f"(got {device.type!r}, {attention_backend!r}, {tensor_parallel_size} ranks)"
+        )
+    return possible if requested is None else requested

@@ -18,6 +18,7 @@ from kernels.attention_native import MAX_HEAD_DIM, NativeDecodes, native_attenti
 from kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kernels.paged_layout import PagedLayout, PagedSequence
 from worker.engine.batch import BlockMove, MoveKind, ScheduledSequence
+from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.llama import LlamaModel
 from worker.model.lora_manager import LoraBatch, LoraManager
 from worker.model.model_config import ModelConfig
@@ -74,7 +75,12 @@ class ModelRunner:
         lora_manager: LoraManager | None = None,
         num_host_blocks: int = 0,
         attention_backend: str = "torch",
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 128,
+        max_model_len: int = 2048,
     ) -> None:
+        """``cuda_graphs``: replay decode steps as CUDA graphs (``worker.model.cuda_graphs``;
+        CUDA and the triton backend only), their buffers sized by the last two."""
         self.model = model
         self.device = model.device
         self.lora_manager = lora_manager
@@ -108,6 +114,15 @@ class ModelRunner:
         ]
         # A draft model's small passes in one native call (None: the torch path only).
         self.native_pass = model.native_decode_pass(self.kv_caches)
+        self.graphs = None
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv_caches,
+                max_batch=max_num_seqs,
+                max_blocks=-(-max_model_len // block_size),
+                block_size=block_size,
+            )
 
     @torch.inference_mode()
     def move_blocks(self, moves: list[BlockMove]) -> None:
@@ -150,7 +165,10 @@ class ModelRunner:
             return native
         inputs = self.prepare(scheduled)
         lora = self.lora_batch(inputs)
-        logits = self.run(inputs.to(self.device), lora, kept_only=kept_only)
+        if self.graphs is not None and not kept_only and self.graphs.fits(inputs):
+            logits = self.graphs.run(inputs, lora)
+        else:
+            logits = self.run(inputs.to(self.device), lora, kept_only=kept_only)
         assert logits is not None
         return [s for s in inputs.order if s.samples], logits
 
