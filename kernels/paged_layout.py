@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Sequences of up to this many rows go to the decode launch (a plain decode, or k + 1
@@ -116,9 +117,11 @@ class PagedLayout:
             longest = max((t[3] for t in decodes), default=0)
             num_splits = choose_splits(longest, len(decodes) * num_kv_heads)
         width = max((len(t) for t in tables), default=0)
-        padded = [list(t) + [0] * (width - len(t)) for t in tables]
+        padded = np.zeros((len(tables), width), dtype=np.int32)
+        for index, table in enumerate(tables):
+            padded[index, : len(table)] = table
         return cls(
-            block_tables=_int32(padded).view(len(tables), width),
+            block_tables=torch.from_numpy(padded),
             row_last=_int32(row_last),
             row_self=_int32(row_self),
             decode=_tiles(decodes, _pow2(decode_q), num_splits),
@@ -147,6 +150,5 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _int32(values: list) -> torch.Tensor:
-    flat = [v for row in values for v in row] if values and isinstance(values[0], list) else values
-    return torch.tensor(flat, dtype=torch.int32)
+def _int32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
