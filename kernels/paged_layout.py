@@ -62,6 +62,8 @@ class Tiles:
 
 @dataclass(slots=True)
 class PagedLayout:
+    """The step's rows, block tables and tiles, as the Triton kernels read them."""
+
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with block 0
     row_last: torch.Tensor  # [num_rows] int32: row r sees keys 0..row_last[r]
     row_self: torch.Tensor  # [num_rows] int32: and key row_self[r], its own
@@ -99,8 +101,10 @@ class PagedLayout:
         for index, s in enumerate(sequences):
             own = range(s.context, s.context + s.rows)
             last = own if s.last_keys is None else s.last_keys
-            if len(last) != s.rows:
-                raise ValueError("last_keys: one per row")
+            if len(last) != s.rows or (
+                s.last_keys is not None and any(k > o for k, o in zip(last, own, strict=True))
+            ):
+                raise ValueError("last_keys: one per row, none past the row's own key")
             row_last.extend(last)
             row_self.extend(own)
             tables.append(s.block_table)
