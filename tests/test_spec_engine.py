@@ -25,7 +25,7 @@ from factories import (
     random_prompts,
 )
 from kernels.linear_native import native_linear
-from spec_checks import assert_same_tokens_and_logprobs, exact_joint
+from spec_checks import assert_follows_law, assert_same_tokens_and_logprobs, exact_joint
 from worker import LLM, SamplingParams
 from worker.engine.config import engine_config
 from worker.engine.llm_engine import LLMEngine
@@ -280,7 +280,7 @@ def test_sampled_sequences_follow_the_target_distribution(
     target, close_draft, vocabulary, tmp_path
 ):
     """Three sampled tokens (top-k 3, temperature, repetition penalty): the joint law of
-    4,000 speculative samples is within sampling noise of the exact target law. The draft
+    2,000 speculative samples passes a chi-square test against the exact target law. The draft
     is close to the target, so accepted drafts, corrections and alternatives (a correction
     that is one of the draft's runner-ups, followed by a token from its row) occur; with half the
     vocabulary it never proposes the other half, which only corrections then supply.
@@ -299,25 +299,21 @@ def test_sampled_sequences_follow_the_target_distribution(
         speculative_max_batch_size=10_000,
         speculative_min_acceptance=0.0,
     )
-    num = 4_000
+    num = 2_000
     params = [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, **settings) for s in range(num)]
     outs = llm.generate([prompt] * num, params)
     counts: dict = {}
     for o in outs:
         counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    tv = 0.5 * sum(
-        abs(counts.get(x, 0) / num - joint.get(x, 0.0)) for x in set(joint) | set(counts)
-    )
-    # 27 outcomes and 4,000 samples: sampling noise alone gives TV ~ 0.04.
-    assert tv < 0.07, tv
+    assert_follows_law(counts, joint)
     stats = llm.engine.spec_decode_stats
-    assert stats.num_proposed > 3_000 and 0.3 < stats.acceptance_rate < 0.9
+    assert stats.num_proposed > 1_500 and 0.3 < stats.acceptance_rate < 0.9
     if vocabulary == "whole":
         # Where a draft was rejected, the token drawn in its place (from the residual, where
         # the target outweighs the draft: rarely one of the draft's own runner-ups) was now
         # and then one of its alternatives, whose row then gave the next token. (On half the
         # vocabulary the draft outweighs the target on all it proposes: never.)
-        assert stats.num_alternatives_accepted > 20
+        assert stats.num_alternatives_accepted > 5
     assert_no_block_leaks(llm.engine)
 
 

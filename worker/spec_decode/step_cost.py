@@ -85,11 +85,12 @@ class LiveStepCosts:
     """The start-up table, corrected by the decode steps the engine runs (each timed, the
     speculator reports them: ``observe``). A point timed three times at start can be far
     off on a shared machine, and a plan that believes rows cheaper than they are verifies
-    alternatives that do not repay them (docs/performance.md). Where enough steps of one size ran (``MIN_OBSERVATIONS``; decoding sequences
-    and draft rows in all), the median of the latest ``OBSERVED_WINDOW`` replaces the
-    table's figure (those figures made non-decreasing in rows); the table's other points
-    are scaled by how far the machine moved (at the fewest rows observed) and kept between
-    the observed figures around them, so more rows never cost less."""
+    alternatives that do not repay them (docs/performance.md). Where enough steps of one
+    size ran (``MIN_OBSERVATIONS``; decoding sequences and draft rows in all), the median
+    of the latest ``OBSERVED_WINDOW`` replaces the table's figure (those figures made
+    non-decreasing in rows); the table's other points are scaled by how far the machine
+    moved (at the fewest rows observed) and kept between the observed figures around them,
+    so more rows never cost less."""
 
     def __init__(
         self,
