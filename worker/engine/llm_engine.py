@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from adapters.lora import LoraAdapter
-from worker.engine.batch import PreemptionMode, ScheduledSequence
-from worker.engine.block_manager import BlockManager
+from worker.engine.assembly import assemble
+from worker.engine.batch import ScheduledSequence
 from worker.engine.config import EngineConfig
 from worker.engine.forks import PendingForks
 from worker.engine.isolation import (
@@ -27,16 +27,9 @@ from worker.engine.isolation import (
     sample_isolating,
 )
 from worker.engine.outputs import RequestOutput
-from worker.engine.placement import (
-    resolve_attention_backend,
-    resolve_cuda_graphs,
-    resolve_device,
-    resolve_dtype,
-)
 from worker.engine.postprocess import Postprocessor
 from worker.engine.prefix_cache import PrefixCacheStats, root_hash
 from worker.engine.request_checks import check_request, check_tenant_weight
-from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from worker.errors import (
     EngineError,
@@ -44,20 +37,12 @@ from worker.errors import (
     SequenceFailedError,
     StructuredOutputError,
 )
-from worker.model.llama import LlamaModel
-from worker.model.lora_manager import LoraManager, UnknownAdapterError
-from worker.model.model_config import ModelConfig
-from worker.model.model_runner import ModelRunner, kv_bytes_per_block
-from worker.parallel.launch import start_ranks
-from worker.parallel.runner import TensorParallelRunner
+from worker.model.lora_manager import UnknownAdapterError
 from worker.sampling.grammar import GrammarCompiler, MaskBatch
 from worker.sampling.sampler import SampledToken, Sampler, SamplingRow
 from worker.sampling.sampling_params import SamplingParams
-from worker.spec_decode.setup import build_speculator
 from worker.spec_decode.speculator import Verified
 from worker.spec_decode.stats import SpecDecodeStats
-from worker.spec_decode.step_cost import measure_step_costs
-from worker.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -67,98 +52,20 @@ class LLMEngine:
         """The checkpoint at ``model``, served as ``config`` says (`worker.engine.config`)."""
         config = config or EngineConfig()
         self.engine_config = config
-        device, dtype, block_size = config.device, config.dtype, config.block_size
-        num_kv_blocks, num_host_blocks = config.num_kv_blocks, config.num_host_blocks
-        max_num_batched_tokens, max_loras = config.max_num_batched_tokens, config.max_loras
-        self.device = resolve_device(device)
-        torch_dtype = resolve_dtype(dtype, self.device)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        tp_size = config.tensor_parallel_size
-        cuda_graphs = resolve_cuda_graphs(
-            config.cuda_graphs, self.device, self.attention_backend, tp_size
-        )
-        model_config = ModelConfig.from_pretrained(model)
-        block_bytes = kv_bytes_per_block(
-            model_config, block_size, torch_dtype, tensor_parallel_size=tp_size
-        )
-        if num_kv_blocks is None:
-            num_kv_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
-        preemption_mode = config.preemption_mode
-        if preemption_mode is PreemptionMode.SWAP and num_host_blocks is None:
-            num_host_blocks = max(1, int(config.swap_space_gb * 2**30) // block_bytes)
-        # Tensor parallelism: ranks 1..N-1 load their shards while this process (rank 0)
-        # loads its own; None on one rank.
-        self.tensor_parallel = start_ranks(
-            model,
-            config,
-            dtype=torch_dtype,
-            device=self.device,
-            num_kv_blocks=num_kv_blocks,
-            num_host_blocks=num_host_blocks,
-        )
-        group = self.tensor_parallel.group if self.tensor_parallel is not None else None
-        try:
-            self.model = LlamaModel.from_pretrained(
-                model, dtype=torch_dtype, device=self.device, group=group
-            )
-            if self.tensor_parallel is not None:
-                self.tensor_parallel.connect()
-        except BaseException:
-            if self.tensor_parallel is not None:
-                self.tensor_parallel.abandon()
-            raise
+        parts = assemble(model, config)
+        self.device = parts.device
+        self.attention_backend = parts.attention_backend
+        self.tensor_parallel = parts.tensor_parallel
+        self.model = parts.model
         self.config = self.model.config
-        self.tokenizer = load_tokenizer(model)
-        self.max_model_len = min(config.max_model_len or 10**9, self.config.max_position_embeddings)
-        self.block_manager = BlockManager(
-            num_blocks=num_kv_blocks,
-            block_size=block_size,
-            enable_caching=config.enable_prefix_caching,
-        )
+        self.tokenizer = parts.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.block_manager = parts.block_manager
         self.share_base_model_prefixes = config.share_base_model_prefixes
-        host_pool = None
-        if preemption_mode is PreemptionMode.SWAP:
-            assert num_host_blocks is not None
-            host_pool = BlockManager(
-                num_blocks=num_host_blocks, block_size=block_size, enable_caching=False
-            )
-        self.scheduler = Scheduler(
-            block_manager=self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            watermark_blocks=num_kv_blocks // 100,
-            max_loras=max_loras,
-            preemption_mode=preemption_mode,
-            host_block_manager=host_pool,
-            fairness=config.fairness,
-        )
-        # max_loras=0 turns LoRA off (no slot buffers are ever allocated).
-        self.lora_manager = None
-        if max_loras > 0:
-            self.lora_manager = LoraManager(
-                model,
-                dtype=torch_dtype,
-                device=self.device,
-                max_loras=max_loras,
-                max_lora_rank=config.max_lora_rank,
-                host_cache_bytes=int(config.lora_host_cache_gb * 2**30),
-                shard=group.shard if group is not None else None,
-            )
-        runner_options = dict(
-            num_blocks=num_kv_blocks,
-            block_size=block_size,
-            lora_manager=self.lora_manager,
-            num_host_blocks=host_pool.num_blocks if host_pool is not None else 0,
-            attention_backend=self.attention_backend,
-            cuda_graphs=cuda_graphs,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-        )
-        self.runner = (
-            ModelRunner(self.model, **runner_options)
-            if self.tensor_parallel is None
-            else TensorParallelRunner(self.model, ranks=self.tensor_parallel, **runner_options)
-        )
+        self.scheduler = parts.scheduler
+        self.lora_manager = parts.lora_manager
+        self.runner = parts.runner
+        self.speculator = parts.speculator
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(
             self.tokenizer,
@@ -166,27 +73,6 @@ class LLMEngine:
             eos_token_ids=self.config.eos_token_ids,
         )
         self._masks = MaskBatch(self.config.vocab_size)
-        self.speculator = build_speculator(
-            config.speculative,
-            dtype=torch_dtype,
-            device=self.device,
-            block_manager=self.block_manager,
-            max_model_len=self.max_model_len,
-            vocab_size=self.config.vocab_size,
-            tokenizer=self.tokenizer,
-            target_weight_bytes=self.model.decode_weight_bytes,
-            copy_kv_slots=self.runner.copy_slots,
-            measure_steps=lambda max_batch, max_drafts: measure_step_costs(
-                self.runner.execute,
-                self.block_manager,
-                max_batch=max_batch,
-                max_drafts=max_drafts,
-                row_limit=min(max_num_batched_tokens, self.max_model_len),
-                max_model_len=self.max_model_len,
-                vocab_size=self.config.vocab_size,
-                device=self.device,
-            ),
-        )
         self.postprocessor = Postprocessor(
             eos_token_ids=self.config.eos_token_ids, max_model_len=self.max_model_len
         )

@@ -1,0 +1,183 @@
+"""An engine's parts, built from its config: where it runs, the other tensor-parallel ranks,
+the model and tokenizer, the KV cache's blocks (and swap pool), the scheduler, LoRA slots,
+the runner and the speculator.
+
+Apart from ``LLMEngine`` so that the engine's module reads as what a step does; the order
+here matters (the cache's size needs the model's shape, the speculator times the runner).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker.engine.batch import PreemptionMode
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import EngineConfig
+from worker.engine.placement import (
+    resolve_attention_backend,
+    resolve_cuda_graphs,
+    resolve_device,
+    resolve_dtype,
+)
+from worker.engine.scheduler import Scheduler
+from worker.model.llama import LlamaModel
+from worker.model.lora_manager import LoraManager
+from worker.model.model_config import ModelConfig
+from worker.model.model_runner import ModelRunner, kv_bytes_per_block
+from worker.parallel.launch import RankProcesses, start_ranks
+from worker.parallel.runner import TensorParallelRunner
+from worker.spec_decode.setup import build_speculator
+from worker.spec_decode.speculator import Speculator
+from worker.spec_decode.step_cost import measure_step_costs
+from worker.text.tokenizer import load_tokenizer
+
+
+@dataclass(slots=True)
+class EngineParts:
+    device: torch.device
+    attention_backend: str
+    tensor_parallel: RankProcesses | None  # None on one rank
+    model: LlamaModel
+    tokenizer: object
+    max_model_len: int
+    block_manager: BlockManager
+    scheduler: Scheduler
+    lora_manager: LoraManager | None  # None when max_loras is 0
+    runner: ModelRunner
+    speculator: Speculator | None
+
+
+def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
+    """Every part of an engine serving the checkpoint at ``model`` as ``config`` says."""
+    block_size, max_loras = config.block_size, config.max_loras
+    device = resolve_device(config.device)
+    torch_dtype = resolve_dtype(config.dtype, device)
+    attention_backend = resolve_attention_backend(config.attention_backend, device)
+    tp_size = config.tensor_parallel_size
+    cuda_graphs = resolve_cuda_graphs(config.cuda_graphs, device, attention_backend, tp_size)
+    num_kv_blocks, num_host_blocks = kv_cache_blocks(model, config, torch_dtype)
+    # Tensor parallelism: ranks 1..N-1 load their shards while this process (rank 0) loads
+    # its own; None on one rank.
+    tensor_parallel = start_ranks(
+        model,
+        config,
+        dtype=torch_dtype,
+        device=device,
+        num_kv_blocks=num_kv_blocks,
+        num_host_blocks=num_host_blocks,
+    )
+    group = tensor_parallel.group if tensor_parallel is not None else None
+    try:
+        llama = LlamaModel.from_pretrained(model, dtype=torch_dtype, device=device, group=group)
+        if tensor_parallel is not None:
+            tensor_parallel.connect()
+    except BaseException:
+        if tensor_parallel is not None:
+            tensor_parallel.abandon()
+        raise
+    tokenizer = load_tokenizer(model)
+    max_model_len = min(config.max_model_len or 10**9, llama.config.max_position_embeddings)
+    block_manager = BlockManager(
+        num_blocks=num_kv_blocks, block_size=block_size, enable_caching=config.enable_prefix_caching
+    )
+    host_pool = None
+    if num_host_blocks is not None:
+        host_pool = BlockManager(
+            num_blocks=num_host_blocks, block_size=block_size, enable_caching=False
+        )
+    scheduler = Scheduler(
+        block_manager=block_manager,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        watermark_blocks=num_kv_blocks // 100,
+        max_loras=max_loras,
+        preemption_mode=config.preemption_mode,
+        host_block_manager=host_pool,
+        fairness=config.fairness,
+    )
+    # max_loras=0 turns LoRA off (no slot buffers are ever allocated).
+    lora_manager = None
+    if max_loras > 0:
+        lora_manager = LoraManager(
+            model,
+            dtype=torch_dtype,
+            device=device,
+            max_loras=max_loras,
+            max_lora_rank=config.max_lora_rank,
+            host_cache_bytes=int(config.lora_host_cache_gb * 2**30),
+            shard=group.shard if group is not None else None,
+        )
+    runner_options = dict(
+        num_blocks=num_kv_blocks,
+        block_size=block_size,
+        lora_manager=lora_manager,
+        num_host_blocks=host_pool.num_blocks if host_pool is not None else 0,
+        attention_backend=attention_backend,
+        cuda_graphs=cuda_graphs,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+    )
+    runner = (
+        ModelRunner(llama, **runner_options)
+        if tensor_parallel is None
+        else TensorParallelRunner(llama, ranks=tensor_parallel, **runner_options)
+    )
+    speculator = build_speculator(
+        config.speculative,
+        dtype=torch_dtype,
+        device=device,
+        block_manager=block_manager,
+        max_model_len=max_model_len,
+        vocab_size=llama.config.vocab_size,
+        tokenizer=tokenizer,
+        target_weight_bytes=llama.decode_weight_bytes,
+        copy_kv_slots=runner.copy_slots,
+        measure_steps=lambda max_batch, max_drafts: measure_step_costs(
+            runner.execute,
+            block_manager,
+            max_batch=max_batch,
+            max_drafts=max_drafts,
+            row_limit=min(config.max_num_batched_tokens, max_model_len),
+            max_model_len=max_model_len,
+            vocab_size=llama.config.vocab_size,
+            device=device,
+        ),
+    )
+    return EngineParts(
+        device=device,
+        attention_backend=attention_backend,
+        tensor_parallel=tensor_parallel,
+        model=llama,
+        tokenizer=tokenizer,
+        max_model_len=max_model_len,
+        block_manager=block_manager,
+        scheduler=scheduler,
+        lora_manager=lora_manager,
+        runner=runner,
+        speculator=speculator,
+    )
+
+
+def kv_cache_blocks(
+    model: str | Path, config: EngineConfig, dtype: torch.dtype
+) -> tuple[int, int | None]:
+    """The KV cache's blocks and, for swap preemption, the host pool's (None otherwise):
+    as configured, else as many as their memory budgets hold."""
+    block_bytes = kv_bytes_per_block(
+        ModelConfig.from_pretrained(model),
+        config.block_size,
+        dtype,
+        tensor_parallel_size=config.tensor_parallel_size,
+    )
+    num_kv_blocks = config.num_kv_blocks
+    if num_kv_blocks is None:
+        num_kv_blocks = max(1, int(config.kv_cache_memory_gb * 2**30) // block_bytes)
+    num_host_blocks = None
+    if config.preemption_mode is PreemptionMode.SWAP:
+        num_host_blocks = config.num_host_blocks
+        if num_host_blocks is None:
+            num_host_blocks = max(1, int(config.swap_space_gb * 2**30) // block_bytes)
+    return num_kv_blocks, num_host_blocks
