@@ -207,14 +207,15 @@ async def test_concurrent_uploads_per_tenant_are_capped(capped, tmp_path):
 async def test_a_crashed_gateways_upload_slots_come_back(capped, tmp_path):
     live = capped
     key = tenant_key(live.prefix, "alice", "uploads")
-    now_ms = int(time.time() * 1000)
-    # Two slots held by a gateway that died: their leases end in 300 ms.
-    await live.redis.zadd(key, {"dead-1": now_ms + 300, "dead-2": now_ms + 300})
+    # Two slots held by a gateway that died: their leases end in 2 s (long enough for the
+    # first upload to arrive before them on a loaded machine).
+    lease_end_ms = int(time.time() * 1000) + 2_000
+    await live.redis.zadd(key, {"dead-1": lease_end_ms, "dead-2": lease_end_ms})
     adapter = write_adapter(tmp_path / "a")
     async with client(live, "alice") as alice:
         refused = await alice.post("/v1/adapters", **files_upload("x", adapter))
         assert refused.status_code == 429
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(max(0.0, lease_end_ms / 1000 - time.time()) + 0.2)
         assert (await alice.post("/v1/adapters", **files_upload("x", adapter))).status_code == 201
 
 
