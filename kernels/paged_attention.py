@@ -180,12 +180,13 @@ def paged_attention(
         if kernel is None:
             raise ValueError("metadata planned for the native attention kernel, not built here")
         kernel.decode(query, out, key_cache, value_cache, meta.native_decodes, scale)
-    for chunk in meta.prefills:
-        rows = slice(chunk.start, chunk.start + chunk.length)
-        q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
+    for start, count, chunk in fresh_runs(meta.prefills):
+        # ``count`` chunks of one length back to back: [count, heads, n, dim] in one call.
+        rows = slice(start, start + count * chunk.length)
+        q = query[rows].view(count, chunk.length, num_heads, head_dim).transpose(1, 2)
         if chunk.block_table is None:
-            k = key[rows].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, dim]
-            v = value[rows].transpose(0, 1).unsqueeze(0)
+            k = key[rows].view(count, chunk.length, num_kv_heads, head_dim).transpose(1, 2)
+            v = value[rows].view(count, chunk.length, num_kv_heads, head_dim).transpose(1, 2)
         else:
             k = gather_blocks(key_cache, chunk.block_table, 1).transpose(1, 2)
             v = gather_blocks(value_cache, chunk.block_table, 1).transpose(1, 2)
@@ -198,5 +199,22 @@ def paged_attention(
             scale=scale,
             enable_gqa=group > 1,
         )
-        out[rows] = o.squeeze(0).transpose(0, 1)
+        out[rows] = o.transpose(1, 2).reshape(count * chunk.length, num_heads, head_dim)
     return out
+
+
+def fresh_runs(chunks: list[PrefillChunk]) -> list[tuple[int, int, PrefillChunk]]:
+    """The chunks as (first row, count, a chunk): fresh prompts of one length that follow
+    each other in the batch merge into one run, attended in one batched call (a burst of
+    same-length prompts would otherwise pay SDPA's per-call cost per prompt and layer);
+    a chunk over cached context is a run of its own."""
+    runs: list[tuple[int, int, PrefillChunk]] = []
+    for chunk in chunks:
+        if runs and chunk.block_table is None:
+            start, count, last = runs[-1]
+            follows = start + count * last.length == chunk.start
+            if last.block_table is None and last.length == chunk.length and follows:
+                runs[-1] = (start, count + 1, last)
+                continue
+        runs.append((chunk.start, 1, chunk))
+    return runs
