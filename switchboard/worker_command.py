@@ -60,6 +60,7 @@ def worker(args: argparse.Namespace) -> int:
             engine_loop=engine_loop,
             auth=auth,
             health_port=None if args.health_port < 0 else args.health_port,
+            warmup=not args.no_warmup,
         ),
     )
     try:
@@ -194,6 +195,12 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _auth_arguments(parser)
     _speculative_arguments(parser)
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="report ready without first running the step shapes serving uses (the first "
+        "requests then run slower)",
+    )
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests may finish"
     )

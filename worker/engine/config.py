@@ -66,6 +66,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str | None = None  # None: by device (placement.resolve_attention_backend)
     cuda_graphs: bool | None = None  # decode steps as CUDA graphs; None: where they can run
+    # Run the step shapes serving will use once before the first request (worker.engine.warmup):
+    # the worker's default, off for the offline engine, which tests build by the hundred.
+    warmup: bool = False
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     fairness: FairnessConfig = field(default_factory=FairnessConfig)
 

@@ -31,6 +31,7 @@ from worker.engine.postprocess import Postprocessor
 from worker.engine.prefix_cache import PrefixCacheStats, root_hash
 from worker.engine.request_checks import check_request, check_tenant_weight
 from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from worker.engine.warmup import WarmupReport, warm_up
 from worker.errors import (
     EngineError,
     InvalidRequestError,
@@ -81,6 +82,23 @@ class LLMEngine:
         self._forks = PendingForks(self.scheduler)  # n > 1 (see add_samples)
         self._arrivals = itertools.count()
         self._failures: dict[str, EngineError] = {}  # request id -> why it failed alone
+        if config.warmup:
+            self.warm_up()
+
+    def warm_up(self) -> WarmupReport:
+        """Run the step shapes serving will use once (`worker.engine.warmup`), leaving no
+        trace; call it on the thread that will step the engine, before any request."""
+        if self.requests:
+            raise EngineError("warm up an engine before it takes requests")
+        return warm_up(
+            self.runner.execute,
+            self.sampler,
+            self.block_manager,
+            max_num_seqs=self.engine_config.max_num_seqs,
+            row_limit=min(self.engine_config.max_num_batched_tokens, self.max_model_len),
+            max_model_len=self.max_model_len,
+            vocab_size=self.config.vocab_size,
+        )
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do on one rank)."""

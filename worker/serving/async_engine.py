@@ -91,6 +91,11 @@ class AsyncEngine:
         """Start the step loop (`EngineLoop.start`); outputs go to this event loop."""
         self._thread.start(runner)
 
+    async def warm_up(self) -> None:
+        """The engine's warm-up (`LLMEngine.warm_up`), on the loop thread: the thread whose
+        OpenMP team will run the steps."""
+        await self._call(self.engine.warm_up)
+
     async def stop(self) -> None:
         """Abort whatever is left, stop the step loop and wait for it."""
         if not self._thread.running:

@@ -71,9 +71,11 @@ class WorkerServer:
         auth: WorkerAuth | None = None,
         health_port: int | None = None,
         on_failure: Callable[[], None] | None = None,
+        warmup: bool = False,
     ) -> None:
         """``on_failure``: called on the event loop when the engine's tensor-parallel group
-        fails (``failure`` then says why); the caller should stop the server."""
+        fails (``failure`` then says why); the caller should stop the server. ``warmup``:
+        run the engine's warm-up (`LLMEngine.warm_up`) before reporting SERVING."""
         self.auth = auth or WorkerAuth()
         self.auth.check(host)  # before anything slow: a misconfigured worker fails at once
         self.health_port = health_port
@@ -101,6 +103,7 @@ class WorkerServer:
         self._shutdown_lock = asyncio.Lock()
         self._stopped = False
         self._on_failure = on_failure or (lambda: None)
+        self.warmup = warmup
         self.failure: TensorParallelError | None = None
 
     @property
@@ -139,6 +142,11 @@ class WorkerServer:
             )
         self.engine = AsyncEngine(llm_engine)
         self.engine.start(self._engine_runner)
+        if self.warmup:
+            try:
+                await self.engine.warm_up()
+            except Exception:  # only speed is lost: serve cold rather than not at all
+                logger.exception("the engine's warm-up failed; serving without it")
         self.servicer.engine = self.engine
         self.servicer.on_adapters_changed = self._beat_now.set
         await self._set_health(Status.SERVING)
@@ -279,6 +287,7 @@ async def serve(
     engine_loop: MainThreadEngineLoop | None = None,
     auth: WorkerAuth | None = None,
     health_port: int | None = None,
+    warmup: bool = True,
 ) -> None:
     """Run a worker until SIGTERM or SIGINT, then drain and stop (``switchboard worker``).
 
@@ -312,6 +321,7 @@ async def serve(
         auth=auth,
         health_port=health_port,
         on_failure=stop.set,
+        warmup=warmup,
     )
     loop = asyncio.get_running_loop()
     if engine_loop is not None:
