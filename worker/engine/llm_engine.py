@@ -98,6 +98,7 @@ class LLMEngine:
             row_limit=min(self.engine_config.max_num_batched_tokens, self.max_model_len),
             max_model_len=self.max_model_len,
             vocab_size=self.config.vocab_size,
+            cpu_lora=self.lora_manager is not None and self.device.type == "cpu",
         )
 
     def shutdown(self) -> None:

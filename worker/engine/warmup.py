@@ -6,7 +6,8 @@ the model runner on scratch sequences the way served batches run: steps of promp
 filling the token budget (fresh prompts, then a chunk continuing a cached prompt beside
 decodes), and decode steps of 1, 2, 4, ... sequences up to ``max_num_seqs``; the sampler
 draws from each step's logits, greedy and seeded. Its blocks come from the engine's pool
-and all go back; nothing enters the prefix cache and no request or counter changes.
+and all go back; nothing enters the prefix cache and no request or counter changes. The
+native kernels the steps use are built (in a fresh container) or loaded on the way.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.lora_native import native_library
 from worker.engine.batch import ScheduledSequence
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import Sequence
@@ -52,11 +54,16 @@ def warm_up(
     row_limit: int,
     max_model_len: int,
     vocab_size: int,
+    cpu_lora: bool = False,
 ) -> WarmupReport:
     """Run the shapes (see the module docstring) through ``execute`` (the runner's forward
     pass) and ``sampler``, on blocks of ``block_manager`` that are all freed again. Steps
-    hold at most ``row_limit`` tokens; sequences that do not fit the pool are left out."""
+    hold at most ``row_limit`` tokens; sequences that do not fit the pool are left out.
+    ``cpu_lora``: also build the native LoRA kernel, which a fresh container would
+    otherwise compile on its first adapter request."""
     start = time.perf_counter()
+    if cpu_lora:
+        native_library()
     bs = block_manager.block_size
     # A prompt and the token after it fit the model, the step and (a small pool) the pool.
     room = block_manager.num_free_blocks * bs - 1
