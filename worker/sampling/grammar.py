@@ -23,7 +23,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch as llguidance_torch
+import llguidance.numpy as llguidance_numpy  # not .torch: it runs torch.compile at import
 import numpy as np
 import torch
 
@@ -160,22 +160,21 @@ class MaskBatch:
         if not rows:
             return
         positions = [row + j for _, row, drafts in rows for j in range(len(drafts) + 1)]
-        bitmask = torch.full((logits.shape[0], self.words), -1, dtype=torch.int32)
+        bitmask = np.full((logits.shape[0], self.words), -1, dtype=np.int32)
         with_drafts = [(s.matcher, row, drafts) for s, row, drafts in rows if drafts]
         if with_drafts:
-            llguidance_torch.fill_next_token_bitmask_par_with_draft_tokens(
+            llguidance_numpy.fill_next_token_bitmask_par_with_draft_tokens(
                 self._executor, with_drafts, bitmask
             )
         plain = [(s.matcher, row) for s, row, drafts in rows if not drafts]
         if plain:
-            llguidance_torch.fill_next_token_bitmask_par(self._executor, plain, bitmask)
-        index = torch.tensor(positions, dtype=torch.int64)
-        allowed = _unpack(bitmask[index], logits.shape[1]).to(logits.device)  # [m, vocab]
-        index = index.to(logits.device)
+            llguidance_numpy.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        allowed = _unpack(bitmask[positions], logits.shape[1]).to(logits.device)  # [m, vocab]
+        index = torch.tensor(positions, dtype=torch.int64).to(logits.device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
-def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+def _unpack(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
     """[m, words] int32 bitmask (bit i of word w: token 32 w + i) -> [m, vocab] bool."""
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
     return torch.from_numpy(bits[:, :vocab].astype(bool))
