@@ -9,11 +9,11 @@ built with a setting or has one policy method replaced after it is built):
   step's plan of candidates by the draft's calibrated confidence (``draft_plan``);
 - ``flat-cost``: verification rows cost a fixed 2% of a step each, not the measured table
   corrected by live step times (``step_cost``);
-- ``static-draft-cost``: a draft pass costs its weights over the target's, not its measured
-  time;
-- ``no-pauses``: a sequence whose drafts do not pay keeps drafting (no pause and probe);
-- ``no-step-check``: drafts worth it for their own sequence go ahead even where the step as
-  a whole loses (``step_pays`` / ``pass_pays``).
+- ``no-pauses``: a sequence whose drafts do not pay keeps drafting (no pause and probe).
+
+Two pieces this measured did not pay and are gone (docs/speculative-decoding.md has the
+figures): the draft's measured pass time (its weights' ratio did as well) and a check of the
+whole step beside each sequence's own count.
 
 Usage: ``python -m bench.spec_ablation [--proposer draft|ngram] [--only chat_batch1 ...]``.
 Engines run interleaved, the fastest of ``--repeats`` runs of each kept, as in bench.spec.
@@ -35,11 +35,9 @@ DRAFT_VARIANTS = (
     "no-alternatives",
     "no-plan",
     "flat-cost",
-    "static-draft-cost",
     "no-pauses",
-    "no-step-check",
 )
-NGRAM_VARIANTS = ("all", "flat-cost", "no-pauses", "no-step-check")
+NGRAM_VARIANTS = ("all", "flat-cost", "no-pauses")
 
 
 def build(model: Path, speculative_model: str, variant: str, k: int, dtype: str):
@@ -57,13 +55,8 @@ def build(model: Path, speculative_model: str, variant: str, k: int, dtype: str)
     policy = speculator.policy
     if variant == "no-plan":
         speculator.proposer.ranks_candidates = False
-    elif variant == "static-draft-cost":
-        speculator.measure_draft_cost = False
     elif variant == "no-pauses":
         policy._pause = lambda track: None
-    elif variant == "no-step-check":
-        policy.step_pays = lambda seqs, ks, num_decodes: True
-        policy.pass_pays = lambda seqs, num_decodes: seqs
     return llm
 
 

@@ -24,7 +24,7 @@ def make_plan(proposals, *, row_cost=0.02, draft_cost=0.1, passes=2, factors=Non
     plan = StepPlan(
         num_decodes=kw.pop("num_decodes", len(proposals)),
         factors=factors or [1.0] * len(proposals),
-        draft_cost=lambda rows: draft_cost,
+        draft_cost=draft_cost,
         verify_cost=flat_verify_cost(row_cost),
         level_mass=kw.pop("level_mass", 0.7),
         **kw,
@@ -32,7 +32,7 @@ def make_plan(proposals, *, row_cost=0.02, draft_cost=0.1, passes=2, factors=Non
     for i, proposal in enumerate(proposals):
         plan.add(i, proposal)
     for _ in range(passes):
-        plan.pass_done(len(proposals))
+        plan.pass_done()
     return plan
 
 

@@ -341,9 +341,6 @@ def test_default_costs_keep_a_draft_as_costly_as_the_target_to_rare_probes(targe
         speculative_draft_quantization="none",  # int8 would read a quarter of the bytes
     )
     assert costly.engine.speculator.policy.draft_cost == pytest.approx(1.0)
-    # The weights' ratio as it starts; the engine then follows the time it measures (timing
-    # noise on a tiny model: see test_the_draft_cost_follows_the_measured_time).
-    costly.engine.speculator.measure_draft_cost = False
     outputs = costly.generate(prompts, greedy(40))
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     probes = costly.engine.spec_decode_stats
@@ -356,107 +353,24 @@ def test_default_costs_keep_a_draft_as_costly_as_the_target_to_rare_probes(targe
     assert lookup.engine.spec_decode_stats.num_proposed > 2 * probes.num_proposed
 
 
-def test_drafts_must_pay_for_the_whole_step():
-    """A draft model's passes slow every sequence of the step: one sequence of four drafting
-    (accepted half the time, at 0.2 of a step) gains 0.5 tokens where the step loses 0.8
-    tokens' worth, so it does not draft; all four drafting gain 2 for 0.8, and do."""
-    from worker.engine.sequence import Sequence
-    from worker.spec_decode.backoff import BackoffPolicy, flat_verify_cost
-
-    policy = BackoffPolicy(
-        max_batch_size=8, min_acceptance=0.0, draft_cost=0.2, verify_cost=flat_verify_cost(0.0)
-    )
-    seqs = [Sequence(f"s{i}", [1], SamplingParams(), i) for i in range(4)]
-    assert not policy.step_pays(seqs[:1], [1], 4)
-    assert policy.step_pays(seqs, [1] * 4, 4)
-    assert policy.step_pays(seqs[:1], [1], 1)  # alone, its own count decides
-
-
-def test_a_draft_pass_must_pay_for_the_whole_step():
-    """A draft pass slows every sequence of the step by the draft's cost: one sequence of
-    four drafting, gaining 0.5 tokens a verification, does not cover the 0.8 tokens' worth
-    a pass at 0.2 of a step costs the batch, so it pauses (and later probes); all four
-    gaining 0.5 each do draft; a probe goes ahead whatever it is worth."""
-    from worker.engine.sequence import Sequence
-    from worker.spec_decode.backoff import BackoffPolicy
-
-    policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.0, draft_cost=0.2, pause_steps=2)
-    seqs = [Sequence(f"s{i}", [1], SamplingParams(), i) for i in range(4)]
-    assert policy.pass_pays(seqs[:1], 4) == []
-    assert [policy.may_draft(seqs[0]) for _ in range(3)] == [False, False, True]  # probe next
-    assert policy.pass_pays(seqs[:1], 4) == seqs[:1]
-    assert policy.pass_pays(seqs[1:], 4) == seqs[1:]  # three gaining 1.5 cover 0.8
-    assert policy.pass_pays(seqs[1:2], 1) == seqs[1:2]  # alone: 0.5 covers 0.2
-
-
-def test_the_speculator_asks_whether_a_draft_pass_pays(target, monkeypatch):
-    """Four requests decoding: before drafting, the speculator asks the policy about the
-    step as a whole; where it says no, nothing is drafted; where it says yes, drafts are
-    verified."""
-    from worker.spec_decode.backoff import BackoffPolicy
-
-    prompts = random_prompts(4, min_len=3, max_len=10, seed=8)
-    asked = []
-
-    def refuse(self, seqs, num_decodes):
-        asked.append(num_decodes)
-        return []
-
-    monkeypatch.setattr(BackoffPolicy, "pass_pays", refuse)
-    llm = speculative(target, str(target), speculative_draft_cost=0.1)
-    outputs = llm.generate(prompts, greedy())
-    assert 4 in asked and llm.engine.spec_decode_stats.num_verifications == 0
-    monkeypatch.undo()
-    again = speculative(target, str(target), speculative_draft_cost=0.1)
-    assert [o.token_ids for o in again.generate(prompts, greedy())] == [
-        o.token_ids for o in outputs
-    ]
-    assert again.engine.spec_decode_stats.num_verifications > 0
-
-
-def test_the_draft_cost_follows_the_measured_time(target, other_draft):
-    """A draft model's cost starts as its weights over the target's, then follows its
-    forward passes' time over the target's in decode-only steps (a running median); a cost
-    given by the user stays as given, and prompt lookup's stays 0."""
-    from worker.spec_decode.backoff import BackoffPolicy
-
-    policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.0, draft_cost=0.5)
-    for cost in [0.1, 0.12, 0.9] * 10:  # a catch-up now and then: an outlier, not the price
-        policy.observe_draft_cost(cost)
-    assert policy.draft_cost == pytest.approx(0.12)
-    # Passes are priced by the tokens they feed (the nearest size measured); the one-token
-    # passes alone set draft_cost.
-    for cost in (0.3, 0.2, 0.25):
-        policy.observe_draft_cost(cost, rows=4)
-    assert policy.draft_cost == pytest.approx(0.12)
-    assert policy.draft_pass_cost(4) == pytest.approx(0.25)
-    assert policy.draft_pass_cost(3) == pytest.approx(0.25)
-    assert policy.draft_pass_cost(2) == pytest.approx(0.12)
-    assert policy.draft_pass_cost(16) == pytest.approx(0.25)
-
-    # Rows priced at nothing (the step curve, timed on a tiny model, is noise here): every
-    # step drafts as deep as it may, so one-token passes get timed.
-    llm = LLM(
+def test_the_draft_cost_is_its_weights_ratio_unless_given(target, other_draft):
+    """A draft model's pass costs its weights over the target's (a small batch's step reads
+    them all); a cost given by the user stays as given; prompt lookup's is 0."""
+    as_big = LLM(
         target,
         dtype="float32",
         speculative_model=str(target),
         speculative_position_cost=0.0,
         speculative_draft_quantization="none",
     )
-    policy = llm.engine.speculator.policy
-    assert llm.engine.speculator.measure_draft_cost and policy.draft_cost == pytest.approx(1.0)
-    policy.draft_cost = 0.0  # drafts go ahead, and get timed
-    llm.generate(copying_prompts(2, seed=7), greedy(30))
-    # Measured by the tokens a pass fed (two sequences: mostly 2 or more), so drafts pause.
-    assert policy._draft_cost_samples and policy.draft_pass_cost(2) > 0.0
+    assert as_big.engine.speculator.policy.draft_cost == pytest.approx(1.0)
     given = LLM(
         target, dtype="float32", speculative_model=str(other_draft), speculative_draft_cost=0.3
     )
     given.generate(copying_prompts(2, seed=7), greedy(30))
     assert given.engine.speculator.policy.draft_cost == 0.3
-    assert not LLM(
-        target, dtype="float32", speculative_model="ngram"
-    ).engine.speculator.measure_draft_cost
+    lookup = LLM(target, dtype="float32", speculative_model="ngram")
+    assert lookup.engine.speculator.policy.draft_cost == 0.0
 
 
 def test_a_requests_own_k_caps_its_drafts(target):
@@ -885,7 +799,7 @@ def test_the_policy_prices_drafts_from_the_measured_table(target, monkeypatch):
         asked.append((kwargs["max_batch"], kwargs["max_drafts"], kwargs["row_limit"]))
         return known
 
-    monkeypatch.setattr("worker.engine.llm_engine.measure_step_costs", fake_measure)
+    monkeypatch.setattr("worker.engine.assembly.measure_step_costs", fake_measure)
     engine = LLMEngine(
         target,
         engine_config(dtype="float32", speculative_model="ngram", speculative_max_batch_size=6),

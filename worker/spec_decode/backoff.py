@@ -3,8 +3,6 @@ pays at all (for a draft model, with the step's plan: ``draft_plan``)."""
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -17,9 +15,6 @@ from worker.spec_decode.step_cost import LiveStepCosts
 # engine measures it (step_cost.py).
 POSITION_COST = 0.02
 
-
-# Measured draft costs the policy takes the median of (BackoffPolicy.observe_draft_cost).
-DRAFT_COST_WINDOW = 64
 
 # verify_cost(decoding sequences, drafts each): what verifying that many drafts per sequence
 # adds to a step, per sequence, in units of a plain step's time per token.
@@ -70,7 +65,6 @@ class _Track:
     pause: int = 0  # steps left without speculating
     next_pause: int = 0  # length of the next pause: doubles while drafts keep failing
     probe: bool = False  # a pause just ended: draft at least one token to measure again
-    probing: bool = False  # this step's draft is a probe (not worth its cost by itself)
     # A draft model's: what the target emitted against the draft's confidence.
     calibration: Calibration = field(default_factory=Calibration)
 
@@ -124,8 +118,6 @@ class BackoffPolicy:
         self._costs: dict[tuple[int, float], list[float]] = {}
         self._tracks: dict[Sequence, _Track] = {}
         self.acceptance = 0.5  # engine-wide moving average, over every verification
-        # Measured draft passes, by tokens fed (a pass of 8 costs more than one of 1).
-        self._draft_cost_samples: dict[int, deque[float]] = {}
         self.alternative_rate = 0.0  # the same for alternatives catching the target's token
         self.rows_per_draft = 1.0  # verified rows per draft: itself and its alternatives
         # A draft model's, engine-wide: its calibration, and the share of the target's
@@ -150,29 +142,7 @@ class BackoffPolicy:
             self._pause(track)  # each pause after a failed probe is twice as long
             return 0
         track.probe = False
-        track.probing = n == 0
         return max(n, 1)  # a probe drafts one token even where none is worth it
-
-    def is_probing(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s drafts this step are a probe (see num_drafts)."""
-        return self._track(seq).probing
-
-    def step_pays(self, seqs: list[Sequence], ks: list[int], num_decodes: int) -> bool:
-        """Whether ``seqs`` drafting ``ks`` each is worth it for the step as a whole, of
-        ``num_decodes`` decoding sequences. Each sequence's count assumed the step's cost
-        was its own; but a draft model's forward passes (as many as the longest chain, all
-        sequences batched) slow every sequence of the step, drafting or not. With one
-        sequence drafting among four, its gain is a quarter of the step's tokens' worth:
-        in bench runs of 2 and 4 chats the draft made the batch 3-17% slower."""
-        if num_decodes <= 1 or not seqs:
-            return True
-        gain = sum(
-            expected_tokens(track.acceptance, k, track.alternative_rate) - 1.0
-            for track, k in ((self._track(s), k) for s, k in zip(seqs, ks, strict=True))
-        )
-        rows = sum(ks) * self.rows_per_draft / num_decodes
-        added = max(ks) * self.draft_cost + self.verify_cost(num_decodes, rows)
-        return num_decodes + gain >= num_decodes * (1.0 + added)
 
     def observe_step(self, num_decodes: int, rows: int, seconds: float) -> None:
         """A timed decode step of the target: ``num_decodes`` sequences, ``rows`` draft
@@ -180,27 +150,6 @@ class BackoffPolicy:
         if self.step_costs is not None:
             self.step_costs.observe(num_decodes, rows, seconds)
             self._costs.clear()
-
-    def observe_draft_cost(self, cost: float, rows: int = 1) -> None:
-        """A measured draft pass that fed ``rows`` tokens, over a plain step of the target:
-        the draft's cost as the engine pays it (its weights, evicted from cache by the
-        target's between calls, and its bookkeeping), rather than as its weights' ratio
-        predicts. The median of the last ``DRAFT_COST_WINDOW`` of that size: a pass that was
-        interrupted is an outlier, not the price of a draft. ``draft_cost`` follows the
-        one-token passes (a single sequence's)."""
-        samples = self._draft_cost_samples.setdefault(rows, deque(maxlen=DRAFT_COST_WINDOW))
-        samples.append(cost)
-        if rows == 1:
-            self.draft_cost = statistics.median(samples)
-            self._costs.clear()
-
-    def draft_pass_cost(self, rows: int) -> float:
-        """What a draft pass feeding ``rows`` tokens costs, in plain steps: measured for
-        that size, else for the nearest size measured, else ``draft_cost``."""
-        if not self._draft_cost_samples:
-            return self.draft_cost
-        nearest = min(self._draft_cost_samples, key=lambda r: (abs(r - rows), -r))
-        return statistics.median(self._draft_cost_samples[nearest])
 
     # A draft model's steps: its confidence sizes them (draft_plan), not a chain's length.
 
@@ -213,25 +162,11 @@ class BackoffPolicy:
             return False
         return True
 
-    def pass_pays(self, seqs: list[Sequence], num_decodes: int) -> list[Sequence]:
-        """Of ``seqs`` (not paused), those that draft this step. A draft pass slows every
-        sequence of the step (``draft_pass_cost``): where the tokens the drafting sequences have
-        been gaining per verification do not cover that, they pause, and only the probes
-        (a pause just ended: measure again) go ahead."""
-        gain = sum(self._track(s).calibration.emitted for s in seqs)
-        if gain >= num_decodes * self.draft_pass_cost(len(seqs)):
-            return seqs
-        probes = [s for s in seqs if self._track(s).probe]
-        for s in seqs:
-            if not self._track(s).probe:
-                self._pause(self._track(s))
-        return probes
-
     def plan(self, seqs: list[Sequence], num_decodes: int) -> StepPlan:
         return StepPlan(
             num_decodes=num_decodes,
             factors=[self._track(s).calibration.factor for s in seqs],
-            draft_cost=self.draft_pass_cost,
+            draft_cost=self.draft_cost,
             verify_cost=self.verify_cost,
             level_mass=self.level_mass,
             probes=[self._track(s).probe for s in seqs],

@@ -9,7 +9,6 @@ speculating sequences batched in one forward pass per token.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,9 +100,6 @@ class DraftProposer:
         )
         self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=block_size)
         self._shadows: dict[Sequence, _Shadow] = {}
-        # The last proposal's passes (none catching up on a long history), as (tokens fed,
-        # seconds, its bookkeeping included): what drafting costs, for the policy.
-        self.pass_times: list[tuple[int, float]] = []
 
     def release(self, seq: Sequence) -> None:
         shadow = self._shadows.pop(seq, None)
@@ -130,7 +126,6 @@ class DraftProposer:
         """Up to ``ks[i]`` drafts each, one batched pass per depth; with a ``plan``, a
         sequence drafts one level deeper only while the plan says it is worth it."""
         proposals = [Proposal([]) for _ in seqs]
-        self.pass_times = []
         # The k-th draft is never fed back, so the draft holds len(tokens) + k - 1 tokens.
         live = [i for i, s in enumerate(seqs) if self._prepare(s, s.num_tokens + ks[i] - 1)]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -142,7 +137,6 @@ class DraftProposer:
                 ScheduledSequence(s, s.num_computed_tokens, s.num_uncomputed_tokens)
                 for s in shadows
             ]
-            start = time.perf_counter()
             # [len(active), the draft's output columns]
             order, logits = self.runner.execute(scheduled, kept_only=True)
             # The runner reorders the batch (decodes first): map rows back by shadow.
@@ -170,13 +164,10 @@ class DraftProposer:
                     probs[i].append(r.distribution)
                 if plan is not None:
                     plan.add(i, proposal)
-            fed = sum(s.num_tokens for s in scheduled)
-            if all(s.num_tokens <= 2 for s in scheduled):  # not catching up on a history
-                self.pass_times.append((fed, time.perf_counter() - start))
             step += 1
             active = [i for i in active if step < ks[i]]
             if plan is not None:
-                plan.pass_done(fed)
+                plan.pass_done()
                 active = plan.continuing(active)
         for i in live:
             if probs[i]:

@@ -9,9 +9,9 @@ its drafting sequences by falling estimate for as long as each one's expected to
 worth its verification row, read off the measured cost of rows (``VerifyCost``), and the
 draft makes one more pass while the tokens that pass can add are worth its time.
 
-Costs are in units of a plain decode step of the batch: a draft pass feeding ``n`` tokens
-costs ``draft_cost(n)``, ``verify_cost(decodes, rows / decodes)`` is what ``rows`` more
-rows add.
+Costs are in units of a plain decode step of the batch: a draft pass costs ``draft_cost``
+(whatever it feeds: its weights are read once), and ``verify_cost(decodes, rows / decodes)``
+is what ``rows`` more rows add.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class StepPlan:
         *,
         num_decodes: int,
         factors: list[float],
-        draft_cost: Callable[[int], float],
+        draft_cost: float,
         verify_cost: VerifyCost,
         level_mass: float,
         probes: list[bool] | None = None,
@@ -106,9 +106,9 @@ class StepPlan:
         level = len(proposal.token_ids) - 1
         self.masses.append(proposal.confidence[level] + sum(proposal.alternative_probs[level]))
 
-    def pass_done(self, rows: int) -> None:
-        """A pass that fed ``rows`` tokens ran."""
-        self.spent += self.draft_cost(rows)
+    def pass_done(self) -> None:
+        """A draft pass ran."""
+        self.spent += self.draft_cost
 
     def continuing(self, active: list[int]) -> list[int]:
         """Of the sequences that may draft deeper, those that take one more pass; none if
@@ -122,7 +122,7 @@ class StepPlan:
         wanted = [i for i in active if gains[i] > rate * row_cost]
         if not wanted:
             return []
-        added = self.draft_cost(len(wanted)) + (
+        added = self.draft_cost + (
             self._rows_cost(rows + ROWS_PER_PASS * len(wanted)) - self._rows_cost(rows)
         )
         gain = sum(gains[i] for i in wanted)

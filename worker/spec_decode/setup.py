@@ -85,7 +85,6 @@ def build_speculator(
     )
     speculative_model = config.model
     proposer: Proposer
-    measure = False
     if str(speculative_model) == NGRAM:
         proposer = NgramProposer()
         if draft_cost is None:
@@ -108,11 +107,9 @@ def build_speculator(
             num_alternatives=num_alternatives,
             quantization=quantization,
         )
-        # On a GPU the forward pass returns before the device is done: not timed there.
-        measure = draft_cost is None and torch.device(device).type == "cpu"
         if draft_cost is None:
-            # A small batch's decode step reads the weights: a draft step costs their ratio,
-            # to start with; then what the engine measures (Speculator.verify).
+            # A small batch's decode step reads the weights: a draft step costs their ratio.
+            # (Following its measured time instead did not pay: docs/speculative-decoding.md.)
             draft_cost = proposer.model.decode_weight_bytes / target_weight_bytes
     step_costs = None
     if position_cost is not None or max_batch_size == 0:
@@ -130,7 +127,6 @@ def build_speculator(
         block_manager=block_manager,
         max_model_len=max_model_len,
         copy_kv_slots=copy_kv_slots,
-        measure_draft_cost=measure,
         policy=BackoffPolicy(
             max_batch_size=max_batch_size,
             min_acceptance=config.min_acceptance,

@@ -44,13 +44,9 @@ class Speculator:
         max_model_len: int,
         policy: BackoffPolicy,
         copy_kv_slots: Callable[[list[int], list[int]], None],
-        measure_draft_cost: bool = False,
     ) -> None:
         """``copy_kv_slots(src, dst)``: copies K/V between cache slots in every layer (the
-        model runner's), for accepted alternatives. ``measure_draft_cost``: the policy's
-        draft cost follows the proposer's measured time over the target's (``verify``)."""
-        self.measure_draft_cost = measure_draft_cost
-        self._pass_times: list[tuple[int, float]] = []  # this step's draft passes, timed
+        model runner's), for accepted alternatives."""
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.block_manager = block_manager
@@ -68,7 +64,6 @@ class Speculator:
         """Give each decoding sequence that may speculate its draft tokens for this step."""
         self._proposals.clear()
         self._selections.clear()
-        self._pass_times = []
         for seq in running:
             seq.clear_spec()
         decoding = [
@@ -98,15 +93,6 @@ class Speculator:
             if k > 0:
                 chosen.append(seq)
                 ks.append(k)
-        # Drafts worth their cost sequence by sequence may not be for the step as a whole;
-        # probes (rare, and what keeps acceptance measured) go ahead regardless.
-        probes = [self.policy.is_probing(s) for s in chosen]
-        wanted = [(s, k) for s, k, probe in zip(chosen, ks, probes, strict=True) if not probe]
-        if wanted and not self.policy.step_pays(
-            [s for s, _ in wanted], [k for _, k in wanted], len(decoding)
-        ):
-            chosen = [s for s, probe in zip(chosen, probes, strict=True) if probe]
-            ks = [1] * len(chosen)
         if not chosen:
             return
         proposals = self.proposer.propose(chosen, ks, [rows[s.request_id] for s in chosen])
@@ -123,7 +109,6 @@ class Speculator:
             for s in decoding
             if self.proposer.may_draft_for(s) and self._room(s) > 0 and self.policy.may_draft(s)
         ]
-        ready = self.policy.pass_pays(ready, len(decoding))
         if not ready:
             return
         plan = self.policy.plan(ready, len(decoding))
@@ -131,8 +116,6 @@ class Speculator:
             ready, [self._room(s) for s in ready], [rows[s.request_id] for s in ready], plan
         )
         self.policy.observe_level_mass(plan.masses)
-        if self.measure_draft_cost:
-            self._pass_times = self.proposer.pass_times
         for seq, proposal, selection in zip(ready, proposals, plan.select(), strict=True):
             if seq.grammar is not None:
                 selection.alternatives.clear()  # a grammar masks a chain's rows only
@@ -169,12 +152,6 @@ class Speculator:
         if step_seconds and sampling:
             fed = sum(s.num_spec for s in sampling)
             self.policy.observe_step(len(sampling), fed, step_seconds)
-        if self.measure_draft_cost and self._pass_times and step_seconds and sampling:
-            # The plain step this one stands for: the forward pass less its drafts' rows.
-            per_seq = fed / len(sampling)
-            plain = step_seconds / (1.0 + self.policy.verify_cost(len(sampling), per_seq))
-            for fed, seconds in self._pass_times:
-                self.policy.observe_draft_cost(seconds / plain, rows=fed)
         plain, plain_rows, verified = [], [], []
         row = 0
         for s in sampling:
