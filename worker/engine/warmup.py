@@ -1,13 +1,14 @@
 """One pass over the step shapes serving will use, run before the first request.
 
-A fresh process pays extra on its first steps of each shape; the first batch of users
-should not (the profile: docs/performance.md#warm-from-the-first-request). The warm-up runs
-the model runner on scratch sequences the way served batches run: steps of prompt chunks
-filling the token budget (fresh prompts, then a chunk continuing a cached prompt beside
-decodes), and decode steps of 1, 2, 4, ... sequences up to ``max_num_seqs``; the sampler
-draws from each step's logits, greedy and seeded. Its blocks come from the engine's pool
-and all go back; nothing enters the prefix cache and no request or counter changes. The
-native kernels the steps use are built (in a fresh container) or loaded on the way.
+What a fresh process pays on its first steps and not again: the native kernels the forward
+pass loads on first use (in a fresh container, compiled: about a second each), oneDNN's
+primitives for each new shape, first-touch pages for activations; the first users should
+not (the profile: docs/performance.md#warm-from-the-first-request). The warm-up runs the
+model runner on scratch sequences the way served batches run: a step of prompts filling the
+token budget, decodes beside a chunk continuing a prompt, and decode steps of one and of
+several sequences; the sampler draws from each step's logits, greedy and seeded. Its blocks
+come from the engine's pool and all go back; nothing enters the prefix cache and no request
+or counter changes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ logger = logging.getLogger(__name__)
 # Prompt tokens per scratch sequence: a chat turn's length, so a budget's worth of them is
 # a batch of several prompts, as under load.
 PROMPT_TOKENS = 128
+# Decode steps run: one sequence alone, and a batch (the sequences beyond the prefilled
+# ones attend scratch K/V). Each batch size is a new oneDNN shape, but a cheap one to meet
+# first: the kernels, allocations and the sampler's paths are what these steps warm.
+DECODE_BATCHES = (1, 16)
 GREEDY = SamplingParams(temperature=0.0)
 # Seeded rows draw from their own generators: the global one, which unseeded requests
 # use, is left as it was.
@@ -68,8 +73,8 @@ def warm_up(
     # A prompt and the token after it fit the model, the step and (a small pool) the pool.
     room = block_manager.num_free_blocks * bs - 1
     prompt = max(1, min(PROMPT_TOKENS, row_limit, max_model_len - 2, room))
-    # Enough sequences for a full prefill step and for the widest decode step.
-    wanted = max(max_num_seqs, row_limit // prompt)
+    # Enough sequences for a full prefill step, the widest decode step and one more.
+    wanted = max(min(max(DECODE_BATCHES), max_num_seqs), row_limit // prompt) + 1
     tokens = [i % vocab_size for i in range(prompt + 1)]
     seqs: list[Sequence] = []
     try:
@@ -95,21 +100,20 @@ def warm_up(
 def _steps(
     seqs: list[Sequence], prompt: int, row_limit: int, max_num_seqs: int, block_size: int
 ) -> tuple[list[Step], list[Step]]:
-    """A prefill step of a budget's worth of whole prompts; then a step of decodes beside a
-    chunk continuing a prompt from a block boundary (chunked prefill's masked path), and
-    decode steps of 1, 2, 4, ... sequences (those never prefilled attend scratch K/V)."""
-    prefills = [[ScheduledSequence(s, 0, prompt) for s in seqs[: max(1, row_limit // prompt)]]]
+    """A prefill step of a budget's worth of whole prompts; then decodes of those prompts
+    beside a chunk continuing another prompt from a block boundary (chunked prefill's
+    masked path), and decode steps of ``DECODE_BATCHES`` sequences."""
+    prefilled = seqs[: max(1, row_limit // prompt)]
+    prefills = [[ScheduledSequence(s, 0, prompt) for s in prefilled]]
     rest = []
-    decodes = min(len(seqs) - 1, max_num_seqs - 1, row_limit - 1)
+    decodes = min(len(prefilled), len(seqs) - 1, max_num_seqs - 1, row_limit - 1)
     context = min(block_size, prompt - 1)
     chunk = min(prompt + 1 - context, row_limit - decodes)
     if decodes >= 1 and context >= 1 and chunk >= 1:
         mixed = [ScheduledSequence(s, prompt, 1) for s in seqs[:decodes]]
         rest.append([*mixed, ScheduledSequence(seqs[-1], context, chunk)])
-    batch = 1
-    while batch <= min(len(seqs), max_num_seqs, row_limit):
+    for batch in sorted({min(b, len(seqs), max_num_seqs, row_limit) for b in DECODE_BATCHES}):
         rest.append([ScheduledSequence(s, prompt, 1) for s in seqs[:batch]])
-        batch *= 2
     return prefills, rest
 
 
