@@ -12,7 +12,6 @@ the same grammar checked by several requests at once is checked once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -22,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from gateway import metrics
+from gateway.child_processes import Child
 from gateway.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -131,18 +131,13 @@ class GrammarChecker:
 class _Child:
     """One `gateway.grammar_child` process: a line in, a line out."""
 
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
+    def __init__(self, process: Child) -> None:
         self.process = process
 
     @classmethod
     async def start(cls) -> _Child:
-        process = await asyncio.create_subprocess_exec(
-            *CHILD,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            env={k: os.environ[k] for k in INHERITED_ENV if k in os.environ},
-        )
-        return cls(process)
+        env = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+        return cls(await Child.start(CHILD, env=env, stderr=False))
 
     @property
     def returncode(self) -> int | None:
@@ -162,6 +157,4 @@ class _Child:
         return str(json.loads(line)["error"])
 
     async def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.process.kill()
-        await self.process.wait()
+        await self.process.kill()

@@ -14,7 +14,6 @@ error (400/413), memory past its limit is 413, CPU time or wall time past its li
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from adapters import ArchiveLimits, BaseModelSpec, errors
+from gateway.child_processes import Child
 from gateway.errors import GatewayError, PayloadTooLargeError
 
 log = logging.getLogger(__name__)
@@ -119,26 +119,22 @@ class UploadValidator:
         raise self._refusal(answer["error"], err)
 
     async def _run(self, job: bytes) -> tuple[int, bytes, bytes]:
-        child = await asyncio.create_subprocess_exec(
-            *CHILD,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env={**{k: os.environ[k] for k in INHERITED_ENV if k in os.environ}, **CHILD_ENV},
-        )
+        env = {**{k: os.environ[k] for k in INHERITED_ENV if k in os.environ}, **CHILD_ENV}
+        child = await Child.start(CHILD, env=env, stderr=True)
         try:
             out, err = await asyncio.wait_for(child.communicate(job), self.limits.wall_s)
         except TimeoutError:
-            await _kill(child)
+            await child.kill()
             return -signal.SIGALRM, b"", b"wall-time limit"
         except (BrokenPipeError, ConnectionResetError, RuntimeError):
             # The child ended before it read its job (uvloop reports the closed pipe as a
             # RuntimeError): what it said on the way out is all there is to report.
             err = await child.stderr.read() if child.stderr else b""
-            await _kill(child)
+            await child.kill()
+            assert child.returncode is not None
             return child.returncode, b"", err
         except BaseException:  # cancelled (client gone, shutdown): never leave it running
-            await _kill(child)
+            await child.kill()
             raise
         assert child.returncode is not None
         return child.returncode, out, err
@@ -182,10 +178,3 @@ def _answer(out: bytes) -> dict | None:
     except ValueError:
         return None
     return answer if isinstance(answer, dict) and ("ok" in answer or "error" in answer) else None
-
-
-async def _kill(child: asyncio.subprocess.Process) -> None:
-    """Kill the child unless it has ended already, and reap it."""
-    with contextlib.suppress(ProcessLookupError):
-        child.kill()
-    await child.wait()

@@ -80,8 +80,9 @@ def test_a_child_that_ends_before_reading_its_job_is_a_422_not_a_crash(
     import uvloop
 
     from gateway import upload_validation
+    from gateway.child_processes import Child
 
-    spawn = asyncio.create_subprocess_exec
+    spawn = Child.start
 
     async def spawn_then_stall(*args, **kwargs):
         child = await spawn(*args, **kwargs)
@@ -89,7 +90,7 @@ def test_a_child_that_ends_before_reading_its_job_is_a_422_not_a_crash(
         return child
 
     monkeypatch.setattr(upload_validation, "CHILD", ["true"])
-    monkeypatch.setattr(upload_validation.asyncio, "create_subprocess_exec", spawn_then_stall)
+    monkeypatch.setattr(upload_validation.Child, "start", spawn_then_stall)
     checker = validator()
     checker.job["padding"] = "x" * (4 << 20)  # past any pipe buffer
     work = tmp_path / "work"
