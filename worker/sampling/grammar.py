@@ -27,6 +27,7 @@ import llguidance.numpy as llguidance_numpy  # not .torch: it runs torch.compile
 import numpy as np
 import torch
 
+from kernels.token_mask import apply_token_bitmask_
 from runtime.grammar_bounds import PARSER_LIMITS
 from worker.errors import InvalidRequestError, StructuredOutputError
 from worker.sampling.structured_output import StructuredOutput
@@ -159,22 +160,20 @@ class MaskBatch:
         logits: [num_rows, vocab] (modified: disallowed tokens become -inf)."""
         if not rows:
             return
-        positions = [row + j for _, row, drafts in rows for j in range(len(drafts) + 1)]
-        bitmask = np.full((logits.shape[0], self.words), -1, dtype=np.int32)
-        with_drafts = [(s.matcher, row, drafts) for s, row, drafts in rows if drafts]
+        positions: list[int] = []  # the logits row of each bitmask row
+        plain, with_drafts = [], []
+        for state, row, drafts in rows:
+            first = len(positions)
+            positions += range(row, row + len(drafts) + 1)
+            if drafts:
+                with_drafts.append((state.matcher, first, drafts))
+            else:
+                plain.append((state.matcher, first))
+        bitmask = np.full((len(positions), self.words), -1, dtype=np.int32)
         if with_drafts:
             llguidance_numpy.fill_next_token_bitmask_par_with_draft_tokens(
                 self._executor, with_drafts, bitmask
             )
-        plain = [(s.matcher, row) for s, row, drafts in rows if not drafts]
         if plain:
             llguidance_numpy.fill_next_token_bitmask_par(self._executor, plain, bitmask)
-        allowed = _unpack(bitmask[positions], logits.shape[1]).to(logits.device)  # [m, vocab]
-        index = torch.tensor(positions, dtype=torch.int64).to(logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-
-
-def _unpack(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
-    """[m, words] int32 bitmask (bit i of word w: token 32 w + i) -> [m, vocab] bool."""
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
-    return torch.from_numpy(bits[:, :vocab].astype(bool))
+        apply_token_bitmask_(logits, positions, bitmask)
