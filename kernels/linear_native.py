@@ -105,8 +105,12 @@ class PanelLinear:
         rows = x.shape[0]
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
         if rows:
-            self._call(self._desc_address, x.data_ptr(), rows, res, y.data_ptr())
+            self._call(self._desc_address, x.data_ptr(), rows, _address(res), y.data_ptr())
         return y
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 class NativeLinear:
@@ -121,3 +125,92 @@ def native_linear() -> NativeLinear | None:
     """The kernel, built on first use; None where it cannot be (reason logged once)."""
     lib = native.load("linear_cpu.c")
     return None if lib is None else NativeLinear(lib)
+
+
+BF16_PANEL = 32  # output features per bf16 panel, as NP in linear_bf16_cpu.c
+
+
+class _Bf16Panels(ctypes.Structure):
+    """``struct sb_bf16_panels`` in linear_bf16_cpu.c."""
+
+    _fields_ = [("in_features", _i64), ("out_features", _i64), ("panels", _ptr), ("bias", _ptr)]
+
+
+class Bf16PanelLinear:
+    """``y = x @ weight.T (+ bias)`` in bf16 through the AVX512-BF16 kernel: the weight
+    [out, in] (in even) in panels of ``BF16_PANEL`` outputs whose weights pair up along the
+    input features (the layout VDPBF16PS reads), the last panel zero-padded. fp32 sums,
+    one rounding to bf16 (bias and residual added before it). The kernel must load
+    (``native_linear_bf16()``)."""
+
+    __slots__ = ("_call", "_desc", "_desc_address", "bias", "in_features", "out_features")
+    __slots__ += ("panels",)
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        kernel = native_linear_bf16()
+        if kernel is None:
+            raise RuntimeError("the native bf16 linear kernel is not available here")
+        out_features, in_features = weight.shape
+        if weight.dtype != torch.bfloat16 or in_features % 2:
+            raise ValueError("native bf16 linear: a bf16 weight with an even in_features")
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (out_features,)):
+            raise ValueError(f"native bf16 linear: bias must be bf16 ({out_features},)")
+        self.out_features, self.in_features = out_features, in_features
+        self.bias = None if bias is None else bias.contiguous()
+        padded = -(-out_features // BF16_PANEL) * BF16_PANEL
+        w = torch.zeros(padded, in_features, dtype=torch.bfloat16)
+        w[:out_features] = weight
+        # [panels, 2 halves, 16 outputs, pairs, 2] -> [panels, pairs, 2 halves, 16 outputs, 2]
+        w = w.view(padded // BF16_PANEL, 2, 16, in_features // 2, 2)
+        self.panels = w.permute(0, 3, 1, 2, 4).contiguous()
+        self._desc = _Bf16Panels(
+            in_features,
+            out_features,
+            self.panels.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(),
+        )
+        self._desc_address = ctypes.addressof(self._desc)
+        self._call = kernel
+
+    @property
+    def nbytes(self) -> int:
+        """The weight's bytes as held (the last panel's padding not counted)."""
+        return self.out_features * self.in_features * 2
+
+    def weight(self) -> torch.Tensor:
+        """The weight the panels hold, [out, in] bf16."""
+        w = self.panels.permute(0, 2, 3, 1, 4).reshape(-1, self.in_features)
+        return w[: self.out_features]
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [rows, in] bf16
+        residual: torch.Tensor | None = None,  # [rows, out] bf16
+    ) -> torch.Tensor:  # [rows, out] bf16
+        """Semantics: ``bf16(x @ W.T + bias + residual)``, summed in fp32."""
+        x, res = native.checked_rows(
+            "native bf16 linear",
+            x,
+            residual,
+            in_features=self.in_features,
+            out_features=self.out_features,
+            dtypes=(torch.bfloat16,),
+        )
+        rows = x.shape[0]
+        y = torch.empty(rows, self.out_features, dtype=torch.bfloat16)
+        if rows:
+            self._call(self._desc_address, x.data_ptr(), rows, _address(res), y.data_ptr())
+        return y
+
+
+@functools.cache
+def native_linear_bf16():
+    """The bf16 kernel, built on first use; None where it cannot be (no compiler, or a CPU
+    without AVX512-BF16)."""
+    lib = native.load("linear_bf16_cpu.c")
+    if lib is None or not lib.sb_linear_bf16_available():
+        return None
+    kernel = lib.sb_linear_bf16
+    kernel.restype = None
+    kernel.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr]
+    return kernel

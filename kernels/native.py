@@ -102,11 +102,12 @@ def checked_rows(
     in_features: int,
     out_features: int,
     dtypes: tuple[torch.dtype, ...],
-) -> tuple[torch.Tensor, int | None]:
-    """A native projection's input as the kernel reads it: ``x`` as contiguous CPU rows of
-    ``in_features`` in one of ``dtypes``, and the address of ``residual`` ([rows,
-    out_features], x's dtype) or None. Checks kept to what guards the kernel's memory
-    accesses: projections run ~120 times a decode step of the default model."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A native projection's inputs as the kernel reads them: ``x`` as contiguous CPU rows of
+    ``in_features`` in one of ``dtypes``, and ``residual`` ([rows, out_features], x's
+    dtype) contiguous, or None (the caller holds both while the kernel runs). Checks kept
+    to what guards the kernel's memory accesses: projections run ~120 times a decode step
+    of the default model."""
     if x.dtype not in dtypes or x.dim() != 2 or x.shape[1] != in_features or x.is_cuda:
         names = " or ".join({torch.bfloat16: "bf16", torch.float32: "fp32"}[d] for d in dtypes)
         raise ValueError(
@@ -119,4 +120,4 @@ def checked_rows(
     if residual.dtype != x.dtype or residual.shape != (x.shape[0], out_features):
         names = {torch.bfloat16: "bf16", torch.float32: "fp32"}[x.dtype]
         raise ValueError(f"{name}: residual must be {names} ({x.shape[0]}, {out_features})")
-    return x, residual.contiguous().data_ptr()
+    return x, residual.contiguous()

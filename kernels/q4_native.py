@@ -132,8 +132,9 @@ class Q4Linear:
         rows = x.shape[0]
         y = torch.empty(rows, self.out_features, dtype=x.dtype)
         fp32 = x.dtype == torch.float32
+        res_address = None if res is None else res.data_ptr()
         if rows and self._call(
-            self.desc_address, x.data_ptr(), fp32, rows, res, y.data_ptr(), path
+            self.desc_address, x.data_ptr(), fp32, rows, res_address, y.data_ptr(), path
         ):
             raise MemoryError("native 4-bit linear: no memory for the rounded rows")
         return y

@@ -13,6 +13,7 @@ from kernels.linear import (
     Q4_MAX_ROWS,
     Int4Weight,
     Linear,
+    bf16_panels_preferred,
     can_pack,
     panels_preferred,
 )
@@ -33,7 +34,7 @@ def test_projection_and_fused_residual_match_float64(dtype, tokens):
     x = torch.randn(tokens, 80, generator=gen).to(dtype)
     residual = torch.randn(tokens, 96, generator=gen).to(dtype)
     linear = Linear(weight, bias)
-    if panels_preferred(weight):
+    if panels_preferred(weight) or bf16_panels_preferred(weight):
         assert linear.panel is not None and linear.packed is None
     else:
         assert (linear.packed is not None) == can_pack(weight)

@@ -1,0 +1,131 @@
+/* Dense projections in bf16 on CPUs with AVX512-BF16: y = x W^T (+ bias) (+ residual), with
+ * W packed once into panels of 32 output features whose weights pair up along k.
+ *
+ * Why native code: a decode step of the default model in bf16 is its weights' bytes (212 MB
+ * of projections a token), and oneDNN's packed matmul streams them at about 16 GB/s for one
+ * row on a 2-core Zen 4 that reads 31.7 GB/s (docs/performance.md). Here one VDPBF16PS
+ * multiplies 32 bf16 weights (16 outputs, two k each) by a row's two activations and adds
+ * into fp32, so each 64-byte line of weights is loaded once and serves every row of the
+ * step; the panels of a thread lie one after another in memory, one stream for the
+ * hardware prefetcher. Larger batches run the same tiles from cache, 8 rows at a time.
+ *
+ * Layout: panel p, pair j holds, for the outputs o = 32p + 16v + l (v = 0, 1; l < 16),
+ * W[o, 2j] and W[o, 2j + 1] at bf16 offset ((p * K/2 + j) * 2 + v) * 32 + 2l (+ 1): one
+ * vector of 16 pairs per v. K is even; the last panel is zero-padded.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define NP 32 /* outputs per panel */
+#define MR 8  /* rows per tile: 16 accumulators, 2 weight vectors, 1 broadcast */
+
+#if defined(__AVX512BF16__)
+
+static inline __m512bh pair_of(const uint16_t *x) { /* x[0], x[1] in every lane */
+    int32_t both;
+    memcpy(&both, x, sizeof both);
+    return (__m512bh)_mm512_set1_epi32(both);
+}
+
+static inline __m512bh weights(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+/* acc[m][v] = sum over pairs of x[m] . W for ROWS rows; ROWS is a constant at each call
+ * site, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t ldx,
+                                                      const uint16_t *panel, int64_t pairs,
+                                                      int rows, __m512 acc[MR][2]) {
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    int64_t j = 0;
+    if (rows == 1) {
+        /* one row: two pairs at a time into two more sums, or each sum's chain of
+         * dot products would bound the loop */
+        __m512 odd0 = _mm512_setzero_ps(), odd1 = _mm512_setzero_ps();
+        for (; j + 1 < pairs; j += 2) {
+            const uint16_t *w = panel + j * 2 * NP;
+            __m512bh x0 = pair_of(x + 2 * j), x1 = pair_of(x + 2 * j + 2);
+            acc[0][0] = _mm512_dpbf16_ps(acc[0][0], weights(w), x0);
+            acc[0][1] = _mm512_dpbf16_ps(acc[0][1], weights(w + NP), x0);
+            odd0 = _mm512_dpbf16_ps(odd0, weights(w + 2 * NP), x1);
+            odd1 = _mm512_dpbf16_ps(odd1, weights(w + 3 * NP), x1);
+        }
+        acc[0][0] = _mm512_add_ps(acc[0][0], odd0);
+        acc[0][1] = _mm512_add_ps(acc[0][1], odd1);
+    }
+    for (; j < pairs; j++) {
+        __m512bh w0 = weights(panel + j * 2 * NP), w1 = weights(panel + j * 2 * NP + NP);
+        for (int m = 0; m < rows; m++) {
+            __m512bh xm = pair_of(x + m * ldx + 2 * j);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xm);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xm);
+        }
+    }
+}
+
+/* Columns [n0, n0 + cols) of rows [0, rows): acc + bias + residual, rounded once to bf16. */
+static inline void store_tile(__m512 acc[MR][2], int rows, int cols, const uint16_t *bias,
+                              const uint16_t *res, int64_t ldr, uint16_t *y, int64_t ldy) {
+    for (int v = 0; v < 2; v++) {
+        int left = cols - 16 * v;
+        if (left <= 0) break;
+        __mmask16 m16 = tail_mask(left);
+        __m512 b = bias ? load_bf16(bias + 16 * v, m16) : _mm512_setzero_ps();
+        for (int m = 0; m < rows; m++) {
+            __m512 out = _mm512_add_ps(acc[m][v], b);
+            if (res) out = _mm512_add_ps(out, load_bf16(res + m * ldr + 16 * v, m16));
+            store_bf16(y + m * ldy + 16 * v, out, m16);
+        }
+    }
+}
+
+#define DISPATCH_ROWS(...)                                                                    \
+    switch (rows) {                                                                           \
+    case 1: tile(__VA_ARGS__, 1, acc); break;                                                  \
+    case 2: tile(__VA_ARGS__, 2, acc); break;                                                  \
+    case 3: tile(__VA_ARGS__, 3, acc); break;                                                  \
+    case 4: tile(__VA_ARGS__, 4, acc); break;                                                  \
+    case 5: tile(__VA_ARGS__, 5, acc); break;                                                  \
+    case 6: tile(__VA_ARGS__, 6, acc); break;                                                  \
+    case 7: tile(__VA_ARGS__, 7, acc); break;                                                  \
+    default: tile(__VA_ARGS__, 8, acc); break;                                                 \
+    }
+
+/* One projection, as kernels/linear_native.py lays it out (its Bf16PanelLinear). */
+struct sb_bf16_panels {
+    int64_t in_features, out_features;
+    const uint16_t *panels; /* see Layout above */
+    const uint16_t *bias;   /* [out] bf16 or NULL */
+};
+
+/* Semantics: y = bf16(x W^T + bias + res), fp32 inside and one rounding; x [rows, in],
+ * res (nullable) and y [rows, out], all bf16 and contiguous. */
+void sb_linear_bf16(const struct sb_bf16_panels *w, const uint16_t *x, int64_t rows,
+                    const uint16_t *res, uint16_t *y) {
+    const int64_t K = w->in_features, N = w->out_features, pairs = K / 2;
+    const int64_t num_panels = (N + NP - 1) / NP;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < num_panels; p++) {
+        const int64_t n0 = p * NP;
+        const int cols = N - n0 < NP ? (int)(N - n0) : NP;
+        const uint16_t *panel = w->panels + p * K * NP;
+        for (int64_t m0 = 0; m0 < rows; m0 += MR) {
+            int rows_here = rows - m0 < MR ? (int)(rows - m0) : MR;
+            __m512 acc[MR][2];
+            {
+                int rows = rows_here;
+                DISPATCH_ROWS(x + m0 * K, K, panel, pairs)
+            }
+            store_tile(acc, rows_here, cols, w->bias ? w->bias + n0 : NULL,
+                       res ? res + m0 * N + n0 : NULL, N, y + m0 * N + n0, N);
+        }
+    }
+}
+
+int sb_linear_bf16_available(void) { return 1; }
+
+#else /* no AVX512-BF16: the Python side uses oneDNN */
+
+int sb_linear_bf16_available(void) { return 0; }
+
+#endif

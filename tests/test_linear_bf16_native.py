@@ -1,0 +1,82 @@
+"""The native bf16 projection (kernels/linear_bf16_cpu.c) against a float64 product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.linear import Linear
+from kernels.linear_native import Bf16PanelLinear, native_linear_bf16
+
+needs_kernel = pytest.mark.skipif(
+    native_linear_bf16() is None, reason="no C compiler or no AVX512-BF16: kernel not built"
+)
+
+
+def assert_within_one_rounding(got: torch.Tensor, want: torch.Tensor, scale: float) -> None:
+    """fp32 sums rounded once to bf16: within one bf16 ulp of the float64 product, plus
+    the fp32 summation's error (relative to the sum of |x w| over k)."""
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=scale * 1e-5)
+
+
+def case(rows: int, out_features: int, in_features: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    residual = torch.randn(rows, out_features, generator=gen).bfloat16()
+    scale = float((x.double().abs() @ w.double().abs().T).max())
+    return x, w, bias, residual, scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 64])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 576), (40, 6), (1, 2), (100, 34)])
+def test_matches_a_float64_product_with_bias_and_residual(rows, out_features, in_features):
+    """Every row count of a tile (1-8, and tiles of 8 plus a rest), partial last panels."""
+    x, w, bias, residual, scale = case(rows, out_features, in_features, rows + out_features)
+    want = x.double() @ w.double().T + bias.double() + residual.double()
+    got = Bf16PanelLinear(w, bias)(x, residual)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert_within_one_rounding(got, want, scale)
+    plain = Bf16PanelLinear(w)(x)
+    assert_within_one_rounding(plain, x.double() @ w.double().T, scale)
+
+
+@needs_kernel
+def test_the_panels_hold_the_weight_exactly():
+    w = torch.randn(70, 12).bfloat16()
+    assert torch.equal(Bf16PanelLinear(w).weight(), w)
+
+
+@needs_kernel
+def test_rows_of_a_strided_view_and_no_rows():
+    wide = torch.randn(5, 80).bfloat16()
+    x, w = wide[:, 8:72], torch.randn(33, 64).bfloat16()
+    layer = Bf16PanelLinear(w)
+    assert_within_one_rounding(layer(x), x.double() @ w.double().T, 64.0)
+    assert layer(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 33)
+
+
+@needs_kernel
+def test_wrong_inputs_are_refused_before_the_kernel_reads_them():
+    layer = Bf16PanelLinear(torch.randn(8, 16).bfloat16())
+    with pytest.raises(ValueError, match="bf16"):
+        layer(torch.randn(2, 16))  # fp32 rows
+    with pytest.raises(ValueError, match="16 features"):
+        layer(torch.randn(2, 15).bfloat16())
+    with pytest.raises(ValueError, match="residual"):
+        layer(torch.randn(2, 16).bfloat16(), torch.randn(3, 8).bfloat16())
+    with pytest.raises(ValueError, match="even"):
+        Bf16PanelLinear(torch.randn(8, 15).bfloat16())
+
+
+@needs_kernel
+def test_linear_sends_bf16_weights_through_the_kernel():
+    x, w, bias, residual, scale = case(4, 48, 64, 3)
+    layer = Linear(w, bias)
+    assert isinstance(layer.panel, Bf16PanelLinear)
+    assert_within_one_rounding(
+        layer.add_to(x, residual), x.double() @ w.double().T + bias.double() + residual.double(),
+        scale,
+    )  # fmt: skip
