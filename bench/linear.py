@@ -6,13 +6,16 @@ seeded random fp32 weights, 540 MB in all, so each step streams its weights from
 decode step does) applied to R rows. Methods: ``onednn`` (the weight reordered once for
 oneDNN, ``kernels.linear``'s path on CPUs with AVX-512), ``panels`` (``kernels/linear_cpu.c``
 over fp32 panels, its path on AVX2-only CPUs) and ``panels-int8`` (int8 panels, a draft
-model's weights; a quarter of the bytes). Before timing, each method's output is checked
-against ``F.linear`` on one layer.
+model's weights; a quarter of the bytes). With ``--dtype bfloat16`` the weights are bf16
+(270 MB) and the methods ``onednn`` and ``panels-bf16`` (``kernels/linear_bf16_cpu.c``, the
+path on CPUs with AVX512-BF16). Before timing, each method's output is checked against
+``F.linear`` on one layer.
 
 Timing: rounds outermost, then the row counts, then the methods in a shuffled order, so a
 burst of load from other processes hits them all alike; the figure per method is its
 fastest step over the rounds. Usage:
-``python -m bench.linear [--rows 1,2,4,8,16,32,64,256] [--rounds 5] [--out FILE]``.
+``python -m bench.linear [--dtype float32|bfloat16] [--rows 1,2,4,8,16,32,64,256]
+[--rounds 5] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,12 @@ import torch.nn.functional as F
 
 from bench.report import write_report
 from kernels.linear import can_pack
-from kernels.linear_native import PanelLinear, native_linear
+from kernels.linear_native import (
+    Bf16PanelLinear,
+    PanelLinear,
+    native_linear,
+    native_linear_bf16,
+)
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 LAYER_SHAPES = ((960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
@@ -35,10 +43,10 @@ LAYER_SHAPES = ((960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HI
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
 
-def default_model_weights(seed: int = 0) -> list[torch.Tensor]:
+def default_model_weights(seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     shapes = [s for _ in range(LAYERS) for s in LAYER_SHAPES] + [(VOCAB, HIDDEN)]
-    return [torch.randn(out, inp, generator=gen) * inp**-0.5 for out, inp in shapes]
+    return [(torch.randn(out, inp, generator=gen) * inp**-0.5).to(dtype) for out, inp in shapes]
 
 
 def onednn(weight: torch.Tensor) -> Projection:
@@ -50,23 +58,27 @@ def methods(weights: list[torch.Tensor]) -> dict[str, list[Projection]]:
     found: dict[str, list[Projection]] = {}
     if can_pack(weights[0]):
         found["onednn"] = [onednn(w) for w in weights]
-    if native_linear() is not None:
+    if weights[0].dtype == torch.bfloat16:
+        if native_linear_bf16() is not None:
+            found["panels-bf16"] = [Bf16PanelLinear(w) for w in weights]
+    elif native_linear() is not None:
         found["panels"] = [PanelLinear(w) for w in weights]
         found["panels-int8"] = [PanelLinear(w, int8=True) for w in weights]
     return found
 
 
 def check(name: str, projections: list[Projection], weights: list[torch.Tensor]) -> None:
-    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1))
-    want = F.linear(x, weights[2])
-    tolerance = 2e-2 if name.endswith("int8") else 1e-4  # int8: within its rounding
-    error = (projections[2](x) - want).abs().max().item() / want.abs().max().item()
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(weights[2].dtype)
+    want = F.linear(x.double(), weights[2].double())
+    # int8 and bf16: within their rounding
+    tolerance = 2e-2 if name.endswith("int8") or x.dtype == torch.bfloat16 else 1e-4
+    error = (projections[2](x).double() - want).abs().max().item() / want.abs().max().item()
     if error > tolerance:
         raise AssertionError(f"{name}: relative error {error:.2e} against F.linear")
 
 
-def time_step(projections: list[Projection], rows: int) -> float:
-    narrow, wide = torch.randn(rows, HIDDEN), torch.randn(rows, INTERMEDIATE)
+def time_step(projections: list[Projection], rows: int, dtype: torch.dtype) -> float:
+    narrow, wide = torch.randn(rows, HIDDEN).to(dtype), torch.randn(rows, INTERMEDIATE).to(dtype)
     head = projections[-1]
     start = time.perf_counter()
     for i, projection in enumerate(projections[:-1]):
@@ -75,8 +87,8 @@ def time_step(projections: list[Projection], rows: int) -> float:
     return time.perf_counter() - start
 
 
-def run(rows: list[int], rounds: int, seed: int = 0) -> dict:
-    weights = default_model_weights(seed)
+def run(rows: list[int], rounds: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+    weights = default_model_weights(seed, dtype)
     candidates = methods(weights)
     for name, projections in candidates.items():
         check(name, projections, weights)
@@ -89,7 +101,7 @@ def run(rows: list[int], rounds: int, seed: int = 0) -> dict:
             names = list(candidates)
             order.shuffle(names)
             for name in names:
-                seconds = time_step(candidates[name], r)
+                seconds = time_step(candidates[name], r, dtype)
                 if not warm:
                     best[name, r] = min(best[name, r], seconds)
     results = [
@@ -98,17 +110,23 @@ def run(rows: list[int], rounds: int, seed: int = 0) -> dict:
     print("rows  " + "  ".join(f"{name:>12}" for name in candidates) + "   (ms a step, best)")
     for line in results:
         print(f"{line['rows']:>4}  " + "  ".join(f"{line[name]:>12.1f}" for name in candidates))
-    return {"threads": torch.get_num_threads(), "rounds": rounds, "steps": results}
+    return {
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "rounds": rounds,
+        "steps": results,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,256")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out", default="bench/results/linear.json")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    write_report(run(rows, args.rounds), args.out)
+    write_report(run(rows, args.rounds, dtype=getattr(torch, args.dtype)), args.out)
 
 
 if __name__ == "__main__":
