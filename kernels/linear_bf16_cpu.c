@@ -2,8 +2,8 @@
  * W packed once into panels of 32 output features whose weights pair up along k.
  *
  * Why native code: a decode step of the default model in bf16 is its weights' bytes (212 MB
- * of projections a token), and oneDNN's packed matmul streams them at about 16 GB/s for one
- * row on a 2-core Zen 4 that reads 31.7 GB/s (docs/performance.md). Here one VDPBF16PS
+ * of projections a token), and oneDNN's packed matmul streams them at 16-19 GB/s for one
+ * row on a 2-core Zen 4 that reads 31.7 GB/s; this kernel at 31 (docs/performance.md). Here one VDPBF16PS
  * multiplies 32 bf16 weights (16 outputs, two k each) by a row's two activations and adds
  * into fp32, so each 64-byte line of weights is loaded once and serves every row of the
  * step; the panels of a thread lie one after another in memory, one stream for the
