@@ -24,8 +24,6 @@ from worker.model.default_model import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     import torch
     from transformers import PreTrainedModel
 
@@ -282,28 +280,21 @@ def _gguf_model_from_transformers(gguf: Path) -> PreTrainedModel:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "load_reference",
-    [_gguf_model_from_transformers, default_model.load_gguf_model],
-    ids=["transformers-gguf", "dequantized-in-memory"],
-)
 def test_saved_checkpoint_reproduces_gguf_logits(
-    saved_model: PreTrainedModel,
-    prompt_ids: torch.Tensor,
-    load_reference: Callable[[Path], PreTrainedModel],
+    saved_model: PreTrainedModel, prompt_ids: torch.Tensor
 ) -> None:
+    """Against transformers' own GGUF loader: an independent dequantization and tensor
+    mapping (ours builds the saved checkpoint, so comparing with ours would test nothing)."""
     import torch
 
-    reference = load_reference(default_model.find_default_gguf()).eval()
+    reference = _gguf_model_from_transformers(default_model.find_default_gguf()).eval()
     with torch.no_grad():
         expected = reference(prompt_ids).logits  # [1, num_tokens, vocab]
         actual = saved_model(prompt_ids).logits
-    # Our own dequantized copy must match exactly. transformers' GGUF loader (with
-    # accelerate) was seen to differ by up to 1.1e-2 in logits of magnitude ~20 in some full
-    # suite runs and not in others; a wrong tensor mapping or transpose is off by whole units.
-    exact = load_reference is default_model.load_gguf_model
-    tolerance = 1e-5 if exact else 2e-2
-    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
+    # transformers' GGUF loader (with accelerate) was seen to differ by up to 1.1e-2 in
+    # logits of magnitude ~20 in some full-suite runs and not in others; a wrong tensor
+    # mapping or transpose is off by whole units.
+    torch.testing.assert_close(actual, expected, rtol=2e-2, atol=2e-2)
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() > 0.95
 
 
