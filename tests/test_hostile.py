@@ -20,6 +20,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterator
+from unittest import mock
 
 import httpx
 import pytest
@@ -47,15 +48,20 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, redis_url, tmp_path_factory):
-    with Stack(
-        model=tiny_model,
-        num_workers=1,  # victim and attacker share one worker and its engine steps
-        redis_url=redis_url,
-        gateway_port=free_port(),
-        dtype="float32",
-        key_prefix=f"sbhostile:{os.getpid()}:",
-        home=tmp_path_factory.mktemp("hostile-home"),
-    ) as running:
+    # A 3 s header deadline (10 by default) so the slowloris test waits 3 s for its close.
+    header_deadline = {"SWITCHBOARD_HTTP_HEADER_TIMEOUT_S": "3"}
+    with (
+        mock.patch.dict(os.environ, header_deadline),
+        Stack(
+            model=tiny_model,
+            num_workers=1,  # victim and attacker share one worker and its engine steps
+            redis_url=redis_url,
+            gateway_port=free_port(),
+            dtype="float32",
+            key_prefix=f"sbhostile:{os.getpid()}:",
+            home=tmp_path_factory.mktemp("hostile-home"),
+        ) as running,
+    ):
         yield running
 
 

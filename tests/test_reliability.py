@@ -148,9 +148,9 @@ def tiny_model(tmp_path_factory):
     return add_byte_level_tokenizer(path)
 
 
-# 30 s keeps 200 clients streaming through several thousand requests (the RSS check compares
+# 20 s keeps 200 clients streaming through a few thousand requests (the RSS check compares
 # the two halves); SWITCHBOARD_LOAD_TEST_SECONDS runs it longer by hand.
-LOAD_SECONDS = float(os.environ.get("SWITCHBOARD_LOAD_TEST_SECONDS", "30"))
+LOAD_SECONDS = float(os.environ.get("SWITCHBOARD_LOAD_TEST_SECONDS", "20"))
 
 
 @pytest.mark.slow
