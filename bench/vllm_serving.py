@@ -5,7 +5,8 @@ The client is vLLM's ``bench serve`` (from its venv, ``--vllm-python``): random 
 ``--input-len`` tokens, ``--output-len`` tokens each with ``ignore_eos``, ``--num-prompts``
 sent at once (request rate inf), greedy, streamed chat completions. Our stack runs first and
 is stopped before vLLM's server starts (both get both cores). Reports each side's output
-tok/s, mean and p99 TTFT and TPOT, failures, and the ratios. Usage: ``python -m
+tok/s, mean and p99 TTFT and TPOT, failures, the ratios, and each request's TTFT and mean
+inter-token latency (for ``bench.plots``). Usage: ``python -m
 bench.vllm_serving --vllm-python VENV/bin/python [--num-prompts 64]``.
 """
 
@@ -50,7 +51,8 @@ def run_client(python: str, base_url: str, model: str, tokenizer: Path, api_key:
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
             "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", "0",
-            "--save-result", "--result-dir", tmp, "--result-filename", "result.json",
+            "--save-result", "--save-detailed", "--result-dir", tmp,
+            "--result-filename", "result.json",
         ]  # fmt: skip
         env = {**os.environ, **VLLM_ENV, "OPENAI_API_KEY": api_key}
         env.pop("PYTHONPATH", None)
@@ -61,6 +63,9 @@ def run_client(python: str, base_url: str, model: str, tokenizer: Path, api_key:
         result = json.loads(result_file.read_text())
     kept = {name: result[name] for name in KEPT}
     kept["completed"], kept["failed"] = result["completed"], result.get("failed", 0)
+    # Per request (for bench.plots' distributions): TTFT, and the mean gap between tokens.
+    kept["ttfts_s"] = [t for t in result.get("ttfts", []) if t]
+    kept["mean_itls_s"] = [sum(gaps) / len(gaps) for gaps in result.get("itls", []) if gaps]
     return kept
 
 
@@ -122,9 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
     model_path = resolve_model_path(None)
     report: dict = {"args": {k: v for k, v in vars(args).items() if k != "vllm_python"}}
     report["switchboard"] = ours(args, model_path)
-    print("switchboard", json.dumps(report["switchboard"]), flush=True)
+    print("switchboard", json.dumps({k: v for k, v in report["switchboard"].items() if k in KEPT}))
     report["vllm"] = vllm(args, model_path)
-    print("vllm", json.dumps(report["vllm"]), flush=True)
+    print("vllm", json.dumps({k: v for k, v in report["vllm"].items() if k in KEPT}), flush=True)
     switchboard, baseline = report["switchboard"], report["vllm"]
     report["throughput_ratio"] = switchboard["output_throughput"] / baseline["output_throughput"]
     report["mean_ttft_ratio"] = switchboard["mean_ttft_ms"] / baseline["mean_ttft_ms"]
