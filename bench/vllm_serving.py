@@ -112,6 +112,7 @@ def vllm(args, model_path: Path) -> dict:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
+            server.wait()
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -50,6 +50,18 @@ def test_the_panels_hold_the_weight_exactly():
 
 
 @needs_kernel
+def test_a_strided_residual_is_read_as_its_values():
+    """A residual view that is not contiguous: the kernel reads a contiguous copy, which
+    must stay alive while it runs."""
+    x, w, bias, _, scale = case(6, 40, 64, 11)
+    wide = torch.randn(6, 90, generator=torch.Generator().manual_seed(12)).bfloat16()
+    residual = wide[:, 5:45]
+    got = Bf16PanelLinear(w, bias)(x, residual)
+    want = x.double() @ w.double().T + bias.double() + residual.double()
+    assert_within_one_rounding(got, want, scale)
+
+
+@needs_kernel
 def test_rows_of_a_strided_view_and_no_rows():
     wide = torch.randn(5, 80).bfloat16()
     x, w = wide[:, 8:72], torch.randn(33, 64).bfloat16()
