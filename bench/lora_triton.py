@@ -4,14 +4,17 @@ they ride on.
 Per shape, rank, token count and number of adapters in the batch, ``y += scale * x @ A.T @
 B.T`` with each token's own adapter, bf16 activations and stacks:
 
-- ``triton``: ``kernels.lora.add_lora`` as the engine calls it (BGMV when every token is a
-  decode, SGMV over runs of one adapter otherwise);
+- ``triton``: ``kernels.lora.add_lora`` as the engine calls it (for a decode batch the fused
+  shrink + expand kernel, ``kernels/lora_fused_triton.py``; SGMV over runs of one adapter
+  otherwise);
 - ``torch``: what a plain-torch server does: for decodes, gather each token's A and B and
   two batched matmuls; for prefill, a matmul pair per run of one adapter;
 - ``base``: ``F.linear(x, W)``, the projection itself (cuBLAS), for scale: LoRA's cost is
   reported as a multiple of it;
-- on decode batches, BGMV with other program sizes (``BgmvBlocks``; ``triton`` uses the
-  GPU default) and SGMV over the batch's runs of one adapter, to choose from.
+- on decode batches, the split BGMV pair (two launches, the choice before the fused
+  kernel) at several program sizes (``BgmvBlocks``), the fused kernel with other output
+  shares per token (``FusedBlocks``), and SGMV over the batch's runs of one adapter: what
+  ``kernels.lora.FUSED_DECODE`` and the block sizes are chosen from.
 
 Each method is checked against the fp32 reference of ``kernels/lora_reference.py`` before
 it is timed (``triton.testing.do_bench``, median). Decode batches draw each token's
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.report import write_report
+from kernels import lora_fused_triton as fused
 from kernels import lora_reference as ref
 from kernels import lora_triton as tri
 from kernels.lora import LoraMapping, add_lora
@@ -89,12 +93,21 @@ def reference_delta(x, a_stack, b_stack, scales, slots: torch.Tensor) -> torch.T
 def bgmv_variants() -> dict[str, BgmvBlocks]:
     """BGMV's program sizes to compare on decode batches: the default first."""
     return {
-        "triton": GPU_BGMV,
-        "bgmv m4 t2048 (interpreter's)": INTERPRETER_BGMV,
+        "bgmv split": GPU_BGMV,
+        "bgmv split m4 t2048 (interpreter's)": INTERPRETER_BGMV,
         "bgmv m1 t4096": BgmvBlocks(1, 4096, MIN_DOT),
         "bgmv m1 t8192": BgmvBlocks(1, 8192, MIN_DOT),
         "bgmv m1 t16384 whole rank": BgmvBlocks(1, 16384, None),
         "bgmv m2 t8192": BgmvBlocks(2, 8192, MIN_DOT),
+    }
+
+
+def fused_variants(device: torch.device) -> dict[str, fused.FusedBlocks]:
+    """The fused kernel's output shares per token to compare (``triton`` uses the default)."""
+    default = fused.FusedBlocks.for_device(device)
+    return {
+        f"fused {programs} programs": fused.FusedBlocks(1, default.tile, programs)
+        for programs in (1, default.target_programs // 4, default.target_programs * 4)
     }
 
 
@@ -129,7 +142,11 @@ def measure(
     }
     if phase == "decode":
         variants = bgmv_variants()
-        methods |= {name: add_bgmv(blocks) for name, blocks in variants.items() if name != "triton"}
+        methods |= {name: add_bgmv(blocks) for name, blocks in variants.items()}
+        for name, blocks in fused_variants(x.device).items():
+            methods[name] = lambda y, blocks=blocks: fused.bgmv_fused(
+                y, x, a_stack, b_stack, slots, scales, blocks=blocks
+            )
         sgmv = LoraMapping.build(slots_cpu, device=dev, all_decode=False)
         methods["sgmv over runs"] = lambda y: add_lora(y, x, a_stack, b_stack, scales, sgmv)
     errors = {}

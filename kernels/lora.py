@@ -62,6 +62,13 @@ MAX_SHORT_RUNS = 3
 #   adapters, several passes took half the time of one at 1,024 tokens, twice it at 32).
 MAX_PADDING = 4
 MAX_PADDED_ROWS = 2048
+# On CUDA, a decode step's group takes the fused shrink + expand kernel
+# (kernels/lora_fused_triton.py): one launch instead of two and no shrink output in memory.
+# Chosen for the launches it saves, not yet timed against the pair on a GPU: bench/gpu_check.sh
+# times both (bench.lora_triton), and this switch is where the measurement lands.
+FUSED_DECODE = True
+# The fused kernel keeps the whole rank of a group in registers as one block: up to this.
+FUSED_MAX_RANK = 256
 # A pass whose slots all hold ``width`` tokens (``BucketPass.dense``) skips the zero padding
 # and both scatters: faster for a 32-adapter decode step, no change at 8 adapters.
 
@@ -226,7 +233,11 @@ def _add_lora_triton(y, x, a_stack, b_stack, scales, mapping: LoraMapping, out_o
     from kernels import lora_triton as tri  # first CUDA call only; see the module docstring
 
     m = mapping
-    if m.all_decode:
+    if m.all_decode and FUSED_DECODE and a_stack.shape[1] <= FUSED_MAX_RANK:
+        from kernels.lora_fused_triton import bgmv_fused
+
+        bgmv_fused(y, x, a_stack, b_stack, m.token_slots, scales, out_offset=out_offset)
+    elif m.all_decode:
         h = tri.bgmv_shrink(x, a_stack, m.token_slots)
         tri.bgmv_expand(y, h, b_stack, m.token_slots, scales, out_offset=out_offset)
     else:

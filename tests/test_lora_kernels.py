@@ -32,9 +32,11 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+import kernels.lora_fused_triton as fused  # noqa: E402
 import kernels.lora_reference as ref  # noqa: E402
 import kernels.lora_triton as tri  # noqa: E402
 from kernels.lora import (  # noqa: E402
+    FUSED_MAX_RANK,
     SEGMENT_MIN_RUN,
     LoraMapping,
     SlotPairs,
@@ -112,8 +114,14 @@ def test_reference_keeps_half_precision_dtypes():
 
 
 def run_triton(kind: str, batch: Batch, x, y, a, b, scales, *, out_offset: int, blocks=None):
-    """The Triton pair on DEVICE; y is updated in place and the shrink output returned."""
+    """The Triton kernels on DEVICE; y is updated in place and the shrink output returned
+    (None from the fused kernel, which keeps it in registers)."""
     x_d, y_d, a_d, b_d, scales_d = (t.to(DEVICE) for t in (x, y, a, b, scales))
+    if kind == "fused":
+        slots = batch.token_slots.to(DEVICE)
+        fused.bgmv_fused(y_d, x_d, a_d, b_d, slots, scales_d, out_offset=out_offset, blocks=blocks)
+        y.copy_(y_d)
+        return None
     if kind == "bgmv":
         slots = batch.token_slots.to(DEVICE)
         h = tri.bgmv_shrink(x_d, a_d, slots, blocks=blocks)
@@ -136,14 +144,16 @@ def run_reference(batch: Batch, x, y, a, b, scales, *, out_offset: int):
 
 
 def check_triton(kind, pattern, rank, max_rank, dtype, num_tokens, blocks=None):
-    batch = make_batch(pattern, num_tokens=num_tokens, decode=kind == "bgmv")
+    batch = make_batch(pattern, num_tokens=num_tokens, decode=kind != "sgmv")
     a, b, scales = make_stacks(rank, max_rank, dtype=dtype)
     x, y = make_inputs(num_tokens, dtype=dtype, extra_cols=7)
     y_ref, y_tri = y.clone(), y.clone()
     h_ref = run_reference(batch, x, y_ref, a, b, scales, out_offset=3)
     h_tri = run_triton(kind, batch, x, y_tri, a, b, scales, out_offset=3, blocks=blocks)
-    assert h_tri.dtype == dtype and y_tri.dtype == dtype
-    assert_close(h_tri, h_ref, dtype)
+    if h_tri is not None:
+        assert h_tri.dtype == dtype
+        assert_close(h_tri, h_ref, dtype)
+    assert y_tri.dtype == dtype
     assert_close(y_tri, y_ref, dtype)
     assert_untouched(y_tri, y, batch.token_slots, out_offset=3)
 
@@ -152,7 +162,7 @@ def check_triton(kind, pattern, rank, max_rank, dtype, num_tokens, blocks=None):
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 @pytest.mark.parametrize(("rank", "max_rank"), RANKS)
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
+@pytest.mark.parametrize("kind", ["bgmv", "sgmv", "fused"])
 def test_triton_matches_reference(kind, pattern, rank, max_rank, dtype):
     check_triton(kind, pattern, rank, max_rank, dtype, num_tokens=17)
 
@@ -160,7 +170,7 @@ def test_triton_matches_reference(kind, pattern, rank, max_rank, dtype):
 @triton_here
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 3])
-@pytest.mark.parametrize("kind", ["bgmv", "sgmv"])
+@pytest.mark.parametrize("kind", ["bgmv", "sgmv", "fused"])
 def test_triton_odd_small_batches(kind, num_tokens, dtype):
     check_triton(kind, "uniform", 8, 16, dtype, num_tokens)
 
@@ -176,6 +186,56 @@ def test_triton_bgmv_program_sizes(blocks, rank, max_rank):
     """Every BGMV program size gives the reference's result: tokens per program, tiles that
     cover the input in one step or several, the rank in one shrink block or split."""
     check_triton("bgmv", "with_base", rank, max_rank, torch.float32, 7, blocks=blocks)
+
+
+@triton_here
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        fused.INTERPRETER_FUSED,
+        fused.FusedBlocks(block_m=1, tile=512, target_programs=64),  # a share per column block
+        fused.FusedBlocks(block_m=2, tile=1024, target_programs=6),  # shares of two blocks
+        fused.FusedBlocks(block_m=8, tile=4096, target_programs=1),  # one program, all columns
+    ],
+    ids=["interpreter", "share-per-block", "shares-of-two-blocks", "one-program"],
+)
+@pytest.mark.parametrize(("rank", "max_rank"), [(8, 16), (64, 64)])
+def test_triton_fused_program_sizes(blocks, rank, max_rank):
+    """The fused kernel gives the reference's result however the output columns are shared
+    among programs (each share recomputes the shrink) and however many tokens a program
+    takes, including shares that end past the last column."""
+    check_triton("fused", "with_base", rank, max_rank, torch.float32, 7, blocks=blocks)
+
+
+@triton_here
+def test_triton_fused_group_rank_up_to_its_limit_and_refused_past_it():
+    """A fused q/k/v group stacks three ranks: the whole of it is one register block."""
+    check_triton("fused", "zipf", 40, 192, torch.float32, 5)  # 3 modules x max_rank 64
+    batch = make_batch("uniform", num_tokens=2, decode=True)
+    a, b, scales = make_stacks(4, FUSED_MAX_RANK + 1)
+    x, y = make_inputs(2)
+    with pytest.raises(ValueError, match="rank 257"):
+        fused.bgmv_fused(y, x, a, b, batch.token_slots, scales)
+
+
+@triton_here
+def test_add_lora_on_a_gpu_mapping_takes_the_fused_kernel_for_decode(monkeypatch):
+    """The GPU dispatch (a mapping without a CPU plan), run in the interpreter: a decode
+    step goes through the fused kernel, anything else through SGMV, both as the reference."""
+    calls = []
+    real = fused.bgmv_fused
+    monkeypatch.setattr(fused, "bgmv_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    a, b, scales = make_stacks(8, 16)
+    for decode in (True, False):
+        batch = make_batch("zipf", num_tokens=9, decode=decode)
+        x, y = make_inputs(9, extra_cols=2)
+        mapping = LoraMapping.build(batch.token_slots, all_decode=decode)
+        mapping.cpu = None  # as built for a CUDA device
+        want, got = y.clone(), y.clone()
+        run_reference(batch, x, want, a, b, scales, out_offset=2)
+        add_lora(got, x, a, b, scales, mapping, out_offset=2)
+        assert_close(got, want, torch.float32)
+    assert calls == [1]
 
 
 def test_bgmv_program_sizes_follow_the_device():

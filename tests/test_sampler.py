@@ -67,6 +67,23 @@ def test_greedy_is_argmax(num_rows: int, dtype: torch.dtype) -> None:
     assert all(t.logprob is None and t.top_logprobs is None for t in out)
 
 
+def test_the_device_argmax_path_matches_numpy_with_nan_and_inf_rows() -> None:
+    """The GPU's one-transfer argmax (run here on CPU tensors) against numpy: a large id,
+    a tie, a NaN row and an all -inf row."""
+    from worker.sampling.sampler import _argmax_and_max_on_device
+
+    logits = torch.randn(4, 70_000, generator=torch.Generator().manual_seed(3))
+    logits[0, 69_999] = 50.0  # the last id of a vocabulary larger than SmolLM2's
+    logits[1, [5, 9]] = 40.0  # a tie: the lowest index
+    logits[2, 123] = math.nan
+    logits[3] = -math.inf
+    ids, top = _argmax_and_max_on_device(logits)
+    a = logits.numpy()
+    want_ids = a.argmax(axis=-1)
+    assert ids == want_ids.tolist() == [69_999, 5, 123, 0]
+    assert top[:2] == [50.0, 40.0] and math.isnan(top[2]) and top[3] == -math.inf
+
+
 def test_greedy_ties_go_to_the_lowest_index_like_torch_argmax() -> None:
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0]])
     out = Sampler()(logits, [make_row(temperature=0.0), make_row(temperature=0.0)])

@@ -174,11 +174,12 @@ def _tame_(x: torch.Tensor) -> dict[int, str]:
         return {}
     top = x.amax(dim=-1)  # [m], NaN where the row has one
     infinite = torch.isposinf(top)
-    if bool(infinite.any()):
+    bad = torch.isnan(top) | torch.isneginf(top)
+    any_infinite, any_bad = torch.stack([infinite.any(), bad.any()]).tolist()  # one host sync
+    if any_infinite:
         rows = infinite.nonzero().flatten()
         x[rows] = torch.where(torch.isposinf(x[rows]), 0.0, -math.inf)
-    bad = torch.isnan(top) | torch.isneginf(top)
-    if not bool(bad.any()):
+    if not any_bad:
         return {}
     unusable = {}
     for j in bad.nonzero().flatten().tolist():
@@ -194,8 +195,15 @@ def _argmax_and_max(x: torch.Tensor) -> tuple[list[int], list[float]]:
         a = x.detach().float().numpy()
         ids = a.argmax(axis=-1)
         return ids.tolist(), a[np.arange(a.shape[0]), ids].tolist()
+    return _argmax_and_max_on_device(x)
+
+
+def _argmax_and_max_on_device(x: torch.Tensor) -> tuple[list[int], list[float]]:
+    """``_argmax_and_max`` with one device-to-host copy (token ids are exact in float64)."""
     ids = x.argmax(dim=-1)
-    return ids.tolist(), x.gather(1, ids[:, None]).squeeze(1).float().tolist()
+    both = torch.stack([ids.double(), x.gather(1, ids[:, None]).squeeze(1).double()])
+    ids_host, top_host = both.tolist()
+    return [int(t) for t in ids_host], top_host
 
 
 def _argmax(x: torch.Tensor) -> list[int]:
