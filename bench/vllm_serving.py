@@ -5,8 +5,10 @@ The client is vLLM's ``bench serve`` (from its venv, ``--vllm-python``): random 
 ``--input-len`` tokens, ``--output-len`` tokens each with ``ignore_eos``, ``--num-prompts``
 sent at once (request rate inf), greedy, streamed chat completions. Our stack runs first and
 is stopped before vLLM's server starts (both get both cores). Reports each side's output
-tok/s, mean and p99 TTFT and TPOT, failures, the ratios, and each request's TTFT and mean
-inter-token latency (for ``bench.plots``). Usage: ``python -m
+tok/s, mean and p99 TTFT and TPOT, failures, the ratios, each request's TTFT and mean
+inter-token latency (for ``bench.plots``), and where the machine's CPU time went during the
+client's run, by process (``cpu_seconds``: the server's processes, Redis, the client, the
+rest; the client has the cores' share its load needs on both sides). Usage: ``python -m
 bench.vllm_serving --vllm-python VENV/bin/python [--num-prompts 64]``.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import tempfile
 import time
@@ -22,6 +25,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import psutil
 
 from bench.report import write_report
 from runtime.embedded_redis import free_port
@@ -40,8 +44,49 @@ VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
 KEPT = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
 
 
+def _process_label(process: psutil.Process) -> str:
+    command = " ".join(process.cmdline())
+    for needle, label in (
+        ("switchboard gateway", "gateway"),
+        ("switchboard worker", "worker"),
+        ("redis-server", "redis"),
+        ("vllm", "vllm server"),
+    ):
+        if needle in command or needle in process.name().lower():
+            return label
+    return "other"
+
+
+def _cpu_snapshot() -> dict[int, tuple[str, float]]:
+    """Every live process's (label, user + system CPU seconds so far)."""
+    snapshot = {}
+    for process in psutil.process_iter():
+        try:
+            times = process.cpu_times()
+            snapshot[process.pid] = (_process_label(process), times.user + times.system)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return snapshot
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_seconds_by_label(before, after, client_seconds: float) -> dict[str, float]:
+    """CPU seconds spent between two snapshots, by label; the client (a child already
+    waited for, so gone from ``after``) from the children's rusage."""
+    totals: dict[str, float] = {"client": round(client_seconds, 2)}
+    for pid, (label, seconds) in after.items():
+        spent = seconds - before.get(pid, (label, 0.0))[1]
+        totals[label] = round(totals.get(label, 0.0) + spent, 2)
+    return totals
+
+
 def run_client(python: str, base_url: str, model: str, tokenizer: Path, api_key: str, args):
-    """vLLM's bench serve against ``base_url``: its saved result, the figures we keep."""
+    """vLLM's bench serve against ``base_url``: its saved result, the figures we keep, and
+    the CPU seconds each process spent while it ran."""
     with tempfile.TemporaryDirectory() as tmp:
         shim = Path(tmp, "client.py")
         shim.write_text(CLIENT_SHIM)
@@ -56,7 +101,10 @@ def run_client(python: str, base_url: str, model: str, tokenizer: Path, api_key:
         ]  # fmt: skip
         env = {**os.environ, **VLLM_ENV, "OPENAI_API_KEY": api_key}
         env.pop("PYTHONPATH", None)
+        before, children_before, started = _cpu_snapshot(), _children_cpu(), time.monotonic()
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+        wall = time.monotonic() - started
+        cpu = cpu_seconds_by_label(before, _cpu_snapshot(), _children_cpu() - children_before)
         result_file = Path(tmp, "result.json")
         if done.returncode != 0 or not result_file.exists():
             raise RuntimeError(f"bench serve failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -66,6 +114,8 @@ def run_client(python: str, base_url: str, model: str, tokenizer: Path, api_key:
     # Per request (for bench.plots' distributions): TTFT, and the mean gap between tokens.
     kept["ttfts_s"] = [t for t in result.get("ttfts", []) if t]
     kept["mean_itls_s"] = [sum(gaps) / len(gaps) for gaps in result.get("itls", []) if gaps]
+    kept["client_wall_s"] = round(wall, 2)
+    kept["cpu_seconds"] = cpu  # out of wall x the machine's cores
     return kept
 
 
@@ -128,9 +178,10 @@ def main(argv: list[str] | None = None) -> dict:
     model_path = resolve_model_path(None)
     report: dict = {"args": {k: v for k, v in vars(args).items() if k != "vllm_python"}}
     report["switchboard"] = ours(args, model_path)
-    print("switchboard", json.dumps({k: v for k, v in report["switchboard"].items() if k in KEPT}))
+    shown = (*KEPT, "client_wall_s", "cpu_seconds")
+    print("switchboard", json.dumps({k: v for k, v in report["switchboard"].items() if k in shown}))
     report["vllm"] = vllm(args, model_path)
-    print("vllm", json.dumps({k: v for k, v in report["vllm"].items() if k in KEPT}), flush=True)
+    print("vllm", json.dumps({k: v for k, v in report["vllm"].items() if k in shown}), flush=True)
     switchboard, baseline = report["switchboard"], report["vllm"]
     report["throughput_ratio"] = switchboard["output_throughput"] / baseline["output_throughput"]
     report["mean_ttft_ratio"] = switchboard["mean_ttft_ms"] / baseline["mean_ttft_ms"]

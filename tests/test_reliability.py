@@ -150,7 +150,7 @@ def tiny_model(tmp_path_factory):
 
 # 20 s keeps 200 clients streaming through a few thousand requests (the RSS check compares
 # the two halves); SWITCHBOARD_LOAD_TEST_SECONDS runs it longer by hand.
-LOAD_SECONDS = float(os.environ.get("SWITCHBOARD_LOAD_TEST_SECONDS", "20"))
+LOAD_SECONDS = float(os.environ.get("SWITCHBOARD_LOAD_TEST_SECONDS", "15"))
 
 
 @pytest.mark.slow
