@@ -8,10 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
+import worker.engine.config as engine_settings
+
 # Triton kernels run on CPU under the interpreter, which must be chosen before any
 # @triton.jit runs; peft imports triton early (through torch's compiler), so set it here.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Engines built in this process get a 128 MiB KV pool unless a test sizes theirs: some
+# 16,000 blocks of a tiny test model (a gigabyte of them took most of the second an engine
+# took to build), 2,800 tokens of the default model in fp32. Workers started as processes
+# keep the worker's own default.
+engine_settings.DEFAULT_KV_CACHE_MEMORY_GB = 0.125
 
 
 @pytest.fixture(scope="session")

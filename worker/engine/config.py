@@ -18,6 +18,12 @@ from worker.spec_decode.config import SpeculativeConfig
 
 ATTENTION_BACKENDS = ("torch", "triton")
 
+# The KV pool's memory when neither ``kv_cache_memory_gb`` nor ``num_kv_blocks`` is given.
+# Read as each config is made: the test session lowers it (tests/conftest.py), since a
+# tiny test model's gigabyte is some 100,000 blocks and zeroing them was most of the time
+# an engine took to build.
+DEFAULT_KV_CACHE_MEMORY_GB = 1.0
+
 # engine_config's flat names for SpeculativeConfig's fields.
 SPECULATIVE_OPTIONS = {
     "speculative_model": "model",
@@ -50,7 +56,7 @@ class EngineConfig:
     dtype: str | torch.dtype = "auto"
     device: str | torch.device = "cpu"
     block_size: int = 16
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float = field(default_factory=lambda: DEFAULT_KV_CACHE_MEMORY_GB)
     num_kv_blocks: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
