@@ -107,7 +107,9 @@ def fused_variants(device: torch.device) -> dict[str, fused.FusedBlocks]:
     default = fused.FusedBlocks.for_device(device)
     return {
         f"fused {programs} programs": fused.FusedBlocks(1, default.tile, programs)
-        for programs in (1, default.target_programs // 4, default.target_programs * 4)
+        for programs in sorted(
+            {1, max(1, default.target_programs // 4), default.target_programs * 4}
+        )
     }
 
 
