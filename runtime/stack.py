@@ -22,6 +22,7 @@ import httpx
 from runtime.certs import CertSet, ensure_certs
 from runtime.embedded_redis import EmbeddedRedis, free_port
 from runtime.home import default_tls_dir
+from runtime.processes import reap
 
 
 @dataclass
@@ -197,11 +198,7 @@ class Stack:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
         for process in children:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            reap(process, 15)
         if self._redis is not None:
             self._redis.stop()
             self._redis = None
