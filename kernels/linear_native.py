@@ -94,23 +94,31 @@ class PanelLinear:
         residual: torch.Tensor | None = None,  # [rows, out] fp32
     ) -> torch.Tensor:  # [rows, out] fp32
         """Semantics: ``x @ W.T (+ bias) (+ residual)``, W the weight the panels hold."""
-        x, res = native.checked_rows(
-            "native linear",
-            x,
-            residual,
-            in_features=self.in_features,
-            out_features=self.out_features,
-            dtypes=(torch.float32,),
-        )
-        rows = x.shape[0]
-        y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        if rows:
-            self._call(self._desc_address, x.data_ptr(), rows, _address(res), y.data_ptr())
-        return y
+        return _run_panels(self, "native linear", torch.float32, x, residual)
 
 
-def _address(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+def _run_panels(
+    linear: PanelLinear | Bf16PanelLinear,
+    label: str,
+    dtype: torch.dtype,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """One call of a panel kernel over checked rows: ``x @ W.T (+ bias) (+ residual)``."""
+    x, res = native.checked_rows(
+        label,
+        x,
+        residual,
+        in_features=linear.in_features,
+        out_features=linear.out_features,
+        dtypes=(dtype,),
+    )
+    rows = x.shape[0]
+    y = torch.empty(rows, linear.out_features, dtype=dtype)
+    if rows:  # res (a copy checked_rows may have made) lives until the call returns
+        res_address = None if res is None else res.data_ptr()
+        linear._call(linear._desc_address, x.data_ptr(), rows, res_address, y.data_ptr())
+    return y
 
 
 class NativeLinear:
@@ -188,19 +196,7 @@ class Bf16PanelLinear:
         residual: torch.Tensor | None = None,  # [rows, out] bf16
     ) -> torch.Tensor:  # [rows, out] bf16
         """Semantics: ``bf16(x @ W.T + bias + residual)``, summed in fp32."""
-        x, res = native.checked_rows(
-            "native bf16 linear",
-            x,
-            residual,
-            in_features=self.in_features,
-            out_features=self.out_features,
-            dtypes=(torch.bfloat16,),
-        )
-        rows = x.shape[0]
-        y = torch.empty(rows, self.out_features, dtype=torch.bfloat16)
-        if rows:
-            self._call(self._desc_address, x.data_ptr(), rows, _address(res), y.data_ptr())
-        return y
+        return _run_panels(self, "native bf16 linear", torch.bfloat16, x, residual)
 
 
 @functools.cache
