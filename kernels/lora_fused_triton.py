@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels.lora import FUSED_MAX_RANK
 from kernels.lora_reference import check_expand, check_shrink
+from kernels.lora_triton import gathered_shrink
 
 MIN_TILE = 16  # every tile dimension, as in kernels/lora_triton.py
 
@@ -77,19 +78,11 @@ def _bgmv_fused_kernel(
     slot = tl.where(use, slot, 0)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    # Shrink: h[m, r] = sum_k x[m, k] * A[s_m, r, k], each token with its own A rows.
-    x_rows = x_ptr + offs_m[:, None] * stride_xt  # [BM, 1]
-    a_rows = a_ptr + slot[:, None, None] * stride_as + offs_r[None, :, None] * stride_ar
-    a_mask = use[:, None, None] & r_mask[None, :, None]  # [BM, BR, 1]
-    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < in_features
-        x = tl.load(x_rows + k[None, :] * stride_xk, mask=use[:, None] & k_mask[None, :], other=0.0)
-        a = tl.load(
-            a_rows + k[None, None, :] * stride_ak, mask=a_mask & k_mask[None, None, :], other=0.0
-        )
-        h += tl.sum(x.to(tl.float32)[:, None, :] * a.to(tl.float32), axis=2)
+    h = gathered_shrink(
+        x_ptr, a_ptr, slot, use, offs_m, offs_r, r_mask, in_features,
+        stride_xt, stride_xk, stride_as, stride_ar, stride_ak,
+        BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
     h *= tl.load(scales_ptr + slot, mask=use, other=0.0).to(tl.float32)[:, None]
     # Expand this program's share of the columns: y[m, n] += sum_r h[m, r] * B[s_m, n, r].
     b_rows = b_ptr + slot[:, None, None] * stride_bs + offs_r[None, None, :] * stride_br
@@ -124,7 +117,7 @@ def bgmv_fused(
     ``s = token_slots[t] >= 0``; the rank may not exceed ``FUSED_MAX_RANK``."""
     check_shrink(x, a_stack)
     num_tokens, rank = x.shape[0], a_stack.shape[1]
-    check_expand(y, torch.empty(num_tokens, rank, device="meta"), b_stack, out_offset)
+    check_expand(y, (num_tokens, rank), b_stack, out_offset)
     if rank > FUSED_MAX_RANK:
         raise ValueError(f"rank {rank} is above the fused kernel's {FUSED_MAX_RANK}")
     if num_tokens == 0:

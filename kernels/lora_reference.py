@@ -21,6 +21,7 @@ The three ``lora_*`` functions below them are the fused (shrink + expand) CPU pa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +37,16 @@ def check_shrink(x: torch.Tensor, a_stack: torch.Tensor) -> None:
         )
 
 
-def check_expand(y: torch.Tensor, x: torch.Tensor, b_stack: torch.Tensor, out_offset: int) -> None:
-    if x.dim() != 2 or b_stack.dim() != 3 or b_stack.shape[2] != x.shape[1]:
-        raise ValueError(
-            f"expand: x {tuple(x.shape)} does not match b_stack {tuple(b_stack.shape)}"
-        )
-    if y.dim() != 2 or y.shape[0] != x.shape[0]:
-        raise ValueError(f"expand: y {tuple(y.shape)} and x {tuple(x.shape)} differ in tokens")
+def check_expand(
+    y: torch.Tensor, x_shape: Sequence[int], b_stack: torch.Tensor, out_offset: int
+) -> None:
+    """``x_shape``: the shrink output's [tokens, rank] (a shape, so a fused kernel whose
+    shrink output never exists checks the same)."""
+    x_shape = tuple(x_shape)
+    if len(x_shape) != 2 or b_stack.dim() != 3 or b_stack.shape[2] != x_shape[1]:
+        raise ValueError(f"expand: x {x_shape} does not match b_stack {tuple(b_stack.shape)}")
+    if y.dim() != 2 or y.shape[0] != x_shape[0]:
+        raise ValueError(f"expand: y {tuple(y.shape)} and x {x_shape} differ in tokens")
     if out_offset < 0 or out_offset + b_stack.shape[1] > y.shape[1]:
         raise ValueError(
             f"expand: columns [{out_offset}, {out_offset + b_stack.shape[1]}) "
@@ -75,7 +79,7 @@ def bgmv_expand(
     out_offset: int = 0,
 ) -> None:
     """Semantics: ``y[t, o:o+out] += scales[s_t] * (x[t] @ b_stack[s_t].T)`` for ``s_t >= 0``."""
-    check_expand(y, x, b_stack, out_offset)
+    check_expand(y, x.shape, b_stack, out_offset)
     rows = (token_slots >= 0).nonzero().squeeze(1)
     slots = token_slots[rows]
     delta = torch.einsum("tr,tor->to", x[rows].float(), b_stack[slots].float())
@@ -115,7 +119,7 @@ def sgmv_expand(
     max_seg_len: int | None = None,  # launch-grid hint for the kernel; unused here
 ) -> None:
     """Semantics: ``y[i:j, o:o+out] += scales[s] * (x[i:j] @ b_stack[s].T)`` per segment, s >= 0."""
-    check_expand(y, x, b_stack, out_offset)
+    check_expand(y, x.shape, b_stack, out_offset)
     cols = slice(out_offset, out_offset + b_stack.shape[1])
     starts, slots = seg_starts.tolist(), seg_slots.tolist()
     for seg, slot in enumerate(slots):

@@ -68,19 +68,13 @@ INTERPRETER_BGMV = BgmvBlocks(block_m=4, tile=2048, shrink_rank_block=None)
 
 
 @triton.jit
-def _bgmv_shrink_kernel(
-    x_ptr, a_ptr, slots_ptr, out_ptr,
-    num_tokens, in_features, rank,
-    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_ot, stride_or,
+def gathered_shrink(
+    x_ptr, a_ptr, slot, use, offs_m, offs_r, r_mask, in_features,
+    stride_xt, stride_xk, stride_as, stride_ar, stride_ak,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    m_mask = offs_m < num_tokens
-    r_mask = offs_r < rank
-    slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1)
-    use = m_mask & (slot >= 0)  # rows without an adapter load zeros and store zeros
-    slot = tl.where(use, slot, 0)
+    """``h[m, r] = sum_k x[m, k] * A[slot_m, r, k]`` in fp32, each token with its own A
+    rows (rows where ``use`` is false load zeros); shared by BGMV and the fused kernel."""
     x_rows = x_ptr + offs_m[:, None] * stride_xt  # [BM, 1]
     a_rows = a_ptr + slot[:, None, None] * stride_as + offs_r[None, :, None] * stride_ar
     a_mask = use[:, None, None] & r_mask[None, :, None]  # [BM, BR, 1]
@@ -95,6 +89,28 @@ def _bgmv_shrink_kernel(
         )
         a = a.to(tl.float32)  # [BM, BR, BK]: each token's own A rows
         acc += tl.sum(x[:, None, :] * a, axis=2)
+    return acc
+
+
+@triton.jit
+def _bgmv_shrink_kernel(
+    x_ptr, a_ptr, slots_ptr, out_ptr,
+    num_tokens, in_features, rank,
+    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_ot, stride_or,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_mask = offs_m < num_tokens
+    r_mask = offs_r < rank
+    slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1)
+    use = m_mask & (slot >= 0)  # rows without an adapter load zeros and store zeros
+    slot = tl.where(use, slot, 0)
+    acc = gathered_shrink(
+        x_ptr, a_ptr, slot, use, offs_m, offs_r, r_mask, in_features,
+        stride_xt, stride_xk, stride_as, stride_ar, stride_ak,
+        BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
+    )  # fmt: skip
     out = out_ptr + offs_m[:, None] * stride_ot + offs_r[None, :] * stride_or
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
 
@@ -276,7 +292,7 @@ def bgmv_expand(
     blocks: BgmvBlocks | None = None,  # None: as BgmvBlocks.for_device picks
 ) -> None:
     """Semantics: ``y[t, o:o+out] += scales[s_t] * (x[t] @ b_stack[s_t].T)`` for ``s_t >= 0``."""
-    check_expand(y, x, b_stack, out_offset)
+    check_expand(y, x.shape, b_stack, out_offset)
     blocks = blocks or BgmvBlocks.for_device(y.device)
     num_tokens, out_features, rank = x.shape[0], b_stack.shape[1], b_stack.shape[2]
     if num_tokens == 0:
@@ -334,7 +350,7 @@ def sgmv_expand(
     max_seg_len: int | None = None,  # longest segment; None costs a device sync
 ) -> None:
     """Semantics: ``y[i:j, o:o+out] += scales[s] * (x[i:j] @ b_stack[s].T)`` per segment, s >= 0."""
-    check_expand(y, x, b_stack, out_offset)
+    check_expand(y, x.shape, b_stack, out_offset)
     out_features, rank = b_stack.shape[1], b_stack.shape[2]
     block_m = _sgmv_block_m(max_seg_len)
     rows = _segment_grid_rows(seg_starts, max_seg_len, block_m)
