@@ -4,8 +4,8 @@ Decode is bound by bytes: every step reads each sequence's keys and values once.
 model shape (the default model's 9 query / 3 KV heads, a 1.7B Llama's 32 / 32; head dim 64)
 and batch (sequences x context tokens x query rows: 1, or k + 1 verifying k drafts), in bf16:
 
-- ``triton``: ``kernels.paged_attention_triton.decode`` with the split-K the layout picks,
-  and without splits where it picked some;
+- ``triton``: ``switchboard_kernels.paged_attention_triton.decode`` with the split-K the layout
+  picks, and without splits where it picked some;
 - ``torch``: the torch path's decode group (blocks gathered, then SDPA), on the same batch;
 - ``floor``: the bytes it must move (K and V of every context token, the queries and the
   outputs) over the device's peak bandwidth (``--peak-gbs``, else a table of known GPUs,
@@ -14,7 +14,7 @@ and batch (sequences x context tokens x query rows: 1, or k + 1 verifying k draf
 Also the K/V write of a 128-sequence decode step and a 2,048-token prefill against its
 floor, and a 2,048-token prefill chunk over 2,048 cached tokens (bound by FLOPs: TFLOP/s).
 Blocks are shuffled over the cache. Each kernel is checked against the reference of
-``kernels/paged_attention_reference.py`` before it is timed (CUDA graphs of the call,
+``switchboard_kernels/paged_attention_reference.py`` before it is timed (CUDA graphs of the call,
 median: ``triton.testing.do_bench_cudagraph``). Usage: ``python -m bench.attention_triton
 [--out FILE]``; ``--quick`` runs tiny shapes, also on CPU under ``TRITON_INTERPRET=1``.
 """
@@ -30,10 +30,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bench.report import write_report
-from kernels import paged_attention_reference as ref
-from kernels import paged_attention_triton as tri
-from kernels.paged_attention import AttentionMetadata, DecodeGroup, paged_attention
-from kernels.paged_layout import PagedLayout, PagedSequence
+from switchboard_kernels import paged_attention_reference as ref
+from switchboard_kernels import paged_attention_triton as tri
+from switchboard_kernels.paged_attention import AttentionMetadata, DecodeGroup, paged_attention
+from switchboard_kernels.paged_layout import PagedLayout, PagedSequence
 
 SHAPES = {"smollm2-135m": (9, 3), "llama-1.7b": (32, 32)}  # query heads, KV heads
 HEAD_DIM = 64

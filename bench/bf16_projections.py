@@ -1,5 +1,5 @@
-"""What the native bf16 projections (``kernels/linear_bf16_cpu.c``) give the engine: two
-engines on the default model, one with ``kernels.linear.bf16_panels_preferred`` off (its
+"""What the native bf16 projections (``switchboard_kernels/linear_bf16_cpu.c``) give the engine: two
+engines on the default model, one with ``switchboard_kernels.linear.bf16_panels_preferred`` off (its
 projections through oneDNN's packed matmul, the path before the kernel), run interleaved.
 
 Workloads: ``b<N>`` is N requests of 128 prompt / 128 output tokens at once (greedy,
@@ -31,17 +31,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="bench/results/bf16_projections.json")
     args = parser.parse_args(argv)
 
-    import kernels.linear
+    import switchboard_kernels.linear
     from worker import LLMEngine, engine_config
     from worker.model.default_model import resolve_model_path
 
     path, config = resolve_model_path(None), engine_config(dtype="bfloat16")
-    preferred = kernels.linear.bf16_panels_preferred
-    kernels.linear.bf16_panels_preferred = lambda weight: False
+    preferred = switchboard_kernels.linear.bf16_panels_preferred
+    switchboard_kernels.linear.bf16_panels_preferred = lambda weight: False
     try:
         engines = {"onednn": LLMEngine(path, config)}
     finally:
-        kernels.linear.bf16_panels_preferred = preferred
+        switchboard_kernels.linear.bf16_panels_preferred = preferred
     engines["native"] = LLMEngine(path, config)
     vocab = engines["native"].config.vocab_size
     report: dict = {"workloads": {}}

@@ -63,7 +63,7 @@ def chain_tokens(matches: list[bool], k: int) -> float:
 def round_to_int8(model) -> None:
     """The model's projections and output layer as the engine's int8 panels hold them (the
     embedding, which the output layer may share, stays exact, as in the engine)."""
-    from kernels.linear_native import PanelLinear
+    from switchboard_kernels.linear_native import PanelLinear
 
     def rounded(weight: torch.Tensor) -> torch.nn.Parameter:
         return torch.nn.Parameter(PanelLinear(weight.detach(), int8=True).dequantized())

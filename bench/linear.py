@@ -4,12 +4,12 @@ A "step" is every projection of the default model's shape (30 layers of q/k/v 57
 o 576 -> 576, gate/up 576 -> 3072, down 1536 -> 576, then the output layer 576 -> 49152;
 seeded random fp32 weights, 540 MB in all, so each step streams its weights from DRAM as a
 decode step does) applied to R rows. Methods: ``onednn`` (the weight reordered once for
-oneDNN, ``kernels.linear``'s path on CPUs with AVX-512), ``panels`` (``kernels/linear_cpu.c``
-over fp32 panels, its path on AVX2-only CPUs) and ``panels-int8`` (int8 panels, a draft
-model's weights; a quarter of the bytes). With ``--dtype bfloat16`` the weights are bf16
-(270 MB) and the methods ``onednn`` and ``panels-bf16`` (``kernels/linear_bf16_cpu.c``, the
-path on CPUs with AVX512-BF16). Before timing, each method's output is checked against
-``F.linear`` on one layer.
+oneDNN, ``switchboard_kernels.linear``'s path on CPUs with AVX-512), ``panels``
+(``switchboard_kernels/linear_cpu.c`` over fp32 panels, its path on AVX2-only CPUs) and
+``panels-int8`` (int8 panels, a draft model's weights; a quarter of the bytes). With ``--dtype
+bfloat16`` the weights are bf16 (270 MB) and the methods ``onednn`` and ``panels-bf16``
+(``switchboard_kernels/linear_bf16_cpu.c``, the path on CPUs with AVX512-BF16). Before timing, each
+method's output is checked against ``F.linear`` on one layer.
 
 Timing: rounds outermost, then the row counts, then the methods in a shuffled order, so a
 burst of load from other processes hits them all alike; the figure per method is its
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.report import write_report
-from kernels.linear import can_pack
-from kernels.linear_native import (
+from switchboard_kernels.linear import can_pack
+from switchboard_kernels.linear_native import (
     Bf16PanelLinear,
     PanelLinear,
     native_linear,

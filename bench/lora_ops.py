@@ -6,18 +6,18 @@ min(T, 32) sequences of T / min(T, 32) tokens each (decodes up to 32, then prefi
 1, 8 or 32 adapters, drawn per sequence with uniform or zipf(1.5) popularity; a bf16 model
 with bf16 or fp32 adapter stacks, and an fp32 model.
 
-Candidates (``kernels/lora_reference.py``): ``segments`` (SGMV in torch, a matmul pair
+Candidates (``switchboard_kernels/lora_reference.py``): ``segments`` (SGMV in torch, a matmul pair
 per run of one adapter), computing in fp32 or, for a bf16 model, in bf16 (suffix
 ``/bf16``); ``bucketed`` (BGMV as padded batched matmuls over the slot range, passes as
-``kernels.lora.bucket_passes`` picks them) and ``bucketed-1pass`` (one pass as wide as the
-busiest slot), in the stacks' dtype; ``packed-pairs`` and ``fp32-pairs`` (bf16 stacks: a
+``switchboard_kernels.lora.bucket_passes`` picks them) and ``bucketed-1pass`` (one pass as wide as
+the busiest slot), in the stacks' dtype; ``packed-pairs`` and ``fp32-pairs`` (bf16 stacks: a
 pair per run with each slot's A and B cut to rank, prepacked or in fp32,
-``kernels.lora.SlotPairs``); ``native`` (bf16 stacks: the C kernel of
-``kernels/lora_cpu.c``, every token in one call, ``kernels.lora.NativeSlots``); ``auto`` is
-``kernels.lora.add_lora``, the dispatch, given what the LoRA manager would keep (the native
-slots where the kernel builds, else the packed pairs).
-The baseline is ``F.linear(x, W)`` (and, for bf16, the prepacked ``kernels.linear.Linear``
-the model uses) on the same x.
+``switchboard_kernels.lora.SlotPairs``); ``native`` (bf16 stacks: the C kernel of
+``switchboard_kernels/lora_cpu.c``, every token in one call,
+``switchboard_kernels.lora.NativeSlots``); ``auto`` is ``switchboard_kernels.lora.add_lora``, the
+dispatch, given what the LoRA manager would keep (the native slots where the kernel builds, else the
+packed pairs). The baseline is ``F.linear(x, W)`` (and, for bf16, the prepacked
+``switchboard_kernels.linear.Linear`` the model uses) on the same x.
 
 Timing: rounds outermost, then every configuration, then its methods in a shuffled order,
 so a burst of load from other processes on these shared 2-core machines hits them all
@@ -43,9 +43,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import lora_reference as ref
-from kernels.linear import Linear
-from kernels.lora import LoraMapping, NativeSlots, SlotPairs, add_lora, bucket_passes
+from switchboard_kernels import lora_reference as ref
+from switchboard_kernels.linear import Linear
+from switchboard_kernels.lora import LoraMapping, NativeSlots, SlotPairs, add_lora, bucket_passes
 
 PROJECTIONS = ((576, 1536), (1536, 576))
 RANKS = (8, 16)

@@ -4,9 +4,9 @@ they ride on.
 Per shape, rank, token count and number of adapters in the batch, ``y += scale * x @ A.T @
 B.T`` with each token's own adapter, bf16 activations and stacks:
 
-- ``triton``: ``kernels.lora.add_lora`` as the engine calls it (for a decode batch the fused
-  shrink + expand kernel, ``kernels/lora_fused_triton.py``; SGMV over runs of one adapter
-  otherwise);
+- ``triton``: ``switchboard_kernels.lora.add_lora`` as the engine calls it (for a decode batch
+  the fused shrink + expand kernel, ``switchboard_kernels/lora_fused_triton.py``; SGMV over runs
+  of one adapter otherwise);
 - ``torch``: what a plain-torch server does: for decodes, gather each token's A and B and
   two batched matmuls; for prefill, a matmul pair per run of one adapter;
 - ``base``: ``F.linear(x, W)``, the projection itself (cuBLAS), for scale: LoRA's cost is
@@ -14,10 +14,10 @@ B.T`` with each token's own adapter, bf16 activations and stacks:
 - on decode batches, the split BGMV pair (two launches, the choice before the fused
   kernel) at several program sizes (``BgmvBlocks``), the fused kernel with other output
   shares per token (``FusedBlocks``), and SGMV over the batch's runs of one adapter: what
-  ``kernels.lora.FUSED_DECODE`` and the block sizes are chosen from.
+  ``switchboard_kernels.lora.FUSED_DECODE`` and the block sizes are chosen from.
 
-Each method is checked against the fp32 reference of ``kernels/lora_reference.py`` before
-it is timed (``triton.testing.do_bench``, median). Decode batches draw each token's
+Each method is checked against the fp32 reference of ``switchboard_kernels/lora_reference.py``
+before it is timed (``triton.testing.do_bench``, median). Decode batches draw each token's
 adapter at random; prefill batches are runs of equal length, one per adapter.
 Usage: ``python -m bench.lora_triton [--out FILE]`` (needs CUDA).
 """
@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from bench.report import write_report
-from kernels import lora_fused_triton as fused
-from kernels import lora_reference as ref
-from kernels import lora_triton as tri
-from kernels.lora import LoraMapping, add_lora
-from kernels.lora_triton import GPU_BGMV, INTERPRETER_BGMV, MIN_DOT, BgmvBlocks
+from switchboard_kernels import lora_fused_triton as fused
+from switchboard_kernels import lora_reference as ref
+from switchboard_kernels import lora_triton as tri
+from switchboard_kernels.lora import LoraMapping, add_lora
+from switchboard_kernels.lora_triton import GPU_BGMV, INTERPRETER_BGMV, MIN_DOT, BgmvBlocks
 
 # (in, out): the default model's up and down projections, then a 7B model's q and up.
 SHAPES = ((576, 1536), (1536, 576), (4096, 4096), (4096, 11008))

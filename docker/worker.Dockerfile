@@ -6,7 +6,7 @@
 #   CUDA: docker build -f docker/worker.Dockerfile \
 #           --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
 #           -t switchboard-worker:0.1.0-cuda .
-# A C compiler stays in the image: on CPU the native LoRA kernel (kernels/lora_cpu.c) is
+# A C compiler stays in the image: on CPU the native LoRA kernel (switchboard_kernels/lora_cpu.c) is
 # built at first use for the node's own CPU (-march=native, cached under $HOME), and on
 # GPU Triton compiles its launchers. RUNTIME_PACKAGES="" leaves it out (smaller image; the
 # CPU worker then logs a warning and uses the slower torch LoRA paths).

@@ -1,11 +1,12 @@
-"""The 4-bit kernel's arithmetic as specified (kernels/q4_cpu.c): the levels a weight and an
-activation row are rounded to, as float64 tensors. The oracles of the q4, linear and draft tests."""
+"""The 4-bit kernel's arithmetic as specified (switchboard_kernels/q4_cpu.c): the levels a weight
+and an activation row are rounded to, as float64 tensors. The oracles of the q4, linear and draft
+tests."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.q4_native import GROUP
+from switchboard_kernels.q4_native import GROUP
 
 
 def weight_levels(weight: torch.Tensor) -> torch.Tensor:

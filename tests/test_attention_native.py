@@ -1,4 +1,4 @@
-"""The native CPU decode attention (kernels/attention_cpu.c) against a float64 loop.
+"""The native CPU decode attention (switchboard_kernels/attention_cpu.c) against a float64 loop.
 
 Block tables are shuffled block ids, so a kernel that read blocks in cache order would
 fail; contexts end mid-block; speculative verification rows (k + 1 queries per sequence)
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from factories import make_checkpoint, random_prompts
-from kernels.attention_native import NativeDecodes, native_attention
+from switchboard_kernels.attention_native import NativeDecodes, native_attention
 from worker.engine.batch import ScheduledSequence
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import Sequence

@@ -758,7 +758,7 @@ FIRST_PARTY = {
     "runtime",
     "training",
     "worker",
-    "kernels",
+    "switchboard_kernels",
     "adapters",
     "gateway",
     "bench",

@@ -23,7 +23,7 @@ FIRST_PARTY = {
     "gateway",
     "worker",
     "adapters",
-    "kernels",
+    "switchboard_kernels",
     "runtime",
     "rpc",
 }
@@ -34,7 +34,7 @@ FORBIDDEN = {
     "gateway": {"switchboard", "bench", "training"},
     "worker": {"switchboard", "bench", "training"},
     "adapters": {"switchboard", "bench", "training"},
-    "kernels": {"switchboard", "bench", "training"},
+    "switchboard_kernels": {"switchboard", "bench", "training"},
     "rpc": FIRST_PARTY - {"rpc"},
     "runtime": FIRST_PARTY - {"runtime", "rpc"},
 }

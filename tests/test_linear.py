@@ -1,5 +1,5 @@
-"""kernels.linear: packed projections (oneDNN's, or panels for our native kernel) and the
-draft's quantized copies, against a float64 matmul of the same (or the dequantized) weights."""
+"""switchboard_kernels.linear: packed projections (oneDNN's, or panels for our native kernel) and
+the draft's quantized copies, against a float64 matmul of the same (or the dequantized) weights."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import platform
 import pytest
 import torch
 
-from kernels.linear import (
+from q4_levels import activation_levels, weight_levels
+from switchboard_kernels.linear import (
     INT4_MAX_ROWS,
     Q4_MAX_ROWS,
     Int4Weight,
@@ -17,9 +18,8 @@ from kernels.linear import (
     can_pack,
     panels_preferred,
 )
-from kernels.linear_native import PANEL, PanelLinear, native_linear
-from kernels.q4_native import Q4Linear, native_q4
-from q4_levels import activation_levels, weight_levels
+from switchboard_kernels.linear_native import PANEL, PanelLinear, native_linear
+from switchboard_kernels.q4_native import Q4Linear, native_q4
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

@@ -1,12 +1,12 @@
-"""The native bf16 projection (kernels/linear_bf16_cpu.c) against a float64 product."""
+"""The native bf16 projection (switchboard_kernels/linear_bf16_cpu.c) against a float64 product."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.linear import Linear
-from kernels.linear_native import Bf16PanelLinear, native_linear_bf16
+from switchboard_kernels.linear import Linear
+from switchboard_kernels.linear_native import Bf16PanelLinear, native_linear_bf16
 
 needs_kernel = pytest.mark.skipif(
     native_linear_bf16() is None, reason="no C compiler or no AVX512-BF16: kernel not built"

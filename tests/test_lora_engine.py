@@ -8,8 +8,8 @@ from peft import PeftModel
 from transformers import GenerationConfig
 
 from factories import load_hf_model, make_checkpoint, make_peft_adapter, random_prompts
-from kernels import lora_native
-from kernels.lora import SlotPairs
+from switchboard_kernels import lora_native
+from switchboard_kernels.lora import SlotPairs
 from worker import LLM, SamplingParams
 from worker.model.lora_manager import UnknownAdapterError
 from worker.serving.async_engine import AsyncEngine
@@ -201,7 +201,7 @@ def test_new_weights_under_the_same_name_give_the_new_outputs(base, adapter_dirs
 @pytest.mark.parametrize("form", ["native", "pairs"])
 def test_bf16_refilled_slot_serves_its_new_adapter(base, adapter_dirs, form, monkeypatch):
     """bf16 keeps each slot's A and B cut to rank beside the stacks, laid out for the native
-    kernel (kernels.lora_native.NativeSlots) or, without it, prepacked (SlotPairs): one
+    kernel (switchboard_kernels.lora_native.NativeSlots) or, without it, prepacked (SlotPairs): one
     slot taking turns between two adapters must give what each gives in a fresh engine."""
     if form == "pairs":  # as on a machine where the native kernel cannot be built
         if not SlotPairs.wanted(torch.zeros(1, dtype=torch.bfloat16)):

@@ -9,7 +9,7 @@ Triton's CPU interpreter. ``TRITON_INTERPRET`` is read when ``@triton.jit`` deco
 that includes triton.language's own helpers (``tl.zeros``, ``tl.sum``), decorated when
 ``triton`` is first imported. So without CUDA the flag is set first thing here, and stays
 set for the session (harmless: no compiled Triton kernel can launch without a GPU); with
-CUDA it is never set, so other tests keep compiled kernels. ``kernels.lora`` imports its
+CUDA it is never set, so other tests keep compiled kernels. ``switchboard_kernels.lora`` imports its
 Triton module only on the first CUDA call. When an earlier test module already imported
 triton without the flag (torch._dynamo does, e.g. under peft), the ``test_triton_*`` tests
 cannot run in this process: they are skipped here and ``test_kernels_in_a_fresh_process``
@@ -32,17 +32,9 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-import kernels.lora_fused_triton as fused  # noqa: E402
-import kernels.lora_reference as ref  # noqa: E402
-import kernels.lora_triton as tri  # noqa: E402
-from kernels.lora import (  # noqa: E402
-    FUSED_MAX_RANK,
-    SEGMENT_MIN_RUN,
-    LoraMapping,
-    SlotPairs,
-    add_lora,
-    bucket_passes,
-)
+import switchboard_kernels.lora_fused_triton as fused  # noqa: E402
+import switchboard_kernels.lora_reference as ref  # noqa: E402
+import switchboard_kernels.lora_triton as tri  # noqa: E402
 from lora_factories import (  # noqa: E402
     IN_FEATURES,
     OUT_FEATURES,
@@ -55,6 +47,14 @@ from lora_factories import (  # noqa: E402
     make_batch,
     make_inputs,
     make_stacks,
+)
+from switchboard_kernels.lora import (  # noqa: E402
+    FUSED_MAX_RANK,
+    SEGMENT_MIN_RUN,
+    LoraMapping,
+    SlotPairs,
+    add_lora,
+    bucket_passes,
 )
 
 # The kernels and triton.language both in interpreter mode, or compiled for a GPU.
@@ -547,12 +547,13 @@ def test_triton_shape_mismatches_raise():
 def test_cpu_dispatch_never_imports_triton():
     code = (
         "import sys, torch\n"
-        "from kernels.lora import LoraMapping, add_lora\n"
+        "from switchboard_kernels.lora import LoraMapping, add_lora\n"
         "y = torch.zeros(2, 4)\n"
         "add_lora(y, torch.ones(2, 3), torch.ones(1, 2, 3), torch.ones(1, 4, 2), torch.ones(1),\n"
         "         LoraMapping.build([0, -1]))\n"
         "assert y[0].tolist() == [6.0] * 4 and y[1].tolist() == [0.0] * 4, y\n"
-        "assert 'triton' not in sys.modules and 'kernels.lora_triton' not in sys.modules\n"
+        "assert 'triton' not in sys.modules\n"
+        "assert 'switchboard_kernels.lora_triton' not in sys.modules\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=120)

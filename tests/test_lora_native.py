@@ -1,4 +1,5 @@
-"""The native CPU multi-LoRA kernel (kernels/lora_cpu.c) against the float64 per-token loop.
+"""The native CPU multi-LoRA kernel (switchboard_kernels/lora_cpu.c) against the float64 per-token
+loop.
 
 Both of its inner loops run here for bf16: the AVX-512 one (where this CPU has it) and the
 portable C one; fp32 always takes the portable one. Shapes are the kernel-test shapes of
@@ -11,8 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora import LoraMapping, NativeSlots, add_lora
-from kernels.lora_native import NativeGroups, native_library
 from lora_factories import (
     IN_FEATURES,
     OUT_FEATURES,
@@ -25,6 +24,8 @@ from lora_factories import (
     make_inputs,
     make_stacks,
 )
+from switchboard_kernels.lora import LoraMapping, NativeSlots, add_lora
+from switchboard_kernels.lora_native import NativeGroups, native_library
 
 LIBRARY = native_library()
 pytestmark = pytest.mark.skipif(LIBRARY is None, reason="no C compiler: kernel not built")

@@ -2,8 +2,8 @@
 
 Every rank's slots are filled as ``LoraManager(shard=...)`` fills them; the collectives are
 played by hand (an all-gather is a concatenation, an all-reduce a sum), and the result must
-equal the whole adapter's LoRA (the fp32 references of ``kernels.lora_reference``) for every
-token of a mixed batch: adapters of odd and even ranks that the group size does or does not
+equal the whole adapter's LoRA (the fp32 references of ``switchboard_kernels.lora_reference``) for
+every token of a mixed batch: adapters of odd and even ranks that the group size does or does not
 divide, different target modules, and tokens without an adapter.
 """
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from factories import make_checkpoint, make_peft_adapter
-from kernels import lora_reference as ref
-from kernels.lora import LoraMapping, lora_expand, lora_shrink
+from switchboard_kernels import lora_reference as ref
+from switchboard_kernels.lora import LoraMapping, lora_expand, lora_shrink
 from worker.model.lora_manager import LORA_GROUPS, LoraManager
 from worker.model.sharding import Shard
 

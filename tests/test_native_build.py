@@ -1,4 +1,4 @@
-"""Building the native CPU kernels (kernels/native.py): cached per source and CPU, and a
+"""Building the native CPU kernels (switchboard_kernels/native.py): cached per source and CPU, and a
 machine without a working compiler falls back to the torch paths with one warning."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import native
-from kernels.lora import NativeSlots
-from kernels.lora_native import native_library
+from switchboard_kernels import native
+from switchboard_kernels.lora import NativeSlots
+from switchboard_kernels.lora_native import native_library
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_a_source_is_built_once_per_cache(tmp_path, monkeypatch):
 def test_a_broken_compiler_means_the_torch_paths(tmp_path, monkeypatch, caplog, fresh_loads):
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+    with caplog.at_level(logging.WARNING, logger="switchboard_kernels.native"):
         assert native_library() is None
     assert "native kernel lora_cpu.c unavailable" in caplog.text
     assert not NativeSlots.wanted(torch.zeros(1, dtype=torch.bfloat16))
@@ -53,7 +53,7 @@ def test_the_native_kernels_can_be_switched_off(monkeypatch, fresh_loads):
 def test_the_vector_loops_are_built_where_the_cpu_has_them():
     """Tests run each kernel's "vector" and "portable" loops; on an AVX-512 CPU the first
     must really be the AVX-512 ones (a build without them would test plain C twice)."""
-    from kernels.attention_native import native_attention
+    from switchboard_kernels.attention_native import native_attention
 
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     kernels = [native_library(), native_attention()]

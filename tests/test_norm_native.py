@@ -1,4 +1,4 @@
-"""The native bf16 and fp32 RMSNorm (kernels/norm_cpu.c) against a float64 RMSNorm."""
+"""The native bf16 and fp32 RMSNorm (switchboard_kernels/norm_cpu.c) against a float64 RMSNorm."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.norm_native import native_norm, rms_norm
+from switchboard_kernels.norm_native import native_norm, rms_norm
 
 KERNEL = native_norm()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: kernel not built")

@@ -19,9 +19,9 @@ if not CUDA:
 import pytest  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-import kernels.paged_attention_reference as ref  # noqa: E402
-import kernels.paged_attention_triton as tri  # noqa: E402
-from kernels.paged_layout import DECODE_MAX_ROWS, PagedLayout, PagedSequence  # noqa: E402
+import switchboard_kernels.paged_attention_reference as ref  # noqa: E402
+import switchboard_kernels.paged_attention_triton as tri  # noqa: E402
+from switchboard_kernels.paged_layout import DECODE_MAX_ROWS, PagedLayout, PagedSequence  # noqa: E402
 
 TRITON_HERE = CUDA or (
     type(tl.zeros).__name__ == "InterpretedFunction"

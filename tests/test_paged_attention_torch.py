@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.paged_attention import (
+from switchboard_kernels.paged_attention import (
     AttentionMetadata,
     PrefillChunk,
     fresh_runs,

@@ -1,4 +1,4 @@
-"""kernels/q4_cpu.c: 4-bit weights times int8-rounded activations, every compiled loop
+"""switchboard_kernels/q4_cpu.c: 4-bit weights times int8-rounded activations, every compiled loop
 (AVX-512 VNNI, AVX2, portable) against float64 products of the levels as specified here."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.q4_native import GROUP, Q4Linear, Q4Path, dequantize_weight, native_q4
 from q4_levels import activation_levels, weight_levels
+from switchboard_kernels.q4_native import GROUP, Q4Linear, Q4Path, dequantize_weight, native_q4
 
 pytestmark = pytest.mark.skipif(native_q4() is None, reason="no C compiler here")
 
@@ -56,7 +56,7 @@ def test_levels_stay_within_half_a_step_of_each_weight():
     weight = torch.randn(24, 128, generator=gen)
     weight[5, :GROUP] = 0.25
     linear = Q4Linear(weight)
-    from kernels.q4_native import quantize_weight
+    from switchboard_kernels.q4_native import quantize_weight
 
     deq = dequantize_weight(*quantize_weight(weight)).double()
     torch.testing.assert_close(deq, weight_levels(weight), atol=0, rtol=0)

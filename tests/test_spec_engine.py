@@ -24,8 +24,8 @@ from factories import (
     make_peft_adapter,
     random_prompts,
 )
-from kernels.linear_native import native_linear
 from spec_checks import assert_follows_law, assert_same_tokens_and_logprobs, exact_joint
+from switchboard_kernels.linear_native import native_linear
 from worker import LLM, SamplingParams
 from worker.engine.config import engine_config
 from worker.engine.llm_engine import LLMEngine

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from factories import assert_no_block_leaks, random_prompts
-from kernels.linear_native import native_linear
-from kernels.q4_native import native_q4
 from spec_checks import assert_follows_law, assert_same_tokens_and_logprobs, exact_joint
+from switchboard_kernels.linear_native import native_linear
+from switchboard_kernels.q4_native import native_q4
 from worker import LLM, SamplingParams
 from worker.errors import SpeculativeConfigError
 from worker.spec_decode.draft_plan import Selection, StepPlan

@@ -1,5 +1,5 @@
-"""kernels/token_mask.py: a packed bitmask applied to logits rows, natively and in torch,
-against a per-token loop over the bits."""
+"""switchboard_kernels/token_mask.py: a packed bitmask applied to logits rows, natively and in
+torch, against a per-token loop over the bits."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import token_mask
-from kernels.token_mask import apply_token_bitmask_
+from switchboard_kernels import token_mask
+from switchboard_kernels.token_mask import apply_token_bitmask_
 
 KERNEL = token_mask._native_kernel()
 

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from kernels.linear import native_bf16
+from switchboard_kernels.linear import native_bf16
 from worker.errors import InvalidRequestError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.lora_native import native_library
+from switchboard_kernels.lora_native import native_library
 from worker.engine.batch import ScheduledSequence
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import Sequence

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.lora import LoraMapping
-from kernels.paged_attention import AttentionMetadata
-from kernels.paged_layout import PagedLayout, Tiles, choose_splits
+from switchboard_kernels.lora import LoraMapping
+from switchboard_kernels.paged_attention import AttentionMetadata
+from switchboard_kernels.paged_layout import PagedLayout, Tiles, choose_splits
 from worker.model.lora_manager import LoraBatch
 
 if TYPE_CHECKING:

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from kernels.draft_native import NativeDecodePass, native_draft
-from kernels.linear import Q4_MAX_ROWS, Linear
-from kernels.lora import add_lora, lora_expand, lora_shrink
-from kernels.norm_native import rms_norm
-from kernels.paged_attention import AttentionMetadata, attend
+from switchboard_kernels.draft_native import NativeDecodePass, native_draft
+from switchboard_kernels.linear import Q4_MAX_ROWS, Linear
+from switchboard_kernels.lora import add_lora, lora_expand, lora_shrink
+from switchboard_kernels.norm_native import rms_norm
+from switchboard_kernels.paged_attention import AttentionMetadata, attend
 from worker.errors import ModelLoadError
 from worker.model.model_config import ModelConfig
 from worker.model.rope import RopeTables, apply_rope
@@ -56,13 +56,14 @@ class LlamaModel:
         quantization: str | None = None,
         group: TensorParallelGroup | None = None,
     ):
-        """``weights`` on the device the model runs on (``kernels.linear`` packs on CPU).
+        """``weights`` on the device the model runs on (``switchboard_kernels.linear`` packs on
+        CPU).
 
         ``output_token_ids``: compute logits for these tokens only, the rest -inf (a draft
         model's cut-down output layer: for a small model the full one is most of a step).
         ``quantization``: "int8" or "int4" copies of the projections and the output layer
-        (``kernels.linear``): approximate, for a draft model only. ``group``: this rank's
-        tensor-parallel group, ``weights`` then being its shard (``from_pretrained``)."""
+        (``switchboard_kernels.linear``): approximate, for a draft model only. ``group``: this
+        rank's tensor-parallel group, ``weights`` then being its shard (``from_pretrained``)."""
         self.config = config
         self.dtype = dtype
         self.device = weights["model.embed_tokens.weight"].device
@@ -222,9 +223,10 @@ class LlamaModel:
     def native_decode_pass(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> NativeDecodePass | None:
-        """Passes of a few tokens per sequence in one native call each (kernels/draft_cpu.c),
-        where this model's weights have native 4-bit copies (a draft model on CPU), else
-        None. The rows then run in fp32 throughout, on fp32 RoPE tables."""
+        """Passes of a few tokens per sequence in one native call each
+        (switchboard_kernels/draft_cpu.c), where this model's weights have native 4-bit copies (a
+        draft model on CPU), else None. The rows then run in fp32 throughout, on fp32 RoPE
+        tables."""
         if self.quantization != "int4" or self.device.type != "cpu" or native_draft() is None:
             return None
         c = self.config

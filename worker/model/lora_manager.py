@@ -39,7 +39,7 @@ import torch
 from adapters.base_model import BaseModelSpec
 from adapters.lora import LoraAdapter
 from adapters.peft_format import load_adapter_dir
-from kernels.lora import LoraMapping, NativeSlots, SlotPairs
+from switchboard_kernels.lora import LoraMapping, NativeSlots, SlotPairs
 from worker.errors import InvalidRequestError
 from worker.model.sharding import Shard
 

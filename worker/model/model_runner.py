@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_native import DTYPES as NATIVE_ATTENTION_DTYPES
-from kernels.attention_native import MAX_HEAD_DIM, NativeDecodes, native_attention
-from kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from kernels.paged_layout import PagedLayout, PagedSequence
+from switchboard_kernels.attention_native import DTYPES as NATIVE_ATTENTION_DTYPES
+from switchboard_kernels.attention_native import MAX_HEAD_DIM, NativeDecodes, native_attention
+from switchboard_kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from switchboard_kernels.paged_layout import PagedLayout, PagedSequence
 from worker.engine.batch import BlockMove, MoveKind, ScheduledSequence
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.llama import LlamaModel

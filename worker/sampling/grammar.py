@@ -27,8 +27,8 @@ import llguidance.numpy as llguidance_numpy  # not .torch: it runs torch.compile
 import numpy as np
 import torch
 
-from kernels.token_mask import apply_token_bitmask_
 from runtime.grammar_bounds import PARSER_LIMITS
+from switchboard_kernels.token_mask import apply_token_bitmask_
 from worker.errors import InvalidRequestError, StructuredOutputError
 from worker.sampling.structured_output import StructuredOutput
 

@@ -84,7 +84,8 @@ class DraftProposer:
         min_alternative_prob: float = MIN_ALTERNATIVE_PROB,
         quantization: str | None = None,
     ) -> None:
-        """``quantization``: "int8" or "int4" weights for the draft (see kernels/linear)."""
+        """``quantization``: "int8" or "int4" weights for the draft (see
+        switchboard_kernels/linear)."""
         self.num_alternatives = num_alternatives
         self.min_alternative_prob = min_alternative_prob
         self.model = LlamaModel.from_pretrained(

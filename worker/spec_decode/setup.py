@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.linear_native import native_linear
-from kernels.q4_native import native_q4
+from switchboard_kernels.linear_native import native_linear
+from switchboard_kernels.q4_native import native_q4
 from worker.engine.block_manager import BlockManager
 from worker.errors import SpeculativeConfigError
 from worker.spec_decode.backoff import BackoffPolicy, flat_verify_cost
@@ -22,7 +22,7 @@ from worker.spec_decode.step_cost import LiveStepCosts, StepCostTable
 NGRAM = "ngram"
 # How a draft model's weights are held on CPU, where its one-token passes read them all from
 # memory: "int4" (small passes through 4-bit copies: with a C compiler, one-token passes run
-# as one native call, kernels/draft_cpu.c; without one, torch's 4-bit kernel), "int8"
+# as one native call, switchboard_kernels/draft_cpu.c; without one, torch's 4-bit kernel), "int8"
 # (every pass through int8 weights, our panel kernel; fp32 models), "none", or "auto": int4
 # where the native 4-bit kernel builds, else the one that fits the dtype (torch's 4-bit
 # kernel is far slower than fp32 on AVX2-only CPUs, so fp32 models then take int8; figures
@@ -33,7 +33,8 @@ DRAFT_QUANTIZATIONS = ("auto", "int4", "int8", "none")
 def resolve_draft_quantization(
     name: str, *, dtype: torch.dtype, device: torch.device
 ) -> str | None:
-    """``kernels.linear.Linear``'s quantization for the draft's weights (None: exact)."""
+    """``switchboard_kernels.linear.Linear``'s quantization for the draft's weights (None:
+    exact)."""
     if name not in DRAFT_QUANTIZATIONS:
         raise SpeculativeConfigError(
             f"speculative_draft_quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, "

@@ -1,8 +1,8 @@
-"""The native 4-bit projection kernel (``kernels/q4_cpu.c``): a draft model's weights as
+"""The native 4-bit projection kernel (``switchboard_kernels/q4_cpu.c``): a draft model's weights as
 4-bit levels, multiplied by its activations rounded to int8.
 
-Built and loaded by ``kernels/native.py``; ``native_q4()`` is None where it cannot be, and
-``kernels.linear.Linear`` then keeps torch's int4 kernel for a draft's small passes.
+Built and loaded by ``switchboard_kernels/native.py``; ``native_q4()`` is None where it cannot be,
+and ``switchboard_kernels.linear.Linear`` then keeps torch's int4 kernel for a draft's small passes.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from kernels import native
+from switchboard_kernels import native
 
 PANEL = 16  # outputs per panel (Q4_NR in q4_cpu.c)
 GROUP = 64  # input features per step and low (Q4_GROUP)

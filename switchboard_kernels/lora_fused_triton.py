@@ -1,7 +1,7 @@
 """BGMV shrink and expand of one LoRA group in a single Triton kernel (decode steps).
 
-The split pair (``kernels/lora_triton.py``) launches twice per group and writes the shrink
-output to memory between the launches: 240 launches a default-model decode step. Here
+The split pair (``switchboard_kernels/lora_triton.py``) launches twice per group and writes the
+shrink output to memory between the launches: 240 launches a default-model decode step. Here
 each program computes its tokens' shrink ``h = x @ A[s].T`` (the whole rank, in fp32
 registers: it is never rounded to the activations' dtype, so the result is at least as
 close to the fp32 reference as the pair's) and then adds ``scale * h @ B[s].T`` into its
@@ -22,11 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora import FUSED_MAX_RANK
-from kernels.lora_reference import check_expand, check_shrink
-from kernels.lora_triton import gathered_shrink
+from switchboard_kernels.lora import FUSED_MAX_RANK
+from switchboard_kernels.lora_reference import check_expand, check_shrink
+from switchboard_kernels.lora_triton import gathered_shrink
 
-MIN_TILE = 16  # every tile dimension, as in kernels/lora_triton.py
+MIN_TILE = 16  # every tile dimension, as in switchboard_kernels/lora_triton.py
 
 
 @dataclass(frozen=True, slots=True)

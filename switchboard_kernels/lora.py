@@ -1,15 +1,15 @@
 """Multi-LoRA for one projection of a mixed batch: ``add_lora`` picks the kernel per device.
 
-On CUDA tensors: Punica's Triton kernels (``kernels/lora_triton.py``), BGMV for an
+On CUDA tensors: Punica's Triton kernels (``switchboard_kernels/lora_triton.py``), BGMV for an
 all-decode step and SGMV otherwise (as vLLM does). The Triton module is imported lazily,
 on the first CUDA call, so a CPU process never imports triton, and a test that wants the
 kernels in Triton's CPU interpreter can set ``TRITON_INTERPRET=1`` before it imports them.
 
-On CPU with bf16 or fp32 stacks: the native kernel (``kernels/lora_cpu.c`` via
-``kernels/lora_native.py``) for every token, one call per projection group, over each
+On CPU with bf16 or fp32 stacks: the native kernel (``switchboard_kernels/lora_cpu.c`` via
+``switchboard_kernels/lora_native.py``) for every token, one call per projection group, over each
 slot's weights cut to rank and laid out for it (``NativeSlots``, kept beside the stacks by
 the LoRA manager; the mapping then carries ``NativeGroups``). Where it cannot be built, or
-for fp16 stacks, two torch paths of ``kernels/lora_reference.py``: a matmul pair per
+for fp16 stacks, two torch paths of ``switchboard_kernels/lora_reference.py``: a matmul pair per
 long run of one adapter (prefill chunks; a decode batch on one adapter), and, for the rest,
 BGMV as padded batched matmuls over the slot stacks themselves (``lora_bucketed``), chosen
 from the measurements in ``bench/lora_ops.py``. With bf16/fp16 stacks the pairs use each
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import lora_reference as ref
-from kernels.lora_native import NativeGroups, NativeSlots, native_library
-from kernels.lora_reference import BucketPass, SlotPairs
+from switchboard_kernels import lora_reference as ref
+from switchboard_kernels.lora_native import NativeGroups, NativeSlots, native_library
+from switchboard_kernels.lora_reference import BucketPass, SlotPairs
 
 __all__ = [
     "LoraMapping",
@@ -63,9 +63,9 @@ MAX_SHORT_RUNS = 3
 MAX_PADDING = 4
 MAX_PADDED_ROWS = 2048
 # On CUDA, a decode step's group takes the fused shrink + expand kernel
-# (kernels/lora_fused_triton.py): one launch instead of two and no shrink output in memory.
-# Chosen for the launches it saves, not yet timed against the pair on a GPU: bench/gpu_check.sh
-# times both (bench.lora_triton), and this switch is where the measurement lands.
+# (switchboard_kernels/lora_fused_triton.py): one launch instead of two and no shrink output in
+# memory. Chosen for the launches it saves, not yet timed against the pair on a GPU:
+# bench/gpu_check.sh times both (bench.lora_triton), and this switch is where the measurement lands.
 FUSED_DECODE = True
 # The fused kernel keeps the whole rank of a group in registers as one block: up to this.
 FUSED_MAX_RANK = 256
@@ -230,11 +230,13 @@ def add_lora(
 
 
 def _add_lora_triton(y, x, a_stack, b_stack, scales, mapping: LoraMapping, out_offset: int) -> None:
-    from kernels import lora_triton as tri  # first CUDA call only; see the module docstring
+    from switchboard_kernels import (
+        lora_triton as tri,  # first CUDA call only; see the module docstring
+    )
 
     m = mapping
     if m.all_decode and FUSED_DECODE and a_stack.shape[1] <= FUSED_MAX_RANK:
-        from kernels.lora_fused_triton import bgmv_fused
+        from switchboard_kernels.lora_fused_triton import bgmv_fused
 
         bgmv_fused(y, x, a_stack, b_stack, m.token_slots, scales, out_offset=out_offset)
     elif m.all_decode:
@@ -282,7 +284,7 @@ def lora_shrink(
     CUDA: Punica's Triton shrink (BGMV for an all-decode step, SGMV otherwise). CPU: one
     matmul per slot of the step over its tokens gathered, in the stacks' dtype."""
     if mapping.cpu is None:
-        from kernels import lora_triton as tri  # first CUDA call only
+        from switchboard_kernels import lora_triton as tri  # first CUDA call only
 
         if mapping.all_decode:
             return tri.bgmv_shrink(x, a_stack, mapping.token_slots)
@@ -307,7 +309,7 @@ def lora_expand(
     """Semantics: ``y[t, o:o+out] += scales[s_t] * h[t] @ b_stack[s_t].T`` for ``s_t >= 0``
     (``bgmv_expand``). Kernels as ``lora_shrink``'s."""
     if mapping.cpu is None:
-        from kernels import lora_triton as tri  # first CUDA call only
+        from switchboard_kernels import lora_triton as tri  # first CUDA call only
 
         if mapping.all_decode:
             tri.bgmv_expand(y, h, b_stack, mapping.token_slots, scales, out_offset=out_offset)

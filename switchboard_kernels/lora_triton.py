@@ -1,7 +1,7 @@
 """Punica's batched multi-LoRA kernels (BGMV and SGMV shrink/expand) in Triton.
 
 Punica (Chen et al., "Punica: Multi-Tenant LoRA Serving", MLSys 2024). Same signatures
-and semantics as ``kernels/lora_reference.py``; the layout of the adapter stacks is
+and semantics as ``switchboard_kernels/lora_reference.py``; the layout of the adapter stacks is
 described there. Every kernel converts what it loads to fp32 at once and accumulates in
 fp32: Triton's CPU interpreter computes bf16 arithmetic wrongly, and fp32 accumulation is
 what the references compute.
@@ -20,7 +20,7 @@ what the references compute.
 
 To run the kernels on CPU tensors, set ``TRITON_INTERPRET=1`` before triton is first
 imported (triton.language's own jit helpers, such as ``tl.zeros``, are decorated then);
-``tests/test_lora_kernels.py`` does. ``kernels.lora`` imports this module only for CUDA.
+``tests/test_lora_kernels.py`` does. ``switchboard_kernels.lora`` imports this module only for CUDA.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_reference import check_expand, check_shrink
+from switchboard_kernels.lora_reference import check_expand, check_shrink
 
 SGMV_BLOCK_K = 64  # input features per step of the shrink loop
 SGMV_BLOCK_N = 64  # output features per expand program

@@ -1,8 +1,8 @@
 """A draft model's decode pass, a few tokens per sequence, in one native call
-(``kernels/draft_cpu.c``).
+(``switchboard_kernels/draft_cpu.c``).
 
-Built and loaded by ``kernels/native.py``; ``native_draft()`` is None where it cannot be,
-and the model runner then runs the draft's passes through its torch path.
+Built and loaded by ``switchboard_kernels/native.py``; ``native_draft()`` is None where it cannot
+be, and the model runner then runs the draft's passes through its torch path.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Protocol
 
 import torch
 
-from kernels import native
-from kernels.attention_native import DTYPES, MAX_HEAD_DIM, native_attention
-from kernels.linear import Linear
-from kernels.q4_native import Q4Linear
+from switchboard_kernels import native
+from switchboard_kernels.attention_native import DTYPES, MAX_HEAD_DIM, native_attention
+from switchboard_kernels.linear import Linear
+from switchboard_kernels.q4_native import Q4Linear
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 

@@ -1,6 +1,7 @@
-"""The native CPU RMSNorm for bf16 or fp32 rows (``kernels/norm_cpu.c``), and ``rms_norm``.
+"""The native CPU RMSNorm for bf16 or fp32 rows (``switchboard_kernels/norm_cpu.c``), and
+``rms_norm``.
 
-Built and loaded by ``kernels/native.py``; ``native_norm()`` is None where it cannot be,
+Built and loaded by ``switchboard_kernels/native.py``; ``native_norm()`` is None where it cannot be,
 and ``rms_norm`` then uses torch's op.
 """
 
@@ -12,7 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from switchboard_kernels import native
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 NATIVE_DTYPES = (torch.bfloat16, torch.float32)

@@ -6,7 +6,7 @@ Punica (Chen et al., "Punica: Multi-Tenant LoRA Serving", MLSys 2024) splits one
 BGMV gathers each token's adapter (decode); SGMV works on contiguous segments of tokens
 that share one adapter (prefill).
 
-Layout (shared with ``kernels/lora_triton.py`` and the LoRA manager):
+Layout (shared with ``switchboard_kernels/lora_triton.py`` and the LoRA manager):
 - ``a_stack`` [num_slots, max_rank, in_features]: PEFT's ``lora_A.weight`` ([r, in]) per
   device slot, rows >= r zero;
 - ``b_stack`` [num_slots, out_features, max_rank]: ``lora_B.weight`` ([out, r]), columns
@@ -16,7 +16,7 @@ Layout (shared with ``kernels/lora_triton.py`` and the LoRA manager):
 
 The four references compute in fp32 and round once; any rank and any shape are accepted.
 The three ``lora_*`` functions below them are the fused (shrink + expand) CPU paths that
-``bench/lora_ops.py`` measures and ``kernels/lora.py`` dispatches to.
+``bench/lora_ops.py`` measures and ``switchboard_kernels/lora.py`` dispatches to.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import Linear, can_pack
+from switchboard_kernels.linear import Linear, can_pack
 
 
 def check_shrink(x: torch.Tensor, a_stack: torch.Tensor) -> None:
@@ -263,7 +263,7 @@ def lora_bucketed(
 
     Copying A and B once per token (the textbook BGMV in torch) moves several times the
     adapter bytes; this reads each slot in the range once, at the price of padded rows,
-    which ``kernels.lora.bucket_passes`` bounds. Computes in the stacks' dtype.
+    which ``switchboard_kernels.lora.bucket_passes`` bounds. Computes in the stacks' dtype.
     """
     dtype, out_features = a_stack.dtype, b_stack.shape[1]
     yc = y[:, out_offset : out_offset + out_features]

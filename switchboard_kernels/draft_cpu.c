@@ -14,7 +14,7 @@
  * Each sequence feeds a few consecutive tokens (one, or the tokens the target accepted since
  * the draft's last pass); the runner sends anything else (long prefills, verification rows,
  * LoRA) through the model's torch path. Shapes and the weight layout are the model's
- * (kernels/draft_native.py builds the descriptors).
+ * (switchboard_kernels/draft_native.py builds the descriptors).
  */
 #include <math.h>
 #include <stdint.h>

@@ -1,6 +1,6 @@
-"""The native CPU multi-LoRA kernel (``kernels/lora_cpu.c``): lay out, group, call.
+"""The native CPU multi-LoRA kernel (``switchboard_kernels/lora_cpu.c``): lay out, group, call.
 
-Built and loaded by ``kernels/native.py``; ``native_library()`` is None where it cannot
+Built and loaded by ``switchboard_kernels/native.py``; ``native_library()`` is None where it cannot
 be, and the LoRA manager then keeps the torch paths' forms instead.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from switchboard_kernels import native
 
 MAX_BLOCKS = 3  # as in lora_cpu.c: a fused group of at most three projections (q/k/v)
 DTYPES = (torch.bfloat16, torch.float32)  # of x, y and the slots' weights

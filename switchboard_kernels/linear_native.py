@@ -1,7 +1,8 @@
-"""The native CPU projection kernel (``kernels/linear_cpu.c``): weights packed in panels.
+"""The native CPU projection kernel (``switchboard_kernels/linear_cpu.c``): weights packed in
+panels.
 
-Built and loaded by ``kernels/native.py``; ``native_linear()`` is None where it cannot be,
-and ``kernels.linear.Linear`` then uses oneDNN's packed matmul (or ``F.linear``).
+Built and loaded by ``switchboard_kernels/native.py``; ``native_linear()`` is None where it cannot
+be, and ``switchboard_kernels.linear.Linear`` then uses oneDNN's packed matmul (or ``F.linear``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import functools
 
 import torch
 
-from kernels import native
+from switchboard_kernels import native
 
 PANEL = 16  # output features per panel, as NR in linear_cpu.c
 INT8_LEVELS = 127  # symmetric int8: q in [-127, 127], W[n] ~ q[n] * scale[n]

@@ -1,4 +1,4 @@
-"""Native CPU kernels: C sources in ``kernels/`` built on first use and loaded with ctypes.
+"""Native CPU kernels: our C sources, built on first use and loaded with ctypes.
 
 A source is compiled with the host's C compiler and ``-march=native`` into a per-user cache
 (``$SWITCHBOARD_KERNEL_CACHE``, else ``~/.cache/switchboard/kernels``), keyed by the
@@ -41,7 +41,8 @@ def disabled() -> bool:
 
 @functools.cache
 def load(source: str) -> ctypes.CDLL | None:
-    """``kernels/<source>`` built and loaded, once per process; None where it cannot be."""
+    """``switchboard_kernels/<source>`` built and loaded, once per process; None where it
+    cannot be."""
     if disabled():
         return None
     try:

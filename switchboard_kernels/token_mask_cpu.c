@@ -4,7 +4,7 @@
  * that is an unpack of the bits to a bool tensor, a gather, a masked_fill and a scatter,
  * 7 ms a step for 32 rows of a 49,152-token vocabulary (most of what constraining cost at
  * batch 32, docs/structured-outputs.md). Here each row is one pass of masked stores.
- * Built by kernels/native.py; tests check it against a per-token loop.
+ * Built by switchboard_kernels/native.py; tests check it against a per-token loop.
  */
 #include <math.h>
 #include <stdint.h>

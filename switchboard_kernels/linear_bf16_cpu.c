@@ -91,7 +91,7 @@ static inline void store_tile(__m512 acc[MR][2], int rows, int cols, const uint1
     default: tile(__VA_ARGS__, 8, acc); break;                                                 \
     }
 
-/* One projection, as kernels/linear_native.py lays it out (its Bf16PanelLinear). */
+/* One projection, as switchboard_kernels/linear_native.py lays it out (its Bf16PanelLinear). */
 struct sb_bf16_panels {
     int64_t in_features, out_features;
     const uint16_t *panels; /* see Layout above */

@@ -16,7 +16,7 @@
  * Activations: x[m, k] ~ xq[m, k] * xs[m, g], xq in -127..127, xs = max |x| of the group
  * / 127. So y[m, n] = sum_g xs[m, g] (step[n, g] sum_k q xq + low[n, g] sum_k xq).
  *
- * Layout (kernels/q4_native.py packs it): panels of Q4_NR outputs, each Q4_GROUP-feature
+ * Layout (switchboard_kernels/q4_native.py packs it): panels of Q4_NR outputs, each Q4_GROUP-feature
  * group of a panel one block of Q4_BLOCK bytes: 8 octets of 64 bytes, then 16 fp16 steps,
  * then 16 fp16 lows. In octet o (features k0 = 64g + 8o ...), output lane j has 4 bytes:
  * byte i = q[j, k0 + i] | q[j, k0 + 4 + i] << 4, so the low nibbles of a lane are 4

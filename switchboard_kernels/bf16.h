@@ -1,4 +1,4 @@
-/* bf16 <-> fp32 for the native CPU kernels (the kernels/ C sources): scalar, and AVX-512 where the
+/* bf16 <-> fp32 for the native CPU kernels (the switchboard_kernels/ C sources): scalar, and AVX-512 where the
  * compiler targets it. Kernels load bf16 and accumulate in fp32. */
 #ifndef SWITCHBOARD_BF16_H
 #define SWITCHBOARD_BF16_H

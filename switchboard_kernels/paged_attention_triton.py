@@ -3,9 +3,9 @@
 PagedAttention (Kwon et al., SOSP 2023) with FlashAttention's online softmax (Dao et al.,
 2022) and, for long decodes, flash-decoding's split-K (Dao et al., 2023): each split
 attends a slice of the keys and a reduce kernel merges the slices by their maxima and sums.
-Same signatures and semantics as ``kernels/paged_attention_reference.py``; the layout of the
-step (``PagedLayout``: tiles of query rows, per-row key ranges) is described in
-``kernels/paged_layout.py``.
+Same signatures and semantics as ``switchboard_kernels/paged_attention_reference.py``; the layout of
+the step (``PagedLayout``: tiles of query rows, per-row key ranges) is described in
+``switchboard_kernels/paged_layout.py``.
 
 One kernel serves both launches. A program takes one tile (up to ``block_q`` query rows of a
 sequence) and one KV head: all query heads of that KV head share its loads (grouped-query
@@ -16,7 +16,8 @@ do not. What is loaded is converted to fp32 at once: the interpreter computes bf
 and the references accumulate in fp32 or wider.
 
 To run on CPU tensors, set ``TRITON_INTERPRET=1`` before triton is first imported (see
-``kernels/lora_triton.py``). ``kernels.paged_attention`` imports this module lazily.
+``switchboard_kernels/lora_triton.py``). ``switchboard_kernels.paged_attention`` imports this module
+lazily.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_layout import PagedLayout, Tiles
+from switchboard_kernels.paged_layout import PagedLayout, Tiles
 
 MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
 BLOCK_N = {"cuda": 64, "cpu": 32}  # keys per step of a program's loop

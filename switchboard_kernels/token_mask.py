@@ -2,8 +2,9 @@
 
 The bitmask is llguidance's (and xgrammar's) layout: int32 words, bit ``t % 32`` of word
 ``t // 32`` set when token ``t`` is allowed. ``apply_token_bitmask_`` sets every other
-token of the chosen logits rows to -inf: the native kernel (``kernels/token_mask_cpu.c``)
-for fp32 rows on CPU, else torch (unpacked to bools, then one masked_fill).
+token of the chosen logits rows to -inf: the native kernel
+(``switchboard_kernels/token_mask_cpu.c``) for fp32 rows on CPU, else torch (unpacked to bools, then
+one masked_fill).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import functools
 import numpy as np
 import torch
 
-from kernels import native
+from switchboard_kernels import native
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 

@@ -7,12 +7,12 @@
  * in overhead than in bytes. Here every group of tokens of one adapter reads that adapter's weights
  * once, at the rank it really has, and the whole batch is one call.
  *
- * Compiled at run time by kernels/lora_native.py with the host's C compiler and
+ * Compiled at run time by switchboard_kernels/lora_native.py with the host's C compiler and
  * -march=native, so the AVX-512 path (bf16) is used exactly where the CPU has it; the
  * portable path (plain C the compiler vectorizes: omp simd) is compiled always and is what
  * fp32 and other CPUs run. Tests check both against the torch references.
  *
- * Layout of one slot's weights (kernels/lora_native.py builds it; see NativeSlot there):
+ * Layout of one slot's weights (switchboard_kernels/lora_native.py builds it; see NativeSlot there):
  *   table row of SLOT_FIELDS int64: a_ptr, rank, n_blocks, then per block
  *   (row_begin, row_end, out_begin, out_end, bt_ptr).
  *   a: [rank, in] row-major, the adapter's A cut to its real rank (the model's dtype).

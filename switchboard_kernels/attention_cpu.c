@@ -7,10 +7,10 @@
  * Why native code: the torch path gathers each sequence's blocks into a padded copy, then
  * runs SDPA with a mask over the padding, so K and V cross memory three times and short
  * sequences pay for long ones; here each key and value is read once, where it lies, and
- * only up to each query's own position. Built by kernels/native.py (-march=native); the
+ * only up to each query's own position. Built by switchboard_kernels/native.py (-march=native); the
  * portable loops are compiled always and tests check each path against a float64 loop.
  *
- * Cache layout (kernels/paged_attention.py): [num_blocks, block_size, kv_heads, head_dim].
+ * Cache layout (switchboard_kernels/paged_attention.py): [num_blocks, block_size, kv_heads, head_dim].
  * Query head h reads KV head h / (heads / kv_heads) (grouped-query attention). A sequence
  * feeds n queries (1, or k + 1 when a speculative step verifies k drafts); query i sits at
  * position start + i and sees keys 0 .. start + i. An alternative draft (verified beside a

@@ -156,7 +156,7 @@ static void linear(const float *x, int64_t M, int64_t K, const void *panels, int
     }
 }
 
-/* One projection, as kernels/linear_native.py lays it out (its PanelLinear): fixed at load,
+/* One projection, as switchboard_kernels/linear_native.py lays it out (its PanelLinear): fixed at load,
  * so a call passes five arguments (each argument costs time through ctypes). */
 struct sb_panels {
     int64_t in_features, out_features;

@@ -4,7 +4,7 @@
  * Why native code: in the engine, torch's CPU rms_norm on a few rows (a batch-1 decode)
  * costs its thread team's start-up rather than its bytes, and a step of the default model
  * calls it 61 times (docs/performance.md); rows here run on the calling thread until a
- * batch is large enough to share. Built by kernels/native.py; tests check it against a
+ * batch is large enough to share. Built by switchboard_kernels/native.py; tests check it against a
  * float64 RMSNorm.
  */
 #include <math.h>

@@ -10,15 +10,15 @@ small batches of decoding (bf16 and fp32: docs/performance.md). Results differ f
 On an AVX2-only CPU (where the engine runs in fp32) oneDNN's packed matmul is itself the
 bottleneck of decoding: it streams weights at ~2/3 of what the cores can read and each row
 added to a step costs more arithmetic time that does not hide behind the bytes. There the
-weights go into panels for our own kernel (``kernels/linear_cpu.c``), which reads them once
-for every row of a step and prefetches the next panel while it computes.
+weights go into panels for our own kernel (``switchboard_kernels/linear_cpu.c``), which reads them
+once for every row of a step and prefetches the next panel while it computes.
 
 A draft model for speculative decoding reads its weights from DRAM on every one-token
 pass, so halving or quartering the bytes is what makes it cheaper; exactness does not
 suffer, since the target verifies every draft (``quantization``). "int4": passes of up to
 ``Q4_MAX_ROWS`` rows multiply by 4-bit levels of the weight (per group of 64 input
-features, an fp16 step and minimum) through our native kernel (``kernels/q4_cpu.c``), the
-activations rounded to int8 per group: faster than the bf16 packed matmul up to 16 rows,
+features, an fp16 step and minimum) through our native kernel (``switchboard_kernels/q4_cpu.c``),
+the activations rounded to int8 per group: faster than the bf16 packed matmul up to 16 rows,
 over twice as fast at one (docs/performance.md). Without a C compiler, torch's CPU int4
 kernel (the one torchao's int4 weight-only layout uses) serves up to ``INT4_MAX_ROWS``
 rows: it widens each weight to float and ran at about half the native kernel's speed.
@@ -34,9 +34,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.linear_native import Bf16PanelLinear, PanelLinear, native_linear, native_linear_bf16
-from kernels.q4_native import GROUP as Q4_GROUP
-from kernels.q4_native import Q4Linear, native_q4, quantize_weight
+from switchboard_kernels.linear_native import (
+    Bf16PanelLinear,
+    PanelLinear,
+    native_linear,
+    native_linear_bf16,
+)
+from switchboard_kernels.q4_native import GROUP as Q4_GROUP
+from switchboard_kernels.q4_native import Q4Linear, native_q4, quantize_weight
 
 # The packed layout is tuned for this many rows; larger batches still run correctly.
 PACK_BATCH_HINT = 1024
@@ -65,7 +70,7 @@ def panels_preferred(weight: torch.Tensor) -> bool:
 
 def bf16_panels_preferred(weight: torch.Tensor) -> bool:
     """Whether ``Linear`` multiplies by this weight through the native bf16 kernel
-    (``kernels/linear_bf16_cpu.c``): bf16 on a CPU with AVX512-BF16, an even number of
+    (``switchboard_kernels/linear_bf16_cpu.c``): bf16 on a CPU with AVX512-BF16, an even number of
     input features. On a 2-core Zen 4 it ran the default model's projections ~2x faster
     than oneDNN's packed matmul for 1-8 rows and still faster at 256 (``bench.linear``)."""
     return (
@@ -146,8 +151,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class Int4Weight:
     """A weight [out, in] as 4-bit levels through torch's CPU kernel, the same levels as the
-    native kernel's (``kernels.q4_native.quantize_weight``: ``low + q * step`` per group of
-    ``INT4_GROUP`` input features, q in 0..15), with the activations unrounded."""
+    native kernel's (``switchboard_kernels.q4_native.quantize_weight``: ``low + q * step`` per group
+    of ``INT4_GROUP`` input features, q in 0..15), with the activations unrounded."""
 
     __slots__ = ("bias", "packed", "scales_and_zeros")
 
@@ -179,8 +184,8 @@ class Linear:
 
     On CPU the weight is held once, packed for the fastest kernel here: in panels for a
     native kernel where ``bf16_panels_preferred`` (bf16 with AVX512-BF16,
-    ``kernels/linear_bf16_cpu.c``) or ``panels_preferred`` (fp32 on AVX2-only CPUs,
-    ``kernels/linear_cpu.c``), else for oneDNN. ``quantization`` (a draft model's;
+    ``switchboard_kernels/linear_bf16_cpu.c``) or ``panels_preferred`` (fp32 on AVX2-only CPUs,
+    ``switchboard_kernels/linear_cpu.c``), else for oneDNN. ``quantization`` (a draft model's;
     approximate): "int8", every product through int8 panels with a scale per output
     feature (fp32 weights, native kernel);
     "int4", small batches through a 4-bit copy (up to ``Q4_MAX_ROWS`` rows through the

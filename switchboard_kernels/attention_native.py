@@ -1,7 +1,7 @@
-"""The native CPU decode attention (``kernels/attention_cpu.c``): metadata and call.
+"""The native CPU decode attention (``switchboard_kernels/attention_cpu.c``): metadata and call.
 
-Built and loaded by ``kernels/native.py``; ``native_attention()`` is None where it cannot
-be, and the model runner then plans the torch path's padded decode groups instead.
+Built and loaded by ``switchboard_kernels/native.py``; ``native_attention()`` is None where it
+cannot be, and the model runner then plans the torch path's padded decode groups instead.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import native
+from switchboard_kernels import native
 
 MAX_HEAD_DIM = 256  # as in attention_cpu.c
 DTYPES = (torch.bfloat16, torch.float32)  # of the query, output and cache
@@ -86,7 +86,7 @@ class NativeAttention:
         self._decode.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr]
         self._decode.argtypes += [_i64] * 5 + [_ptr] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
         self.has_avx512 = bool(lib.sb_attention_has_avx512())
-        # The kernel's address, for native code that calls it (kernels/draft_cpu.c).
+        # The kernel's address, for native code that calls it (switchboard_kernels/draft_cpu.c).
         self.address = ctypes.cast(self._decode, ctypes.c_void_p).value
 
     def decode(
@@ -102,7 +102,7 @@ class NativeAttention:
     ) -> None:
         """Semantics: ``out[r, h] = softmax(scale * q[r, h] · K[:len]) · V[:len]`` per decode
         query, ``len = start + i + 1``, key ``start`` of a sequence with an own slot read
-        from that slot (see kernels/attention_cpu.c)."""
+        from that slot (see switchboard_kernels/attention_cpu.c)."""
         num_blocks, block_size, kv_heads, head_dim = key_cache.shape
         tensors = (query, out, key_cache, value_cache)
         if (

@@ -1,7 +1,7 @@
 """Torch references for the Triton paged-attention kernels: same signatures, any dtype.
 
-Semantics, per row r of a sequence (``kernels.paged_layout``), with K and V the sequence's
-keys and values reached through its block table:
+Semantics, per row r of a sequence (``switchboard_kernels.paged_layout``), with K and V the
+sequence's keys and values reached through its block table:
 ``out[r, h] = softmax(scale * q[r, h] · K[j]ᵀ) · V[j]`` over the keys j with
 ``j <= row_last[r]`` or ``j == row_self[r]``; query head h reads KV head ``h // group``.
 Computed in the query's dtype, so float64 inputs give a float64 reference.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.paged_layout import PagedLayout, Tiles
+from switchboard_kernels.paged_layout import PagedLayout, Tiles
 
 
 def write_kv(

@@ -4,13 +4,14 @@ PagedAttention (Kwon et al., SOSP 2023). The K/V of every sequence live in fixed
 blocks of one cache per layer; a sequence reaches its own through its block table.
 Queries arrive flattened: first the decoding sequences' new tokens (one each, or k + 1
 when the step verifies k draft tokens), then each prefill chunk's tokens back to back. On
-CPU, decodes of a bf16 or fp32 model take the native kernel (``kernels/attention_cpu.c``),
-which reads each sequence's keys and values in place; otherwise a sequence's blocks are gathered
-whole (one contiguous copy per block, which runs at memory bandwidth, unlike a per-token
-gather) and padding past the context is masked. Prefill chunks always take SDPA.
+CPU, decodes of a bf16 or fp32 model take the native kernel
+(``switchboard_kernels/attention_cpu.c``), which reads each sequence's keys and values in place;
+otherwise a sequence's blocks are gathered whole (one contiguous copy per block, which runs at
+memory bandwidth, unlike a per-token gather) and padding past the context is masked. Prefill chunks
+always take SDPA.
 
 With ``AttentionMetadata.layout`` set (the ``triton`` backend), ``attend`` hands the whole
-step to the Triton kernels instead (``kernels/paged_attention_triton.py``), imported on
+step to the Triton kernels instead (``switchboard_kernels/paged_attention_triton.py``), imported on
 first use so that a process on the torch path never imports triton.
 
 Semantics, per sequence with context ``c`` (tokens already cached) and chunk length ``n``:
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_native import NativeDecodes, native_attention
-from kernels.paged_layout import PagedLayout
+from switchboard_kernels.attention_native import NativeDecodes, native_attention
+from switchboard_kernels.paged_layout import PagedLayout
 
 
 @dataclass(slots=True)
@@ -121,7 +122,7 @@ def attend(
     if meta.layout is None:
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         return paged_attention(query, key, value, key_cache, value_cache, meta, scale)
-    from kernels import paged_attention_triton as tri
+    from switchboard_kernels import paged_attention_triton as tri
 
     tri.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     out = query.new_empty(query.shape)
