@@ -1,5 +1,4 @@
-"""A draft model's decode pass, a few tokens per sequence, in one native call
-(``switchboard_kernels/draft_cpu.c``).
+"""A draft model's decode pass, a few tokens per sequence, in one native call (``draft_cpu.c``).
 
 Built and loaded by ``switchboard_kernels/native.py``; ``native_draft()`` is None where it cannot
 be, and the model runner then runs the draft's passes through its torch path.

@@ -1,5 +1,4 @@
-"""The native CPU projection kernel (``switchboard_kernels/linear_cpu.c``): weights packed in
-panels.
+"""The native CPU projection kernel (``linear_cpu.c``): weights packed in panels.
 
 Built and loaded by ``switchboard_kernels/native.py``; ``native_linear()`` is None where it cannot
 be, and ``switchboard_kernels.linear.Linear`` then uses oneDNN's packed matmul (or ``F.linear``).

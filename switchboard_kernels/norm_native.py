@@ -1,5 +1,4 @@
-"""The native CPU RMSNorm for bf16 or fp32 rows (``switchboard_kernels/norm_cpu.c``), and
-``rms_norm``.
+"""The native CPU RMSNorm for bf16 or fp32 rows (``norm_cpu.c``), and ``rms_norm``.
 
 Built and loaded by ``switchboard_kernels/native.py``; ``native_norm()`` is None where it cannot be,
 and ``rms_norm`` then uses torch's op.

@@ -1,5 +1,4 @@
-"""The native CPU multi-LoRA kernel (switchboard_kernels/lora_cpu.c) against the float64 per-token
-loop.
+"""The native CPU multi-LoRA kernel (switchboard_kernels/lora_cpu.c) against a float64 loop.
 
 Both of its inner loops run here for bf16: the AVX-512 one (where this CPU has it) and the
 portable C one; fp32 always takes the portable one. Shapes are the kernel-test shapes of
