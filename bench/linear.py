@@ -8,7 +8,7 @@ oneDNN, ``switchboard_kernels.linear``'s path on CPUs with AVX-512), ``panels``
 (``switchboard_kernels/linear_cpu.c`` over fp32 panels, its path on AVX2-only CPUs) and
 ``panels-int8`` (int8 panels, a draft model's weights; a quarter of the bytes). With ``--dtype
 bfloat16`` the weights are bf16 (270 MB) and the methods ``onednn`` and ``panels-bf16``
-(``switchboard_kernels/linear_bf16_cpu.c``, the path on CPUs with AVX512-BF16). Before timing, each
+(``switchboard_kernels/linear_bf16_cpu.c``, the path on CPUs with AVX-512). Before timing, each
 method's output is checked against ``F.linear`` on one layer.
 
 Timing: rounds outermost, then the row counts, then the methods in a shuffled order, so a

@@ -1,13 +1,17 @@
-/* Dense projections in bf16 on CPUs with AVX512-BF16: y = x W^T (+ bias) (+ residual), with
- * W packed once into panels of 32 output features whose weights pair up along k.
+/* Dense projections in bf16 on CPUs with AVX-512: y = x W^T (+ bias) (+ residual), with W
+ * packed once into panels of 32 output features whose weights pair up along k.
  *
  * Why native code: a decode step of the default model in bf16 is its weights' bytes (212 MB
  * of projections a token), and oneDNN's packed matmul streams them at 16-19 GB/s for one
- * row on a 2-core Zen 4 that reads 31.7 GB/s; this kernel at 31 (docs/performance.md). Here one VDPBF16PS
- * multiplies 32 bf16 weights (16 outputs, two k each) by a row's two activations and adds
- * into fp32, so each 64-byte line of weights is loaded once and serves every row of the
- * step; the panels of a thread lie one after another in memory, one stream for the
- * hardware prefetcher. Larger batches run the same tiles from cache, 8 rows at a time.
+ * row on a 2-core Zen 4 that reads 31.7 GB/s; this kernel at 31 (docs/performance.md). With
+ * AVX512-BF16, one VDPBF16PS multiplies 32 bf16 weights (16 outputs, two k each) by a row's
+ * two activations and adds into fp32. Without it (e.g. a Xeon with AVX-512 but no BF16,
+ * where oneDNN's bf16 matmul is emulated and slower than its fp32 one from 8 rows up), the
+ * same pairs are widened to fp32 with a shift and a mask and go through two FMAs: the same
+ * exact products (bf16 x bf16 fits fp32), the same fp32 sums. Either way each 64-byte line
+ * of weights is loaded once and serves every row of the step; the panels of a thread lie
+ * one after another in memory, one stream for the hardware prefetcher. Larger batches run
+ * the same tiles from cache, 8 rows at a time.
  *
  * Layout: panel p, pair j holds, for the outputs o = 32p + 16v + l (v = 0, 1; l < 16),
  * W[o, 2j] and W[o, 2j + 1] at bf16 offset ((p * K/2 + j) * 2 + v) * 32 + 2l (+ 1): one
@@ -21,15 +25,44 @@
 #define NP 32 /* outputs per panel */
 #define MR 8  /* rows per tile: 16 accumulators, 2 weight vectors, 1 broadcast */
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 
-static inline __m512bh pair_of(const uint16_t *x) { /* x[0], x[1] in every lane */
+#if defined(__AVX512BF16__)
+typedef __m512bh wpairs; /* 16 lanes of (W[o, 2j], W[o, 2j + 1]) */
+typedef __m512bh xpair;  /* (x[2j], x[2j + 1]) in every lane */
+
+static inline xpair pair_of(const uint16_t *x) {
     int32_t both;
     memcpy(&both, x, sizeof both);
     return (__m512bh)_mm512_set1_epi32(both);
 }
 
-static inline __m512bh weights(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+static inline wpairs weights(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+static inline __m512 dot(__m512 acc, wpairs w, xpair x) { return _mm512_dpbf16_ps(acc, w, x); }
+
+#else /* AVX-512 without BF16: each half of a pair widened to fp32 */
+typedef struct {
+    __m512 even, odd; /* W[o, 2j], W[o, 2j + 1] as fp32 */
+} wpairs;
+typedef struct {
+    __m512 even, odd; /* x[2j], x[2j + 1] as fp32 in every lane */
+} xpair;
+
+static inline xpair pair_of(const uint16_t *x) {
+    return (xpair){_mm512_set1_ps(bf16_to_f32(x[0])), _mm512_set1_ps(bf16_to_f32(x[1]))};
+}
+
+static inline wpairs weights(const uint16_t *p) {
+    __m512i w = _mm512_loadu_si512(p);
+    return (wpairs){_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)),
+                    _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(~0xffff)))};
+}
+
+static inline __m512 dot(__m512 acc, wpairs w, xpair x) {
+    return _mm512_fmadd_ps(w.odd, x.odd, _mm512_fmadd_ps(w.even, x.even, acc));
+}
+#endif
 
 /* acc[m][v] = sum over pairs of x[m] . W for ROWS rows; ROWS is a constant at each call
  * site, so the accumulators live in registers. */
@@ -44,21 +77,21 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
         __m512 odd0 = _mm512_setzero_ps(), odd1 = _mm512_setzero_ps();
         for (; j + 1 < pairs; j += 2) {
             const uint16_t *w = panel + j * 2 * NP;
-            __m512bh x0 = pair_of(x + 2 * j), x1 = pair_of(x + 2 * j + 2);
-            acc[0][0] = _mm512_dpbf16_ps(acc[0][0], weights(w), x0);
-            acc[0][1] = _mm512_dpbf16_ps(acc[0][1], weights(w + NP), x0);
-            odd0 = _mm512_dpbf16_ps(odd0, weights(w + 2 * NP), x1);
-            odd1 = _mm512_dpbf16_ps(odd1, weights(w + 3 * NP), x1);
+            xpair x0 = pair_of(x + 2 * j), x1 = pair_of(x + 2 * j + 2);
+            acc[0][0] = dot(acc[0][0], weights(w), x0);
+            acc[0][1] = dot(acc[0][1], weights(w + NP), x0);
+            odd0 = dot(odd0, weights(w + 2 * NP), x1);
+            odd1 = dot(odd1, weights(w + 3 * NP), x1);
         }
         acc[0][0] = _mm512_add_ps(acc[0][0], odd0);
         acc[0][1] = _mm512_add_ps(acc[0][1], odd1);
     }
     for (; j < pairs; j++) {
-        __m512bh w0 = weights(panel + j * 2 * NP), w1 = weights(panel + j * 2 * NP + NP);
+        wpairs w0 = weights(panel + j * 2 * NP), w1 = weights(panel + j * 2 * NP + NP);
         for (int m = 0; m < rows; m++) {
-            __m512bh xm = pair_of(x + m * ldx + 2 * j);
-            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xm);
-            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xm);
+            xpair xm = pair_of(x + m * ldx + 2 * j);
+            acc[m][0] = dot(acc[m][0], w0, xm);
+            acc[m][1] = dot(acc[m][1], w1, xm);
         }
     }
 }
@@ -124,7 +157,7 @@ void sb_linear_bf16(const struct sb_bf16_panels *w, const uint16_t *x, int64_t r
 
 int sb_linear_bf16_available(void) { return 1; }
 
-#else /* no AVX512-BF16: the Python side uses oneDNN */
+#else /* no AVX-512: the Python side uses oneDNN */
 
 int sb_linear_bf16_available(void) { return 0; }
 

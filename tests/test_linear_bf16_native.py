@@ -9,7 +9,7 @@ from switchboard_kernels.linear import Linear
 from switchboard_kernels.linear_native import Bf16PanelLinear, native_linear_bf16
 
 needs_kernel = pytest.mark.skipif(
-    native_linear_bf16() is None, reason="no C compiler or no AVX512-BF16: kernel not built"
+    native_linear_bf16() is None, reason="no C compiler or no AVX-512: kernel not built"
 )
 
 
