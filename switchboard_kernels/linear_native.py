@@ -206,6 +206,11 @@ def native_linear_bf16():
     lib = native.load("linear_bf16_cpu.c")
     if lib is None or not lib.sb_linear_bf16_available():
         return None
+    return bf16_kernel_of(lib)
+
+
+def bf16_kernel_of(lib: ctypes.CDLL):
+    """``sb_linear_bf16`` of a build of linear_bf16_cpu.c, typed for ctypes."""
     kernel = lib.sb_linear_bf16
     kernel.restype = None
     kernel.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr]

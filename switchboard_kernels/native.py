@@ -52,8 +52,9 @@ def load(source: str) -> ctypes.CDLL | None:
         return None
 
 
-def build(source: Path) -> Path:
-    """The shared library for ``source`` in the cache, compiled if it is not there yet."""
+def build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The shared library for ``source`` in the cache, compiled if it is not there yet.
+    ``extra_flags`` follow ``CFLAGS`` (tests build a kernel's other paths with them)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler found (set CC)")
@@ -62,7 +63,8 @@ def build(source: Path) -> Path:
     ).stdout
     key = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # #include "..."
-    for part in (source.read_bytes(), *headers, " ".join(CFLAGS).encode(), version.encode()):
+    flags = (*CFLAGS, *extra_flags)
+    for part in (source.read_bytes(), *headers, " ".join(flags).encode(), version.encode()):
         key.update(part)
     key.update(_cpu_id())
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache/switchboard/kernels")
@@ -74,7 +76,7 @@ def build(source: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *CFLAGS, str(source), "-o", str(built)],
+            [compiler, *flags, str(source), "-o", str(built)],
             capture_output=True,
             text=True,
             timeout=300,

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 import pytest
 import torch
 
+from switchboard_kernels import native
 from switchboard_kernels.linear import Linear
-from switchboard_kernels.linear_native import Bf16PanelLinear, native_linear_bf16
+from switchboard_kernels.linear_native import Bf16PanelLinear, bf16_kernel_of, native_linear_bf16
 
 needs_kernel = pytest.mark.skipif(
     native_linear_bf16() is None, reason="no C compiler or no AVX-512: kernel not built"
@@ -92,3 +96,22 @@ def test_linear_sends_bf16_weights_through_the_kernel():
         layer.add_to(x, residual), x.double() @ w.double().T + bias.double() + residual.double(),
         scale,
     )  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.skipif(
+    not torch.cpu._is_avx512_bf16_supported(),
+    reason="without AVX512-BF16 every other test here already runs the FMA path",
+)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_the_fma_path_for_cpus_without_avx512_bf16(rows):
+    """This CPU builds the VDPBF16PS path; a build without AVX512-BF16 (the path of CPUs
+    that lack it) runs here too, through the same panels."""
+    source = Path(native.__file__).with_name("linear_bf16_cpu.c")
+    library = ctypes.CDLL(str(native.build(source, ("-mno-avx512bf16",))))
+    assert library.sb_linear_bf16_available()
+    x, w, bias, residual, scale = case(rows, 100, 34, rows)
+    layer = Bf16PanelLinear(w, bias)
+    layer._call = bf16_kernel_of(library)
+    want = x.double() @ w.double().T + bias.double() + residual.double()
+    assert_within_one_rounding(layer(x, residual), want, scale)
