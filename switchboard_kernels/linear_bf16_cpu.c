@@ -25,7 +25,8 @@
 #define NP 32 /* outputs per panel */
 #define MR 8  /* rows per tile: 16 accumulators, 2 weight vectors, 1 broadcast */
 
-#if defined(__AVX512F__)
+/* bf16.h's masked 16-bit loads and stores need AVX512-BW and -VL besides the foundation. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 
 #if defined(__AVX512BF16__)
 typedef __m512bh wpairs; /* 16 lanes of (W[o, 2j], W[o, 2j + 1]) */

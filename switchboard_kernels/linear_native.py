@@ -154,8 +154,11 @@ class Bf16PanelLinear:
     __slots__ = ("_call", "_desc", "_desc_address", "bias", "in_features", "out_features")
     __slots__ += ("panels",)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        kernel = native_linear_bf16()
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, kernel=None
+    ) -> None:
+        """``kernel``: another build's ``bf16_kernel_of`` (tests run the path a CPU lacks)."""
+        kernel = kernel or native_linear_bf16()
         if kernel is None:
             raise RuntimeError("the native bf16 linear kernel is not available here")
         out_features, in_features = weight.shape

@@ -111,7 +111,6 @@ def test_the_fma_path_for_cpus_without_avx512_bf16(rows):
     library = ctypes.CDLL(str(native.build(source, ("-mno-avx512bf16",))))
     assert library.sb_linear_bf16_available()
     x, w, bias, residual, scale = case(rows, 100, 34, rows)
-    layer = Bf16PanelLinear(w, bias)
-    layer._call = bf16_kernel_of(library)
+    layer = Bf16PanelLinear(w, bias, kernel=bf16_kernel_of(library))
     want = x.double() @ w.double().T + bias.double() + residual.double()
     assert_within_one_rounding(layer(x, residual), want, scale)
