@@ -14,6 +14,9 @@ from switchboard.commands import Command
 # worker.engine.placement's names; spelled out here because this module must not import torch.
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 SCHEDULING_POLICIES = ("fair", "fcfs")  # worker.engine.fairness.SchedulingPolicy's values
+# Seconds a signalled worker may take beyond --drain-timeout before it exits regardless:
+# the abort (5 s), the server stop (1 s) and a step; within k8s' grace period (45 s).
+STOP_MARGIN_S = 12.0
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -40,7 +43,9 @@ def worker(args: argparse.Namespace) -> int:
     auth.check(args.host)  # a worker that would listen unauthenticated stops here, at once
     engine_kwargs = worker_engine_kwargs(args)
     # The engine's step loop runs on this (the main) thread, the gRPC asyncio loop beside it.
-    engine_loop = MainThreadEngineLoop()
+    # A drain that overruns its deadline is aborted (worker/serving/server.py); the margin
+    # covers that abort and the stop after it. Past it the process dumps stacks and exits.
+    engine_loop = MainThreadEngineLoop(stop_deadline_s=args.drain_timeout + STOP_MARGIN_S)
     # uvloop, as the gateway's uvicorn uses: grpc.aio's callbacks run on it at less CPU.
     rpc = functools.partial(
         uvloop.run,

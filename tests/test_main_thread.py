@@ -7,7 +7,10 @@ import asyncio
 import functools
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -99,3 +102,39 @@ def test_a_dying_step_loop_stops_the_rpc_side_and_is_raised():
     with pytest.raises(RuntimeError, match="engine bug"):
         engine_loop.run(functools.partial(asyncio.run, rpc_main()))
     assert stopped == [True]
+
+
+STUCK_WORKER = """
+import sys, time
+from worker.serving.main_thread import MainThreadEngineLoop
+
+def rpc_side_that_never_stops():
+    print("up", flush=True)
+    while True:
+        time.sleep(0.05)
+
+MainThreadEngineLoop(stop_deadline_s=float(sys.argv[1])).run(rpc_side_that_never_stops)
+"""
+
+
+def test_a_signalled_process_that_does_not_stop_dumps_its_stacks_and_exits(tmp_path):
+    """The stop deadline: a shutdown that hangs past it ends the process with exit 1 and
+    every thread's stack on stderr, naming where it hung."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", STUCK_WORKER, "1.0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert process.stdout.readline() == b"up\n"
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+        took = time.monotonic() - signalled
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 1
+    assert took >= 1.0
+    assert "Timeout" in stderr.decode() and "rpc_side_that_never_stops" in stderr.decode()

@@ -11,6 +11,7 @@ import asyncio
 import json
 import shutil
 import signal
+import socket
 import sys
 import time
 
@@ -593,34 +594,82 @@ async def test_drain_deadline_aborts_what_is_left(worker, stub, prompt_ids):
     assert worker.engine.stats.free_kv_blocks == worker.engine.stats.total_kv_blocks
 
 
+def cli_worker_command(base, redis_url, redis_prefix, *flags: str) -> list[str]:
+    return [
+        sys.executable, "-c", "from switchboard.cli import main; raise SystemExit(main())",
+        "worker", "--model", str(base), "--port", "0", "--dtype", "float32",
+        "--redis-url", redis_url, "--redis-prefix", redis_prefix, "--worker-id", "cli",
+        "--kv-cache-memory-gb", "0.01", "--max-loras", "1", *flags,
+    ]  # fmt: skip
+
+
 async def test_cli_worker_registers_serves_and_drains_on_sigterm(
     base, redis_url, redis_prefix, prompt_ids
 ):
     redis = Redis.from_url(redis_url)
-    command = [
-        sys.executable, "-c", "from switchboard.cli import main; raise SystemExit(main())",
-        "worker", "--model", str(base), "--port", "0", "--dtype", "float32",
-        "--redis-url", redis_url, "--redis-prefix", redis_prefix, "--worker-id", "cli",
-        "--kv-cache-memory-gb", "0.01", "--max-loras", "1", "--drain-timeout", "5",
-    ]  # fmt: skip
-    process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
+    command = cli_worker_command(
+        base, redis_url, redis_prefix, "--drain-timeout", "5", "--metrics-port", "0"
+    )
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
     try:
         line = await asyncio.wait_for(process.stdout.readline(), 60.0)
         address = line.decode().split()[-1]
         [info] = await registry.live_workers(redis, redis_prefix)
         assert (info.worker_id, info.address) == ("cli", address)
         async with grpc.aio.insecure_channel(address) as channel:
-            messages = await collect(
-                worker_pb2_grpc.WorkerStub(channel), request(prompt_ids, max_tokens=4)
+            messages = await asyncio.wait_for(
+                collect(worker_pb2_grpc.WorkerStub(channel), request(prompt_ids, max_tokens=4)),
+                30.0,
             )
         assert sum(len(m.token_ids) for m in messages) == 4
 
         process.send_signal(signal.SIGTERM)
 
-        assert await asyncio.wait_for(process.wait(), 30.0) == 0
+        # Within the drain (5 s) plus the stop margin, or the worker dumps its stacks.
+        _, stderr = await asyncio.wait_for(process.communicate(), 60.0)
+        assert process.returncode == 0, stderr.decode()[-4000:]
         assert await registry.live_workers(redis, redis_prefix) == []
     finally:
         if process.returncode is None:
             process.kill()
             await process.wait()
+        await redis.aclose()
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [("--metrics-port", "cannot serve metrics on 127.0.0.1:"), ("--port", "cannot listen on")],
+)
+async def test_a_cli_worker_whose_port_is_taken_stops_before_it_serves(
+    base, redis_url, redis_prefix, flag, message
+):
+    """A taken port is a configuration error: one line naming the flag, exit 1, before the
+    model loads, and never in the registry (a taken metrics port once left a worker that
+    no longer served running)."""
+    redis = Redis.from_url(redis_url)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # The flag's last value wins (argparse): here, over the helper's "--port 0".
+        command = cli_worker_command(base, redis_url, redis_prefix, flag, str(port))
+        process = await asyncio.create_subprocess_exec(
+            *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+        try:
+            stdout, stderr = await asyncio.wait_for(process.communicate(), 60.0)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    try:
+        assert process.returncode == 1
+        assert stdout == b""  # never announced itself
+        last_line = stderr.decode().strip().splitlines()[-1]
+        assert last_line.startswith(f"switchboard: error: {message}")
+        assert f"choose another {flag} " in last_line
+        assert await registry.live_workers(redis, redis_prefix) == []
+    finally:
         await redis.aclose()

@@ -46,3 +46,8 @@ class TensorParallelConfigError(EngineError, ValueError):
 class TensorParallelError(EngineError):
     """The tensor-parallel group failed: a rank died or a collective broke. The ranks are
     out of step, so the engine serves no more (the worker exits and is restarted)."""
+
+
+class WorkerStartupError(EngineError):
+    """The worker cannot start as configured (a port it must bind is taken): it stops
+    before it loads the model or announces itself."""

@@ -9,6 +9,8 @@ RPC side's ``on_signal`` callback.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import queue
 import signal
 import threading
@@ -18,7 +20,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class MainThreadEngineLoop:
-    def __init__(self) -> None:
+    def __init__(self, *, stop_deadline_s: float | None = None) -> None:
+        """``stop_deadline_s``: after the first stop signal the process has this long to
+        exit; past it, every thread's stack goes to stderr and the process exits 1, so a
+        shutdown that hangs (a drain, a library's thread at exit) says where and ends."""
+        self._stop_deadline_s = stop_deadline_s
         # queue.Queue, not SimpleQueue: its get() waits in an interruptible lock acquire,
         # so a signal during model loading runs its handler at once.
         self._work: queue.Queue[Callable[[], None] | None] = queue.Queue()
@@ -60,8 +66,7 @@ class MainThreadEngineLoop:
             except BaseException:
                 # The step loop died (a bug): stop the RPC side as SIGTERM would, so the
                 # process exits and gets restarted instead of serving with no engine.
-                if self._on_signal is not None:
-                    self._on_signal()
+                self._tell_rpc_side()
                 thread.join()
                 raise
             thread.join()
@@ -72,6 +77,15 @@ class MainThreadEngineLoop:
             raise failure[0]
 
     def _handle_signal(self, signum: int, frame: object) -> None:
+        if not self._signalled and self._stop_deadline_s is not None:
+            # A C thread of faulthandler's: it fires even if this interpreter is stuck.
+            faulthandler.dump_traceback_later(self._stop_deadline_s, exit=True)
         self._signalled = True
-        if self._on_signal is not None:
+        self._tell_rpc_side()
+
+    def _tell_rpc_side(self) -> None:
+        if self._on_signal is None:
+            return
+        # RuntimeError: the RPC side's loop is closed, so it has stopped already.
+        with contextlib.suppress(RuntimeError):
             self._on_signal()

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from worker.engine.engine_stats import EngineStats
 from worker.engine.fairness import QUEUE_TIME_BUCKETS, TenantService
+from worker.errors import WorkerStartupError
 from worker.spec_decode.stats import SpecDecodeStats
 
 
@@ -182,5 +183,11 @@ class WorkerMetrics:
 
     def serve(self, port: int, *, host: str) -> int:
         """Serve /metrics on `host:port` (0: any free port) in a daemon thread; the port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise WorkerStartupError(
+                f"cannot serve metrics on {host}:{port} ({exc.strerror or exc}): choose "
+                "another --metrics-port (0: any free port, -1: none)"
+            ) from exc
         return server.server_port

@@ -34,7 +34,7 @@ from redis.exceptions import AuthenticationError, RedisError
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime import registry
 from worker.engine.llm_engine import LLMEngine
-from worker.errors import TensorParallelError
+from worker.errors import TensorParallelError, WorkerStartupError
 from worker.serving.async_engine import AsyncEngine
 from worker.serving.auth import WorkerAuth, WorkerAuthError
 from worker.serving.main_thread import STOP_SIGNALS, MainThreadEngineLoop
@@ -117,17 +117,14 @@ class WorkerServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         credentials = self.auth.server_credentials()
         address = f"{self.host}:{self.port}"
-        if credentials is None:
-            self.port = self.server.add_insecure_port(address)
-        else:
-            self.port = self.server.add_secure_port(address, credentials)
+        self.port = _bind(self.server, address, credentials, flag="--port")
         self.worker_id = self.worker_id or f"{socket.gethostname()}-{self.port}"
         await self._set_health(Status.NOT_SERVING)
         await self.server.start()
         if self._health_server is not None:
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
-            self.health_port = self._health_server.add_insecure_port(
-                f"{self.host}:{self.health_port}"
+            self.health_port = _bind(
+                self._health_server, f"{self.host}:{self.health_port}", None, flag="--health-port"
             )
             await self._health_server.start()
         try:
@@ -263,6 +260,25 @@ async def _stop_failed(server: WorkerServer) -> None:
         os._exit(1)
 
 
+def _bind(
+    server: grpc.aio.Server,
+    address: str,
+    credentials: grpc.ServerCredentials | None,
+    *,
+    flag: str,
+) -> int:
+    """Bind ``address``; the port. A taken port is the operator's to fix: say which flag."""
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as exc:  # grpc's way of saying the bind failed
+        raise WorkerStartupError(
+            f"cannot listen on {address} (taken, or not an address of this host): "
+            f"choose another {flag} (0: any free port)"
+        ) from exc
+
+
 def _reachable_host(host: str) -> str:
     """The host to advertise: a wildcard bind address is not one others can dial."""
     if host in ("", "0.0.0.0", "::", "[::]"):
@@ -330,17 +346,23 @@ async def serve(
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
     try:
-        await server.start()
-        print(f"worker {server.worker_id} listening on {server.address}", flush=True)
-        if metrics_port is not None:
+        if metrics_port is not None:  # first: a taken port stops us before the model loads
             bound = server.metrics.serve(metrics_port, host=host)
             logger.info("metrics on http://%s:%d/metrics", host, bound)
-        await stop.wait()
-        if server.failure is not None:
-            await _stop_failed(server)
-            raise server.failure
-        logger.info("shutting down: draining for up to %.0f s", drain_timeout)
-        await server.shutdown(drain_timeout)
+        await server.start()
+        try:
+            print(f"worker {server.worker_id} listening on {server.address}", flush=True)
+            await stop.wait()
+            if server.failure is not None:
+                await _stop_failed(server)
+                raise server.failure
+            logger.info("shutting down: draining for up to %.0f s", drain_timeout)
+            await server.shutdown(drain_timeout)
+        finally:
+            # Whatever ends this loop ends the engine's step loop too (a no-op after a
+            # drain): left running on the main thread, it would keep a process that no
+            # longer serves alive, and registered, until it is killed.
+            await server.shutdown(drain_timeout=0.0)
     finally:
         if engine_loop is None:
             for sig in STOP_SIGNALS:
