@@ -61,6 +61,32 @@ def test_steps_run_on_the_main_thread_and_sigterm_reaches_the_rpc_loop(engine, m
     assert signal.getsignal(signal.SIGTERM) == before  # restored
 
 
+def test_a_sigterm_the_kernel_gives_another_thread_still_stops_an_idle_worker(engine):
+    """Linux may deliver a process's SIGTERM to any of its threads; CPython then runs the
+    handler only when the main thread next wakes, and an idle step loop's wait would never
+    end by itself."""
+    engine_loop = MainThreadEngineLoop()
+    waited: list[float] = []
+
+    async def rpc_main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        engine_loop.on_signal(lambda: loop.call_soon_threadsafe(stop.set))
+        async_engine = AsyncEngine(engine)
+        async_engine.start(engine_loop.runner)
+        await asyncio.sleep(0.2)  # the step loop is idle on the main thread now
+        sent = time.monotonic()
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # to this thread
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=10)
+            waited.append(time.monotonic() - sent)
+        finally:
+            await async_engine.stop()  # wakes the step loop, whatever happened
+
+    engine_loop.run(functools.partial(asyncio.run, rpc_main()))
+    assert waited and waited[0] < 2.0
+
+
 def test_an_rpc_side_failure_is_raised_on_the_main_thread():
     async def failing() -> None:
         raise OSError("port in use")

@@ -28,6 +28,7 @@ from typing import Any
 from worker.engine.engine_stats import EngineStats, snapshot
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.outputs import RequestOutput
+from worker.serving.main_thread import IDLE_WAKE_S
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class EngineLoop:
         while True:
             with self._wakeup:
                 while not (self._commands or engine.has_unfinished_requests or self._stopping):
-                    self._wakeup.wait()
+                    self._wakeup.wait(IDLE_WAKE_S)  # see IDLE_WAKE_S: signals
                 commands = list(self._commands)
                 self._commands.clear()
                 stopping = self._stopping

@@ -17,6 +17,11 @@ import threading
 from collections.abc import Callable
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# The main thread never waits longer than this at a time, idle or not (the step loop's wait
+# too): CPython runs signal handlers on the main thread only, and a thread blocked in a
+# lock wait is not woken when the kernel delivers SIGTERM to another of the process's
+# threads. The handler runs when it next wakes.
+IDLE_WAKE_S = 0.5
 
 
 class MainThreadEngineLoop:
@@ -61,7 +66,7 @@ class MainThreadEngineLoop:
         thread.start()
         try:
             try:
-                while (work := self._work.get()) is not None:
+                while (work := self._next_work()) is not None:
                     work()
             except BaseException:
                 # The step loop died (a bug): stop the RPC side as SIGTERM would, so the
@@ -75,6 +80,14 @@ class MainThreadEngineLoop:
                 signal.signal(sig, handler)
         if failure:
             raise failure[0]
+
+    def _next_work(self) -> Callable[[], None] | None:
+        # Bounded waits: see IDLE_WAKE_S.
+        while True:
+            try:
+                return self._work.get(timeout=IDLE_WAKE_S)
+            except queue.Empty:
+                continue
 
     def _handle_signal(self, signum: int, frame: object) -> None:
         if not self._signalled and self._stop_deadline_s is not None:
