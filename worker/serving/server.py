@@ -349,8 +349,8 @@ async def serve(
         if metrics_port is not None:  # first: a taken port stops us before the model loads
             bound = server.metrics.serve(metrics_port, host=host)
             logger.info("metrics on http://%s:%d/metrics", host, bound)
-        await server.start()
         try:
+            await server.start()
             print(f"worker {server.worker_id} listening on {server.address}", flush=True)
             await stop.wait()
             if server.failure is not None:
@@ -359,9 +359,9 @@ async def serve(
             logger.info("shutting down: draining for up to %.0f s", drain_timeout)
             await server.shutdown(drain_timeout)
         finally:
-            # Whatever ends this loop ends the engine's step loop too (a no-op after a
-            # drain): left running on the main thread, it would keep a process that no
-            # longer serves alive, and registered, until it is killed.
+            # Whatever ends this loop (a failed start included) ends the engine's step loop
+            # too; a no-op after a drain. Left running on the main thread, it would keep a
+            # process that no longer serves alive, and registered, until it is killed.
             await server.shutdown(drain_timeout=0.0)
     finally:
         if engine_loop is None:
