@@ -70,11 +70,13 @@ def panels_preferred(weight: torch.Tensor) -> bool:
 
 def bf16_panels_preferred(weight: torch.Tensor) -> bool:
     """Whether ``Linear`` multiplies by this weight through the native bf16 kernel
-    (``switchboard_kernels/linear_bf16_cpu.c``): bf16 on a CPU with AVX-512, an even number
-    of input features. On a 2-core Zen 4 (AVX512-BF16) it ran the default model's
-    projections ~2x faster than oneDNN's packed matmul for 1-8 rows and still faster at
-    256; on a 2-core Xeon without AVX512-BF16, where oneDNN's bf16 matmul is emulated,
-    1.5x at 1 row and 2.2-2.5x from 8 rows up (``bench.linear``)."""
+    (``switchboard_kernels/linear_bf16_cpu.c``): bf16 on a CPU with AVX-512 or AVX2 and FMA,
+    an even number of input features. On a 2-core Zen 4 (AVX512-BF16) it ran the default
+    model's projections ~2x faster than oneDNN's packed matmul for 1-8 rows and still faster
+    at 256; on a 2-core Xeon without AVX512-BF16, where oneDNN's bf16 matmul is emulated,
+    1.5x at 1 row and 2.2-2.5x from 8 rows up; on an AVX2-only EPYC, where oneDNN packs
+    no bf16 at all, 2.2x the fp32 panels at 1 row, 1.4x at 8, 0.8x at 256
+    (``bench.linear``)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
@@ -185,7 +187,7 @@ class Linear:
     """``y = x @ weight.T + bias`` with ``weight`` [out_features, in_features].
 
     On CPU the weight is held once, packed for the fastest kernel here: in panels for a
-    native kernel where ``bf16_panels_preferred`` (bf16 with AVX-512,
+    native kernel where ``bf16_panels_preferred`` (bf16 with AVX-512 or AVX2,
     ``switchboard_kernels/linear_bf16_cpu.c``) or ``panels_preferred`` (fp32 on AVX2-only CPUs,
     ``switchboard_kernels/linear_cpu.c``), else for oneDNN. ``quantization`` (a draft model's;
     approximate): "int8", every product through int8 panels with a scale per output

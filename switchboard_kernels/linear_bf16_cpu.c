@@ -1,5 +1,6 @@
-/* Dense projections in bf16 on CPUs with AVX-512: y = x W^T (+ bias) (+ residual), with W
- * packed once into panels of 32 output features whose weights pair up along k.
+/* Dense projections in bf16 on x86 CPUs (AVX-512; AVX2 below): y = x W^T (+ bias)
+ * (+ residual), with W packed once into panels of 32 output features whose weights pair
+ * up along k.
  *
  * Why native code: a decode step of the default model in bf16 is its weights' bytes (212 MB
  * of projections a token), and oneDNN's packed matmul streams them at 16-19 GB/s for one
@@ -24,6 +25,13 @@
 
 #define NP 32 /* outputs per panel */
 #define MR 8  /* rows per tile: 16 accumulators, 2 weight vectors, 1 broadcast */
+
+/* One projection, as switchboard_kernels/linear_native.py lays it out (its Bf16PanelLinear). */
+struct sb_bf16_panels {
+    int64_t in_features, out_features;
+    const uint16_t *panels; /* see Layout above */
+    const uint16_t *bias;   /* [out] bf16 or NULL */
+};
 
 /* bf16.h's masked 16-bit loads and stores need AVX512-BW and -VL besides the foundation. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -125,15 +133,8 @@ static inline void store_tile(__m512 acc[MR][2], int rows, int cols, const uint1
     default: tile(__VA_ARGS__, 8, acc); break;                                                 \
     }
 
-/* One projection, as switchboard_kernels/linear_native.py lays it out (its Bf16PanelLinear). */
-struct sb_bf16_panels {
-    int64_t in_features, out_features;
-    const uint16_t *panels; /* see Layout above */
-    const uint16_t *bias;   /* [out] bf16 or NULL */
-};
-
-/* Semantics: y = bf16(x W^T + bias + res), fp32 inside and one rounding; x [rows, in],
- * res (nullable) and y [rows, out], all bf16 and contiguous. */
+/* Semantics (both paths): y = bf16(x W^T + bias + res), fp32 inside and one rounding;
+ * x [rows, in], res (nullable) and y [rows, out], all bf16 and contiguous. */
 void sb_linear_bf16(const struct sb_bf16_panels *w, const uint16_t *x, int64_t rows,
                     const uint16_t *res, uint16_t *y) {
     const int64_t K = w->in_features, N = w->out_features, pairs = K / 2;
@@ -158,7 +159,81 @@ void sb_linear_bf16(const struct sb_bf16_panels *w, const uint16_t *x, int64_t r
 
 int sb_linear_bf16_available(void) { return 1; }
 
-#else /* no AVX-512: the Python side uses oneDNN */
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 (AMD Zen 2/3, older Xeons): oneDNN has no bf16 matmul worth using there, and fp32
+ * weights cost twice the bytes. The same panels, read 8 lanes at a time with GCC's vector
+ * extensions: a quarter c of a panel's pair j is 16 bf16 at offset 16c, the pairs of
+ * outputs 8c..8c+7, widened to fp32 as on AVX-512 without BF16 (two FMAs a pair). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+#define MR8 6 /* rows per tile: 24 accumulators, so some spill; a step of few rows is bytes */
+
+static inline __attribute__((always_inline)) void tile8(const uint16_t *x, int64_t ldx,
+                                                       const uint16_t *panel, int64_t pairs,
+                                                       int rows, v8f acc[MR8][4]) {
+    for (int m = 0; m < rows; m++)
+        for (int c = 0; c < 4; c++) acc[m][c] = (v8f){0};
+    for (int64_t j = 0; j < pairs; j++) {
+        const uint16_t *w = panel + j * 2 * NP;
+        float even_x[MR8], odd_x[MR8];
+        for (int m = 0; m < rows; m++) {
+            even_x[m] = bf16_to_f32(x[m * ldx + 2 * j]);
+            odd_x[m] = bf16_to_f32(x[m * ldx + 2 * j + 1]);
+        }
+        for (int c = 0; c < 4; c++) {
+            v8u both;
+            memcpy(&both, w + 16 * c, sizeof both);
+            v8f even = (v8f)(both << 16), odd = (v8f)(both & 0xffff0000u);
+            for (int m = 0; m < rows; m++) acc[m][c] += even * even_x[m] + odd * odd_x[m];
+        }
+    }
+}
+
+static inline void rows_tile8(const uint16_t *x, int64_t K, const uint16_t *panel,
+                              int64_t pairs, int rows, v8f acc[MR8][4]) {
+    switch (rows) { /* a constant row count at each call: the accumulators in registers */
+    case 1: tile8(x, K, panel, pairs, 1, acc); break;
+    case 2: tile8(x, K, panel, pairs, 2, acc); break;
+    case 3: tile8(x, K, panel, pairs, 3, acc); break;
+    case 4: tile8(x, K, panel, pairs, 4, acc); break;
+    case 5: tile8(x, K, panel, pairs, 5, acc); break;
+    default: tile8(x, K, panel, pairs, 6, acc); break;
+    }
+}
+
+void sb_linear_bf16(const struct sb_bf16_panels *w, const uint16_t *x, int64_t rows,
+                    const uint16_t *res, uint16_t *y) {
+    const int64_t K = w->in_features, N = w->out_features, pairs = K / 2;
+    const int64_t num_panels = (N + NP - 1) / NP;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < num_panels; p++) {
+        const int64_t n0 = p * NP;
+        const int cols = N - n0 < NP ? (int)(N - n0) : NP;
+        const uint16_t *panel = w->panels + p * K * NP;
+        for (int64_t m0 = 0; m0 < rows; m0 += MR8) {
+            int rows_here = rows - m0 < MR8 ? (int)(rows - m0) : MR8;
+            v8f acc[MR8][4];
+            rows_tile8(x + m0 * K, K, panel, pairs, rows_here, acc);
+            for (int m = 0; m < rows_here; m++) {
+                float out[NP];
+                memcpy(out, acc[m], sizeof out); /* quarter c holds outputs 8c..8c+7 */
+                const uint16_t *r = res ? res + (m0 + m) * N + n0 : NULL;
+                uint16_t *ym = y + (m0 + m) * N + n0;
+                for (int o = 0; o < cols; o++) {
+                    float v = out[o];
+                    if (w->bias) v += bf16_to_f32(w->bias[n0 + o]);
+                    if (r) v += bf16_to_f32(r[o]);
+                    ym[o] = f32_to_bf16(v);
+                }
+            }
+        }
+    }
+}
+
+int sb_linear_bf16_available(void) { return 1; }
+
+#else /* neither: the Python side uses oneDNN */
 
 int sb_linear_bf16_available(void) { return 0; }
 

@@ -145,7 +145,7 @@ class _Bf16Panels(ctypes.Structure):
 
 
 class Bf16PanelLinear:
-    """``y = x @ weight.T (+ bias)`` in bf16 through the AVX-512 kernel: the weight
+    """``y = x @ weight.T (+ bias)`` in bf16 through the native kernel: the weight
     [out, in] (in even) in panels of ``BF16_PANEL`` outputs whose weights pair up along the
     input features (the layout VDPBF16PS reads), the last panel zero-padded. fp32 sums,
     one rounding to bf16 (bias and residual added before it). The kernel must load
@@ -205,7 +205,7 @@ class Bf16PanelLinear:
 @functools.cache
 def native_linear_bf16():
     """The bf16 kernel, built on first use; None where it cannot be (no compiler, or a CPU
-    without AVX-512)."""
+    with neither AVX-512 nor AVX2 and FMA)."""
     lib = native.load("linear_bf16_cpu.c")
     if lib is None or not lib.sb_linear_bf16_available():
         return None

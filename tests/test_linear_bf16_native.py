@@ -13,7 +13,8 @@ from switchboard_kernels.linear import Linear
 from switchboard_kernels.linear_native import Bf16PanelLinear, bf16_kernel_of, native_linear_bf16
 
 needs_kernel = pytest.mark.skipif(
-    native_linear_bf16() is None, reason="no C compiler or no AVX-512: kernel not built"
+    native_linear_bf16() is None,
+    reason="no C compiler, or neither AVX-512 nor AVX2 with FMA: kernel not built",
 )
 
 
@@ -37,7 +38,8 @@ def case(rows: int, out_features: int, in_features: int, seed: int):
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 64])
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 576), (40, 6), (1, 2), (100, 34)])
 def test_matches_a_float64_product_with_bias_and_residual(rows, out_features, in_features):
-    """Every row count of a tile (1-8, and tiles of 8 plus a rest), partial last panels."""
+    """Every row count of a tile (1-8 on AVX-512, 1-6 on AVX2; tiles plus a rest), partial
+    last panels."""
     x, w, bias, residual, scale = case(rows, out_features, in_features, rows + out_features)
     want = x.double() @ w.double().T + bias.double() + residual.double()
     got = Bf16PanelLinear(w, bias)(x, residual)
@@ -98,17 +100,32 @@ def test_linear_sends_bf16_weights_through_the_kernel():
     )  # fmt: skip
 
 
+def _cpu_flags() -> set[str]:
+    info = Path("/proc/cpuinfo")
+    text = info.read_text() if info.exists() else ""
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split()}
+
+
+# The kernel's paths below the best this CPU has, each built here with the features above
+# it turned off: (the flags, the feature this CPU must have for the test to mean anything).
+OTHER_PATHS = {
+    "avx512-fma": (("-mno-avx512bf16",), "avx512_bf16"),  # AVX-512 without BF16 (a Xeon)
+    "avx2": (("-mno-avx512f",), "avx512f"),  # AVX2 and FMA only (Zen 2/3)
+}
+
+
 @needs_kernel
-@pytest.mark.skipif(
-    not torch.cpu._is_avx512_bf16_supported(),
-    reason="without AVX512-BF16 every other test here already runs the FMA path",
-)
+@pytest.mark.parametrize("path", OTHER_PATHS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
-def test_the_fma_path_for_cpus_without_avx512_bf16(rows):
-    """This CPU builds the VDPBF16PS path; a build without AVX512-BF16 (the path of CPUs
-    that lack it) runs here too, through the same panels."""
+def test_the_paths_of_cpus_with_fewer_features(path, rows):
+    """This CPU builds its best path; a build without the features above another path's
+    runs that path here too, through the same panels (on a CPU of that kind, every other
+    test here already runs it)."""
+    flags, feature = OTHER_PATHS[path]
+    if feature not in _cpu_flags():
+        pytest.skip(f"without {feature} every other test here already runs this path")
     source = Path(native.__file__).with_name("linear_bf16_cpu.c")
-    library = ctypes.CDLL(str(native.build(source, ("-mno-avx512bf16",))))
+    library = ctypes.CDLL(str(native.build(source, flags)))
     assert library.sb_linear_bf16_available()
     x, w, bias, residual, scale = case(rows, 100, 34, rows)
     layer = Bf16PanelLinear(w, bias, kernel=bf16_kernel_of(library))

@@ -34,7 +34,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) 
 
     ``auto`` is bf16 wherever its matmuls are native (GPUs with bf16, CPUs whose oneDNN has
     a bf16 path: AVX512-BW or AVX-NE-CONVERT and up), fp16 on older GPUs, and fp32 on
-    AVX2-only CPUs, where bf16 matmuls ran 5-9x slower than fp32 from 4 tokens up."""
+    AVX2-only CPUs: there oneDNN's bf16 matmuls ran 5-9x slower than fp32 from 4 tokens up,
+    and with our kernel's AVX2 path bf16 runs 1.4-1.5x fp32 at batch 1 but 0.90-1.00x at
+    batch 8 and 0.81-0.90x at 32 (prefill chunks cost more in it), so bf16 stays an
+    explicit choice there (``bench.bf16_projections --against float32``)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
