@@ -133,31 +133,16 @@ static inline void store_tile(__m512 acc[MR][2], int rows, int cols, const uint1
     default: tile(__VA_ARGS__, 8, acc); break;                                                 \
     }
 
-/* Semantics (both paths): y = bf16(x W^T + bias + res), fp32 inside and one rounding;
- * x [rows, in], res (nullable) and y [rows, out], all bf16 and contiguous. */
-void sb_linear_bf16(const struct sb_bf16_panels *w, const uint16_t *x, int64_t rows,
-                    const uint16_t *res, uint16_t *y) {
-    const int64_t K = w->in_features, N = w->out_features, pairs = K / 2;
-    const int64_t num_panels = (N + NP - 1) / NP;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < num_panels; p++) {
-        const int64_t n0 = p * NP;
-        const int cols = N - n0 < NP ? (int)(N - n0) : NP;
-        const uint16_t *panel = w->panels + p * K * NP;
-        for (int64_t m0 = 0; m0 < rows; m0 += MR) {
-            int rows_here = rows - m0 < MR ? (int)(rows - m0) : MR;
-            __m512 acc[MR][2];
-            {
-                int rows = rows_here;
-                DISPATCH_ROWS(x + m0 * K, K, panel, pairs)
-            }
-            store_tile(acc, rows_here, cols, w->bias ? w->bias + n0 : NULL,
-                       res ? res + m0 * N + n0 : NULL, N, y + m0 * N + n0, N);
-        }
-    }
-}
+#define TILE_ROWS MR
 
-int sb_linear_bf16_available(void) { return 1; }
+/* Rows [0, rows) (at most TILE_ROWS) of one panel: columns [0, cols) of y. */
+static inline void rows_of_panel(const uint16_t *x, int64_t K, const uint16_t *panel,
+                                 int64_t pairs, int rows, int cols, const uint16_t *bias,
+                                 const uint16_t *res, int64_t N, uint16_t *y) {
+    __m512 acc[MR][2];
+    DISPATCH_ROWS(x, K, panel, pairs)
+    store_tile(acc, rows, cols, bias, res, N, y, N);
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2 (AMD Zen 2/3, older Xeons): oneDNN has no bf16 matmul worth using there, and fp32
@@ -202,6 +187,34 @@ static inline void rows_tile8(const uint16_t *x, int64_t K, const uint16_t *pane
     }
 }
 
+#define TILE_ROWS MR8
+
+static inline void rows_of_panel(const uint16_t *x, int64_t K, const uint16_t *panel,
+                                 int64_t pairs, int rows, int cols, const uint16_t *bias,
+                                 const uint16_t *res, int64_t N, uint16_t *y) {
+    v8f acc[MR8][4];
+    rows_tile8(x, K, panel, pairs, rows, acc);
+    for (int m = 0; m < rows; m++) {
+        float out[NP];
+        memcpy(out, acc[m], sizeof out); /* quarter c holds outputs 8c..8c+7 */
+        for (int o = 0; o < cols; o++) {
+            float v = out[o];
+            if (bias) v += bf16_to_f32(bias[o]);
+            if (res) v += bf16_to_f32(res[m * N + o]);
+            y[m * N + o] = f32_to_bf16(v);
+        }
+    }
+}
+
+#else /* neither: the Python side uses oneDNN */
+
+int sb_linear_bf16_available(void) { return 0; }
+
+#endif
+
+#if defined(TILE_ROWS)
+/* Semantics (every path): y = bf16(x W^T + bias + res), fp32 inside and one rounding;
+ * x [rows, in], res (nullable) and y [rows, out], all bf16 and contiguous. */
 void sb_linear_bf16(const struct sb_bf16_panels *w, const uint16_t *x, int64_t rows,
                     const uint16_t *res, uint16_t *y) {
     const int64_t K = w->in_features, N = w->out_features, pairs = K / 2;
@@ -211,30 +224,15 @@ void sb_linear_bf16(const struct sb_bf16_panels *w, const uint16_t *x, int64_t r
         const int64_t n0 = p * NP;
         const int cols = N - n0 < NP ? (int)(N - n0) : NP;
         const uint16_t *panel = w->panels + p * K * NP;
-        for (int64_t m0 = 0; m0 < rows; m0 += MR8) {
-            int rows_here = rows - m0 < MR8 ? (int)(rows - m0) : MR8;
-            v8f acc[MR8][4];
-            rows_tile8(x + m0 * K, K, panel, pairs, rows_here, acc);
-            for (int m = 0; m < rows_here; m++) {
-                float out[NP];
-                memcpy(out, acc[m], sizeof out); /* quarter c holds outputs 8c..8c+7 */
-                const uint16_t *r = res ? res + (m0 + m) * N + n0 : NULL;
-                uint16_t *ym = y + (m0 + m) * N + n0;
-                for (int o = 0; o < cols; o++) {
-                    float v = out[o];
-                    if (w->bias) v += bf16_to_f32(w->bias[n0 + o]);
-                    if (r) v += bf16_to_f32(r[o]);
-                    ym[o] = f32_to_bf16(v);
-                }
-            }
+        for (int64_t m0 = 0; m0 < rows; m0 += TILE_ROWS) {
+            int rows_here = rows - m0 < TILE_ROWS ? (int)(rows - m0) : TILE_ROWS;
+            rows_of_panel(x + m0 * K, K, panel, pairs, rows_here, cols,
+                          w->bias ? w->bias + n0 : NULL, res ? res + m0 * N + n0 : NULL, N,
+                          y + m0 * N + n0);
         }
     }
 }
 
 int sb_linear_bf16_available(void) { return 1; }
-
-#else /* neither: the Python side uses oneDNN */
-
-int sb_linear_bf16_available(void) { return 0; }
-
 #endif
+
