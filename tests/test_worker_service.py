@@ -583,6 +583,14 @@ async def test_drain_finishes_in_flight_and_refuses_new_calls(worker, stub, prom
     await asyncio.wait_for(shutdown, 10.0)
 
 
+async def test_a_stop_without_drain_time_aborts_nothing_on_an_idle_worker(worker, caplog):
+    """A deadline of 0 s (a failed group's stop, or the stop after a failed start) passes
+    at once where no call is open: no abort, no warning."""
+    with caplog.at_level("WARNING", logger="worker.serving.server"):
+        await worker.shutdown(drain_timeout=0.0)
+    assert not [r for r in caplog.records if "drain deadline" in r.getMessage()]
+
+
 async def test_drain_deadline_aborts_what_is_left(worker, stub, prompt_ids):
     call = stub.Generate(request(prompt_ids, max_tokens=700, ignore_eos=True))
     await call.read()

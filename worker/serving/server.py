@@ -185,7 +185,10 @@ class WorkerServer:
         await self.health.enter_graceful_shutdown()
         await self._leave_registry()
         try:
-            await asyncio.wait_for(self.servicer.wait_idle(), drain_timeout)
+            # asyncio.timeout, not wait_for: an idle worker passes even a deadline of 0 s
+            # (wait_for(..., 0) times out before the wait has run at all).
+            async with asyncio.timeout(drain_timeout):
+                await self.servicer.wait_idle()
         except TimeoutError:
             logger.warning("drain deadline (%.0f s) passed: aborting what is left", drain_timeout)
             if self.engine is not None:
