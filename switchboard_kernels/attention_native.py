@@ -60,16 +60,18 @@ class NativeDecodes:
         ):
             raise ValueError("own slots: one per sequence, and only for one-query sequences")
 
-        def ints(values: Sequence[int]) -> torch.Tensor:
-            return torch.tensor(list(values), dtype=torch.int64)
-
+        # One host tensor cut in six: each torch.tensor call costs more than its values.
+        fields = [rows, list(queries), list(starts), table_starts, own, flat]
+        parts = torch.tensor([v for f in fields for v in f], dtype=torch.int64).split(
+            [len(f) for f in fields]
+        )
         return cls(
-            rows=ints(rows),
-            queries=ints(queries),
-            starts=ints(starts),
-            table_starts=ints(table_starts),
-            tables=ints(flat),
-            own_slots=ints(own),
+            rows=parts[0],
+            queries=parts[1],
+            starts=parts[2],
+            table_starts=parts[3],
+            own_slots=parts[4],
+            tables=parts[5],
             count=len(rows),
             end_row=row,
             max_block=max(flat, default=-1),

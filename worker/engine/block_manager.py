@@ -101,6 +101,12 @@ class BlockManager:
         needed = self.blocks_needed(block_table, num_tokens, cached=cached, write_from=write_from)
         return needed + reserve <= self.num_free_blocks
 
+    def holds_writable(self, block_table: list[int], position: int) -> bool:
+        """Whether the table already has a private block for ``position``: writing it
+        then needs no new block and no copy (``blocks_needed`` would say 0)."""
+        index = position // self.block_size
+        return index < len(block_table) and self.blocks[block_table[index]].ref_count == 1
+
     # --- tables --------------------------------------------------------------------------
 
     def match_prefix(self, block_hashes: Sequence[BlockHash]) -> list[int]:

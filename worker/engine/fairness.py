@@ -146,13 +146,21 @@ class ServiceLedger:
         weight = self.accounts[tenant].weight
         return (cfg.prefill_weight * prefill + cfg.decode_weight * decode) / weight
 
-    def charge(self, seq: Sequence, start: int, num_tokens: int, num_spec: int) -> None:
-        prefill, decode = self.cost(seq, start, num_tokens, num_spec)
-        account = self.accounts[seq.tenant]
-        account.counter += self.virtual(seq.tenant, prefill, decode)
-        account.prefill_tokens += prefill
-        account.decode_tokens += decode
-        seq.num_charged_tokens = max(seq.num_charged_tokens, start + num_tokens)
+    def charge(self, scheduled: list[ScheduledSequence]) -> None:
+        """Add a step's placed work to its tenants' counters: each tenant's tokens are
+        summed first, so a step of many decodes touches each account once."""
+        totals: dict[str, tuple[int, int]] = {}
+        for placed in scheduled:
+            seq = placed.seq
+            prefill, decode = self.cost(seq, placed.start, placed.num_tokens, placed.num_spec)
+            before = totals.get(seq.tenant, (0, 0))
+            totals[seq.tenant] = (before[0] + prefill, before[1] + decode)
+            seq.num_charged_tokens = max(seq.num_charged_tokens, placed.start + placed.num_tokens)
+        for tenant, (prefill, decode) in totals.items():
+            account = self.accounts[tenant]
+            account.counter += self.virtual(tenant, prefill, decode)
+            account.prefill_tokens += prefill
+            account.decode_tokens += decode
 
     def counter(self, tenant: str) -> float:
         return self.accounts[tenant].counter

@@ -121,8 +121,7 @@ class Scheduler:
         step = StepCharges(self.ledger)
         self._schedule_decodes(out, step)
         self._schedule_prefills(out, step)
-        for placed in out.scheduled:
-            self.ledger.charge(placed.seq, placed.start, placed.num_tokens, placed.num_spec)
+        self.ledger.charge(out.scheduled)
         return out
 
     def mark_computed(self, out: SchedulerOutput) -> None:
@@ -144,6 +143,7 @@ class Scheduler:
     def _schedule_decodes(self, out: SchedulerOutput, step: StepCharges) -> None:
         """Running decodes first, one token each (plus drafts), in arrival order."""
         decodes = [s for s in self.running if s.num_uncomputed_tokens <= 1]
+        blocks = self.block_manager
         for seq in sorted(decodes, key=lambda s: s.arrival_order):
             budget = self.max_num_batched_tokens - out.num_tokens
             if budget == 0:
@@ -151,6 +151,15 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_tokens = seq.num_uncomputed_tokens
+            start = seq.num_computed_tokens
+            if num_tokens == 1 and not seq.spec_token_ids and blocks.holds_writable(
+                seq.block_table, start
+            ):
+                # Most steps of most decodes: the token's slot is in a block of its own, so
+                # there is nothing to allocate and no one to preempt (the host's work per
+                # step bounds a GPU's tok/s: bench/host_step.py).
+                out.add(step.note(ScheduledSequence(seq, start, 1)))
+                continue
             if not self._make_room(seq, num_tokens, out):
                 continue
             num_spec = self._fit_speculation(seq, num_tokens, budget)

@@ -215,10 +215,10 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
         # Decodes (one real token, maybe draft tokens after it) sorted by tokens fed, then
         # context length, so that similar sequences share one attention call.
-        decodes = sorted(
-            (s for s in scheduled if self._is_decode(s)), key=lambda s: (s.num_fed, s.start)
-        )
-        prefills = [s for s in scheduled if not self._is_decode(s)]
+        decodes, prefills = [], []
+        for s in scheduled:
+            (decodes if self._is_decode(s) else prefills).append(s)
+        decodes.sort(key=lambda s: (s.num_fed, s.start))
         order = decodes + prefills
         bs = self.block_size
         ids: list[int] = []
@@ -227,6 +227,16 @@ class ModelRunner:
         logit_rows: list[int] = []
         for s in order:
             table = s.seq.block_table
+            if s.num_tokens == 1 and not s.num_spec:
+                # A plain decode, most of a busy step's rows: the general case below,
+                # spelled out for one token (the host's work per step bounds a GPU's tok/s).
+                p = s.start
+                ids.append(s.seq.tokens[p])
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+                if s.samples:
+                    logit_rows.append(len(ids) - 1)
+                continue
             ids.extend(s.seq.tokens[s.start : s.start + s.num_tokens])
             ids.extend(s.seq.spec_token_ids[: s.num_spec])
             # Each row takes the next slot; a draft row takes its offset's position.
@@ -237,11 +247,14 @@ class ModelRunner:
             if s.samples:
                 # The last real token's row, then one row per draft token.
                 logit_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
+        slot_mapping, input_ids, positions_t, logit_rows_t = _host_columns(
+            slots, ids, positions, logit_rows
+        )
         if self.triton_attention:
-            meta = AttentionMetadata(_host(slots), [], [], layout=self._layout(order))
+            meta = AttentionMetadata(slot_mapping, [], [], layout=self._layout(order))
         else:
             meta = AttentionMetadata(
-                slot_mapping=_host(slots),
+                slot_mapping=slot_mapping,
                 decode_groups=[] if self.native_decodes else self._decode_groups(decodes),
                 prefills=self._prefill_chunks(prefills, start=sum(s.num_fed for s in decodes)),
                 native_decodes=self._native_decodes(decodes)
@@ -249,10 +262,10 @@ class ModelRunner:
                 else None,
             )
         return StepInputs(
-            input_ids=_host(ids),
-            positions=_host(positions),
+            input_ids=input_ids,
+            positions=positions_t,
             meta=meta,
-            logit_rows=_host(logit_rows),
+            logit_rows=logit_rows_t,
             order=order,
         )
 
@@ -260,7 +273,11 @@ class ModelRunner:
         """One real token past the prompt, plus any draft tokens to verify after it. Drafts
         laid out otherwise than one after another: the native kernel attends each such row
         as a sequence of its own; the torch path attends them as a chunk with a mask."""
-        return s.num_tokens == 1 and s.start > 0 and (self.native_decodes or _plain(s))
+        return (
+            s.num_tokens == 1
+            and s.start > 0
+            and (self.native_decodes or not s.num_spec or _plain(s))
+        )
 
     def _native_decodes(self, decodes: list[ScheduledSequence]) -> NativeDecodes:
         """The decodes for the native kernel: each sequence's real token and the draft rows
@@ -271,6 +288,12 @@ class ModelRunner:
         starts, queries, tables, own_slots = [], [], [], []
         for s in decodes:
             table = s.seq.block_table
+            if not s.num_spec:
+                starts.append(s.start)
+                queries.append(s.num_tokens)
+                tables.append(table)
+                own_slots.append(-1)
+                continue
             offsets = _offsets(s)
             in_line = 0
             while in_line < len(offsets) and offsets[in_line] == in_line:
@@ -293,7 +316,7 @@ class ModelRunner:
         sequences = []
         for s in order:
             last = None
-            if not _plain(s):
+            if s.num_spec and not _plain(s):
                 real = range(s.start, s.start + s.num_tokens)
                 last = [*real, *(s.start + s.num_tokens + o - 1 for o in _offsets(s))]
             sequences.append(PagedSequence(s.start, s.num_fed, s.seq.block_table, last))
@@ -372,6 +395,13 @@ class ModelRunner:
 
 def _host(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
+
+
+def _host_columns(*columns: list[int]) -> tuple[torch.Tensor, ...]:
+    """``_host`` of each list, from one tensor: a torch.tensor call costs more than a
+    step's worth of values."""
+    flat = [v for column in columns for v in column]
+    return _host(flat).split([len(column) for column in columns])
 
 
 def _chunk_mask(s: ScheduledSequence, span: int) -> torch.Tensor:
