@@ -152,8 +152,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_tokens = seq.num_uncomputed_tokens
             start = seq.num_computed_tokens
-            if num_tokens == 1 and not seq.spec_token_ids and blocks.holds_writable(
-                seq.block_table, start
+            if (
+                num_tokens == 1
+                and not seq.spec_token_ids
+                and blocks.holds_writable(seq.block_table, start)
             ):
                 # Most steps of most decodes: the token's slot is in a block of its own, so
                 # there is nothing to allocate and no one to preempt (the host's work per
