@@ -183,6 +183,10 @@ class CountingTokenizer:
         self.backend_tokenizer = self
         self.window_lengths: list[int] = []
 
+    @property
+    def decoder(self) -> Any:
+        return self.inner.decoder
+
     def get_added_tokens_decoder(self) -> Any:
         return self.inner.get_added_tokens_decoder()
 
@@ -196,6 +200,25 @@ def test_decode_windows_stay_small(byte_level: PreTrainedTokenizerFast) -> None:
     counting = CountingTokenizer(byte_level)
     assert "".join(stream(counting, text, prompt_ids=text)) == byte_level.decode(text)
     assert max(counting.window_lengths) <= 8
+
+
+def test_byte_level_text_costs_one_decode_per_token(
+    byte_level: PreTrainedTokenizerFast, metaspace: PreTrainedTokenizerFast
+) -> None:
+    # Byte-level text decodes piecewise, so each token's window text is the last delta;
+    # SentencePiece's drops a leading space, so it decodes both windows every time.
+    text = "héllo 世界 🙂 the quick brown fox " * 5
+    for tokenizer, per_token in ((byte_level, 1), (metaspace, 2)):
+        ids = tokenizer.encode(text)
+        prompt, output = ids[:8], ids[8:]
+        counting = CountingTokenizer(tokenizer)
+        expected = tokenizer.decode(ids)[len(tokenizer.decode(prompt)) :]
+        assert "".join(stream(counting, output, prompt_ids=prompt)) == expected
+        decodes, tokens = len(counting.window_lengths), len(output)
+        if per_token == 1:  # a few more where a character's bytes are held back
+            assert tokens <= decodes <= 1.25 * tokens + 2
+        else:
+            assert decodes >= 2 * tokens
 
 
 def test_decode_windows_stay_small_on_endless_invalid_bytes(

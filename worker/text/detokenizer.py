@@ -5,12 +5,17 @@ byte-level tokens (a partial UTF-8 sequence decodes to U+FFFD), and SentencePiec
 decoders drop the leading space of the first token they see. So, as vLLM does, each step
 decodes a small window of ids twice, `ids[prefix:read]` and `ids[prefix:]`, and emits the
 difference; text ending in U+FFFD is held back until its character completes. Cost per token
-is O(window): the window restarts after every emitted delta.
+is O(window): the window restarts after every emitted delta. For a byte-level decoder
+(GPT-2, Llama 3, Qwen2, SmolLM2) the first of the two decodes is known without decoding:
+there, text decodes piecewise at character boundaries, so after a delta whose window held
+only whole characters, the next window's text is that delta.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from tokenizers import decoders
 
 # Prompt tokens decoded as context before the first output token (vLLM uses 5).
 PROMPT_CONTEXT_TOKENS = 5
@@ -47,13 +52,18 @@ class IncrementalDetokenizer:
             for token_id, token in self._backend.get_added_tokens_decoder().items()
             if token.special and skip_special_tokens
         )
+        # Decoding is piecewise at character boundaries (see the module docstring).
+        self._piecewise = isinstance(self._backend.decoder, decoders.ByteLevel)
         context = [t for t in prompt_token_ids if t not in self._skipped]
         context = context[-PROMPT_CONTEXT_TOKENS:]
-        if self._decode(context).endswith(REPLACEMENT):
-            context = []  # the prompt ends inside a character: output must not complete it
+        context_text = self._decode(context)
+        if context_text.endswith(REPLACEMENT):
+            context, context_text = [], ""  # the prompt ends inside a character: output
+            # must not complete it
         self._ids: list[int] = context  # the decode window: ids[prefix:] are still needed
         self._prefix = 0  # ids[prefix:read] is decoded only as context
         self._read = len(context)  # ids[read:] is not emitted yet
+        self._prefix_text: str | None = context_text  # decode(ids[prefix:read]), if known
         self._chunks: list[str] = []
 
     @property
@@ -68,7 +78,7 @@ class IncrementalDetokenizer:
         if token_id in self._skipped:
             return ""  # the decoder never sees it, so dropping it changes nothing
         self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        prefix_text = self._window_prefix_text()
         new_text = self._decode(self._ids[self._prefix :])
         if new_text.endswith(REPLACEMENT):
             if len(self._ids) - self._read > MAX_HELD_TOKENS:
@@ -76,22 +86,32 @@ class IncrementalDetokenizer:
             return ""  # maybe a character still incomplete
         if len(new_text) <= len(prefix_text):
             return ""  # nothing visible yet (keeps context for leading-space decoders)
-        return self._emit(new_text[len(prefix_text) :], len(self._ids))
+        delta = new_text[len(prefix_text) :]
+        whole = self._piecewise and REPLACEMENT not in new_text
+        return self._emit(delta, len(self._ids), delta if whole else None)
 
     def finish(self) -> str:
         """Flushes what is held back (a trailing partial character decodes to U+FFFD)."""
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        prefix_text = self._window_prefix_text()
         new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) <= len(prefix_text):
             return ""
         return self._emit(new_text[len(prefix_text) :], len(self._ids))
 
-    def _emit(self, delta: str, read: int) -> str:
-        """Emits delta, the text of ids[read_before:read]; ids[old read:read] become context."""
+    def _window_prefix_text(self) -> str:
+        """decode(ids[prefix:read]): kept from the last delta where that is exact."""
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix : self._read])
+        return self._prefix_text
+
+    def _emit(self, delta: str, read: int, delta_is_window_text: str | None = None) -> str:
+        """Emits delta, the text of ids[read_before:read]; ids[old read:read] become context,
+        whose text is ``delta_is_window_text`` when the caller knows it (else decoded later)."""
         self._prefix, self._read = self._read, read
         del self._ids[: self._prefix]  # keep the window small: only ids[prefix:] matter
         self._read -= self._prefix
         self._prefix = 0
+        self._prefix_text = delta_is_window_text
         self._chunks.append(delta)
         return delta
 
