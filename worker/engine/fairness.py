@@ -146,13 +146,13 @@ class ServiceLedger:
         weight = self.accounts[tenant].weight
         return (cfg.prefill_weight * prefill + cfg.decode_weight * decode) / weight
 
-    def charge(self, scheduled: list[ScheduledSequence]) -> None:
-        """Add a step's placed work to its tenants' counters: each tenant's tokens are
-        summed first, so a step of many decodes touches each account once."""
+    def charge(self, costs: list[tuple[ScheduledSequence, int, int]]) -> None:
+        """Add a step's placed work, each piece with its (prefill, decode) ``cost``, to its
+        tenants' counters: each tenant's tokens are summed first, so a step of many decodes
+        touches each account once."""
         totals: dict[str, tuple[int, int]] = {}
-        for placed in scheduled:
+        for placed, prefill, decode in costs:
             seq = placed.seq
-            prefill, decode = self.cost(seq, placed.start, placed.num_tokens, placed.num_spec)
             before = totals.get(seq.tenant, (0, 0))
             totals[seq.tenant] = (before[0] + prefill, before[1] + decode)
             seq.num_charged_tokens = max(seq.num_charged_tokens, placed.start + placed.num_tokens)
@@ -206,19 +206,32 @@ class ServiceLedger:
 
 
 class StepCharges:
-    """This step's tokens per tenant so far, so that the next pick sees them."""
+    """This step's tokens per tenant so far, so that the next pick sees them; charged to
+    the ledger once the step is scheduled (``commit``)."""
 
     def __init__(self, ledger: ServiceLedger) -> None:
         self.ledger = ledger
-        self.extra: dict[str, float] = {}
+        self._tokens: dict[str, tuple[int, int]] = {}  # tenant -> (prefill, decode) so far
+        self._costs: list[tuple[ScheduledSequence, int, int]] = []
 
     def note(self, placed: ScheduledSequence) -> ScheduledSequence:
-        if self.ledger.fair:
-            seq = placed.seq
-            cost = self.ledger.cost(seq, placed.start, placed.num_tokens, placed.num_spec)
-            virtual = self.ledger.virtual(seq.tenant, *cost)
-            self.extra[seq.tenant] = self.extra.get(seq.tenant, 0.0) + virtual
+        seq = placed.seq
+        prefill, decode = self.ledger.cost(seq, placed.start, placed.num_tokens, placed.num_spec)
+        self._costs.append((placed, prefill, decode))
+        before = self._tokens.get(seq.tenant, (0, 0))
+        self._tokens[seq.tenant] = (before[0] + prefill, before[1] + decode)
         return placed
+
+    def extra(self, tenant: str) -> float:
+        """What this step's tokens so far add to the tenant's counter."""
+        tokens = self._tokens.get(tenant)
+        return 0.0 if tokens is None else self.ledger.virtual(tenant, *tokens)
+
+    def commit(self, scheduled: list[ScheduledSequence]) -> None:
+        """Charge the ledger for the noted work still in ``scheduled`` (a sequence
+        preempted after it was placed gives its place back)."""
+        kept = {id(placed) for placed in scheduled}
+        self.ledger.charge([c for c in self._costs if id(c[0]) in kept])
 
     def lowest(self, queues: dict[str, deque[Sequence]], running: list[Sequence]) -> str:
         """The tenant to serve next: lowest counter, then fewest seats held (a newcomer
@@ -229,7 +242,7 @@ class StepCharges:
         return min(
             queues,
             key=lambda t: (
-                self.ledger.counter(t) + self.extra.get(t, 0.0),
+                self.ledger.counter(t) + self.extra(t),
                 seats.get(t, 0),
                 queues[t][0].arrival_order,
             ),

@@ -121,7 +121,7 @@ class Scheduler:
         step = StepCharges(self.ledger)
         self._schedule_decodes(out, step)
         self._schedule_prefills(out, step)
-        self.ledger.charge(out.scheduled)
+        step.commit(out.scheduled)
         return out
 
     def mark_computed(self, out: SchedulerOutput) -> None:
