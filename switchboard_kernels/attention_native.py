@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from switchboard_kernels import native
+from switchboard_kernels.host_ints import flat_ints
 
 MAX_HEAD_DIM = 256  # as in attention_cpu.c
 DTYPES = (torch.bfloat16, torch.float32)  # of the query, output and cache
@@ -60,11 +61,10 @@ class NativeDecodes:
         ):
             raise ValueError("own slots: one per sequence, and only for one-query sequences")
 
-        # One host tensor cut in six: each torch.tensor call costs more than its values.
-        fields = [rows, list(queries), list(starts), table_starts, own, flat]
-        parts = torch.tensor([v for f in fields for v in f], dtype=torch.int64).split(
-            [len(f) for f in fields]
-        )
+        # One host tensor cut in six: each conversion costs more than its values.
+        fields = [rows, queries, starts, table_starts, own, flat]
+        lengths = [len(f) for f in fields]
+        parts = flat_ints(fields, sum(lengths)).split(lengths)
         return cls(
             rows=parts[0],
             queries=parts[1],

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from switchboard_kernels.host_ints import host_ints, ragged_rows
+
 # Sequences of up to this many rows go to the decode launch (a plain decode, or k + 1
 # verification rows for k <= 7); longer chunks are tiled by the prefill launch.
 DECODE_MAX_ROWS = 8
@@ -120,12 +122,8 @@ class PagedLayout:
         if num_splits is None:
             longest = max((t[3] for t in decodes), default=0)
             num_splits = choose_splits(longest, len(decodes) * num_kv_heads)
-        width = max((len(t) for t in tables), default=0)
-        padded = np.zeros((len(tables), width), dtype=np.int32)
-        for index, table in enumerate(tables):
-            padded[index, : len(table)] = table
         return cls(
-            block_tables=torch.from_numpy(padded),
+            block_tables=ragged_rows(tables),
             row_last=_int32(row_last),
             row_self=_int32(row_self),
             decode=_tiles(decodes, _pow2(decode_q), num_splits),
@@ -155,4 +153,4 @@ def _pow2(n: int) -> int:
 
 
 def _int32(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32)
+    return host_ints(values, np.int32)

@@ -15,6 +15,7 @@ import torch
 
 from switchboard_kernels.attention_native import DTYPES as NATIVE_ATTENTION_DTYPES
 from switchboard_kernels.attention_native import MAX_HEAD_DIM, NativeDecodes, native_attention
+from switchboard_kernels.host_ints import flat_ints
 from switchboard_kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from switchboard_kernels.paged_layout import PagedLayout, PagedSequence
 from worker.engine.batch import BlockMove, MoveKind, ScheduledSequence
@@ -398,10 +399,10 @@ def _host(values: list[int]) -> torch.Tensor:
 
 
 def _host_columns(*columns: list[int]) -> tuple[torch.Tensor, ...]:
-    """``_host`` of each list, from one tensor: a torch.tensor call costs more than a
-    step's worth of values."""
-    flat = [v for column in columns for v in column]
-    return _host(flat).split([len(column) for column in columns])
+    """``_host`` of each list, cut from one tensor (each conversion costs more than a
+    step's worth of values)."""
+    lengths = [len(column) for column in columns]
+    return flat_ints(columns, sum(lengths)).split(lengths)
 
 
 def _chunk_mask(s: ScheduledSequence, span: int) -> torch.Tensor:
