@@ -1,4 +1,7 @@
-"""Incremental detokenization: deltas add up to the full decode, whatever the token boundaries."""
+"""Incremental detokenization: deltas add up to the full decode, whatever the token boundaries.
+
+Byte-level tokenizers are streamed both ways: through the byte table the engine uses for them
+(``make_detokenizer``) and through the decode window every other tokenizer gets."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from worker.text.detokenizer import IncrementalDetokenizer
+from worker.text.byte_level import ByteLevelDetokenizer, token_bytes
+from worker.text.detokenizer import IncrementalDetokenizer, make_detokenizer
 
 CORPUS = [
     "héllo 世界 🙂 hello world",
@@ -34,7 +38,8 @@ def train(tokenizer: Tokenizer, *, vocab_size: int, alphabet: list[str]) -> PreT
         eos_token=SPECIAL[0],
         additional_special_tokens=SPECIAL[1:],
     )
-    fast.add_tokens(["<tool>"])  # an added token that is not special
+    # Added tokens that are not special; a space is outside the byte-level alphabet.
+    fast.add_tokens(["<tool>", "<tool call>"])
     return fast
 
 
@@ -78,11 +83,12 @@ def stream(
     *,
     prompt_ids: list[int] | None = None,
     skip_special_tokens: bool = True,
+    window: bool = False,
 ) -> list[str]:
-    """Every delta, including the final flush."""
-    detok = IncrementalDetokenizer(
-        tokenizer, prompt_ids or [], skip_special_tokens=skip_special_tokens
-    )
+    """Every delta, including the final flush: from the engine's detokenizer for this
+    tokenizer, or (``window``) from the decode window's."""
+    make = IncrementalDetokenizer if window else make_detokenizer
+    detok = make(tokenizer, prompt_ids or [], skip_special_tokens=skip_special_tokens)
     deltas = [detok.add(t) for t in output_ids]
     deltas.append(detok.finish())
     assert detok.text == "".join(deltas)
@@ -93,11 +99,14 @@ def stream(
     "text",
     ["héllo 世界 🙂", "the quick brown fox", "naïve café", "😀🎉 emoji 日本語", " leading space"],
 )
-def test_deltas_add_up_to_the_text(byte_level: PreTrainedTokenizerFast, text: str) -> None:
+@pytest.mark.parametrize("window", [False, True])
+def test_deltas_add_up_to_the_text(
+    byte_level: PreTrainedTokenizerFast, text: str, window: bool
+) -> None:
     ids = byte_level.encode(text)
     prompt = byte_level.encode("Say:")
-    assert "".join(stream(byte_level, ids, prompt_ids=prompt)) == text
-    assert "".join(stream(byte_level, ids)) == text
+    assert "".join(stream(byte_level, ids, prompt_ids=prompt, window=window)) == text
+    assert "".join(stream(byte_level, ids, window=window)) == text
 
 
 def test_a_character_split_across_tokens_is_held_back_until_complete(
@@ -105,41 +114,49 @@ def test_a_character_split_across_tokens_is_held_back_until_complete(
 ) -> None:
     world = "世".encode()  # 3 bytes
     ids = [byte_token(byte_level, b) for b in b"a" + world + b"b"]
-    detok = IncrementalDetokenizer(byte_level, byte_level.encode("x"))
-    assert [detok.add(t) for t in ids] == ["a", "", "", "世", "b"]
-    assert detok.finish() == ""
-    assert detok.text == "a世b"
+    for make in (IncrementalDetokenizer, make_detokenizer):
+        detok = make(byte_level, byte_level.encode("x"))
+        assert [detok.add(t) for t in ids] == ["a", "", "", "世", "b"]
+        assert detok.finish() == ""
+        assert detok.text == "a世b"
 
 
 def test_a_trailing_partial_character_is_flushed_as_replacement(
     byte_level: PreTrainedTokenizerFast,
 ) -> None:
     ids = [byte_token(byte_level, b) for b in b"ok" + "🙂".encode()[:2]]
-    detok = IncrementalDetokenizer(byte_level, [])
-    assert "".join(detok.add(t) for t in ids) == "ok"
-    assert detok.finish() == "\ufffd" == byte_level.decode(ids)[-1]
-    assert detok.text == byte_level.decode(ids)
+    for make in (IncrementalDetokenizer, make_detokenizer):
+        detok = make(byte_level, [])
+        assert "".join(detok.add(t) for t in ids) == "ok"
+        assert detok.finish() == "\ufffd" == byte_level.decode(ids)[-1]
+        assert detok.text == byte_level.decode(ids)
 
 
-def test_special_tokens_are_skipped_or_kept(byte_level: PreTrainedTokenizerFast) -> None:
+@pytest.mark.parametrize("window", [False, True])
+def test_special_tokens_are_skipped_or_kept(
+    byte_level: PreTrainedTokenizerFast, window: bool
+) -> None:
     ids = [*byte_level.encode("hello"), byte_level.eos_token_id, *byte_level.encode(" world")]
-    assert "".join(stream(byte_level, ids)) == "hello world"
-    kept = "".join(stream(byte_level, ids, skip_special_tokens=False))
+    assert "".join(stream(byte_level, ids, window=window)) == "hello world"
+    kept = "".join(stream(byte_level, ids, skip_special_tokens=False, window=window))
     assert kept == "hello<|endoftext|> world" == byte_level.decode(ids)
 
 
+@pytest.mark.parametrize("window", [False, True])
 def test_a_prompt_ending_inside_a_character_is_not_completed_by_the_output(
-    byte_level: PreTrainedTokenizerFast,
+    byte_level: PreTrainedTokenizerFast, window: bool
 ) -> None:
     smile = "🙂".encode()
     prompt = byte_level.encode("hi ") + [byte_token(byte_level, b) for b in smile[:2]]
     output = [byte_token(byte_level, b) for b in smile[2:]] + byte_level.encode("ok")
-    assert "".join(stream(byte_level, output, prompt_ids=prompt)) == byte_level.decode(output)
+    deltas = stream(byte_level, output, prompt_ids=prompt, window=window)
+    assert "".join(deltas) == byte_level.decode(output)
 
 
+@pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_random_ids_decode_like_the_full_decode(
-    byte_level: PreTrainedTokenizerFast, skip_special_tokens: bool
+    byte_level: PreTrainedTokenizerFast, skip_special_tokens: bool, window: bool
 ) -> None:
     """Property: for random ids (special tokens, added tokens, stray bytes that make invalid
     UTF-8), the deltas concatenate to tokenizer.decode(output_ids)."""
@@ -152,13 +169,20 @@ def test_random_ids_decode_like_the_full_decode(
         if prompt is None:  # a random prompt, which may end inside a character
             prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 10))]
         deltas = stream(
-            byte_level, output, prompt_ids=prompt, skip_special_tokens=skip_special_tokens
+            byte_level,
+            output,
+            prompt_ids=prompt,
+            skip_special_tokens=skip_special_tokens,
+            window=window,
         )
         expected = byte_level.decode(output, skip_special_tokens=skip_special_tokens)
         assert "".join(deltas) == expected, (prompt, output)
 
 
-def test_random_multibyte_text_split_anywhere(byte_level: PreTrainedTokenizerFast) -> None:
+@pytest.mark.parametrize("window", [False, True])
+def test_random_multibyte_text_split_anywhere(
+    byte_level: PreTrainedTokenizerFast, window: bool
+) -> None:
     """Property: valid text spelled with single-byte tokens streams out exactly."""
     rng = random.Random(99)
     alphabet = "aé世🙂 ü語😀"
@@ -170,7 +194,7 @@ def test_random_multibyte_text_split_anywhere(byte_level: PreTrainedTokenizerFas
                 ids += byte_level.encode(char)
             else:
                 ids += [byte_token(byte_level, b) for b in char.encode()]
-        deltas = stream(byte_level, ids, prompt_ids=byte_level.encode("x"))
+        deltas = stream(byte_level, ids, prompt_ids=byte_level.encode("x"), window=window)
         assert "".join(deltas) == text
         assert "\ufffd" not in "".join(deltas)
 
@@ -183,10 +207,6 @@ class CountingTokenizer:
         self.backend_tokenizer = self
         self.window_lengths: list[int] = []
 
-    @property
-    def decoder(self) -> Any:
-        return self.inner.decoder
-
     def get_added_tokens_decoder(self) -> Any:
         return self.inner.get_added_tokens_decoder()
 
@@ -198,27 +218,8 @@ class CountingTokenizer:
 def test_decode_windows_stay_small(byte_level: PreTrainedTokenizerFast) -> None:
     text = byte_level.encode("héllo 世界 🙂 the quick brown fox " * 20)
     counting = CountingTokenizer(byte_level)
-    assert "".join(stream(counting, text, prompt_ids=text)) == byte_level.decode(text)
+    assert "".join(stream(counting, text, prompt_ids=text, window=True)) == byte_level.decode(text)
     assert max(counting.window_lengths) <= 8
-
-
-def test_byte_level_text_costs_one_decode_per_token(
-    byte_level: PreTrainedTokenizerFast, metaspace: PreTrainedTokenizerFast
-) -> None:
-    # Byte-level text decodes piecewise, so each token's window text is the last delta;
-    # SentencePiece's drops a leading space, so it decodes both windows every time.
-    text = "héllo 世界 🙂 the quick brown fox " * 5
-    for tokenizer, per_token in ((byte_level, 1), (metaspace, 2)):
-        ids = tokenizer.encode(text)
-        prompt, output = ids[:8], ids[8:]
-        counting = CountingTokenizer(tokenizer)
-        expected = tokenizer.decode(ids)[len(tokenizer.decode(prompt)) :]
-        assert "".join(stream(counting, output, prompt_ids=prompt)) == expected
-        decodes, tokens = len(counting.window_lengths), len(output)
-        if per_token == 1:  # a few more where a character's bytes are held back
-            assert tokens <= decodes <= 1.25 * tokens + 2
-        else:
-            assert decodes >= 2 * tokens
 
 
 def test_decode_windows_stay_small_on_endless_invalid_bytes(
@@ -227,7 +228,7 @@ def test_decode_windows_stay_small_on_endless_invalid_bytes(
     # A stream of lead bytes never completes a character: every step ends in U+FFFD.
     garbage = [byte_token(byte_level, 0xE4)] * 200 + byte_level.encode("end")
     counting = CountingTokenizer(byte_level)
-    deltas = stream(counting, garbage)
+    deltas = stream(counting, garbage, window=True)
     assert "".join(deltas) == byte_level.decode(garbage) == "\ufffd" * 200 + "end"
     assert max(counting.window_lengths) <= 20
 
@@ -251,3 +252,30 @@ def test_metaspace_random_ids_continue_the_prompt(metaspace: PreTrainedTokenizer
         full = metaspace.decode(prompt + output, skip_special_tokens=True)
         expected = full[len(metaspace.decode(prompt, skip_special_tokens=True)) :]
         assert "".join(stream(metaspace, output, prompt_ids=prompt)) == expected, output
+
+
+def test_each_tokenizer_gets_its_detokenizer(
+    byte_level: PreTrainedTokenizerFast, metaspace: PreTrainedTokenizerFast
+) -> None:
+    assert isinstance(make_detokenizer(byte_level, []), ByteLevelDetokenizer)
+    assert isinstance(make_detokenizer(metaspace, []), IncrementalDetokenizer)
+    assert token_bytes(metaspace.backend_tokenizer) is None
+
+
+def test_the_byte_table_holds_each_id_as_the_tokenizer_decodes_it(
+    byte_level: PreTrainedTokenizerFast, default_model_path
+) -> None:
+    """Every id of the default model's tokenizer (and of the test one, with added tokens
+    inside and outside the byte alphabet) against the library's own decode; ids it does not
+    know decode to nothing."""
+    from transformers import AutoTokenizer
+
+    for tokenizer in (byte_level, AutoTokenizer.from_pretrained(default_model_path)):
+        backend = tokenizer.backend_tokenizer
+        table = token_bytes(backend)
+        assert table is not None and len(table) == len(tokenizer)
+        for token_id, piece in enumerate(table):
+            expected = backend.decode([token_id], skip_special_tokens=False)
+            assert piece.decode("utf-8", "replace") == expected, token_id
+        detok = make_detokenizer(tokenizer, [])
+        assert detok.add(len(table)) == detok.add(-1) == "" == backend.decode([len(table)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from worker.engine.outputs import RequestOutput
 from worker.engine.sequence import FinishReason, Sequence
 from worker.sampling.sampler import SampledToken
-from worker.text.detokenizer import IncrementalDetokenizer
+from worker.text.detokenizer import make_detokenizer
 from worker.text.stop_checker import StopChecker
 
 
@@ -18,7 +18,7 @@ class Postprocessor:
         """Give a new sequence its detokenizer and stop-string checker."""
         params = seq.params
         if tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(
+            seq.detokenizer = make_detokenizer(
                 tokenizer, seq.prompt_token_ids, skip_special_tokens=params.skip_special_tokens
             )
         if params.stop:

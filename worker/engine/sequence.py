@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from worker.sampling.grammar import GrammarState
+    from worker.text.byte_level import ByteLevelDetokenizer
     from worker.text.detokenizer import IncrementalDetokenizer
     from worker.text.stop_checker import StopChecker
 
@@ -104,7 +105,7 @@ class Sequence:
     generator: torch.Generator | None = None
     # A structured output's matcher (``worker.sampling.grammar``): which tokens may come next.
     grammar: GrammarState | None = None
-    detokenizer: IncrementalDetokenizer | None = None
+    detokenizer: IncrementalDetokenizer | ByteLevelDetokenizer | None = None
     stop_checker: StopChecker | None = None
     text: str = ""
     logprobs: list | None = None

@@ -5,17 +5,14 @@ byte-level tokens (a partial UTF-8 sequence decodes to U+FFFD), and SentencePiec
 decoders drop the leading space of the first token they see. So, as vLLM does, each step
 decodes a small window of ids twice, `ids[prefix:read]` and `ids[prefix:]`, and emits the
 difference; text ending in U+FFFD is held back until its character completes. Cost per token
-is O(window): the window restarts after every emitted delta. For a byte-level decoder
-(GPT-2, Llama 3, Qwen2, SmolLM2) the first of the two decodes is known without decoding:
-there, text decodes piecewise at character boundaries, so after a delta whose window held
-only whole characters, the next window's text is that delta.
+is O(window): the window restarts after every emitted delta.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import decoders
+from worker.text.byte_level import ByteLevelDetokenizer, token_bytes
 
 # Prompt tokens decoded as context before the first output token (vLLM uses 5).
 PROMPT_CONTEXT_TOKENS = 5
@@ -23,6 +20,27 @@ PROMPT_CONTEXT_TOKENS = 5
 # past this many held-back tokens, the older ones are final and released.
 MAX_HELD_TOKENS = 8
 REPLACEMENT = "\ufffd"
+
+
+def make_detokenizer(
+    tokenizer: Any, prompt_token_ids: list[int], *, skip_special_tokens: bool = True
+) -> IncrementalDetokenizer | ByteLevelDetokenizer:
+    """The detokenizer for one request: byte-level tokenizers get the table-driven one
+    (`worker.text.byte_level`), the others this module's."""
+    backend = tokenizer.backend_tokenizer
+    table = token_bytes(backend)
+    if table is None:
+        return IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
+        )
+    return ByteLevelDetokenizer(table, special_ids(backend) if skip_special_tokens else frozenset())
+
+
+def special_ids(backend: Any) -> frozenset[int]:
+    """The ids of a ``tokenizers.Tokenizer``'s special added tokens."""
+    return frozenset(
+        token_id for token_id, token in backend.get_added_tokens_decoder().items() if token.special
+    )
 
 
 class IncrementalDetokenizer:
@@ -47,23 +65,14 @@ class IncrementalDetokenizer:
         # `tokenizer.decode` runs (transformers only adds an optional WordPiece clean-up).
         self._backend = tokenizer.backend_tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._skipped: frozenset[int] = frozenset(
-            token_id
-            for token_id, token in self._backend.get_added_tokens_decoder().items()
-            if token.special and skip_special_tokens
-        )
-        # Decoding is piecewise at character boundaries (see the module docstring).
-        self._piecewise = isinstance(self._backend.decoder, decoders.ByteLevel)
+        self._skipped = special_ids(self._backend) if skip_special_tokens else frozenset()
         context = [t for t in prompt_token_ids if t not in self._skipped]
         context = context[-PROMPT_CONTEXT_TOKENS:]
-        context_text = self._decode(context)
-        if context_text.endswith(REPLACEMENT):
-            context, context_text = [], ""  # the prompt ends inside a character: output
-            # must not complete it
+        if self._decode(context).endswith(REPLACEMENT):
+            context = []  # the prompt ends inside a character: output must not complete it
         self._ids: list[int] = context  # the decode window: ids[prefix:] are still needed
         self._prefix = 0  # ids[prefix:read] is decoded only as context
         self._read = len(context)  # ids[read:] is not emitted yet
-        self._prefix_text: str | None = context_text  # decode(ids[prefix:read]), if known
         self._chunks: list[str] = []
 
     @property
@@ -78,7 +87,7 @@ class IncrementalDetokenizer:
         if token_id in self._skipped:
             return ""  # the decoder never sees it, so dropping it changes nothing
         self._ids.append(token_id)
-        prefix_text = self._window_prefix_text()
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
         if new_text.endswith(REPLACEMENT):
             if len(self._ids) - self._read > MAX_HELD_TOKENS:
@@ -86,32 +95,22 @@ class IncrementalDetokenizer:
             return ""  # maybe a character still incomplete
         if len(new_text) <= len(prefix_text):
             return ""  # nothing visible yet (keeps context for leading-space decoders)
-        delta = new_text[len(prefix_text) :]
-        whole = self._piecewise and REPLACEMENT not in new_text
-        return self._emit(delta, len(self._ids), delta if whole else None)
+        return self._emit(new_text[len(prefix_text) :], len(self._ids))
 
     def finish(self) -> str:
         """Flushes what is held back (a trailing partial character decodes to U+FFFD)."""
-        prefix_text = self._window_prefix_text()
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) <= len(prefix_text):
             return ""
         return self._emit(new_text[len(prefix_text) :], len(self._ids))
 
-    def _window_prefix_text(self) -> str:
-        """decode(ids[prefix:read]): kept from the last delta where that is exact."""
-        if self._prefix_text is None:
-            self._prefix_text = self._decode(self._ids[self._prefix : self._read])
-        return self._prefix_text
-
-    def _emit(self, delta: str, read: int, delta_is_window_text: str | None = None) -> str:
-        """Emits delta, the text of ids[read_before:read]; ids[old read:read] become context,
-        whose text is ``delta_is_window_text`` when the caller knows it (else decoded later)."""
+    def _emit(self, delta: str, read: int) -> str:
+        """Emits delta, the text of ids[read_before:read]; ids[old read:read] become context."""
         self._prefix, self._read = self._read, read
         del self._ids[: self._prefix]  # keep the window small: only ids[prefix:] matter
         self._read -= self._prefix
         self._prefix = 0
-        self._prefix_text = delta_is_window_text
         self._chunks.append(delta)
         return delta
 
