@@ -230,8 +230,11 @@ class StepCharges:
     def commit(self, scheduled: list[ScheduledSequence]) -> None:
         """Charge the ledger for the noted work still in ``scheduled`` (a sequence
         preempted after it was placed gives its place back)."""
-        kept = {id(placed) for placed in scheduled}
-        self.ledger.charge([c for c in self._costs if id(c[0]) in kept])
+        costs = self._costs
+        if len(costs) != len(scheduled):
+            kept = {id(placed) for placed in scheduled}
+            costs = [c for c in costs if id(c[0]) in kept]
+        self.ledger.charge(costs)
 
     def lowest(self, queues: dict[str, deque[Sequence]], running: list[Sequence]) -> str:
         """The tenant to serve next: lowest counter, then fewest seats held (a newcomer

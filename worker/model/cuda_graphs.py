@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from switchboard_kernels.host_ints import host_ints
 from switchboard_kernels.lora import LoraMapping
 from switchboard_kernels.paged_attention import AttentionMetadata
 from switchboard_kernels.paged_layout import PagedLayout, Tiles, choose_splits
@@ -138,7 +139,7 @@ class DecodeGraphs:
         width = layout.block_tables.shape[1]
         self.block_tables[:rows, :width].copy_(layout.block_tables)
         if lora is not None:
-            slots = torch.tensor(lora.token_slots, dtype=torch.int64)
+            slots = host_ints(lora.token_slots)
             self.token_slots[:bucket].copy_(padded(slots, -1))
 
     def _capture(self, bucket: int, lora: LoraBatch | None) -> _Graph:
