@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The checks only a CUDA GPU can run, in one go, within 8 minutes: the CUDA tests (engine
+# The checks only a CUDA GPU can run, in one go, within 8 minutes (20 s more for bench.host_step): the CUDA tests (engine
 # against transformers and peft, both attention backends, Triton kernels compiled for real
 # against their references), the Triton multi-LoRA kernels' speed (bench.lora_triton), the
 # Triton paged attention against its HBM bandwidth floor and the torch path
 # (bench.attention_triton), and the engine's throughput for the base model, 1 and 32 adapters
 # (bench.lora, random weights) in the shape of the model whose config.json is in
-# $MODEL_CONFIG and in a 1.7B Llama's shape. Results go to $OUT (default
+# $MODEL_CONFIG and in a 1.7B Llama's shape, then the host's work per decode step on this
+# machine's CPU (bench.host_step). Results go to $OUT (default
 # /tmp/switchboard-gpu). Needs torch with CUDA, triton, transformers, peft, safetensors and
 # pytest; nothing else of the project's stack. Each step has its own time limit (seconds,
-# overridable: TESTS_S, KERNELS_S, ATTENTION_S, ENGINE_S, ENGINE_1B_S).
+# overridable: TESTS_S, KERNELS_S, ATTENTION_S, ENGINE_S, ENGINE_1B_S, HOST_S).
 set -u
 OUT=${OUT:-/tmp/switchboard-gpu}
 MODEL_CONFIG=${MODEL_CONFIG:-$HOME/.cache/switchboard/models/SmolLM2-135M-Instruct}
@@ -49,5 +50,9 @@ timeout "${ENGINE_1B_S:-150}" $PYTHON -m bench.lora --model "$LLAMA_1B" --random
     --kv-cache-gb 16 \
     --workdir /tmp/switchboard-bench-lora-1.7b --out "$OUT/lora_1.7b.json" 2>&1 \
     | tee "$OUT/lora_1.7b.log"
+status=$((status | PIPESTATUS[0]))
+# The model's vocabulary and tokenizer (the config's directory must hold them).
+timeout "${HOST_S:-20}" $PYTHON -m bench.host_step --model "$MODEL_CONFIG" --repeats 2 \
+    --steps 32 --out "$OUT/host_step.json" 2>&1 | tee "$OUT/host_step.log"
 status=$((status | PIPESTATUS[0]))
 exit $status
