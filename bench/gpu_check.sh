@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The checks only a CUDA GPU can run, in one go, within 8 minutes (20 s more for bench.host_step): the CUDA tests (engine
+# The checks only a CUDA GPU can run, in one go, within 8 minutes (20 s more for
+# bench.host_step): the CUDA tests (engine
 # against transformers and peft, both attention backends, Triton kernels compiled for real
 # against their references), the Triton multi-LoRA kernels' speed (bench.lora_triton), the
 # Triton paged attention against its HBM bandwidth floor and the torch path
