@@ -17,6 +17,7 @@ from worker.engine.batch import PreemptionMode
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.placement import (
+    resolve_async_output,
     resolve_attention_backend,
     resolve_cuda_graphs,
     resolve_device,
@@ -48,6 +49,7 @@ class EngineParts:
     lora_manager: LoraManager | None  # None when max_loras is 0
     runner: ModelRunner
     speculator: Speculator | None
+    async_output: bool
 
 
 def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
@@ -58,6 +60,7 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
     attention_backend = resolve_attention_backend(config.attention_backend, device)
     tp_size = config.tensor_parallel_size
     cuda_graphs = resolve_cuda_graphs(config.cuda_graphs, device, attention_backend, tp_size)
+    async_output = resolve_async_output(config.async_output, device, config.speculative.enabled)
     num_kv_blocks, num_host_blocks = kv_cache_blocks(model, config, torch_dtype)
     # Tensor parallelism: ranks 1..N-1 load their shards while this process (rank 0) loads
     # its own; None on one rank.
@@ -158,6 +161,7 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
         lora_manager=lora_manager,
         runner=runner,
         speculator=speculator,
+        async_output=async_output,
     )
 
 

@@ -51,7 +51,10 @@ class EngineConfig:
     the KV cache and swap sizes are then each rank's. ``attention_backend``: ``"triton"``
     (kernels reading the cache in place, the default on CUDA) or ``"torch"`` (SDPA and the
     native CPU kernel, the default elsewhere); ``cuda_graphs``: replay decode steps as CUDA
-    graphs (CUDA, triton, one rank: the default there); see docs/engine.md."""
+    graphs (CUDA, triton, one rank: the default there); ``async_output``: render each
+    step's tokens (detokenize, stop strings, outputs) while the device runs the next step,
+    handing them out one step later (CUDA without speculation: the default there); see
+    docs/engine.md."""
 
     dtype: str | torch.dtype = "auto"
     device: str | torch.device = "cpu"
@@ -72,6 +75,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attention_backend: str | None = None  # None: by device (placement.resolve_attention_backend)
     cuda_graphs: bool | None = None  # decode steps as CUDA graphs; None: where they can run
+    async_output: bool | None = None  # render a step's tokens during the next; None: on CUDA
     # Run the step shapes serving will use once before the first request (worker.engine.warmup):
     # the worker's default, off for the offline engine, which tests build by the hundred.
     warmup: bool = False

@@ -4,6 +4,12 @@
 its own thread, the offline ``LLM`` calls it until every request is done. A request that
 fails a step alone (``worker.engine.isolation``) ends there, with ``finish_reason`` "abort" and
 its error in ``take_failures()``; the others go on.
+
+With ``async_output`` (on CUDA by default), postprocessing is split: what the next step needs
+(the token appended; an end by a stop token, the length or the grammar) is done at once, and
+the rest (detokenizing, stop strings, the outputs) in the next step, while the device runs its
+forward pass; outputs come one step later, and a request a stop string ends has computed one
+token more, which is dropped.
 """
 
 from __future__ import annotations
@@ -67,6 +73,10 @@ class LLMEngine:
         self.lora_manager = parts.lora_manager
         self.runner = parts.runner
         self.speculator = parts.speculator
+        self.async_output = parts.async_output
+        # async_output: tokens committed by the last step, to render in this one, with
+        # whether each shows in the text (see Postprocessor.commit).
+        self._committed: list[tuple[Sequence, int, bool]] = []
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(
             self.tokenizer,
@@ -253,7 +263,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.runner.move_blocks(sched.moves)
         if sched.is_empty:
-            return []
+            return self._render_committed()
         start = time.perf_counter()
         executed = execute_isolating(self.runner.execute, sched.scheduled)
         sampling, logits = executed.sampling, executed.logits
@@ -273,12 +283,18 @@ class LLMEngine:
         if self._forks and sampling:
             sampling, logits = self._forks.join(sampling, logits)
         rows = [self._rows[s.seq.request_id] for s in sampling]
+        # async_output: the last step's tokens, rendered while the device runs this pass
+        # (sampling waits for it).
+        outputs = self._render_committed()
         sampled, failures = sample_isolating(self.sampler, logits, rows)
         failed += [(sampling[j].seq, exc) for j, exc in failures.items()]
         now = time.monotonic()
-        outputs = []
         for j, (s, token) in enumerate(zip(sampling, sampled, strict=True)):
-            if j not in failures:
+            if j in failures:
+                continue
+            if self.async_output:
+                self._commit_isolating(s.seq, token, now, failed)
+            else:
                 outputs += self._emit_isolating(s.seq, [token], now, failed)
         for v in verified:
             outputs += self._emit_isolating(v.seq, v.tokens, now, failed, verified=True)
@@ -349,6 +365,54 @@ class LLMEngine:
             logger.exception("postprocessing request %s failed", seq.request_id)
             failed.append((seq, SequenceFailedError(f"postprocessing failed: {exc!r}")))
             return []
+
+    def _commit_isolating(
+        self,
+        seq: Sequence,
+        token: SampledToken,
+        now: float,
+        failed: list[tuple[Sequence, EngineError]],
+    ) -> None:
+        """async_output: what the next step needs of ``token`` now, its rendering queued for
+        the next step. A sequence ended meanwhile (by a stop string, in this step's
+        rendering) drops its token; one ending here leaves the schedule at once."""
+        if seq.finish_reason is not None:
+            return
+        try:
+            shows = self.postprocessor.commit(seq, token, now)
+        except StructuredOutputError as exc:  # the request's grammar: its own fault
+            failed.append((seq, exc))
+            return
+        except Exception as exc:
+            logger.exception("postprocessing request %s failed", seq.request_id)
+            failed.append((seq, SequenceFailedError(f"postprocessing failed: {exc!r}")))
+            return
+        if seq.finish_reason is not None:
+            # Its output, and its end, come with the rendering; its blocks are free now.
+            self._forks.release(seq)
+            self.scheduler.remove(seq)
+        self._committed.append((seq, token.token_id, shows))
+
+    def _render_committed(self) -> list[RequestOutput]:
+        """async_output: the outputs of the tokens the last step committed; a stop string
+        ends its request here. Requests aborted or failed since are passed over."""
+        committed, self._committed = self._committed, []
+        outputs = []
+        for seq, token_id, shows in committed:
+            if self.requests.get(seq.request_id) is not seq:
+                continue
+            try:
+                text = self.postprocessor.render(seq, token_id, shows)
+                if seq.finish_reason is not None:
+                    text += self.postprocessor.flush(seq)
+                    self._finish(seq)
+                outputs.append(self.postprocessor.output(seq, new_tokens=1, new_text=text))
+            except Exception as exc:
+                logger.exception("postprocessing request %s failed", seq.request_id)
+                error = SequenceFailedError(f"postprocessing failed: {exc!r}")
+                if self.requests.get(seq.request_id) is seq:
+                    outputs.append(self._fail(seq, error))
+        return outputs
 
     def _fail(self, seq: Sequence, error: EngineError) -> RequestOutput:
         """End a request that failed alone: free what it holds, keep why for its caller."""

@@ -80,3 +80,14 @@ def resolve_cuda_graphs(
             f"(got {device.type!r}, {attention_backend!r}, {tensor_parallel_size} ranks)"
         )
     return possible if requested is None else requested
+
+
+def resolve_async_output(requested: bool | None, device: torch.device, speculative: bool) -> bool:
+    """Render a step's tokens while the device runs the next one: where the device runs
+    apart from the host (None: on CUDA), and never beside speculation, whose verified
+    drafts end a step with several tokens a stop string may cut."""
+    if requested and speculative:
+        raise InvalidRequestError("async_output needs speculative decoding off")
+    if requested is None:
+        return device.type == "cuda" and not speculative
+    return requested

@@ -28,6 +28,12 @@ class Postprocessor:
 
     def add_token(self, seq: Sequence, token: SampledToken, now: float) -> str:
         """Append ``token`` to ``seq``, set its finish reason if it ends here; the new text."""
+        return self.render(seq, token.token_id, self.commit(seq, token, now))
+
+    def commit(self, seq: Sequence, token: SampledToken, now: float) -> bool:
+        """What the next step needs of ``token`` at once: append it, and end ``seq`` if a stop
+        token, its length or its grammar says so. Returns whether the token shows in the text
+        (a stop token, EOS or one of stop_token_ids, ends the request but not the text)."""
         token_id = token.token_id
         seq.append_token(token_id)
         if seq.metrics.first_token_time is None:
@@ -39,16 +45,23 @@ class Postprocessor:
         if seq.grammar is not None:
             seq.grammar.consume(token_id)
         params = seq.params
+        shows = True
         if token_id in self.eos_token_ids and not params.ignore_eos:
             seq.finish_reason = FinishReason.STOP
+            shows = False
         elif token_id in params.stop_token_ids:
             seq.finish_reason = FinishReason.STOP
             seq.stop_reason = token_id
+            shows = False
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = FinishReason.LENGTH
-        # A stop token (EOS or one of stop_token_ids) ends the request but not the text.
-        if seq.detokenizer is None or seq.finish_reason is FinishReason.STOP:
-            self._end_with_grammar(seq)
+        self._end_with_grammar(seq)
+        return shows
+
+    def render(self, seq: Sequence, token_id: int, shows: bool) -> str:
+        """The text a committed token adds (``shows``: as ``commit`` said), after any stop
+        string it completes, which ends ``seq`` ("stop")."""
+        if seq.detokenizer is None or not shows:
             return ""
         delta = seq.detokenizer.add(token_id)
         if seq.stop_checker is not None:
@@ -58,7 +71,6 @@ class Postprocessor:
                 seq.finish_reason = FinishReason.STOP
                 seq.stop_reason = checked.matched
         seq.text += delta
-        self._end_with_grammar(seq)
         return delta
 
     @staticmethod
