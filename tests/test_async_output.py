@@ -196,3 +196,38 @@ def test_where_it_is_on_by_default():
     assert resolve_async_output(True, cpu, speculative=False)
     with pytest.raises(InvalidRequestError, match="speculative decoding off"):
         resolve_async_output(True, cuda, speculative=True)
+
+
+async def test_served_streams_match_plain_steps_and_a_cancelled_one_disturbs_none(text_model):
+    """Through the worker's AsyncEngine (the step loop on its own thread): every stream ends
+    with plain steps' tokens, and one cancelled mid-stream leaves the others whole."""
+    import asyncio
+
+    from worker.serving.async_engine import AsyncEngine
+
+    plain_llm, async_llm = engines(text_model)
+    params = SamplingParams(temperature=0.0, max_tokens=24, stop=["e"])
+    prompts = [plain_llm.tokenizer.encode(p) for p in PROMPTS]
+    expected = plain_llm.generate(prompts, params)
+    served = AsyncEngine(async_llm.engine)
+    served.start()
+    try:
+
+        async def collect(request_id, prompt):
+            return [s.output async for s in served.generate(request_id, prompt, params)]
+
+        async def cancelled():
+            stream = served.generate("gone", prompts[0], SamplingParams(max_tokens=200))
+            async for _ in stream:
+                break
+            await stream.aclose()
+
+        results = await asyncio.gather(
+            *(collect(f"s{i}", p) for i, p in enumerate(prompts)), cancelled()
+        )
+        for outs, want in zip(results[:-1], expected, strict=True):
+            assert outs[-1].token_ids == want.token_ids and outs[-1].text == want.text
+            assert "".join(out.new_text for out in outs) == want.text
+    finally:
+        await served.stop()
+    assert_no_block_leaks(async_llm.engine)
