@@ -10,11 +10,13 @@ tokenizer (so the sampler and the detokenizer see real sizes), ``--batch`` reque
 128 prompt tokens decoding greedily with ``ignore_eos``, ``--steps`` decode steps timed
 after a few untimed ones. Each section is timed around the engine's own calls; "forward"
 (the model, here nearly free) and "sampling" (on a GPU, device work and one copy) are
-reported apart from the host's work. The layout the Triton kernels take (a GPU step's) is
-timed on the same schedule.
+reported apart from the host's work. The engine runs as on a GPU, with ``async_output``:
+rendering the last step's tokens is the part of the host's work that overlaps the device's
+pass there (``--no-async-output``: rendered in the step, as on CPU). The layout the Triton
+kernels take (a GPU step's) is timed on the same schedule.
 
 Usage: ``python -m bench.host_step [--batch 128] [--steps 64] [--repeats 3]
-[--out bench/results/host_step.json]``.
+[--no-async-output] [--out bench/results/host_step.json]``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ PROMPT_LEN = 128
 WARM_STEPS = 4
 # Sections of the step that are not the host's work (on a GPU: device time and one copy).
 DEVICE_SECTIONS = ("forward", "sampling")
+# The host's work that overlaps the device's pass under async_output.
+OVERLAPPED = "render tokens (overlaps the device)"
 
 
 def tiny_checkpoint(source: Path, out: Path) -> Path:
@@ -97,7 +101,7 @@ class SectionClock:
         setattr(owner, attribute, timed)
 
 
-def run(model: Path, batch: int, steps: int) -> dict:
+def run(model: Path, batch: int, steps: int, async_output: bool) -> dict:
     """One engine, ``batch`` requests, ``steps`` decode steps timed: ms per step by section."""
     from worker import SamplingParams
     from worker.engine.config import EngineConfig
@@ -107,7 +111,7 @@ def run(model: Path, batch: int, steps: int) -> dict:
         model,
         EngineConfig(
             max_num_seqs=batch, max_num_batched_tokens=max(1024, batch * PROMPT_LEN),
-            kv_cache_memory_gb=0.5,
+            kv_cache_memory_gb=0.5, async_output=async_output,
         ),
     )  # fmt: skip
     requests = fixed_lengths(
@@ -126,6 +130,8 @@ def run(model: Path, batch: int, steps: int) -> dict:
     clock.wrap(engine.model, "compute_logits", "forward")
     clock.wrap(engine, "sampler", "sampling")
     clock.wrap(engine, "_emit_isolating", "append, detokenize, outputs")
+    clock.wrap(engine, "_commit_isolating", "commit tokens")
+    clock.wrap(engine, "_render_committed", OVERLAPPED)
     for _ in range(WARM_STEPS):
         engine.step()
     clock.seconds.clear()
@@ -137,6 +143,7 @@ def run(model: Path, batch: int, steps: int) -> dict:
     sections = {name: s / steps * 1e3 for name, s in clock.seconds.items()}
     sections["rest of step()"] = total / steps * 1e3 - sum(sections.values())
     host = sum(ms for name, ms in sections.items() if name not in DEVICE_SECTIONS)
+    overlapped = sections.get(OVERLAPPED, 0.0)
     scheduled = engine.scheduler.schedule().scheduled
     layout = {}
     for triton in (False, True):
@@ -145,8 +152,8 @@ def run(model: Path, batch: int, steps: int) -> dict:
         for _ in range(steps):
             engine.runner.prepare(scheduled)
         layout["triton" if triton else "cpu"] = (time.perf_counter() - start) / steps * 1e3
-    return {"step_ms": total / steps * 1e3, "host_ms": host, "sections_ms": sections,
-            "lay_out_inputs_ms": layout}  # fmt: skip
+    return {"step_ms": total / steps * 1e3, "host_ms": host, "overlapped_ms": overlapped,
+            "sections_ms": sections, "lay_out_inputs_ms": layout}  # fmt: skip
 
 
 def main() -> None:
@@ -155,26 +162,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", type=Path, default=None, help="default: the default model's")
+    parser.add_argument("--no-async-output", dest="async_output", action="store_false")
     parser.add_argument("--out", default="bench/results/host_step.json")
     args = parser.parse_args()
     from worker.model.default_model import prepare_default_model
 
     source = args.model or prepare_default_model()
     model = tiny_checkpoint(source, Path(args.out).parent / "host_step_model")
-    runs = [run(model, args.batch, args.steps) for _ in range(args.repeats)]
+    runs = [run(model, args.batch, args.steps, args.async_output) for _ in range(args.repeats)]
     best = min(runs, key=lambda r: r["host_ms"])
     print(f"batch {args.batch}: host work per decode step (best of {args.repeats} runs)")
     for name, ms in best["sections_ms"].items():
         tag = " (device work on a GPU)" if name in DEVICE_SECTIONS else ""
-        print(f"  {name:30s} {ms:7.3f} ms  {ms * 1e3 / args.batch:6.2f} us/sequence{tag}")
+        print(f"  {name:36s} {ms:7.3f} ms  {ms * 1e3 / args.batch:6.2f} us/sequence{tag}")
     host = [r["host_ms"] for r in runs]
     ceiling = args.batch / best["host_ms"] * 1e3
     print(f"  host work: {best['host_ms']:.3f} ms (median {statistics.median(host):.3f});"
           f" caps decode at {ceiling:,.0f} tok/s with a free device")  # fmt: skip
+    if args.async_output:
+        hidden = best["overlapped_ms"]
+        print(f"  of which {hidden:.3f} ms overlaps the device's pass (async_output):"
+              f" {best['host_ms'] - hidden:.3f} ms adds to each step")  # fmt: skip
     layout = best["lay_out_inputs_ms"]
     print(f"  inputs laid out for the Triton kernels: {layout['triton']:.3f} ms"
           f" (CPU kernels: {layout['cpu']:.3f} ms)")  # fmt: skip
-    write_report({"batch": args.batch, "steps": args.steps, "runs": runs}, args.out)
+    report = {"batch": args.batch, "steps": args.steps, "async_output": args.async_output}
+    write_report(report | {"runs": runs}, args.out)
 
 
 if __name__ == "__main__":
