@@ -16,7 +16,7 @@ pass there (``--no-async-output``: rendered in the step, as on CPU). The layout 
 kernels take (a GPU step's) is timed on the same schedule.
 
 Usage: ``python -m bench.host_step [--batch 128] [--steps 64] [--repeats 3]
-[--no-async-output] [--out bench/results/host_step.json]``.
+[--prompt-len 128] [--no-async-output] [--out bench/results/host_step.json]``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from bench.report import write_report
 from bench.workloads import fixed_lengths
 
-PROMPT_LEN = 128
+PROMPT_LEN = 128  # --prompt-len: longer contexts mean longer block tables to lay out
 WARM_STEPS = 4
 # Sections of the step that are not the host's work (on a GPU: device time and one copy).
 DEVICE_SECTIONS = ("forward", "sampling")
@@ -101,7 +101,7 @@ class SectionClock:
         setattr(owner, attribute, timed)
 
 
-def run(model: Path, batch: int, steps: int, async_output: bool) -> dict:
+def run(model: Path, batch: int, steps: int, async_output: bool, prompt_len: int) -> dict:
     """One engine, ``batch`` requests, ``steps`` decode steps timed: ms per step by section."""
     from worker import SamplingParams
     from worker.engine.config import EngineConfig
@@ -110,12 +110,12 @@ def run(model: Path, batch: int, steps: int, async_output: bool) -> dict:
     engine = LLMEngine(
         model,
         EngineConfig(
-            max_num_seqs=batch, max_num_batched_tokens=max(1024, batch * PROMPT_LEN),
-            kv_cache_memory_gb=0.5, async_output=async_output,
+            max_num_seqs=batch, max_num_batched_tokens=max(1024, batch * prompt_len),
+            kv_cache_memory_gb=0.5 * -(-prompt_len // PROMPT_LEN), async_output=async_output,
         ),
     )  # fmt: skip
     requests = fixed_lengths(
-        batch, prompt_len=PROMPT_LEN, output_len=steps + WARM_STEPS + 8,
+        batch, prompt_len=prompt_len, output_len=steps + WARM_STEPS + 8,
         vocab=engine.config.vocab_size,
     )  # fmt: skip
     for i, r in enumerate(requests):
@@ -129,9 +129,11 @@ def run(model: Path, batch: int, steps: int, async_output: bool) -> dict:
     clock.wrap(engine.model, "forward", "forward")
     clock.wrap(engine.model, "compute_logits", "forward")
     clock.wrap(engine, "sampler", "sampling")
-    clock.wrap(engine, "_emit_isolating", "append, detokenize, outputs")
-    clock.wrap(engine, "_commit_isolating", "commit tokens")
-    clock.wrap(engine, "_render_committed", OVERLAPPED)
+    if async_output:
+        clock.wrap(engine, "_commit_isolating", "commit tokens")
+        clock.wrap(engine, "_render_committed", OVERLAPPED)
+    else:
+        clock.wrap(engine, "_emit_isolating", "append, detokenize, outputs")
     for _ in range(WARM_STEPS):
         engine.step()
     clock.seconds.clear()
@@ -162,6 +164,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", type=Path, default=None, help="default: the default model's")
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     parser.add_argument("--no-async-output", dest="async_output", action="store_false")
     parser.add_argument("--out", default="bench/results/host_step.json")
     args = parser.parse_args()
@@ -169,7 +172,10 @@ def main() -> None:
 
     source = args.model or prepare_default_model()
     model = tiny_checkpoint(source, Path(args.out).parent / "host_step_model")
-    runs = [run(model, args.batch, args.steps, args.async_output) for _ in range(args.repeats)]
+    runs = [
+        run(model, args.batch, args.steps, args.async_output, args.prompt_len)
+        for _ in range(args.repeats)
+    ]
     best = min(runs, key=lambda r: r["host_ms"])
     print(f"batch {args.batch}: host work per decode step (best of {args.repeats} runs)")
     for name, ms in best["sections_ms"].items():
@@ -186,7 +192,8 @@ def main() -> None:
     layout = best["lay_out_inputs_ms"]
     print(f"  inputs laid out for the Triton kernels: {layout['triton']:.3f} ms"
           f" (CPU kernels: {layout['cpu']:.3f} ms)")  # fmt: skip
-    report = {"batch": args.batch, "steps": args.steps, "async_output": args.async_output}
+    report = {"batch": args.batch, "steps": args.steps, "prompt_len": args.prompt_len,
+              "async_output": args.async_output}  # fmt: skip
     write_report(report | {"runs": runs}, args.out)
 
 
