@@ -122,6 +122,25 @@ def test_every_way_to_end_gives_what_plain_steps_give(text_model):
     assert reasons == {"stop", "length"} and {str, int} <= stops  # every way was taken
 
 
+def test_each_output_read_after_its_step_is_consistent(text_model):
+    """Consumers read an output after step() returns (the server then copies its lists), by
+    when the next token has been appended: the lists must end at the output's own token."""
+    _, async_llm = engines(text_model)
+    engine = async_llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, stop=["zz"])
+        engine.add_request(f"r{i}", prompt, params)
+    counts = dict.fromkeys((f"r{i}" for i in range(len(PROMPTS))), 0)
+    while engine.has_unfinished_requests:
+        for out in engine.step():
+            counts[out.request_id] += len(out.new_token_ids)
+            assert len(out.token_ids) == len(out.logprobs) == len(out.token_times)
+            assert len(out.token_ids) == counts[out.request_id]
+            assert out.token_ids[len(out.token_ids) - len(out.new_token_ids) :] == out.new_token_ids
+            assert [t.token_id for t in out.logprobs] == out.token_ids
+    assert set(counts.values()) == {12}
+
+
 def test_outputs_come_one_step_later(text_model):
     plain_llm, async_llm = engines(text_model)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

@@ -406,7 +406,8 @@ class LLMEngine:
                 if seq.finish_reason is not None:
                     text += self.postprocessor.flush(seq)
                     self._finish(seq)
-                outputs.append(self.postprocessor.output(seq, new_tokens=1, new_text=text))
+                output = self.postprocessor.output(seq, new_tokens=1, new_text=text, snapshot=True)
+                outputs.append(output)
             except Exception as exc:
                 logger.exception("postprocessing request %s failed", seq.request_id)
                 error = SequenceFailedError(f"postprocessing failed: {exc!r}")

@@ -93,20 +93,30 @@ class Postprocessor:
         seq.text += tail
         return tail
 
-    def output(self, seq: Sequence, *, new_tokens: int, new_text: str) -> RequestOutput:
+    def output(
+        self, seq: Sequence, *, new_tokens: int, new_text: str, snapshot: bool = False
+    ) -> RequestOutput:
+        """The request's state now. Its token, logprob and time lists are the sequence's own,
+        which grow with later tokens; ``snapshot``: copies, for an output read after the
+        next token is appended (``async_output`` renders one step late)."""
         finished = seq.finish_reason is not None
+        logprobs, token_times = seq.logprobs, seq.token_times
+        token_ids = seq.output_token_ids
+        if snapshot and not finished:  # a finished sequence gets no more tokens
+            token_ids, token_times = list(token_ids), list(token_times)
+            logprobs = list(logprobs) if logprobs is not None else None
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
+            token_ids=token_ids,
             text=seq.text,
-            new_token_ids=seq.output_token_ids[len(seq.output_token_ids) - new_tokens :],
+            new_token_ids=token_ids[len(token_ids) - new_tokens :],
             new_text=new_text,
             finished=finished,
             finish_reason=seq.finish_reason.value if finished else None,
             stop_reason=seq.stop_reason,
-            logprobs=seq.logprobs,
+            logprobs=logprobs,
             metrics=seq.metrics,
-            token_times=seq.token_times,
+            token_times=token_times,
             num_cached_tokens=seq.num_cached_tokens,
         )
