@@ -207,3 +207,25 @@ def test_the_cli_offers_the_engines_dtype_names():
     from worker.engine.placement import DTYPE_CHOICES
 
     assert set(CLI_CHOICES) == set(DTYPE_CHOICES)
+
+
+def test_a_detached_output_keeps_every_field_and_stops_growing(llm):
+    """What the worker hands its event loop: equal in every field, its lists no longer the
+    engine's (which grow with the next token); a finished output is final as it is."""
+    import dataclasses
+
+    engine = llm.engine
+    engine.add_request("d", "hello world", greedy(max_tokens=6, logprobs=1))
+    outputs = []
+    while engine.has_unfinished_requests:
+        outputs += [(out, out.detached()) for out in engine.step()]
+    assert len(outputs) == 6
+    first, detached = outputs[0]
+    assert len(detached.token_ids) == len(detached.logprobs) == len(detached.token_times) == 1
+    assert len(first.token_ids) == 6  # the engine's own list grew
+    last, final = outputs[-1]
+    assert final is last and last.finished
+    fresh = dataclasses.replace(first, token_ids=[7], logprobs=[], token_times=[0.5])
+    copy = fresh.detached()
+    assert all(getattr(copy, f.name) == getattr(fresh, f.name) for f in dataclasses.fields(fresh))
+    assert copy.token_ids is not fresh.token_ids and copy.logprobs is not fresh.logprobs

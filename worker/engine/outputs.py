@@ -31,3 +31,26 @@ class RequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def detached(self) -> RequestOutput:
+        """This output with copies of the lists the engine keeps appending to, for another
+        thread to read while the engine steps on. A finished request's lists get nothing more,
+        so its output is returned as it is. (Built field by field: ``dataclasses.replace``
+        cost a worker about 2 µs an output, a step of 128 streams a quarter of a millisecond.)"""
+        if self.finished:
+            return self
+        return RequestOutput(
+            self.request_id,
+            self.prompt_token_ids,
+            list(self.token_ids),
+            self.text,
+            self.new_token_ids,
+            self.new_text,
+            self.finished,
+            self.finish_reason,
+            self.stop_reason,
+            None if self.logprobs is None else list(self.logprobs),
+            self.metrics,
+            list(self.token_times),
+            self.num_cached_tokens,
+        )

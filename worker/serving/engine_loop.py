@@ -18,7 +18,6 @@ choosing; the worker process gives it its main thread (``worker.serving.main_thr
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 from collections import deque
@@ -117,7 +116,7 @@ class EngineLoop:
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """From the loop thread: hand ``outputs`` (copied) to the event loop."""
         if outputs:
-            self._to_event_loop(self._on_outputs, [_detach(out) for out in outputs])
+            self._to_event_loop(self._on_outputs, [out.detached() for out in outputs])
 
     def abort_on_loop(self, engine_ids: list[str]) -> None:
         """From the loop thread: abort ``engine_ids`` and deliver their last outputs."""
@@ -191,13 +190,3 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
         future.set_exception(exc)
     else:
         future.set_result(result)
-
-
-def _detach(out: RequestOutput) -> RequestOutput:
-    """Copy the lists the engine keeps appending to, so the event loop reads a stable view."""
-    return dataclasses.replace(
-        out,
-        token_ids=list(out.token_ids),
-        logprobs=list(out.logprobs) if out.logprobs is not None else None,
-        token_times=list(out.token_times),
-    )
