@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from worker.text.byte_level import ByteLevelDetokenizer, token_bytes
+from worker.text.deltas import DeltaText
 
 # Prompt tokens decoded as context before the first output token (vLLM uses 5).
 PROMPT_CONTEXT_TOKENS = 5
@@ -43,7 +44,7 @@ def special_ids(backend: Any) -> frozenset[int]:
     )
 
 
-class IncrementalDetokenizer:
+class IncrementalDetokenizer(DeltaText):
     """Turns generated token ids into text deltas whose concatenation is the full decode.
 
     For byte-level BPE (Llama 3, Qwen2, SmolLM2), the deltas add up to exactly
@@ -61,6 +62,7 @@ class IncrementalDetokenizer:
         *,
         skip_special_tokens: bool = True,
     ) -> None:
+        super().__init__()
         # The Rust tokenizer behind a transformers fast tokenizer: its decode is what
         # `tokenizer.decode` runs (transformers only adds an optional WordPiece clean-up).
         self._backend = tokenizer.backend_tokenizer
@@ -73,14 +75,6 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context  # the decode window: ids[prefix:] are still needed
         self._prefix = 0  # ids[prefix:read] is decoded only as context
         self._read = len(context)  # ids[read:] is not emitted yet
-        self._chunks: list[str] = []
-
-    @property
-    def text(self) -> str:
-        """All output text emitted so far."""
-        text = "".join(self._chunks)
-        self._chunks = [text]
-        return text
 
     def add(self, token_id: int) -> str:
         """Appends one generated token; returns the text it finalizes (often "")."""
@@ -111,8 +105,7 @@ class IncrementalDetokenizer:
         del self._ids[: self._prefix]  # keep the window small: only ids[prefix:] matter
         self._read -= self._prefix
         self._prefix = 0
-        self._chunks.append(delta)
-        return delta
+        return self._keep(delta)
 
     def _release_final_part(self, prefix_text: str, new_text: str) -> str:
         """Emits the text before the last 3 held tokens, at a split that no character straddles.
