@@ -406,8 +406,9 @@ class LLMEngine:
                 if seq.finish_reason is not None:
                     text += self.postprocessor.flush(seq)
                     self._finish(seq)
-                output = self.postprocessor.output(seq, new_tokens=1, new_text=text, snapshot=True)
-                outputs.append(output)
+                # Read after the next token is appended: its own lists, not the sequence's.
+                output = self.postprocessor.output(seq, new_tokens=1, new_text=text)
+                outputs.append(output.detached())
             except Exception as exc:
                 logger.exception("postprocessing request %s failed", seq.request_id)
                 error = SequenceFailedError(f"postprocessing failed: {exc!r}")

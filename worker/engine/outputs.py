@@ -27,17 +27,21 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)
     # Prompt tokens whose K/V came from the prefix cache (OpenAI's usage.cached_tokens).
     num_cached_tokens: int = 0
+    # Whether the lists above are this output's own copies (``detached``), not the
+    # engine's, which grow with the request.
+    owns_lists: bool = field(default=False, compare=False, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     def detached(self) -> RequestOutput:
-        """This output with copies of the lists the engine keeps appending to, for another
-        thread to read while the engine steps on. A finished request's lists get nothing more,
-        so its output is returned as it is. (Built field by field: ``dataclasses.replace``
-        cost a worker about 2 µs an output, a step of 128 streams a quarter of a millisecond.)"""
-        if self.finished:
+        """This output with copies of the lists the engine keeps appending to, to be read
+        after the engine appends more (by another thread, or after the next step). A finished
+        request's lists get nothing more, and copies need no copying: those are returned as
+        they are. (Built field by field: ``dataclasses.replace`` cost a worker about 2 µs an
+        output, a step of 128 streams a quarter of a millisecond.)"""
+        if self.finished or self.owns_lists:
             return self
         return RequestOutput(
             self.request_id,
@@ -53,4 +57,5 @@ class RequestOutput:
             self.metrics,
             list(self.token_times),
             self.num_cached_tokens,
+            True,
         )

@@ -93,18 +93,10 @@ class Postprocessor:
         seq.text += tail
         return tail
 
-    def output(
-        self, seq: Sequence, *, new_tokens: int, new_text: str, snapshot: bool = False
-    ) -> RequestOutput:
-        """The request's state now. Its token, logprob and time lists are the sequence's own,
-        which grow with later tokens; ``snapshot``: copies, for an output read after the
-        next token is appended (``async_output`` renders one step late)."""
+    def output(self, seq: Sequence, *, new_tokens: int, new_text: str) -> RequestOutput:
+        """The request's state now; its lists are the sequence's own (``detached`` copies)."""
         finished = seq.finish_reason is not None
-        logprobs, token_times = seq.logprobs, seq.token_times
         token_ids = seq.output_token_ids
-        if snapshot and not finished:  # a finished sequence gets no more tokens
-            token_ids, token_times = list(token_ids), list(token_times)
-            logprobs = list(logprobs) if logprobs is not None else None
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -115,8 +107,8 @@ class Postprocessor:
             finished=finished,
             finish_reason=seq.finish_reason.value if finished else None,
             stop_reason=seq.stop_reason,
-            logprobs=logprobs,
+            logprobs=seq.logprobs,
             metrics=seq.metrics,
-            token_times=token_times,
+            token_times=seq.token_times,
             num_cached_tokens=seq.num_cached_tokens,
         )
