@@ -14,10 +14,13 @@ token more, which is dropped.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -52,6 +55,8 @@ from worker.spec_decode.speculator import Verified
 from worker.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class LLMEngine:
@@ -356,15 +361,8 @@ class LLMEngine:
         verified: bool = False,
     ) -> list[RequestOutput]:
         """``_emit``, or nothing, with ``seq`` added to ``failed``, if postprocessing raises."""
-        try:
-            return [self._emit(seq, tokens, now, verified=verified)]
-        except StructuredOutputError as exc:  # the request's grammar: its own fault
-            failed.append((seq, exc))
-            return []
-        except Exception as exc:
-            logger.exception("postprocessing request %s failed", seq.request_id)
-            failed.append((seq, SequenceFailedError(f"postprocessing failed: {exc!r}")))
-            return []
+        out = self._isolating(seq, failed, lambda: self._emit(seq, tokens, now, verified=verified))
+        return [] if out is None else [out]
 
     def _commit_isolating(
         self,
@@ -378,14 +376,8 @@ class LLMEngine:
         rendering) drops its token; one ending here leaves the schedule at once."""
         if seq.finish_reason is not None:
             return
-        try:
-            shows = self.postprocessor.commit(seq, token, now)
-        except StructuredOutputError as exc:  # the request's grammar: its own fault
-            failed.append((seq, exc))
-            return
-        except Exception as exc:
-            logger.exception("postprocessing request %s failed", seq.request_id)
-            failed.append((seq, SequenceFailedError(f"postprocessing failed: {exc!r}")))
+        shows = self._isolating(seq, failed, lambda: self.postprocessor.commit(seq, token, now))
+        if shows is None:
             return
         if seq.finish_reason is not None:
             # Its output, and its end, come with the rendering; its blocks are free now.
@@ -397,24 +389,36 @@ class LLMEngine:
         """async_output: the outputs of the tokens the last step committed; a stop string
         ends its request here. Requests aborted or failed since are passed over."""
         committed, self._committed = self._committed, []
-        outputs = []
+        outputs: list[RequestOutput] = []
+        failed: list[tuple[Sequence, EngineError]] = []
         for seq, token_id, shows in committed:
             if self.requests.get(seq.request_id) is not seq:
                 continue
-            try:
-                text = self.postprocessor.render(seq, token_id, shows)
-                if seq.finish_reason is not None:
-                    text += self.postprocessor.flush(seq)
-                    self._finish(seq)
+            render = functools.partial(self._render, seq, token_id, shows)
+            out = self._isolating(seq, failed, render)
+            if out is not None:
                 # Read after the next token is appended: its own lists, not the sequence's.
-                output = self.postprocessor.output(seq, new_tokens=1, new_text=text)
-                outputs.append(output.detached())
-            except Exception as exc:
-                logger.exception("postprocessing request %s failed", seq.request_id)
-                error = SequenceFailedError(f"postprocessing failed: {exc!r}")
-                if self.requests.get(seq.request_id) is seq:
-                    outputs.append(self._fail(seq, error))
-        return outputs
+                outputs.append(out.detached())
+        return outputs + [
+            self._fail(seq, exc) for seq, exc in failed if self.requests.get(seq.request_id) is seq
+        ]
+
+    def _render(self, seq: Sequence, token_id: int, shows: bool) -> RequestOutput:
+        return self._conclude(seq, self.postprocessor.render(seq, token_id, shows), 1)
+
+    def _isolating(
+        self, seq: Sequence, failed: list[tuple[Sequence, EngineError]], work: Callable[[], T]
+    ) -> T | None:
+        """``work()`` for ``seq``'s postprocessing, or None, with ``seq`` added to
+        ``failed``, if it raises."""
+        try:
+            return work()
+        except StructuredOutputError as exc:  # the request's grammar: its own fault
+            failed.append((seq, exc))
+        except Exception as exc:
+            logger.exception("postprocessing request %s failed", seq.request_id)
+            failed.append((seq, SequenceFailedError(f"postprocessing failed: {exc!r}")))
+        return None
 
     def _fail(self, seq: Sequence, error: EngineError) -> RequestOutput:
         """End a request that failed alone: free what it holds, keep why for its caller."""
@@ -434,12 +438,17 @@ class LLMEngine:
             count += 1
             if seq.finish_reason is not None:
                 break
+        if seq.finish_reason is None and verified:
+            assert self.speculator is not None
+            self.speculator.commit(seq, count)
+        return self._conclude(seq, new_text, count)
+
+    def _conclude(self, seq: Sequence, new_text: str, count: int) -> RequestOutput:
+        """The output of ``count`` new tokens; a finished request first releases the text
+        held back and ends."""
         if seq.finish_reason is not None:
             new_text += self.postprocessor.flush(seq)
             self._finish(seq)
-        elif verified:
-            assert self.speculator is not None
-            self.speculator.commit(seq, count)
         return self.postprocessor.output(seq, new_tokens=count, new_text=new_text)
 
     def _finish(self, seq: Sequence) -> None:
