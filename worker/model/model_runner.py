@@ -15,7 +15,7 @@ import torch
 
 from switchboard_kernels.attention_native import DTYPES as NATIVE_ATTENTION_DTYPES
 from switchboard_kernels.attention_native import MAX_HEAD_DIM, NativeDecodes, native_attention
-from switchboard_kernels.host_ints import flat_ints
+from switchboard_kernels.host_ints import flat_ints, host_ints
 from switchboard_kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from switchboard_kernels.paged_layout import PagedLayout, PagedSequence
 from worker.engine.batch import BlockMove, MoveKind, ScheduledSequence
@@ -375,7 +375,7 @@ class ModelRunner:
             start=start,
             count=len(decodes),
             queries=queries,
-            block_tables=_host(flat),
+            block_tables=host_ints(flat),
             mask=mask,
         )
 
@@ -386,7 +386,7 @@ class ModelRunner:
         for s in prefills:
             table = mask = None
             if s.start > 0:
-                table = _host(s.seq.block_table)
+                table = host_ints(s.seq.block_table)
                 span = len(s.seq.block_table) * self.block_size
                 mask = _chunk_mask(s, span)
             chunks.append(PrefillChunk(start, s.num_fed, s.start, table, mask))
@@ -394,12 +394,8 @@ class ModelRunner:
         return chunks
 
 
-def _host(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
-
-
 def _host_columns(*columns: list[int]) -> tuple[torch.Tensor, ...]:
-    """``_host`` of each list, cut from one tensor (each conversion costs more than a
+    """Each list as an int64 host tensor, cut from one (each conversion costs more than a
     step's worth of values)."""
     lengths = [len(column) for column in columns]
     return flat_ints(columns, sum(lengths)).split(lengths)
