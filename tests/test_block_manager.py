@@ -113,3 +113,20 @@ def test_trim_of_a_shared_table_only_drops_this_tables_references():
     pool.trim(child, 4)
     assert child == [0] and parent == [0, 1]
     assert [pool.blocks[i].ref_count for i in (0, 1)] == [2, 1]
+
+
+def test_holds_writable_agrees_with_the_general_count():
+    """The scheduler's decode shortcut: a position the table already holds privately needs
+    no block and no copy, exactly where ``blocks_needed`` says 0 for writing it."""
+    pool = make_pool(num_blocks=16, block_size=4)
+    table: list[int] = []
+    pool.allocate(table, 6)  # blocks for positions 0-7
+    shared = pool.fork(table)  # both tables now share every block
+    own: list[int] = []
+    pool.allocate(own, 5)
+    for t in (table, shared, own):
+        for position in range(12):
+            needed = pool.blocks_needed(t, position + 1, write_from=position)
+            assert pool.holds_writable(t, position) == (needed == 0)
+    assert not pool.holds_writable(table, 5) and pool.holds_writable(own, 7)
+    assert not pool.holds_writable(own, 8)  # past the table: a new block
