@@ -14,13 +14,12 @@ token more, which is dropped.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -361,7 +360,7 @@ class LLMEngine:
         verified: bool = False,
     ) -> list[RequestOutput]:
         """``_emit``, or nothing, with ``seq`` added to ``failed``, if postprocessing raises."""
-        out = self._isolating(seq, failed, lambda: self._emit(seq, tokens, now, verified=verified))
+        out = self._isolating(seq, failed, self._emit, seq, tokens, now, verified)
         return [] if out is None else [out]
 
     def _commit_isolating(
@@ -376,7 +375,7 @@ class LLMEngine:
         rendering) drops its token; one ending here leaves the schedule at once."""
         if seq.finish_reason is not None:
             return
-        shows = self._isolating(seq, failed, lambda: self.postprocessor.commit(seq, token, now))
+        shows = self._isolating(seq, failed, self.postprocessor.commit, seq, token, now)
         if shows is None:
             return
         if seq.finish_reason is not None:
@@ -394,8 +393,7 @@ class LLMEngine:
         for seq, token_id, shows in committed:
             if self.requests.get(seq.request_id) is not seq:
                 continue
-            render = functools.partial(self._render, seq, token_id, shows)
-            out = self._isolating(seq, failed, render)
+            out = self._isolating(seq, failed, self._render, seq, token_id, shows)
             if out is not None:
                 # Read after the next token is appended: its own lists, not the sequence's.
                 outputs.append(out.detached())
@@ -407,12 +405,16 @@ class LLMEngine:
         return self._conclude(seq, self.postprocessor.render(seq, token_id, shows), 1)
 
     def _isolating(
-        self, seq: Sequence, failed: list[tuple[Sequence, EngineError]], work: Callable[[], T]
+        self,
+        seq: Sequence,
+        failed: list[tuple[Sequence, EngineError]],
+        work: Callable[..., T],
+        *args: Any,
     ) -> T | None:
-        """``work()`` for ``seq``'s postprocessing, or None, with ``seq`` added to
+        """``work(*args)``, ``seq``'s postprocessing, or None, with ``seq`` added to
         ``failed``, if it raises."""
         try:
-            return work()
+            return work(*args)
         except StructuredOutputError as exc:  # the request's grammar: its own fault
             failed.append((seq, exc))
         except Exception as exc:
@@ -428,7 +430,7 @@ class LLMEngine:
         return self.postprocessor.output(seq, new_tokens=0, new_text="")
 
     def _emit(
-        self, seq: Sequence, tokens: list[SampledToken], now: float, *, verified: bool = False
+        self, seq: Sequence, tokens: list[SampledToken], now: float, verified: bool = False
     ) -> RequestOutput:
         """Append tokens until the request finishes; a verified sequence then rolls back."""
         new_text = ""
