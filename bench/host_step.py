@@ -36,7 +36,8 @@ from bench.report import write_report
 from bench.workloads import fixed_lengths
 
 PROMPT_LEN = 128  # --prompt-len: longer contexts mean longer block tables to lay out
-WARM_STEPS = 4
+WARM_STEPS = 4  # --output-len: tokens each request has generated before the timed steps
+HANDOFF = "hand outputs to the server"
 # Sections of the step that are not the host's work (on a GPU: device time and one copy).
 DEVICE_SECTIONS = ("forward", "sampling")
 # The host's work that overlaps the device's pass under async_output.
@@ -101,21 +102,28 @@ class SectionClock:
         setattr(owner, attribute, timed)
 
 
-def run(model: Path, batch: int, steps: int, async_output: bool, prompt_len: int) -> dict:
+def run(
+    model: Path, batch: int, steps: int, async_output: bool, prompt_len: int, output_len: int
+) -> dict:
     """One engine, ``batch`` requests, ``steps`` decode steps timed: ms per step by section."""
     from worker import SamplingParams
     from worker.engine.config import EngineConfig
     from worker.engine.llm_engine import LLMEngine
+    from worker.serving.async_engine import SampleOutput
+    from worker.serving.servicer import response_from_sample
+
+    warm_steps = max(WARM_STEPS, output_len)
+    context = prompt_len + warm_steps + steps + 8
 
     engine = LLMEngine(
         model,
         EngineConfig(
             max_num_seqs=batch, max_num_batched_tokens=max(1024, batch * prompt_len),
-            kv_cache_memory_gb=0.5 * -(-prompt_len // PROMPT_LEN), async_output=async_output,
+            kv_cache_memory_gb=0.5 * -(-context // PROMPT_LEN), async_output=async_output,
         ),
     )  # fmt: skip
     requests = fixed_lengths(
-        batch, prompt_len=prompt_len, output_len=steps + WARM_STEPS + 8,
+        batch, prompt_len=prompt_len, output_len=warm_steps + steps + 8,
         vocab=engine.config.vocab_size,
     )  # fmt: skip
     for i, r in enumerate(requests):
@@ -134,13 +142,18 @@ def run(model: Path, batch: int, steps: int, async_output: bool, prompt_len: int
         clock.wrap(engine, "_render_committed", OVERLAPPED)
     else:
         clock.wrap(engine, "_emit_isolating", "append, detokenize, outputs")
-    for _ in range(WARM_STEPS):
+    for _ in range(warm_steps):
         engine.step()
     clock.seconds.clear()
     start = time.perf_counter()
     for _ in range(steps):
         outputs = engine.step()
         assert len(outputs) == batch, "every request decodes in every timed step"
+        # What a worker does with them: to its event loop thread, then to gRPC messages.
+        handoff = time.perf_counter()
+        for out in outputs:
+            response_from_sample(SampleOutput(0, out))
+        clock.seconds[HANDOFF] += time.perf_counter() - handoff
     total = time.perf_counter() - start
     sections = {name: s / steps * 1e3 for name, s in clock.seconds.items()}
     sections["rest of step()"] = total / steps * 1e3 - sum(sections.values())
@@ -165,6 +178,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", type=Path, default=None, help="default: the default model's")
     parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    parser.add_argument("--output-len", type=int, default=WARM_STEPS)
     parser.add_argument("--no-async-output", dest="async_output", action="store_false")
     parser.add_argument("--out", default="bench/results/host_step.json")
     args = parser.parse_args()
@@ -173,7 +187,7 @@ def main() -> None:
     source = args.model or prepare_default_model()
     model = tiny_checkpoint(source, Path(args.out).parent / "host_step_model")
     runs = [
-        run(model, args.batch, args.steps, args.async_output, args.prompt_len)
+        run(model, args.batch, args.steps, args.async_output, args.prompt_len, args.output_len)
         for _ in range(args.repeats)
     ]
     best = min(runs, key=lambda r: r["host_ms"])
@@ -193,7 +207,7 @@ def main() -> None:
     print(f"  inputs laid out for the Triton kernels: {layout['triton']:.3f} ms"
           f" (CPU kernels: {layout['cpu']:.3f} ms)")  # fmt: skip
     report = {"batch": args.batch, "steps": args.steps, "prompt_len": args.prompt_len,
-              "async_output": args.async_output}  # fmt: skip
+              "output_len": args.output_len, "async_output": args.async_output}  # fmt: skip
     write_report(report | {"runs": runs}, args.out)
 
 

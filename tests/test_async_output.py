@@ -123,7 +123,7 @@ def test_every_way_to_end_gives_what_plain_steps_give(text_model):
 
 
 def test_each_output_read_after_its_step_is_consistent(text_model):
-    """Consumers read an output after step() returns (the server then copies its lists), by
+    """Consumers read an output after step() returns (the server, on another thread), by
     when the next token has been appended: the lists must end at the output's own token."""
     _, async_llm = engines(text_model)
     engine = async_llm.engine

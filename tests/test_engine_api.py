@@ -209,28 +209,23 @@ def test_the_cli_offers_the_engines_dtype_names():
     assert set(CLI_CHOICES) == set(DTYPE_CHOICES)
 
 
-def test_a_detached_output_keeps_every_field_and_stops_growing(llm):
-    """What the worker hands its event loop: equal in every field, its lists no longer the
-    engine's (which grow with the next token); a finished output is final as it is."""
-    import dataclasses
-
+def test_an_output_reads_as_of_its_own_step_however_far_the_request_goes(llm):
+    """Outputs read the request's lists up to their own token (the worker reads them on
+    another thread, after more tokens are appended): each reads the same long after."""
     engine = llm.engine
     engine.add_request("d", "hello world", greedy(max_tokens=6, logprobs=1))
     outputs = []
     while engine.has_unfinished_requests:
-        outputs += [(out, out.detached()) for out in engine.step()]
-    assert len(outputs) == 6
-    first, detached = outputs[0]
-    assert len(detached.token_ids) == len(detached.logprobs) == len(detached.token_times) == 1
-    assert len(first.token_ids) == 6  # the engine's own list grew
-    last, final = outputs[-1]
-    assert final is last and last.finished
-    fresh = dataclasses.replace(first, token_ids=[7], logprobs=[], token_times=[0.5])
-    copy = fresh.detached()
-    assert all(
-        getattr(copy, f.name) == getattr(fresh, f.name)
-        for f in dataclasses.fields(fresh)
-        if f.name != "owns_lists"
-    )
-    assert copy.token_ids is not fresh.token_ids and copy.logprobs is not fresh.logprobs
-    assert copy.owns_lists and not fresh.owns_lists and copy.detached() is copy
+        outputs += engine.step()
+    assert len(outputs) == 6 and outputs[-1].finished
+    final = outputs[-1]
+    assert len(final.token_ids) == len(final.logprobs) == len(final.token_times) == 6
+    for i, out in enumerate(outputs, start=1):
+        assert out.num_tokens == i
+        assert out.token_ids == final.token_ids[:i]
+        assert out.new_token_ids == final.token_ids[i - 1 : i]
+        assert out.logprobs == final.logprobs[:i] and out.token_times == final.token_times[:i]
+        assert [t.token_id for t in out.new_logprobs] == out.new_token_ids
+    out = outputs[0]
+    out.token_ids.append(7)  # a copy: the output and the request are untouched
+    assert out.token_ids == final.token_ids[:1] and final.num_tokens == 6

@@ -395,8 +395,7 @@ class LLMEngine:
                 continue
             out = self._isolating(seq, failed, self._render, seq, token_id, shows)
             if out is not None:
-                # Read after the next token is appended: its own lists, not the sequence's.
-                outputs.append(out.detached())
+                outputs.append(out)
         return outputs + [
             self._fail(seq, exc) for seq, exc in failed if self.requests.get(seq.request_id) is seq
         ]

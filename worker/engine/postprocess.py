@@ -94,21 +94,23 @@ class Postprocessor:
         return tail
 
     def output(self, seq: Sequence, *, new_tokens: int, new_text: str) -> RequestOutput:
-        """The request's state now; its lists are the sequence's own (``detached`` copies)."""
+        """The request's state now (its lists read up to its current length)."""
         finished = seq.finish_reason is not None
         token_ids = seq.output_token_ids
+        num_tokens = len(token_ids)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=token_ids,
             text=seq.text,
-            new_token_ids=token_ids[len(token_ids) - new_tokens :],
+            new_token_ids=token_ids[num_tokens - new_tokens :],
             new_text=new_text,
             finished=finished,
+            num_tokens=num_tokens,
             finish_reason=seq.finish_reason.value if finished else None,
             stop_reason=seq.stop_reason,
-            logprobs=seq.logprobs,
             metrics=seq.metrics,
-            token_times=seq.token_times,
             num_cached_tokens=seq.num_cached_tokens,
+            _token_ids=token_ids,
+            _logprobs=seq.logprobs,
+            _token_times=seq.token_times,
         )

@@ -56,7 +56,7 @@ class _Stream:
 
     def note(self, out: RequestOutput) -> None:
         """Count ``out``'s tokens (counts only grow: deliveries may arrive out of order)."""
-        self.completion_tokens = max(self.completion_tokens, len(out.token_ids))
+        self.completion_tokens = max(self.completion_tokens, out.num_tokens)
         self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
 
 

@@ -114,9 +114,9 @@ class EngineLoop:
         return await future
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
-        """From the loop thread: hand ``outputs`` (copied) to the event loop."""
+        """From the loop thread: hand ``outputs`` to the event loop."""
         if outputs:
-            self._to_event_loop(self._on_outputs, [out.detached() for out in outputs])
+            self._to_event_loop(self._on_outputs, outputs)
 
     def abort_on_loop(self, engine_ids: list[str]) -> None:
         """From the loop thread: abort ``engine_ids`` and deliver their last outputs."""

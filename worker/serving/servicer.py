@@ -73,11 +73,11 @@ def response_from_sample(sample: SampleOutput) -> worker_pb2.GenerateResponse:
         text=out.new_text,
         finish_reason=out.finish_reason or "",
         prompt_tokens=out.num_prompt_tokens,
-        completion_tokens=len(out.token_ids),
+        completion_tokens=out.num_tokens,
         cached_tokens=out.num_cached_tokens,
     )
-    if out.logprobs is not None and new:
-        for token in out.logprobs[-len(new) :]:
+    if out.new_logprobs:
+        for token in out.new_logprobs:
             response.logprobs.add(
                 token_id=token.token_id,
                 logprob=token.logprob or 0.0,
