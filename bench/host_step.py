@@ -38,6 +38,8 @@ from bench.workloads import fixed_lengths
 PROMPT_LEN = 128  # --prompt-len: longer contexts mean longer block tables to lay out
 WARM_STEPS = 4  # --output-len: tokens each request has generated before the timed steps
 HANDOFF = "hand outputs to the server"
+PREFILL_BUDGET = 32_768  # tokens a prefill step: more only costs memory
+KV_BYTES_PER_TOKEN = 1024  # the one-layer model's 256 (fp32 K and V), with room to spare
 # Sections of the step that are not the host's work (on a GPU: device time and one copy).
 DEVICE_SECTIONS = ("forward", "sampling")
 # The host's work that overlaps the device's pass under async_output.
@@ -114,22 +116,27 @@ def run(
 
     warm_steps = max(WARM_STEPS, output_len)
     context = prompt_len + warm_steps + steps + 8
+    # Prefill in chunks of PREFILL_BUDGET tokens; the first done decode meanwhile.
+    budget = min(max(1024, batch * prompt_len), PREFILL_BUDGET)
+    prefill_steps = -(-batch * prompt_len // budget)
 
     engine = LLMEngine(
         model,
         EngineConfig(
-            max_num_seqs=batch, max_num_batched_tokens=max(1024, batch * prompt_len),
-            kv_cache_memory_gb=0.5 * -(-context // PROMPT_LEN), async_output=async_output,
+            max_num_seqs=batch, max_num_batched_tokens=budget,
+            kv_cache_memory_gb=max(0.5, batch * context * KV_BYTES_PER_TOKEN / 2**30),
+            async_output=async_output,
         ),
     )  # fmt: skip
     requests = fixed_lengths(
-        batch, prompt_len=prompt_len, output_len=warm_steps + steps + 8,
+        batch, prompt_len=prompt_len, output_len=warm_steps + steps + 8 + prefill_steps,
         vocab=engine.config.vocab_size,
     )  # fmt: skip
     for i, r in enumerate(requests):
         params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
         engine.add_request(str(i), r.prompt_token_ids, params)
-    engine.step()  # every prefill
+    while len(engine.step()) < batch:  # until every request decodes
+        pass
     clock = SectionClock()
     clock.wrap(engine.scheduler, "schedule", "schedule")
     clock.wrap(engine.scheduler, "mark_computed", "mark computed")

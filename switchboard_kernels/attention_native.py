@@ -48,12 +48,12 @@ class NativeDecodes:
     ) -> NativeDecodes:
         """Sequences in batch order from row 0, each with its start, rows fed and blocks
         (which must cover start + rows fed tokens), and its own slot or -1 (default)."""
-        rows, table_starts, flat = [], [], []
-        row = 0
+        rows, table_starts = [], []
+        row = blocks = 0
         for n, table in zip(queries, tables, strict=True):
             rows.append(row)
-            table_starts.append(len(flat))
-            flat.extend(table)
+            table_starts.append(blocks)
+            blocks += len(table)
             row += n
         own = list(own_slots) if own_slots is not None else [-1] * len(rows)
         if len(own) != len(rows) or any(
@@ -62,9 +62,9 @@ class NativeDecodes:
             raise ValueError("own slots: one per sequence, and only for one-query sequences")
 
         # One host tensor cut in six: each conversion costs more than its values.
-        fields = [rows, queries, starts, table_starts, own, flat]
-        lengths = [len(f) for f in fields]
-        parts = flat_ints(fields, sum(lengths)).split(lengths)
+        fields = [rows, queries, starts, table_starts, own]
+        lengths = [len(f) for f in fields] + [blocks]
+        parts = flat_ints([*fields, *tables], sum(lengths)).split(lengths)
         return cls(
             rows=parts[0],
             queries=parts[1],
@@ -74,7 +74,7 @@ class NativeDecodes:
             tables=parts[5],
             count=len(rows),
             end_row=row,
-            max_block=max(flat, default=-1),
+            max_block=int(parts[5].max()) if blocks else -1,
             max_own_slot=max(own, default=-1),
         )
 

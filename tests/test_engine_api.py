@@ -219,6 +219,7 @@ def test_an_output_reads_as_of_its_own_step_however_far_the_request_goes(llm):
         outputs += engine.step()
     assert len(outputs) == 6 and outputs[-1].finished
     final = outputs[-1]
+    assert final.text == llm.engine.tokenizer.decode(final.token_ids) != ""
     assert len(final.token_ids) == len(final.logprobs) == len(final.token_times) == 6
     for i, out in enumerate(outputs, start=1):
         assert out.num_tokens == i
@@ -226,6 +227,7 @@ def test_an_output_reads_as_of_its_own_step_however_far_the_request_goes(llm):
         assert out.new_token_ids == final.token_ids[i - 1 : i]
         assert out.logprobs == final.logprobs[:i] and out.token_times == final.token_times[:i]
         assert [t.token_id for t in out.new_logprobs] == out.new_token_ids
+        assert out.text == "".join(o.new_text for o in outputs[:i])
     out = outputs[0]
     out.token_ids.append(7)  # a copy: the output and the request are untouched
     assert out.token_ids == final.token_ids[:1] and final.num_tokens == 6

@@ -157,10 +157,11 @@ class BlockManager:
         return copies
 
     def fork(self, block_table: list[int]) -> list[int]:
-        """A new table sharing every block of ``block_table`` (copied on first write)."""
+        """A new table sharing every block of ``block_table`` (copied on first write), of
+        its type."""
         for block_id in block_table:
             self.blocks[block_id].ref_count += 1
-        return list(block_table)
+        return block_table.copy()
 
     def cache_blocks(
         self, block_table: list[int], block_hashes: Sequence[BlockHash], *, start: int = 0

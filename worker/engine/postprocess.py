@@ -70,7 +70,8 @@ class Postprocessor:
             if checked.stopped:
                 seq.finish_reason = FinishReason.STOP
                 seq.stop_reason = checked.matched
-        seq.text += delta
+        if delta:
+            seq.text_pieces.append(delta)
         return delta
 
     @staticmethod
@@ -90,7 +91,8 @@ class Postprocessor:
             if checked.stopped:
                 seq.finish_reason = FinishReason.STOP
                 seq.stop_reason = checked.matched
-        seq.text += tail
+        if tail:
+            seq.text_pieces.append(tail)
         return tail
 
     def output(self, seq: Sequence, *, new_tokens: int, new_text: str) -> RequestOutput:
@@ -101,7 +103,6 @@ class Postprocessor:
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            text=seq.text,
             new_token_ids=token_ids[num_tokens - new_tokens :],
             new_text=new_text,
             finished=finished,
@@ -113,4 +114,6 @@ class Postprocessor:
             _token_ids=token_ids,
             _logprobs=seq.logprobs,
             _token_times=seq.token_times,
+            _text_pieces=seq.text_pieces,
+            _num_text_pieces=len(seq.text_pieces),
         )

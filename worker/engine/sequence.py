@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from switchboard_kernels.mirrored_ints import MirroredInts
 from worker.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -74,7 +75,8 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the cache; the rest still need a forward pass.
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    # Read whole by every step's inputs: kept as an array too (``MirroredInts``).
+    block_table: list[int] = field(default_factory=MirroredInts)
     # While SWAPPED: the host-pool blocks holding the K/V of its computed tokens.
     host_block_table: list[int] = field(default_factory=list)
     # Prefix caching: the hash chain's seed (adapter, salt), the hashes of the full blocks
@@ -107,7 +109,9 @@ class Sequence:
     grammar: GrammarState | None = None
     detokenizer: IncrementalDetokenizer | ByteLevelDetokenizer | None = None
     stop_checker: StopChecker | None = None
-    text: str = ""
+    # The text so far, in the pieces each step added (joined when read: appending to one
+    # string would copy all of it for each token).
+    text_pieces: list[str] = field(default_factory=list)
     logprobs: list | None = None
     # Monotonic time of each generated token, for inter-token latency.
     token_times: list[float] = field(default_factory=list)
