@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from switchboard_kernels.attention_native import DTYPES as NATIVE_ATTENTION_DTYPES
 from switchboard_kernels.attention_native import MAX_HEAD_DIM, NativeDecodes, native_attention
-from switchboard_kernels.host_ints import flat_ints, host_ints
+from switchboard_kernels.host_ints import flat_ints, host_ints, ragged_rows
 from switchboard_kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from switchboard_kernels.paged_layout import PagedLayout, PagedSequence
 from worker.engine.batch import BlockMove, MoveKind, ScheduledSequence
@@ -354,13 +355,8 @@ class ModelRunner:
     def _decode_group(self, decodes: list[ScheduledSequence], start: int) -> DecodeGroup:
         """Block tables padded to the longest in the group and flattened; the causal mask."""
         # Every table covers the tokens fed this step; pad the shorter ones.
-        num_blocks = max(len(s.seq.block_table) for s in decodes)
-        flat = [
-            b
-            for s in decodes
-            for b in s.seq.block_table + [0] * (num_blocks - len(s.seq.block_table))
-        ]
-        span = num_blocks * self.block_size
+        tables = ragged_rows([s.seq.block_table for s in decodes], np.int64)
+        span = tables.shape[1] * self.block_size
         queries = decodes[0].num_fed
         # Query i of a sequence (absolute position start + i) sees keys 0 .. start + i.
         last_key = torch.tensor([s.start for s in decodes], dtype=torch.int64)[:, None]
@@ -375,7 +371,7 @@ class ModelRunner:
             start=start,
             count=len(decodes),
             queries=queries,
-            block_tables=host_ints(flat),
+            block_tables=tables.view(-1),
             mask=mask,
         )
 
