@@ -145,10 +145,10 @@ def run(
     clock.wrap(engine.model, "compute_logits", "forward")
     clock.wrap(engine, "sampler", "sampling")
     if async_output:
-        clock.wrap(engine, "_commit_isolating", "commit tokens")
-        clock.wrap(engine, "_render_committed", OVERLAPPED)
+        clock.wrap(engine.output_stage, "commit", "commit tokens")
+        clock.wrap(engine.output_stage, "render_committed", OVERLAPPED)
     else:
-        clock.wrap(engine, "_emit_isolating", "append, detokenize, outputs")
+        clock.wrap(engine.output_stage, "emit", "append, detokenize, outputs")
     for _ in range(warm_steps):
         engine.step()
     clock.seconds.clear()

@@ -5,11 +5,10 @@ its own thread, the offline ``LLM`` calls it until every request is done. A requ
 fails a step alone (``worker.engine.isolation``) ends there, with ``finish_reason`` "abort" and
 its error in ``take_failures()``; the others go on.
 
-With ``async_output`` (on CUDA by default), postprocessing is split: what the next step needs
-(the token appended; an end by a stop token, the length or the grammar) is done at once, and
-the rest (detokenizing, stop strings, the outputs) in the next step, while the device runs its
-forward pass; outputs come one step later, and a request a stop string ends has computed one
-token more, which is dropped.
+Sampled tokens become outputs in ``worker.engine.output_stage``. With ``async_output`` (on
+CUDA by default) that is split: what the next step needs is done at once, the rest in the next
+step, while the device runs its forward pass; outputs come one step later, and a request a
+stop string ends has computed one token more, which is dropped.
 """
 
 from __future__ import annotations
@@ -17,9 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import torch
 
@@ -34,28 +31,26 @@ from worker.engine.isolation import (
     plain_rows,
     sample_isolating,
 )
+from worker.engine.output_stage import OutputStage
 from worker.engine.outputs import RequestOutput
 from worker.engine.postprocess import Postprocessor
 from worker.engine.prefix_cache import PrefixCacheStats, root_hash
 from worker.engine.request_checks import check_request, check_tenant_weight
-from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from worker.engine.sequence import Sequence
 from worker.engine.warmup import WarmupReport, warm_up
 from worker.errors import (
     EngineError,
     InvalidRequestError,
     SequenceFailedError,
-    StructuredOutputError,
 )
 from worker.model.lora_manager import UnknownAdapterError
 from worker.sampling.grammar import GrammarCompiler, MaskBatch
-from worker.sampling.sampler import SampledToken, Sampler, SamplingRow
+from worker.sampling.sampler import Sampler, SamplingRow
 from worker.sampling.sampling_params import SamplingParams
 from worker.spec_decode.speculator import Verified
 from worker.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class LLMEngine:
@@ -78,9 +73,6 @@ class LLMEngine:
         self.runner = parts.runner
         self.speculator = parts.speculator
         self.async_output = parts.async_output
-        # async_output: tokens committed by the last step, to render in this one, with
-        # whether each shows in the text (see Postprocessor.commit).
-        self._committed: list[tuple[Sequence, int, bool]] = []
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(
             self.tokenizer,
@@ -95,7 +87,14 @@ class LLMEngine:
         self._rows: dict[str, SamplingRow] = {}
         self._forks = PendingForks(self.scheduler)  # n > 1 (see add_samples)
         self._arrivals = itertools.count()
-        self._failures: dict[str, EngineError] = {}  # request id -> why it failed alone
+        self.output_stage = OutputStage(
+            self.postprocessor,
+            self.scheduler,
+            self._forks,
+            self.speculator,
+            self.requests,
+            self._rows,
+        )
         if config.warmup:
             self.warm_up()
 
@@ -252,11 +251,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; None if it is unknown or already done."""
         seq = self.requests.get(request_id)
-        if seq is None:
-            return None
-        seq.finish_reason = FinishReason.ABORT
-        self._finish(seq)
-        return self.postprocessor.output(seq, new_tokens=0, new_text="")
+        return None if seq is None else self.output_stage.abort(seq)
 
     def step(self) -> list[RequestOutput]:
         """One iteration: the outputs of every request that produced a token or finished.
@@ -266,8 +261,9 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running, self._rows)
         sched = self.scheduler.schedule()
         self.runner.move_blocks(sched.moves)
+        stage = self.output_stage
         if sched.is_empty:
-            return self._render_committed()
+            return stage.render_committed()
         start = time.perf_counter()
         executed = execute_isolating(self.runner.execute, sched.scheduled)
         sampling, logits = executed.sampling, executed.logits
@@ -289,7 +285,7 @@ class LLMEngine:
         rows = [self._rows[s.seq.request_id] for s in sampling]
         # async_output: the last step's tokens, rendered while the device runs this pass
         # (sampling waits for it).
-        outputs = self._render_committed()
+        outputs = stage.render_committed()
         sampled, failures = sample_isolating(self.sampler, logits, rows)
         failed += [(sampling[j].seq, exc) for j, exc in failures.items()]
         now = time.monotonic()
@@ -297,19 +293,18 @@ class LLMEngine:
             if j in failures:
                 continue
             if self.async_output:
-                self._commit_isolating(s.seq, token, now, failed)
+                stage.commit(s.seq, token, now, failed)
             else:
-                outputs += self._emit_isolating(s.seq, [token], now, failed)
+                outputs += stage.emit(s.seq, [token], now, failed)
         for v in verified:
-            outputs += self._emit_isolating(v.seq, v.tokens, now, failed, verified=True)
+            outputs += stage.emit(v.seq, v.tokens, now, failed, verified=True)
         return outputs + [
-            self._fail(seq, exc) for seq, exc in failed if seq.request_id in self.requests
+            stage.fail(seq, exc) for seq, exc in failed if seq.request_id in self.requests
         ]
 
     def take_failures(self) -> dict[str, EngineError]:
         """Requests that failed a step alone since the last call, with their errors."""
-        failures, self._failures = self._failures, {}
-        return failures
+        return self.output_stage.take_failures()
 
     def _apply_grammars(
         self, sampling: list[ScheduledSequence], logits: torch.Tensor
@@ -349,118 +344,6 @@ class LLMEngine:
             error = SequenceFailedError(f"verifying draft tokens failed: {exc!r}")
             plain, logits = plain_rows(sampling, logits)
             return plain, logits, [], [(s.seq, error) for s in sampling if s.num_spec]
-
-    def _emit_isolating(
-        self,
-        seq: Sequence,
-        tokens: list[SampledToken],
-        now: float,
-        failed: list[tuple[Sequence, EngineError]],
-        *,
-        verified: bool = False,
-    ) -> list[RequestOutput]:
-        """``_emit``, or nothing, with ``seq`` added to ``failed``, if postprocessing raises."""
-        out = self._isolating(seq, failed, self._emit, seq, tokens, now, verified)
-        return [] if out is None else [out]
-
-    def _commit_isolating(
-        self,
-        seq: Sequence,
-        token: SampledToken,
-        now: float,
-        failed: list[tuple[Sequence, EngineError]],
-    ) -> None:
-        """async_output: what the next step needs of ``token`` now, its rendering queued for
-        the next step. A sequence ended meanwhile (by a stop string, in this step's
-        rendering) drops its token; one ending here leaves the schedule at once."""
-        if seq.finish_reason is not None:
-            return
-        shows = self._isolating(seq, failed, self.postprocessor.commit, seq, token, now)
-        if shows is None:
-            return
-        if seq.finish_reason is not None:
-            # Its output, and its end, come with the rendering; its blocks are free now.
-            self._forks.release(seq)
-            self.scheduler.remove(seq)
-        self._committed.append((seq, token.token_id, shows))
-
-    def _render_committed(self) -> list[RequestOutput]:
-        """async_output: the outputs of the tokens the last step committed; a stop string
-        ends its request here. Requests aborted or failed since are passed over."""
-        committed, self._committed = self._committed, []
-        outputs: list[RequestOutput] = []
-        failed: list[tuple[Sequence, EngineError]] = []
-        for seq, token_id, shows in committed:
-            if self.requests.get(seq.request_id) is not seq:
-                continue
-            out = self._isolating(seq, failed, self._render, seq, token_id, shows)
-            if out is not None:
-                outputs.append(out)
-        return outputs + [
-            self._fail(seq, exc) for seq, exc in failed if self.requests.get(seq.request_id) is seq
-        ]
-
-    def _render(self, seq: Sequence, token_id: int, shows: bool) -> RequestOutput:
-        return self._conclude(seq, self.postprocessor.render(seq, token_id, shows), 1)
-
-    def _isolating(
-        self,
-        seq: Sequence,
-        failed: list[tuple[Sequence, EngineError]],
-        work: Callable[..., T],
-        *args: Any,
-    ) -> T | None:
-        """``work(*args)``, ``seq``'s postprocessing, or None, with ``seq`` added to
-        ``failed``, if it raises."""
-        try:
-            return work(*args)
-        except StructuredOutputError as exc:  # the request's grammar: its own fault
-            failed.append((seq, exc))
-        except Exception as exc:
-            logger.exception("postprocessing request %s failed", seq.request_id)
-            failed.append((seq, SequenceFailedError(f"postprocessing failed: {exc!r}")))
-        return None
-
-    def _fail(self, seq: Sequence, error: EngineError) -> RequestOutput:
-        """End a request that failed alone: free what it holds, keep why for its caller."""
-        self._failures[seq.request_id] = error
-        seq.finish_reason = FinishReason.ABORT
-        self._finish(seq)
-        return self.postprocessor.output(seq, new_tokens=0, new_text="")
-
-    def _emit(
-        self, seq: Sequence, tokens: list[SampledToken], now: float, verified: bool = False
-    ) -> RequestOutput:
-        """Append tokens until the request finishes; a verified sequence then rolls back."""
-        new_text = ""
-        count = 0
-        for token in tokens:
-            new_text += self.postprocessor.add_token(seq, token, now)
-            count += 1
-            if seq.finish_reason is not None:
-                break
-        if seq.finish_reason is None and verified:
-            assert self.speculator is not None
-            self.speculator.commit(seq, count)
-        return self._conclude(seq, new_text, count)
-
-    def _conclude(self, seq: Sequence, new_text: str, count: int) -> RequestOutput:
-        """The output of ``count`` new tokens; a finished request first releases the text
-        held back and ends."""
-        if seq.finish_reason is not None:
-            new_text += self.postprocessor.flush(seq)
-            self._finish(seq)
-        return self.postprocessor.output(seq, new_tokens=count, new_text=new_text)
-
-    def _finish(self, seq: Sequence) -> None:
-        self._forks.release(seq)
-        if self.speculator is not None:
-            self.speculator.release(seq)
-        self.scheduler.remove(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.metrics.finished_time = time.monotonic()
-        del self.requests[seq.request_id]
-        del self._rows[seq.request_id]
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
