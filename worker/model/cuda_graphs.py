@@ -31,7 +31,7 @@ from worker.model.lora_manager import LoraBatch
 
 if TYPE_CHECKING:
     from worker.model.llama import LlamaModel
-    from worker.model.model_runner import StepInputs
+    from worker.model.step_inputs import StepInputs
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 

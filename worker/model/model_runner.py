@@ -1,29 +1,24 @@
-"""Turns a scheduled step into tensors, runs the model once, returns the logits to sample.
+"""Runs the model once per step over the paged KV cache, and returns the logits to sample.
 
-One flattened forward pass per step: decodes first (one token each), then prefill chunks.
 The KV cache is allocated here once, as ``num_blocks * block_size`` slots per layer, on the
-model's device; a step's index tensors are built on the host and copied there once. The
-attention metadata is the torch path's (decode groups, chunks, native decodes) or, with
-``attention_backend="triton"``, one ``PagedLayout`` for the Triton kernels.
+model's device (and a swap pool in host memory); the scheduler's block moves are made here.
+A step's inputs are flattened on the host (``worker.model.step_inputs``) and copied to the
+device once; decode steps may replay as CUDA graphs (``worker.model.cuda_graphs``), and a
+draft model's small passes run in one native call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
 from switchboard_kernels.attention_native import DTYPES as NATIVE_ATTENTION_DTYPES
-from switchboard_kernels.attention_native import MAX_HEAD_DIM, NativeDecodes, native_attention
-from switchboard_kernels.host_ints import flat_ints, host_ints, ragged_rows
-from switchboard_kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from switchboard_kernels.paged_layout import PagedLayout, PagedSequence
+from switchboard_kernels.attention_native import MAX_HEAD_DIM, native_attention
 from worker.engine.batch import BlockMove, MoveKind, ScheduledSequence
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.llama import LlamaModel
 from worker.model.lora_manager import LoraBatch, LoraManager
 from worker.model.model_config import ModelConfig
+from worker.model.step_inputs import StepInputs, prepare_step
 
 
 def kv_bytes_per_block(
@@ -34,37 +29,6 @@ def kv_bytes_per_block(
     kv_heads = config.num_kv_heads // tensor_parallel_size
     per_token = 2 * config.num_layers * kv_heads * config.head_dim
     return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
-
-
-@dataclass(slots=True)
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
-    logit_rows: torch.Tensor  # [num_sampling] rows of the flattened batch to sample from
-    order: list[ScheduledSequence]  # the batch's sequences in flattened order
-
-    def to(self, device: torch.device) -> StepInputs:
-        """The same inputs with their tensors on ``device`` (``prepare`` makes them on the host)."""
-        if device.type == "cpu":
-            return self
-        return StepInputs(
-            input_ids=self.input_ids.to(device),
-            positions=self.positions.to(device),
-            meta=self.meta.to(device),
-            logit_rows=self.logit_rows.to(device),
-            order=self.order,
-        )
-
-
-def _offsets(s: ScheduledSequence) -> list[int]:
-    """Each draft row's position offset past the real tokens fed (``Sequence.spec_offsets``)."""
-    return s.seq.draft_offsets(s.num_spec)
-
-
-def _plain(s: ScheduledSequence) -> bool:
-    """Every draft row follows the one before: a chunk with the causal mask."""
-    return _offsets(s) == list(range(s.num_spec))
 
 
 class ModelRunner:
@@ -214,198 +178,17 @@ class ModelRunner:
         )
         return list(scheduled), logits if kept_only else self.model.full_logits(logits)
 
-    def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
-        # Decodes (one real token, maybe draft tokens after it) sorted by tokens fed, then
-        # context length, so that similar sequences share one attention call.
-        decodes, prefills = [], []
-        for s in scheduled:
-            (decodes if self._is_decode(s) else prefills).append(s)
-        decodes.sort(key=lambda s: (s.num_fed, s.start))
-        order = decodes + prefills
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logit_rows: list[int] = []
-        for s in order:
-            table = s.seq.block_table
-            if s.num_tokens == 1 and not s.num_spec:
-                # A plain decode, most of a busy step's rows: the general case below,
-                # spelled out for one token (the host's work per step bounds a GPU's tok/s).
-                p = s.start
-                ids.append(s.seq.tokens[p])
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-                if s.samples:
-                    logit_rows.append(len(ids) - 1)
-                continue
-            ids.extend(s.seq.tokens[s.start : s.start + s.num_tokens])
-            ids.extend(s.seq.spec_token_ids[: s.num_spec])
-            # Each row takes the next slot; a draft row takes its offset's position.
-            span = range(s.start, s.start + s.num_fed)
-            positions.extend(range(s.start, s.start + s.num_tokens))
-            positions.extend(s.start + s.num_tokens + o for o in _offsets(s))
-            slots.extend(table[p // bs] * bs + p % bs for p in span)
-            if s.samples:
-                # The last real token's row, then one row per draft token.
-                logit_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
-        slot_mapping, input_ids, positions_t, logit_rows_t = _host_columns(
-            slots, ids, positions, logit_rows
-        )
-        if self.triton_attention:
-            meta = AttentionMetadata(slot_mapping, [], [], layout=self._layout(order))
-        else:
-            meta = AttentionMetadata(
-                slot_mapping=slot_mapping,
-                decode_groups=[] if self.native_decodes else self._decode_groups(decodes),
-                prefills=self._prefill_chunks(prefills, start=sum(s.num_fed for s in decodes)),
-                native_decodes=self._native_decodes(decodes)
-                if self.native_decodes and decodes
-                else None,
-            )
-        return StepInputs(
-            input_ids=input_ids,
-            positions=positions_t,
-            meta=meta,
-            logit_rows=logit_rows_t,
-            order=order,
-        )
-
-    def _is_decode(self, s: ScheduledSequence) -> bool:
-        """One real token past the prompt, plus any draft tokens to verify after it. Drafts
-        laid out otherwise than one after another: the native kernel attends each such row
-        as a sequence of its own; the torch path attends them as a chunk with a mask."""
-        return (
-            s.num_tokens == 1
-            and s.start > 0
-            and (self.native_decodes or not s.num_spec or _plain(s))
-        )
-
-    def _native_decodes(self, decodes: list[ScheduledSequence]) -> NativeDecodes:
-        """The decodes for the native kernel: each sequence's real token and the draft rows
-        that follow one another, then each other draft row as a one-query sequence over the
-        same blocks, seeing the keys before its position and, at its position, itself (its
-        own slot)."""
-        bs = self.block_size
-        starts, queries, tables, own_slots = [], [], [], []
-        for s in decodes:
-            table = s.seq.block_table
-            if not s.num_spec:
-                starts.append(s.start)
-                queries.append(s.num_tokens)
-                tables.append(table)
-                own_slots.append(-1)
-                continue
-            offsets = _offsets(s)
-            in_line = 0
-            while in_line < len(offsets) and offsets[in_line] == in_line:
-                in_line += 1
-            starts.append(s.start)
-            queries.append(s.num_tokens + in_line)
-            tables.append(table)
-            own_slots.append(-1)
-            for j in range(in_line, len(offsets)):
-                index = s.start + s.num_tokens + j
-                starts.append(s.start + s.num_tokens + offsets[j])
-                queries.append(1)
-                tables.append(table)
-                own_slots.append(table[index // bs] * bs + index % bs)
-        return NativeDecodes.build(starts, queries, tables, own_slots)
-
-    def _layout(self, order: list[ScheduledSequence]) -> PagedLayout:
-        """The step for the Triton kernels: every sequence by its rows, context and table;
-        draft rows off their chain see their chain's keys, then themselves."""
-        sequences = []
-        for s in order:
-            last = None
-            if s.num_spec and not _plain(s):
-                real = range(s.start, s.start + s.num_tokens)
-                last = [*real, *(s.start + s.num_tokens + o - 1 for o in _offsets(s))]
-            sequences.append(PagedSequence(s.start, s.num_fed, s.seq.block_table, last))
-        return PagedLayout.build(
-            sequences,
-            num_kv_heads=self.model.num_kv_heads,
-            group=self.heads_per_kv_head,
-            device_type=self.device.type,
-        )
-
     def _indices(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device)
 
-    def _decode_groups(self, decodes: list[ScheduledSequence]) -> list[DecodeGroup]:
-        """Split sorted decodes where the tokens fed differ, or where padding to the group's
-        longest would exceed ~25% (plus two blocks) of the shortest one's blocks."""
-        groups: list[DecodeGroup] = []
-        start = row = 0
-        while start < len(decodes):
-            first = decodes[start]
-            first_blocks = len(first.seq.block_table)
-            end = start + 1
-            while (
-                end < len(decodes)
-                and decodes[end].num_fed == first.num_fed
-                and len(decodes[end].seq.block_table) <= first_blocks * 1.25 + 2
-            ):
-                end += 1
-            groups.append(self._decode_group(decodes[start:end], row))
-            row += (end - start) * first.num_fed
-            start = end
-        return groups
-
-    def _decode_group(self, decodes: list[ScheduledSequence], start: int) -> DecodeGroup:
-        """Block tables padded to the longest in the group and flattened; the causal mask."""
-        # Every table covers the tokens fed this step; pad the shorter ones.
-        tables = ragged_rows([s.seq.block_table for s in decodes], np.int64)
-        span = tables.shape[1] * self.block_size
-        queries = decodes[0].num_fed
-        # Query i of a sequence (absolute position start + i) sees keys 0 .. start + i.
-        last_key = torch.tensor([s.start for s in decodes], dtype=torch.int64)[:, None]
-        last_key = last_key + torch.arange(queries)[None, :]  # [count, queries]
-        mask = torch.arange(span)[None, None, :] <= last_key[:, :, None]  # [count, n, span]
-        # Row g * queries + i of SDPA's query axis is query i (see paged_attention); one
-        # query per sequence broadcasts over the heads.
-        mask = mask.unsqueeze(1)
-        if queries > 1:
-            mask = mask.repeat(1, 1, self.heads_per_kv_head, 1)
-        return DecodeGroup(
-            start=start,
-            count=len(decodes),
-            queries=queries,
-            block_tables=tables.view(-1),
-            mask=mask,
+    def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
+        """The step's inputs, laid out for this runner's attention path (``step_inputs``)."""
+        return prepare_step(
+            scheduled,
+            block_size=self.block_size,
+            native_decodes=self.native_decodes,
+            triton_attention=self.triton_attention,
+            num_kv_heads=self.model.num_kv_heads,
+            heads_per_kv_head=self.heads_per_kv_head,
+            device_type=self.device.type,
         )
-
-    def _prefill_chunks(
-        self, prefills: list[ScheduledSequence], *, start: int
-    ) -> list[PrefillChunk]:
-        chunks = []
-        for s in prefills:
-            table = mask = None
-            if s.start > 0:
-                table = host_ints(s.seq.block_table)
-                span = len(s.seq.block_table) * self.block_size
-                mask = _chunk_mask(s, span)
-            chunks.append(PrefillChunk(start, s.num_fed, s.start, table, mask))
-            start += s.num_fed
-        return chunks
-
-
-def _host_columns(*columns: list[int]) -> tuple[torch.Tensor, ...]:
-    """Each list as an int64 host tensor, cut from one (each conversion costs more than a
-    step's worth of values)."""
-    lengths = [len(column) for column in columns]
-    return flat_ints(columns, sum(lengths)).split(lengths)
-
-
-def _chunk_mask(s: ScheduledSequence, span: int) -> torch.Tensor:
-    """[rows fed, span] bool: which cache slots each row of a chunk attends to.
-
-    Row i (slot start + i) sees slots 0..start + i. A draft row at offset o sees the slots
-    up to start + num_tokens + o - 1 and itself (for drafts one after another, the same)."""
-    slot = torch.arange(s.start, s.start + s.num_fed).unsqueeze(1)  # [rows, 1]
-    keys = torch.arange(span).unsqueeze(0)  # [1, span]
-    if _plain(s):
-        return keys <= slot
-    last_seen = slot.clone()
-    last_seen[s.num_tokens :, 0] = torch.tensor(_offsets(s)) + s.start + s.num_tokens - 1
-    return (keys <= last_seen) | (keys == slot)

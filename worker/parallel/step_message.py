@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.engine.batch import BlockMove
-from worker.model.model_runner import StepInputs
+from worker.model.step_inputs import StepInputs
 from worker.parallel.group import TensorParallelGroup
 
 HEAD_BYTES = 16 * 1024  # covers a decode step of ~100 sequences
