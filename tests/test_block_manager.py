@@ -130,3 +130,17 @@ def test_holds_writable_agrees_with_the_general_count():
             assert pool.holds_writable(t, position) == (needed == 0)
     assert not pool.holds_writable(table, 5) and pool.holds_writable(own, 7)
     assert not pool.holds_writable(own, 8)  # past the table: a new block
+
+
+def test_a_fork_of_a_mirrored_table_is_mirrored_and_its_own():
+    """Sequences' tables keep an array of themselves (MirroredInts); a fork (the samples of
+    an n > 1 request) must too, with an array that follows its own changes only."""
+    from switchboard_kernels.mirrored_ints import MirroredInts
+
+    pool = make_pool(num_blocks=8, block_size=4)
+    parent = MirroredInts()
+    pool.allocate(parent, 6)
+    child = pool.fork(parent)
+    assert type(child) is MirroredInts and child == parent == [0, 1]
+    pool.allocate(child, 10)
+    assert child.array.tolist() == child == [0, 1, 2] and parent.array.tolist() == [0, 1]

@@ -91,7 +91,6 @@ def stream(
     detok = make(tokenizer, prompt_ids or [], skip_special_tokens=skip_special_tokens)
     deltas = [detok.add(t) for t in output_ids]
     deltas.append(detok.finish())
-    assert detok.text == "".join(deltas)
     return deltas
 
 
@@ -118,7 +117,6 @@ def test_a_character_split_across_tokens_is_held_back_until_complete(
         detok = make(byte_level, byte_level.encode("x"))
         assert [detok.add(t) for t in ids] == ["a", "", "", "世", "b"]
         assert detok.finish() == ""
-        assert detok.text == "a世b"
 
 
 def test_a_trailing_partial_character_is_flushed_as_replacement(
@@ -128,8 +126,7 @@ def test_a_trailing_partial_character_is_flushed_as_replacement(
     for make in (IncrementalDetokenizer, make_detokenizer):
         detok = make(byte_level, [])
         assert "".join(detok.add(t) for t in ids) == "ok"
-        assert detok.finish() == "\ufffd" == byte_level.decode(ids)[-1]
-        assert detok.text == byte_level.decode(ids)
+        assert "ok" + detok.finish() == byte_level.decode(ids) == "ok\ufffd"
 
 
 @pytest.mark.parametrize("window", [False, True])

@@ -66,26 +66,23 @@ def sampling_params_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams
 
 def response_from_sample(sample: SampleOutput) -> worker_pb2.GenerateResponse:
     out = sample.output
-    new = out.new_token_ids
     response = worker_pb2.GenerateResponse(
         index=sample.index,
-        token_ids=new,
+        token_ids=out.new_token_ids,
         text=out.new_text,
         finish_reason=out.finish_reason or "",
         prompt_tokens=out.num_prompt_tokens,
         completion_tokens=out.num_tokens,
         cached_tokens=out.num_cached_tokens,
     )
-    if out.new_logprobs:
-        for token in out.new_logprobs:
-            response.logprobs.add(
-                token_id=token.token_id,
-                logprob=token.logprob or 0.0,
-                top=[
-                    worker_pb2.TopLogprob(token_id=t, logprob=lp)
-                    for t, lp in token.top_logprobs or ()
-                ],
-            )
+    for token in out.new_logprobs or ():
+        response.logprobs.add(
+            token_id=token.token_id,
+            logprob=token.logprob or 0.0,
+            top=[
+                worker_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in token.top_logprobs or ()
+            ],
+        )
     if isinstance(out.stop_reason, str):
         response.stop_string = out.stop_reason
     elif out.stop_reason is not None:

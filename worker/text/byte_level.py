@@ -19,8 +19,6 @@ from typing import Any
 
 from tokenizers import decoders
 
-from worker.text.deltas import DeltaText
-
 
 @functools.cache
 def _char_bytes() -> dict[str, int]:
@@ -58,13 +56,12 @@ def token_bytes(backend: Any) -> tuple[bytes, ...] | None:
     return tuple(table)
 
 
-class ByteLevelDetokenizer(DeltaText):
+class ByteLevelDetokenizer:
     """``IncrementalDetokenizer``'s contract for a byte-level tokenizer: the deltas add up
     to ``tokenizer.decode(output_ids, skip_special_tokens=...)``. A prompt ending inside a
     character is not completed by the output (decoding starts afresh)."""
 
     def __init__(self, table: tuple[bytes, ...], skipped: frozenset[int]) -> None:
-        super().__init__()
         self._table = table
         self._skipped = skipped  # special tokens, when they are skipped
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
@@ -73,8 +70,8 @@ class ByteLevelDetokenizer(DeltaText):
         """Appends one generated token; returns the text it completes (often all of it)."""
         if token_id in self._skipped or not 0 <= token_id < len(self._table):
             return ""
-        return self._keep(self._utf8.decode(self._table[token_id]))
+        return self._utf8.decode(self._table[token_id])
 
     def finish(self) -> str:
         """Flushes an incomplete character's bytes (as U+FFFD)."""
-        return self._keep(self._utf8.decode(b"", final=True))
+        return self._utf8.decode(b"", final=True)

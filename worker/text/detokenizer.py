@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from worker.text.byte_level import ByteLevelDetokenizer, token_bytes
-from worker.text.deltas import DeltaText
 
 # Prompt tokens decoded as context before the first output token (vLLM uses 5).
 PROMPT_CONTEXT_TOKENS = 5
@@ -44,7 +43,7 @@ def special_ids(backend: Any) -> frozenset[int]:
     )
 
 
-class IncrementalDetokenizer(DeltaText):
+class IncrementalDetokenizer:
     """Turns generated token ids into text deltas whose concatenation is the full decode.
 
     For byte-level BPE (Llama 3, Qwen2, SmolLM2), the deltas add up to exactly
@@ -62,7 +61,6 @@ class IncrementalDetokenizer(DeltaText):
         *,
         skip_special_tokens: bool = True,
     ) -> None:
-        super().__init__()
         # The Rust tokenizer behind a transformers fast tokenizer: its decode is what
         # `tokenizer.decode` runs (transformers only adds an optional WordPiece clean-up).
         self._backend = tokenizer.backend_tokenizer
@@ -105,7 +103,7 @@ class IncrementalDetokenizer(DeltaText):
         del self._ids[: self._prefix]  # keep the window small: only ids[prefix:] matter
         self._read -= self._prefix
         self._prefix = 0
-        return self._keep(delta)
+        return delta
 
     def _release_final_part(self, prefix_text: str, new_text: str) -> str:
         """Emits the text before the last 3 held tokens, at a split that no character straddles.
