@@ -6,6 +6,11 @@ failed check in the epoll poller: 30 of 1,600 spawns on a busy channel here). uv
 gateway's loop, spawns with libuv, which forks. `subprocess.Popen` on Linux starts the child
 with vfork, which runs no fork handlers, so children start here and join the loop afterwards:
 their pipes as asyncio streams, their exit awaited on a pidfd (a thread elsewhere).
+
+Each pipe is closed through its transport, which closes Popen's file object with it, so its
+descriptor is closed exactly once. A transport freed unclosed under uvloop has libuv close
+the descriptor while the file object still holds the number; the file object then closed it
+a second time when it was collected, by then another socket's (a gRPC channel's, in a test).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class Child:
         self.stdout: asyncio.StreamReader | None = None
         self.stderr: asyncio.StreamReader | None = None
         self._exited: asyncio.Future[int] | None = None
+        self._transports: list[asyncio.BaseTransport] = []
 
     @classmethod
     async def start(cls, argv: Sequence[str], *, env: dict[str, str], stderr: bool) -> Child:
@@ -42,6 +48,7 @@ class Child:
         except BaseException:
             popen.kill()
             popen.wait()
+            child._close_pipes()
             raise
         return child
 
@@ -52,11 +59,26 @@ class Child:
         transport, protocol = await loop.connect_write_pipe(
             lambda: _WriteProtocol(loop), popen.stdin
         )
+        self._transports.append(transport)
         self.stdin = asyncio.StreamWriter(transport, protocol, None, loop)
-        self.stdout = await _reader(loop, popen.stdout)
+        self.stdout = await self._reader(loop, popen.stdout)
         if popen.stderr is not None:
-            self.stderr = await _reader(loop, popen.stderr)
+            self.stderr = await self._reader(loop, popen.stderr)
         self._exited = _exit_future(loop, popen)
+
+    async def _reader(self, loop: asyncio.AbstractEventLoop, pipe) -> asyncio.StreamReader:
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), pipe
+        )
+        self._transports.append(transport)
+        return reader
+
+    def _close_pipes(self) -> None:
+        """Our ends of the pipes, each closed once, through its transport (module docstring)."""
+        for transport in self._transports:
+            transport.close()
+        self._transports.clear()
 
     @property
     def returncode(self) -> int | None:
@@ -76,6 +98,7 @@ class Child:
             self.stdout.read(), self.stderr.read() if self.stderr else _nothing()
         )
         await self.wait()
+        self._close_pipes()
         return out, err
 
     async def kill(self) -> None:
@@ -84,18 +107,11 @@ class Child:
             if self._popen.returncode is None:
                 self._popen.kill()
         await self.wait()
-        if self.stdin is not None:
-            self.stdin.close()
+        self._close_pipes()
 
 
 class _WriteProtocol(asyncio.streams.FlowControlMixin):
     """What a StreamWriter on a pipe needs: flow control, and nothing read back."""
-
-
-async def _reader(loop: asyncio.AbstractEventLoop, pipe) -> asyncio.StreamReader:
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
-    return reader
 
 
 async def _nothing() -> bytes:

@@ -7,6 +7,8 @@ and crashed it now and then (about 2% of spawns on a busy channel) before it cou
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
 import signal
 import sys
 
@@ -71,3 +73,32 @@ def test_children_started_while_grpc_calls_are_in_flight_all_run() -> None:
 
     answers = uvloop.run(main())
     assert answers == [(0, b"%d" % i) for i in range(400)]
+
+
+def test_a_finished_child_never_closes_a_descriptor_that_has_been_reused() -> None:
+    """A pipe's descriptor is closed once: after the child is dropped, the numbers it used go to
+    new files, and collecting the child's Popen afterwards must leave those files open (it closed
+    them a second time, another socket's by then, when libuv had closed the pipes itself)."""
+
+    async def main() -> None:
+        talked = await Child.start(["cat"], env={}, stderr=True)
+        await talked.communicate(b"x")
+        killed = await Child.start(["sleep", "60"], env={}, stderr=True)
+        await killed.kill()
+        popens = [talked._popen, killed._popen]
+        await asyncio.sleep(0.05)  # a transport closes its pipe on the loop's next turns
+        assert all(f.closed for p in popens for f in (p.stdin, p.stdout, p.stderr))
+        del talked, killed
+        gc.collect()
+        # Files that take the lowest free numbers: the pipes' old ones, if they were freed.
+        reused = [os.open(os.devnull, os.O_RDONLY) for _ in range(8)]
+        try:
+            popens.clear()
+            gc.collect()
+            for fd in reused:
+                os.fstat(fd)  # EBADF if a pipe's file object closed it
+        finally:
+            for fd in reused:
+                os.close(fd)
+
+    uvloop.run(main())
