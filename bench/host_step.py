@@ -109,7 +109,7 @@ def run(
 ) -> dict:
     """One engine, ``batch`` requests, ``steps`` decode steps timed: ms per step by section."""
     from worker import SamplingParams
-    from worker.engine.config import EngineConfig
+    from worker.core.config import EngineConfig
     from worker.engine.llm_engine import LLMEngine
     from worker.serving.async_engine import SampleOutput
     from worker.serving.servicer import response_from_sample

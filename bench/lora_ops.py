@@ -6,7 +6,7 @@ min(T, 32) sequences of T / min(T, 32) tokens each (decodes up to 32, then prefi
 1, 8 or 32 adapters, drawn per sequence with uniform or zipf(1.5) popularity; a bf16 model
 with bf16 or fp32 adapter stacks, and an fp32 model.
 
-Candidates (``switchboard_kernels/lora_reference.py``): ``segments`` (SGMV in torch, a matmul pair
+Candidates (``switchboard_kernels/lora_torch.py``): ``segments`` (SGMV in torch, a matmul pair
 per run of one adapter), computing in fp32 or, for a bf16 model, in bf16 (suffix
 ``/bf16``); ``bucketed`` (BGMV as padded batched matmuls over the slot range, passes as
 ``switchboard_kernels.lora.bucket_passes`` picks them) and ``bucketed-1pass`` (one pass as wide as
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from switchboard_kernels import lora_reference as ref
+from switchboard_kernels import lora_torch
 from switchboard_kernels.linear import Linear
 from switchboard_kernels.lora import LoraMapping, NativeSlots, SlotPairs, add_lora, bucket_passes
 
@@ -102,7 +102,7 @@ def methods(x, y, a, b, scales, mapping: LoraMapping, weight) -> dict[str, Calla
     computes = [torch.float32] + ([torch.bfloat16] if x.dtype == torch.bfloat16 else [])
     for cd in computes:
         tag = "" if cd == torch.float32 else "/bf16"
-        out["segments" + tag] = lambda cd=cd: ref.lora_segments(
+        out["segments" + tag] = lambda cd=cd: lora_torch.lora_segments(
             y, x, a, b, scales, runs, compute_dtype=cd
         )
     pairs = None
@@ -110,10 +110,12 @@ def methods(x, y, a, b, scales, mapping: LoraMapping, weight) -> dict[str, Calla
         pairs = SlotPairs(a.shape[0], a.dtype)
         for slot in range(a.shape[0]):
             pairs.refresh(slot, a, b)
-        out["packed-pairs"] = lambda: ref.lora_packed_segments(y, x, pairs, scales, runs)
-        out["fp32-pairs"] = lambda: ref.lora_packed_segments(y, x, pairs, scales, runs, fp32=True)
-    out["bucketed"] = lambda: ref.lora_bucketed(y, x, a, b, scales, passes)
-    out["bucketed-1pass"] = lambda: ref.lora_bucketed(y, x, a, b, scales, one_pass)
+        out["packed-pairs"] = lambda: lora_torch.lora_packed_segments(y, x, pairs, scales, runs)
+        out["fp32-pairs"] = lambda: lora_torch.lora_packed_segments(
+            y, x, pairs, scales, runs, fp32=True
+        )
+    out["bucketed"] = lambda: lora_torch.lora_bucketed(y, x, a, b, scales, passes)
+    out["bucketed-1pass"] = lambda: lora_torch.lora_bucketed(y, x, a, b, scales, one_pass)
     out["auto"] = lambda: add_lora(y, x, a, b, scales, mapping, pairs=pairs)
     if NativeSlots.wanted(a):
         native = NativeSlots(a.shape[0], a.shape[2], [(0, b.shape[1])])

@@ -153,7 +153,7 @@ def p50(values: list[float]) -> float:
 
 def measure(engine, run, args, *, caching: bool) -> RunResult:
     """One run with the cache on or off, from an empty cache and fresh counters."""
-    from worker.engine.prefix_cache import PrefixCacheStats
+    from worker.core.prefix_cache import PrefixCacheStats
 
     engine.reset_prefix_cache()
     engine.block_manager.enable_caching = caching

@@ -23,7 +23,7 @@ RUN python /src/docker/select_requirements.py /src/pyproject.toml \
       /src/docker/gateway-requirements.txt > /tmp/gateway-requirements.txt \
  && pip install -r /tmp/gateway-requirements.txt \
  && pip install --no-deps /src \
- && python -c "import gateway.serve, switchboard.admin_client" \
+ && python -c "import gateway.main, switchboard.admin_client" \
  && python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"
 
 FROM ${PYTHON_IMAGE}

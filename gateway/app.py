@@ -158,7 +158,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         listener = admin = None
         try:
             if settings.metrics_port is not None:
-                listener = metrics.serve(settings.metrics_port, host=settings.host)
+                listener = metrics.start_listener(settings.metrics_port, host=settings.host)
                 app.state.metrics_port = listener.port
                 log.info("metrics on http://%s:%d/metrics", settings.host, listener.port)
             if admin_app is not None:

@@ -202,7 +202,7 @@ class MetricsListener:
         self.thread.join()
 
 
-def serve(port: int, *, host: str) -> MetricsListener:
+def start_listener(port: int, *, host: str) -> MetricsListener:
     """Serve the registry on `host:port` (0: any free port) without authentication: only
     Prometheus may reach that port (k8s/base/network-policy.yaml)."""
     server, thread = start_http_server(port, addr=host, registry=REGISTRY)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from gateway.deps import CurrentTenant, State
-from gateway.pipeline import serve
+from gateway.pipeline import handle_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.resolution import list_models
 from gateway.usage import day_range, read_usage
@@ -27,14 +27,14 @@ async def models(caller: CurrentTenant, state: State) -> dict[str, Any]:
 async def completions(
     body: CompletionRequest, caller: CurrentTenant, state: State, request: Request
 ) -> Response:
-    return await serve(body, state=state, caller=caller, http=request)
+    return await handle_request(body, state=state, caller=caller, http=request)
 
 
 @router.post("/chat/completions")
 async def chat_completions(
     body: ChatCompletionRequest, caller: CurrentTenant, state: State, request: Request
 ) -> Response:
-    return await serve(body, state=state, caller=caller, http=request)
+    return await handle_request(body, state=state, caller=caller, http=request)
 
 
 @router.get("/usage")

@@ -43,7 +43,7 @@ OVERHEAD_HEADER = "x-switchboard-overhead-ms"
 INLINE_COLLECT_ENTRIES = 2048
 
 
-async def serve(
+async def handle_request(
     body: OpenAIRequest, *, state: GatewayState, caller: Caller, http: Request
 ) -> Response:
     """The response to one request; the request is settled however it ends (a stream: when

@@ -26,7 +26,7 @@ from gateway.errors import InvalidRequestError
 log = logging.getLogger(__name__)
 
 # Weights are relative; the bounds keep one tenant's share and the counters' arithmetic sane,
-# and are the engine's (worker.engine.fairness): a weight travels as a float32, so a tiny one would
+# and are the engine's (worker.core.fairness): a weight travels as a float32, so a tiny one would
 # round to 0, which the worker reads as unset.
 MIN_WEIGHT = 0.001
 MAX_WEIGHT = 1000.0

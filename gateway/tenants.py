@@ -98,15 +98,6 @@ def check_tenant_name(name: str) -> str:
     return name
 
 
-# HDEL only if the field still holds the expected value (a compare-and-delete).
-DELETE_IF_EQUAL = """
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
-  return redis.call('HDEL', KEYS[1], ARGV[1])
-end
-return 0
-"""
-
-
 # Bound on the in-process key cache (entries are ~200 bytes).
 MAX_CACHED_KEYS = 100_000
 
@@ -125,7 +116,6 @@ class TenantStore:
         self.redis = client
         self.prefix = prefix
         self.clock = clock  # the key cache's time (monotonic seconds)
-        self._delete_if_equal = client.register_script(DELETE_IF_EQUAL)
         # Known keys, by hash: (caller, monotonic expiry). Authentication is a Redis round
         # trip on every request, ~10% of a gateway's CPU under load; a key revoked through
         # another gateway replica keeps working here for at most key_cache_s.
@@ -254,10 +244,3 @@ class TenantStore:
     async def list_adapters(self, tenant: str) -> list[TenantAdapter]:
         raw = await self.redis.hgetall(self._k("tenant", tenant, "adapters"))
         return [TenantAdapter.from_json(raw[name]) for name in sorted(raw)]
-
-    async def remove_adapter_record(self, tenant: str, adapter: TenantAdapter) -> bool:
-        """Delete the name if it still holds exactly `adapter`; False if it changed or went."""
-        removed = await self._delete_if_equal(
-            keys=[self._k("tenant", tenant, "adapters")], args=[adapter.name, adapter.to_json()]
-        )
-        return bool(removed)

@@ -177,12 +177,12 @@ def gateway(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from gateway.serve import serve
+    from gateway.main import run_gateway
     from runtime.logs import configure_logging
 
     configure_logging(level=logging.INFO, json_lines=json_lines_wanted())
     try:
-        return serve(args)
+        return run_gateway(args)
     except ValidationError as exc:  # refused settings, e.g. a default admin token
         messages = "; ".join(error["msg"] for error in exc.errors())
         print(f"switchboard: error: gateway settings: {messages}", file=sys.stderr)

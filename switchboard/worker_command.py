@@ -13,7 +13,7 @@ from switchboard.commands import Command
 
 # worker.engine.placement's names; spelled out here because this module must not import torch.
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
-SCHEDULING_POLICIES = ("fair", "fcfs")  # worker.engine.fairness.SchedulingPolicy's values
+SCHEDULING_POLICIES = ("fair", "fcfs")  # worker.core.fairness.SchedulingPolicy's values
 # Seconds a signalled worker may take beyond --drain-timeout before it exits regardless:
 # the abort (5 s), the server stop (1 s) and a step; within k8s' grace period (45 s).
 STOP_MARGIN_S = 12.0
@@ -31,7 +31,7 @@ def worker(args: argparse.Namespace) -> int:
     from worker.errors import TensorParallelError
     from worker.serving.auth import TOKEN_ENV, WorkerAuth
     from worker.serving.main_thread import MainThreadEngineLoop
-    from worker.serving.server import serve
+    from worker.serving.server import run_worker
 
     configure_logging(level=logging.INFO, json_lines=json_lines_wanted())
     auth = WorkerAuth(
@@ -49,7 +49,7 @@ def worker(args: argparse.Namespace) -> int:
     # uvloop, as the gateway's uvicorn uses: grpc.aio's callbacks run on it at less CPU.
     rpc = functools.partial(
         uvloop.run,
-        serve(
+        run_worker(
             model=args.model,
             host=args.host,
             port=args.port,
@@ -84,7 +84,7 @@ def _path(value: str | None):
 
 def worker_engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine's keyword arguments from the worker's flags."""
-    from worker.engine.fairness import FairnessConfig
+    from worker.core.config import FairnessConfig
 
     return {
         "device": args.device,

@@ -9,7 +9,7 @@ On CPU with bf16 or fp32 stacks: the native kernel (``switchboard_kernels/lora_c
 ``switchboard_kernels/lora_native.py``) for every token, one call per projection group, over each
 slot's weights cut to rank and laid out for it (``NativeSlots``, kept beside the stacks by
 the LoRA manager; the mapping then carries ``NativeGroups``). Where it cannot be built, or
-for fp16 stacks, two torch paths of ``switchboard_kernels/lora_reference.py``: a matmul pair per
+for fp16 stacks, two torch paths of ``switchboard_kernels/lora_torch.py``: a matmul pair per
 long run of one adapter (prefill chunks; a decode batch on one adapter), and, for the rest,
 BGMV as padded batched matmuls over the slot stacks themselves (``lora_bucketed``), chosen
 from the measurements in ``bench/lora_ops.py``. With bf16/fp16 stacks the pairs use each
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from switchboard_kernels import lora_reference as ref
+from switchboard_kernels import lora_torch
 from switchboard_kernels.lora_native import NativeGroups, NativeSlots, native_library
-from switchboard_kernels.lora_reference import BucketPass, SlotPairs
+from switchboard_kernels.lora_torch import BucketPass, SlotPairs
 
 __all__ = [
     "LoraMapping",
@@ -263,12 +263,12 @@ def _add_lora_cpu(
         if not runs:
             continue
         if pairs is not None:
-            ref.lora_packed_segments(y, x, pairs, scales, runs, out_offset, fp32=fp32)
+            lora_torch.lora_packed_segments(y, x, pairs, scales, runs, out_offset, fp32=fp32)
         else:
             dtype = torch.float32 if fp32 else a_stack.dtype
-            ref.lora_segments(*args, runs, out_offset=out_offset, compute_dtype=dtype)
+            lora_torch.lora_segments(*args, runs, out_offset=out_offset, compute_dtype=dtype)
     if plan.passes:
-        ref.lora_bucketed(*args, plan.passes, out_offset=out_offset)
+        lora_torch.lora_bucketed(*args, plan.passes, out_offset=out_offset)
 
 
 # --- shrink and expand apart (tensor parallelism: S-LoRA's exchange goes between them) ----

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from switchboard_kernels.lora import FUSED_MAX_RANK
-from switchboard_kernels.lora_reference import check_expand, check_shrink
+from switchboard_kernels.lora_shapes import check_expand, check_shrink
 from switchboard_kernels.lora_triton import gathered_shrink
 
 MIN_TILE = 16  # every tile dimension, as in switchboard_kernels/lora_triton.py

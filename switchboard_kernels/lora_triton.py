@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from switchboard_kernels.lora_reference import check_expand, check_shrink
+from switchboard_kernels.lora_shapes import check_expand, check_shrink
 
 SGMV_BLOCK_K = 64  # input features per step of the shrink loop
 SGMV_BLOCK_N = 64  # output features per expand program

@@ -1,6 +1,6 @@
 """A list of ints that is also an array: for lists read whole far more often than changed.
 
-numpy only (no torch), so the engine's bookkeeping (``worker.engine.sequence``) can hold one.
+numpy only (no torch), so the engine's bookkeeping (``worker.core.sequence``) can hold one.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import worker.engine.config as engine_settings
+import worker.core.config as engine_settings
 
 # Triton kernels run on CPU under the interpreter, which must be chosen before any
 # @triton.jit runs; peft imports triton early (through torch's compiler), so set it here.

@@ -181,7 +181,7 @@ def pretend_step(sched, *, finish: bool = False) -> list[tuple[str, int, int]]:
     """Schedule one step of a `Scheduler` and pretend the model ran it (``mark_computed``,
     so full blocks get cached): a sampling sequence gets token 7, and with ``finish`` one
     at its max_tokens ends. Returns the plan: (request id, start, tokens) per sequence."""
-    from worker.engine.sequence import SequenceStatus
+    from worker.core.sequence import SequenceStatus
 
     out = sched.schedule()
     plan = [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled]

@@ -31,7 +31,7 @@ from gateway_support import (
 )
 from rpc import worker_pb2, worker_pb2_grpc
 from worker import LLMEngine
-from worker.engine.config import engine_config
+from worker.core.config import engine_config
 from worker.serving.server import WorkerServer
 
 PROMPT = "the quick brown fox jumps over the lazy dog"

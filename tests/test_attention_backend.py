@@ -19,7 +19,7 @@ from factories import (  # noqa: E402
     random_prompts,
 )
 from worker import LLM, SamplingParams  # noqa: E402
-from worker.engine.config import EngineConfig, engine_config  # noqa: E402
+from worker.core.config import EngineConfig, engine_config  # noqa: E402
 from worker.engine.placement import resolve_attention_backend, resolve_cuda_graphs  # noqa: E402
 from worker.errors import InvalidRequestError  # noqa: E402
 from worker.model.cuda_graphs import DecodeGraphs, bucket_for  # noqa: E402

@@ -13,9 +13,9 @@ import torch
 
 from factories import make_checkpoint, random_prompts
 from switchboard_kernels.attention_native import NativeDecodes, native_attention
-from worker.engine.batch import ScheduledSequence
-from worker.engine.block_manager import BlockManager
-from worker.engine.sequence import Sequence
+from worker.core.batch import ScheduledSequence
+from worker.core.block_manager import BlockManager
+from worker.core.sequence import Sequence
 from worker.model.llama import LlamaModel
 from worker.model.model_runner import ModelRunner
 

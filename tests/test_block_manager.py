@@ -2,7 +2,7 @@
 
 import pytest
 
-from worker.engine.block_manager import BlockManager, NoFreeBlocksError
+from worker.core.block_manager import BlockManager, NoFreeBlocksError
 
 
 def make_pool(num_blocks: int = 8, block_size: int = 4) -> BlockManager:

@@ -21,9 +21,9 @@ from factories import load_hf_model, make_checkpoint
 from q4_levels import activation_levels
 from switchboard_kernels.draft_native import native_draft
 from switchboard_kernels.q4_native import dequantize_weight, native_q4, quantize_weight
-from worker.engine.batch import ScheduledSequence
-from worker.engine.block_manager import BlockManager
-from worker.engine.sequence import Sequence
+from worker.core.batch import ScheduledSequence
+from worker.core.block_manager import BlockManager
+from worker.core.sequence import Sequence
 from worker.model.llama import LlamaModel
 from worker.model.model_runner import ModelRunner
 

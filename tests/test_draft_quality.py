@@ -9,9 +9,9 @@ import torch
 from bench.draft_quality import chain_tokens, round_to_int8
 from factories import make_checkpoint, random_prompts
 from switchboard_kernels.linear_native import native_linear
-from worker.engine.batch import ScheduledSequence
-from worker.engine.block_manager import BlockManager
-from worker.engine.sequence import Sequence
+from worker.core.batch import ScheduledSequence
+from worker.core.block_manager import BlockManager
+from worker.core.sequence import Sequence
 from worker.model.llama import LlamaModel
 from worker.model.model_runner import ModelRunner
 

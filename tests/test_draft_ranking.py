@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from worker.sampling.sampler import SamplingRow, make_generator
+from worker.sampling.rows import SamplingRow, make_generator
 from worker.sampling.sampling_params import SamplingParams
 from worker.spec_decode.draft_ranking import rank_rows
 

@@ -2,11 +2,14 @@
 
 import pytest
 
-from worker.engine.batch import PreemptionMode
-from worker.engine.config import EngineConfig, engine_config
-from worker.engine.fairness import FairnessConfig
+from worker.core.config import (
+    EngineConfig,
+    FairnessConfig,
+    PreemptionMode,
+    SpeculativeConfig,
+    engine_config,
+)
 from worker.errors import InvalidRequestError, SpeculativeConfigError
-from worker.spec_decode.config import SpeculativeConfig
 
 
 def test_flat_options_build_the_nested_config():

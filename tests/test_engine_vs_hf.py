@@ -8,9 +8,9 @@ from transformers import GenerationConfig
 
 from factories import load_hf_model, make_checkpoint, random_prompts
 from worker import LLM, SamplingParams
-from worker.engine.batch import ScheduledSequence
-from worker.engine.block_manager import BlockManager
-from worker.engine.sequence import Sequence
+from worker.core.batch import ScheduledSequence
+from worker.core.block_manager import BlockManager
+from worker.core.sequence import Sequence
 from worker.model.llama import LlamaModel
 from worker.model.model_runner import ModelRunner
 

@@ -11,10 +11,11 @@ import random
 import pytest
 
 from factories import pretend_step
-from worker.engine.block_manager import BlockManager
-from worker.engine.fairness import FairnessConfig, ServiceLedger
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence, SequenceStatus
+from worker.core.block_manager import BlockManager
+from worker.core.config import FairnessConfig
+from worker.core.fairness import ServiceLedger
+from worker.core.scheduler import Scheduler
+from worker.core.sequence import Sequence, SequenceStatus
 from worker.sampling.sampling_params import SamplingParams
 
 _orders = itertools.count()

@@ -8,8 +8,7 @@ import pytest
 
 from factories import assert_no_block_leaks, drain, make_peft_adapter, random_prompts
 from worker import SamplingParams
-from worker.engine.config import engine_config
-from worker.engine.fairness import FairnessConfig
+from worker.core.config import FairnessConfig, engine_config
 from worker.engine.llm_engine import LLMEngine
 from worker.errors import InvalidRequestError
 
@@ -116,7 +115,7 @@ def test_the_gateway_bounds_weights_as_the_engine_does():
     import numpy as np
 
     from gateway.scheduling import MAX_WEIGHT, MIN_WEIGHT
-    from worker.engine.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
+    from worker.core.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
 
     assert (MIN_WEIGHT, MAX_WEIGHT) == (MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT)
     assert float(np.float32(MIN_WEIGHT)) >= MIN_TENANT_WEIGHT and np.float32(MAX_WEIGHT) == 1000

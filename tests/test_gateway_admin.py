@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.errors import AuthenticationError
-from gateway.serve import skip_observed_access_lines
+from gateway.main import skip_observed_access_lines
 from gateway.tenants import TenantStore
 from gateway_support import (
     ADMIN_TOKEN,

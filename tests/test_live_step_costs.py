@@ -9,8 +9,8 @@ import torch
 
 from factories import random_prompts
 from worker import LLM, SamplingParams
+from worker.core.config import SpeculativeConfig
 from worker.spec_decode.backoff import BackoffPolicy
-from worker.spec_decode.config import SpeculativeConfig
 from worker.spec_decode.step_cost import MIN_OBSERVATIONS, LiveStepCosts, StepCostTable
 
 # Timed at start: one sequence 20 ms plain, drafts free up to 8 rows (underestimated),

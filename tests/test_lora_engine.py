@@ -11,7 +11,7 @@ from factories import load_hf_model, make_checkpoint, make_peft_adapter, random_
 from switchboard_kernels import lora_native
 from switchboard_kernels.lora import SlotPairs
 from worker import LLM, SamplingParams
-from worker.model.lora_manager import UnknownAdapterError
+from worker.errors import UnknownAdapterError
 from worker.serving.async_engine import AsyncEngine
 from worker.serving.metrics import EngineStatsCollector
 

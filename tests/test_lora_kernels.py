@@ -34,6 +34,7 @@ import triton.language as tl  # noqa: E402
 
 import switchboard_kernels.lora_fused_triton as fused  # noqa: E402
 import switchboard_kernels.lora_reference as ref  # noqa: E402
+import switchboard_kernels.lora_torch as lora_torch  # noqa: E402
 import switchboard_kernels.lora_triton as tri  # noqa: E402
 from lora_factories import (  # noqa: E402
     IN_FEATURES,
@@ -336,17 +337,17 @@ def cpu_candidates(token_slots: torch.Tensor):
     passes = bucket_passes(rows.tolist(), token_slots[rows].tolist())
     narrow = bucket_passes(rows.tolist(), token_slots[rows].tolist(), width=1)
     return {
-        "segments": lambda *args, **kw: ref.lora_segments(
+        "segments": lambda *args, **kw: lora_torch.lora_segments(
             *args, runs, compute_dtype=args[2].dtype, **kw
         ),
-        "packed-pairs": lambda y, x, a, b, scales, **kw: ref.lora_packed_segments(
+        "packed-pairs": lambda y, x, a, b, scales, **kw: lora_torch.lora_packed_segments(
             y, x, packed_pairs(a, b), scales, runs, **kw
         ),
-        "fp32-pairs": lambda y, x, a, b, scales, **kw: ref.lora_packed_segments(
+        "fp32-pairs": lambda y, x, a, b, scales, **kw: lora_torch.lora_packed_segments(
             y, x, packed_pairs(a, b), scales, runs, **kw, fp32=True
         ),
-        "bucketed": lambda *args, **kw: ref.lora_bucketed(*args, passes, **kw),
-        "bucketed-narrow": lambda *args, **kw: ref.lora_bucketed(*args, narrow, **kw),
+        "bucketed": lambda *args, **kw: lora_torch.lora_bucketed(*args, passes, **kw),
+        "bucketed-narrow": lambda *args, **kw: lora_torch.lora_bucketed(*args, narrow, **kw),
     }
 
 
@@ -432,7 +433,7 @@ def test_slot_pairs_are_cut_to_the_rank_each_slot_holds():
     for fp32 in (False, True):
         got = y.clone()
         runs = [(0, 1, 0), (1, 3, 2), (3, 4, 1), (4, 5, 3)]
-        ref.lora_packed_segments(got, x, pairs, scales, runs, fp32=fp32)
+        lora_torch.lora_packed_segments(got, x, pairs, scales, runs, fp32=fp32)
         assert_close(got, want, torch.bfloat16)
         assert torch.equal(got[1:3], y[1:3])
 
@@ -504,7 +505,7 @@ def test_a_dense_pass_takes_rows_in_cell_order_without_padding(stacks):
     x, y = make_inputs(len(token_slots), dtype=stacks, extra_cols=3)
     _, want = loop_lora(y, x, a, b, scales, torch.tensor(token_slots), rank=8, out_offset=1)
     got = y.clone()
-    ref.lora_bucketed(got, x, a, b, scales, [only], out_offset=1)
+    lora_torch.lora_bucketed(got, x, a, b, scales, [only], out_offset=1)
     assert_close(got, want, stacks)
     # A slot with fewer tokens than the width leaves padding: not dense.
     (padded,) = bucket_passes(list(range(3)), [0, 0, 1])

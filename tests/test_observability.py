@@ -18,7 +18,7 @@ from adapters.base_model import BaseModelSpec
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
 from gateway_support import delete_prefix, gateway_settings, running_gateway
 from runtime.logs import configure_logging
-from worker.engine.config import engine_config
+from worker.core.config import engine_config
 from worker.engine.llm_engine import LLMEngine
 from worker.serving.server import WorkerServer
 
@@ -73,7 +73,7 @@ async def test_worker_metrics_and_request_ids_across_the_hop(
     )  # fmt: skip
     try:
         await worker.start()
-        metrics_port = worker.metrics.serve(0, host="127.0.0.1")
+        metrics_port = worker.metrics.start_listener(0, host="127.0.0.1")
         async with (
             running_gateway(settings) as gw,
             httpx.AsyncClient(base_url=gw.url, headers=gw.admin_headers, timeout=30) as admin,

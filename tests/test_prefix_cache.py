@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from worker.engine.block_manager import BlockCopy, BlockManager
-from worker.engine.prefix_cache import block_hash, extend_block_hashes, root_hash
+from worker.core.block_manager import BlockCopy, BlockManager
+from worker.core.prefix_cache import block_hash, extend_block_hashes, root_hash
 
 BS = 4
 
@@ -67,7 +67,7 @@ def test_the_chain_is_the_same_in_another_process():
     """Blocks are named alike by every process (gateway replicas route on them): nothing in
     the chain may depend on Python's per-process hash seed."""
     script = (
-        "from worker.engine.prefix_cache import extend_block_hashes, root_hash\n"
+        "from worker.core.prefix_cache import extend_block_hashes, root_hash\n"
         "out = []\n"
         f"extend_block_hashes(out, root_hash('sha256:ab', 'tenant-a'), {PROMPT!r}, {BS})\n"
         "print(','.join(h.hex() for h in out))"

@@ -18,7 +18,7 @@ from factories import (
     random_prompts,
 )
 from worker import LLM, SamplingParams
-from worker.engine.config import engine_config
+from worker.core.config import engine_config
 from worker.engine.llm_engine import LLMEngine
 
 MAX_NEW = 12

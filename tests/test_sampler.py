@@ -9,14 +9,8 @@ import pytest
 import torch
 
 from worker.sampling.penalties import apply_penalties_
-from worker.sampling.sampler import (
-    LOGPROB_FLOOR,
-    SampledToken,
-    Sampler,
-    SamplingRow,
-    filter_logits,
-    make_generator,
-)
+from worker.sampling.rows import SampledToken, SamplingRow, make_generator
+from worker.sampling.sampler import LOGPROB_FLOOR, Sampler, filter_logits
 from worker.sampling.sampling_params import SamplingParams
 from worker.sampling.token_draw import pick
 

@@ -1,10 +1,10 @@
 """Scheduler scenarios without a model: who runs, how many tokens, who gets preempted."""
 
 from factories import pretend_step
-from worker.engine.batch import BlockMove, MoveKind
-from worker.engine.block_manager import BlockManager
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence, SequenceStatus
+from worker.core.batch import BlockMove, MoveKind
+from worker.core.block_manager import BlockManager
+from worker.core.scheduler import Scheduler
+from worker.core.sequence import Sequence, SequenceStatus
 from worker.sampling.sampling_params import SamplingParams
 
 

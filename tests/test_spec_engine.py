@@ -27,7 +27,7 @@ from factories import (
 from spec_checks import assert_follows_law, assert_same_tokens_and_logprobs, exact_joint
 from switchboard_kernels.linear_native import native_linear
 from worker import LLM, SamplingParams
-from worker.engine.config import engine_config
+from worker.core.config import engine_config
 from worker.engine.llm_engine import LLMEngine
 from worker.errors import SpeculativeConfigError
 from worker.spec_decode.ngram import lookup
@@ -491,13 +491,13 @@ def test_worker_flags_reach_the_engine(target):
     )
     engine = LLMEngine(target, engine_config(dtype="float32", **worker_engine_kwargs(args)))
     assert engine.speculator.proposer.num_alternatives == 5
-    from worker.spec_decode.proposal import NUM_ALTERNATIVES
+    from worker.core.config import NUM_ALTERNATIVES
 
     assert build_parser().parse_args(["worker"]).speculative_alternatives == NUM_ALTERNATIVES
 
 
 def test_backoff_pauses_a_failing_sequence_and_starts_newcomers_paused():
-    from worker.engine.sequence import Sequence
+    from worker.core.sequence import Sequence
     from worker.spec_decode.backoff import BackoffPolicy
 
     policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.2, pause_steps=4)
@@ -524,7 +524,7 @@ def test_drafts_per_step_follow_acceptance_and_batch_size():
     a step per position and decoding sequence, plus the proposer's own): long runs for a
     sequence that copies, one draft for one that rarely matches, none where the first draft
     is not worth it."""
-    from worker.engine.sequence import Sequence
+    from worker.core.sequence import Sequence
     from worker.spec_decode.backoff import BackoffPolicy
 
     def settled(accepted: int, proposed: int, *, draft_cost: float = 0.0) -> tuple:
@@ -572,7 +572,7 @@ def test_alternatives_that_catch_the_targets_token_make_drafts_worth_more():
     steps); if its alternatives catch the target's token another 20% of the time, it does
     (1.4 for 1.25). The policy learns that rate from verifications, and prices the rows the
     alternatives add."""
-    from worker.engine.sequence import Sequence
+    from worker.core.sequence import Sequence
     from worker.spec_decode.backoff import BackoffPolicy, best_draft_count, flat_verify_cost
 
     costs = [0.25 * n for n in range(5)]
@@ -599,7 +599,7 @@ def test_alternatives_that_catch_the_targets_token_make_drafts_worth_more():
 def test_failed_probes_double_the_pause_under_the_cost_model():
     """A draft not worth its cost (acceptance 0.5 against a cost of 0.52) pauses, probes
     with one draft, and pauses twice as long after each probe that fails."""
-    from worker.engine.sequence import Sequence
+    from worker.core.sequence import Sequence
     from worker.spec_decode.backoff import BackoffPolicy
 
     policy = BackoffPolicy(max_batch_size=8, min_acceptance=0.0, pause_steps=4, draft_cost=0.5)
@@ -764,7 +764,7 @@ def test_step_table_is_timed_on_the_engines_pool_and_gives_its_blocks_back(targe
 
 def test_a_small_pool_times_a_shorter_context():
     """A pool too small for the context and eight sequences: the context shrinks first."""
-    from worker.engine.block_manager import BlockManager
+    from worker.core.block_manager import BlockManager
     from worker.spec_decode.step_cost import measure_step_costs
 
     pool = BlockManager(num_blocks=12, block_size=4, enable_caching=False)

@@ -144,7 +144,7 @@ def test_draft_quantization_auto_fits_the_dtype_on_cpu_and_bad_values_are_refuse
 def test_the_worker_flag_reaches_the_draft(target):
     from switchboard.cli import build_parser
     from switchboard.worker_command import worker_engine_kwargs
-    from worker.engine.config import engine_config
+    from worker.core.config import engine_config
     from worker.engine.llm_engine import LLMEngine
 
     parser = build_parser()

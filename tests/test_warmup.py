@@ -9,8 +9,8 @@ from transformers import GenerationConfig
 
 from factories import assert_no_block_leaks, drain, load_hf_model, make_checkpoint, random_prompts
 from worker import LLMEngine, SamplingParams, engine_config
+from worker.core.prefix_cache import PrefixCacheStats
 from worker.engine.engine_stats import snapshot
-from worker.engine.prefix_cache import PrefixCacheStats
 from worker.errors import EngineError
 
 MAX_NEW = 12

@@ -10,18 +10,18 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from worker.engine.config import EngineConfig, engine_config
+    from worker.core.config import EngineConfig, engine_config
+    from worker.core.outputs import RequestOutput
     from worker.engine.llm_engine import LLMEngine
-    from worker.engine.outputs import RequestOutput
     from worker.llm import LLM
     from worker.sampling.sampling_params import SamplingParams
 
 _EXPORTS = {
-    "EngineConfig": "worker.engine.config",
-    "engine_config": "worker.engine.config",
+    "EngineConfig": "worker.core.config",
+    "engine_config": "worker.core.config",
     "LLM": "worker.llm",
     "LLMEngine": "worker.engine.llm_engine",
-    "RequestOutput": "worker.engine.outputs",
+    "RequestOutput": "worker.core.outputs",
     "SamplingParams": "worker.sampling.sampling_params",
 }
 

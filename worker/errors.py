@@ -14,6 +14,10 @@ class RequestTooLargeError(InvalidRequestError):
     """The request can never fit in the KV cache, however empty it is."""
 
 
+class UnknownAdapterError(InvalidRequestError):
+    """A request named an adapter that is not loaded."""
+
+
 class ModelLoadError(EngineError):
     """A checkpoint is missing, unreadable, or not of the Llama family."""
 

@@ -8,16 +8,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from worker.engine.config import engine_config
+from worker.core.config import engine_config
+from worker.core.outputs import RequestOutput
 from worker.engine.llm_engine import LLMEngine
-from worker.engine.outputs import RequestOutput
 from worker.sampling.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
 
 class LLM:
-    """``LLM(path, dtype=...)``; extra keyword arguments are `worker.engine.config.engine_config`'s
+    """``LLM(path, dtype=...)``; extra keyword arguments are `worker.core.config.engine_config`'s
     options (the engine's settings, ``speculative_*`` for speculative decoding)."""
 
     def __init__(self, model: str | Path, *, dtype: str = "auto", **engine_options) -> None:

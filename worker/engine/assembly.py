@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from worker.engine.batch import PreemptionMode
-from worker.engine.block_manager import BlockManager
-from worker.engine.config import EngineConfig
+from worker.core.block_manager import BlockManager
+from worker.core.config import EngineConfig, PreemptionMode
+from worker.core.scheduler import Scheduler
 from worker.engine.placement import (
     resolve_async_output,
     resolve_attention_backend,
@@ -23,7 +23,6 @@ from worker.engine.placement import (
     resolve_device,
     resolve_dtype,
 )
-from worker.engine.scheduler import Scheduler
 from worker.model.llama import LlamaModel
 from worker.model.lora_manager import LoraManager
 from worker.model.model_config import ModelConfig

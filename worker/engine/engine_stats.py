@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from worker.engine.fairness import TenantService
+from worker.core.fairness import TenantService
+from worker.core.prefix_cache import PrefixCacheStats
 from worker.engine.llm_engine import LLMEngine
-from worker.engine.prefix_cache import PrefixCacheStats
 from worker.spec_decode.stats import SpecDecodeStats
 
 # (device slots refilled while holding another adapter, adapters dropped from the host cache)

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.engine.batch import ScheduledSequence
-from worker.engine.sequence import Sequence
+from worker.core.batch import ScheduledSequence
+from worker.core.sequence import Sequence
 from worker.errors import NonFiniteLogitsError, SequenceFailedError, TensorParallelError
-from worker.sampling.sampler import SampledToken, Sampler, SamplingRow, why_unusable
+from worker.sampling.rows import SampledToken, SamplingRow
+from worker.sampling.sampler import Sampler, why_unusable
 
 logger = logging.getLogger(__name__)
 

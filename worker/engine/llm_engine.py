@@ -21,10 +21,13 @@ from pathlib import Path
 import torch
 
 from adapters.lora import LoraAdapter
+from worker.core.batch import ScheduledSequence
+from worker.core.config import EngineConfig
+from worker.core.forks import PendingForks
+from worker.core.outputs import RequestOutput
+from worker.core.prefix_cache import PrefixCacheStats, root_hash
+from worker.core.sequence import Sequence
 from worker.engine.assembly import assemble
-from worker.engine.batch import ScheduledSequence
-from worker.engine.config import EngineConfig
-from worker.engine.forks import PendingForks
 from worker.engine.isolation import (
     drop_unusable_drafts,
     execute_isolating,
@@ -32,20 +35,18 @@ from worker.engine.isolation import (
     sample_isolating,
 )
 from worker.engine.output_stage import OutputStage
-from worker.engine.outputs import RequestOutput
-from worker.engine.postprocess import Postprocessor
-from worker.engine.prefix_cache import PrefixCacheStats, root_hash
 from worker.engine.request_checks import check_request, check_tenant_weight
-from worker.engine.sequence import Sequence
+from worker.engine.token_processor import TokenProcessor
 from worker.engine.warmup import WarmupReport, warm_up
 from worker.errors import (
     EngineError,
     InvalidRequestError,
     SequenceFailedError,
+    UnknownAdapterError,
 )
-from worker.model.lora_manager import UnknownAdapterError
 from worker.sampling.grammar import GrammarCompiler, MaskBatch
-from worker.sampling.sampler import Sampler, SamplingRow
+from worker.sampling.rows import SamplingRow
+from worker.sampling.sampler import Sampler
 from worker.sampling.sampling_params import SamplingParams
 from worker.spec_decode.speculator import Verified
 from worker.spec_decode.stats import SpecDecodeStats
@@ -55,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None) -> None:
-        """The checkpoint at ``model``, served as ``config`` says (`worker.engine.config`)."""
+        """The checkpoint at ``model``, served as ``config`` says (`worker.core.config`)."""
         config = config or EngineConfig()
         self.engine_config = config
         parts = assemble(model, config)
@@ -80,7 +81,7 @@ class LLMEngine:
             eos_token_ids=self.config.eos_token_ids,
         )
         self._masks = MaskBatch(self.config.vocab_size)
-        self.postprocessor = Postprocessor(
+        self.token_processor = TokenProcessor(
             eos_token_ids=self.config.eos_token_ids, max_model_len=self.max_model_len
         )
         self.requests: dict[str, Sequence] = {}
@@ -88,7 +89,7 @@ class LLMEngine:
         self._forks = PendingForks(self.scheduler)  # n > 1 (see add_samples)
         self._arrivals = itertools.count()
         self.output_stage = OutputStage(
-            self.postprocessor,
+            self.token_processor,
             self.scheduler,
             self._forks,
             self.speculator,
@@ -239,7 +240,7 @@ class LLMEngine:
                 seq.generator = torch.Generator().manual_seed(p.seed)
             if p.structured_output is not None:
                 seq.grammar = self.grammars.matcher(p.structured_output)
-            self.postprocessor.attach(seq, self.tokenizer)
+            self.token_processor.attach(seq, self.tokenizer)
             self.requests[request_id] = seq
             self._rows[request_id] = SamplingRow(
                 p, seq.output_token_ids, seq.prompt_token_ids, seq.generator

@@ -1,6 +1,8 @@
-"""After sampling: tokens into requests, requests into outputs, and the ends of requests.
+"""After sampling, for the whole step: tokens into requests, requests into outputs, and the
+ends of requests.
 
-Each sampled token is appended, detokenized and checked (``Postprocessor``); each request
+Each sampled token is appended, detokenized and checked (``TokenProcessor``, per sequence);
+each request
 that produced a token or ended gets a ``RequestOutput``; a request that finished, failed
 alone or was aborted leaves the schedule, its forks and the speculator here. Postprocessing
 that raises fails its own request only (``isolating``), as a forward pass or sampling does
@@ -19,13 +21,13 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from worker.engine.forks import PendingForks
-from worker.engine.outputs import RequestOutput
-from worker.engine.postprocess import Postprocessor
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from worker.core.forks import PendingForks
+from worker.core.outputs import RequestOutput
+from worker.core.scheduler import Scheduler
+from worker.core.sequence import FinishReason, Sequence, SequenceStatus
+from worker.engine.token_processor import TokenProcessor
 from worker.errors import EngineError, SequenceFailedError, StructuredOutputError
-from worker.sampling.sampler import SampledToken, SamplingRow
+from worker.sampling.rows import SampledToken, SamplingRow
 from worker.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
@@ -42,21 +44,21 @@ class OutputStage:
 
     def __init__(
         self,
-        postprocessor: Postprocessor,
+        tokens: TokenProcessor,
         scheduler: Scheduler,
         forks: PendingForks,
         speculator: Speculator | None,
         requests: dict[str, Sequence],
         rows: dict[str, SamplingRow],
     ) -> None:
-        self.postprocessor = postprocessor
+        self.tokens = tokens
         self.scheduler = scheduler
         self.forks = forks
         self.speculator = speculator
         self.requests = requests
         self.rows = rows
         # async_output: tokens committed by the last step, to render in this one, with
-        # whether each shows in the text (see Postprocessor.commit).
+        # whether each shows in the text (see TokenProcessor.append).
         self._committed: list[tuple[Sequence, int, bool]] = []
         self._failures: dict[str, EngineError] = {}  # request id -> why it failed alone
 
@@ -80,7 +82,7 @@ class OutputStage:
         rendering) drops its token; one ending here leaves the schedule at once."""
         if seq.finish_reason is not None:
             return
-        shows = self.isolating(seq, failed, self.postprocessor.commit, seq, token, now)
+        shows = self.isolating(seq, failed, self.tokens.append, seq, token, now)
         if shows is None:
             return
         if seq.finish_reason is not None:
@@ -128,7 +130,7 @@ class OutputStage:
         """End a request now ("abort"); its last output."""
         seq.finish_reason = FinishReason.ABORT
         self._finish(seq)
-        return self.postprocessor.output(seq, new_tokens=0, new_text="")
+        return self.tokens.output(seq, new_tokens=0, new_text="")
 
     def take_failures(self) -> dict[str, EngineError]:
         """Requests that failed a step alone since the last call, with their errors."""
@@ -136,7 +138,7 @@ class OutputStage:
         return failures
 
     def _render(self, seq: Sequence, token_id: int, shows: bool) -> RequestOutput:
-        return self._conclude(seq, self.postprocessor.render(seq, token_id, shows), 1)
+        return self._conclude(seq, self.tokens.add_text(seq, token_id, shows), 1)
 
     def _emit(
         self, seq: Sequence, tokens: list[SampledToken], now: float, verified: bool
@@ -144,7 +146,7 @@ class OutputStage:
         new_text = ""
         count = 0
         for token in tokens:
-            new_text += self.postprocessor.add_token(seq, token, now)
+            new_text += self.tokens.append_with_text(seq, token, now)
             count += 1
             if seq.finish_reason is not None:
                 break
@@ -157,9 +159,9 @@ class OutputStage:
         """The output of ``count`` new tokens; a finished request first releases the text
         held back and ends."""
         if seq.finish_reason is not None:
-            new_text += self.postprocessor.flush(seq)
+            new_text += self.tokens.flush(seq)
             self._finish(seq)
-        return self.postprocessor.output(seq, new_tokens=count, new_text=new_text)
+        return self.tokens.output(seq, new_tokens=count, new_text=new_text)
 
     def _finish(self, seq: Sequence) -> None:
         self.forks.release(seq)

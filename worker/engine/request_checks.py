@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
+from worker.core.block_manager import BlockManager
+from worker.core.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
 from worker.errors import InvalidRequestError, RequestTooLargeError
 from worker.sampling.sampling_params import SamplingParams
 

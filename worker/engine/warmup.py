@@ -21,10 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from switchboard_kernels.lora_native import native_library
-from worker.engine.batch import ScheduledSequence
-from worker.engine.block_manager import BlockManager
-from worker.engine.sequence import Sequence
-from worker.sampling.sampler import Sampler, SamplingRow, make_generator
+from worker.core.batch import ScheduledSequence
+from worker.core.block_manager import BlockManager
+from worker.core.sequence import Sequence
+from worker.sampling.rows import SamplingRow, make_generator
+from worker.sampling.sampler import Sampler
 from worker.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

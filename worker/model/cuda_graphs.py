@@ -80,10 +80,6 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.num_replays = 0
 
-    @property
-    def num_captured(self) -> int:
-        return len(self.graphs)
-
     def fits(self, inputs: StepInputs) -> bool:
         """One row per sequence, every row sampled, within the buffers."""
         layout = inputs.meta.layout

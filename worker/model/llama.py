@@ -32,7 +32,7 @@ from worker.model.sharding import Shard, check_divisible, weight_slicer
 
 if TYPE_CHECKING:
     from worker.model.lora_manager import LoraBatch
-    from worker.parallel.group import TensorParallelGroup
+    from worker.model.parallel_group import TensorParallelGroup
 
 
 @dataclass(slots=True)

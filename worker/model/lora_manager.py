@@ -40,14 +40,10 @@ from adapters.base_model import BaseModelSpec
 from adapters.lora import LoraAdapter
 from adapters.peft_format import load_adapter_dir
 from switchboard_kernels.lora import LoraMapping, NativeSlots, SlotPairs
-from worker.errors import InvalidRequestError
+from worker.errors import InvalidRequestError, UnknownAdapterError
 from worker.model.sharding import Shard
 
 logger = logging.getLogger(__name__)
-
-
-class UnknownAdapterError(InvalidRequestError):
-    """A request named an adapter that is not loaded."""
 
 
 # LoRA groups of a layer: projections sharing one input, in their fused output order.

@@ -13,7 +13,7 @@ import torch
 
 from switchboard_kernels.attention_native import DTYPES as NATIVE_ATTENTION_DTYPES
 from switchboard_kernels.attention_native import MAX_HEAD_DIM, native_attention
-from worker.engine.batch import BlockMove, MoveKind, ScheduledSequence
+from worker.core.batch import BlockMove, MoveKind, ScheduledSequence
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.llama import LlamaModel
 from worker.model.lora_manager import LoraBatch, LoraManager

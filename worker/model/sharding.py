@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from worker.errors import TensorParallelConfigError
 from worker.model.model_config import ModelConfig
 
-# HF projection names by how they split (the LoRA manager's adapters follow the same split).
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
+# The tensors split by vocabulary rows.
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 

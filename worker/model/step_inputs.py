@@ -19,7 +19,7 @@ from switchboard_kernels.attention_native import NativeDecodes
 from switchboard_kernels.host_ints import flat_ints, host_ints, ragged_rows
 from switchboard_kernels.paged_attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from switchboard_kernels.paged_layout import PagedLayout, PagedSequence
-from worker.engine.batch import ScheduledSequence
+from worker.core.batch import ScheduledSequence
 
 
 @dataclass(slots=True)

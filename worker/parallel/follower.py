@@ -45,7 +45,7 @@ def main() -> int:
     store.set(f"ready/{spec.rank}", "1")
     rank.group.connect(store)
     try:
-        rank.serve()
+        rank.follow()
     except Exception:
         logger.exception("this rank failed; its group goes down with it")
         return 1
@@ -60,8 +60,8 @@ class _Rank:
         from worker.model.llama import LlamaModel
         from worker.model.lora_manager import LoraManager
         from worker.model.model_runner import ModelRunner
+        from worker.model.parallel_group import TensorParallelGroup
         from worker.model.sharding import Shard
-        from worker.parallel.group import TensorParallelGroup
 
         config = spec.config
         device = torch.device(spec.device)
@@ -91,7 +91,7 @@ class _Rank:
         )
 
     @torch.inference_mode()
-    def serve(self) -> None:
+    def follow(self) -> None:
         """Each step as rank 0 sent it: its cache moves, slot fills, then the forward pass."""
         from worker.parallel.step_message import SlotCopy, receive
 

@@ -31,12 +31,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from worker.engine.config import EngineConfig
+from worker.core.config import EngineConfig, SpeculativeConfig
 from worker.errors import TensorParallelError
 from worker.model.model_config import ModelConfig
+from worker.model.parallel_group import TensorParallelGroup
 from worker.model.sharding import Shard, check_divisible
-from worker.parallel.group import TensorParallelGroup
-from worker.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -183,11 +182,6 @@ class RankProcesses:
             threading.Thread(
                 target=self._watch, args=(rank, proc), name=f"tp-rank-{rank}", daemon=True
             ).start()
-
-    @property
-    def pids(self) -> dict[int, int]:
-        """Each other rank's process id."""
-        return {rank: proc.pid for rank, proc in self._procs.items()}
 
     def on_failure(self, callback: Callable[[TensorParallelError], None]) -> None:
         """Call ``callback`` (from whichever thread notices) when the group fails; at once if

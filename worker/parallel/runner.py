@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from worker.engine.batch import BlockMove, ScheduledSequence
+from worker.core.batch import BlockMove, ScheduledSequence
 from worker.model.llama import LlamaModel
 from worker.model.model_runner import ModelRunner
 from worker.parallel import step_message

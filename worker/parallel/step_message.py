@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.batch import BlockMove
+from worker.core.batch import BlockMove
+from worker.model.parallel_group import TensorParallelGroup
 from worker.model.step_inputs import StepInputs
-from worker.parallel.group import TensorParallelGroup
 
 HEAD_BYTES = 16 * 1024  # covers a decode step of ~100 sequences
 _LENGTH = 8  # bytes of the payload length at the head's start; 0 means "stop"

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from worker.sampling.penalties import apply_penalties_
+from worker.sampling.rows import SampledToken, SamplingRow
 from worker.sampling.sampling_params import SamplingParams
 from worker.sampling.token_draw import is_windowed, sample_rows, take_rows, thresholds
 
@@ -47,36 +47,6 @@ GREEDY_TEMPERATURE = 1e-5
 # Reported logprobs of impossible tokens (-inf) are this, as OpenAI reports them: JSON has
 # no infinity.
 LOGPROB_FLOOR = -9999.0
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    """One row of the logits: a sequence about to receive a token."""
-
-    params: SamplingParams
-    output_token_ids: list[int]  # generated so far (penalties)
-    prompt_token_ids: list[int]  # repetition penalty covers prompt + output, as in vLLM / HF
-    generator: torch.Generator | None  # from `make_generator(params.seed)`; None: global RNG
-
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None  # of the chosen token; None unless params.logprobs is not None
-    top_logprobs: list[tuple[int, float]] | None  # params.logprobs best (id, logprob), desc
-    # Set when the row could not be sampled (NaN logits, or none above -inf): token_id is
-    # then meaningless and the request must end with this message.
-    failure: str | None = None
-
-
-def make_generator(seed: int | None) -> torch.Generator | None:
-    """The per-request generator: create once per request (per sequence when n > 1) and keep
-    it for the request's life. Always a CPU generator: it draws one number per step."""
-    if seed is None:
-        return None
-    generator = torch.Generator()
-    generator.manual_seed(seed)
-    return generator
 
 
 class Sampler:

@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from worker.sampling.rows import SamplingRow
 from worker.sampling.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from worker.sampling.sampler import SamplingRow
-
 
 # Candidates per row examined for top-k / top-p before falling back to the whole vocabulary.
 WINDOW = 256

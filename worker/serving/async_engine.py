@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapters.errors import AdapterError, AdapterNotFoundError
+from worker.core.outputs import RequestOutput
 from worker.engine.engine_stats import EngineStats
 from worker.engine.llm_engine import LLMEngine
-from worker.engine.outputs import RequestOutput
 from worker.errors import InvalidRequestError
 from worker.sampling.sampling_params import MAX_N, SamplingParams
 from worker.serving.engine_loop import EngineLoop

@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from worker.core.outputs import RequestOutput
 from worker.engine.engine_stats import EngineStats, snapshot
 from worker.engine.llm_engine import LLMEngine
-from worker.engine.outputs import RequestOutput
 from worker.serving.main_thread import IDLE_WAKE_S
 
 logger = logging.getLogger(__name__)

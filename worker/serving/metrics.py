@@ -20,8 +20,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from worker.core.fairness import QUEUE_TIME_BUCKETS, TenantService
 from worker.engine.engine_stats import EngineStats
-from worker.engine.fairness import QUEUE_TIME_BUCKETS, TenantService
 from worker.errors import WorkerStartupError
 from worker.spec_decode.stats import SpecDecodeStats
 
@@ -141,7 +141,7 @@ def _counter(name: str, text: str, value: float) -> CounterMetricFamily:
 
 
 class WorkerMetrics:
-    """Everything one worker exports; `serve(port)` starts the /metrics HTTP endpoint."""
+    """Everything one worker exports; `start_listener(port)` starts the /metrics HTTP endpoint."""
 
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self.registry = CollectorRegistry()
@@ -181,7 +181,7 @@ class WorkerMetrics:
             registry=self.registry,
         )
 
-    def serve(self, port: int, *, host: str) -> int:
+    def start_listener(self, port: int, *, host: str) -> int:
         """Serve /metrics on `host:port` (0: any free port) in a daemon thread; the port."""
         try:
             server, _ = start_http_server(port, addr=host, registry=self.registry)

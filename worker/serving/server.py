@@ -289,7 +289,7 @@ def _reachable_host(host: str) -> str:
     return host
 
 
-async def serve(
+async def run_worker(
     *,
     model: str | None,
     host: str = "127.0.0.1",
@@ -313,7 +313,7 @@ async def serve(
     With ``engine_loop`` this runs off the main thread: the engine's step loop and the
     signal handlers live on the main thread (``worker.serving.main_thread``)."""
     from runtime.home import DEFAULT_MODEL_NAME
-    from worker.engine.config import engine_config
+    from worker.core.config import engine_config
     from worker.model.default_model import DEFAULT_MODEL_ALIASES, resolve_model_path
 
     model_name = DEFAULT_MODEL_NAME if model in (None, *DEFAULT_MODEL_ALIASES) else str(model)
@@ -350,7 +350,7 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
     try:
         if metrics_port is not None:  # first: a taken port stops us before the model loads
-            bound = server.metrics.serve(metrics_port, host=host)
+            bound = server.metrics.start_listener(metrics_port, host=host)
             logger.info("metrics on http://%s:%d/metrics", host, bound)
         try:
             await server.start()

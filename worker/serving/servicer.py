@@ -21,8 +21,7 @@ from adapters.errors import AdapterError, AdapterNotFoundError
 from adapters.identity import check_adapter_id
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime.logs import REQUEST_ID
-from worker.errors import InvalidRequestError, TensorParallelError
-from worker.model.lora_manager import UnknownAdapterError
+from worker.errors import InvalidRequestError, TensorParallelError, UnknownAdapterError
 from worker.sampling.sampling_params import SamplingParams
 from worker.sampling.structured_output import StructuredOutput
 from worker.serving.async_engine import AsyncEngine, SampleOutput

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from worker.engine.sequence import Sequence
+from worker.core.sequence import Sequence
 from worker.spec_decode.draft_plan import Calibration, Selection, StepPlan
 from worker.spec_decode.step_cost import LiveStepCosts
 
@@ -42,11 +42,6 @@ def best_draft_count(
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n
-
-
-def expected_tokens(acceptance: float, n: int, alternative_rate: float = 0.0) -> float:
-    """Tokens a step is expected to emit for a sequence with n drafts (best_draft_count)."""
-    return 1.0 if n <= 0 else list(_tokens_by_drafts(acceptance, n, alternative_rate))[-1]
 
 
 def _tokens_by_drafts(acceptance: float, k: int, alternative_rate: float) -> Iterator[float]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from worker.sampling.penalties import apply_penalties_
-from worker.sampling.sampler import GREEDY_TEMPERATURE, SamplingRow, filter_logits
+from worker.sampling.rows import SamplingRow
+from worker.sampling.sampler import GREEDY_TEMPERATURE, filter_logits
 from worker.spec_decode.rejection_sampler import draw
 
 

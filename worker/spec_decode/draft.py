@@ -14,16 +14,17 @@ from pathlib import Path
 
 import torch
 
-from worker.engine.batch import ScheduledSequence
-from worker.engine.block_manager import BlockManager
-from worker.engine.sequence import Sequence
+from worker.core.batch import ScheduledSequence
+from worker.core.block_manager import BlockManager
+from worker.core.config import NUM_ALTERNATIVES
+from worker.core.sequence import Sequence
 from worker.errors import SpeculativeConfigError
 from worker.model.llama import LlamaModel
 from worker.model.model_runner import ModelRunner
-from worker.sampling.sampler import SamplingRow
+from worker.sampling.rows import SamplingRow
 from worker.spec_decode.draft_plan import StepPlan
 from worker.spec_decode.draft_ranking import rank_rows
-from worker.spec_decode.proposal import NUM_ALTERNATIVES, Proposal
+from worker.spec_decode.proposal import Proposal
 
 # Beside a draft checkpoint: the token ids its output layer covers (`distill` writes it).
 OUTPUT_VOCAB_FILE = "draft_vocab.json"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.sampling.sampler import SamplingRow
+from worker.sampling.rows import SamplingRow
 from worker.spec_decode import distributions as dist
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from worker.engine.sequence import Sequence
-from worker.sampling.sampler import SamplingRow
+from worker.core.sequence import Sequence
+from worker.sampling.rows import SamplingRow
 from worker.spec_decode.proposal import Proposal
 
 

@@ -7,13 +7,8 @@ from typing import Protocol
 
 import torch
 
-from worker.engine.sequence import Sequence
-from worker.sampling.sampler import SamplingRow
-
-# Alternatives a draft model offers per draft by default, and the most it may offer (the
-# step verifies those worth their rows: ``draft_plan``).
-NUM_ALTERNATIVES = 7
-MAX_ALTERNATIVES = 8
+from worker.core.sequence import Sequence
+from worker.sampling.rows import SamplingRow
 
 
 @dataclass(slots=True)

@@ -9,10 +9,10 @@ import torch
 
 from switchboard_kernels.linear_native import native_linear
 from switchboard_kernels.q4_native import native_q4
-from worker.engine.block_manager import BlockManager
+from worker.core.block_manager import BlockManager
+from worker.core.config import SpeculativeConfig
 from worker.errors import SpeculativeConfigError
 from worker.spec_decode.backoff import BackoffPolicy, flat_verify_cost
-from worker.spec_decode.config import SpeculativeConfig
 from worker.spec_decode.draft import DraftProposer
 from worker.spec_decode.ngram import NgramProposer
 from worker.spec_decode.proposal import Proposer

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.batch import ScheduledSequence
-from worker.engine.block_manager import BlockManager
-from worker.engine.sequence import Sequence, SequenceStatus
-from worker.sampling.sampler import SampledToken, SamplingRow
+from worker.core.batch import ScheduledSequence
+from worker.core.block_manager import BlockManager
+from worker.core.sequence import Sequence, SequenceStatus
+from worker.sampling.rows import SampledToken, SamplingRow
 from worker.spec_decode import distributions as dist
 from worker.spec_decode.backoff import BackoffPolicy
 from worker.spec_decode.draft_plan import Selection

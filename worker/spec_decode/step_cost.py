@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.batch import ScheduledSequence
-from worker.engine.block_manager import BlockManager
-from worker.engine.sequence import Sequence
+from worker.core.batch import ScheduledSequence
+from worker.core.block_manager import BlockManager
+from worker.core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ def skip_observed_access_lines() -> SkipObservedSuccesses:
     return skip
 
 
-def serve(args: argparse.Namespace) -> int:
+def run_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     skip_observed_access_lines()

@@ -6,12 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from worker.engine.sequence import Sequence
-
-
-class PreemptionMode(enum.StrEnum):
-    RECOMPUTE = "recompute"
-    SWAP = "swap"
+from worker.core.sequence import Sequence
 
 
 class MoveKind(enum.Enum):

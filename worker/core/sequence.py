@@ -67,7 +67,7 @@ class Sequence:
     arrival_order: int
     # Content id of the LoRA adapter this request runs with; None for the base model.
     adapter_id: str | None = None
-    # Who sent it, and that tenant's weight under fair scheduling (``worker.engine.fairness``).
+    # Who sent it, and that tenant's weight under fair scheduling (``worker.core.fairness``).
     tenant: str = ""
     tenant_weight: float = 1.0
     status: SequenceStatus = SequenceStatus.WAITING
@@ -132,10 +132,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.tokens) - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
 
     def draft_offsets(self, num_spec: int) -> list[int]:
         """The position offsets of the first ``num_spec`` drafts (see ``spec_offsets``)."""

@@ -1,15 +1,17 @@
-"""After sampling: append the token, detokenize, decide whether the request is finished."""
+"""One sequence's sampled token: appended and checked for the ends that need no text (a stop
+token, the length, the grammar), then turned into text (detokenized, stop strings) and into
+the sequence's `RequestOutput`. `OutputStage` calls it for each sequence of a step."""
 
 from __future__ import annotations
 
-from worker.engine.outputs import RequestOutput
-from worker.engine.sequence import FinishReason, Sequence
-from worker.sampling.sampler import SampledToken
+from worker.core.outputs import RequestOutput
+from worker.core.sequence import FinishReason, Sequence
+from worker.sampling.rows import SampledToken
 from worker.text.detokenizer import make_detokenizer
 from worker.text.stop_checker import StopChecker
 
 
-class Postprocessor:
+class TokenProcessor:
     def __init__(self, *, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
@@ -26,11 +28,11 @@ class Postprocessor:
         if params.logprobs is not None:
             seq.logprobs = []
 
-    def add_token(self, seq: Sequence, token: SampledToken, now: float) -> str:
+    def append_with_text(self, seq: Sequence, token: SampledToken, now: float) -> str:
         """Append ``token`` to ``seq``, set its finish reason if it ends here; the new text."""
-        return self.render(seq, token.token_id, self.commit(seq, token, now))
+        return self.add_text(seq, token.token_id, self.append(seq, token, now))
 
-    def commit(self, seq: Sequence, token: SampledToken, now: float) -> bool:
+    def append(self, seq: Sequence, token: SampledToken, now: float) -> bool:
         """What the next step needs of ``token`` at once: append it, and end ``seq`` if a stop
         token, its length or its grammar says so. Returns whether the token shows in the text
         (a stop token, EOS or one of stop_token_ids, ends the request but not the text)."""
@@ -58,8 +60,8 @@ class Postprocessor:
         self._end_with_grammar(seq)
         return shows
 
-    def render(self, seq: Sequence, token_id: int, shows: bool) -> str:
-        """The text a committed token adds (``shows``: as ``commit`` said), after any stop
+    def add_text(self, seq: Sequence, token_id: int, shows: bool) -> str:
+        """The text an appended token adds (``shows``: as ``append`` said), after any stop
         string it completes, which ends ``seq`` ("stop")."""
         if seq.detokenizer is None or not shows:
             return ""

@@ -5,7 +5,7 @@ sequence's place is taken at the very next step. Every sequence is "tokens to co
 a decode needs one, a prefill needs its prompt, cut into chunks that fit the step's
 token budget (chunked prefill, as in Sarathi / vLLM v1). Running decodes go first; the
 rest of the budget goes to unfinished prefills, swapped-out sequences and new arrivals,
-tenant by tenant in order of the service each has received (``worker.engine.fairness``; or in
+tenant by tenant in order of the service each has received (``worker.core.fairness``; or in
 arrival order under FCFS). A new arrival whose leading blocks are in the prefix cache
 starts past them. When KV blocks run out, a sequence is preempted (the latest arrival of
 the tenant furthest over its share): its K/V are swapped out to the host pool
@@ -19,18 +19,14 @@ import enum
 import time
 from collections import deque
 
-from worker.engine.adapter_gate import AdapterGate
-from worker.engine.batch import (
-    BlockMove,
-    MoveKind,
-    PreemptionMode,
-    ScheduledSequence,
-    SchedulerOutput,
-)
-from worker.engine.block_manager import BlockManager
-from worker.engine.fairness import FairnessConfig, ServiceLedger, Shares, StepCharges
-from worker.engine.prefix_cache import count_lookup, extend_block_hashes, prefix_hits
-from worker.engine.sequence import Sequence, SequenceStatus
+from worker.core.adapter_gate import AdapterGate
+from worker.core.batch import BlockMove, MoveKind, ScheduledSequence, SchedulerOutput
+from worker.core.block_manager import BlockManager
+from worker.core.config import FairnessConfig, PreemptionMode
+from worker.core.fairness import ServiceLedger, Shares, StepCharges
+from worker.core.prefix_cache import extend_block_hashes
+from worker.core.prefix_lookup import count_lookup, prefix_hits
+from worker.core.sequence import Sequence, SequenceStatus
 
 
 class _Admission(enum.Enum):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.engine.sequence import RequestMetrics
-from worker.sampling.sampler import SampledToken
+from worker.core.sequence import RequestMetrics
+from worker.sampling.rows import SampledToken
 
 
 @dataclass(slots=True, eq=False)

@@ -15,11 +15,6 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from worker.engine.block_manager import BlockManager
-    from worker.engine.sequence import Sequence as Request
 
 BlockHash = bytes  # 32-byte SHA-256 digest
 
@@ -62,25 +57,3 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
-
-
-def prefix_hits(blocks: BlockManager, seq: Request) -> list[int]:
-    """Cached blocks holding ``seq``'s leading tokens; the last token is always computed,
-    since its logits are needed."""
-    if not blocks.enable_caching:
-        return []
-    bs = blocks.block_size
-    extend_block_hashes(seq.block_hashes, seq.cache_root, seq.tokens, bs)
-    return blocks.match_prefix(seq.block_hashes[: (seq.num_tokens - 1) // bs])
-
-
-def count_lookup(blocks: BlockManager, seq: Request, num_hit_tokens: int) -> None:
-    """Count an admission's lookup in the cache's stats (and, the first time, in the
-    request's cached prompt tokens)."""
-    if not blocks.enable_caching:
-        return
-    stats = blocks.stats
-    stats.queries += seq.num_tokens
-    stats.hits += num_hit_tokens
-    if seq.metrics.first_scheduled_time is None:  # first admission, not a recompute
-        seq.num_cached_tokens = min(num_hit_tokens, seq.num_prompt_tokens)

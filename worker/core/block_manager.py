@@ -7,7 +7,7 @@ tokens; the model runner owns the tensors and performs the copies this module as
 
 Sharing: blocks carry reference counts. ``fork`` shares a whole table (parallel sampling);
 the first write into a shared block copies it (copy-on-write). With prefix caching, a full
-block registered under its content hash (``worker.engine.prefix_cache``) stays reusable after its
+block registered under its content hash (``worker.core.prefix_cache``) stays reusable after its
 last owner frees it: free blocks are either *clean* (no content worth keeping) or
 *evictable* (cached, least recently freed first). Allocation takes clean blocks first and
 evicts cached ones only when none is left; a prefix hit revives an evictable block.
@@ -19,7 +19,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.engine.prefix_cache import BlockHash, PrefixCacheStats
+from worker.core.prefix_cache import BlockHash, PrefixCacheStats
 
 
 @dataclass(slots=True)

@@ -17,16 +17,16 @@ first preempted, and a waiting tenant under its share may take room from it.
 from __future__ import annotations
 
 import bisect
-import enum
 import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from worker.engine.sequence import Sequence
+from worker.core.config import FairnessConfig, SchedulingPolicy
+from worker.core.sequence import Sequence
 
 if TYPE_CHECKING:
-    from worker.engine.batch import ScheduledSequence
+    from worker.core.batch import ScheduledSequence
 
 # Queue-time histogram buckets (seconds) kept per tenant for the worker's /metrics.
 QUEUE_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, math.inf)
@@ -37,42 +37,6 @@ MAX_IDLE_ACCOUNTS = 4096
 # gateway's bounds are the same: gateway.scheduling).
 MIN_TENANT_WEIGHT = 0.001
 MAX_TENANT_WEIGHT = 1000.0
-
-
-class SchedulingPolicy(enum.StrEnum):
-    FAIR = "fair"  # the lowest virtual counter first
-    FCFS = "fcfs"  # arrival order, whoever sent it
-
-
-@dataclass(frozen=True, slots=True)
-class FairnessConfig:
-    """How the scheduler shares a worker between tenants; checked here, nothing else done."""
-
-    policy: SchedulingPolicy | str = SchedulingPolicy.FAIR
-    prefill_weight: float = 1.0
-    decode_weight: float = 2.0
-    # Seats a tenant may hold at once (None: no cap beyond max_num_seqs).
-    max_running_per_tenant: int | None = None
-    # Steps a request under its tenant's share waits for room before it preempts a tenant
-    # over its share (0: at once). Waiting first lets a finishing request free the room.
-    share_wait_steps: int = 4
-    # A step that computes a lone request's whole prompt takes at most this many tokens
-    # of other prefill work after it (None: no limit): the first token of a tenant that
-    # sends one request at a time costs a short step, not a full chunk of someone else's.
-    lone_prompt_step_tokens: int | None = 64
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
-        for name in ("prefill_weight", "decode_weight"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
-        if self.max_running_per_tenant is not None and self.max_running_per_tenant < 1:
-            raise ValueError("max_running_per_tenant must be at least 1 (or None)")
-        if self.share_wait_steps < 0:
-            raise ValueError("share_wait_steps must be >= 0")
-        if self.lone_prompt_step_tokens is not None and self.lone_prompt_step_tokens < 0:
-            raise ValueError("lone_prompt_step_tokens must be >= 0 (or None)")
 
 
 @dataclass(slots=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.batch import ScheduledSequence
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence
+from worker.core.batch import ScheduledSequence
+from worker.core.scheduler import Scheduler
+from worker.core.sequence import Sequence
 
 
 class PendingForks:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from worker.engine.sequence import Sequence
+from worker.core.sequence import Sequence
 
 
 class AdapterGate:

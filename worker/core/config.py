@@ -1,4 +1,6 @@
-"""An engine's settings in one value, checked when made (nothing loaded here).
+"""Every setting of an engine, in one module below everything that reads them: the engine's
+own (`EngineConfig`), fair scheduling's (`FairnessConfig`) and speculative decoding's
+(`SpeculativeConfig`), each checked when made (nothing is loaded or built here).
 
 `LLMEngine(model, config)` takes an `EngineConfig`; `LLM(...)` and the worker's flags use
 the flat option names of `engine_config`, which builds one.
@@ -7,14 +9,132 @@ the flat option names of `engine_config`, which builds one.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from worker.engine.batch import PreemptionMode
-from worker.engine.fairness import FairnessConfig
-from worker.errors import InvalidRequestError
-from worker.spec_decode.config import SpeculativeConfig
+from worker.errors import InvalidRequestError, SpeculativeConfigError
+from worker.sampling.sampling_params import MAX_SPECULATIVE_TOKENS
+
+
+class PreemptionMode(enum.StrEnum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+class SchedulingPolicy(enum.StrEnum):
+    FAIR = "fair"  # the lowest virtual counter first
+    FCFS = "fcfs"  # arrival order, whoever sent it
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessConfig:
+    """How the scheduler shares a worker between tenants; checked here, nothing else done."""
+
+    policy: SchedulingPolicy | str = SchedulingPolicy.FAIR
+    prefill_weight: float = 1.0
+    decode_weight: float = 2.0
+    # Seats a tenant may hold at once (None: no cap beyond max_num_seqs).
+    max_running_per_tenant: int | None = None
+    # Steps a request under its tenant's share waits for room before it preempts a tenant
+    # over its share (0: at once). Waiting first lets a finishing request free the room.
+    share_wait_steps: int = 4
+    # A step that computes a lone request's whole prompt takes at most this many tokens
+    # of other prefill work after it (None: no limit): the first token of a tenant that
+    # sends one request at a time costs a short step, not a full chunk of someone else's.
+    lone_prompt_step_tokens: int | None = 64
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
+        for name in ("prefill_weight", "decode_weight"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if self.max_running_per_tenant is not None and self.max_running_per_tenant < 1:
+            raise ValueError("max_running_per_tenant must be at least 1 (or None)")
+        if self.share_wait_steps < 0:
+            raise ValueError("share_wait_steps must be >= 0")
+        if self.lone_prompt_step_tokens is not None and self.lone_prompt_step_tokens < 0:
+            raise ValueError("lone_prompt_step_tokens must be >= 0 (or None)")
+
+
+# Alternatives a draft model offers per draft by default, and the most it may offer (the
+# step verifies those worth their rows: ``draft_plan``).
+NUM_ALTERNATIVES = 7
+MAX_ALTERNATIVES = 8
+DEFAULT_SPECULATIVE_TOKENS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """``model``: ``"ngram"`` (prompt lookup), a draft checkpoint sharing the target's
+    vocabulary, or None (off). ``num_tokens`` is k, the most drafts a sequence gets in a
+    step (None: 4 when a model is set); each gets as many as its acceptance makes worth
+    their cost (``BackoffPolicy``). Speculation is off for steps with more than
+    ``max_batch_size`` decoding sequences, and paused for a sequence whose drafts are not
+    worth their cost or whose acceptance per position falls below ``min_acceptance``. The
+    costs a draft must cover, relative to a plain decode step: ``position_cost`` per
+    position and decoding sequence (None: measured at start by timing the forward pass by
+    rows) and ``draft_cost`` per draft token (None: the draft's weights over the target's;
+    0 for prompt lookup). A draft model also offers up to ``alternatives`` runner-up tokens
+    per draft, each verified in a row of its own. ``draft_quantization`` (CPU): "int4",
+    "int8", "none" or "auto" (int4 where the native kernel builds)."""
+
+    model: str | Path | None = None
+    num_tokens: int | None = None
+    max_batch_size: int = 8
+    min_acceptance: float = 0.0
+    position_cost: float | None = None
+    draft_cost: float | None = None
+    alternatives: int = NUM_ALTERNATIVES
+    draft_quantization: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            if self.num_tokens:
+                raise SpeculativeConfigError(
+                    "num_speculative_tokens is set but speculative_model is not: "
+                    "give a draft checkpoint path or 'ngram'"
+                )
+            return
+        k = self.k
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise SpeculativeConfigError(
+                f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
+                f"got {k!r}"
+            )
+        alternatives = self.alternatives
+        if (
+            isinstance(alternatives, bool)
+            or not isinstance(alternatives, int)
+            or not 0 <= alternatives <= MAX_ALTERNATIVES
+        ):
+            raise SpeculativeConfigError(
+                f"speculative_alternatives must be an integer from 0 to {MAX_ALTERNATIVES}, "
+                f"got {alternatives!r}"
+            )
+        if self.max_batch_size < 0 or not 0.0 <= self.min_acceptance <= 1.0:
+            raise SpeculativeConfigError(
+                "speculative_max_batch_size must be >= 0 and speculative_min_acceptance in [0, 1]"
+            )
+        if (self.position_cost is not None and self.position_cost < 0) or (
+            self.draft_cost is not None and self.draft_cost < 0
+        ):
+            raise SpeculativeConfigError(
+                "speculative_position_cost and speculative_draft_cost must be >= 0"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.model is not None
+
+    @property
+    def k(self) -> int:
+        return DEFAULT_SPECULATIVE_TOKENS if self.num_tokens is None else self.num_tokens
+
 
 ATTENTION_BACKENDS = ("torch", "triton")
 
@@ -122,6 +242,3 @@ def engine_config(**options) -> EngineConfig:
     if options.get("fairness") is None:
         options.pop("fairness", None)
     return EngineConfig(**options)
-
-
-__all__ = ["ATTENTION_BACKENDS", "SPECULATIVE_OPTIONS", "EngineConfig", "engine_config"]
