@@ -36,9 +36,9 @@ from safetensors.numpy import save_file
 
 from bench.http_load import hammer, post_request
 from bench.report import write_report
-from gateway.quotas import Quota, QuotaService, Reservation
-from gateway.tenants import TenantAdapter, TenantStore
-from gateway.usage import UsageDelta
+from gateway.tenancy.quotas import Quota, QuotaService, Reservation
+from gateway.tenancy.tenants import TenantAdapter, TenantStore
+from gateway.tenancy.usage import UsageDelta
 from runtime.embedded_redis import EmbeddedRedis, free_port
 from runtime.stack import Stack, reachable_redis
 

@@ -10,10 +10,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from gateway.adapter_catalog import adapter_not_found
-from gateway.adapter_registration import delete_adapter, upload_adapter
 from gateway.deps import CurrentTenant, State
-from gateway.tenants import TenantAdapter
+from gateway.tenancy.tenants import TenantAdapter
+from gateway.uploads.catalog import adapter_not_found
+from gateway.uploads.registration import delete_adapter, upload_adapter
 
 router = APIRouter(prefix="/v1/adapters")
 

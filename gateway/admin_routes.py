@@ -11,12 +11,12 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.adapter_registration import delete_adapter, register_adapter_dir
 from gateway.deps import State, require_admin
 from gateway.errors import InvalidRequestError
-from gateway.quotas import Quota
-from gateway.scheduling import Scheduling
-from gateway.usage import day_range, read_usage
+from gateway.tenancy.quotas import Quota
+from gateway.tenancy.usage import day_range, read_usage
+from gateway.tenancy.weights import WeightAssignment
+from gateway.uploads.registration import delete_adapter, register_adapter_dir
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
@@ -128,30 +128,30 @@ async def set_scheduling(tenant: str, body: SchedulingBody, state: State) -> dic
     if (body.tier is None) == (body.weight is None):
         raise InvalidRequestError(
             'give exactly one of "tier" (one of '
-            f'{", ".join(sorted(state.scheduling.tiers))}) or "weight"',
+            f'{", ".join(sorted(state.weights.tiers))}) or "weight"',
             param="tier" if body.tier is not None else None,
         )
     if body.tier is not None:
-        scheduling = await state.scheduling.set_tier(tenant, body.tier)
+        scheduling = await state.weights.set_tier(tenant, body.tier)
     else:
-        scheduling = await state.scheduling.set_weight(tenant, body.weight)
+        scheduling = await state.weights.set_weight(tenant, body.weight)
     return _scheduling(tenant, scheduling)
 
 
 @router.get("/tenants/{tenant}/scheduling")
 async def get_scheduling(tenant: str, state: State) -> dict[str, Any]:
     await state.tenants.require_tenant(tenant)
-    return _scheduling(tenant, await state.scheduling.get(tenant))
+    return _scheduling(tenant, await state.weights.get(tenant))
 
 
 @router.delete("/tenants/{tenant}/scheduling")
 async def reset_scheduling(tenant: str, state: State) -> dict[str, Any]:
     """Back to the default tier."""
     await state.tenants.require_tenant(tenant)
-    return _scheduling(tenant, await state.scheduling.reset(tenant))
+    return _scheduling(tenant, await state.weights.reset(tenant))
 
 
-def _scheduling(tenant: str, scheduling: Scheduling) -> dict[str, Any]:
+def _scheduling(tenant: str, scheduling: WeightAssignment) -> dict[str, Any]:
     return {"tenant": tenant, **asdict(scheduling)}
 
 

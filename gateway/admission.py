@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from gateway.interrupts import Interrupt
-from gateway.quotas import QuotaService, Reservation
+from gateway.tenancy.quotas import QuotaService, Reservation
 from gateway.worker_client import WorkerStream
 
 T = TypeVar("T")

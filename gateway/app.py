@@ -4,7 +4,7 @@ The lifespan opens what requests share — the Redis pool, the tokenizer, the gR
 and, with `metrics_port` set, Prometheus' own listener, with `admin_port` set, the admin
 app's listener; it closes them on shutdown. Every app sizes and paces request bodies first
 (`gateway.limits`). Routes are thin; the logic lives in `gateway.pipeline` (completions and
-chat), `gateway.tenants` and `gateway.adapter_registration`.
+chat), `gateway.tenancy.tenants` and `gateway.uploads.registration`.
 """
 
 from __future__ import annotations
@@ -26,20 +26,20 @@ from redis.backoff import ExponentialBackoff
 
 from adapters import BaseModelSpec, FilesystemAdapterStore
 from gateway import adapter_routes, admin_routes, metrics, openai_routes
-from gateway.adapter_catalog import AdapterCatalog
 from gateway.deps import State, require_admin
-from gateway.errors import install_error_handlers
+from gateway.error_handlers import install_error_handlers
 from gateway.fair_queue import FairQueue
-from gateway.grammar_checker import GrammarChecker, GrammarLimits
 from gateway.http_server import start_side_listener
 from gateway.limits import BodyLimits, RequestBodyGuard
-from gateway.quotas import QuotaService
 from gateway.routing import WorkerDirectory
-from gateway.scheduling import SchedulingWeights
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
-from gateway.tenants import TenantStore
+from gateway.structured.grammar_checker import GrammarChecker, GrammarLimits
+from gateway.tenancy.quotas import QuotaService
+from gateway.tenancy.tenants import TenantStore
+from gateway.tenancy.weights import TenantWeights
 from gateway.tokenizer import ChatTokenizer
+from gateway.uploads.catalog import AdapterCatalog
 from gateway.worker_client import WorkerChannels, WorkerCredentials
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
             load_slack=settings.route_load_slack,
         ),
         channels=WorkerChannels(WorkerCredentials.from_settings(settings)),
-        scheduling=SchedulingWeights(
+        weights=TenantWeights(
             client,
             prefix=settings.key_prefix,
             tiers=settings.scheduling_tiers,

@@ -9,7 +9,7 @@ from fastapi import Depends, Request
 
 from gateway.errors import AdminAuthenticationError
 from gateway.state import GatewayState
-from gateway.tenants import Caller
+from gateway.tenancy.tenants import Caller
 
 
 # Dependencies are `async def` even when they do not await: FastAPI runs a plain `def`

@@ -2,7 +2,7 @@
 
 `ChatFormat` and `CompletionFormat` share one interface (`chunk`, `response`, `usage_chunk`)
 so the streaming and collecting code is written once. A chat whose answer may call tools
-splits each sample's text into content and `tool_calls` (`gateway.tool_parsing`); its
+splits each sample's text into content and `tool_calls` (`gateway.structured.tool_parsing`); its
 finish_reason is "tool_calls" when a sample that stopped by itself made a call.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.structured.tool_parsing import ParsedCall, ToolCallStream, ToolOutput, parse_tool_calls
 from gateway.tokenizer import ChatTokenizer
-from gateway.tool_parsing import ParsedCall, ToolCallStream, ToolOutput, parse_tool_calls
 from rpc import worker_pb2
 
 

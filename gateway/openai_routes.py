@@ -13,14 +13,19 @@ from gateway.deps import CurrentTenant, State
 from gateway.pipeline import handle_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.resolution import list_models
-from gateway.usage import day_range, read_usage
+from gateway.tenancy.usage import day_range, read_usage
 
 router = APIRouter(prefix="/v1")
 
 
 @router.get("/models")
 async def models(caller: CurrentTenant, state: State) -> dict[str, Any]:
-    return await list_models(state=state, caller=caller)
+    return await list_models(
+        caller=caller,
+        tenants=state.tenants,
+        served_model_name=state.settings.served_model_name,
+        max_model_len=state.max_model_len,
+    )
 
 
 @router.post("/completions")

@@ -4,8 +4,9 @@
 
 Authorization is the route's dependency (`deps.CurrentTenant`: API key → tenant), which
 FastAPI solves before it validates the body. Each later stage lives in the module named for
-it (`parsing`, `resolution`, `admission`, `routing`, `relay`, `settlement`), and `serve` is
-the only place that calls them, in that order. Admission may decide beside the worker call
+it (`parsing`, `resolution`, `admission`, `routing`, `relay`, `settlement`), and
+`handle_request` is the only place that calls them, in that order; what they pass along is
+a `gateway.job.Job` and a `gateway.tally.Tally`. Admission may decide beside the worker call
 (`gateway.admission`), so it wraps route and relay until the worker's first answer. The HTTP
 plumbing around them (arrival, the client leaving, the SSE response) is `gateway.connection`.
 """
@@ -24,15 +25,16 @@ from gateway import metrics, relay, routing
 from gateway.admission import Admission
 from gateway.connection import SSE_HEADERS, ClosingEventStream, arrival_of, until_disconnect
 from gateway.errors import status_of
+from gateway.job import Job
 from gateway.metrics import RequestObservation
 from gateway.openai_format import Header, OutputFormat, output_format
 from gateway.parsing import OpenAIRequest, parse
 from gateway.protocol import ShapeLimits
-from gateway.resolution import Job, resolve
+from gateway.resolution import ModelLimits, resolve
 from gateway.settlement import settle
 from gateway.state import GatewayState
 from gateway.tally import Tally
-from gateway.tenants import Caller
+from gateway.tenancy.tenants import Caller
 from gateway.worker_client import WorkerReply
 from runtime.logs import REQUEST_ID
 
@@ -53,7 +55,15 @@ async def handle_request(
     close: Callable[[], Awaitable[None]] | None = None
     try:
         parsed = parse(body, limits=ShapeLimits.of(state.settings))
-        job = await resolve(parsed, caller=caller, state=state)
+        job = await resolve(
+            parsed,
+            caller=caller,
+            tenants=state.tenants,
+            grammars=state.grammars,
+            tokenizer=state.tokenizer,
+            weights=state.weights,
+            limits=ModelLimits.of(state.settings, max_model_len=state.max_model_len),
+        )
         REQUEST_ID.set(job.request_id)  # every log line of this request carries it from here
         admission = Admission(
             state.quotas, job.tenant, request_id=job.request_id, tokens=job.reserved_tokens

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from gateway.errors import InvalidRequestError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.structured.tool_rendering import template_input
 from gateway.tokenizer import ChatTokenizer
-from gateway.tool_rendering import template_input
 
 
 def context_error(max_model_len: int, prompt_tokens: str, *, param: str) -> InvalidRequestError:

@@ -6,7 +6,7 @@ Every sampling field is bounded here (the table is in gateway/README.md; the wor
 the same bounds again); NaN and infinity are refused wherever a number is taken (Python's
 json parser accepts `NaN` and `Infinity`). Bounds that are settings (stop strings, message
 counts) are checked by `check_shape`. The fields that constrain the output (response_format,
-tools, vLLM's structured_outputs) are modelled in `gateway.structured_protocol`.
+tools, vLLM's structured_outputs) are modelled in `gateway.structured.protocol`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import InvalidRequestError
-from gateway.structured_protocol import (
+from gateway.structured.protocol import (
     MAX_TOOLS,
     ResponseFormat,
     StructuredOutputsParams,
@@ -182,7 +182,7 @@ class SamplingFields(BaseModel):
 
 def check_logit_bias(bias: dict[str, float] | None) -> None:
     """OpenAI's bounds: at most 300 entries, keys token ids in decimal, biases in [-100, 100]
-    (the vocabulary bound is the tokenizer's: `logit_bias_ids`)."""
+    (the vocabulary bound is the tokenizer's: `gateway.resolution.logit_bias_ids`)."""
     if not bias:
         return
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
@@ -202,18 +202,6 @@ def check_logit_bias(bias: dict[str, float] | None) -> None:
                 f"got {value} for token {key}",
                 param="logit_bias",
             )
-
-
-def logit_bias_ids(bias: dict[str, float] | None, *, vocab_size: int) -> dict[int, float]:
-    """`logit_bias` (already `check_logit_bias`ed) by token id, each below ``vocab_size``."""
-    ids = {int(key): value for key, value in (bias or {}).items()}
-    outside = [token for token in ids if token >= vocab_size]
-    if outside:
-        raise InvalidRequestError(
-            f"logit_bias keys must be token ids in [0, {vocab_size}), got {outside[0]}",
-            param="logit_bias",
-        )
-    return ids
 
 
 class CompletionRequest(SamplingFields):

@@ -26,8 +26,8 @@ from gateway.errors import (
     WorkerFailedError,
     gateway_error_body,
 )
+from gateway.job import Job
 from gateway.openai_format import OutputFormat, Sample, Usage, most_likely, stop_reason_of
-from gateway.resolution import Job
 from gateway.routing import Route
 from gateway.tally import RunningCall, Tally
 from gateway.worker_client import (

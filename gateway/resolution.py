@@ -1,9 +1,8 @@
-"""Resolve: a `ParsedRequest` → a `Job` the workers can run. The model name becomes the base
-model or one of the caller's adapters, the output's constraint is built and checked
-(`gateway.structured`), the prompt becomes tokens (`gateway.prompts`), max_tokens is settled
-against the context and `max_generated_tokens`, and the sampling fields become the worker's
-params. An explicit max_tokens that does not fit is a 400, as
-vLLM does.
+"""Resolve: a `ParsedRequest` → a `Job` the workers can run. The model name becomes the base model
+or one of the caller's adapters, the output's constraint is built and checked
+(`gateway.structured.constraint`), the prompt becomes tokens (`gateway.prompts`), max_tokens is
+settled against the context and `max_generated_tokens`, and the sampling fields become the worker's
+params. An explicit max_tokens that does not fit is a 400, as vLLM does.
 """
 
 from __future__ import annotations
@@ -12,93 +11,81 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway import metrics
 from gateway.errors import InvalidRequestError, ModelNotFoundError
+from gateway.job import Job
 from gateway.parsing import ParsedRequest
 from gateway.prompts import prompt_ids
-from gateway.protocol import SamplingFields, logit_bias_ids
-from gateway.structured import Constraint, constraint_for
-from gateway.tenants import Caller, TenantAdapter, TenantStore
+from gateway.protocol import SamplingFields
+from gateway.structured.constraint import Constraint, constraint_for
+from gateway.structured.grammar_checker import GrammarChecker
+from gateway.tenancy.tenants import Caller, TenantAdapter, TenantStore
+from gateway.tenancy.weights import TenantWeights
+from gateway.tokenizer import ChatTokenizer
 from rpc import worker_pb2
-
-if TYPE_CHECKING:
-    from gateway.state import GatewayState
 
 
 @dataclass(frozen=True, slots=True)
-class Job:
-    """One request, ready to route: tokens, sampling, adapter, deadline (event-loop time)."""
+class ModelLimits:
+    """What a request is resolved against: the served model's name and context, and the
+    settings' bounds on generation and time."""
 
-    request_id: str
-    created: int
-    model: str  # as the client named it; echoed in responses
-    tenant: str
-    prompt_ids: list[int]
-    params: worker_pb2.SamplingParams
-    adapter: TenantAdapter | None
-    deadline: float
-    keep: int | None = None  # best_of: return only the `keep` most likely samples
-    tenant_weight: float = 1.0  # the tenant's share under fair scheduling (gateway.scheduling)
+    served_model_name: str
+    max_model_len: int
+    max_generated_tokens: int
+    request_timeout_s: float
 
-    @property
-    def reserved_tokens(self) -> int:
-        """What the quotas reserve: the prompt and every sample's max_tokens."""
-        return len(self.prompt_ids) + self.params.max_tokens * max(self.params.n, 1)
-
-    def remaining_s(self) -> float:
-        """Seconds left until the deadline (negative once past)."""
-        return self.deadline - asyncio.get_running_loop().time()
-
-    @property
-    def adapter_id(self) -> str | None:
-        return self.adapter.adapter_id if self.adapter else None
-
-    def to_proto(self) -> worker_pb2.GenerateRequest:
-        return worker_pb2.GenerateRequest(
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt_ids,
-            params=self.params,
-            adapter_id=self.adapter.adapter_id if self.adapter else "",
-            tenant=self.tenant,
-            tenant_weight=self.tenant_weight,
+    @classmethod
+    def of(cls, settings: Any, *, max_model_len: int) -> ModelLimits:
+        return cls(
+            served_model_name=settings.served_model_name,
+            max_model_len=max_model_len,
+            max_generated_tokens=settings.max_generated_tokens,
+            request_timeout_s=settings.request_timeout_s,
         )
 
 
-async def resolve(parsed: ParsedRequest, *, caller: Caller, state: GatewayState) -> Job:
+async def resolve(
+    parsed: ParsedRequest,
+    *,
+    caller: Caller,
+    tenants: TenantStore,
+    grammars: GrammarChecker,
+    tokenizer: ChatTokenizer,
+    weights: TenantWeights,
+    limits: ModelLimits,
+) -> Job:
     """The model, then the prompt's tokens, then the budget and params, then the tenant's
     scheduling weight (cached: no Redis trip as a rule)."""
     body = parsed.body
     adapter = await resolve_model(
-        tenants=state.tenants,
-        caller=caller,
-        model=body.model,
-        served_model_name=state.settings.served_model_name,
+        tenants=tenants, caller=caller, model=body.model, served_model_name=limits.served_model_name
     )
-    constraint = await constraint_for(body, checker=state.grammars)
-    prompt = await prompt_ids(body, tokenizer=state.tokenizer, max_model_len=state.max_model_len)
+    constraint = await constraint_for(body, checker=grammars)
+    prompt = await prompt_ids(body, tokenizer=tokenizer, max_model_len=limits.max_model_len)
     max_tokens = settle_max_tokens(
         requested=parsed.max_tokens,
         default=parsed.default_max_tokens,
         prompt_len=len(prompt),
-        max_model_len=state.max_model_len,
+        max_model_len=limits.max_model_len,
     )
     max_tokens = bound_generated_tokens(
         max_tokens,
         samples=parsed.samples,
         explicit=parsed.max_tokens is not None,
-        limit=state.settings.max_generated_tokens,
+        limit=limits.max_generated_tokens,
     )
     params = sampling_params(
         body,
         max_tokens=max_tokens,
         logprobs=parsed.logprobs,
         n=parsed.best_of,
-        vocab_size=state.tokenizer.vocab_size,
+        vocab_size=tokenizer.vocab_size,
         constraint=constraint,
     )
-    weight = await state.scheduling.weight(caller.tenant)
+    weight = await weights.weight(caller.tenant)
     return Job(
         request_id=f"{parsed.id_prefix}-{uuid.uuid4().hex}",
         created=int(time.time()),
@@ -107,7 +94,7 @@ async def resolve(parsed: ParsedRequest, *, caller: Caller, state: GatewayState)
         prompt_ids=prompt,
         params=params,
         adapter=adapter,
-        deadline=asyncio.get_running_loop().time() + state.settings.request_timeout_s,
+        deadline=asyncio.get_running_loop().time() + limits.request_timeout_s,
         keep=body.n if parsed.best_of else None,
         tenant_weight=weight,
     )
@@ -206,18 +193,31 @@ def sampling_params(
     return params
 
 
-async def list_models(*, state: GatewayState, caller: Caller) -> dict[str, Any]:
+def logit_bias_ids(bias: dict[str, float] | None, *, vocab_size: int) -> dict[int, float]:
+    """`logit_bias` (already `check_logit_bias`ed) by token id, each below ``vocab_size``."""
+    ids = {int(key): value for key, value in (bias or {}).items()}
+    outside = [token for token in ids if token >= vocab_size]
+    if outside:
+        raise InvalidRequestError(
+            f"logit_bias keys must be token ids in [0, {vocab_size}), got {outside[0]}",
+            param="logit_bias",
+        )
+    return ids
+
+
+async def list_models(
+    *, caller: Caller, tenants: TenantStore, served_model_name: str, max_model_len: int
+) -> dict[str, Any]:
     """The names a caller may resolve: the base model, then the caller's own adapters
     (shaped like vLLM's LoRA entries)."""
-    base_id = state.settings.served_model_name
     base = {
-        "id": base_id,
+        "id": served_model_name,
         "object": "model",
         "created": 0,
         "owned_by": "switchboard",
-        "root": base_id,
+        "root": served_model_name,
         "parent": None,
-        "max_model_len": state.max_model_len,
+        "max_model_len": max_model_len,
     }
     adapters = [
         {
@@ -226,9 +226,9 @@ async def list_models(*, state: GatewayState, caller: Caller) -> dict[str, Any]:
             "created": a.created_at,
             "owned_by": caller.tenant,
             "root": a.adapter_id,
-            "parent": base_id,
-            "max_model_len": state.max_model_len,
+            "parent": served_model_name,
+            "max_model_len": max_model_len,
         }
-        for a in await state.tenants.list_adapters(caller.tenant)
+        for a in await tenants.list_adapters(caller.tenant)
     ]
     return {"object": "list", "data": [base, *adapters]}

@@ -36,17 +36,14 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.errors import NoWorkerError
 from gateway.fair_queue import FairQueue, Grant
+from gateway.job import Job
 from runtime.registry import WorkerInfo, live_workers
-
-if TYPE_CHECKING:
-    from gateway.resolution import Job
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gateway.scheduling import check_tiers
+from gateway.tenancy.weights import check_tiers
 from runtime.home import default_adapter_store, default_model_dir
 
 # Secrets that appear in docs, examples and muscle memory: never acceptable outside dev mode.
@@ -94,10 +94,10 @@ class GatewaySettings(BaseSettings):
     # Threads that tokenize and render chat templates (off the event loop).
     tokenizer_threads: int = Field(default=2, ge=1)
 
-    # Structured outputs and tool calls (gateway/grammar_checker.py). A grammar's text (JSON
-    # schema, regex, Lark, the tools' grammar) past max_grammar_bytes is a 400 before it is
-    # compiled; each is checked in a child process (grammar_checkers at once, each check
-    # killed past grammar_check_timeout_s), and verdicts are cached by content.
+    # Structured outputs and tool calls (gateway/structured/grammar_checker.py). A grammar's text
+    # (JSON schema, regex, Lark, the tools' grammar) past max_grammar_bytes is a 400 before it is
+    # compiled; each is checked in a child process (grammar_checkers at once, each check killed past
+    # grammar_check_timeout_s), and verdicts are cached by content.
     max_grammar_bytes: int = Field(default=256 << 10, ge=1024, le=1 << 20)
     grammar_checkers: int = Field(default=2, ge=1)
     grammar_check_timeout_s: float = Field(default=10.0, gt=0)
@@ -173,7 +173,7 @@ class GatewaySettings(BaseSettings):
     route_load_factor: float = Field(default=1.5, ge=1.0)
     route_load_slack: int = Field(default=4, ge=0)
 
-    # Fair scheduling (gateway/scheduling.py, gateway/fair_queue.py). A tenant's weight is its
+    # Fair scheduling (gateway/tenancy/weights.py, gateway/fair_queue.py). A tenant's weight is its
     # share of contended workers relative to other tenants': the weight of its tier, a weight
     # of its own, or default_scheduling_tier's. Sent to workers in every GenerateRequest (their
     # scheduler shares each engine the same way) and used by the gateway's own queue.

@@ -9,11 +9,11 @@ import asyncio
 
 from gateway.admission import Admission
 from gateway.fair_queue import FairQueue
+from gateway.job import Job
 from gateway.metrics import RequestObservation
-from gateway.quotas import QuotaService
-from gateway.resolution import Job
 from gateway.tally import Tally
-from gateway.usage import UsageDelta
+from gateway.tenancy.quotas import QuotaService
+from gateway.tenancy.usage import UsageDelta
 
 
 async def settle(

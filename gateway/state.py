@@ -10,15 +10,15 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from adapters import BaseModelSpec, FilesystemAdapterStore
-from gateway.adapter_catalog import AdapterCatalog
 from gateway.fair_queue import FairQueue
-from gateway.grammar_checker import GrammarChecker
-from gateway.quotas import QuotaService
 from gateway.routing import WorkerDirectory
-from gateway.scheduling import SchedulingWeights
 from gateway.settings import GatewaySettings
-from gateway.tenants import TenantStore
+from gateway.structured.grammar_checker import GrammarChecker
+from gateway.tenancy.quotas import QuotaService
+from gateway.tenancy.tenants import TenantStore
+from gateway.tenancy.weights import TenantWeights
 from gateway.tokenizer import ChatTokenizer
+from gateway.uploads.catalog import AdapterCatalog
 from gateway.worker_client import WorkerChannels
 
 
@@ -35,7 +35,7 @@ class GatewayState:
     quotas: QuotaService
     workers: WorkerDirectory
     channels: WorkerChannels
-    scheduling: SchedulingWeights
+    weights: TenantWeights
     fair_queue: FairQueue
     grammars: GrammarChecker
     # Fire-and-forget work (adapter preloads), held so it is not garbage-collected mid-way

@@ -56,7 +56,7 @@ class ChatTokenizer:
     longest_token_bytes: int | None = None
     threads: int = 2
     # The template reads `tools` (transformers' apply_chat_template(tools=...)): tools are
-    # rendered its own way, else by gateway.tool_rendering's fallback.
+    # rendered its own way, else by gateway.structured.tool_rendering's fallback.
     renders_tools: bool = False
     pool: ThreadPoolExecutor = field(init=False, repr=False, compare=False)
 

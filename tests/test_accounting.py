@@ -19,8 +19,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from factories import add_byte_level_tokenizer, make_checkpoint
-from gateway.quotas import tenant_key
-from gateway.usage import usage_key
+from gateway.tenancy.quotas import tenant_key
+from gateway.tenancy.usage import usage_key
 from gateway_support import (
     ADMIN_TOKEN,
     MODEL_NAME,

@@ -114,7 +114,7 @@ def test_the_gateway_bounds_weights_as_the_engine_does():
     gRPC field (a tiny weight would round to 0, which the worker reads as unset)."""
     import numpy as np
 
-    from gateway.scheduling import MAX_WEIGHT, MIN_WEIGHT
+    from gateway.tenancy.weights import MAX_WEIGHT, MIN_WEIGHT
     from worker.core.fairness import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
 
     assert (MIN_WEIGHT, MAX_WEIGHT) == (MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT)

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from gateway.errors import AuthenticationError
 from gateway.main import skip_observed_access_lines
-from gateway.tenants import TenantStore
+from gateway.tenancy.tenants import TenantStore
 from gateway_support import (
     ADMIN_TOKEN,
     MODEL_NAME,

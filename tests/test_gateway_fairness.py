@@ -17,9 +17,9 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from gateway import metrics
-from gateway.quotas import tenant_key
-from gateway.scheduling import SchedulingWeights
 from gateway.settings import GatewaySettings
+from gateway.tenancy.quotas import tenant_key
+from gateway.tenancy.weights import TenantWeights
 from gateway_support import (
     ADMIN_TOKEN,
     MODEL_NAME,
@@ -320,7 +320,7 @@ async def test_weights_seen_by_another_replica_within_the_cache_time(redis_clien
     other once its entry expires; a Redis failure serves the last weight, never an error."""
     tiers = {"free": 1.0, "standard": 2.0}
     here, there = (
-        SchedulingWeights(
+        TenantWeights(
             redis_client, prefix=redis_prefix, tiers=tiers, default_tier="free", cache_s=0.3
         )
         for _ in range(2)
@@ -332,7 +332,7 @@ async def test_weights_seen_by_another_replica_within_the_cache_time(redis_clien
     await asyncio.sleep(0.35)
     assert await there.weight("t") == 2.0
     down = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
-    broken = SchedulingWeights(down, prefix=redis_prefix, tiers=tiers, default_tier="free",
+    broken = TenantWeights(down, prefix=redis_prefix, tiers=tiers, default_tier="free",
                                cache_s=0.3)  # fmt: skip
 
     def errors() -> float:

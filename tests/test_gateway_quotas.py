@@ -19,7 +19,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.quotas import tenant_key
+from gateway.tenancy.quotas import tenant_key
 from gateway_support import (
     ADMIN_TOKEN,
     MODEL_NAME,

@@ -749,7 +749,7 @@ def test_gateway_autoscales_on_cpu_and_the_hpa_owns_its_replicas(manifest):
 
 GATEWAY_ENTRY_MODULES = (
     "gateway.main",
-    "gateway.grammar_child",  # the grammar checker's child processes
+    "gateway.structured.grammar_child",  # the grammar checker's child processes
     "switchboard.admin_client",
     "worker.errors",
 )

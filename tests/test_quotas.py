@@ -14,8 +14,8 @@ from redis.backoff import NoBackoff
 
 from gateway import metrics
 from gateway.errors import RateLimitError, StateUnavailableError
-from gateway.quotas import Quota, QuotaService, duration, tenant_key
-from gateway.usage import UsageDelta, read_usage
+from gateway.tenancy.quotas import Quota, QuotaService, duration, tenant_key
+from gateway.tenancy.usage import UsageDelta, read_usage
 
 T = "acme"
 

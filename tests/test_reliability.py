@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 
 from factories import add_byte_level_tokenizer, make_checkpoint
 from gateway import metrics
-from gateway.quotas import tenant_key
+from gateway.tenancy.quotas import tenant_key
 from gateway_support import (
     MODEL_NAME,
     gateway_settings,

@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from gateway.script_batch import ScriptBatcher
+from gateway.tenancy.script_batch import ScriptBatcher
 
 # Echoes its key and argument; fails on demand, as a quota script can.
 ECHO = """

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from gateway import metrics
-from gateway.grammar_checker import CRASHED, GrammarChecker, GrammarLimits
+from gateway.structured.grammar_checker import CRASHED, GrammarChecker, GrammarLimits
 from gateway_support import MODEL_NAME, assert_error, gateway_settings, gateway_with_worker
 
 WEATHER_TOOL = {

@@ -13,13 +13,13 @@ import llguidance
 import pytest
 from tokenizers import Tokenizer
 
-from gateway.grammar_child import check
 from gateway.protocol import ChatMessage
-from gateway.structured_protocol import FunctionDefinition, NamedToolChoice
+from gateway.structured.grammar_child import check
+from gateway.structured.protocol import FunctionDefinition, NamedToolChoice
+from gateway.structured.tool_grammar import call_schema, tool_grammar
+from gateway.structured.tool_parsing import ToolCallStream, parse_tool_calls
+from gateway.structured.tool_rendering import fallback_messages, template_input
 from gateway.tokenizer import ChatTokenizer, reads_tools
-from gateway.tool_grammar import call_schema, tool_grammar
-from gateway.tool_parsing import ToolCallStream, parse_tool_calls
-from gateway.tool_rendering import fallback_messages, template_input
 
 WEATHER = FunctionDefinition(
     name="get_weather",

@@ -15,7 +15,7 @@ import pytest
 
 from archive_factories import adapter_members, tar_bytes, zeros_member, zip64_declaring
 from archive_factories import zip_bytes as make_zip
-from gateway.quotas import tenant_key
+from gateway.tenancy.quotas import tenant_key
 from gateway_support import (
     archive_upload,
     assert_error,

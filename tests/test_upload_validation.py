@@ -1,4 +1,4 @@
-"""gateway.upload_validation: the child's limits and how its end is answered, without an app.
+"""gateway.uploads.validation: the child's limits and how its end is answered, without an app.
 
 (The refusals of hostile files through the whole gateway are in test_upload_races.)"""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from adapters import ArchiveLimits, InvalidAdapterError
-from gateway.upload_validation import UploadValidationLimitError, UploadValidator, ValidationLimits
+from gateway.uploads.validation import UploadValidationLimitError, UploadValidator, ValidationLimits
 from gateway_support import TINY_CONFIG, write_adapter
 
 
@@ -79,8 +79,8 @@ def test_a_child_that_ends_before_reading_its_job_is_a_422_not_a_crash(
 
     import uvloop
 
-    from gateway import upload_validation
     from gateway.child_processes import Child
+    from gateway.uploads import validation as upload_validation
 
     spawn = Child.start
 

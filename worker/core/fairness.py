@@ -34,7 +34,7 @@ QUEUE_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.
 # coming back would wipe it); past this many, those no higher than the floor are dropped.
 MAX_IDLE_ACCOUNTS = 4096
 # Weights are relative; bounded so that no tenant's counter stands still or races (the
-# gateway's bounds are the same: gateway.scheduling).
+# gateway's bounds are the same: gateway.tenancy.weights).
 MIN_TENANT_WEIGHT = 0.001
 MAX_TENANT_WEIGHT = 1000.0
 

@@ -1,12 +1,12 @@
 """A request's grammar (a JSON schema, a regex, a Lark grammar…) checked before any worker
 sees it: bounded in size, checked in child processes, remembered by content.
 
-Checks run in long-lived `python -m gateway.grammar_child` processes (see there why not in
-the gateway: llguidance can overflow its stack on hostile grammars), one check at a time
-each, so a child that dies or runs past `timeout_s` takes only the grammar that did it with
-it, and is replaced by the next check that needs one. Verdicts, good and bad, are kept in
-an LRU by sha256 of (format, text): a schema sent again costs a hash and a dict lookup, and
-the same grammar checked by several requests at once is checked once.
+Checks run in long-lived `python -m gateway.structured.grammar_child` processes (see there why not
+in the gateway: llguidance can overflow its stack on hostile grammars), one check at a time each, so
+a child that dies or runs past `timeout_s` takes only the grammar that did it with it, and is
+replaced by the next check that needs one. Verdicts, good and bad, are kept in an LRU by sha256 of
+(format, text): a schema sent again costs a hash and a dict lookup, and the same grammar checked by
+several requests at once is checked once.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from gateway.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-CHILD = [sys.executable, "-m", "gateway.grammar_child"]
+CHILD = [sys.executable, "-m", "gateway.structured.grammar_child"]
 # What a child keeps of the gateway's environment: nothing secret reaches it.
 INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
 CRASHED = (
@@ -129,7 +129,7 @@ class GrammarChecker:
 
 
 class _Child:
-    """One `gateway.grammar_child` process: a line in, a line out."""
+    """One `gateway.structured.grammar_child` process: a line in, a line out."""
 
     def __init__(self, process: Child) -> None:
         self.process = process

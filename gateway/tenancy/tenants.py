@@ -5,7 +5,7 @@ its sha256: a request's key is hashed and looked up in one GET. Keys (all under 
 
     tenants                      set of tenant names
     tenant:{name}                hash {name, created_at, and sched_tier or sched_weight
-                                 when set (gateway.scheduling)}
+                                 when set (gateway.tenancy.weights)}
     tenant:{name}:keys           set of key ids
     tenant:{name}:adapters       hash adapter name -> JSON TenantAdapter
     apikey:{sha256 hex}          string: "{key_id} {tenant}"

@@ -10,7 +10,7 @@ fallback in the Hermes / Qwen2.5 style that any template can render:
 - tool results become a user message wrapping each (consecutive ones together) in
   `<tool_response>\\n…\\n</tool_response>`.
 
-Either way the model answers in the Hermes format (`gateway.tool_grammar`).
+Either way the model answers in the Hermes format (`gateway.structured.tool_grammar`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.tool_grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from gateway.structured.tool_grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 TOOLS_PROMPT = """# Tools
 

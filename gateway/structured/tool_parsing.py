@@ -1,6 +1,6 @@
 """A chat answer's text → its content and tool calls, whole or as it streams.
 
-Calls are Hermes blocks (`gateway.tool_grammar`): `<tool_call>\\n{"name", "arguments"}\\n
+Calls are Hermes blocks (`gateway.structured.tool_grammar`): `<tool_call>\\n{"name", "arguments"}\\n
 </tool_call>`. The content is the text outside the blocks, with leading and trailing
 whitespace stripped (the response's null when nothing is left); a block whose JSON is not a
 call stays in the content as it was written. Each call gets a fresh id ("call_" + 24
@@ -21,7 +21,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.tool_grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from gateway.structured.tool_grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 ID_ALPHABET = string.ascii_letters + string.digits
 ID_CHARS = 24

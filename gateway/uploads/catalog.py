@@ -4,7 +4,7 @@ never leave a name without its blob, nor, past a grace period, a blob nobody nam
 Two tenants who upload the same adapter share one blob (ids are content hashes), so a blob
 is reference-counted by the names pointing at it, in Redis:
 
-    tenant:{name}:adapters       hash name -> JSON TenantAdapter (gateway.tenants)
+    tenant:{name}:adapters       hash name -> JSON TenantAdapter (gateway.tenancy.tenants)
     adapter:{id}:refs            set of "tenant/name"
     {tenant}:uploads             sorted set: upload id -> lease expiry (ms)
 
@@ -35,11 +35,11 @@ import redis.exceptions
 
 from adapters import ArchiveLimits, BaseModelSpec, FilesystemAdapterStore
 from gateway.errors import ConflictError, GatewayError, NotFoundError, RateLimitError
-from gateway.quotas import tenant_key
 from gateway.settings import GatewaySettings
-from gateway.tenants import TenantAdapter, TenantStore
-from gateway.upload_scripts import ACQUIRE_UPLOAD, REGISTER, RENEW_UPLOAD, UNREGISTER
-from gateway.upload_validation import UploadValidator, ValidatedUpload, ValidationLimits
+from gateway.tenancy.quotas import tenant_key
+from gateway.tenancy.tenants import TenantAdapter, TenantStore
+from gateway.uploads.catalog_scripts import ACQUIRE_UPLOAD, REGISTER, RENEW_UPLOAD, UNREGISTER
+from gateway.uploads.validation import UploadValidator, ValidatedUpload, ValidationLimits
 
 log = logging.getLogger(__name__)
 

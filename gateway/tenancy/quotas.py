@@ -1,5 +1,5 @@
 """Per-tenant quotas: requests and tokens per minute, concurrent requests, a daily token
-budget. One atomic Lua script per decision (`gateway.quota_scripts`), so they hold exactly
+budget. One atomic Lua script per decision (`gateway.tenancy.quota_scripts`), so they hold exactly
 across gateway replicas.
 
 A request reserves prompt tokens + n * max_tokens at admission; when it ends, `settle`
@@ -26,9 +26,9 @@ import redis.exceptions
 
 from gateway import metrics
 from gateway.errors import RateLimitError, StateUnavailableError
-from gateway.quota_scripts import ADMIT, RENEW, SETTLE
-from gateway.script_batch import ScriptBatcher
-from gateway.usage import UsageDelta, usage_key
+from gateway.tenancy.quota_scripts import ADMIT, RENEW, SETTLE
+from gateway.tenancy.script_batch import ScriptBatcher
+from gateway.tenancy.usage import UsageDelta, usage_key
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,9 @@ QUOTA_FIELDS = {  # Quota attribute → field in the quota hash
     "tokens_per_minute": "tpm",
     "max_concurrent_requests": "concurrency",
     "daily_tokens": "daily_tokens",
-    # Adapter storage, checked by the upload's registration script (gateway.upload_scripts);
-    # unset, the settings' defaults apply (never unlimited: the store is shared).
+    # Adapter storage, checked by the upload's registration script
+    # (gateway.uploads.catalog_scripts); unset, the settings' defaults apply (never unlimited: the
+    # store is shared).
     "max_adapters": "max_adapters",
     "max_adapter_bytes": "max_adapter_bytes",
 }

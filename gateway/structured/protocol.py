@@ -3,7 +3,8 @@
 `structured_outputs` and its older `guided_*` extras.
 
 Shapes are checked here (names, types, counts); what needs a library (is this a JSON schema
-llguidance can follow?) is checked by `gateway.structured` before a worker sees the request.
+llguidance can follow?) is checked by `gateway.structured.constraint` before a worker sees the
+request.
 """
 
 from __future__ import annotations

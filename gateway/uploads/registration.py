@@ -2,7 +2,7 @@
 validate against the base model, store by content id, name; and delete, unloading the
 adapter from every worker once no name points at it.
 
-Validation runs in a child process under CPU and memory limits (`gateway.upload_validation`),
+Validation runs in a child process under CPU and memory limits (`gateway.uploads.validation`),
 never on the event loop. A tenant has at most `max_concurrent_uploads` uploads in flight.
 Adapter errors propagate as `adapters.AdapterError` and become 400/413 at the edge.
 """
@@ -21,11 +21,11 @@ from pathlib import Path
 import grpc
 from fastapi import Request
 
-from gateway.adapter_catalog import Registration, Removal
 from gateway.errors import GatewayError, InvalidRequestError
 from gateway.state import GatewayState
-from gateway.tenants import TenantAdapter
-from gateway.uploads import receive_adapter_upload
+from gateway.tenancy.tenants import TenantAdapter
+from gateway.uploads.catalog import Registration, Removal
+from gateway.uploads.staging import receive_adapter_upload
 from gateway.worker_client import load_adapter, unload_adapter
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ before anything is read; a chunked body is cut off at the limit). Starlette's mu
 parser spools file parts to temporary files past 1 MiB, so an upload is never held in
 memory; we then copy the parts into the staging directory under fixed names (never the
 client's file names). Archives are unpacked by the validation child
-(`gateway.upload_validation`), never in the gateway.
+(`gateway.uploads.validation`), never in the gateway.
 """
 
 from __future__ import annotations

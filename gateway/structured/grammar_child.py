@@ -1,15 +1,15 @@
-"""Grammar checks in a child process: `python -m gateway.grammar_child` reads one check per
-line on stdin, `{"format", "text"}`, and answers each with one line on stdout, `{"error"}`
-("" when the grammar is valid).
+"""Grammar checks in a child process: `python -m gateway.structured.grammar_child` reads one check
+per line on stdin, `{"format", "text"}`, and answers each with one line on stdout, `{"error"}` (""
+when the grammar is valid).
 
-Why a process: llguidance's compiler recurses on the grammar's rules, and a chain of a few
-thousand `$ref`s or Lark rules (60 KB of text) overflows the stack and kills the process
-with SIGSEGV; no parser limit bounds that. Here it kills only this child, and the gateway
-refuses the grammar (`gateway.grammar_checker`). Each check runs on a thread with half the
-stack a Python thread normally gets (8 MiB), so what passes here compiles with room to spare
-in a worker. JSON schemas go through `jsonschema`'s metaschema check first (its message
-names the bad keyword), then llguidance's own (unsupported keywords by name); both with the
-worker's options (`worker/sampling/structured_output.py`, `worker/sampling/grammar.py`).
+Why a process: llguidance's compiler recurses on the grammar's rules, and a chain of a few thousand
+`$ref`s or Lark rules (60 KB of text) overflows the stack and kills the process with SIGSEGV; no
+parser limit bounds that. Here it kills only this child, and the gateway refuses the grammar
+(`gateway.structured.grammar_checker`). Each check runs on a thread with half the stack a Python
+thread normally gets (8 MiB), so what passes here compiles with room to spare in a worker. JSON
+schemas go through `jsonschema`'s metaschema check first (its message names the bad keyword), then
+llguidance's own (unsupported keywords by name); both with the worker's options
+(`worker/sampling/structured_output.py`, `worker/sampling/grammar.py`).
 """
 
 from __future__ import annotations

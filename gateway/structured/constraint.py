@@ -1,6 +1,7 @@
 """A request's constraint on its output, as the worker takes it (`StructuredOutput`): from
 `response_format`, vLLM's `structured_outputs` or `guided_*`, or a chat's tools
-(`gateway.tool_grammar`), checked (`gateway.grammar_checker`) before any worker sees it.
+(`gateway.structured.tool_grammar`), checked (`gateway.structured.grammar_checker`) before any
+worker sees it.
 
 | field | format | text |
 |---|---|---|
@@ -19,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import InvalidRequestError
-from gateway.grammar_checker import GrammarChecker
 from gateway.protocol import ChatCompletionRequest, SamplingFields
-from gateway.structured_protocol import effective_tool_choice
-from gateway.tool_grammar import tool_grammar
+from gateway.structured.grammar_checker import GrammarChecker
+from gateway.structured.protocol import effective_tool_choice
+from gateway.structured.tool_grammar import tool_grammar
 from rpc import worker_pb2
 
 # What each format is called in messages.

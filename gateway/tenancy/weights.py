@@ -43,7 +43,7 @@ class WeightSource(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Scheduling:
+class WeightAssignment:
     """A tenant's resolved scheduling: what it has set, and the weight that follows."""
 
     tier: str | None
@@ -77,7 +77,7 @@ def check_tiers(tiers: dict[str, float], *, default: str) -> None:
         )
 
 
-class SchedulingWeights:
+class TenantWeights:
     """Reads and writes tenants' scheduling; `weight` answers requests from a cache."""
 
     def __init__(
@@ -106,9 +106,9 @@ class SchedulingWeights:
         return self.tiers[self.default_tier]
 
     def _k(self, tenant: str) -> str:
-        return f"{self.prefix}tenant:{tenant}"  # the tenant's record (gateway.tenants)
+        return f"{self.prefix}tenant:{tenant}"  # the tenant's record (gateway.tenancy.tenants)
 
-    async def set_tier(self, tenant: str, tier: str) -> Scheduling:
+    async def set_tier(self, tenant: str, tier: str) -> WeightAssignment:
         if tier not in self.tiers:
             raise InvalidRequestError(
                 f"unknown tier {tier!r}; the tiers are {', '.join(sorted(self.tiers))}",
@@ -116,16 +116,16 @@ class SchedulingWeights:
             )
         return await self._store(tenant, TIER_FIELD, tier, drop=WEIGHT_FIELD)
 
-    async def set_weight(self, tenant: str, weight: float) -> Scheduling:
+    async def set_weight(self, tenant: str, weight: float) -> WeightAssignment:
         return await self._store(tenant, WEIGHT_FIELD, repr(check_weight(weight)), drop=TIER_FIELD)
 
-    async def reset(self, tenant: str) -> Scheduling:
+    async def reset(self, tenant: str) -> WeightAssignment:
         """Back to the default tier."""
         await self.redis.hdel(self._k(tenant), TIER_FIELD, WEIGHT_FIELD)
         self._forget(tenant)
         return self.resolve(None, None)
 
-    async def _store(self, tenant: str, field: str, value: str, *, drop: str) -> Scheduling:
+    async def _store(self, tenant: str, field: str, value: str, *, drop: str) -> WeightAssignment:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self._k(tenant), field, value)
             pipe.hdel(self._k(tenant), drop)
@@ -138,19 +138,19 @@ class SchedulingWeights:
         self._epoch += 1
         self._cached.pop(tenant, None)
 
-    async def get(self, tenant: str) -> Scheduling:
+    async def get(self, tenant: str) -> WeightAssignment:
         """The tenant's scheduling as Redis holds it now."""
         tier, weight = await self.redis.hmget(self._k(tenant), [TIER_FIELD, WEIGHT_FIELD])
         return self.resolve(tier, weight)
 
-    def resolve(self, tier: str | None, weight: str | None) -> Scheduling:
+    def resolve(self, tier: str | None, weight: str | None) -> WeightAssignment:
         if weight is not None:
-            return Scheduling(tier=None, weight=float(weight), source=WeightSource.WEIGHT)
+            return WeightAssignment(tier=None, weight=float(weight), source=WeightSource.WEIGHT)
         if tier is not None and tier in self.tiers:
-            return Scheduling(tier=tier, weight=self.tiers[tier], source=WeightSource.TIER)
+            return WeightAssignment(tier=tier, weight=self.tiers[tier], source=WeightSource.TIER)
         if tier is not None:
             log.warning("tier %r is not in the settings' tiers: the default applies", tier)
-        return Scheduling(tier=tier, weight=self.default_weight, source=WeightSource.DEFAULT)
+        return WeightAssignment(tier=tier, weight=self.default_weight, source=WeightSource.DEFAULT)
 
     async def weight(self, tenant: str) -> float:
         """The tenant's weight for a request: cached for ``cache_s``, renewed off the

@@ -25,7 +25,7 @@ from typing import Any
 
 from llguidance import StructTag
 
-from gateway.structured_protocol import FunctionDefinition, NamedToolChoice, ToolChoice
+from gateway.structured.protocol import FunctionDefinition, NamedToolChoice, ToolChoice
 from runtime.grammar_bounds import JSON_STYLE
 
 TOOL_CALL_OPEN = "<tool_call>"
