@@ -1,6 +1,6 @@
 """Structured outputs: what compiling a schema costs, and what constrained decoding costs.
 
-Compile: each schema of the suite (the shapes tests/test_structured_engine.py checks, plus a
+Compile: each schema of the suite (the shapes tests/worker/test_structured_engine.py checks, plus a
 larger one) compiled for the default model's vocabulary, cold (a fresh compiler; its
 tokenizer view is built once beforehand and reported apart) and cached (the same schema
 again: a cache hit and a copy of the matcher).

@@ -18,9 +18,10 @@ what the references compute.
 - fp32 inputs use ``input_precision="ieee"`` (exact fp32, not TF32); fp16/bf16 inputs use
   TF32, which holds their values exactly.
 
-To run the kernels on CPU tensors, set ``TRITON_INTERPRET=1`` before triton is first
-imported (triton.language's own jit helpers, such as ``tl.zeros``, are decorated then);
-``tests/test_lora_kernels.py`` does. ``switchboard_kernels.lora`` imports this module only for CUDA.
+To run the kernels on CPU tensors, set ``TRITON_INTERPRET=1`` before triton is first imported
+(triton.language's own jit helpers, such as ``tl.zeros``, are decorated then);
+``tests/kernels/test_lora_kernels.py`` does. ``switchboard_kernels.lora`` imports this module only
+for CUDA.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def test_sampled_tokens_follow_the_target_whatever_the_selections_shape(
 ):
     """Four sampled tokens after a fixed prompt, 1,500 times, every step verifying the
     forced shape: the law of the first three passes a chi-square test against the target's
-    (exact, from transformers, as in tests/test_spec_engine.py). The fourth comes from an
+    (exact, from transformers, as in tests/worker/test_spec_engine.py). The fourth comes from an
     alternative's row only where an alternative past the chain caught the third; such rows
     are the same code at every depth, checked here at depth 0."""
     prompt = [7, 8, 9, 129, 38, 163, 119, 119, 119, 75, 18, 14]

@@ -284,7 +284,7 @@ def test_sampled_sequences_follow_the_target_distribution(
     is close to the target, so accepted drafts, corrections and alternatives (a correction
     that is one of the draft's runner-ups, followed by a token from its row) occur; with half the
     vocabulary it never proposes the other half, which only corrections then supply.
-    (Prompt lookup's one-hot proposals are checked in tests/test_rejection_sampler.py.)"""
+    (Prompt lookup's one-hot proposals are checked in tests/worker/test_rejection_sampler.py.)"""
     prompt = [7, 8, 9, 129, 38, 163, 119, 119, 119, 75, 18, 14]
     settings = {"temperature": 1.5, "top_k": 3, "repetition_penalty": 1.2}
     joint = exact_joint(target, prompt, **settings)

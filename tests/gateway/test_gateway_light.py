@@ -15,7 +15,7 @@ from gateway.settings import GatewaySettings
 from gateway.tokenizer import ChatTokenizer
 from runtime.home import default_model_dir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_importing_the_app_and_serving_requests_never_imports_torch(model_dir, tmp_path):

@@ -69,7 +69,7 @@ triton_here = pytest.mark.skipif(
     "test_kernels_in_a_fresh_process runs this test",
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if CUDA else "cpu"
 # The interpreter computes bf16 wrongly (TOOLCHAIN.md): bf16 kernels only on a GPU.
 TRITON_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])

@@ -213,7 +213,7 @@ def test_sigterm_drains_a_worker_mid_stream_behind_the_gateway(stack, api_key, t
     """A real SIGTERM while the worker streams through the gateway: the stream finishes whole
     (no error event), the worker leaves the registry at once rather than by TTL, requests
     meanwhile succeed (on the other worker: the drained one refuses new calls, which
-    tests/test_worker_service.py checks in-process), and the worker exits cleanly."""
+    tests/worker/test_worker_service.py checks in-process), and the worker exits cleanly."""
     drained = None
 
     def drain_its_worker() -> None:  # the first token is out, 479 to go

@@ -157,7 +157,7 @@ def test_permissions(saved: Path, tmp_path: Path) -> None:
 
 def test_adapters_never_import_torch(saved: Path, tmp_path: Path) -> None:
     """The gateway imports adapters/ to validate uploads; it must stay free of torch/triton."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     modules = sorted(p.stem for p in (root / "adapters").glob("*.py") if p.stem != "__init__")
     script = textwrap.dedent(f"""
         import sys

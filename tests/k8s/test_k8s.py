@@ -31,7 +31,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 OVERLAYS = ("cpu", "gpu", "multi-gpu")
 # Native gRPC probes are GA since 1.27; validate against it and the newest bundled schemas.
