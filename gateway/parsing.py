@@ -23,6 +23,7 @@ class ParsedRequest:
 
     body: OpenAIRequest
     id_prefix: str  # of the response's id: "cmpl" or "chatcmpl"
+    prompt_param: str  # the field an error about the prompt names: "prompt" or "messages"
     max_tokens: int | None  # as the client asked; None: `default_max_tokens`
     default_max_tokens: int | None  # None: the rest of the context
     logprobs: int | None  # top logprobs the worker reports per token; None: no logprobs
@@ -42,6 +43,7 @@ def parse(body: OpenAIRequest, *, limits: ShapeLimits) -> ParsedRequest:
         return ParsedRequest(
             body,
             id_prefix="chatcmpl",
+            prompt_param="messages",
             max_tokens=body.requested_max_tokens,
             default_max_tokens=None,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
@@ -50,6 +52,7 @@ def parse(body: OpenAIRequest, *, limits: ShapeLimits) -> ParsedRequest:
     return ParsedRequest(
         body,
         id_prefix="cmpl",
+        prompt_param="prompt",
         max_tokens=body.max_tokens,
         default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
         # best_of ranks samples by cumulative logprob: the worker must send them.

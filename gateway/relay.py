@@ -196,12 +196,14 @@ def collect(reply: WorkerReply, *, job: Job, fmt: OutputFormat, tally: Tally) ->
         if message.finish_reason:
             sample.finish_reason = message.finish_reason
             sample.stop_reason = stop_reason_of(message)
-    tally.finished = True
     ordered = [samples[i] for i in sorted(samples)]
-    if job.keep is not None:
-        ordered = most_likely(ordered, job.keep)
+    # Every sample generated must have ended, best_of's discarded ones too: a call cut short
+    # is a failure whatever the ranking would keep.
     if any(s.finish_reason is None for s in ordered):
         raise WorkerFailedError(f"worker {reply.address} ended the call before every sample")
+    tally.finished = True
+    if job.keep is not None:
+        ordered = most_likely(ordered, job.keep)
     usage = Usage(
         prompt_tokens=len(job.prompt_ids),
         completion_tokens=tally.completion_tokens,  # every sample, with best_of too (billed)

@@ -70,6 +70,7 @@ async def resolve(
         default=parsed.default_max_tokens,
         prompt_len=len(prompt),
         max_model_len=limits.max_model_len,
+        prompt_param=parsed.prompt_param,
     )
     max_tokens = bound_generated_tokens(
         max_tokens,
@@ -119,15 +120,21 @@ async def resolve_model(
 
 
 def settle_max_tokens(
-    *, requested: int | None, default: int | None, prompt_len: int, max_model_len: int
+    *,
+    requested: int | None,
+    default: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    prompt_param: str = "prompt",
 ) -> int:
-    """Tokens the request may generate; a prompt or request past the context is a 400."""
+    """Tokens the request may generate; a prompt or request past the context is a 400 (a
+    prompt's naming ``prompt_param``: completions' "prompt", chat's "messages")."""
     remaining = max_model_len - prompt_len
     if remaining <= 0:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"prompt has {prompt_len} tokens.",
-            param="messages",
+            param=prompt_param,
         )
     if requested is None:
         return remaining if default is None else min(default, remaining)
