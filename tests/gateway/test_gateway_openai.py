@@ -8,7 +8,6 @@ import json
 import httpx
 import openai
 import pytest
-from tokenizers import Tokenizer
 
 from gateway_support import (
     MODEL_NAME,
@@ -20,11 +19,6 @@ from gateway_support import (
 )
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-
-
-@pytest.fixture(scope="module")
-def reference_tokenizer(model_dir):
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
 class Stack:

@@ -24,7 +24,6 @@ from gateway.openai_format import (
     stop_reason_of,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.tokenizer import ChatTokenizer
 from rpc import worker_pb2
 
 HEADER = Header(id="cmpl-abc", created=1_700_000_000, model="tiny-chat")
@@ -91,13 +90,6 @@ USAGE_BODY = {
     "total_tokens": 12,
     "prompt_tokens_details": {"cached_tokens": 3},
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    tokenizer = ChatTokenizer.from_dir(model_dir)
-    yield tokenizer
-    tokenizer.close()
 
 
 def completion_format(tokenizer, logprobs: int | None = None) -> CompletionFormat:

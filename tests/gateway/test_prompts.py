@@ -12,7 +12,6 @@ import shutil
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer
 
 from gateway.errors import InvalidRequestError
 from gateway.prompts import chat_prompt_ids, completion_prompt_ids, prompt_ids
@@ -51,27 +50,17 @@ def turn(role: str, content: str) -> str:
 
 
 @pytest.fixture
-def tokenizer(model_dir):
-    tokenizer = ChatTokenizer.from_dir(model_dir)
-    yield tokenizer
-    tokenizer.close()
-
-
-@pytest.fixture
-def reference(model_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
-@pytest.fixture
-def encode(reference):
+def encode(reference_tokenizer):
     """The expected ids of a text: `tokenizers` on the same file, no special tokens added."""
-    return lambda text: reference.encode(text, add_special_tokens=False).ids
+    return lambda text: reference_tokenizer.encode(text, add_special_tokens=False).ids
 
 
 @pytest.fixture
-def longest_token_bytes(reference) -> int:
+def longest_token_bytes(reference_tokenizer) -> int:
     """The most UTF-8 bytes one vocabulary entry spells (the byte bound's divisor)."""
-    return max(len(token.encode()) for token in reference.get_vocab(with_added_tokens=True))
+    return max(
+        len(token.encode()) for token in reference_tokenizer.get_vocab(with_added_tokens=True)
+    )
 
 
 async def refused(make_ids, body, tokenizer, *, max_model_len: int) -> InvalidRequestError:

@@ -25,7 +25,6 @@ from gateway.job import Job
 from gateway.openai_format import ChatFormat, CompletionFormat, Header
 from gateway.relay import DONE, EventStream, collect, sse, stream_events
 from gateway.tally import RunningCall, Tally
-from gateway.tokenizer import ChatTokenizer
 from gateway.worker_client import WorkerChannels, WorkerReply, WorkerStream
 from rpc import worker_pb2
 
@@ -161,13 +160,6 @@ def usage_body(prompt: int, completion: int, cached: int = 0) -> dict:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    tokenizer = ChatTokenizer.from_dir(model_dir)
-    yield tokenizer
-    tokenizer.close()
 
 
 @pytest.fixture

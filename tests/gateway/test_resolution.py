@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer
 
 from gateway.errors import InvalidRequestError, ModelNotFoundError
 from gateway.job import Job
@@ -33,7 +32,6 @@ from gateway.structured.constraint import Constraint
 from gateway.structured.grammar_checker import GrammarChecker, GrammarLimits
 from gateway.tenancy.tenants import Caller, TenantAdapter, TenantStore
 from gateway.tenancy.weights import TenantWeights
-from gateway.tokenizer import ChatTokenizer
 from rpc import worker_pb2
 
 MODEL = "tiny-chat"
@@ -365,19 +363,6 @@ async def test_model_names_are_exact(tenants):
 
 
 @pytest.fixture
-def tokenizer(model_dir):
-    tokenizer = ChatTokenizer.from_dir(model_dir)
-    yield tokenizer
-    tokenizer.close()
-
-
-@pytest.fixture
-def reference(model_dir) -> Tokenizer:
-    """The `tokenizers` library on the same file: the prompt's expected ids."""
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-
-@pytest.fixture
 async def grammars():
     checker = GrammarChecker(
         GrammarLimits(max_bytes=64 << 10, cache_entries=8, children=1, timeout_s=30.0)
@@ -438,12 +423,14 @@ async def test_every_request_gets_its_own_id(resolved):
     assert len(ids) == 3
 
 
-async def test_a_chat_resolves_to_its_template_and_the_rest_of_the_context(resolved, reference):
+async def test_a_chat_resolves_to_its_template_and_the_rest_of_the_context(
+    resolved, reference_tokenizer
+):
     text = (
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
-    expected = reference.encode(text, add_special_tokens=False).ids
+    expected = reference_tokenizer.encode(text, add_special_tokens=False).ids
     job = await resolved(chat(logprobs=True, top_logprobs=2))
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", job.request_id)
     assert job.prompt_ids == expected
