@@ -4,14 +4,15 @@ Each run starts its own stack (Redis, one worker on the default model, the gatew
 drives it over HTTP with OpenAI streaming chats (``ignore_eos``, so every finished stream
 is exactly ``max_tokens`` long).
 
-1. Contention, once per worker ``--scheduling-policy``: tenant A keeps N chats in flight
-   (closed loop; prompts of random vocabulary words, distinct per request so the prefix
-   cache does not make them free, counted with the gateway's own tokenizer); tenant B sends
-   one short question at a time. Reported: B's TTFT idle (before A starts) and under A's
-   load (B's requests waiting for a first token at some time in the window, so one stuck
-   since the warm-up counts), B's completed requests, and output tokens/s of
-   A+B over a fixed window after a warm-up (prompt tokens/s beside it: a prefill-heavy
-   window generates little).
+1. Contention, once per policy (``fair``, ``fcfs``: the worker's ``--scheduling-policy``;
+   ``fair-unbounded``: fair with ``--decode-step-budget-ms 0``, steps carrying decodes not
+   cut): tenant A keeps N chats in flight (closed loop; prompts of random vocabulary words,
+   distinct per request so the prefix cache does not make them free, counted with the
+   gateway's own tokenizer); tenant B sends one short question at a time. Reported: B's TTFT
+   and time per output token idle (before A starts) and under A's load (B's requests waiting
+   for a first token at some time in the window, so one stuck since the warm-up counts), B's
+   completed requests, and output tokens/s of A+B over a fixed window after a warm-up
+   (prompt tokens/s beside it: a prefill-heavy window generates little).
 2. Weighted (``--weighted``): two tenants, both backlogged with A's long prompts, weights
    3:1 set through ``PUT /admin/tenants/{tenant}/scheduling``: each one's share of the
    tokens generated in the window.
@@ -19,8 +20,9 @@ is exactly ``max_tokens`` long).
 Streams in flight when the window closes run to their end; only their tokens inside the
 window count. Fair service is the Virtual Token Counter of Sheng et al., "Fairness in
 Serving Large Language Models" (OSDI 2024).
-Usage: ``python -m bench.fairness [--seconds 60] [--a-streams 48] [--policies fair,fcfs]
-[--weighted] [--quick] [--out bench/results/fairness.json]``.
+Usage: ``python -m bench.fairness [--seconds 60] [--a-streams 48]
+[--policies fair,fair-unbounded,fcfs] [--weighted] [--quick]
+[--out bench/results/fairness.json]``.
 """
 
 from __future__ import annotations
@@ -48,9 +50,14 @@ from gateway.tokenizer import ChatTokenizer
 from runtime.embedded_redis import free_port
 from runtime.stack import Stack, switchboard_command
 
-# Issue 28's targets on the 2-core machine.
+# The targets on the 2-core machine (issues 28 and 42).
 TARGETS = {"ttft_p50_ms": 1000.0, "ttft_p90_ms": 2000.0, "fair_over_fcfs_tok_s": 0.95,
-           "weighted_share_points": 5.0}  # fmt: skip
+           "weighted_share_points": 5.0, "tpot_load_over_idle": 3.0,
+           "bounded_over_unbounded_tok_s": 0.90}  # fmt: skip
+# Policies beyond the worker's --scheduling-policy values: (that policy, extra flags). And
+# "POLICY@MS": POLICY with --decode-step-budget-ms MS.
+POLICIES = {"fair-unbounded": ("fair", ["--decode-step-budget-ms", "0"])}
+SERVICE_METRIC = "switchboard_worker_tenant_service_tokens"
 WEIGHTS = {"heavy": 3, "light": 1}
 QUESTIONS = [
     "What is the capital of France?",
@@ -206,11 +213,43 @@ def ttft_ms(streams: list[Stream]) -> dict[str, float]:
             "p90": float(np.percentile(ttft, 90)), "max": max(ttft)}  # fmt: skip
 
 
+def tpot_ms(streams: list[Stream]) -> dict[str, float]:
+    """Time per output token after the first: (last event - first event) / (tokens - 1)."""
+    tpot = [(s.stamps[-1] - s.stamps[0]) * 1e3 / (s.tokens - 1) for s in streams if s.tokens > 1]
+    if not tpot:
+        return {"n": 0}
+    return {"n": len(tpot), "p50": float(np.percentile(tpot, 50)),
+            "p90": float(np.percentile(tpot, 90)), "mean": float(np.mean(tpot))}  # fmt: skip
+
+
 def make_tenant(stack: Stack, name: str, prompt: Callable[[], Prompt], max_tokens: int) -> Tenant:
     """A tenant with a key and no concurrency cap (a gateway default would throttle A)."""
     key = stack.create_tenant_key(name)
     stack.admin("PUT", f"/tenants/{name}/quotas", json={"max_concurrent_requests": 10_000})
     return Tenant(name, key, prompt, max_tokens)
+
+
+async def computed_tokens(stack: Stack) -> float:
+    """Tokens the workers have computed (prompt tokens and decodes of every tenant; cache
+    hits not counted), from their /metrics."""
+    total = 0.0
+    async with httpx.AsyncClient() as client:
+        for port in stack.metrics_ports.values():
+            text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+            total += sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith(SERVICE_METRIC + "_total{")
+            )
+    return total
+
+
+async def computed_between(stack: Stack, start: float, end: float) -> float:
+    """Tokens computed per second in [start, end) (monotonic times), read at both ends."""
+    await asyncio.sleep(max(0.0, start - time.monotonic()))
+    before = await computed_tokens(stack)
+    await asyncio.sleep(max(0.0, end - time.monotonic()))
+    return (await computed_tokens(stack) - before) / (end - start)
 
 
 async def contention(stack: Stack, model: str, prompts: Prompts, scale: Scale) -> dict:
@@ -221,20 +260,28 @@ async def contention(stack: Stack, model: str, prompts: Prompts, scale: Scale) -
     for _ in range(scale.idle_requests + 1):  # the first (discarded) pays one-off costs
         await client.chat()
     client.close()
+    opened = time.monotonic()
+    computed = asyncio.create_task(
+        computed_between(stack, opened + scale.warmup, opened + scale.warmup + scale.seconds)
+    )
     start, end = await closed_loops(
         stack.gateway_port, model, [(a, scale.a_streams), (b, 1)],
         warmup=scale.warmup, seconds=scale.seconds,
     )  # fmt: skip
     drain = time.monotonic() - end
     window = {"a": a.window(start, end), "b": b.window(start, end)}
+    loaded = [s for s in b.streams if s.sent < end and s.stamps[0] >= start]
     return {
         "b_ttft_idle_ms": ttft_ms(idle.streams[1:]),
-        "b_ttft_load_ms": ttft_ms([s for s in b.streams if s.sent < end and s.stamps[0] >= start]),
+        "b_ttft_load_ms": ttft_ms(loaded),
+        "b_tpot_idle_ms": tpot_ms(idle.streams[1:]),
+        "b_tpot_load_ms": tpot_ms(loaded),
         "b_completed": sum(start <= s.stamps[-1] < end for s in b.streams),
         "a_completed": sum(start <= s.stamps[-1] < end for s in a.streams),
         "window": window,
         "output_tok_per_s": sum(w["tokens"] for w in window.values()) / (end - start),
         "prompt_tok_per_s": sum(w["prompt_tokens"] for w in window.values()) / (end - start),
+        "computed_tok_per_s": await computed,
         "drain_s": drain,
         "a_prompt_tokens_mean": float(np.mean([s.prompt_tokens for s in a.streams])),
         "b_prompt_tokens_mean": float(np.mean([s.prompt_tokens for s in b.streams])),
@@ -273,12 +320,21 @@ async def weighted(stack: Stack, model: str, prompts: Prompts, scale: Scale) -> 
 
 
 def policy_args(policy: str) -> list[str]:
-    """The worker flag for ``policy``; a worker without the flag is FCFS and nothing else."""
+    """The worker flags for ``policy``; a worker without --scheduling-policy is FCFS and
+    nothing else."""
+    if "@" in policy:
+        policy, budget_ms = policy.split("@")
+        extra = ["--decode-step-budget-ms", budget_ms]
+    else:
+        policy, extra = POLICIES.get(policy, (policy, []))
     command = [*switchboard_command(), "worker", "--help"]
-    if "--scheduling-policy" in subprocess.run(command, capture_output=True, text=True).stdout:
-        return ["--scheduling-policy", policy]
+    helps = subprocess.run(command, capture_output=True, text=True).stdout
+    if any(flag.startswith("--") and flag not in helps for flag in extra):
+        raise SystemExit(f"this worker has no {extra[0]}, so no such run")
+    if "--scheduling-policy" in helps:
+        return ["--scheduling-policy", policy, *extra]
     if policy == "fcfs":
-        return []
+        return extra
     raise SystemExit(f"this worker has no --scheduling-policy, so no {policy!r} run")
 
 
@@ -311,6 +367,13 @@ def verdicts(report: dict) -> dict[str, bool]:
     if "fair_over_fcfs_tok_s" in report:
         ok = report["fair_over_fcfs_tok_s"] >= TARGETS["fair_over_fcfs_tok_s"]
         out["fair output tok/s within 5% of fcfs"] = ok
+    fair = report["policies"].get("fair", {})
+    if fair.get("b_tpot_idle_ms", {}).get("n") and fair.get("b_tpot_load_ms", {}).get("n"):
+        ratio = fair["b_tpot_load_ms"]["p50"] / fair["b_tpot_idle_ms"]["p50"]
+        out["fair: B TPOT under load <= 3x idle"] = ratio <= TARGETS["tpot_load_over_idle"]
+    if "bounded_over_unbounded_tok_s" in report:
+        ok = report["bounded_over_unbounded_tok_s"] >= TARGETS["bounded_over_unbounded_tok_s"]
+        out["fair computed tok/s within 10% of fair-unbounded"] = ok
     if "weighted" in report:
         w = report["weighted"]
         off = max(abs(w["share"][t] - w["target_share"][t]) * 100 for t in w["share"])
@@ -323,6 +386,9 @@ def print_table(report: dict) -> None:
         print_policies(report["policies"])
     if "fair_over_fcfs_tok_s" in report:
         print(f"fair / fcfs output tok/s: {report['fair_over_fcfs_tok_s']:.3f}")
+    if "bounded_over_unbounded_tok_s" in report:
+        ratio = report["bounded_over_unbounded_tok_s"]
+        print(f"fair / fair-unbounded computed tok/s: {ratio:.3f}")
     if "weighted" in report:
         w = report["weighted"]
         shares = ", ".join(f"{t} {s * 100:.1f}%" for t, s in w["share"].items())
@@ -333,15 +399,22 @@ def print_table(report: dict) -> None:
 
 
 def print_policies(policies: dict) -> None:
-    print(f"{'policy':8}{'B TTFT idle p50':>16}{'load p50':>10}{'p90':>9}{'max':>9}"
-          f"{'B done':>8}{'out tok/s':>10}{'prompt tok/s':>13}")  # fmt: skip
+    print(f"{'policy':15}{'B TTFT idle p50':>16}{'load p50':>10}{'p90':>9}{'max':>9}"
+          f"{'B TPOT idle':>12}{'load p50':>10}{'B done':>8}{'out tok/s':>10}"
+          f"{'prompt tok/s':>13}{'computed tok/s':>15}")  # fmt: skip
     for policy, r in policies.items():
         idle, load = r["b_ttft_idle_ms"], r["b_ttft_load_ms"]
+        tpot_idle, tpot_load = r["b_tpot_idle_ms"], r["b_tpot_load_ms"]
         ms = [f"{x:.0f} ms" if x is not None else "-" for x in
-              (idle.get("p50"), load.get("p50"), load.get("p90"), load.get("max"))]  # fmt: skip
-        print(f"{policy:8}{ms[0]:>16}{ms[1]:>10}{ms[2]:>9}{ms[3]:>9}{r['b_completed']:>8}"
-              f"{r['output_tok_per_s']:>10.1f}{r['prompt_tok_per_s']:>13.0f}")  # fmt: skip
-    print("targets: B TTFT p50 <= 1000 ms, p90 <= 2000 ms under load; fair tok/s >= 95% of fcfs")
+              (idle.get("p50"), load.get("p50"), load.get("p90"), load.get("max"),
+               tpot_idle.get("p50"), tpot_load.get("p50"))]  # fmt: skip
+        print(f"{policy:15}{ms[0]:>16}{ms[1]:>10}{ms[2]:>9}{ms[3]:>9}{ms[4]:>12}{ms[5]:>10}"
+              f"{r['b_completed']:>8}{r['output_tok_per_s']:>10.1f}"
+              f"{r['prompt_tok_per_s']:>13.0f}{r['computed_tok_per_s']:>15.1f}")  # fmt: skip
+    print(
+        "targets: B TTFT p50 <= 1000 ms, p90 <= 2000 ms under load; fair tok/s >= 95% of "
+        "fcfs; fair: B TPOT under load <= 3x idle, tok/s >= 90% of fair-unbounded"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -353,7 +426,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=float, help="load before the window (60; quick 5)")
     parser.add_argument("--a-streams", type=int, help="tenant A's chats in flight (48; quick 8)")
     parser.add_argument("--prompt-tokens", type=int, help="A's prompt length (1100; quick 300)")
-    parser.add_argument("--policies", default="fair,fcfs", help="comma-separated; '' for none")
+    parser.add_argument(
+        "--policies", default="fair,fair-unbounded,fcfs", help="comma-separated; '' for none"
+    )
     parser.add_argument("--weighted", action="store_true", help="also the 3:1 weighted run")
     parser.add_argument("--weighted-policy", default="fair")
     parser.add_argument("--weighted-streams", type=int, help="per tenant (48; quick 4)")
@@ -370,11 +445,19 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"scale": asdict(scale), "targets": TARGETS, "policies": {}}
     for policy in filter(None, args.policies.split(",")):
         result = report["policies"][policy] = with_stack(policy, contention, scale, args)
-        print(f"{policy}: {result['output_tok_per_s']:.1f} tok/s, B TTFT under load "
+        print(f"{policy}: {result['output_tok_per_s']:.1f} output tok/s, "
+              f"{result['computed_tok_per_s']:.1f} computed, B TTFT under load "
               f"{result['b_ttft_load_ms']}", flush=True)  # fmt: skip
     if {"fair", "fcfs"} <= report["policies"].keys():
         fair, fcfs = (report["policies"][p]["output_tok_per_s"] for p in ("fair", "fcfs"))
         report["fair_over_fcfs_tok_s"] = fair / fcfs
+    if {"fair", "fair-unbounded"} <= report["policies"].keys():
+        # Tokens the worker computed: what bounding steps could cost. Output tokens alone swing
+        # with where the window falls in the flood's prefill and decode phases.
+        bounded, unbounded = (
+            report["policies"][p]["computed_tok_per_s"] for p in ("fair", "fair-unbounded")
+        )
+        report["bounded_over_unbounded_tok_s"] = bounded / unbounded
     if args.weighted:
         report["weighted"] = with_stack(args.weighted_policy, weighted, scale, args)
     report["verdicts"] = verdicts(report)

@@ -44,6 +44,7 @@ class Stack:
     worker_nice: int = 0
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)
     worker_ports: dict[str, int] = field(default_factory=dict)
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # each worker's /metrics
     gateway: subprocess.Popen | None = None
     certs: CertSet | None = None
     _redis: EmbeddedRedis | None = None
@@ -84,6 +85,7 @@ class Stack:
         process = subprocess.Popen(args, env=self._env())
         self.workers[worker_id] = process
         self.worker_ports[worker_id] = port
+        self.metrics_ports[worker_id] = metrics_port
         return process
 
     def _worker_tls_args(self) -> list[str]:

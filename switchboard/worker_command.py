@@ -99,6 +99,7 @@ def worker_engine_kwargs(args: argparse.Namespace) -> dict:
         "swap_space_gb": args.swap_space_gb,
         "tensor_parallel_size": args.tensor_parallel_size,
         "attention_backend": args.attention_backend,
+        "decode_step_budget_ms": args.decode_step_budget_ms,
         "speculative_model": args.speculative_model,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_max_batch_size": args.speculative_max_batch_size,
@@ -200,6 +201,13 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _auth_arguments(parser)
     _speculative_arguments(parser)
+    parser.add_argument(
+        "--decode-step-budget-ms",
+        type=float,
+        default=None,
+        help="while a step carries decodes, cut its prefill so it takes at most this long "
+        "(default: the budget measured at warm-up; 0: no bound)",
+    )
     parser.add_argument(
         "--no-warmup",
         action="store_true",

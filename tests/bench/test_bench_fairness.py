@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.fairness import Prompts, Stream, verdicts
+from bench.fairness import Prompts, Stream, tpot_ms, verdicts
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +58,29 @@ def test_verdicts_name_each_target():
     }
     starved = {"policies": {"fair": {"b_ttft_load_ms": {"n": 0}}}}
     assert verdicts(starved) == {"fair: B TTFT p50 <= 1 s": False, "fair: B TTFT p90 <= 2 s": False}
+
+
+def test_the_decode_budget_verdicts_compare_tpot_with_idle_and_tok_s_with_unbounded():
+    def policy(tpot_idle: float, tpot_load: float) -> dict:
+        return {
+            "b_ttft_load_ms": {"n": 5, "p50": 400.0, "p90": 900.0, "max": 900.0},
+            "b_tpot_idle_ms": {"n": 10, "p50": tpot_idle},
+            "b_tpot_load_ms": {"n": 5, "p50": tpot_load},
+        }
+
+    report = {
+        "policies": {"fair": policy(30.0, 89.0), "fair-unbounded": policy(30.0, 900.0)},
+        "bounded_over_unbounded_tok_s": 0.89,
+    }
+    verdict = verdicts(report)
+    assert verdict["fair: B TPOT under load <= 3x idle"] is True  # 2.97x
+    assert verdict["fair computed tok/s within 10% of fair-unbounded"] is False  # 0.89
+    report["policies"]["fair"] = policy(30.0, 91.0)
+    assert verdicts(report)["fair: B TPOT under load <= 3x idle"] is False
+
+
+def test_tpot_counts_the_time_after_the_first_token():
+    # 5 tokens: the first at 1.0 s, the last at 1.4 s: 4 gaps of 100 ms.
+    stream = Stream(sent=0.0, stamps=[1.0, 1.2, 1.4], prompt_tokens=10, tokens=5)
+    assert tpot_ms([stream]) == pytest.approx({"n": 1, "p50": 100.0, "p90": 100.0, "mean": 100.0})
+    assert tpot_ms([Stream(0.0, [1.0], 10, 1)]) == {"n": 0}

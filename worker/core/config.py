@@ -173,8 +173,10 @@ class EngineConfig:
     native CPU kernel, the default elsewhere); ``cuda_graphs``: replay decode steps as CUDA
     graphs (CUDA, triton, one rank: the default there); ``async_output``: render each
     step's tokens (detokenize, stop strings, outputs) while the device runs the next step,
-    handing them out one step later (CUDA without speculation: the default there); see
-    docs/engine.md."""
+    handing them out one step later (CUDA without speculation: the default there);
+    ``decode_step_budget_ms``: while a step carries decodes, its tokens are cut so that it
+    takes at most this long (prefill chunks wait; `worker.core.step_budget`); None: the
+    budget measured at warm-up, off without one; 0: off. See docs/engine.md."""
 
     dtype: str | torch.dtype = "auto"
     device: str | torch.device = "cpu"
@@ -199,6 +201,7 @@ class EngineConfig:
     # Run the step shapes serving will use once before the first request (worker.engine.warmup):
     # the worker's default, off for the offline engine, which tests build by the hundred.
     warmup: bool = False
+    decode_step_budget_ms: float | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     fairness: FairnessConfig = field(default_factory=FairnessConfig)
 
@@ -216,6 +219,11 @@ class EngineConfig:
             )
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise InvalidRequestError("max_loras must be >= 0 and max_lora_rank >= 1")
+        budget = self.decode_step_budget_ms
+        if budget is not None and not (math.isfinite(budget) and budget >= 0):
+            raise InvalidRequestError(
+                f"decode_step_budget_ms must be a finite number >= 0 (or unset), got {budget!r}"
+            )
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise InvalidRequestError(

@@ -7,10 +7,12 @@ token budget (chunked prefill, as in Sarathi / vLLM v1). Running decodes go firs
 rest of the budget goes to unfinished prefills, swapped-out sequences and new arrivals,
 tenant by tenant in order of the service each has received (``worker.core.fairness``; or in
 arrival order under FCFS). A new arrival whose leading blocks are in the prefix cache
-starts past them. When KV blocks run out, a sequence is preempted (the latest arrival of
-the tenant furthest over its share): its K/V are swapped out to the host pool
-(``PreemptionMode.SWAP``, while the pool has room) or dropped and recomputed later
-(``RECOMPUTE``, the default).
+starts past them. While a step carries decodes, a ``DecodeStepBudget`` may cap its tokens
+below ``max_num_batched_tokens`` so that its time stays within the decodes' latency budget
+(Sarathi-Serve's stall-free batching: ``worker.core.step_budget``). When KV blocks run out, a
+sequence is preempted (the latest arrival of the tenant furthest over its share): its K/V
+are swapped out to the host pool (``PreemptionMode.SWAP``, while the pool has room) or
+dropped and recomputed later (``RECOMPUTE``, the default).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from worker.core.fairness import ServiceLedger, Shares, StepCharges
 from worker.core.prefix_cache import extend_block_hashes
 from worker.core.prefix_lookup import count_lookup, prefix_hits
 from worker.core.sequence import Sequence, SequenceStatus
+from worker.core.step_budget import MIN_PREFILL_TOKENS, DecodeStepBudget
 
 
 class _Admission(enum.Enum):
@@ -49,6 +52,7 @@ class Scheduler:
         preemption_mode: PreemptionMode | str = PreemptionMode.RECOMPUTE,
         host_block_manager: BlockManager | None = None,
         fairness: FairnessConfig | None = None,
+        step_budget: DecodeStepBudget | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -66,6 +70,8 @@ class Scheduler:
             raise ValueError("swap preemption needs a host block pool")
         self.host_block_manager = host_block_manager
         self.ledger = ServiceLedger(fairness or FairnessConfig())
+        # While a step carries decodes, its tokens stay within what this budget allows.
+        self.step_budget = step_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -179,6 +185,8 @@ class Scheduler:
         its first token waits for a short step instead of another tenant's full chunk.
         Other lone requests still join. A tenant whose chunks are cut so is served less,
         so its counter falls behind and it is placed first again.
+
+        The step's token limit is ``_step_token_limit``'s: lower while it carries decodes.
         """
         adapters = AdapterGate(self.running, self.waiting, self.max_loras, self.max_lora_wait_steps)
         queues = self._work_queues()
@@ -186,8 +194,9 @@ class Scheduler:
         lone_extra = self.ledger.config.lone_prompt_step_tokens if self.ledger.fair else None
         busy = {s.tenant for s in self.running}  # tenants with a sequence running
         short_limit = None  # the step's token limit once a lone request's prompt is in it
+        step_limit = self._step_token_limit(out)
         while queues:
-            budget = self.max_num_batched_tokens - out.num_tokens
+            budget = step_limit - out.num_tokens
             if budget == 0:
                 break
             tenant = step.lowest(queues, self.running) if self.ledger.fair else next(iter(queues))
@@ -227,6 +236,18 @@ class Scheduler:
                         del queues[tenant]
             if out.preempted:
                 admitting = False
+
+    def _step_token_limit(self, out: SchedulerOutput) -> int:
+        """``max_num_batched_tokens``; while the step carries decodes, no more than the
+        step budget's cap, but always room for ``MIN_PREFILL_TOKENS`` of prefill beside
+        them, so that admissions and prompts keep moving however long the decodes take."""
+        limit = self.max_num_batched_tokens
+        if self.step_budget is None or not out.scheduled:
+            return limit
+        cap = self.step_budget.token_cap()
+        if cap is None:
+            return limit
+        return min(limit, max(cap, out.num_tokens + MIN_PREFILL_TOKENS))
 
     def _work_queues(self) -> dict[str, deque[Sequence]]:
         """Prefill work by tenant (FCFS: one queue), each in the order it is served."""

@@ -27,6 +27,7 @@ from worker.core.forks import PendingForks
 from worker.core.outputs import RequestOutput
 from worker.core.prefix_cache import PrefixCacheStats, root_hash
 from worker.core.sequence import Sequence
+from worker.core.step_budget import DecodeStepBudget, StepTimes, knee_budget
 from worker.engine.assembly import assemble
 from worker.engine.isolation import (
     drop_unusable_drafts,
@@ -37,7 +38,7 @@ from worker.engine.isolation import (
 from worker.engine.output_stage import OutputStage
 from worker.engine.request_checks import check_request, check_tenant_weight
 from worker.engine.token_processor import TokenProcessor
-from worker.engine.warmup import WarmupReport, warm_up
+from worker.engine.warmup import WarmupReport, measure_step_times, warm_up
 from worker.errors import (
     EngineError,
     InvalidRequestError,
@@ -96,6 +97,9 @@ class LLMEngine:
             self.requests,
             self._rows,
         )
+        if config.decode_step_budget_ms:  # a set budget learns what steps cost as they run
+            seconds = config.decode_step_budget_ms / 1000
+            self.scheduler.step_budget = DecodeStepBudget(StepTimes(), seconds)
         if config.warmup:
             self.warm_up()
 
@@ -104,16 +108,38 @@ class LLMEngine:
         trace; call it on the thread that will step the engine, before any request."""
         if self.requests:
             raise EngineError("warm up an engine before it takes requests")
-        return warm_up(
+        row_limit = min(self.engine_config.max_num_batched_tokens, self.max_model_len)
+        report = warm_up(
             self.runner.execute,
             self.sampler,
             self.block_manager,
             max_num_seqs=self.engine_config.max_num_seqs,
-            row_limit=min(self.engine_config.max_num_batched_tokens, self.max_model_len),
+            row_limit=row_limit,
             max_model_len=self.max_model_len,
             vocab_size=self.config.vocab_size,
             cpu_lora=self.lora_manager is not None and self.device.type == "cpu",
         )
+        if self.engine_config.decode_step_budget_ms != 0:
+            self._measure_step_budget(row_limit)
+        return report
+
+    def _measure_step_budget(self, row_limit: int) -> None:
+        """The decode step budget's curve from a sweep of step sizes, and, unless one was
+        set, its budget: the sweep's knee (`worker.core.step_budget`)."""
+        measured = measure_step_times(
+            self.runner.execute,
+            self.block_manager,
+            row_limit=row_limit,
+            max_model_len=self.max_model_len,
+            vocab_size=self.config.vocab_size,
+        )
+        set_ms = self.engine_config.decode_step_budget_ms
+        seconds = set_ms / 1000 if set_ms else knee_budget(measured)
+        if seconds is None:
+            return
+        budget = DecodeStepBudget(StepTimes(measured), seconds)
+        self.scheduler.step_budget = budget
+        logger.info("decode step budget: %s", budget.describe())
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do on one rank)."""
@@ -289,6 +315,8 @@ class LLMEngine:
         outputs = stage.render_committed()
         sampled, failures = sample_isolating(self.sampler, logits, rows)
         failed += [(sampling[j].seq, exc) for j, exc in failures.items()]
+        if self.scheduler.step_budget is not None and executed.parts == 1:
+            self.scheduler.step_budget.times.observe(sched.num_tokens, time.perf_counter() - start)
         now = time.monotonic()
         for j, (s, token) in enumerate(zip(sampling, sampled, strict=True)):
             if j in failures:

@@ -9,11 +9,15 @@ token budget, decodes beside a chunk continuing a prompt, and decode steps of on
 several sequences; the sampler draws from each step's logits, greedy and seeded. Its blocks
 come from the engine's pool and all go back; nothing enters the prefix cache and no request
 or counter changes.
+
+``measure_step_times`` then times steps of one prompt chunk of growing size, the points the
+decode step budget starts from (``worker.core.step_budget``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +28,7 @@ from switchboard_kernels.lora_native import native_library
 from worker.core.batch import ScheduledSequence
 from worker.core.block_manager import BlockManager
 from worker.core.sequence import Sequence
+from worker.core.step_budget import SWEEP_TOKENS
 from worker.sampling.rows import SamplingRow, make_generator
 from worker.sampling.sampler import Sampler
 from worker.sampling.sampling_params import SamplingParams
@@ -38,6 +43,11 @@ PROMPT_TOKENS = 128
 # first: the kernels, allocations and the sampler's paths are what these steps warm.
 DECODE_BATCHES = (1, 16)
 GREEDY = SamplingParams(temperature=0.0)
+# The step-time sweep: the fastest of this many runs per size counts (noise only slows a run
+# down); sizes stop once the sweep has taken this long, or one step this long.
+SWEEP_REPEATS = 2
+SWEEP_SECONDS = 20.0
+SWEEP_STEP_SECONDS = 5.0
 # Seeded rows draw from their own generators: the global one, which unseeded requests
 # use, is left as it was.
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
@@ -129,3 +139,37 @@ def _run(execute: Execute, sampler: Sampler, step: Step) -> None:
     ]
     if rows:
         sampler(logits, rows)
+
+
+def measure_step_times(
+    execute: Execute,
+    block_manager: BlockManager,
+    *,
+    row_limit: int,
+    max_model_len: int,
+    vocab_size: int,
+) -> dict[int, float]:
+    """Seconds of a step feeding one fresh prompt of each of ``SWEEP_TOKENS`` tokens (at most
+    ``row_limit``, and what the model and the pool hold), the fastest of ``SWEEP_REPEATS``;
+    larger sizes are skipped once the sweep has run ``SWEEP_SECONDS`` or a step took
+    ``SWEEP_STEP_SECONDS``. Its blocks all go back to the pool."""
+    bs = block_manager.block_size
+    room = block_manager.num_free_blocks * bs - 1
+    sizes = [t for t in SWEEP_TOKENS if t <= min(row_limit, max_model_len - 1, room)]
+    measured: dict[int, float] = {}
+    started = time.perf_counter()
+    for tokens in sizes:
+        seq = Sequence(f"sweep-{tokens}", [i % vocab_size for i in range(tokens)], GREEDY, 0)
+        block_manager.allocate(seq.block_table, tokens)
+        try:
+            best = math.inf
+            for _ in range(SWEEP_REPEATS):
+                start = time.perf_counter()
+                execute([ScheduledSequence(seq, 0, tokens)])
+                best = min(best, time.perf_counter() - start)
+        finally:
+            block_manager.free(seq.block_table)
+        measured[tokens] = best
+        if best > SWEEP_STEP_SECONDS or time.perf_counter() - started > SWEEP_SECONDS:
+            break
+    return measured

@@ -1,0 +1,277 @@
+"""The decode step budget (worker.core.step_budget): the curve of step times it learns, the
+knee it picks as a default, and the scheduler's steps under it, as scripted scenarios."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.core.block_manager import BlockManager
+from worker.core.scheduler import Scheduler
+from worker.core.sequence import Sequence
+from worker.core.step_budget import (
+    MIN_PREFILL_TOKENS,
+    DecodeStepBudget,
+    StepTimes,
+    knee_budget,
+)
+from worker.sampling.sampling_params import SamplingParams
+
+# A machine where a step costs 10 ms plus 0.1 ms a token up to 256 tokens, then more per
+# token (attention over long prompts): 10, 16.4, 35.6, 140 ms.
+SWEEP = {1: 0.0101, 64: 0.0164, 256: 0.0356, 1024: 0.140}
+
+
+# --- the curve ---------------------------------------------------------------------------------
+
+
+def test_the_curve_interpolates_between_measured_points():
+    times = StepTimes(SWEEP)
+    assert times.seconds(1) == pytest.approx(0.0101)
+    assert times.seconds(64) == pytest.approx(0.0164)
+    assert times.seconds(160) == pytest.approx(0.0164 + (0.0356 - 0.0164) * 96 / 192)
+    assert times.seconds(0.5) == pytest.approx(0.0101)  # below the first point: its time
+
+
+def test_past_the_last_point_time_grows_in_proportion_to_tokens():
+    times = StepTimes(SWEEP)
+    assert times.seconds(2048) == pytest.approx(0.280)
+
+
+def test_the_tokens_within_a_time_invert_the_curve():
+    times = StepTimes(SWEEP)
+    assert times.max_tokens_within(0.0164) == 64
+    assert times.max_tokens_within(0.026) == 160  # halfway from 64 to 256
+    assert times.max_tokens_within(0.140) == 1024
+    assert times.max_tokens_within(0.280) == 2048
+    assert times.max_tokens_within(0.005) == 0  # even one token takes longer
+    assert StepTimes().max_tokens_within(1.0) is None  # nothing known yet
+
+
+def test_a_larger_step_never_reads_as_cheaper():
+    """A noisy sweep where 128 tokens timed below 64: the curve holds 64's time there."""
+    times = StepTimes({1: 0.010, 64: 0.030, 128: 0.020, 256: 0.050})
+    assert times.points() == ([1.0, 64.0, 128.0, 256.0], [0.010, 0.030, 0.030, 0.050])
+    assert times.max_tokens_within(0.030) == 128
+
+
+def test_observed_steps_replace_the_sweep_once_there_are_enough():
+    times = StepTimes(SWEEP, min_observations=4)
+    for seconds in (0.030, 0.032, 0.100, 0.031):  # one slow outlier among four
+        assert times.seconds(64) == pytest.approx(0.0164)  # not yet four
+        times.observe(64, seconds)
+    # The median of the four (0.0315), not the outlier, and not the sweep's figure.
+    assert times.seconds(64) == pytest.approx(0.0315)
+    assert times.max_tokens_within(0.0356) == 256  # the later point is kept above it
+
+
+def test_observations_of_nearby_sizes_share_a_band():
+    """Steps of 60 to 68 tokens fall in the half-octave band of 64: their medians make one
+    point, at the median size."""
+    times = StepTimes(min_observations=3)
+    for tokens, seconds in ((60, 0.010), (64, 0.011), (68, 0.012)):
+        times.observe(tokens, seconds)
+    assert times.points() == ([64.0], [0.011])
+
+
+def test_only_the_latest_observations_count():
+    times = StepTimes(window=4, min_observations=4)
+    for _ in range(4):
+        times.observe(64, 0.100)
+    for _ in range(4):
+        times.observe(64, 0.020)  # the machine got faster
+    assert times.seconds(64) == pytest.approx(0.020)
+
+
+@pytest.mark.parametrize("bad", [(0, 0.1), (-3, 0.1), (8, 0.0), (8, float("nan"))])
+def test_meaningless_observations_are_ignored(bad):
+    times = StepTimes(min_observations=1)
+    times.observe(*bad)
+    assert not times.known
+
+
+# --- the measured default ----------------------------------------------------------------------
+
+
+def test_the_knee_is_the_smallest_step_within_ten_percent_of_the_best_rate():
+    # rates: 1 -> 99, 64 -> 3,902, 256 -> 7,191 (best), 1024 -> 7,314 (best)
+    assert knee_budget(SWEEP) == 0.0356  # 7,191 >= 0.9 × 7,314
+    # Without the 256 point, 1,024 tokens is the only step within 10% of the best.
+    assert knee_budget({t: s for t, s in SWEEP.items() if t != 256}) == 0.140
+    assert knee_budget({}) is None
+
+
+def test_a_budget_must_be_positive():
+    with pytest.raises(ValueError):
+        DecodeStepBudget(StepTimes(SWEEP), 0.0)
+
+
+# --- the scheduler under a budget --------------------------------------------------------------
+
+
+def make_scheduler(*, budget_s: float | None, max_tokens: int = 1024) -> Scheduler:
+    return Scheduler(
+        block_manager=BlockManager(num_blocks=512, block_size=16),
+        max_num_seqs=128,
+        max_num_batched_tokens=max_tokens,
+        step_budget=None if budget_s is None else DecodeStepBudget(StepTimes(SWEEP), budget_s),
+    )
+
+
+def make_seq(order: int, prompt_len: int, tenant: str = "a") -> Sequence:
+    return Sequence(f"r{order}", [3] * prompt_len, SamplingParams(), order, tenant=tenant)
+
+
+def run_step(sched: Scheduler) -> list[tuple[str, int, int]]:
+    out = sched.schedule()
+    plan = [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled]
+    for s in out.scheduled:
+        s.seq.num_computed_tokens += s.num_tokens
+        if s.samples:
+            s.seq.append_token(7)
+    return plan
+
+
+def decoding(sched: Scheduler, count: int) -> list[Sequence]:
+    """``count`` sequences past their prompts, each with a token to decode."""
+    seqs = [make_seq(100 + i, 4, tenant="d") for i in range(count)]
+    for seq in seqs:
+        sched.add(seq)
+    while any(not seq.output_token_ids for seq in seqs):
+        run_step(sched)
+    return seqs
+
+
+def test_a_step_of_prefill_alone_fills_the_token_limit():
+    sched = make_scheduler(budget_s=0.0164)
+    sched.add(make_seq(0, 2000))
+    assert run_step(sched) == [("r0", 0, 1024)]
+
+
+def test_beside_decodes_a_prompt_gets_what_the_budget_leaves():
+    """A budget of 16.4 ms is 64 tokens on this curve: 4 decodes and 60 prompt tokens."""
+    sched = make_scheduler(budget_s=0.0164)
+    decoding(sched, 4)
+    sched.add(make_seq(0, 2000))
+    plan = run_step(sched)
+    assert plan == [("r100", 4, 1), ("r101", 4, 1), ("r102", 4, 1), ("r103", 4, 1), ("r0", 0, 60)]
+    assert run_step(sched)[-1] == ("r0", 60, 60)
+
+
+def test_without_a_budget_decodes_ride_beside_a_full_chunk():
+    sched = make_scheduler(budget_s=None)
+    decoding(sched, 4)
+    sched.add(make_seq(0, 2000))
+    assert run_step(sched)[-1] == ("r0", 0, 1020)
+
+
+def test_decodes_past_the_budget_still_run_beside_a_minimum_of_prefill():
+    """90 decodes take longer than the 64-token budget: all decode, and a prompt still
+    advances by MIN_PREFILL_TOKENS, so new requests are admitted."""
+    sched = make_scheduler(budget_s=0.0164)
+    decoding(sched, 90)
+    sched.add(make_seq(0, 2000))
+    plan = run_step(sched)
+    assert len(plan) == 91 and all(n == 1 for _, _, n in plan[:-1])
+    assert plan[-1] == ("r0", 0, MIN_PREFILL_TOKENS)
+
+
+def test_a_budget_still_unknown_caps_nothing():
+    sched = Scheduler(
+        block_manager=BlockManager(num_blocks=512, block_size=16),
+        max_num_seqs=64,
+        max_num_batched_tokens=1024,
+        step_budget=DecodeStepBudget(StepTimes(), 0.0164),
+    )
+    decoding(sched, 4)
+    sched.add(make_seq(0, 2000))
+    assert run_step(sched)[-1] == ("r0", 0, 1020)
+
+
+def test_the_budgets_prefill_goes_to_tenants_in_fair_order():
+    """Two tenants' prompts behind the same decodes: the room the budget leaves goes to the
+    tenant served least (here the newcomer b, whose counter starts at the lowest), as
+    without a budget."""
+    sched = make_scheduler(budget_s=0.0164)
+    decoding(sched, 4)
+    sched.add(make_seq(0, 2000, tenant="a"))
+    run_step(sched)  # a's first 60 tokens
+    sched.add(make_seq(1, 40, tenant="b"))
+    plan = run_step(sched)
+    assert plan[4:] == [("r1", 0, 40), ("r0", 60, 20)]
+
+
+# --- in the engine -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from factories import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("budget"), max_position_embeddings=512)
+
+
+def make_engine(checkpoint, **options):
+    from worker import LLMEngine, engine_config
+
+    options = {"dtype": "float32", "block_size": 4, "num_kv_blocks": 1024, **options}
+    return LLMEngine(checkpoint, engine_config(**options))
+
+
+def test_warm_up_measures_the_steps_and_takes_their_knee_as_the_budget(checkpoint):
+    engine = make_engine(checkpoint, warmup=True, max_num_batched_tokens=256)
+    budget = engine.scheduler.step_budget
+    assert budget is not None
+    tokens, seconds = budget.times.points()
+    assert tokens == [1.0, 16.0, 32.0, 64.0, 128.0, 256.0]  # the sweep, up to the step limit
+    assert budget.seconds in seconds  # one of the measured steps: the knee
+    assert (
+        make_engine(checkpoint, warmup=True, decode_step_budget_ms=0).scheduler.step_budget is None
+    )
+    assert make_engine(checkpoint).scheduler.step_budget is None  # no warm-up, none set
+
+
+def test_a_set_budget_learns_the_steps_as_they_run(checkpoint):
+    from factories import drain, random_prompts
+    from worker import SamplingParams
+
+    engine = make_engine(checkpoint, decode_step_budget_ms=50.0)
+    budget = engine.scheduler.step_budget
+    assert budget is not None and budget.seconds == 0.050 and budget.token_cap() is None
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(4, min_len=3, max_len=10, seed=1)):
+        engine.add_request(str(i), prompt, params)
+    drain(engine)
+    assert budget.times.known and budget.token_cap() is not None
+
+
+def test_a_tight_budget_changes_the_steps_not_the_tokens(checkpoint):
+    """Greedy outputs with steps cut to their decodes and MIN_PREFILL_TOKENS of prompt are
+    those of unbounded steps (chunked prefill computes the same K/V); every step that carried
+    decodes carried at most that much prompt."""
+    from factories import drain, random_prompts
+    from worker import SamplingParams
+
+    prompts = random_prompts(6, min_len=20, max_len=120, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for budget_ms in (0, 1e-6):
+        engine = make_engine(checkpoint, warmup=True, decode_step_budget_ms=budget_ms)
+        steps = []
+        schedule = engine.scheduler.schedule
+
+        def recorded(schedule=schedule, steps=steps):
+            out = schedule()
+            steps.append([(s.num_tokens, s.seq.num_uncomputed_tokens) for s in out.scheduled])
+            return out
+
+        engine.scheduler.schedule = recorded
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+            engine.step()  # arrivals spread over decoding steps
+        outputs[budget_ms] = {r: o.token_ids for r, o in drain(engine).items()}
+        if budget_ms:
+            mixed = [s for s in steps if any(left <= 1 for _, left in s) and len(s) > 1]
+            assert mixed  # steps that carried decodes beside prompts
+            for step in mixed:
+                assert sum(n for n, left in step if left > 1) <= MIN_PREFILL_TOKENS, step
+    assert outputs[1e-6] == outputs[0]

@@ -1,0 +1,153 @@
+"""A bound on how long a step that carries decodes may take (Sarathi-Serve's idea).
+
+Agrawal et al. ("Taming Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve",
+OSDI 2024): a decoding sequence gets one token per step, so its time per output token is the
+step's time; a step that also carries a long prefill chunk stalls every decode in it. Their
+stall-free batching caps the tokens of each step so that its time stays within a budget, the
+rest of a prompt waiting for the next steps. Here the cap applies while any sequence
+decodes; a step of prefills alone may still fill ``max_num_batched_tokens``.
+
+The cap comes from what steps cost on this machine: ``StepTimes`` holds seconds by tokens fed,
+first from a sweep at warm-up, then from the steps the engine runs (the median of the latest
+in each band of sizes replaces the sweep's figure there). Without a budget set, the engine
+takes ``knee_budget`` of the sweep: the time of the smallest step whose tokens per second
+are within ``KNEE_LOSS`` of the best measured, so that bounding steps costs little
+throughput while a flood's chunks no longer decide everyone's pace.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections import deque
+
+# Token counts the warm-up sweep times (clipped to the step's token limit).
+SWEEP_TOKENS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048)
+# The throughput a measured default budget may give up against the best step size measured.
+KNEE_LOSS = 0.10
+# Prefill tokens a step may always add beside its decodes, however long they take, so that
+# new requests are admitted and prompts advance while a batch decodes.
+MIN_PREFILL_TOKENS = 16
+# Observed steps: bands of half an octave of tokens fed, the latest kept per band, and how
+# many before their median replaces the sweep's figure.
+BANDS_PER_OCTAVE = 2
+OBSERVED_WINDOW = 32
+MIN_OBSERVATIONS = 4
+
+
+def _band(tokens: int) -> int:
+    return round(math.log2(tokens) * BANDS_PER_OCTAVE)
+
+
+class StepTimes:
+    """Seconds a step takes by the tokens it feeds (prompt chunks, decodes and drafts alike),
+    as a curve through measured points that never falls as tokens grow."""
+
+    def __init__(
+        self,
+        measured: dict[int, float] | None = None,
+        *,
+        window: int = OBSERVED_WINDOW,
+        min_observations: int = MIN_OBSERVATIONS,
+    ) -> None:
+        # Per band: the sweep's point, then the steps observed there.
+        self._measured = {_band(t): (float(t), s) for t, s in (measured or {}).items() if t > 0}
+        self._observed: dict[int, tuple[deque[int], deque[float]]] = {}
+        self.window = window
+        self.min_observations = min_observations
+        self._curve: tuple[list[float], list[float]] | None = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step that fed ``tokens`` and took ``seconds``."""
+        if tokens < 1 or not seconds > 0:
+            return
+        band = _band(tokens)
+        seen = self._observed.get(band)
+        if seen is None:
+            seen = self._observed[band] = (deque(maxlen=self.window), deque(maxlen=self.window))
+        seen[0].append(tokens)
+        seen[1].append(seconds)
+        if len(seen[1]) >= self.min_observations:
+            self._curve = None
+
+    @property
+    def known(self) -> bool:
+        return bool(self.points()[0])
+
+    def points(self) -> tuple[list[float], list[float]]:
+        """The curve's points: (tokens, seconds), tokens rising, seconds never falling."""
+        if self._curve is None:
+            points = dict(self._measured)
+            for band, (tokens, seconds) in self._observed.items():
+                if len(seconds) >= self.min_observations:
+                    points[band] = (statistics.median(tokens), statistics.median(seconds))
+            xs, ys = [], []
+            for band in sorted(points):
+                x, y = points[band]
+                xs.append(x)
+                ys.append(max(y, ys[-1]) if ys else y)
+            self._curve = (xs, ys)
+        return self._curve
+
+    def seconds(self, tokens: float) -> float | None:
+        """The predicted time of a step of ``tokens``; past the last point, time grows in
+        proportion to tokens (no cheaper per token than there); None when nothing is known."""
+        xs, ys = self.points()
+        if not xs:
+            return None
+        if tokens >= xs[-1]:
+            return ys[-1] * tokens / xs[-1]
+        i = bisect.bisect_right(xs, tokens)
+        if i == 0:
+            return ys[0]
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    def max_tokens_within(self, seconds: float) -> int | None:
+        """The most tokens a step may feed and still take at most ``seconds`` (0 when even
+        the smallest step known takes longer); None when nothing is known."""
+        xs, ys = self.points()
+        if not xs:
+            return None
+        if seconds < ys[0]:
+            return 0
+        if seconds >= ys[-1]:
+            return math.floor(xs[-1] * seconds / ys[-1])
+        i = bisect.bisect_right(ys, seconds)  # ys[i - 1] <= seconds < ys[i]
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return math.floor(x0 + (x1 - x0) * (seconds - y0) / (y1 - y0))
+
+    def describe(self) -> str:
+        xs, ys = self.points()
+        return ", ".join(f"{x:.0f} tok {1000 * y:.1f} ms" for x, y in zip(xs, ys, strict=True))
+
+
+def knee_budget(measured: dict[int, float], *, loss: float = KNEE_LOSS) -> float | None:
+    """The time of the smallest measured step whose tokens per second are within ``loss`` of
+    the best measured step's; None without measurements."""
+    rates = {t: t / s for t, s in measured.items() if t > 0 and s > 0}
+    if not rates:
+        return None
+    best = max(rates.values())
+    tokens = min(t for t, rate in rates.items() if rate >= (1.0 - loss) * best)
+    return measured[tokens]
+
+
+class DecodeStepBudget:
+    """``seconds``: the most a step that carries decodes should take; ``token_cap`` turns it
+    into tokens through ``times`` (None while nothing is known: no cap)."""
+
+    def __init__(self, times: StepTimes, seconds: float) -> None:
+        if not seconds > 0:
+            raise ValueError(f"a step budget must be positive, got {seconds!r} s")
+        self.times = times
+        self.seconds = seconds
+
+    def token_cap(self) -> int | None:
+        return self.times.max_tokens_within(self.seconds)
+
+    def describe(self) -> str:
+        cap = self.token_cap()
+        tokens = "no cap yet" if cap is None else f"{cap} tokens"
+        return f"{1000 * self.seconds:.1f} ms ({tokens}; steps: {self.times.describe()})"
