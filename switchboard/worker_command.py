@@ -100,6 +100,7 @@ def worker_engine_kwargs(args: argparse.Namespace) -> dict:
         "tensor_parallel_size": args.tensor_parallel_size,
         "attention_backend": args.attention_backend,
         "decode_step_budget_ms": args.decode_step_budget_ms,
+        "kernel_choice": args.kernel_choice,
         "speculative_model": args.speculative_model,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_max_batch_size": args.speculative_max_batch_size,
@@ -201,6 +202,12 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _auth_arguments(parser)
     _speculative_arguments(parser)
+    parser.add_argument(
+        "--kernel-choice",
+        choices=("measure", "fixed"),
+        default="measure",
+        help="the projections' kernels: timed on this CPU once (cached), or a fixed rule",
+    )
     parser.add_argument(
         "--decode-step-budget-ms",
         type=float,

@@ -34,6 +34,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from switchboard_kernels.linear_choice import ONEDNN, PANELS, LinearPlan, fixed_plan
 from switchboard_kernels.linear_native import (
     Bf16PanelLinear,
     PanelLinear,
@@ -52,20 +53,6 @@ INT4_MAX_ROWS = 4
 Q4_MAX_ROWS = 16
 # A draft model's approximate weights (``Linear``'s ``quantization``): None for exact.
 QUANTIZATIONS = (None, "int4", "int8")
-
-
-def panels_preferred(weight: torch.Tensor) -> bool:
-    """Whether ``Linear`` multiplies by this weight through the native panel kernel: fp32 on
-    an x86 CPU whose widest vectors are AVX2's (the kernel's width; with AVX-512 oneDNN's
-    wider kernels win the larger batches, not measured against ours). ``bench.linear`` on a
-    2-core Zen 3 (docs/performance.md): every decode step runs 1.5-2x faster than through
-    oneDNN, while a long prompt's prefill runs up to ~25% slower."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and torch.backends.cpu.get_cpu_capability() == "AVX2"
-        and native_linear() is not None
-    )
 
 
 def bf16_panels_preferred(weight: torch.Tensor) -> bool:
@@ -183,21 +170,71 @@ class Int4Weight:
         return y if residual is None else residual + y
 
 
+class OnednnLinear:
+    """``x @ W.T (+ bias) (+ residual)`` through oneDNN's packed matmul, the weight reordered
+    once into its blocked layout (the add fused into the matmul)."""
+
+    __slots__ = ("bias", "nbytes", "packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        self.bias = bias
+        self.nbytes = _nbytes(weight)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+
+
+class TorchLinear:
+    """``x @ W.T (+ bias) (+ residual)`` through ``F.linear`` on the plain weight (GPUs, and
+    CPUs where neither oneDNN packs nor a native kernel builds)."""
+
+    __slots__ = ("bias", "nbytes", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        self.nbytes = _nbytes(weight)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y if residual is None else residual + y
+
+
+Kernel = PanelLinear | Bf16PanelLinear | OnednnLinear | TorchLinear
+
+
+def make_kernel(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Kernel:
+    """The ``linear_choice`` kernel ``name`` over ``weight``, or the next one that can hold it
+    (the bf16 panels need an even number of input features and a bf16 bias)."""
+    if name == PANELS:
+        if bf16_panels_preferred(weight) and (bias is None or bias.dtype == torch.bfloat16):
+            return Bf16PanelLinear(weight, bias)
+        if weight.dtype == torch.float32 and weight.device.type == "cpu" and native_linear():
+            return PanelLinear(weight, bias)
+        name = ONEDNN
+    if name == ONEDNN and can_pack(weight):
+        return OnednnLinear(weight, bias)
+    return TorchLinear(weight, bias)
+
+
 class Linear:
     """``y = x @ weight.T + bias`` with ``weight`` [out_features, in_features].
 
-    On CPU the weight is held once, packed for the fastest kernel here: in panels for a
-    native kernel where ``bf16_panels_preferred`` (bf16 with AVX-512 or AVX2,
-    ``switchboard_kernels/linear_bf16_cpu.c``) or ``panels_preferred`` (fp32 on AVX2-only CPUs,
-    ``switchboard_kernels/linear_cpu.c``), else for oneDNN. ``quantization`` (a draft model's;
-    approximate): "int8", every product through int8 panels with a scale per output
-    feature (fp32 weights, native kernel);
-    "int4", small batches through a 4-bit copy (up to ``Q4_MAX_ROWS`` rows through the
-    native kernel where ``can_quantize_q4``, else ``INT4_MAX_ROWS`` through torch's where
-    ``can_quantize_int4``), others through the weight itself."""
+    The weight is held once per kernel the ``plan`` names (``switchboard_kernels.linear_choice``:
+    measured on this CPU, or its fixed rule), each in that kernel's layout: in panels for a
+    native kernel (fp32 ``switchboard_kernels/linear_cpu.c``, bf16
+    ``switchboard_kernels/linear_bf16_cpu.c``), reordered for oneDNN, or plain. Rows up to the
+    plan's ``split_rows`` go to its small-row kernel, more to its large-row one.
+    ``quantization`` (a draft model's; approximate): "int8", every product through int8 panels
+    with a scale per output feature (fp32 weights, native kernel); "int4", small batches
+    through a 4-bit copy (up to ``Q4_MAX_ROWS`` rows through the native kernel where
+    ``can_quantize_q4``, else ``INT4_MAX_ROWS`` through torch's where ``can_quantize_int4``),
+    others through the plan's kernels."""
 
-    __slots__ = ("bias", "in_features", "int4", "int4_rows", "out_features", "packed")
-    __slots__ += ("panel", "weight")
+    __slots__ = ("bias", "in_features", "int4", "int4_rows", "large", "out_features", "small")
+    __slots__ += ("split_rows",)
 
     def __init__(
         self,
@@ -205,6 +242,7 @@ class Linear:
         bias: torch.Tensor | None = None,
         *,
         quantization: str | None = None,
+        plan: LinearPlan | None = None,
     ) -> None:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -216,50 +254,39 @@ class Linear:
             self.int4, self.int4_rows = Q4Linear(weight, bias), Q4_MAX_ROWS
         elif quantization == "int4" and can_quantize_int4(weight):
             self.int4, self.int4_rows = Int4Weight(weight, bias), INT4_MAX_ROWS
-        self.panel: PanelLinear | Bf16PanelLinear | None = None
-        self.packed: torch.Tensor | None = None
-        self.weight: torch.Tensor | None = weight
-        # The packed copy replaces the weight: one copy in memory.
         if quantization == "int8":
             if not can_quantize_int8(weight):
                 raise ValueError("int8 weights need fp32 on CPU and the native linear kernel")
-            self.panel, self.weight = PanelLinear(weight, bias, int8=True), None
-        elif bf16_panels_preferred(weight) and (bias is None or bias.dtype == torch.bfloat16):
-            self.panel, self.weight = Bf16PanelLinear(weight, bias), None
-        elif panels_preferred(weight):
-            self.panel, self.weight = PanelLinear(weight, bias), None
-        elif can_pack(weight):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-            self.weight = None
+            plan, kernel = LinearPlan(PANELS, PANELS), PanelLinear(weight, bias, int8=True)
+            self.small = self.large = kernel
+        else:
+            plan = plan or fixed_plan(weight.dtype, weight.device)
+            self.small = make_kernel(plan.small, weight, bias)
+            self.large = (
+                self.small if plan.large == plan.small else make_kernel(plan.large, weight, bias)
+            )
+        self.split_rows = plan.split_rows
 
     @property
     def decode_bytes(self) -> int:
         """Bytes a one-row product reads: the 4-bit copy's where there is one."""
         if self.int4 is not None:
             return self.int4.nbytes
-        if self.panel is not None:
-            return self.panel.nbytes
-        weight = self.weight if self.weight is not None else self.packed
-        assert weight is not None
-        return self.out_features * self.in_features * weight.element_size()
+        return self.small.nbytes
+
+    @property
+    def kernels(self) -> tuple[Kernel, ...]:
+        return (self.small,) if self.large is self.small else (self.small, self.large)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= self.int4_rows:
+        rows = x.shape[0]
+        if rows <= self.int4_rows and self.int4 is not None:
             return self.int4(x)
-        if self.panel is not None:
-            return self.panel(x)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return (self.small if rows <= self.split_rows else self.large)(x)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + x @ weight.T (+ bias)``; on CPU the add is fused into the matmul."""
-        if self.int4 is not None and x.shape[0] <= self.int4_rows:
+        rows = x.shape[0]
+        if rows <= self.int4_rows and self.int4 is not None:
             return self.int4(x, residual)
-        if self.panel is not None:
-            return self.panel(x, residual)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(
-                x, residual, self.packed, self.bias, "add"
-            )
-        return residual + F.linear(x, self.weight, self.bias)
+        return (self.small if rows <= self.split_rows else self.large)(x, residual)

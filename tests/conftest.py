@@ -20,6 +20,9 @@ if not torch.cuda.is_available():
 # took to build), 2,800 tokens of the default model in fp32. Workers started as processes
 # keep the worker's own default.
 engine_settings.DEFAULT_KV_CACHE_MEMORY_GB = 0.125
+# And a fixed rule for their projections' kernels, not a measurement: the same kernels on
+# every machine, and no engine waits for one (tests that measure ask for it).
+engine_settings.DEFAULT_KERNEL_CHOICE = "fixed"
 
 
 @pytest.fixture(scope="session")

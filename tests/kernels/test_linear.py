@@ -14,11 +14,11 @@ from switchboard_kernels.linear import (
     Q4_MAX_ROWS,
     Int4Weight,
     Linear,
-    bf16_panels_preferred,
-    can_pack,
-    panels_preferred,
+    OnednnLinear,
+    TorchLinear,
 )
-from switchboard_kernels.linear_native import PANEL, PanelLinear, native_linear
+from switchboard_kernels.linear_choice import ONEDNN, PANELS, TORCH, LinearPlan, available_kernels
+from switchboard_kernels.linear_native import PANEL, Bf16PanelLinear, PanelLinear, native_linear
 from switchboard_kernels.q4_native import Q4Linear, native_q4
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -33,28 +33,64 @@ def test_projection_and_fused_residual_match_float64(dtype, tokens):
     bias = torch.randn(96, generator=gen).to(dtype)
     x = torch.randn(tokens, 80, generator=gen).to(dtype)
     residual = torch.randn(tokens, 96, generator=gen).to(dtype)
-    linear = Linear(weight, bias)
-    if panels_preferred(weight) or bf16_panels_preferred(weight):
-        assert linear.panel is not None and linear.packed is None
-    else:
-        assert (linear.packed is not None) == can_pack(weight)
     want = x.double() @ weight.double().T + bias.double()
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(linear(x).double(), want, atol=tol, rtol=tol)
-    torch.testing.assert_close(
-        linear.add_to(x, residual).double(), want + residual.double(), atol=2 * tol, rtol=tol
-    )
+    for kernel in [*available_kernels(dtype), TORCH]:
+        linear = Linear(weight, bias, plan=LinearPlan(kernel, kernel))
+        torch.testing.assert_close(linear(x).double(), want, atol=tol, rtol=tol)
+        torch.testing.assert_close(
+            linear.add_to(x, residual).double(), want + residual.double(), atol=2 * tol, rtol=tol
+        )
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="packing checked on x86")
-def test_fp32_weights_are_packed_on_this_cpu():
+def test_fp32_weights_follow_the_fixed_rule_without_a_plan():
     """fp32 weights go into panels for the native kernel on an AVX2-only CPU, else into
-    oneDNN's layout (which takes fp32 on every x86 CPU torch runs on); never both."""
+    oneDNN's layout (which takes fp32 on every x86 CPU torch runs on); one copy."""
     linear = Linear(torch.randn(8, 8))
     avx2_only = torch.backends.cpu.get_cpu_capability() == "AVX2"
-    assert (linear.panel is not None) == (avx2_only and native_linear() is not None)
-    assert (linear.packed is not None) != (linear.panel is not None)
-    assert linear.weight is None
+    if avx2_only and native_linear() is not None:
+        assert isinstance(linear.small, PanelLinear)
+    else:
+        assert isinstance(linear.small, OnednnLinear)
+    assert linear.kernels == (linear.small,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_plan_of_two_kernels_sends_rows_by_count(dtype):
+    """A plan's small-row kernel takes up to split_rows rows, its large-row kernel more; both
+    multiply exactly (each within its dtype's rounding of the float64 product)."""
+    kernels = available_kernels(dtype)
+    if len(kernels) < 2:
+        pytest.skip(f"one kernel for {dtype} here: {kernels}")
+    gen = torch.Generator().manual_seed(9)
+    weight = (torch.randn(64, 48, generator=gen) / 48**0.5).to(dtype)
+    linear = Linear(weight, plan=LinearPlan(kernels[0], kernels[1], split_rows=4))
+    kinds = {PANELS: (PanelLinear, Bf16PanelLinear), ONEDNN: (OnednnLinear,)}
+    assert isinstance(linear.small, kinds[kernels[0]])
+    assert isinstance(linear.large, kinds[kernels[1]])
+    calls = []
+    for name in ("small", "large"):
+        kernel = getattr(linear, name)
+        setattr(linear, name, lambda x, r=None, k=kernel, n=name: calls.append(n) or k(x, r))
+    for rows in (1, 4, 5, 33):
+        x = torch.randn(rows, 48, generator=gen).to(dtype)
+        want = x.double() @ weight.double().T
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(linear(x).double(), want, atol=tol, rtol=tol)
+    assert calls == ["small", "small", "large", "large"]
+
+
+def test_a_kernel_that_cannot_hold_the_weight_falls_back():
+    """bf16 panels need an even number of input features: an odd one goes to oneDNN (or
+    F.linear), still exact."""
+    weight = torch.randn(16, 15).bfloat16()
+    linear = Linear(weight, plan=LinearPlan(PANELS, PANELS))
+    assert isinstance(linear.small, (OnednnLinear, TorchLinear))
+    x = torch.randn(3, 15).bfloat16()
+    torch.testing.assert_close(
+        linear(x).double(), x.double() @ weight.double().T, atol=2e-2, rtol=2e-2
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -190,7 +226,7 @@ def test_int8_linear_serves_every_batch_and_reads_a_quarter_of_the_bytes():
     gen = torch.Generator().manual_seed(2)
     weight = torch.randn(64, 96, generator=gen)
     linear = Linear(weight, quantization="int8")
-    w = linear.panel.dequantized()
+    w = linear.small.dequantized()
     for rows in (1, 4, 33):
         x = torch.randn(rows, 96, generator=gen)
         want = float64_linear(x, w)

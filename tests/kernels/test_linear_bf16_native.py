@@ -93,7 +93,7 @@ def test_wrong_inputs_are_refused_before_the_kernel_reads_them():
 def test_linear_sends_bf16_weights_through_the_kernel():
     x, w, bias, residual, scale = case(4, 48, 64, 3)
     layer = Linear(w, bias)
-    assert isinstance(layer.panel, Bf16PanelLinear)
+    assert isinstance(layer.small, Bf16PanelLinear)
     assert_within_one_rounding(
         layer.add_to(x, residual), x.double() @ w.double().T + bias.double() + residual.double(),
         scale,

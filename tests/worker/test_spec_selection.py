@@ -111,7 +111,7 @@ def test_a_draft_on_quantized_weights_proposes_but_the_target_decides(
     if quantization == "int4":
         assert all(layer.qkv.int4 is not None for layer in draft.layers)
     else:
-        assert all(layer.down.panel.scales is not None for layer in draft.layers)
+        assert all(layer.down.small.scales is not None for layer in draft.layers)
     outputs = llm.generate(prompts, greedy())
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     stats = llm.engine.spec_decode_stats
@@ -119,7 +119,7 @@ def test_a_draft_on_quantized_weights_proposes_but_the_target_decides(
     plain_draft = speculating(target, target, speculative_draft_quantization="none")
     plain_layer = plain_draft.engine.speculator.proposer.model.layers[0]
     assert plain_layer.qkv.int4 is None
-    assert plain_layer.qkv.panel is None or plain_layer.qkv.panel.scales is None
+    assert getattr(plain_layer.qkv.small, "scales", None) is None
     assert_no_block_leaks(llm.engine)
 
 

@@ -1,5 +1,5 @@
 """The decode step budget (worker.core.step_budget): the curve of step times it learns, the
-knee it picks as a default, and the scheduler's steps under it, as scripted scenarios."""
+default it takes, and the scheduler's steps under it, as scripted scenarios."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from worker.core.step_budget import (
     MIN_PREFILL_TOKENS,
     DecodeStepBudget,
     StepTimes,
-    knee_budget,
+    default_budget,
 )
 from worker.sampling.sampling_params import SamplingParams
 
@@ -92,12 +92,10 @@ def test_meaningless_observations_are_ignored(bad):
 # --- the measured default ----------------------------------------------------------------------
 
 
-def test_the_knee_is_the_smallest_step_within_ten_percent_of_the_best_rate():
-    # rates: 1 -> 99, 64 -> 3,902, 256 -> 7,191 (best), 1024 -> 7,314 (best)
-    assert knee_budget(SWEEP) == 0.0356  # 7,191 >= 0.9 × 7,314
-    # Without the 256 point, 1,024 tokens is the only step within 10% of the best.
-    assert knee_budget({t: s for t, s in SWEEP.items() if t != 256}) == 0.140
-    assert knee_budget({}) is None
+def test_the_default_budget_is_five_one_token_steps():
+    assert default_budget(SWEEP) == pytest.approx(5 * 0.0101)
+    assert default_budget({64: 0.0164}) is None  # no one-token step measured
+    assert default_budget({}) is None
 
 
 def test_a_budget_must_be_positive():
@@ -217,13 +215,13 @@ def make_engine(checkpoint, **options):
     return LLMEngine(checkpoint, engine_config(**options))
 
 
-def test_warm_up_measures_the_steps_and_takes_their_knee_as_the_budget(checkpoint):
+def test_warm_up_measures_the_steps_and_takes_five_one_token_steps_as_the_budget(checkpoint):
     engine = make_engine(checkpoint, warmup=True, max_num_batched_tokens=256)
     budget = engine.scheduler.step_budget
     assert budget is not None
     tokens, seconds = budget.times.points()
     assert tokens == [1.0, 16.0, 32.0, 64.0, 128.0, 256.0]  # the sweep, up to the step limit
-    assert budget.seconds in seconds  # one of the measured steps: the knee
+    assert budget.seconds == pytest.approx(5 * seconds[0])
     assert (
         make_engine(checkpoint, warmup=True, decode_step_budget_ms=0).scheduler.step_budget is None
     )

@@ -137,6 +137,11 @@ class SpeculativeConfig:
 
 
 ATTENTION_BACKENDS = ("torch", "triton")
+KERNEL_CHOICES = ("measure", "fixed")
+# How the projections' kernels are chosen when a config does not say: measured on this CPU
+# (`switchboard_kernels.linear_choice`). The test session fixes them (tests/conftest.py): its
+# engines then multiply the same way on every machine, and none waits for a measurement.
+DEFAULT_KERNEL_CHOICE = "measure"
 
 # The KV pool's memory when neither ``kv_cache_memory_gb`` nor ``num_kv_blocks`` is given.
 # Read as each config is made: the test session lowers it (tests/conftest.py), since a
@@ -174,9 +179,11 @@ class EngineConfig:
     graphs (CUDA, triton, one rank: the default there); ``async_output``: render each
     step's tokens (detokenize, stop strings, outputs) while the device runs the next step,
     handing them out one step later (CUDA without speculation: the default there);
+    ``kernel_choice``: "measure" (the projections' kernels timed on this CPU once, then
+    cached: `switchboard_kernels.linear_choice`) or "fixed" (a rule by CPU features);
     ``decode_step_budget_ms``: while a step carries decodes, its tokens are cut so that it
-    takes at most this long (prefill chunks wait; `worker.core.step_budget`); None: the
-    budget measured at warm-up, off without one; 0: off. See docs/engine.md."""
+    takes at most this long (prefill chunks wait; `worker.core.step_budget`); None: five
+    one-token steps as measured at warm-up, off without one; 0: off. See docs/engine.md."""
 
     dtype: str | torch.dtype = "auto"
     device: str | torch.device = "cpu"
@@ -202,6 +209,7 @@ class EngineConfig:
     # the worker's default, off for the offline engine, which tests build by the hundred.
     warmup: bool = False
     decode_step_budget_ms: float | None = None
+    kernel_choice: str = field(default_factory=lambda: DEFAULT_KERNEL_CHOICE)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     fairness: FairnessConfig = field(default_factory=FairnessConfig)
 
@@ -219,6 +227,10 @@ class EngineConfig:
             )
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise InvalidRequestError("max_loras must be >= 0 and max_lora_rank >= 1")
+        if self.kernel_choice not in KERNEL_CHOICES:
+            raise InvalidRequestError(
+                f"kernel_choice must be one of {list(KERNEL_CHOICES)}, got {self.kernel_choice!r}"
+            )
         budget = self.decode_step_budget_ms
         if budget is not None and not (math.isfinite(budget) and budget >= 0):
             raise InvalidRequestError(

@@ -10,9 +10,10 @@ decodes; a step of prefills alone may still fill ``max_num_batched_tokens``.
 The cap comes from what steps cost on this machine: ``StepTimes`` holds seconds by tokens fed,
 first from a sweep at warm-up, then from the steps the engine runs (the median of the latest
 in each band of sizes replaces the sweep's figure there). Without a budget set, the engine
-takes ``knee_budget`` of the sweep: the time of the smallest step whose tokens per second
-are within ``KNEE_LOSS`` of the best measured, so that bounding steps costs little
-throughput while a flood's chunks no longer decide everyone's pace.
+takes ``default_budget``: ``IDLE_STEPS`` one-token steps, so a quiet tenant's time per output
+token under another's flood stays within a few times its idle value, while prefill chunks
+stay long enough that bounding them costs little throughput (the trade-off measured:
+docs/performance.md).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from collections import deque
 
 # Token counts the warm-up sweep times (clipped to the step's token limit).
 SWEEP_TOKENS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048)
-# The throughput a measured default budget may give up against the best step size measured.
-KNEE_LOSS = 0.10
+# The default budget, in one-token steps. Beside a 48-stream flood on a 2-core Zen 3, 3 held a
+# quiet tenant's time per output token to 2-3x its idle value at ~40% of the tokens computed;
+# 5 held it to ~5x and computed as much as unbounded steps (bench.fairness).
+IDLE_STEPS = 5.0
 # Prefill tokens a step may always add beside its decodes, however long they take, so that
 # new requests are admitted and prompts advance while a batch decodes.
 MIN_PREFILL_TOKENS = 16
@@ -123,15 +126,10 @@ class StepTimes:
         return ", ".join(f"{x:.0f} tok {1000 * y:.1f} ms" for x, y in zip(xs, ys, strict=True))
 
 
-def knee_budget(measured: dict[int, float], *, loss: float = KNEE_LOSS) -> float | None:
-    """The time of the smallest measured step whose tokens per second are within ``loss`` of
-    the best measured step's; None without measurements."""
-    rates = {t: t / s for t, s in measured.items() if t > 0 and s > 0}
-    if not rates:
-        return None
-    best = max(rates.values())
-    tokens = min(t for t, rate in rates.items() if rate >= (1.0 - loss) * best)
-    return measured[tokens]
+def default_budget(measured: dict[int, float], *, idle_steps: float = IDLE_STEPS) -> float | None:
+    """``idle_steps`` times the measured one-token step; None without that measurement."""
+    one = measured.get(1)
+    return None if one is None or not one > 0 else idle_steps * one
 
 
 class DecodeStepBudget:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from switchboard_kernels.linear_choice import linear_plan
 from worker.core.block_manager import BlockManager
 from worker.core.config import EngineConfig, PreemptionMode
 from worker.core.scheduler import Scheduler
@@ -23,7 +24,7 @@ from worker.engine.placement import (
     resolve_device,
     resolve_dtype,
 )
-from worker.model.llama import LlamaModel
+from worker.model.llama import LlamaModel, projection_shapes
 from worker.model.lora_manager import LoraManager
 from worker.model.model_config import ModelConfig
 from worker.model.model_runner import ModelRunner, kv_bytes_per_block
@@ -61,6 +62,15 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
     cuda_graphs = resolve_cuda_graphs(config.cuda_graphs, device, attention_backend, tp_size)
     async_output = resolve_async_output(config.async_output, device, config.speculative.enabled)
     num_kv_blocks, num_host_blocks = kv_cache_blocks(model, config, torch_dtype)
+    model_config = ModelConfig.from_pretrained(model)
+    plan = linear_plan(
+        projection_shapes(model_config),
+        torch_dtype,
+        num_layers=model_config.num_layers,
+        max_rows=config.max_num_batched_tokens,
+        device=device,
+        measure=config.kernel_choice == "measure",
+    )
     # Tensor parallelism: ranks 1..N-1 load their shards while this process (rank 0) loads
     # its own; None on one rank.
     tensor_parallel = start_ranks(
@@ -70,10 +80,13 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
         device=device,
         num_kv_blocks=num_kv_blocks,
         num_host_blocks=num_host_blocks,
+        linear_plan=plan,
     )
     group = tensor_parallel.group if tensor_parallel is not None else None
     try:
-        llama = LlamaModel.from_pretrained(model, dtype=torch_dtype, device=device, group=group)
+        llama = LlamaModel.from_pretrained(
+            model, dtype=torch_dtype, device=device, group=group, linear_plan=plan
+        )
         if tensor_parallel is not None:
             tensor_parallel.connect()
     except BaseException:

@@ -27,7 +27,7 @@ from worker.core.forks import PendingForks
 from worker.core.outputs import RequestOutput
 from worker.core.prefix_cache import PrefixCacheStats, root_hash
 from worker.core.sequence import Sequence
-from worker.core.step_budget import DecodeStepBudget, StepTimes, knee_budget
+from worker.core.step_budget import DecodeStepBudget, StepTimes, default_budget
 from worker.engine.assembly import assemble
 from worker.engine.isolation import (
     drop_unusable_drafts,
@@ -125,7 +125,7 @@ class LLMEngine:
 
     def _measure_step_budget(self, row_limit: int) -> None:
         """The decode step budget's curve from a sweep of step sizes, and, unless one was
-        set, its budget: the sweep's knee (`worker.core.step_budget`)."""
+        set, its budget: a few one-token steps (`worker.core.step_budget.default_budget`)."""
         measured = measure_step_times(
             self.runner.execute,
             self.block_manager,
@@ -134,7 +134,7 @@ class LLMEngine:
             vocab_size=self.config.vocab_size,
         )
         set_ms = self.engine_config.decode_step_budget_ms
-        seconds = set_ms / 1000 if set_ms else knee_budget(measured)
+        seconds = set_ms / 1000 if set_ms else default_budget(measured)
         if seconds is None:
             return
         budget = DecodeStepBudget(StepTimes(measured), seconds)

@@ -44,8 +44,10 @@ PROMPT_TOKENS = 128
 DECODE_BATCHES = (1, 16)
 GREEDY = SamplingParams(temperature=0.0)
 # The step-time sweep: the fastest of this many runs per size counts (noise only slows a run
-# down); sizes stop once the sweep has taken this long, or one step this long.
+# down; the small steps, which the default budget is made of, are cheap to run more often);
+# sizes stop once the sweep has taken this long, or one step this long.
 SWEEP_REPEATS = 2
+SWEEP_SMALL_REPEATS, SWEEP_SMALL_TOKENS = 5, 16
 SWEEP_SECONDS = 20.0
 SWEEP_STEP_SECONDS = 5.0
 # Seeded rows draw from their own generators: the global one, which unseeded requests
@@ -150,7 +152,8 @@ def measure_step_times(
     vocab_size: int,
 ) -> dict[int, float]:
     """Seconds of a step feeding one fresh prompt of each of ``SWEEP_TOKENS`` tokens (at most
-    ``row_limit``, and what the model and the pool hold), the fastest of ``SWEEP_REPEATS``;
+    ``row_limit``, and what the model and the pool hold), the fastest of ``SWEEP_REPEATS``
+    (``SWEEP_SMALL_REPEATS`` up to ``SWEEP_SMALL_TOKENS`` tokens);
     larger sizes are skipped once the sweep has run ``SWEEP_SECONDS`` or a step took
     ``SWEEP_STEP_SECONDS``. Its blocks all go back to the pool."""
     bs = block_manager.block_size
@@ -163,7 +166,8 @@ def measure_step_times(
         block_manager.allocate(seq.block_table, tokens)
         try:
             best = math.inf
-            for _ in range(SWEEP_REPEATS):
+            repeats = SWEEP_SMALL_REPEATS if tokens <= SWEEP_SMALL_TOKENS else SWEEP_REPEATS
+            for _ in range(repeats):
                 start = time.perf_counter()
                 execute([ScheduledSequence(seq, 0, tokens)])
                 best = min(best, time.perf_counter() - start)

@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from switchboard_kernels.draft_native import NativeDecodePass, native_draft
 from switchboard_kernels.linear import Q4_MAX_ROWS, Linear
+from switchboard_kernels.linear_choice import LinearPlan
 from switchboard_kernels.lora import add_lora, lora_expand, lora_shrink
 from switchboard_kernels.norm_native import rms_norm
 from switchboard_kernels.paged_attention import AttentionMetadata, attend
@@ -45,6 +46,19 @@ class LayerWeights:
     down: Linear  # intermediate -> hidden
 
 
+def projection_shapes(c: ModelConfig) -> list[tuple[int, int]]:
+    """One layer's projections as [out, in]: qkv, o, gate_up, down (what ``LlamaModel``
+    multiplies a step's rows by; ``linear_choice`` times its kernels on them)."""
+    attention = c.num_heads * c.head_dim
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    return [
+        (qkv, c.hidden_size),
+        (c.hidden_size, attention),
+        (2 * c.intermediate_size, c.hidden_size),
+        (c.hidden_size, c.intermediate_size),
+    ]
+
+
 class LlamaModel:
     def __init__(
         self,
@@ -55,6 +69,7 @@ class LlamaModel:
         *,
         quantization: str | None = None,
         group: TensorParallelGroup | None = None,
+        linear_plan: LinearPlan | None = None,
     ):
         """``weights`` on the device the model runs on (``switchboard_kernels.linear`` packs on
         CPU).
@@ -63,7 +78,9 @@ class LlamaModel:
         model's cut-down output layer: for a small model the full one is most of a step).
         ``quantization``: "int8" or "int4" copies of the projections and the output layer
         (``switchboard_kernels.linear``): approximate, for a draft model only. ``group``: this
-        rank's tensor-parallel group, ``weights`` then being its shard (``from_pretrained``)."""
+        rank's tensor-parallel group, ``weights`` then being its shard (``from_pretrained``).
+        ``linear_plan``: the projections' kernels (``switchboard_kernels.linear_choice``; None:
+        its fixed rule)."""
         self.config = config
         self.dtype = dtype
         self.device = weights["model.embed_tokens.weight"].device
@@ -92,7 +109,8 @@ class LlamaModel:
             self.output_token_ids = output_token_ids.to(self.device)
             head_weight = head_weight[self.output_token_ids].contiguous()
         self.quantization = quantization
-        self.lm_head = Linear(head_weight, quantization=quantization)
+        self.linear_plan = linear_plan
+        self.lm_head = Linear(head_weight, quantization=quantization, plan=linear_plan)
         self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
         # What one decode step reads (the embedding table is only gathered from): a small
         # batch's step time on CPU goes with it.
@@ -116,6 +134,7 @@ class LlamaModel:
         output_token_ids: torch.Tensor | None = None,
         quantization: str | None = None,
         group: TensorParallelGroup | None = None,
+        linear_plan: LinearPlan | None = None,
     ) -> LlamaModel:
         """``group``: load this rank's shard only (each tensor's slice read from the file)."""
         config = ModelConfig.from_pretrained(path)
@@ -126,7 +145,15 @@ class LlamaModel:
         weights = {
             k: v.to(device) for k, v in load_safetensors(Path(path), dtype, select=select).items()
         }
-        return cls(config, weights, dtype, output_token_ids, quantization=quantization, group=group)
+        return cls(
+            config,
+            weights,
+            dtype,
+            output_token_ids,
+            quantization=quantization,
+            group=group,
+            linear_plan=linear_plan,
+        )
 
     def _vocab_padded(self, rows: torch.Tensor) -> torch.Tensor:
         """A vocabulary shard [ids, hidden] padded with zero rows to ``vocab_rows``."""
@@ -142,15 +169,15 @@ class LlamaModel:
         bias = None
         if self.config.qkv_bias:
             bias = torch.cat([w[attn + f"{n}_proj.bias"] for n in "qkv"])
-        q = self.quantization
+        q, plan = self.quantization, self.linear_plan
         gate_up = torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])
         return LayerWeights(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=Linear(qkv, bias, quantization=q),
-            o=Linear(w[attn + "o_proj.weight"], quantization=q),
+            qkv=Linear(qkv, bias, quantization=q, plan=plan),
+            o=Linear(w[attn + "o_proj.weight"], quantization=q, plan=plan),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=Linear(gate_up, quantization=q),
-            down=Linear(w[mlp + "down_proj.weight"], quantization=q),
+            gate_up=Linear(gate_up, quantization=q, plan=plan),
+            down=Linear(w[mlp + "down_proj.weight"], quantization=q, plan=plan),
         )
 
     def forward(

@@ -69,7 +69,11 @@ class _Rank:
         self.group = TensorParallelGroup(Shard(spec.rank, spec.size), device)
         assert isinstance(config.dtype, torch.dtype) and config.num_kv_blocks is not None
         model = LlamaModel.from_pretrained(
-            spec.model, dtype=config.dtype, device=device, group=self.group
+            spec.model,
+            dtype=config.dtype,
+            device=device,
+            group=self.group,
+            linear_plan=spec.linear_plan,
         )
         self.lora_manager = None
         if config.max_loras > 0:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from switchboard_kernels.linear_choice import LinearPlan
 from worker.core.config import EngineConfig, SpeculativeConfig
 from worker.errors import TensorParallelError
 from worker.model.model_config import ModelConfig
@@ -56,6 +57,7 @@ class FollowerSpec:
     config: EngineConfig  # dtype, num_kv_blocks and num_host_blocks resolved by rank 0
     device: str
     threads: int
+    linear_plan: LinearPlan | None = None  # rank 0's projections' kernels
 
 
 def start_ranks(
@@ -66,6 +68,7 @@ def start_ranks(
     device: torch.device,
     num_kv_blocks: int,
     num_host_blocks: int | None,
+    linear_plan: LinearPlan | None = None,
 ) -> RankProcesses | None:
     """Ranks 1..N-1 of ``config.tensor_parallel_size`` started, loading their shards with
     rank 0's resolved sizes (no speculation: the draft runs on rank 0 alone); None for N = 1.
@@ -80,7 +83,7 @@ def start_ranks(
         num_host_blocks=num_host_blocks,
         speculative=SpeculativeConfig(),
     )
-    return RankProcesses.start(model, resolved, device=device)
+    return RankProcesses.start(model, resolved, device=device, linear_plan=linear_plan)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -111,7 +114,12 @@ class RankProcesses:
 
     @classmethod
     def start(
-        cls, model: str | Path, config: EngineConfig, *, device: torch.device
+        cls,
+        model: str | Path,
+        config: EngineConfig,
+        *,
+        device: torch.device,
+        linear_plan: LinearPlan | None = None,
     ) -> RankProcesses:
         """Spawn ranks 1..N-1 (N = ``config.tensor_parallel_size``) loading their shards."""
         size = config.tensor_parallel_size
@@ -142,6 +150,7 @@ class RankProcesses:
                 config=config,
                 device=str(rank_device(device, rank)),
                 threads=threads,
+                linear_plan=linear_plan,
             )
             proc = subprocess.Popen(
                 [sys.executable, "-m", "worker.parallel.follower"], stdin=subprocess.PIPE, env=env

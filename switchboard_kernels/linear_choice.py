@@ -1,0 +1,291 @@
+"""Which kernel multiplies a step's rows by the projection weights, chosen by measurement on
+the CPU at hand.
+
+The candidates are our native panel kernels (``linear_cpu.c`` for fp32, ``linear_bf16_cpu.c``
+for bf16), oneDNN's packed matmul and plain ``F.linear``. Which wins depends on the CPU and on
+the rows: on a 2-core Zen 4 the bf16 panels beat oneDNN from 1 to 256 rows; on a Xeon with AMX
+oneDNN's tiles are 3-7x faster from 8 rows up; on a Zen 3 the fp32 panels win decode and lose
+long prefills by up to ~25% (docs/performance.md). So a ``LinearPlan`` names a kernel for small
+row counts and one for large ones, and ``measure_plan`` times every candidate on weights of the
+model's layer shapes (enough layers to stream from memory, as a step does) at ``ROW_BUCKETS``.
+Measuring takes a few seconds once per CPU, model shape, dtype and library build: the plan is
+cached on disk (beside the native kernels' builds). Holding two kernels holds two copies of the
+weights: allowed while they stay within ``DUAL_MEMORY_FRACTION`` of the machine's memory, else
+the one kernel with the least total time over the buckets. ``fixed_plan`` is the rule used when
+nothing is measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from switchboard_kernels import native
+
+logger = logging.getLogger(__name__)
+
+ROW_BUCKETS = (1, 4, 16, 64, 256, 1024)
+PANELS, ONEDNN, TORCH = "panels", "onednn", "torch"
+# Weights a measurement multiplies per step, at least: several times any CPU's last-level
+# cache, so each product reads its weight from memory as a model's step does.
+STREAM_BYTES = 256 << 20
+MEASURE_ROUNDS = 2  # the fastest round counts (noise only slows a run down)
+MEASURE_SECONDS = 30.0  # larger buckets are left out past this (they take the largest's kernel)
+# Two copies of the projection weights at most this share of the machine's memory.
+DUAL_MEMORY_FRACTION = 0.25
+PLAN_VERSION = 1  # bump when the meaning of a cached plan changes
+
+
+@dataclass(frozen=True, slots=True)
+class LinearPlan:
+    """``small`` multiplies up to ``split_rows`` rows, ``large`` more (one kernel when equal);
+    ``source``: "measured", "cached" or "fixed"."""
+
+    small: str
+    large: str
+    split_rows: int = 0
+    source: str = "fixed"
+
+    def kernel_for(self, rows: int) -> str:
+        return self.small if rows <= self.split_rows else self.large
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return (self.small,) if self.small == self.large else (self.small, self.large)
+
+    def describe(self) -> str:
+        if self.small == self.large:
+            return f"{self.small} ({self.source})"
+        return f"{self.small} up to {self.split_rows} rows, {self.large} above ({self.source})"
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """Seconds of one step's projections (all measured layers) by kernel and rows."""
+
+    plan: LinearPlan
+    seconds: dict[str, dict[int, float]]
+    layers: int
+    elapsed: float
+
+
+def available_kernels(dtype: torch.dtype) -> list[str]:
+    """The kernels that can multiply ``dtype`` weights on this CPU, plain torch last (it is
+    measured only where nothing else is: oneDNN's packed matmul is the same op without the
+    reorder on every call)."""
+    from switchboard_kernels.linear import can_pack
+    from switchboard_kernels.linear_native import native_linear, native_linear_bf16
+
+    found = []
+    if (dtype == torch.float32 and native_linear() is not None) or (
+        dtype == torch.bfloat16 and native_linear_bf16() is not None
+    ):
+        found.append(PANELS)
+    if can_pack(torch.empty(0, 16, dtype=dtype)):
+        found.append(ONEDNN)
+    return found or [TORCH]
+
+
+def fixed_plan(dtype: torch.dtype, device: torch.device | str = "cpu") -> LinearPlan:
+    """Without a measurement: bf16 through the native panels wherever they build; fp32 through
+    them on CPUs whose widest vectors are AVX2's (with AVX-512, oneDNN's wider kernels); else
+    oneDNN's packed matmul where it packs, else ``F.linear``."""
+    if torch.device(device).type != "cpu":
+        return LinearPlan(TORCH, TORCH)
+    kernels = available_kernels(dtype)
+    if PANELS in kernels and (
+        dtype == torch.bfloat16 or torch.backends.cpu.get_cpu_capability() == "AVX2"
+    ):
+        return LinearPlan(PANELS, PANELS)
+    kernel = ONEDNN if ONEDNN in kernels else TORCH
+    return LinearPlan(kernel, kernel)
+
+
+def choose(
+    seconds: dict[str, dict[int, float]], *, dual: bool, source: str = "measured"
+) -> LinearPlan:
+    """The plan with the least total relative time over the measured buckets (each bucket's
+    time over its fastest kernel's): one kernel, or, with ``dual``, a small-row kernel and a
+    large-row kernel split at a bucket. Ties go to one kernel, then to the first listed."""
+    buckets = sorted({r for times in seconds.values() for r in times})
+    best = {r: min(t[r] for t in seconds.values() if r in t) for r in buckets}
+
+    def cost(small: str, large: str, split: int) -> float:
+        total = 0.0
+        for r in buckets:
+            kernel = small if r <= split else large
+            total += seconds[kernel].get(r, math.inf) / best[r]
+        return total
+
+    names = list(seconds)
+    options = [(cost(k, k, 0), 0, LinearPlan(k, k, 0, source)) for k in names]
+    if dual:
+        for small in names:
+            for large in names:
+                if small != large:
+                    for split in buckets[:-1]:
+                        plan = LinearPlan(small, large, split, source)
+                        options.append((cost(small, large, split), 1, plan))
+    return min(options, key=lambda option: option[:2])[2]
+
+
+def measure_plan(
+    shapes: Sequence[tuple[int, int]],
+    dtype: torch.dtype,
+    *,
+    num_layers: int,
+    max_rows: int,
+    dual: bool,
+    seconds_limit: float = MEASURE_SECONDS,
+) -> Measurement:
+    """Time each available kernel on random weights of one layer's ``shapes`` ([out, in]),
+    repeated over as many layers (up to ``num_layers``) as ``STREAM_BYTES`` needs, at each of
+    ``ROW_BUCKETS`` up to ``max_rows``, rounds outermost and kernels in a shuffled order."""
+    from switchboard_kernels.linear import make_kernel
+
+    started = time.perf_counter()
+    kernels = available_kernels(dtype)
+    layer_bytes = sum(o * i for o, i in shapes) * torch.empty(0, dtype=dtype).element_size()
+    layers = max(1, min(num_layers, math.ceil(STREAM_BYTES / max(layer_bytes, 1))))
+    gen = torch.Generator().manual_seed(0)
+    weights = [
+        (torch.randn(o, i, generator=gen) * i**-0.5).to(dtype)
+        for _ in range(layers)
+        for o, i in shapes
+    ]
+    built = {k: [make_kernel(k, w) for w in weights] for k in kernels}
+    del weights
+    buckets = [r for r in ROW_BUCKETS if r <= max(1, max_rows)]
+    seconds: dict[str, dict[int, float]] = {k: {} for k in kernels}
+    order = random.Random(0)
+    for _ in range(MEASURE_ROUNDS):
+        for rows in buckets:
+            if rows not in seconds[kernels[0]] and time.perf_counter() - started > seconds_limit:
+                break
+            for k in order.sample(kernels, len(kernels)):
+                taken = _time_step(built[k], rows, shapes, dtype)
+                seconds[k][rows] = min(seconds[k].get(rows, math.inf), taken)
+    plan = choose(seconds, dual=dual and len(kernels) > 1)
+    return Measurement(plan, seconds, layers, time.perf_counter() - started)
+
+
+def _time_step(
+    step: list[Callable[[torch.Tensor], torch.Tensor]],
+    rows: int,
+    shapes: Sequence[tuple[int, int]],
+    dtype: torch.dtype,
+) -> float:
+    inputs = {i: torch.randn(rows, i).to(dtype) for _, i in shapes}
+    per_layer = len(shapes)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        for n, kernel in enumerate(step):
+            kernel(inputs[shapes[n % per_layer][1]])
+        return time.perf_counter() - start
+
+
+def dual_allowed(projection_bytes: int) -> bool:
+    """Whether two copies of ``projection_bytes`` stay within ``DUAL_MEMORY_FRACTION`` of this
+    machine's memory."""
+    return 2 * projection_bytes <= DUAL_MEMORY_FRACTION * psutil.virtual_memory().total
+
+
+def linear_plan(
+    shapes: Sequence[tuple[int, int]],
+    dtype: torch.dtype,
+    *,
+    num_layers: int,
+    max_rows: int,
+    device: torch.device | str = "cpu",
+    measure: bool = True,
+) -> LinearPlan:
+    """The plan for a model's projections: measured (or read from the cache) on CPU when
+    ``measure``, else ``fixed_plan``."""
+    if not measure or torch.device(device).type != "cpu" or len(available_kernels(dtype)) < 2:
+        return fixed_plan(dtype, device)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    dual = dual_allowed(num_layers * sum(o * i for o, i in shapes) * itemsize)
+    key = _cache_key(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual)
+    path = _cache_dir() / f"linear-{key}.json"
+    cached = _read(path)
+    if cached is not None:
+        return cached
+    result = measure_plan(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual)
+    logger.info(
+        "projections measured in %.1f s over %d layers: %s; ms a step by rows: %s",
+        result.elapsed,
+        result.layers,
+        result.plan.describe(),
+        _describe_seconds(result.seconds),
+    )
+    _write(path, result)
+    return result.plan
+
+
+def _describe_seconds(seconds: dict[str, dict[int, float]]) -> str:
+    return "; ".join(
+        f"{k} " + ", ".join(f"{r}: {1000 * s:.1f}" for r, s in sorted(t.items()))
+        for k, t in seconds.items()
+    )
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get(native.CACHE_ENV) or Path.home() / ".cache/switchboard/kernels"
+    return Path(base) / "choices"
+
+
+def _cache_key(shapes, dtype, *, num_layers: int, max_rows: int, dual: bool) -> str:
+    """Everything a measured plan depends on: the CPU, torch, our kernels' builds, the
+    threads, the weights' shapes and dtype, the buckets measured and whether two copies fit."""
+    sources = [
+        Path(native.__file__).with_name(name).read_bytes()
+        for name in ("linear_cpu.c", "linear_bf16_cpu.c", "bf16.h")
+    ]
+    key = hashlib.sha256()
+    for part in (
+        native._cpu_id(),
+        torch.__version__.encode(),
+        str(torch.get_num_threads()).encode(),
+        *sources,
+        json.dumps([PLAN_VERSION, available_kernels(dtype), [list(s) for s in shapes],
+                    str(dtype), num_layers, [r for r in ROW_BUCKETS if r <= max(1, max_rows)],
+                    dual]).encode(),
+    ):  # fmt: skip
+        key.update(part)
+    return key.hexdigest()[:20]
+
+
+def _read(path: Path) -> LinearPlan | None:
+    try:
+        plan = json.loads(path.read_text())["plan"]
+        return LinearPlan(plan["small"], plan["large"], int(plan["split_rows"]), "cached")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write(path: Path, result: Measurement) -> None:
+    """Written under a temporary name, then renamed: a reader never sees half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "plan": asdict(result.plan),
+            "seconds": {k: {str(r): s for r, s in t.items()} for k, t in result.seconds.items()},
+            "layers": result.layers,
+            "elapsed": result.elapsed,
+        }
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(record, indent=1))
+        os.replace(temporary, path)
+    except OSError as exc:
+        logger.warning("could not cache the projection plan at %s: %s", path, exc)

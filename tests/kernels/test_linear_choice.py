@@ -1,0 +1,122 @@
+"""switchboard_kernels.linear_choice: the plan chosen from scripted timings, the measurement
+and its cache, and an engine whose projections run the measured plan against transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from switchboard_kernels.linear_choice import (
+    ONEDNN,
+    PANELS,
+    TORCH,
+    LinearPlan,
+    available_kernels,
+    choose,
+    fixed_plan,
+    linear_plan,
+    measure_plan,
+)
+
+# ms a step by rows: panels win small batches, oneDNN large ones (a Zen 3's shape).
+CROSSING = {
+    PANELS: {1: 37.0, 16: 50.0, 64: 114.0, 256: 616.0, 1024: 2887.0},
+    ONEDNN: {1: 55.0, 16: 90.0, 64: 176.0, 256: 589.0, 1024: 2262.0},
+}
+
+
+def test_one_kernel_that_wins_every_bucket_is_the_plan():
+    seconds = {PANELS: {1: 1.0, 64: 2.0}, ONEDNN: {1: 1.5, 64: 3.0}}
+    assert choose(seconds, dual=True) == LinearPlan(PANELS, PANELS, 0, "measured")
+
+
+def test_a_crossing_splits_the_rows_where_the_other_kernel_starts_to_win():
+    plan = choose(CROSSING, dual=True)
+    assert plan == LinearPlan(PANELS, ONEDNN, 64, "measured")
+    assert [plan.kernel_for(r) for r in (1, 64, 65, 1024)] == [PANELS, PANELS, ONEDNN, ONEDNN]
+    assert plan.kernels == (PANELS, ONEDNN)
+
+
+def test_without_room_for_two_copies_the_kernel_with_the_least_total_time_is_kept():
+    # relative times: panels 1 + 1 + 1 + 1.046 + 1.276 = 5.32; oneDNN 1.49 + 1.8 + 1.54 + 1 + 1
+    assert choose(CROSSING, dual=False) == LinearPlan(PANELS, PANELS, 0, "measured")
+
+
+def test_a_tie_keeps_one_kernel():
+    seconds = {PANELS: {1: 1.0, 64: 2.0}, ONEDNN: {1: 1.0, 64: 2.0}}
+    assert choose(seconds, dual=True).kernels == (PANELS,)
+
+
+def test_the_fixed_rule_names_a_kernel_this_cpu_has():
+    for dtype in (torch.float32, torch.bfloat16):
+        plan = fixed_plan(dtype)
+        assert plan.small == plan.large and plan.source == "fixed"
+        assert plan.small in [*available_kernels(dtype), TORCH]
+    assert fixed_plan(torch.float32, "cuda").kernels == (TORCH,)
+
+
+SHAPES = [(48, 32), (32, 48)]
+
+
+def test_a_measurement_times_every_kernel_at_every_bucket_up_to_the_rows():
+    result = measure_plan(SHAPES, torch.float32, num_layers=2, max_rows=64, dual=True)
+    kernels = available_kernels(torch.float32)
+    assert list(result.seconds) == kernels
+    assert all(sorted(t) == [1, 4, 16, 64] for t in result.seconds.values())
+    assert all(s > 0 for t in result.seconds.values() for s in t.values())
+    assert set(result.plan.kernels) <= set(kernels) and result.layers == 2
+
+
+def test_a_measured_plan_is_cached_and_read_back(tmp_path, monkeypatch):
+    if len(available_kernels(torch.float32)) < 2:
+        pytest.skip("one kernel here: nothing to measure")
+    monkeypatch.setenv("SWITCHBOARD_KERNEL_CACHE", str(tmp_path))
+    first = linear_plan(SHAPES, torch.float32, num_layers=2, max_rows=16)
+    assert first.source == "measured"
+    (cached,) = (tmp_path / "choices").glob("linear-*.json")
+    record = json.loads(cached.read_text())
+    assert record["plan"]["small"] == first.small and set(record["seconds"]) == set(
+        available_kernels(torch.float32)
+    )
+    again = linear_plan(SHAPES, torch.float32, num_layers=2, max_rows=16)
+    assert (again.small, again.large, again.split_rows, again.source) == (
+        first.small, first.large, first.split_rows, "cached",
+    )  # fmt: skip
+    # Another shape is another measurement; a damaged file is measured again.
+    assert linear_plan([(64, 32)], torch.float32, num_layers=2, max_rows=16).source == "measured"
+    cached.write_text("{not json")
+    assert linear_plan(SHAPES, torch.float32, num_layers=2, max_rows=16).source == "measured"
+
+
+def test_fixed_choice_measures_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWITCHBOARD_KERNEL_CACHE", str(tmp_path))
+    plan = linear_plan(SHAPES, torch.float32, num_layers=2, max_rows=16, measure=False)
+    assert plan == fixed_plan(torch.float32)
+    assert not (tmp_path / "choices").exists()
+
+
+def test_an_engine_on_a_measured_plan_generates_what_transformers_does(tmp_path, monkeypatch):
+    """The plan's kernels, whichever were measured fastest, in every layer of a real model:
+    greedy tokens equal transformers' (fp32)."""
+    from transformers import GenerationConfig
+
+    from factories import load_hf_model, make_checkpoint, random_prompts
+    from worker import LLM, SamplingParams
+
+    monkeypatch.setenv("SWITCHBOARD_KERNEL_CACHE", str(tmp_path))
+    checkpoint = make_checkpoint(tmp_path / "model")
+    llm = LLM(str(checkpoint), dtype="float32", kernel_choice="measure")
+    layer = llm.engine.model.layers[0]
+    plan = llm.engine.model.linear_plan
+    assert plan is not None and plan.source in ("measured", "cached")
+    assert len(layer.qkv.kernels) == len(plan.kernels)
+    prompts = random_prompts(3, min_len=3, max_len=40, seed=4)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    hf = load_hf_model(checkpoint)
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt])
+        want = hf.generate(ids, generation_config=config)[0, len(prompt) :].tolist()
+        assert out.token_ids == want
