@@ -29,15 +29,15 @@ from bench.report import write_report
 from bench.workloads import BenchRequest, fixed_lengths, long_tailed
 
 WORKLOADS = ("batch1", "W1", "W2")
-# vLLM's side, run by the vLLM venv's Python: reads {"model", "workloads": {name: {"warm",
-# "timed", "sequential"}}, "repeats"} from argv[1], prints one JSON line of seconds.
+# vLLM's side, run by the vLLM venv's Python: reads {"model", "dtype", "workloads": {name:
+# {"warm", "timed", "sequential"}}, "repeats"} from argv[1], prints one JSON line of seconds.
 VLLM_SIDE = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
 
 def main():
     job = json.loads(open(sys.argv[1]).read())
-    llm = LLM(model=job["model"], dtype="bfloat16", max_model_len=2048, seed=0)
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=2048, seed=0)
 
     def run(requests, sequential):
         prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
@@ -120,6 +120,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: SmolLM2-135M)")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="ours: 'auto' takes what this CPU computes fastest"
+    )
+    parser.add_argument("--vllm-dtype", default="bfloat16")
     parser.add_argument("--out", default="bench/results/vllm_side_by_side.json")
     args = parser.parse_args(argv)
 
@@ -127,10 +131,17 @@ def main(argv: list[str] | None = None) -> dict:
     from worker.model.default_model import resolve_model_path
 
     model_path = resolve_model_path(args.model)
-    engine = LLMEngine(model_path, engine_config(dtype="bfloat16"))
+    engine = LLMEngine(model_path, engine_config(dtype=args.dtype))
     vocab = engine.config.vocab_size
-    job: dict = {"model": str(model_path), "repeats": args.repeats, "workloads": {}}
-    report: dict = {"model": str(model_path), "threads": torch.get_num_threads(), "workloads": {}}
+    job: dict = {
+        "model": str(model_path), "dtype": args.vllm_dtype, "repeats": args.repeats,
+        "workloads": {},
+    }  # fmt: skip
+    report: dict = {
+        "model": str(model_path), "threads": torch.get_num_threads(), "workloads": {},
+        "dtype": str(engine.model.dtype), "vllm_dtype": args.vllm_dtype,
+        "projections": engine.model.linear_plan.describe() if engine.model.linear_plan else None,
+    }  # fmt: skip
     for name in args.workloads:
         warm, sequential = requests_for(name, vocab, seed=1)
         timed, _ = requests_for(name, vocab, seed=0)
