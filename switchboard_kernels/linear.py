@@ -34,7 +34,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from switchboard_kernels.linear_choice import ONEDNN, PANELS, LinearPlan, fixed_plan
+from switchboard_kernels.linear_choice import ONEDNN, PANELS, UPCAST, LinearPlan, fixed_plan
 from switchboard_kernels.linear_native import (
     Bf16PanelLinear,
     PanelLinear,
@@ -202,7 +202,23 @@ class TorchLinear:
         return y if residual is None else residual + y
 
 
-Kernel = PanelLinear | Bf16PanelLinear | OnednnLinear | TorchLinear
+class UpcastLinear:
+    """bf16 ``x @ W.T (+ bias) (+ residual)`` through oneDNN's fp32 packed matmul, for CPUs
+    whose oneDNN packs no bf16: the weight widened to fp32 once (exactly), each call's rows
+    widened, the result rounded to bf16 once, as a bf16 kernel with fp32 sums rounds it."""
+
+    __slots__ = ("fp32", "nbytes")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.fp32 = OnednnLinear(weight.float(), None if bias is None else bias.float())
+        self.nbytes = self.fp32.nbytes
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        wide = None if residual is None else residual.float()
+        return self.fp32(x.float(), wide).to(x.dtype)
+
+
+Kernel = PanelLinear | Bf16PanelLinear | OnednnLinear | UpcastLinear | TorchLinear
 
 
 def make_kernel(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Kernel:
@@ -216,6 +232,8 @@ def make_kernel(name: str, weight: torch.Tensor, bias: torch.Tensor | None = Non
         name = ONEDNN
     if name == ONEDNN and can_pack(weight):
         return OnednnLinear(weight, bias)
+    if name == UPCAST and weight.dtype == torch.bfloat16 and can_pack(weight.float()):
+        return UpcastLinear(weight, bias)
     return TorchLinear(weight, bias)
 
 

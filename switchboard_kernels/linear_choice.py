@@ -2,7 +2,9 @@
 the CPU at hand.
 
 The candidates are our native panel kernels (``linear_cpu.c`` for fp32, ``linear_bf16_cpu.c``
-for bf16), oneDNN's packed matmul and plain ``F.linear``. Which wins depends on the CPU and on
+for bf16), oneDNN's packed matmul, for bf16 weights where oneDNN packs no bf16 (AVX2-only CPUs)
+its fp32 matmul over the weights widened once (``upcast``: the same products, rows widened and
+the result rounded to bf16), and plain ``F.linear``. Which wins depends on the CPU and on
 the rows: on a 2-core Zen 4 the bf16 panels beat oneDNN from 1 to 256 rows; on a Xeon with AMX
 oneDNN's tiles are 3-7x faster from 8 rows up; on a Zen 3 the fp32 panels win decode and lose
 long prefills by up to ~25% (docs/performance.md). So a ``LinearPlan`` names a kernel for small
@@ -36,7 +38,7 @@ from switchboard_kernels import native
 logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 4, 16, 64, 256, 1024)
-PANELS, ONEDNN, TORCH = "panels", "onednn", "torch"
+PANELS, ONEDNN, UPCAST, TORCH = "panels", "onednn", "upcast", "torch"
 # Weights a measurement multiplies per step, at least: several times any CPU's last-level
 # cache, so each product reads its weight from memory as a model's step does.
 STREAM_BYTES = 256 << 20
@@ -94,6 +96,8 @@ def available_kernels(dtype: torch.dtype) -> list[str]:
         found.append(PANELS)
     if can_pack(torch.empty(0, 16, dtype=dtype)):
         found.append(ONEDNN)
+    elif dtype == torch.bfloat16 and can_pack(torch.empty(0, 16)):
+        found.append(UPCAST)
     return found or [TORCH]
 
 
@@ -109,7 +113,7 @@ def fixed_plan(dtype: torch.dtype, device: torch.device | str = "cpu") -> Linear
     ):
         return LinearPlan(PANELS, PANELS)
     kernel = ONEDNN if ONEDNN in kernels else TORCH
-    return LinearPlan(kernel, kernel)
+    return LinearPlan(kernel, kernel)  # (upcast only by measurement: it holds 2x the bytes)
 
 
 def choose(

@@ -16,8 +16,16 @@ from switchboard_kernels.linear import (
     Linear,
     OnednnLinear,
     TorchLinear,
+    UpcastLinear,
 )
-from switchboard_kernels.linear_choice import ONEDNN, PANELS, TORCH, LinearPlan, available_kernels
+from switchboard_kernels.linear_choice import (
+    ONEDNN,
+    PANELS,
+    TORCH,
+    UPCAST,
+    LinearPlan,
+    available_kernels,
+)
 from switchboard_kernels.linear_native import PANEL, Bf16PanelLinear, PanelLinear, native_linear
 from switchboard_kernels.q4_native import Q4Linear, native_q4
 
@@ -66,7 +74,11 @@ def test_a_plan_of_two_kernels_sends_rows_by_count(dtype):
     gen = torch.Generator().manual_seed(9)
     weight = (torch.randn(64, 48, generator=gen) / 48**0.5).to(dtype)
     linear = Linear(weight, plan=LinearPlan(kernels[0], kernels[1], split_rows=4))
-    kinds = {PANELS: (PanelLinear, Bf16PanelLinear), ONEDNN: (OnednnLinear,)}
+    kinds = {
+        PANELS: (PanelLinear, Bf16PanelLinear),
+        ONEDNN: (OnednnLinear,),
+        UPCAST: (UpcastLinear,),
+    }
     assert isinstance(linear.small, kinds[kernels[0]])
     assert isinstance(linear.large, kinds[kernels[1]])
     calls = []
