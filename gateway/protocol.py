@@ -1,6 +1,8 @@
 """OpenAI request bodies (plus the sampling extras vLLM accepts), as pydantic models.
 
-Unknown fields are ignored, as vLLM does: clients and benchmark tools send many. Fields we
+Every body and part of one is a `gateway.request_model.RequestModel`: `null` for an optional
+field means its default (OpenAI's rule). Unknown fields are ignored, as vLLM does: clients and
+benchmark tools send many. Fields we
 accept but cannot honour are refused with a 400 by `check_supported`, never silently dropped.
 Every sampling field is bounded here (the table is in gateway/README.md; the workers check
 the same bounds again); NaN and infinity are refused wherever a number is taken (Python's
@@ -17,9 +19,10 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from gateway.errors import InvalidRequestError
+from gateway.request_model import RequestModel
 from gateway.structured.protocol import (
     MAX_TOOLS,
     ResponseFormat,
@@ -70,14 +73,12 @@ class ShapeLimits:
         )
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """What both endpoints share."""
-
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -245,16 +246,12 @@ class CompletionRequest(SamplingFields):
             raise InvalidRequestError("best_of cannot be used with stream", param="best_of")
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
+class TextPart(RequestModel):
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None

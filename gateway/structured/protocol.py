@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from gateway.errors import InvalidRequestError
+from gateway.request_model import RequestModel
 
 # OpenAI's rule for function and response-format names.
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -22,10 +23,8 @@ MAX_TOOLS = 128  # OpenAI's limit
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestModel):
     """`response_format.json_schema`: the schema the answer must follow."""
-
-    model_config = ConfigDict(extra="ignore")
 
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
@@ -34,9 +33,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: JsonSchemaFormat | None = None
 
@@ -48,10 +45,8 @@ class ResponseFormat(BaseModel):
             )
 
 
-class StructuredOutputsParams(BaseModel):
+class StructuredOutputsParams(RequestModel):
     """vLLM's `structured_outputs`: exactly one of its constraints."""
-
-    model_config = ConfigDict(extra="ignore")
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -71,9 +66,7 @@ class StructuredOutputsParams(BaseModel):
         return [name for name, value in values.items() if value is not None]
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class FunctionDefinition(RequestModel):
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -92,22 +85,16 @@ class FunctionDefinition(BaseModel):
         return {"type": "function", "function": function}
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class Tool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class NamedFunction(RequestModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: NamedFunction
 
@@ -115,17 +102,13 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class FunctionCall(RequestModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends and returns it
 
 
-class ToolCall(BaseModel):
+class ToolCall(RequestModel):
     """A call an earlier assistant turn made (in `messages`)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     id: str
     type: Literal["function"] = "function"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import httpx
@@ -307,3 +308,30 @@ async def test_no_live_worker_is_503(stack):
             response = await http.post("/v1/completions", json=body)
             assert response.status_code == 503
             assert response.json()["error"]["code"] == "no_worker_available"
+
+
+def every_optional_argument_none(create, *required: str) -> dict:
+    """Every argument of an SDK method but the required ones and the transport's, as None."""
+    transport = {"extra_headers", "extra_query", "extra_body", "timeout"}
+    names = inspect.signature(create).parameters
+    return {name: None for name in names if name not in {*required, *transport}}
+
+
+async def test_every_optional_argument_none_is_the_default(stack):
+    """The SDK sends each None as JSON null: OpenAI reads null as the default."""
+    async with stack.client() as client:
+        completions = client.completions.create
+        out = await completions(
+            model=MODEL_NAME,
+            prompt="Hello",
+            **every_optional_argument_none(completions, "model", "prompt"),
+        )
+        assert out.choices[0].text == "Hello, world!"
+        chat = client.chat.completions.create
+        out = await chat(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "hi"}],
+            **every_optional_argument_none(chat, "model", "messages"),
+        )
+        assert out.choices[0].message.content == "Hello, world!"
+    assert stack.worker.requests[-2].params.max_tokens == 16  # the completions default
