@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from worker.core.block_manager import BlockManager
+from worker.core.config import FairnessConfig
+from worker.core.fairness import split_rows
 from worker.core.scheduler import Scheduler
 from worker.core.sequence import Sequence
 from worker.core.step_budget import (
@@ -106,12 +108,15 @@ def test_a_budget_must_be_positive():
 # --- the scheduler under a budget --------------------------------------------------------------
 
 
-def make_scheduler(*, budget_s: float | None, max_tokens: int = 1024) -> Scheduler:
+def make_scheduler(
+    *, budget_s: float | None, max_tokens: int = 1024, policy: str = "fair"
+) -> Scheduler:
     return Scheduler(
         block_manager=BlockManager(num_blocks=512, block_size=16),
         max_num_seqs=128,
         max_num_batched_tokens=max_tokens,
         step_budget=None if budget_s is None else DecodeStepBudget(StepTimes(SWEEP), budget_s),
+        fairness=FairnessConfig(policy=policy),
     )
 
 
@@ -129,9 +134,9 @@ def run_step(sched: Scheduler) -> list[tuple[str, int, int]]:
     return plan
 
 
-def decoding(sched: Scheduler, count: int) -> list[Sequence]:
+def decoding(sched: Scheduler, count: int, tenant: str = "d", first: int = 100) -> list[Sequence]:
     """``count`` sequences past their prompts, each with a token to decode."""
-    seqs = [make_seq(100 + i, 4, tenant="d") for i in range(count)]
+    seqs = [make_seq(first + i, 4, tenant=tenant) for i in range(count)]
     for seq in seqs:
         sched.add(seq)
     while any(not seq.output_token_ids for seq in seqs):
@@ -196,6 +201,60 @@ def test_the_budgets_prefill_goes_to_tenants_in_fair_order():
     sched.add(make_seq(1, 40, tenant="b"))
     plan = run_step(sched)
     assert plan[4:] == [("r1", 0, 40), ("r0", 60, 20)]
+
+
+# --- decode rows under a flood -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("demand", "weights", "total", "expected"),
+    [
+        ({"a": 90, "b": 1}, {}, 64, {"a": 63, "b": 1}),  # b asks less than its share
+        ({"a": 40, "b": 40}, {}, 64, {"a": 32, "b": 32}),
+        ({"a": 60, "b": 40}, {"a": 3.0}, 64, {"a": 48, "b": 16}),
+        ({"a": 40, "b": 40}, {"a": 3.0}, 64, {"a": 40, "b": 24}),  # a needs less than 48
+        ({"a": 10, "b": 3, "c": 50}, {}, 30, {"a": 10, "b": 3, "c": 17}),  # filled in rounds
+        ({"a": 5, "b": 5, "c": 5}, {}, 7, {"a": 3, "b": 2, "c": 2}),  # remainder: one more
+        ({"a": 9, "b": 9, "c": 9}, {}, 2, {"a": 1, "b": 1, "c": 1}),  # at least one each
+        ({"a": 3, "b": 0}, {}, 2, {"a": 2, "b": 0}),
+    ],
+)
+def test_rows_are_split_max_min_fair_by_weight(demand, weights, total, expected):
+    assert split_rows(demand, weights, total) == expected
+
+
+def test_a_quiet_tenants_decode_runs_every_step_beside_a_flood_whose_rows_take_turns():
+    """90 of a flood's decodes and one of a quiet tenant's, a budget of 64 tokens: each step
+    places the quiet row and 63 of the flood's, those left out the step before first, so
+    no flood row waits more than one step."""
+    sched = make_scheduler(budget_s=0.0164)
+    flood = decoding(sched, 90, tenant="flood")
+    quiet = decoding(sched, 1, tenant="quiet", first=500)[0]
+    waits = dict.fromkeys((s.request_id for s in flood), 0)
+    before = [len(s.output_token_ids) for s in flood]
+    for _ in range(6):
+        plan = run_step(sched)
+        placed = {rid for rid, _, _ in plan}
+        assert quiet.request_id in placed
+        assert len(placed) == 64
+        for rid in waits:
+            waits[rid] = 0 if rid in placed else waits[rid] + 1
+            assert waits[rid] <= 1
+    gained = {len(s.output_token_ids) - n for s, n in zip(flood, before, strict=True)}
+    assert gained <= {4, 5}  # 63 rows a step for 90 streams: everyone kept the same pace
+
+
+def test_a_flood_with_no_one_beside_it_decodes_whole():
+    sched = make_scheduler(budget_s=0.0164)
+    decoding(sched, 90, tenant="flood")
+    assert len(run_step(sched)) == 90
+
+
+def test_fcfs_decodes_every_row():
+    sched = make_scheduler(budget_s=0.0164, policy="fcfs")
+    decoding(sched, 90, tenant="flood")
+    decoding(sched, 1, tenant="quiet", first=500)
+    assert len(run_step(sched)) == 91
 
 
 # --- in the engine -----------------------------------------------------------------------------

@@ -262,3 +262,32 @@ class Shares:
         if tenant is None or over[tenant] <= 1.0:
             return None
         return max((s for s in self.running if s.tenant == tenant), key=lambda s: s.arrival_order)
+
+
+def split_rows(demand: dict[str, int], weights: dict[str, float], total: int) -> dict[str, int]:
+    """``total`` rows split between tenants by weight, max-min fair (water-filling): a tenant
+    asking for no more than its share gets all it asks, and what it leaves is split between
+    the others by weight again. Each tenant that asks gets at least one row (``total`` is
+    raised to the number of tenants if below it). Whole rows: the remainder goes to the
+    largest fractions, ties to the tenant asking most."""
+    rows = dict.fromkeys(demand, 0)
+    left = max(total, sum(1 for n in demand.values() if n > 0))
+    active = {t for t, n in demand.items() if n > 0}
+    while active and left > 0:
+        weight = sum(weights.get(t, 1.0) for t in active)
+        fair = {t: left * weights.get(t, 1.0) / weight for t in active}
+        within = {t for t in active if demand[t] <= fair[t]}
+        if not within:
+            whole = {t: max(1, math.floor(fair[t])) for t in active}
+            spare = left - sum(whole.values())
+            by_fraction = sorted(active, key=lambda t: (whole[t] - fair[t], -demand[t], t))
+            for t in by_fraction[: max(spare, 0)]:
+                whole[t] += 1
+            for t in active:
+                rows[t] = min(demand[t], whole[t])
+            return rows
+        for t in within:
+            rows[t] = demand[t]
+            left -= demand[t]
+        active -= within
+    return rows

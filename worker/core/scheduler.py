@@ -25,7 +25,7 @@ from worker.core.adapter_gate import AdapterGate
 from worker.core.batch import BlockMove, MoveKind, ScheduledSequence, SchedulerOutput
 from worker.core.block_manager import BlockManager
 from worker.core.config import FairnessConfig, PreemptionMode
-from worker.core.fairness import ServiceLedger, Shares, StepCharges
+from worker.core.fairness import ServiceLedger, Shares, StepCharges, split_rows
 from worker.core.prefix_cache import extend_block_hashes
 from worker.core.prefix_lookup import count_lookup, prefix_hits
 from worker.core.sequence import Sequence, SequenceStatus
@@ -75,6 +75,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
+        self._decode_turns = 0  # decodes placed in turns so far (``_decodes_within_budget``)
         self.num_preemptions = 0  # since start, for metrics and tests
         self.num_swap_outs = 0  # of which by swapping
 
@@ -145,8 +146,9 @@ class Scheduler:
     def _schedule_decodes(self, out: SchedulerOutput, step: StepCharges) -> None:
         """Running decodes first, one token each (plus drafts), in arrival order."""
         decodes = [s for s in self.running if s.num_uncomputed_tokens <= 1]
+        decodes.sort(key=lambda s: s.arrival_order)
         blocks = self.block_manager
-        for seq in sorted(decodes, key=lambda s: s.arrival_order):
+        for seq in self._decodes_within_budget(decodes):
             budget = self.max_num_batched_tokens - out.num_tokens
             if budget == 0:
                 break
@@ -168,6 +170,44 @@ class Scheduler:
                 continue
             num_spec = self._fit_speculation(seq, num_tokens, budget)
             out.add(step.note(self._schedule(seq, num_tokens, out, num_spec)))
+
+    def _decodes_within_budget(self, decodes: list[Sequence]) -> list[Sequence]:
+        """Fair, with a step budget: when the decodes alone would take more tokens than the
+        budget allows and more than one tenant decodes, the rows the budget allows are split
+        between those tenants by weight (``split_rows``: one asking for fewer than its share
+        gets them all); a tenant over its share has its rows that waited longest placed and
+        the others wait a step. So a quiet tenant's decodes keep their pace beside a flood's,
+        whose streams take turns. Decodes carrying drafts are always placed (their drafts
+        were proposed for this step). Only time is taken from the flood, not work: its
+        rows wait, holding their KV blocks."""
+        budget = self.step_budget
+        if budget is None or not self.ledger.fair or len(decodes) < 2:
+            return decodes
+        cap = budget.token_cap()
+        if cap is None or len(decodes) <= cap:
+            return decodes
+        by_tenant: dict[str, list[Sequence]] = {}
+        for seq in decodes:
+            by_tenant.setdefault(seq.tenant, []).append(seq)
+        if len(by_tenant) < 2:
+            return decodes
+        weights = {t: self.ledger.accounts[t].weight for t in by_tenant}
+        rows = split_rows({t: len(seqs) for t, seqs in by_tenant.items()}, weights, cap)
+        placed: list[Sequence] = []
+        for tenant, seqs in by_tenant.items():
+            if rows[tenant] >= len(seqs):
+                placed.extend(seqs)
+                continue
+            # Round robin: least recently placed first, then arrival order (``seqs`` is in
+            # arrival order).
+            ranked = sorted(seqs, key=lambda s: (not s.spec_token_ids, s.last_decode_turn))
+            kept = max(rows[tenant], sum(1 for s in seqs if s.spec_token_ids))
+            for seq in ranked[:kept]:
+                self._decode_turns += 1  # a queue: placed in this order, so in turn again
+                seq.last_decode_turn = self._decode_turns
+                placed.append(seq)
+        placed.sort(key=lambda s: s.arrival_order)
+        return placed
 
     def _schedule_prefills(self, out: SchedulerOutput, step: StepCharges) -> None:
         """The rest of the budget: prefills cut short, swapped sequences, new arrivals.

@@ -93,6 +93,9 @@ class Sequence:
     # room (seats or KV blocks) while its tenant was under its fair share.
     lora_wait_steps: int = 0
     share_wait_steps: int = 0
+    # While its tenant decodes more rows than its share of a step's decode budget, its
+    # rows take turns (``Scheduler._decodes_within_budget``): when it was last placed.
+    last_decode_turn: int = 0
     # Tokens of ``tokens`` whose computation was charged to the tenant (a recompute after
     # preemption is not charged again).
     num_charged_tokens: int = 0
@@ -113,6 +116,9 @@ class Sequence:
     # string would copy all of it for each token).
     text_pieces: list[str] = field(default_factory=list)
     logprobs: list | None = None
+    # Asked for prompt logprobs: entry p, for prompt token p + 1, filled by the pass that
+    # computes position p (``worker.model.prompt_logprobs``); None until then.
+    prompt_logprobs: list | None = None
     # Monotonic time of each generated token, for inter-token latency.
     token_times: list[float] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
