@@ -41,6 +41,7 @@ class PendingForks:
             )
             for child in children or ():
                 self.scheduler.fork(s.seq, child)
+                child.prompt_logprobs = s.seq.prompt_logprobs  # one prompt, scored once
                 added.append(ScheduledSequence(child, s.start, s.num_tokens))
                 rows.append(row)
         if not added:

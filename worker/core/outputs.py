@@ -34,6 +34,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # Prompt tokens whose K/V came from the prefix cache (OpenAI's usage.cached_tokens).
     num_cached_tokens: int = 0
+    # Asked for prompt logprobs: each prompt token's after the first (the request's own list,
+    # complete once its prefill has run: entries are None until then); else None.
+    prompt_logprobs: list[SampledToken] | None = None
     # The request's lists (append-only; longer by now, perhaps): this output's are their
     # first ``num_tokens`` entries, and the text's first ``_num_text_pieces``.
     _token_ids: list[int] = field(default_factory=list, repr=False)

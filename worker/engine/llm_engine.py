@@ -239,6 +239,9 @@ class LLMEngine:
                 raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
             adapter_id = self.lora_manager.resolve(adapter)
         check_tenant_weight(tenant_weight)
+        if self.tensor_parallel is not None and any(p.prompt_logprobs is not None for p in params):
+            # Its ranks would have to join the scoring rows' vocabulary gather.
+            raise InvalidRequestError("prompt logprobs are not served under tensor parallelism")
         prompt_ids = self._tokenize(prompt)
         for p in params:
             check_request(

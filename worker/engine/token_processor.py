@@ -27,6 +27,8 @@ class TokenProcessor:
             seq.stop_checker = StopChecker(params.stop)
         if params.logprobs is not None:
             seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None] * (len(seq.prompt_token_ids) - 1)
 
     def append_with_text(self, seq: Sequence, token: SampledToken, now: float) -> str:
         """Append ``token`` to ``seq``, set its finish reason if it ends here; the new text."""
@@ -36,6 +38,9 @@ class TokenProcessor:
         """What the next step needs of ``token`` at once: append it, and end ``seq`` if a stop
         token, its length or its grammar says so. Returns whether the token shows in the text
         (a stop token, EOS or one of stop_token_ids, ends the request but not the text)."""
+        if seq.params.max_tokens == 0:  # the prompt scored, nothing generated (not kept)
+            seq.finish_reason = FinishReason.LENGTH
+            return False
         token_id = token.token_id
         seq.append_token(token_id)
         if seq.metrics.first_token_time is None:
@@ -113,6 +118,7 @@ class TokenProcessor:
             stop_reason=seq.stop_reason,
             metrics=seq.metrics,
             num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=seq.prompt_logprobs,
             _token_ids=token_ids,
             _logprobs=seq.logprobs,
             _token_times=seq.token_times,

@@ -18,6 +18,7 @@ from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.llama import LlamaModel
 from worker.model.lora_manager import LoraBatch, LoraManager
 from worker.model.model_config import ModelConfig
+from worker.model.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from worker.model.step_inputs import StepInputs, prepare_step
 
 
@@ -131,10 +132,11 @@ class ModelRunner:
             return native
         inputs = self.prepare(scheduled)
         lora = self.lora_batch(inputs)
-        if self.graphs is not None and not kept_only and self.graphs.fits(inputs):
+        scoring = not kept_only and any(wants_prompt_logprobs(s) for s in scheduled)
+        if self.graphs is not None and not kept_only and not scoring and self.graphs.fits(inputs):
             logits = self.graphs.run(inputs, lora)
         else:
-            logits = self.run(inputs.to(self.device), lora, kept_only=kept_only)
+            logits = self.run(inputs.to(self.device), lora, kept_only=kept_only, scoring=scoring)
         assert logits is not None
         return [s for s in inputs.order if s.samples], logits
 
@@ -147,13 +149,21 @@ class ModelRunner:
         return self.lora_manager.prepare(token_adapters, all_decode=inputs.meta.all_decode)
 
     def run(
-        self, inputs: StepInputs, lora: LoraBatch | None, *, kept_only: bool = False
+        self,
+        inputs: StepInputs,
+        lora: LoraBatch | None,
+        *,
+        kept_only: bool = False,
+        scoring: bool = False,
     ) -> torch.Tensor | None:
         """The forward pass over prepared inputs: the sampling rows' logits (None on a rank
-        of a tensor-parallel group other than 0, which only lends its share of the pass)."""
+        of a tensor-parallel group other than 0, which only lends its share of the pass);
+        ``scoring``: the prompt logprobs asked for are recorded on their sequences too."""
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, lora
         )
+        if scoring:
+            record_prompt_logprobs(self.model, hidden, inputs.order)
         return self.model.compute_logits(hidden[inputs.logit_rows], kept_only=kept_only)
 
     def _execute_native(
@@ -168,6 +178,7 @@ class ModelRunner:
             or not scheduled
             or sum(s.num_tokens for s in scheduled) > native.max_rows
             or any(s.num_spec or not s.samples or s.seq.adapter_id for s in scheduled)
+            or any(wants_prompt_logprobs(s) for s in scheduled)
         ):
             return None
         logits = native(

@@ -55,6 +55,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # Number of top alternatives to return with each sampled token (None: no logprobs).
     logprobs: int | None = None
+    # The same for each prompt token after the first (`worker.model.prompt_logprobs`; None:
+    # none). With it, max_tokens may be 0: the prompt is scored and nothing is generated.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Speculative decoding for this request: at most this many draft tokens a step (0: none;
     # None: the engine's k). Capped by the engine's k, and moot where it does not speculate:
@@ -81,9 +84,11 @@ class SamplingParams:
         )
 
     def _check_numbers(self) -> None:
+        least = 0 if self.prompt_logprobs is not None else 1  # 0: score the prompt only
         _check_int(
-            "max_tokens", self.max_tokens, 1, MAX_TOKENS,
-            f"max_tokens must be at least 1 and at most {MAX_TOKENS}, got {self.max_tokens!r}",
+            "max_tokens", self.max_tokens, least, MAX_TOKENS,
+            f"max_tokens must be at least {least} and at most {MAX_TOKENS}, got "
+            f"{self.max_tokens!r}",
         )  # fmt: skip
         _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _check_float("top_p", self.top_p, 0.0, 1.0, open_low=True)
@@ -99,6 +104,8 @@ class SamplingParams:
             _check_int("seed", self.seed, *SEED_RANGE)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if self.num_speculative_tokens is not None:
             _check_int(
                 "num_speculative_tokens", self.num_speculative_tokens, 0, MAX_SPECULATIVE_TOKENS

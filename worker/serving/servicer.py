@@ -52,6 +52,7 @@ def sampling_params_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         skip_special_tokens=msg.skip_special_tokens,
         num_speculative_tokens=msg.num_speculative_tokens
         if msg.HasField("num_speculative_tokens")
@@ -63,7 +64,11 @@ def sampling_params_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams
     )
 
 
-def response_from_sample(sample: SampleOutput) -> worker_pb2.GenerateResponse:
+def response_from_sample(
+    sample: SampleOutput, *, with_prompt_logprobs: bool = False
+) -> worker_pb2.GenerateResponse:
+    """One delta; ``with_prompt_logprobs``: the prompt's logprobs too, once they are all
+    computed (the first sample to have them sends them, once)."""
     out = sample.output
     response = worker_pb2.GenerateResponse(
         index=sample.index,
@@ -75,18 +80,24 @@ def response_from_sample(sample: SampleOutput) -> worker_pb2.GenerateResponse:
         cached_tokens=out.num_cached_tokens,
     )
     for token in out.new_logprobs or ():
-        response.logprobs.add(
-            token_id=token.token_id,
-            logprob=token.logprob or 0.0,
-            top=[
-                worker_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in token.top_logprobs or ()
-            ],
-        )
+        _add_logprob(response.logprobs, token)
+    prompt = out.prompt_logprobs
+    if with_prompt_logprobs and prompt and all(token is not None for token in prompt):
+        for token in prompt:
+            _add_logprob(response.prompt_logprobs, token)
     if isinstance(out.stop_reason, str):
         response.stop_string = out.stop_reason
     elif out.stop_reason is not None:
         response.stop_token_id = out.stop_reason
     return response
+
+
+def _add_logprob(entries, token) -> None:
+    entries.add(
+        token_id=token.token_id,
+        logprob=token.logprob or 0.0,
+        top=[worker_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in token.top_logprobs or ()],
+    )
 
 
 def status_for(exc: Exception) -> grpc.StatusCode:
@@ -172,9 +183,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 tenant=request.tenant or None,
                 tenant_weight=request.tenant_weight or 1.0,
             )
+            prompt_logprobs_due = params.prompt_logprobs is not None
             async with contextlib.aclosing(samples):
                 async for sample in samples:
-                    response = response_from_sample(sample)
+                    response = response_from_sample(
+                        sample, with_prompt_logprobs=prompt_logprobs_due
+                    )
+                    prompt_logprobs_due = prompt_logprobs_due and not response.prompt_logprobs
                     tokens += len(response.token_ids)
                     self.metrics.generated_tokens.inc(len(response.token_ids))
                     yield response
