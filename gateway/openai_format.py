@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gateway.prompt_echo import EchoedPrompt, top_by_text
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.structured.tool_parsing import ParsedCall, ToolCallStream, ToolOutput, parse_tool_calls
 from gateway.tokenizer import ChatTokenizer
@@ -28,6 +29,8 @@ class Sample:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     completion_tokens: int = 0
+    # The prompt's logprobs (tokens 1..P-1), when asked for: one list, shared by the samples.
+    prompt_logprobs: Sequence[worker_pb2.TokenLogprob] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +105,8 @@ class ChatFormat:
 
     def _entry(self, token_id: int, logprob: float, top: Sequence[Any] = ()) -> dict[str, Any]:
         text = self.tokenizer.token_text(token_id)
-        entry: dict[str, Any] = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        token_bytes = list(self.tokenizer.token_bytes(token_id))  # its own, not U+FFFD's
+        entry: dict[str, Any] = {"token": text, "logprob": logprob, "bytes": token_bytes}
         if top is not None:
             entry["top_logprobs"] = [self._entry(t.token_id, t.logprob, None) for t in top]
         return entry
@@ -206,18 +210,37 @@ class CompletionFormat:
     header: Header
     tokenizer: ChatTokenizer
     logprobs: int | None
+    # The prompt, when the answer shows it: its text before each sample's (``echo``, with
+    # its tokens' logprobs first), or vLLM's `prompt_logprobs` on each choice.
+    prompt: EchoedPrompt | None = None
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    # Streamed: the prompt's logprobs, from the worker's first message that carries them.
+    _prompt: list[Sequence[worker_pb2.TokenLogprob]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     def _logprobs(
-        self, entries: Sequence[worker_pb2.TokenLogprob], text_offset: int
+        self,
+        entries: Sequence[worker_pb2.TokenLogprob],
+        text_offset: int,
+        prompt: Sequence[worker_pb2.TokenLogprob] | None = None,
     ) -> dict[str, Any] | None:
+        """The legacy `logprobs` object; ``prompt``: the echoed prompt's entries first."""
         if self.logprobs is None:
             return None
         tokens, token_logprobs, top, offsets = [], [], [], []
+        if self.echo and self.prompt is not None:
+            if prompt is not None:
+                echoed = self.prompt.legacy_logprobs(self.tokenizer, prompt, self.logprobs)
+                tokens, token_logprobs = echoed["tokens"], echoed["token_logprobs"]
+                top, offsets = echoed["top_logprobs"], echoed["text_offset"]
+            text_offset += len(self.prompt.text(self.tokenizer))
         for e in entries:
             text = self.tokenizer.token_text(e.token_id)
             tokens.append(text)
             token_logprobs.append(e.logprob)
-            top.append({self.tokenizer.token_text(t.token_id): t.logprob for t in e.top})
+            top.append(top_by_text(self.tokenizer, e.top))
             offsets.append(text_offset)
             text_offset += len(text)
         return {
@@ -227,6 +250,33 @@ class CompletionFormat:
             "text_offset": offsets,
         }
 
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        entries: Sequence[worker_pb2.TokenLogprob],
+        *,
+        text_offset: int,
+        prompt: Sequence[worker_pb2.TokenLogprob] | None,
+    ) -> dict[str, Any]:
+        """A choice's text and logprobs; ``prompt`` (the prompt's logprobs) where the
+        choice shows its prompt: a whole response, or a sample's first chunk."""
+        shown = self.prompt if prompt is not None else None
+        if self.echo and shown is not None:
+            text = shown.text(self.tokenizer) + text
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": text,
+            "logprobs": self._logprobs(entries, text_offset, prompt),
+        }
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = (
+                None
+                if shown is None
+                else shown.vllm_logprobs(self.tokenizer, prompt or (), self.prompt_logprobs)
+            )
+        return choice
+
     def chunk(
         self,
         message: worker_pb2.GenerateResponse,
@@ -235,10 +285,17 @@ class CompletionFormat:
         text_offset: int,
         include_usage: bool,
     ) -> dict[str, Any]:
+        if message.prompt_logprobs and not self._prompt:
+            self._prompt.append(message.prompt_logprobs)
+        prompt = (self._prompt[0] if self._prompt else ()) if first else None
         choice = {
-            "index": message.index,
-            "text": message.text,
-            "logprobs": self._logprobs(message.logprobs, text_offset),
+            **self._choice(
+                message.index,
+                message.text,
+                message.logprobs,
+                text_offset=text_offset,
+                prompt=prompt if self.prompt is not None else None,
+            ),
             "finish_reason": message.finish_reason or None,
             "stop_reason": stop_reason_of(message),
         }
@@ -253,9 +310,13 @@ class CompletionFormat:
     def response(self, samples: Sequence[Sample], usage: Usage) -> dict[str, Any]:
         choices = [
             {
-                "index": s.index,
-                "text": s.text,
-                "logprobs": self._logprobs(s.logprobs, 0),
+                **self._choice(
+                    s.index,
+                    s.text,
+                    s.logprobs,
+                    text_offset=0,
+                    prompt=s.prompt_logprobs if self.prompt is not None else None,
+                ),
                 "finish_reason": s.finish_reason,
                 "stop_reason": s.stop_reason,
             }
@@ -275,9 +336,24 @@ class CompletionFormat:
 
 
 def output_format(
-    body: CompletionRequest | ChatCompletionRequest, header: Header, tokenizer: ChatTokenizer
+    body: CompletionRequest | ChatCompletionRequest,
+    header: Header,
+    tokenizer: ChatTokenizer,
+    prompt_ids: list[int] | None = None,
 ) -> OutputFormat:
-    """The format of the body's endpoint, with the logprobs it asked for."""
+    """The format of the body's endpoint, with the logprobs it asked for; a completion that
+    echoes its prompt or asks its prompt's logprobs shows ``prompt_ids``."""
     if isinstance(body, ChatCompletionRequest):
         return ChatFormat(header, tokenizer, body.logprobs, tool_calls=body.calls_tools)
-    return CompletionFormat(header, tokenizer, body.logprobs)
+    prompt = None
+    if body.echo or body.prompt_logprobs is not None:
+        given = body.single_prompt()
+        prompt = EchoedPrompt(list(prompt_ids or ()), given if isinstance(given, str) else None)
+    return CompletionFormat(
+        header,
+        tokenizer,
+        body.logprobs,
+        prompt=prompt,
+        echo=body.echo,
+        prompt_logprobs=body.prompt_logprobs,
+    )

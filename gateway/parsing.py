@@ -28,6 +28,8 @@ class ParsedRequest:
     default_max_tokens: int | None  # None: the rest of the context
     logprobs: int | None  # top logprobs the worker reports per token; None: no logprobs
     best_of: int | None = None  # samples to generate when more than n are kept
+    # Alternatives the worker reports for each prompt token; None: no prompt logprobs.
+    prompt_logprobs: int | None = None
 
     @property
     def samples(self) -> int:
@@ -58,4 +60,5 @@ def parse(body: OpenAIRequest, *, limits: ShapeLimits) -> ParsedRequest:
         # best_of ranks samples by cumulative logprob: the worker must send them.
         logprobs=body.logprobs if body.logprobs is not None or not best_of else 0,
         best_of=best_of,
+        prompt_logprobs=body.scored_prompt_logprobs,
     )

@@ -72,7 +72,8 @@ async def handle_request(
             settle, job, tally, admission=admission, observation=observation,
             queue=state.fair_queue, quotas=state.quotas,
         )  # fmt: skip
-        fmt = output_format(body, Header(job.request_id, job.created, job.model), state.tokenizer)
+        header = Header(job.request_id, job.created, job.model)
+        fmt = output_format(body, header, state.tokenizer, prompt_ids=job.prompt_ids)
         if body.stream:
             stream = await until_disconnect(
                 http, admission.run(lambda: _route_and_relay(relay.open_stream, job, state, tally))
@@ -111,7 +112,7 @@ async def _collected(
     """The whole body: assembled and serialized on a thread once it is large; the tally is
     final once it is back."""
     top = job.params.logprobs if job.params.HasField("logprobs") else 0
-    entries = sum(len(m.token_ids) for m in reply.responses) * (1 + top)
+    entries = sum(len(m.token_ids) + len(m.prompt_logprobs) for m in reply.responses) * (1 + top)
     if entries <= INLINE_COLLECT_ENTRIES:
         return JSONResponse(relay.collect(reply, job=job, fmt=fmt, tally=tally))
     return await asyncio.to_thread(_collected_now, reply, job, fmt, tally)

@@ -209,11 +209,27 @@ class CompletionRequest(SamplingFields):
     endpoint: ClassVar[str] = "completions"  # the metrics label
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    # 0 with echo or prompt_logprobs: score the prompt, generate nothing.
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # The prompt before the completion; with logprobs, the prompt tokens' logprobs too.
     echo: bool = False
     suffix: str | None = None
+    # vLLM extra: each prompt token's logprob (after the first) with this many alternatives.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # Generate best_of samples, return the n with the highest cumulative logprob.
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+
+    @property
+    def scored_prompt_logprobs(self) -> int | None:
+        """The alternatives the worker reports for each prompt token, or None when the
+        prompt's logprobs are not needed: echo with logprobs, prompt_logprobs, or a request
+        that only scores its prompt (max_tokens 0)."""
+        wanted = [self.prompt_logprobs or 0]
+        if self.echo and self.logprobs is not None:
+            wanted.append(self.logprobs)
+        needed = self.prompt_logprobs is not None or len(wanted) > 1 or self.max_tokens == 0
+        return max(wanted) if needed else None
 
     @property
     def samples_to_generate(self) -> int:
@@ -235,8 +251,11 @@ class CompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", param="echo")
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise InvalidRequestError(
+                "max_tokens may be 0 only with echo or prompt_logprobs (to score the prompt)",
+                param="max_tokens",
+            )
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of < self.n:

@@ -184,6 +184,7 @@ def collect(reply: WorkerReply, *, job: Job, fmt: OutputFormat, tally: Tally) ->
     """The whole non-streaming response body."""
     tally.record_reply(reply)
     samples = {i: Sample(index=i) for i in range(max(job.params.n, 1))}
+    prompt_logprobs: list[worker_pb2.TokenLogprob] = []
     for message in reply.responses:
         try:
             _check_not_aborted(message, address=reply.address)
@@ -192,6 +193,8 @@ def collect(reply: WorkerReply, *, job: Job, fmt: OutputFormat, tally: Tally) ->
         sample = samples.setdefault(message.index, Sample(index=message.index))
         sample.text += message.text
         sample.logprobs.extend(message.logprobs)
+        if message.prompt_logprobs and not prompt_logprobs:
+            prompt_logprobs = list(message.prompt_logprobs)
         sample.completion_tokens = max(sample.completion_tokens, message.completion_tokens)
         if message.finish_reason:
             sample.finish_reason = message.finish_reason
@@ -202,6 +205,8 @@ def collect(reply: WorkerReply, *, job: Job, fmt: OutputFormat, tally: Tally) ->
     if any(s.finish_reason is None for s in ordered):
         raise WorkerFailedError(f"worker {reply.address} ended the call before every sample")
     tally.finished = True
+    for sample in ordered:
+        sample.prompt_logprobs = prompt_logprobs
     if job.keep is not None:
         ordered = most_likely(ordered, job.keep)
     usage = Usage(
@@ -261,7 +266,9 @@ async def _events(
     responses = _responses(stream, job=job, tally=tally)
     try:
         async for message in responses:
-            if not (message.text or message.finish_reason or message.logprobs):
+            if not (
+                message.text or message.finish_reason or message.logprobs or message.prompt_logprobs
+            ):
                 continue  # tokens the detokenizer holds back (partial UTF-8, stop prefix)
             body = fmt.chunk(
                 message,

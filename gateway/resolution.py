@@ -82,6 +82,7 @@ async def resolve(
         body,
         max_tokens=max_tokens,
         logprobs=parsed.logprobs,
+        prompt_logprobs=parsed.prompt_logprobs,
         n=parsed.best_of,
         vocab_size=tokenizer.vocab_size,
         constraint=constraint,
@@ -168,6 +169,7 @@ def sampling_params(
     max_tokens: int,
     logprobs: int | None,
     vocab_size: int,
+    prompt_logprobs: int | None = None,
     n: int | None = None,
     constraint: Constraint | None = None,
 ) -> worker_pb2.SamplingParams:
@@ -195,6 +197,8 @@ def sampling_params(
         params.seed = body.seed
     if logprobs is not None:
         params.logprobs = logprobs
+    if prompt_logprobs is not None:
+        params.prompt_logprobs = prompt_logprobs
     if body.num_speculative_tokens is not None:
         params.num_speculative_tokens = body.num_speculative_tokens
     return params

@@ -16,8 +16,10 @@ byte length alone, so a prompt that cannot fit is refused without tokenizing it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from typing import Any
 import jinja2
 from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import Tokenizer, decoders, pre_tokenizers
 
 from gateway.errors import InvalidRequestError
 
@@ -164,9 +166,41 @@ class ChatTokenizer:
         """One token as text, for logprobs (what vLLM shows: the token decoded on its own)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (OpenAI's logprob `bytes`): a token holding part of a
+        multi-byte character gives that part, so a client joining them gets the text back.
+        Byte-level BPE spells each byte as one character of GPT-2's alphabet; byte fallback
+        spells a byte `<0xAB>`; anything else is the token's text in UTF-8."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self.tokenizer.decoder, decoders.ByteLevel):
+            alphabet = _byte_level_alphabet()
+            if all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
+        fallback = BYTE_FALLBACK.fullmatch(piece)
+        if fallback is not None:
+            return bytes([int(fallback.group(1), 16)])
+        return self.token_text(token_id).encode()
+
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character → byte: the printable bytes stand for
+    themselves, the others for chr(256 + n) in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars = {byte: chr(byte) for byte in printable}
+    others = [byte for byte in range(256) if byte not in chars]
+    chars |= {byte: chr(256 + n) for n, byte in enumerate(others)}
+    return {char: byte for byte, char in chars.items()}
 
 
 def _longest_token_bytes(tokenizer: Tokenizer) -> int | None:

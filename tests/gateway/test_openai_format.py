@@ -344,12 +344,6 @@ def test_chat_logprobs_name_tokens_with_their_bytes_and_alternatives(tokenizer):
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gateway/openai_format.py:105 takes `bytes` from the token decoded on its own, so a "
-    "token holding part of a multi-byte character gives the bytes of U+FFFD ([239, 191, 189]) "
-    "instead of its own; OpenAI's `bytes` exists so clients can join such tokens into the text",
-)
 def test_chat_logprob_bytes_are_the_tokens_own_bytes(tokenizer):
     # "é" is two byte-level tokens, "Ã" (0xC3) and "©" (0xA9)
     first, second = (tokenizer.tokenizer.token_to_id(piece) for piece in ("Ã", "©"))
@@ -517,3 +511,9 @@ def test_a_held_back_delta_with_logprobs_still_sends_them(tokenizer):
     assert body["choices"][0]["logprobs"] == {
         "content": [{"token": "<", "logprob": -0.5, "bytes": [60], "top_logprobs": []}]
     }
+
+
+@pytest.mark.parametrize("text", ["héllo wörld", "日本語 🙂", "plain ascii", "<|im_end|>"])
+def test_token_bytes_join_into_the_text(tokenizer, reference_tokenizer, text):
+    ids = reference_tokenizer.encode(text, add_special_tokens=False).ids
+    assert b"".join(tokenizer.token_bytes(i) for i in ids).decode() == text

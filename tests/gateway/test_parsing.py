@@ -171,7 +171,11 @@ def test_chat_samples_are_n():
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [
-        ({"echo": True}, "echo", "echo is not supported"),
+        (
+            {"max_tokens": 0},
+            "max_tokens",
+            "max_tokens may be 0 only with echo or prompt_logprobs (to score the prompt)",
+        ),
         ({"suffix": "!"}, "suffix", "suffix is not supported"),
         (
             {"stream_options": {"include_usage": True}},
@@ -186,6 +190,22 @@ def test_completion_fields_it_cannot_honour_are_refused(fields, param, message):
 
 def test_an_empty_suffix_and_echo_false_are_accepted():
     assert parse(completion(suffix="", echo=False), limits=LIMITS).id_prefix == "cmpl"
+
+
+@pytest.mark.parametrize(
+    ("fields", "scored"),
+    [
+        ({}, None),
+        ({"echo": True}, None),  # the prompt's text only
+        ({"echo": True, "logprobs": 3}, 3),
+        ({"logprobs": 3}, None),  # the completion's tokens only
+        ({"echo": True, "logprobs": 2, "prompt_logprobs": 5}, 5),
+        ({"prompt_logprobs": 0}, 0),
+        ({"echo": True, "max_tokens": 0}, 0),  # scoring alone: the worker needs the pass
+    ],
+)
+def test_the_prompt_is_scored_when_its_logprobs_are_shown(fields, scored):
+    assert parse(completion(**fields), limits=LIMITS).prompt_logprobs == scored
 
 
 @pytest.mark.parametrize("legacy", ["functions", "function_call"])
@@ -372,5 +392,5 @@ def test_chat_messages_past_their_bound_are_refused():
 
 def test_what_cannot_be_honoured_is_named_before_a_shape():
     """`check_supported` runs first: a body with both faults names the unsupported field."""
-    error = refusal(completion(echo=True, stop=["a", "b", "c"]))
-    assert error.param == "echo"
+    error = refusal(completion(suffix="!", stop=["a", "b", "c"]))
+    assert error.param == "suffix"

@@ -1,0 +1,182 @@
+"""What clients and evaluation tools expect of the API, against the real stack (Redis, a worker
+process on a tiny random model, the gateway under uvicorn) through the official `openai`
+client: echo and prompt logprobs on /v1/completions (as lm-evaluation-harness's
+`local-completions` scores text) equal to transformers / peft in fp32, the caller's own
+adapters in /v1/models, and hostile values refused with OpenAI's errors."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import openai
+import pytest
+import torch
+from peft import PeftModel
+
+from factories import add_byte_level_tokenizer, load_hf_model, make_checkpoint, make_peft_adapter
+from runtime.embedded_redis import free_port
+from runtime.stack import Stack
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-4
+TEXT = "héllo world, the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = make_checkpoint(
+        tmp_path_factory.mktemp("surface-model"),
+        vocab_size=512,
+        max_position_embeddings=512,
+        eos_token_id=0,
+        seed=23,
+    )
+    return add_byte_level_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("surface-adapter") / "sql"
+    return make_peft_adapter(tiny_model, out, rank=4, targets=["q_proj", "v_proj", "up_proj"])
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, adapter_dir, redis_url, tmp_path_factory):
+    with Stack(
+        model=tiny_model,
+        num_workers=1,
+        redis_url=redis_url,
+        gateway_port=free_port(),
+        dtype="float32",
+        key_prefix=f"sbsurface:{os.getpid()}:",
+        home=tmp_path_factory.mktemp("surface-home"),
+    ) as running:
+        running.create_tenant_key("acme")
+        running.create_tenant_key("other")
+        for tenant, name in (("acme", "sql"), ("other", "secret")):
+            body = {"name": name, "path": str(adapter_dir)}
+            running.admin("POST", f"/tenants/{tenant}/adapters", json=body)
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    key = stack.create_tenant_key("acme")
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model.name
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, adapter_dir):
+    """Each prompt token's logprob (tokens 1..P-1) and its row, by transformers / peft."""
+    peft = PeftModel.from_pretrained(load_hf_model(tiny_model), adapter_dir).eval()
+
+    def logprobs(ids: list[int], adapter: bool) -> torch.Tensor:
+        with torch.no_grad():
+            if adapter:
+                logits = peft(input_ids=torch.tensor([ids])).logits[0]
+            else:
+                with peft.disable_adapter():
+                    logits = peft(input_ids=torch.tensor([ids])).logits[0]
+        return torch.log_softmax(logits.float(), dim=-1)[:-1]
+
+    return logprobs
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("which", ["base", "adapter"])
+def test_echo_scores_the_prompt_as_transformers_does(client, model, tokenizer, reference, which):
+    """lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs, max_tokens 0."""
+    ids = tokenizer.encode(TEXT).ids
+    out = client.completions.create(
+        model=model if which == "base" else "sql",
+        prompt=ids,
+        echo=True,
+        logprobs=2,
+        max_tokens=0,
+        temperature=0,
+    )
+    choice = out.choices[0]
+    assert choice.text == TEXT
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = reference(ids, which == "adapter")
+    for p, token in enumerate(ids[1:]):
+        assert abs(lp.token_logprobs[p + 1] - expected[p, token].item()) <= TOL
+        # Keyed by text: two tokens with one text keep the likelier one.
+        best = torch.topk(expected[p], 2).values.tolist()
+        top = lp.top_logprobs[p + 1]
+        assert max(top.values()) == pytest.approx(best[0], abs=TOL)
+        assert all(min(abs(v - b) for b in best) <= TOL for v in top.values())
+    # text_offset: where each token's text starts in the echoed text.
+    pieces = [tokenizer.decode(ids[:i]) for i in range(len(ids))]
+    assert lp.text_offset == [len(piece.rstrip("\ufffd")) for piece in pieces]
+
+
+def test_echo_then_completion_and_vllm_prompt_logprobs(client, model, tokenizer, reference):
+    ids = tokenizer.encode(TEXT).ids
+    out = client.completions.create(
+        model=model,
+        prompt=TEXT,
+        echo=True,
+        logprobs=0,
+        max_tokens=3,
+        temperature=0,
+        extra_body={"prompt_logprobs": 1, "ignore_eos": True},
+    )
+    choice = out.choices[0]
+    assert choice.text.startswith(TEXT) and len(choice.logprobs.tokens) == len(ids) + 3
+    assert choice.logprobs.text_offset[len(ids)] == len(TEXT)  # the completion follows
+    rows = choice.model_extra["prompt_logprobs"]
+    assert rows[0] is None and len(rows) == len(ids)
+    expected = reference(ids, False)
+    for p, token in enumerate(ids[1:]):
+        entry = rows[p + 1][str(token)]
+        assert abs(entry["logprob"] - expected[p, token].item()) <= TOL
+
+
+def test_echo_streams_the_prompt_first(client, model, tokenizer):
+    stream = client.completions.create(
+        model=model, prompt=TEXT, echo=True, max_tokens=4, temperature=0, stream=True
+    )
+    text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    assert text.startswith(TEXT) and len(text) > len(TEXT)
+
+
+def test_hostile_scoring_values_are_refused_by_name(stack, model):
+    key = stack.create_tenant_key("mallory")
+    headers = {"Authorization": f"Bearer {key}"}
+    cases = [
+        ({"echo": True, "logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
+    ]
+    for extra, param in cases:
+        body = {"model": model, "prompt": "hi", **extra}
+        r = httpx.post(f"{stack.base_url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == param, (extra, r.text)
+
+
+def test_models_lists_the_callers_adapters_with_their_parent(client, model):
+    listed = {m.id: m for m in client.models.list().data}
+    assert set(listed) == {model, "sql"}  # never another tenant's ("secret")
+    assert listed["sql"].model_extra["parent"] == model
+    assert listed["sql"].owned_by == "acme"
+    assert listed[model].model_extra["parent"] is None
