@@ -21,7 +21,7 @@ from gateway.errors import (
     gateway_error_body,
 )
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 UPLOAD_PATH = "/v1/adapters"
 
 

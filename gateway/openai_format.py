@@ -80,11 +80,12 @@ class OutputFormat(Protocol):
         first: bool,
         text_offset: int,
         include_usage: bool,
-    ) -> dict[str, Any] | None:
-        """The stream chunk of one worker delta; None when it has nothing to show yet."""
+    ) -> dict[str, Any] | list[dict[str, Any]] | None:
+        """The stream chunk (or events) of one worker delta; None when it has nothing to show
+        yet."""
         ...
 
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]: ...
+    def usage_chunk(self, usage: Usage) -> dict[str, Any] | list[dict[str, Any]]: ...
 
     def response(self, samples: Sequence[Sample], usage: Usage) -> dict[str, Any]: ...
 

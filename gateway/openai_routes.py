@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API under /v1; completions and chat are one call into
+"""The OpenAI-compatible API under /v1; completions, chat and responses are one call into
 `gateway.pipeline`."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from gateway.deps import CurrentTenant, State
 from gateway.pipeline import handle_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.resolution import list_models
+from gateway.responses_api import ResponsesRequest
 from gateway.tenancy.usage import day_range, read_usage
 
 router = APIRouter(prefix="/v1")
@@ -38,6 +39,13 @@ async def completions(
 @router.post("/chat/completions")
 async def chat_completions(
     body: ChatCompletionRequest, caller: CurrentTenant, state: State, request: Request
+) -> Response:
+    return await handle_request(body, state=state, caller=caller, http=request)
+
+
+@router.post("/responses")
+async def responses(
+    body: ResponsesRequest, caller: CurrentTenant, state: State, request: Request
 ) -> Response:
     return await handle_request(body, state=state, caller=caller, http=request)
 

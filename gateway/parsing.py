@@ -8,13 +8,15 @@ legacy endpoint), chat the whole remaining context (chat answers end at EOS).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, ShapeLimits
+from gateway.responses_api import ResponsesRequest
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
-OpenAIRequest = CompletionRequest | ChatCompletionRequest
+OpenAIRequest = CompletionRequest | ChatCompletionRequest | ResponsesRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +40,10 @@ class ParsedRequest:
 
 
 def parse(body: OpenAIRequest, *, limits: ShapeLimits) -> ParsedRequest:
-    """``body`` checked (400 naming the field) and settled for the later stages."""
+    """``body`` checked (400 naming the field) and settled for the later stages; a Responses
+    request as the chat completion it means (`gateway.responses_api`)."""
+    if isinstance(body, ResponsesRequest):
+        return dataclasses.replace(parse(body.chat, limits=limits), id_prefix="resp")
     body.check_supported()
     body.check_shape(limits)
     if isinstance(body, ChatCompletionRequest):

@@ -27,14 +27,17 @@ from gateway.connection import SSE_HEADERS, ClosingEventStream, arrival_of, unti
 from gateway.errors import status_of
 from gateway.job import Job
 from gateway.metrics import RequestObservation
-from gateway.openai_format import Header, OutputFormat, output_format
+from gateway.openai_format import ChatFormat, Header, OutputFormat, output_format
 from gateway.parsing import OpenAIRequest, parse
 from gateway.protocol import ShapeLimits
 from gateway.resolution import ModelLimits, resolve
+from gateway.responses_api import ResponsesRequest
+from gateway.responses_format import ResponsesFormat
 from gateway.settlement import settle
 from gateway.state import GatewayState
 from gateway.tally import Tally
 from gateway.tenancy.tenants import Caller
+from gateway.tokenizer import ChatTokenizer
 from gateway.worker_client import WorkerReply
 from runtime.logs import REQUEST_ID
 
@@ -73,7 +76,7 @@ async def handle_request(
             queue=state.fair_queue, quotas=state.quotas,
         )  # fmt: skip
         header = Header(job.request_id, job.created, job.model)
-        fmt = output_format(body, header, state.tokenizer, prompt_ids=job.prompt_ids)
+        fmt = _output_format(body, header, state.tokenizer, job.prompt_ids)
         if body.stream:
             stream = await until_disconnect(
                 http, admission.run(lambda: _route_and_relay(relay.open_stream, job, state, tally))
@@ -120,6 +123,16 @@ async def _collected(
 
 def _collected_now(reply: WorkerReply, job: Job, fmt: OutputFormat, tally: Tally) -> JSONResponse:
     return JSONResponse(relay.collect(reply, job=job, fmt=fmt, tally=tally))
+
+
+def _output_format(
+    body: OpenAIRequest, header: Header, tokenizer: ChatTokenizer, prompt_ids: list[int]
+) -> OutputFormat:
+    """The endpoint's format: a Responses request's answer is read as chat's, then shaped."""
+    if isinstance(body, ResponsesRequest):
+        chat = ChatFormat(header, tokenizer, False, tool_calls=body.chat.calls_tools)
+        return ResponsesFormat(header, chat, body)
+    return output_format(body, header, tokenizer, prompt_ids=prompt_ids)
 
 
 def _overhead_header(tally: Tally) -> dict[str, str]:

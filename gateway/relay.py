@@ -280,7 +280,8 @@ async def _events(
             if body is None:
                 continue  # text held back (it may start a tool call)
             started.add(message.index)
-            yield sse(json.dumps(body, separators=(",", ":")))
+            for event in body if isinstance(body, list) else [body]:
+                yield sse(json.dumps(event, separators=(",", ":")))
             # Resumed once the server took the bytes: the relay share of this delta.
             metrics.RELAY_TIME.observe(time.monotonic() - tally.last_message_at)
         if include_usage:
@@ -289,7 +290,9 @@ async def _events(
                 completion_tokens=tally.completion_tokens,
                 cached_tokens=tally.cached_tokens,
             )
-            yield sse(json.dumps(fmt.usage_chunk(usage), separators=(",", ":")))
+            closing = fmt.usage_chunk(usage)
+            for event in closing if isinstance(closing, list) else [closing]:
+                yield sse(json.dumps(event, separators=(",", ":")))
     except GatewayError as exc:
         log.warning("request %s failed mid-stream: %s", job.request_id, exc.message)
         tally.error_status = exc.status

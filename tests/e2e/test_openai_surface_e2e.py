@@ -2,17 +2,23 @@
 process on a tiny random model, the gateway under uvicorn) through the official `openai`
 client: echo and prompt logprobs on /v1/completions (as lm-evaluation-harness's
 `local-completions` scores text) equal to transformers / peft in fp32, the caller's own
-adapters in /v1/models, and hostile values refused with OpenAI's errors."""
+adapters in /v1/models, the Responses API (create, stream, parse, function calls), every
+optional argument None, and hostile values refused with OpenAI's errors."""
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
+from typing import Annotated
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
 from peft import PeftModel
+from pydantic import BaseModel, Field
 
 from factories import add_byte_level_tokenizer, load_hf_model, make_checkpoint, make_peft_adapter
 from runtime.embedded_redis import free_port
@@ -29,7 +35,7 @@ def tiny_model(tmp_path_factory):
     path = make_checkpoint(
         tmp_path_factory.mktemp("surface-model"),
         vocab_size=512,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,  # the tools' system prompt is ~1 token a byte here
         eos_token_id=0,
         seed=23,
     )
@@ -180,3 +186,121 @@ def test_models_lists_the_callers_adapters_with_their_parent(client, model):
     assert listed["sql"].model_extra["parent"] == model
     assert listed["sql"].owned_by == "acme"
     assert listed[model].model_extra["parent"] is None
+
+
+# --- the Responses API --------------------------------------------------------------------
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}
+
+
+class Answer(BaseModel):
+    word: Annotated[str, Field(max_length=6)]
+    ok: bool
+
+
+def test_responses_create_with_instructions_and_usage(client, model):
+    out = client.responses.create(
+        model=model,
+        instructions="Answer briefly.",
+        input="What is the weather?",
+        max_output_tokens=5,
+        temperature=0,
+    )
+    assert out.object == "response" and out.output[0].type == "message"
+    assert out.output_text == out.output[0].content[0].text
+    assert out.usage.output_tokens <= 5 and out.usage.input_tokens > 0
+    assert out.status in {"completed", "incomplete"}
+    if out.status == "incomplete":
+        assert out.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_stream_events_add_up_to_the_response(client, model):
+    with client.responses.stream(
+        model=model, input=[{"role": "user", "content": "hi"}], max_output_tokens=6
+    ) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    # Cut short by max_output_tokens it ends "incomplete", as OpenAI's does (the SDK's
+    # get_final_response only takes "completed").
+    assert kinds[-1] in {"response.completed", "response.incomplete"}
+    final = events[-1].response
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert final.output_text == deltas
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert final.usage.output_tokens > 0
+
+
+def test_responses_function_call_and_its_output_round_trip(client, model):
+    out = client.responses.create(
+        model=model, input="Weather in Paris?", tools=[TOOL], tool_choice="required"
+    )
+    calls = [item for item in out.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    follow = client.responses.create(
+        model=model,
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "type": "function_call",
+                "call_id": calls[0].call_id,
+                "name": calls[0].name,
+                "arguments": calls[0].arguments,
+            },
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"},
+        ],
+        tools=[TOOL],
+        tool_choice="none",
+        max_output_tokens=4,
+    )
+    assert follow.output[0].type == "message"
+
+
+def test_responses_streamed_function_call(client, model):
+    with client.responses.stream(
+        model=model, input="Weather?", tools=[TOOL], tool_choice="required"
+    ) as stream:
+        final = stream.get_final_response()
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert calls and json.loads(calls[0].arguments)["unit"] in {"c", "f"}
+
+
+def test_responses_parse_follows_the_schema(client, model):
+    out = client.responses.parse(model=model, input="Say something.", text_format=Answer)
+    assert isinstance(out.output_parsed, Answer)
+
+
+def test_responses_refuse_what_they_cannot_honour(client, model):
+    cases = [
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content.0"),
+        ({"background": True}, "background"),
+    ]
+    for extra, param in cases:
+        body = {"model": model, "input": "hi", **extra}
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(**body)
+        assert caught.value.body["param"] == param, extra
+
+
+def test_every_optional_argument_none_gets_200(client, model):
+    create = client.responses.create
+    transport = {"extra_headers", "extra_query", "extra_body", "timeout", "model", "input"}
+    nones = {n: None for n in inspect.signature(create).parameters if n not in transport}
+    out = create(model=model, input="hi", **{**nones, "max_output_tokens": 3})
+    assert out.status in {"completed", "incomplete"}
+    for create, required in (
+        (client.completions.create, {"prompt": "hi"}),
+        (client.chat.completions.create, {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        names = inspect.signature(create).parameters
+        nones = {n: None for n in names if n not in transport | set(required)}
+        create(model=model, **required, **nones)

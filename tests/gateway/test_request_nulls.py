@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from gateway import protocol
+from gateway import protocol, responses_api
 from gateway.request_model import RequestModel
 from gateway.structured import protocol as structured
 
@@ -27,6 +27,12 @@ MINIMAL: dict[type[BaseModel], dict] = {
     structured.NamedToolChoice: {"type": "function", "function": {"name": "f"}},
     structured.FunctionCall: {"name": "f", "arguments": "{}"},
     structured.ToolCall: {"id": "c", "function": {"name": "f", "arguments": "{}"}},
+    responses_api.ResponsesRequest: {"model": "m", "input": "hi"},
+    responses_api.ContentPart: {"type": "input_text"},
+    responses_api.InputItem: {},
+    responses_api.ResponsesTool: {"type": "function"},
+    responses_api.FormatConfig: {},
+    responses_api.TextConfig: {},
 }
 
 
