@@ -133,6 +133,38 @@ def test_echo_scores_the_prompt_as_transformers_does(client, model, tokenizer, r
     assert lp.text_offset == [len(piece.rstrip("\ufffd")) for piece in pieces]
 
 
+@pytest.mark.parametrize("which", ["base", "adapter"])
+def test_a_loglikelihood_as_lm_evaluation_harness_reads_it(
+    client, model, tokenizer, reference, which
+):
+    """lm-eval's `local-completions` payload (echo, logprobs 1, max_tokens 1, token ids) and
+    its reading: the continuation's logprobs are token_logprobs[ctxlen:-1], greedy when each
+    equals the top entry."""
+    context, continuation = tokenizer.encode("the quick").ids, tokenizer.encode(" brown fox").ids
+    ids = context + continuation
+    out = client.completions.create(
+        model=model if which == "base" else "sql",
+        prompt=[ids],
+        echo=True,
+        logprobs=1,
+        max_tokens=1,
+        temperature=0,
+        seed=1234,
+    )
+    lp = out.choices[0].logprobs
+    ctxlen = len(context)
+    got = sum(lp.token_logprobs[ctxlen:-1])
+    expected = reference(ids, which == "adapter")
+    want = sum(expected[p - 1, ids[p]].item() for p in range(ctxlen, len(ids)))
+    assert abs(got - want) <= TOL * len(continuation)
+    greedy = all(
+        tok == max(top.values())
+        for tok, top in zip(lp.token_logprobs[ctxlen:-1], lp.top_logprobs[ctxlen:-1], strict=True)
+    )
+    argmax = [expected[p - 1].argmax().item() == ids[p] for p in range(ctxlen, len(ids))]
+    assert greedy == all(argmax)
+
+
 def test_echo_then_completion_and_vllm_prompt_logprobs(client, model, tokenizer, reference):
     ids = tokenizer.encode(TEXT).ids
     out = client.completions.create(
@@ -303,4 +335,5 @@ def test_every_optional_argument_none_gets_200(client, model):
     ):
         names = inspect.signature(create).parameters
         nones = {n: None for n in names if n not in transport | set(required)}
-        create(model=model, **required, **nones)
+        # The nulls as sent; only the length bounded (a random model rarely ends by itself).
+        create(model=model, **required, **nones, extra_body={"max_tokens": 4})
