@@ -65,6 +65,13 @@ async def resolve(
     )
     constraint = await constraint_for(body, checker=grammars)
     prompt = await prompt_ids(body, tokenizer=tokenizer, max_model_len=limits.max_model_len)
+    if parsed.prompt_logprobs is not None:
+        bound_prompt_logprobs(
+            len(prompt),
+            choices=body.n,
+            top=parsed.prompt_logprobs,
+            param="n" if body.n > 1 else parsed.prompt_param,
+        )
     max_tokens = settle_max_tokens(
         requested=parsed.max_tokens,
         default=parsed.default_max_tokens,
@@ -161,6 +168,25 @@ def bound_generated_tokens(max_tokens: int, *, samples: int, explicit: bool, lim
             param="max_tokens" if explicit else "n",
         )
     return limit // samples
+
+
+# A response repeats the prompt's logprobs in every choice: their entries (each token's and
+# its alternatives, in both the legacy and vLLM's shapes) are bounded, so a small request
+# cannot make the gateway build a body of gigabytes (n × a long prompt × 20 alternatives).
+MAX_PROMPT_LOGPROB_ENTRIES = 2**20
+
+
+def bound_prompt_logprobs(prompt_len: int, *, choices: int, top: int, param: str) -> None:
+    """n × prompt tokens × (the token and its ``top`` alternatives, shown twice at most)
+    within `MAX_PROMPT_LOGPROB_ENTRIES`; past it a 400 naming ``param``."""
+    entries = choices * prompt_len * 2 * (1 + top)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise InvalidRequestError(
+            f"the prompt's logprobs would hold {entries} entries ({choices} choices × "
+            f"{prompt_len} prompt tokens × {2 * (1 + top)}); at most "
+            f"{MAX_PROMPT_LOGPROB_ENTRIES} are allowed: lower n, the alternatives or the prompt",
+            param=param,
+        )
 
 
 def sampling_params(

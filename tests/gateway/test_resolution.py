@@ -20,8 +20,10 @@ from gateway.job import Job
 from gateway.parsing import parse
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, ShapeLimits
 from gateway.resolution import (
+    MAX_PROMPT_LOGPROB_ENTRIES,
     ModelLimits,
     bound_generated_tokens,
+    bound_prompt_logprobs,
     logit_bias_ids,
     resolve,
     resolve_model,
@@ -529,3 +531,11 @@ async def test_an_empty_choice_is_refused_before_the_prompt_is_read(resolved):
         "guided_choice",
         "choice needs at least one string",
     )
+
+
+def test_the_prompts_logprobs_in_every_choice_are_bounded():
+    limit = MAX_PROMPT_LOGPROB_ENTRIES
+    bound_prompt_logprobs(limit // 42, choices=1, top=20, param="prompt")  # just within
+    with pytest.raises(InvalidRequestError) as caught:
+        bound_prompt_logprobs(limit // 42, choices=2, top=20, param="n")
+    assert caught.value.param == "n" and "at most" in caught.value.message
