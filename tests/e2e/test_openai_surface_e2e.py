@@ -337,3 +337,33 @@ def test_every_optional_argument_none_gets_200(client, model):
         nones = {n: None for n in names if n not in transport | set(required)}
         # The nulls as sent; only the length bounded (a random model rarely ends by itself).
         create(model=model, **required, **nones, extra_body={"max_tokens": 4})
+
+
+def test_an_agent_on_its_default_responses_model_calls_a_tool_and_answers_in_a_schema(stack, model):
+    """openai-agents' Agent on `OpenAIResponsesModel` (its default), tracing off (it would
+    upload): a tool call it runs, then a structured final output."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    key = stack.create_tenant_key("acme")
+    client = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
+    responses_model = agents.OpenAIResponsesModel(model=model, openai_client=client)
+    seen = []
+
+    @agents.function_tool
+    def get_weather(city: Annotated[str, Field(max_length=8)]) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return "sunny"
+
+    caller = agents.Agent(
+        name="caller",
+        model=responses_model,
+        tools=[get_weather],
+        model_settings=agents.ModelSettings(tool_choice="required"),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    result = agents.Runner.run_sync(caller, "Weather in Paris?")
+    assert len(seen) == 1 and result.final_output == "sunny"
+    answerer = agents.Agent(name="answerer", model=responses_model, output_type=Answer)
+    result = agents.Runner.run_sync(answerer, "Say something.")
+    assert isinstance(result.final_output, Answer)
