@@ -22,13 +22,28 @@ PROJECTIONS: dict[str, str] = {
     "up_proj": "mlp",
     "down_proj": "mlp",
 }
+# Phi-3 stores q/k/v and gate/up fused, and PEFT targets the fused modules.
+FUSED_PROJECTIONS: dict[str, str] = {
+    "qkv_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_up_proj": "mlp",
+    "down_proj": "mlp",
+}
+# Every projection name of every family, in the canonical order (Llama's first).
+ALL_PROJECTIONS: dict[str, str] = {**PROJECTIONS, **FUSED_PROJECTIONS}
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# The dense families the worker's architecture registry serves (worker/model/architectures.py;
+# a test holds the two lists together), all with Llama's projection names.
+_FUSED_MODEL_TYPES = frozenset({"phi3"})
+SUPPORTED_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "gemma2", "gemma3_text"}
+    | _FUSED_MODEL_TYPES
+)
 
 
 @dataclass(frozen=True, slots=True)
 class BaseModelSpec:
-    """Shapes of a Llama-family base model (Llama, Mistral, Qwen2, SmolLM2)."""
+    """Shapes of a dense base model (Llama, Mistral, Qwen2/3, OLMo 2, Granite, Gemma 2/3, Phi-3)."""
 
     model_type: str
     num_layers: int
@@ -72,8 +87,13 @@ class BaseModelSpec:
             vocab_size=positive_int("vocab_size", config.get("vocab_size")),
         )
 
+    @property
+    def projections(self) -> dict[str, str]:
+        """This base's LoRA-targetable projections → their submodule, in canonical order."""
+        return FUSED_PROJECTIONS if self.model_type in _FUSED_MODEL_TYPES else PROJECTIONS
+
     def projection_shape(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of one projection; `module` is a key of PROJECTIONS."""
+        """(in_features, out_features) of one projection; `module` is a key of ALL_PROJECTIONS."""
         q_out = self.num_heads * self.head_dim
         kv_out = self.num_kv_heads * self.head_dim
         shapes = {
@@ -84,5 +104,7 @@ class BaseModelSpec:
             "gate_proj": (self.hidden_size, self.intermediate_size),
             "up_proj": (self.hidden_size, self.intermediate_size),
             "down_proj": (self.intermediate_size, self.hidden_size),
+            "qkv_proj": (self.hidden_size, q_out + 2 * kv_out),
+            "gate_up_proj": (self.hidden_size, 2 * self.intermediate_size),
         }
         return shapes[module]

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from adapters.base_model import PROJECTIONS
+from adapters.base_model import ALL_PROJECTIONS
 from adapters.errors import (
     IncompatibleAdapterError,
     InvalidAdapterError,
@@ -38,7 +38,7 @@ class LoraTensorName:
 
     key: str  # e.g. "model.layers.3.self_attn.q_proj"
     layer: int
-    module: str  # a key of PROJECTIONS
+    module: str  # a key of ALL_PROJECTIONS
     side: Side
 
 
@@ -61,13 +61,13 @@ def parse_tensor_name(name: str) -> LoraTensorName:
         )
     key = match.group("key")
     projection = _PROJECTION_KEY.fullmatch(key)
-    if projection is None or PROJECTIONS.get(projection.group("module")) != projection.group(
+    if projection is None or ALL_PROJECTIONS.get(projection.group("module")) != projection.group(
         "parent"
     ):
-        expected = ", ".join(f"{parent}.{module}" for module, parent in PROJECTIONS.items())
+        expected = ", ".join(f"{parent}.{module}" for module, parent in ALL_PROJECTIONS.items())
         raise IncompatibleAdapterError(
-            f"tensor {name!r} is for module {key!r}, which a Llama-family base model does not "
-            f"have (LoRA is served on model.layers.<i>.{{{expected}}})",
+            f"tensor {name!r} is for module {key!r}, which no served base model "
+            f"has (LoRA is served on model.layers.<i>.{{{expected}}})",
             field=name,
         )
     side: Side = "A" if match.group("side") == "A" else "B"
@@ -76,7 +76,7 @@ def parse_tensor_name(name: str) -> LoraTensorName:
 
 def canonical_module_key(layer: int, module: str) -> str:
     """The module's name in a `LlamaForCausalLM`, as stored adapters spell it."""
-    return f"model.layers.{layer}.{PROJECTIONS[module]}.{module}"
+    return f"model.layers.{layer}.{ALL_PROJECTIONS[module]}.{module}"
 
 
 def canonical_tensor_name(layer: int, module: str, side: Side) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
-from adapters.base_model import PROJECTIONS
+from adapters.base_model import ALL_PROJECTIONS
 from adapters.linear_regex import fullmatch, match
 
 ALL_LINEAR = "all-linear"
@@ -47,7 +47,7 @@ def target_selected(
     if isinstance(target_modules, str):
         if target_modules.lower() == ALL_LINEAR:
             # PEFT expands it to the full names of every nn.Linear except the output embedding.
-            return key.rsplit(".", 1)[-1] in PROJECTIONS
+            return key.rsplit(".", 1)[-1] in ALL_PROJECTIONS
         # A string is a regex that must match the whole name; layers_to_transform is unused.
         return fullmatch(target_modules, key)
     if key in target_modules:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adapters.base_model import PROJECTIONS, BaseModelSpec
+from adapters.base_model import BaseModelSpec
 from adapters.errors import (
     AdapterTooLargeError,
     IncompatibleAdapterError,
@@ -83,8 +83,15 @@ def pair_tensors(tensors: Mapping[str, TensorInfo]) -> dict[tuple[int, str], Mod
 def check_against_base(
     modules: Mapping[tuple[int, str], ModuleTensors], base: BaseModelSpec
 ) -> None:
-    """Layer in range; A is [r, in] and B is [out, r] with one r; in/out as the base has them."""
+    """A module the base has (Phi-3's are fused: qkv_proj, gate_up_proj); layer in range; A is
+    [r, in] and B is [out, r] with one r; in/out as the base has them."""
     for m in modules.values():
+        if m.module not in base.projections:
+            raise IncompatibleAdapterError(
+                f"tensor {m.a.name!r} is for module {m.module!r}, which this {base.model_type} "
+                f"base model does not have (its projections: {', '.join(base.projections)})",
+                field=m.a.name,
+            )
         if m.layer >= base.num_layers:
             raise IncompatibleAdapterError(
                 f"tensor {m.a.name!r} is for layer {m.layer}, but the base model has "
@@ -145,7 +152,7 @@ def check_against_config(
                 field="rank_pattern" if config.rank_pattern else "r",
             )
     for layer in range(base.num_layers):
-        for module, parent in PROJECTIONS.items():
+        for module, parent in base.projections.items():
             key = f"{prefix}layers.{layer}.{parent}.{module}"
             if (layer, module) not in modules and config.selects(key):
                 raise InvalidAdapterError(

@@ -17,6 +17,11 @@ first use so that a process on the torch path never imports triton.
 Semantics, per sequence with context ``c`` (tokens already cached) and chunk length ``n``:
 ``out[i] = softmax(scale * q[i] · K[:c+i+1]ᵀ) · V[:c+i+1]`` for i in 0..n-1, with query head
 ``h`` reading KV head ``h // (num_heads // num_kv_heads)`` (grouped-query attention).
+Two departures some families take, per layer: a sliding window ``W`` (a query at position ``p``
+sees only the keys at positions ``p - W < j <= p``: Mistral, Gemma 2/3), and a soft-cap on the
+scores (``cap * tanh(s / cap)`` before the softmax: Gemma 2). Both are masks and math on the same
+paths; the native decode kernel and the Triton kernels do not take them (the runner and the
+engine plan around that).
 """
 
 from __future__ import annotations
@@ -117,11 +122,28 @@ def attend(
     value_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    positions: torch.Tensor | None = None,  # [num_tokens] int64, needed with a window
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Write the fresh keys and values to their slots, then attend, on the metadata's path."""
     if meta.layout is None:
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        return paged_attention(query, key, value, key_cache, value_cache, meta, scale)
+        return paged_attention(
+            query,
+            key,
+            value,
+            key_cache,
+            value_cache,
+            meta,
+            scale,
+            window=window,
+            softcap=softcap,
+            positions=positions,
+        )
+    if window is not None or softcap is not None:
+        raise ValueError("the Triton attention kernels take no sliding window or soft-cap")
     from switchboard_kernels import paged_attention_triton as tri
 
     tri.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
@@ -157,7 +179,13 @@ def paged_attention(
     value_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    positions: torch.Tensor | None = None,  # [num_tokens] int64, needed with a window
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    if window is not None and positions is None:
+        raise ValueError("a sliding window needs the rows' positions")
     out = torch.empty_like(query)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key.shape[1]
@@ -173,10 +201,17 @@ def paged_attention(
         k = gather_blocks(key_cache, g.block_tables, g.count).transpose(1, 2)
         v = gather_blocks(value_cache, g.block_tables, g.count).transpose(1, 2)
         # k, v: [count, kv_heads, max_blocks * block_size, dim]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+        mask = g.mask
+        if window is not None:
+            inside = _in_window(positions[rows].view(g.count, n), k.shape[2], window)
+            # [count, n, span] -> row g * n + i of the group's query axis
+            mask = mask & inside.repeat(1, mask.shape[2] // n, 1).unsqueeze(1)
+        o = _attention(q, k, v, mask, False, scale, softcap, False)
         o = o.view(g.count, num_kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
         out[rows] = o.reshape(g.count * n, num_heads, head_dim)
     if meta.native_decodes is not None:
+        if window is not None or softcap is not None:
+            raise ValueError("the native decode kernel takes no sliding window or soft-cap")
         kernel = native_attention()
         if kernel is None:
             raise ValueError("metadata planned for the native attention kernel, not built here")
@@ -191,17 +226,47 @@ def paged_attention(
         else:
             k = gather_blocks(key_cache, chunk.block_table, 1).transpose(1, 2)
             v = gather_blocks(value_cache, chunk.block_table, 1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=scale,
-            enable_gqa=group > 1,
-        )
+        mask = chunk.mask
+        if window is not None and (mask is not None or chunk.length > window):
+            inside = _in_window(positions[rows][: chunk.length], k.shape[2], window)
+            # a fresh chunk's rows are at positions 0 .. n - 1, its keys the same
+            mask = inside & (mask if mask is not None else inside.new_ones(inside.shape).tril())
+        o = _attention(q, k, v, mask, mask is None, scale, softcap, group > 1)
         out[rows] = o.transpose(1, 2).reshape(count * chunk.length, num_heads, head_dim)
     return out
+
+
+def _in_window(positions: torch.Tensor, span: int, window: int) -> torch.Tensor:
+    """[..., span] bool: key j is inside the window of a query at each position (j > p - W)."""
+    keys = torch.arange(span, device=positions.device)
+    return keys > (positions.unsqueeze(-1) - window)
+
+
+def _attention(
+    q: torch.Tensor,  # [..., heads, rows, dim]
+    k: torch.Tensor,  # [..., kv_heads, keys, dim]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # broadcast to [..., heads, rows, keys], True = attend
+    is_causal: bool,
+    scale: float,
+    softcap: float | None,
+    gqa: bool,
+) -> torch.Tensor:
+    """SDPA, or with a soft-cap (which SDPA has not) the same written out, as HF's eager path
+    computes it: ``softmax(cap * tanh(scale * q kᵀ / cap) + mask) v``."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+        )
+    if gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is None and is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
 
 
 def fresh_runs(chunks: list[PrefillChunk]) -> list[tuple[int, int, PrefillChunk]]:

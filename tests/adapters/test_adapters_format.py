@@ -334,8 +334,14 @@ def _inf(t: dict[str, np.ndarray]) -> None:
     t[Q_A0][0, 0] = -np.inf
 
 
+def _rename_q_to_dense(t: dict[str, np.ndarray]) -> None:
+    t[Q_A0.replace("q_proj", "dense")] = t.pop(Q_A0)
+
+
 def _rename_q_to_qkv(t: dict[str, np.ndarray]) -> None:
-    t[Q_A0.replace("q_proj", "qkv_proj")] = t.pop(Q_A0)
+    """Phi-3's fused module, on a base that has none (both tensors renamed)."""
+    for name in (Q_A0, Q_A0.replace("lora_A", "lora_B")):
+        t[name.replace("q_proj", "qkv_proj")] = t.pop(name)
 
 
 def _replace(name: str, value: Any) -> Any:
@@ -353,10 +359,16 @@ TENSOR_REFUSALS = [
         _inf, InvalidAdapterError, f"'{Q_A0}' holds 1 non-finite values (first: -inf", id="Inf"
     ),
     pytest.param(
+        _rename_q_to_dense,
+        IncompatibleAdapterError,
+        "is for module 'model.layers.0.self_attn.dense', which no served base model has",
+        id="unknown module",
+    ),
+    pytest.param(
         _rename_q_to_qkv,
         IncompatibleAdapterError,
-        "is for module 'model.layers.0.self_attn.qkv_proj', which a Llama-family base model",
-        id="unknown module",
+        "is for module 'qkv_proj', which this llama base model does not have",
+        id="module of another family",
     ),
     pytest.param(
         lambda t: t.pop(Q_B0),

@@ -1,4 +1,7 @@
-"""Our Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flattened, paged batch.
+"""Our decoder over a flattened, paged batch: the Llama block, and every dense family the
+architecture registry (``worker.model.architectures``) describes as departures from it (q/k norms,
+norm placement, multipliers, GeLU, soft-caps, sliding windows, per-layer RoPE, fused checkpoints).
+A Llama-block checkpoint runs the Llama loop as it always has; the others run ``_forward_block``.
 
 Plain tensors and functions rather than ``nn.Module``s: no hooks or parameter bookkeeping
 on the hot path. q/k/v and gate/up projections are fused into one matmul each (fewer,
@@ -27,6 +30,7 @@ from switchboard_kernels.lora import add_lora, lora_expand, lora_shrink
 from switchboard_kernels.norm_native import rms_norm
 from switchboard_kernels.paged_attention import AttentionMetadata, attend
 from worker.errors import ModelLoadError
+from worker.model.architectures import Activation, NormPlacement, QKNorm
 from worker.model.model_config import ModelConfig
 from worker.model.rope import RopeTables, apply_rope
 from worker.model.sharding import Shard, check_divisible, weight_slicer
@@ -38,12 +42,19 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
+    input_norm: torch.Tensor | None  # [hidden], before attention (None: OLMo 2)
     qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim, with Qwen2's biases
     o: Linear  # heads * head_dim -> hidden
-    post_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor | None  # [hidden], before the MLP (None: OLMo 2)
     gate_up: Linear  # hidden -> 2 * intermediate
     down: Linear  # intermediate -> hidden
+    # The registry's departures from the Llama block (``worker.model.architectures``).
+    attn_out_norm: torch.Tensor | None = None  # [hidden], on attention's output (OLMo 2, Gemma)
+    mlp_out_norm: torch.Tensor | None = None  # [hidden], on the MLP's output (OLMo 2, Gemma)
+    q_norm: torch.Tensor | None = None  # [head_dim] per head, or [heads * head_dim] (OLMo 2)
+    k_norm: torch.Tensor | None = None
+    window: int | None = None  # sliding window (keys p - W < j <= p), None: full attention
+    rope: int = 0  # index of this layer's RoPE tables
 
 
 def projection_shapes(c: ModelConfig) -> list[tuple[int, int]]:
@@ -91,13 +102,16 @@ class LlamaModel:
         self.num_kv_heads = c.num_kv_heads // self.shard.size
         self.q_size = self.num_heads * c.head_dim
         self.kv_size = self.num_kv_heads * c.head_dim
-        self.scale = c.head_dim**-0.5
+        block = c.block
+        self.scale = block.attention_scale or c.head_dim**-0.5
+        # The Llama block exactly: the Llama loop, the native draft pass.
+        self.llama_block = block.is_llama
         # Vocabulary-parallel: this rank's rows of the embedding and the output layer, ids
         # vocab_start .. vocab_start + rows, padded with zero rows to vocab_rows.
         self.vocab_start = self.shard.vocab_span(c.vocab_size).start
         self.vocab_rows = self.shard.vocab_rows(c.vocab_size)
         self.embed = self._vocab_padded(weights["model.embed_tokens.weight"])
-        self.final_norm = weights["model.norm.weight"]
+        self.final_norm = self._norm(weights, "model.norm.weight")
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
         if head not in weights:
             raise ModelLoadError(f"the checkpoint has no {head} (tie_word_embeddings is False)")
@@ -117,12 +131,21 @@ class LlamaModel:
         linears = [self.lm_head] + [
             lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
         ]
-        norms = [self.final_norm] + [n for y in self.layers for n in (y.input_norm, y.post_norm)]
+        norms = [self.final_norm] + [
+            n
+            for y in self.layers
+            for n in (y.input_norm, y.post_norm, y.attn_out_norm, y.mlp_out_norm)
+            if n is not None
+        ]
         self.decode_weight_bytes = sum(lin.decode_bytes for lin in linears) + sum(
             n.numel() * n.element_size() for n in norms
         )
-        rope = RopeTables.build(c.head_dim, c.rope, c.max_position_embeddings, dtype)
-        self.rope = rope.to(self.device)
+        ropes = block.ropes or (c.rope,)
+        self.ropes = [
+            RopeTables.build(c.head_dim, r, c.max_position_embeddings, dtype).to(self.device)
+            for r in ropes
+        ]
+        self.rope = self.ropes[0]
 
     @classmethod
     def from_pretrained(
@@ -162,22 +185,57 @@ class LlamaModel:
             return rows
         return torch.cat([rows, rows.new_zeros(missing, rows.shape[1])])
 
+    def _norm(self, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """A norm's weight, with Gemma's ``w - 1`` storage undone."""
+        try:
+            weight = w[name]
+        except KeyError:
+            raise ModelLoadError(f"the checkpoint has no {name}") from None
+        offset = self.config.block.norm_offset
+        return weight + offset if offset else weight
+
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
-        qkv = torch.cat([w[attn + f"{n}_proj.weight"] for n in "qkv"])
+        block = self.config.block
+        if block.fused_checkpoint:  # Phi-3: stored in our fused order already
+            qkv, gate_up = w[attn + "qkv_proj.weight"], w[mlp + "gate_up_proj.weight"]
+        else:
+            qkv = torch.cat([w[attn + f"{n}_proj.weight"] for n in "qkv"])
+            gate_up = torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])
         bias = None
         if self.config.qkv_bias:
             bias = torch.cat([w[attn + f"{n}_proj.bias"] for n in "qkv"])
         q, plan = self.quantization, self.linear_plan
-        gate_up = torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])
+        norms: dict[str, torch.Tensor | None] = {
+            "input_norm": None,
+            "post_norm": None,
+            "attn_out_norm": None,
+            "mlp_out_norm": None,
+        }
+        if block.norm_placement is NormPlacement.PRE:
+            norms["input_norm"] = self._norm(w, p + "input_layernorm.weight")
+            norms["post_norm"] = self._norm(w, p + "post_attention_layernorm.weight")
+        elif block.norm_placement is NormPlacement.POST:
+            norms["attn_out_norm"] = self._norm(w, p + "post_attention_layernorm.weight")
+            norms["mlp_out_norm"] = self._norm(w, p + "post_feedforward_layernorm.weight")
+        else:  # SANDWICH
+            norms["input_norm"] = self._norm(w, p + "input_layernorm.weight")
+            norms["attn_out_norm"] = self._norm(w, p + "post_attention_layernorm.weight")
+            norms["post_norm"] = self._norm(w, p + "pre_feedforward_layernorm.weight")
+            norms["mlp_out_norm"] = self._norm(w, p + "post_feedforward_layernorm.weight")
+        qk_norms = {}
+        if block.qk_norm is not QKNorm.NONE:
+            qk_norms = {n: self._norm(w, attn + n + ".weight") for n in ("q_norm", "k_norm")}
         return LayerWeights(
-            input_norm=w[p + "input_layernorm.weight"],
             qkv=Linear(qkv, bias, quantization=q, plan=plan),
             o=Linear(w[attn + "o_proj.weight"], quantization=q, plan=plan),
-            post_norm=w[p + "post_attention_layernorm.weight"],
             gate_up=Linear(gate_up, quantization=q, plan=plan),
             down=Linear(w[mlp + "down_proj.weight"], quantization=q, plan=plan),
+            window=block.layer_windows[i] if block.layer_windows else None,
+            rope=block.layer_ropes[i] if block.layer_ropes else 0,
+            **norms,
+            **qk_norms,
         )
 
     def forward(
@@ -188,6 +246,8 @@ class LlamaModel:
         meta: AttentionMetadata,
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        if not self.llama_block:
+            return self._forward_block(input_ids, positions, kv_caches, meta, lora)
         c = self.config
         cos, sin = self.rope.lookup(positions)  # each [num_tokens, 1, head_dim]
         hidden = self._embed(input_ids)
@@ -216,6 +276,83 @@ class LlamaModel:
             act = F.silu(gate) * up
             hidden = self._row_parallel(layer.down, act, hidden, adapters, "down")
         return hidden
+
+    def _forward_block(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
+        meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """``forward`` for a block that departs from Llama's, as ``config.block`` describes."""
+        c, block = self.config, self.config.block
+        eps, hd = c.rms_norm_eps, c.head_dim
+        rotations = [rope.lookup(positions) for rope in self.ropes]
+        hidden = self._embed(input_ids)
+        if block.embedding_scale != 1.0:
+            hidden = hidden * block.embedding_scale
+        n = hidden.shape[0]
+        residual_scale = block.residual_multiplier
+        gelu = block.activation is Activation.GELU_TANH
+        across = block.qk_norm is QKNorm.ACROSS_HEADS
+        for index, (layer, (key_cache, value_cache)) in enumerate(
+            zip(self.layers, kv_caches, strict=True)
+        ):
+            adapters = None if lora is None else _LayerLora(lora, index, self.group)
+            x = hidden if layer.input_norm is None else rms_norm(hidden, layer.input_norm, eps)
+            qkv = layer.qkv(x)
+            if adapters is not None:
+                adapters.add(qkv, x, "qkv")
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if across:  # OLMo 2: over the whole projection, before the heads split
+                q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+            q = q.reshape(n * self.num_heads, hd)
+            k = k.reshape(n * self.num_kv_heads, hd)
+            if layer.q_norm is not None and not across:  # per head, before RoPE
+                q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+            cos, sin = rotations[layer.rope]
+            q = apply_rope(q.view(n, self.num_heads, hd), cos, sin)
+            k = apply_rope(k.view(n, self.num_kv_heads, hd), cos, sin)
+            v = v.reshape(n, self.num_kv_heads, hd)
+            attn = attend(
+                q,
+                k,
+                v,
+                key_cache,
+                value_cache,
+                meta,
+                self.scale,
+                window=layer.window,
+                softcap=block.attention_softcap,
+                positions=positions,
+            )
+            y = self._projected(layer.o, attn.view(n, self.q_size), adapters, "o")
+            if layer.attn_out_norm is not None:
+                y = rms_norm(y, layer.attn_out_norm, eps)
+            hidden = torch.add(hidden, y, alpha=residual_scale)
+            x = hidden if layer.post_norm is None else rms_norm(hidden, layer.post_norm, eps)
+            gate_up = layer.gate_up(x)
+            if adapters is not None:
+                adapters.add(gate_up, x, "gate_up")
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+            y = self._projected(layer.down, act, adapters, "down")
+            if layer.mlp_out_norm is not None:
+                y = rms_norm(y, layer.mlp_out_norm, eps)
+            hidden = torch.add(hidden, y, alpha=residual_scale)
+        return hidden
+
+    def _projected(
+        self, linear: Linear, x: torch.Tensor, adapters: _LayerLora | None, lora_group: str
+    ) -> torch.Tensor:
+        """``x @ W.T`` plus the LoRA delta, all-reduced under tensor parallelism."""
+        y = linear(x)
+        if adapters is not None:
+            adapters.add(y, x, lora_group)
+        if self.group is not None:
+            self.group.all_reduce(y)
+        return y
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         """The embedding rows; split by vocabulary, each rank looks up the ids it holds
@@ -254,7 +391,12 @@ class LlamaModel:
         (switchboard_kernels/draft_cpu.c), where this model's weights have native 4-bit copies (a
         draft model on CPU), else None. The rows then run in fp32 throughout, on fp32 RoPE
         tables."""
-        if self.quantization != "int4" or self.device.type != "cpu" or native_draft() is None:
+        if (
+            self.quantization != "int4"
+            or self.device.type != "cpu"
+            or not self.llama_block
+            or native_draft() is None
+        ):
             return None
         c = self.config
         rope = RopeTables.build(c.head_dim, c.rope, c.max_position_embeddings, torch.float32)
@@ -282,12 +424,23 @@ class LlamaModel:
         vocabulary, the ranks' columns are gathered to rank 0 (the others return None)."""
         x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         logits = self.lm_head(x).float()
+        if not self.llama_block:
+            logits = self._shaped_logits(logits)
         if self.group is not None:
             gathered = self.group.gather_to_first(logits)
             return None if gathered is None else gathered[:, : self.config.vocab_size]
         if self.output_token_ids is None or kept_only:
             return logits
         return self.full_logits(logits)
+
+    def _shaped_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Granite's logits scale and Gemma 2's final soft-cap (padded vocabulary rows stay 0)."""
+        block = self.config.block
+        if block.logits_scale != 1.0:
+            logits = logits * block.logits_scale
+        if block.final_softcap is not None:
+            logits = torch.tanh(logits / block.final_softcap) * block.final_softcap
+        return logits
 
     def full_logits(self, kept: torch.Tensor) -> torch.Tensor:
         """Logits over the kept tokens [rows, kept] -> [rows, vocab], -inf elsewhere."""

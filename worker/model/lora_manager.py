@@ -53,6 +53,13 @@ LORA_GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+# Phi-3's checkpoint fuses q/k/v and gate/up, and PEFT adapts the fused modules.
+FUSED_LORA_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("qkv_proj",),
+    "o": ("o_proj",),
+    "gate_up": ("gate_up_proj",),
+    "down": ("down_proj",),
+}
 # Groups whose base projections are row-parallel under tensor parallelism.
 ROW_PARALLEL_GROUPS = ("o", "down")
 
@@ -102,6 +109,8 @@ class LoraManager:
         shards, for the split shrink and expand (no native kernel or prepacked pairs)."""
         config = json.loads((Path(model_path) / "config.json").read_text())
         self.spec = BaseModelSpec.from_config_dict(config)
+        fused = "qkv_proj" in self.spec.projections
+        self.groups = FUSED_LORA_GROUPS if fused else LORA_GROUPS
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_loras = max_loras
@@ -234,7 +243,7 @@ class LoraManager:
                     self._fill_shard(stack, group, layer, slot, adapter, self.shard)
                     continue
                 row = 0
-                for m, module in enumerate(LORA_GROUPS[group]):
+                for m, module in enumerate(self.groups[group]):
                     out_features = self.spec.projection_shape(module)[1]
                     weights = adapter.weights.get((layer, module))
                     if weights is not None:
@@ -264,7 +273,7 @@ class LoraManager:
     ) -> None:
         """This rank's S-LoRA shard of one group of ``adapter`` into ``slot`` (see the
         module docstring; ``_allocate`` sizes the stacks)."""
-        modules = LORA_GROUPS[group]
+        modules = self.groups[group]
         width = stack.a.shape[1] // len(modules)  # A rows per module on this rank
         row = 0
         for m, module in enumerate(modules):
@@ -330,7 +339,7 @@ class LoraManager:
         stacks = []
         for _ in range(self.spec.num_layers):
             layer = {}
-            for group, modules in LORA_GROUPS.items():
+            for group, modules in self.groups.items():
                 in_features = self.spec.projection_shape(modules[0])[0]
                 out_features = sum(self.spec.projection_shape(m)[1] for m in modules)
                 width = rank * len(modules)
@@ -362,7 +371,7 @@ class LoraManager:
         stacks = []
         for _ in range(self.spec.num_layers):
             layer = {}
-            for group, modules in LORA_GROUPS.items():
+            for group, modules in self.groups.items():
                 in_features = self.spec.projection_shape(modules[0])[0]
                 out_local = sum(self.spec.projection_shape(m)[1] for m in modules) // shard.size
                 row_parallel = group in ROW_PARALLEL_GROUPS

@@ -1,13 +1,15 @@
-"""The few facts about a Llama-family checkpoint the engine needs, read from its HF config."""
+"""The few facts about a checkpoint the engine needs, read from its HF config; how its decoder
+block departs from Llama's comes from the architecture registry (``worker.model.architectures``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from worker.errors import ModelLoadError
+from worker.model.architectures import ARCHITECTURES, Block, read_block
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +29,8 @@ class ModelConfig:
     # Qwen2 has biases on q/k/v; Llama may via ``attention_bias``.
     qkv_bias: bool
     eos_token_ids: tuple[int, ...]
+    # How the block departs from Llama's (the registry's reading of the config).
+    block: Block = field(default_factory=Block)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -37,16 +41,9 @@ class ModelConfig:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not a Hugging Face checkpoint (no config.json)")
         hf = AutoConfig.from_pretrained(path)
-        if hf.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelLoadError(
-                f"model type {hf.model_type!r} is not of the Llama family "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        if getattr(hf, "mlp_bias", False):
-            raise ModelLoadError("mlp_bias=True is not supported")
+        block = read_block(hf, hf.num_hidden_layers)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
-        rope = _rope_parameters(hf)
         return cls(
             model_type=hf.model_type,
             vocab_size=hf.vocab_size,
@@ -57,31 +54,13 @@ class ModelConfig:
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
-            rope=rope,
-            max_position_embeddings=_max_len(hf),
+            rope=block.ropes[0],
+            max_position_embeddings=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
             eos_token_ids=_eos_ids(path, hf),
+            block=block,
         )
-
-
-def _rope_parameters(hf) -> dict:
-    rope = getattr(hf, "rope_parameters", None)
-    if rope:
-        return dict(rope)
-    rope = dict(getattr(hf, "rope_scaling", None) or {})
-    rope.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    return rope
-
-
-def _max_len(hf) -> int:
-    """Context length; a sliding window (Mistral v0.1) caps it, so full attention stays exact."""
-    max_len = hf.max_position_embeddings
-    window = getattr(hf, "sliding_window", None)
-    uses_window = getattr(hf, "use_sliding_window", hf.model_type == "mistral")
-    if window and uses_window:
-        max_len = min(max_len, window)
-    return max_len
 
 
 def _eos_ids(path: Path, hf) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from worker.errors import TensorParallelConfigError
+from worker.model.architectures import QKNorm
 from worker.model.model_config import ModelConfig
 
 # The tensors split by vocabulary rows.
@@ -44,7 +45,14 @@ class Shard:
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
-    """Refuse a model that ``size`` ranks cannot split evenly, naming what does not divide."""
+    """Refuse a model that ``size`` ranks cannot split evenly, naming what does not divide,
+    or whose block does not split by heads (OLMo 2's q/k norms span every head; Phi-3's fused
+    tensors would need their q/k/v and gate/up parts split apart)."""
+    block = config.block
+    if size > 1 and (block.fused_checkpoint or block.qk_norm is QKNorm.ACROSS_HEADS):
+        raise TensorParallelConfigError(
+            f"tensor parallelism is not supported for {config.model_type} models yet"
+        )
     counts = {
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
