@@ -236,6 +236,24 @@ class Answer(BaseModel):
     ok: bool
 
 
+def usage_of(stack, key: str, model: str) -> tuple[int, int]:
+    """The tenant's (prompt, completion) tokens today for ``model``, from /v1/usage."""
+    headers = {"Authorization": f"Bearer {key}"}
+    rows = httpx.get(f"{stack.base_url}/v1/usage", headers=headers, timeout=30).json()["data"]
+    row = next((r for r in rows if r["model"] == model), {})
+    return row.get("prompt_tokens", 0), row.get("completion_tokens", 0)
+
+
+def test_responses_are_charged_as_chat_is(stack, model):
+    key = stack.create_tenant_key("payer")
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
+    before = usage_of(stack, key, model)
+    out = client.responses.create(model=model, input="hi", max_output_tokens=3)
+    after = usage_of(stack, key, model)
+    assert after[0] - before[0] == out.usage.input_tokens
+    assert after[1] - before[1] == out.usage.output_tokens > 0
+
+
 def test_responses_create_with_instructions_and_usage(client, model):
     out = client.responses.create(
         model=model,
