@@ -229,6 +229,10 @@ SAMPLING_ATTACKS = {
     "prompt_token_ids_too_many": {"prompt": [5] * 200_000},
     "prompt_text_too_long": {"prompt": "a" * 3_000_000},
     "prompt_empty_list": {"prompt": []},
+    "prompt_logprobs_huge": {"prompt_logprobs": 10**6},
+    "max_tokens_zero_without_echo": {"max_tokens": 0},
+    "echo_max_tokens_negative": {"echo": True, "max_tokens": -1},
+    "prompt_logprobs_in_every_choice": {"prompt_logprobs": 20, "n": 64, "prompt": [5] * 400},
 }
 
 
@@ -290,6 +294,42 @@ def test_a_tiny_temperature_is_greedy(temperature, victim, attacker, prober, tin
         tiny = attacker.post("/v1/completions", json={**body, "temperature": temperature})
     assert tiny.status_code == 200, tiny.text
     assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+
+
+def test_scoring_long_prompts_beside_the_victim(victim, attacker, prober, tiny_model):
+    """The heaviest valid scoring (a prompt filling the context, 20 alternatives per prompt
+    token, echoed) answers, and the victim's stream does not change."""
+    body = {
+        "model": tiny_model.name,
+        "prompt": [3 + i % 300 for i in range(500)],
+        "echo": True,
+        "logprobs": 20,
+        "prompt_logprobs": 20,
+        "max_tokens": 0,
+    }
+    with victim.alongside():
+        responses = [attacker.post("/v1/completions", json=body) for _ in range(3)]
+    for response in responses:
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert len(choice["logprobs"]["token_logprobs"]) == 500
+        assert len(choice["prompt_logprobs"]) == 500
+
+
+def test_responses_it_cannot_honour_are_refused_beside_the_victim(
+    victim, attacker, prober, tiny_model
+):
+    bodies = [
+        {"previous_response_id": "resp_x"},
+        {"input": [{"type": "reasoning"}] * 1000},
+        {"tools": [{"type": "function", "name": "f" * 65}]},
+        {"metadata": {str(i): "v" for i in range(10_000)}},
+        {"input": [{"role": "user", "content": "hi"}] * 100_000},
+    ]
+    with victim.alongside():
+        for extra in bodies:
+            body = {"model": tiny_model.name, "input": "hi", **extra}
+            assert_refused(attacker.post("/v1/responses", json=body), 400)
 
 
 def test_chat_with_many_messages_is_refused(victim, attacker, prober, tiny_model):
