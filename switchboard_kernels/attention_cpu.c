@@ -16,6 +16,11 @@
  * position start + i and sees keys 0 .. start + i. An alternative draft (verified beside a
  * chain of drafts, in a slot past the chain) is its own one-query sequence whose last key,
  * at its own position, is read from that slot instead of from the table ("own slot").
+ *
+ * Two departures some model families take (sb_paged_decode_windowed): a sliding window W, in
+ * which a query at position p sees only keys p - W < j <= p (the keys before the first block
+ * any row sees are never read), and a soft-cap on the scores, cap * tanh(s / cap), before the
+ * softmax (Gemma 2).
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,9 +50,22 @@ typedef struct {
     int64_t stride;        /* of the scores scratch: the most keys, rounded up to 16 */
     int64_t own_index;     /* the key read from own_slot instead of the table; -1: none */
     int64_t own_slot;      /* flat slot (block * block_size + offset) */
+    int64_t window;        /* sliding window W (row r sees keys visible - W ..); 0: none */
+    float softcap;         /* scores -> softcap * tanh(scores / softcap); 0: none */
 } Item;
 
 static inline int64_t visible(const Item *it, int64_t r) { return it->first_len + r / it->group; }
+
+/* The first key row r sees: its window's start, or 0. */
+static inline int64_t first_seen(const Item *it, int64_t r) {
+    int64_t lo = it->window > 0 ? visible(it, r) - it->window : 0;
+    return lo > 0 ? lo : 0;
+}
+
+/* The first key any row reads, at the start of its block (row 0 sees the fewest keys). */
+static inline int64_t first_walked(const Item *it) {
+    return first_seen(it, 0) / it->block_size * it->block_size;
+}
 
 /* Key (or value) j of the item's KV head, walked block by block (no division per key).
  * Blocks lie anywhere in the cache, so the hardware prefetcher cannot guess the next one:
@@ -74,7 +92,8 @@ static inline const char *slot_row(const Item *it, const char *cache, int64_t sl
 
 /* The same; prefetch 0: the keys were walked once already (they sit in cache). */
 #define FOR_EACH_KEY_PREFETCHING(it, cache, len, j, ptr, prefetch, ...)                 \
-    for (int64_t blk_ = 0, j = 0; j < (len); blk_++) {                                  \
+    for (int64_t blk_ = first_walked(it) / (it)->block_size, j = first_walked(it);       \
+         j < (len); blk_++) {                                                           \
         const char *row_ = block_rows((it), (cache), blk_);                             \
         if ((prefetch) && j + (it)->block_size < (len))                                 \
             prefetch_block((it), block_rows((it), (cache), blk_ + 1),                   \
@@ -114,6 +133,21 @@ static inline float exp_nonpositive_f32(float x) {
     return p * scale.f;
 }
 
+/* Row r's scores over its keys [lo, n): the soft-cap applied where there is one, and the keys
+ * before the window zeroed (they take no part; the weighted sum of values reads them as 0).
+ * tanh(x) = sign(x) (1 - e) / (1 + e) with e = e^(-2|x|). */
+static void prepare_row(const Item *it, float *sr, int64_t lo, int64_t n) {
+    for (int64_t j = 0; j < lo; j++) sr[j] = 0.0f;
+    if (it->softcap > 0.0f) {
+        float cap = it->softcap;
+        for (int64_t j = lo; j < n; j++) {
+            float x = sr[j] / cap, e = exp_nonpositive_f32(-2.0f * fabsf(x));
+            float t = (1.0f - e) / (1.0f + e);
+            sr[j] = cap * (x < 0.0f ? -t : t);
+        }
+    }
+}
+
 /* The inner loops of attend_portable, out of its FOR_EACH_KEY bodies (a pragma cannot sit
  * in a macro argument). */
 static inline float dot_f32(const float *a, const float *b, int64_t d) {
@@ -132,16 +166,17 @@ static inline void add_scaled_f32(float *out, float p, const float *v, int64_t d
 static void softmax_rows(const Item *it, float *scores, int64_t len) {
     for (int64_t r = 0; r < it->rows; r++) {
         float *sr = scores + r * it->stride, max = -INFINITY, sum = 0.0f;
-        int64_t n = visible(it, r);
+        int64_t n = visible(it, r), lo = first_seen(it, r);
+        prepare_row(it, sr, lo, n);
 #pragma omp simd reduction(max : max)
-        for (int64_t j = 0; j < n; j++) max = sr[j] > max ? sr[j] : max;
+        for (int64_t j = lo; j < n; j++) max = sr[j] > max ? sr[j] : max;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; j++) {
+        for (int64_t j = lo; j < n; j++) {
             sr[j] = exp_nonpositive_f32(sr[j] - max);
             sum += sr[j];
         }
         float inv = 1.0f / sum;
-        for (int64_t j = 0; j < len; j++) sr[j] = j < n ? sr[j] * inv : 0.0f;
+        for (int64_t j = lo; j < len; j++) sr[j] = j < n ? sr[j] * inv : 0.0f;
     }
 }
 
@@ -223,7 +258,8 @@ static inline v8f exp_nonpositive8(v8f x) {
 static void softmax_rows8(const Item *it, float *scores, int64_t len) {
     for (int64_t r = 0; r < it->rows; r++) {
         float *sr = scores + r * it->stride, max = -INFINITY, sum = 0.0f;
-        int64_t n = visible(it, r), j = 0;
+        int64_t n = visible(it, r), lo = first_seen(it, r), j = lo;
+        prepare_row(it, sr, lo, n);
         v8f vmax = (v8f){0} - INFINITY, vsum = {0};
         for (; j + 8 <= n; j += 8) {
             v8f v = load8(sr + j, 1);
@@ -231,7 +267,7 @@ static void softmax_rows8(const Item *it, float *scores, int64_t len) {
         }
         for (int l = 0; l < 8; l++) max = vmax[l] > max ? vmax[l] : max;
         for (; j < n; j++) max = sr[j] > max ? sr[j] : max;
-        for (j = 0; j + 8 <= n; j += 8) {
+        for (j = lo; j + 8 <= n; j += 8) {
             v8f e = exp_nonpositive8(load8(sr + j, 1) - max);
             memcpy(sr + j, &e, sizeof e);
             vsum += e;
@@ -242,7 +278,7 @@ static void softmax_rows8(const Item *it, float *scores, int64_t len) {
         }
         for (int l = 0; l < 8; l++) sum += vsum[l];
         float inv = 1.0f / sum;
-        for (j = 0; j < n; j++) sr[j] *= inv;
+        for (j = lo; j < n; j++) sr[j] *= inv;
         for (; j < len; j++) sr[j] = 0.0f;
     }
 }
@@ -353,21 +389,23 @@ static inline __m512 exp_nonpositive(__m512 x) {
 /* Row r's scores -> probabilities over its visible keys, zeros up to len (rounded to 16). */
 static inline void softmax_row(const Item *it, float *scores, int64_t r, int64_t len) {
     float *sr = scores + r * it->stride;
-    int64_t n = visible(it, r);
+    int64_t n = visible(it, r), lo = first_seen(it, r);
+    prepare_row(it, sr, lo, n);
     __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < n; j += 16)
+    for (int64_t j = lo; j < n; j += 16)
         vmax = _mm512_mask_max_ps(vmax, tail_mask(n - j), vmax, _mm512_maskz_loadu_ps(tail_mask(n - j), sr + j));
     __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(vmax)), vsum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
+    for (int64_t j = lo; j < n; j += 16) {
         __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail_mask(n - j), sr + j), shift));
         p = _mm512_maskz_mov_ps(tail_mask(n - j), p);
-        _mm512_storeu_ps(sr + j, p); /* scratch rows are padded to a multiple of 16 */
+        _mm512_mask_storeu_ps(sr + j, tail_mask(n - j), p);
         vsum = _mm512_add_ps(vsum, p);
     }
     __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
-    for (int64_t j = 0; j < len; j += 16) /* keys past this row's position weigh 0 */
-        _mm512_storeu_ps(sr + j, j < n ? _mm512_maskz_mul_ps(tail_mask(n - j), _mm512_loadu_ps(sr + j), inv)
-                                       : _mm512_setzero_ps());
+    for (int64_t j = lo; j < n; j += 16)
+        _mm512_mask_storeu_ps(sr + j, tail_mask(n - j),
+                              _mm512_mul_ps(_mm512_maskz_loadu_ps(tail_mask(n - j), sr + j), inv));
+    for (int64_t j = n; j < len; j++) sr[j] = 0.0f; /* keys past this row's position weigh 0 */
 }
 
 static void attend_avx512(const Item *it, const float *q, float scale, float *scores,
@@ -482,12 +520,14 @@ int sb_attention_has_avx512(void) {
  * Returns 0, or -1 if head_dim > MAX_HEAD_DIM (nothing written) or scratch memory ran out
  * (output incomplete).
  */
-int sb_paged_decode(const void *q, int64_t q_row, int64_t q_head, void *out, int64_t out_row,
-                    int64_t out_head, const void *key_cache, const void *value_cache,
-                    int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                    int64_t n_seqs, const int64_t *seq_row, const int64_t *seq_queries,
-                    const int64_t *seq_start, const int64_t *seq_table, const int64_t *tables,
-                    const int64_t *own_slots, float scale, int fp32, int portable) {
+int sb_paged_decode_windowed(const void *q, int64_t q_row, int64_t q_head, void *out,
+                             int64_t out_row, int64_t out_head, const void *key_cache,
+                             const void *value_cache, int64_t block_size, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, int64_t n_seqs,
+                             const int64_t *seq_row, const int64_t *seq_queries,
+                             const int64_t *seq_start, const int64_t *seq_table,
+                             const int64_t *tables, const int64_t *own_slots, float scale,
+                             int fp32, int portable, int64_t window, float softcap) {
     if (head_dim > MAX_HEAD_DIM) return -1;
     int use_avx512 = sb_attention_has_avx512() && !portable && !fp32;
     int64_t elem_bytes = fp32 ? 4 : 2;
@@ -526,7 +566,7 @@ int sb_paged_decode(const void *q, int64_t q_row, int64_t q_head, void *out, int
             Item it = {key_cache, value_cache, elem_bytes, block_size, kv_heads, head_dim,
                        tables + seq_table[s], g, group * n, group, seq_start[s] + first + 1,
                        (seq_start[s] + first + n + 15) / 16 * 16,
-                       own_slots[s] >= 0 ? seq_start[s] : -1, own_slots[s]};
+                       own_slots[s] >= 0 ? seq_start[s] : -1, own_slots[s], window, softcap};
             /* row r of the item: query row0 + r / group, head g * group + r % group */
             for (int64_t r = 0; r < it.rows; r++) {
                 int64_t at = (row0 + r / group) * q_row + (g * group + r % group) * q_head;
@@ -560,4 +600,17 @@ int sb_paged_decode(const void *q, int64_t q_row, int64_t q_head, void *out, int
     }
     free(work);
     return failed ? -1 : 0;
+}
+
+/* sb_paged_decode_windowed without a window or soft-cap (the Llama block; draft_cpu.c). */
+int sb_paged_decode(const void *q, int64_t q_row, int64_t q_head, void *out, int64_t out_row,
+                    int64_t out_head, const void *key_cache, const void *value_cache,
+                    int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                    int64_t n_seqs, const int64_t *seq_row, const int64_t *seq_queries,
+                    const int64_t *seq_start, const int64_t *seq_table, const int64_t *tables,
+                    const int64_t *own_slots, float scale, int fp32, int portable) {
+    return sb_paged_decode_windowed(q, q_row, q_head, out, out_row, out_head, key_cache,
+                                    value_cache, block_size, heads, kv_heads, head_dim, n_seqs,
+                                    seq_row, seq_queries, seq_start, seq_table, tables, own_slots,
+                                    scale, fp32, portable, 0, 0.0f);
 }

@@ -83,13 +83,14 @@ class NativeAttention:
     """The loaded kernel. ``has_avx512``: the vector loops are in (else plain C only)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._decode = lib.sb_paged_decode
+        self._decode = lib.sb_paged_decode_windowed
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr]
         self._decode.argtypes += [_i64] * 5 + [_ptr] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
+        self._decode.argtypes += [_i64, ctypes.c_float]
         self.has_avx512 = bool(lib.sb_attention_has_avx512())
-        # The kernel's address, for native code that calls it (switchboard_kernels/draft_cpu.c).
-        self.address = ctypes.cast(self._decode, ctypes.c_void_p).value
+        # The plain kernel's address, for native code that calls it (draft_cpu.c).
+        self.address = ctypes.cast(lib.sb_paged_decode, ctypes.c_void_p).value
 
     def decode(
         self,
@@ -101,10 +102,14 @@ class NativeAttention:
         scale: float,
         *,
         portable: bool = False,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """Semantics: ``out[r, h] = softmax(scale * q[r, h] · K[:len]) · V[:len]`` per decode
         query, ``len = start + i + 1``, key ``start`` of a sequence with an own slot read
-        from that slot (see switchboard_kernels/attention_cpu.c)."""
+        from that slot (see switchboard_kernels/attention_cpu.c). With a ``window`` W only the
+        keys ``len - W ..`` are seen; with a ``softcap`` the scores s become
+        ``softcap * tanh(s / softcap)`` before the softmax."""
         num_blocks, block_size, kv_heads, head_dim = key_cache.shape
         tensors = (query, out, key_cache, value_cache)
         if (
@@ -119,6 +124,8 @@ class NativeAttention:
             or decodes.end_row > query.shape[0]
             or decodes.max_block >= num_blocks
             or decodes.max_own_slot >= num_blocks * block_size
+            or (window is not None and window < 1)
+            or (softcap is not None and not softcap > 0)
         ):
             raise ValueError(
                 f"native attention: query {tuple(query.shape)} {query.dtype}, cache "
@@ -149,6 +156,8 @@ class NativeAttention:
             scale,
             int(key_cache.dtype == torch.float32),
             int(portable),
+            window or 0,
+            softcap or 0.0,
         )
         if status != 0:
             raise MemoryError("native attention: scratch allocation failed")

@@ -20,8 +20,8 @@ Semantics, per sequence with context ``c`` (tokens already cached) and chunk len
 Two departures some families take, per layer: a sliding window ``W`` (a query at position ``p``
 sees only the keys at positions ``p - W < j <= p``: Mistral, Gemma 2/3), and a soft-cap on the
 scores (``cap * tanh(s / cap)`` before the softmax: Gemma 2). Both are masks and math on the same
-paths; the native decode kernel and the Triton kernels do not take them (the runner and the
-engine plan around that).
+paths and in the native decode kernel; the Triton kernels do not take them yet (the engine
+refuses the ``triton`` backend for such models).
 """
 
 from __future__ import annotations
@@ -210,12 +210,19 @@ def paged_attention(
         o = o.view(g.count, num_kv_heads, group, n, head_dim).permute(0, 3, 1, 2, 4)
         out[rows] = o.reshape(g.count * n, num_heads, head_dim)
     if meta.native_decodes is not None:
-        if window is not None or softcap is not None:
-            raise ValueError("the native decode kernel takes no sliding window or soft-cap")
         kernel = native_attention()
         if kernel is None:
             raise ValueError("metadata planned for the native attention kernel, not built here")
-        kernel.decode(query, out, key_cache, value_cache, meta.native_decodes, scale)
+        kernel.decode(
+            query,
+            out,
+            key_cache,
+            value_cache,
+            meta.native_decodes,
+            scale,
+            window=window,
+            softcap=softcap,
+        )
     for start, count, chunk in fresh_runs(meta.prefills):
         # ``count`` chunks of one length back to back: [count, heads, n, dim] in one call.
         rows = slice(start, start + count * chunk.length)

@@ -50,8 +50,11 @@ def make_decodes(starts, queries, *, num_blocks=64, seed=0):
     return NativeDecodes.build(starts, queries, tables), tables
 
 
-def loop_attention(query, key_cache, value_cache, starts, queries, tables, scale):
-    """Float64, one query row and head at a time."""
+def loop_attention(
+    query, key_cache, value_cache, starts, queries, tables, scale, window=None, softcap=None
+):
+    """Float64, one query row and head at a time; a query sees its last ``window`` keys,
+    its scores soft-capped (``softcap * tanh(s / softcap)``) where asked."""
     heads, kv_heads = query.shape[1], key_cache.shape[2]
     out = torch.zeros(query.shape, dtype=torch.float64)
     row = 0
@@ -60,10 +63,13 @@ def loop_attention(query, key_cache, value_cache, starts, queries, tables, scale
         values = value_cache[table].flatten(0, 1).double()
         for i in range(n):
             visible = start + i + 1
+            first = max(0, visible - window) if window else 0
             for h in range(heads):
                 g = h // (heads // kv_heads)
-                scores = keys[:visible, g] @ query[row, h].double() * scale
-                out[row, h] = torch.softmax(scores, 0) @ values[:visible, g]
+                scores = keys[first:visible, g] @ query[row, h].double() * scale
+                if softcap:
+                    scores = softcap * torch.tanh(scores / softcap)
+                out[row, h] = torch.softmax(scores, 0) @ values[first:visible, g]
             row += 1
     return out
 
@@ -93,6 +99,30 @@ def test_kernel_matches_a_float64_loop(starts, queries, heads, kv_heads, head_di
     want = loop_attention(query, key_cache, value_cache, starts, queries, tables, scale)
     torch.testing.assert_close(out[:rows].double(), want[:rows], atol=tol, rtol=tol)
     assert torch.all(out[rows:] == 7.0)  # rows that are not decodes stay as they were
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(("window", "softcap"), [(5, None), (1, None), (None, 2.0), (9, 0.5)])
+def test_a_sliding_window_and_a_softcap_match_a_float64_loop(variant, window, softcap):
+    """Windows ending mid-block and longer than some contexts, verification rows each with
+    their own window, head_dim 64 (AVX-512's register-blocked rows) and 40."""
+    dtype, portable, tol = VARIANTS[variant]
+    for starts, queries, heads, head_dim in (
+        ([2, 17, 45, 70], [1, 1, 3, 6], 6, 64),
+        ([3, 38], [1, 5], 4, 40),
+    ):
+        key_cache, value_cache = make_cache(kv_heads=2, head_dim=head_dim, dtype=dtype)
+        decodes, tables = make_decodes(starts, queries)
+        gen = torch.Generator().manual_seed(2)
+        query = torch.randn(sum(queries), heads, head_dim, generator=gen).to(dtype)
+        out = torch.empty_like(query)
+        scale = 2 * head_dim**-0.5  # sharper scores, so that the cap bends them
+        args = (query, out, key_cache, value_cache, decodes, scale)
+        KERNEL.decode(*args, portable=portable, window=window, softcap=softcap)
+        want = loop_attention(
+            query, key_cache, value_cache, starts, queries, tables, scale, window, softcap
+        )
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

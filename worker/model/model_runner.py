@@ -62,7 +62,6 @@ class ModelRunner:
             and self.device.type == "cpu"
             and model.dtype in NATIVE_ATTENTION_DTYPES
             and c.head_dim <= MAX_HEAD_DIM
-            and c.block.plain_attention
             and native_attention() is not None
         )
         shape = (num_blocks, block_size, kv_heads, c.head_dim)
