@@ -112,3 +112,13 @@ def test_bounds():
     with pytest.raises(InvalidRequestError, match="max_tokens must be at least 1"):
         SamplingParams(max_tokens=0)
     assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
+
+
+def test_async_output_scores_the_same(base, reference):
+    """Rendering one step later (CUDA's default) changes neither the scores nor max_tokens 0."""
+    llm = LLM(base, dtype="float32", async_output=True, block_size=4)
+    prompts = random_prompts(2, min_len=6, max_len=20, seed=2)
+    outs = llm.generate(prompts, [scoring(0), scoring(2)])
+    for out, prompt in zip(outs, prompts, strict=True):
+        assert_matches(out, prompt, reference(prompt, False))
+    assert [len(o.token_ids) for o in outs] == [0, 2]
