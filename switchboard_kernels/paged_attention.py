@@ -20,8 +20,7 @@ Semantics, per sequence with context ``c`` (tokens already cached) and chunk len
 Two departures some families take, per layer: a sliding window ``W`` (a query at position ``p``
 sees only the keys at positions ``p - W < j <= p``: Mistral, Gemma 2/3), and a soft-cap on the
 scores (``cap * tanh(s / cap)`` before the softmax: Gemma 2). Both are masks and math on the same
-paths and in the native decode kernel; the Triton kernels do not take them yet (the engine
-refuses the ``triton`` backend for such models).
+paths, in the native decode kernel and in the Triton kernels.
 """
 
 from __future__ import annotations
@@ -142,14 +141,16 @@ def attend(
             softcap=softcap,
             positions=positions,
         )
-    if window is not None or softcap is not None:
-        raise ValueError("the Triton attention kernels take no sliding window or soft-cap")
     from switchboard_kernels import paged_attention_triton as tri
 
     tri.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     out = query.new_empty(query.shape)
-    tri.decode(query, key_cache, value_cache, meta.layout, scale, out)
-    tri.prefill(query, key_cache, value_cache, meta.layout, scale, out)
+    tri.decode(
+        query, key_cache, value_cache, meta.layout, scale, out, window=window, softcap=softcap
+    )
+    tri.prefill(
+        query, key_cache, value_cache, meta.layout, scale, out, window=window, softcap=softcap
+    )
     return out
 
 

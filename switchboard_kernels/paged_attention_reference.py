@@ -4,6 +4,9 @@ Semantics, per row r of a sequence (``switchboard_kernels.paged_layout``), with 
 sequence's keys and values reached through its block table:
 ``out[r, h] = softmax(scale * q[r, h] · K[j]ᵀ) · V[j]`` over the keys j with
 ``j <= row_last[r]`` or ``j == row_self[r]``; query head h reads KV head ``h // group``.
+With a ``window`` W, of the keys ``j <= row_last[r]`` only those after ``p - W`` are seen, p the
+row's position (``row_last[r]``, or one past it for a draft row off its chain); with a
+``softcap`` each score s becomes ``softcap * tanh(s / softcap)``.
 Computed in the query's dtype, so float64 inputs give a float64 reference.
 """
 
@@ -36,9 +39,12 @@ def decode(
     layout: PagedLayout,
     scale: float,
     out: torch.Tensor,  # [num_rows, num_heads, head_dim], the decode tiles' rows written
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """The decode tiles' rows (split-K changes how, not what)."""
-    _attend(query, key_cache, value_cache, layout, layout.decode, scale, out)
+    _attend(query, key_cache, value_cache, layout, layout.decode, scale, out, window, softcap)
 
 
 def prefill(
@@ -48,9 +54,12 @@ def prefill(
     layout: PagedLayout,
     scale: float,
     out: torch.Tensor,  # [num_rows, num_heads, head_dim], the prefill tiles' rows written
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """The prefill tiles' rows."""
-    _attend(query, key_cache, value_cache, layout, layout.prefill, scale, out)
+    _attend(query, key_cache, value_cache, layout, layout.prefill, scale, out, window, softcap)
 
 
 def _attend(
@@ -61,6 +70,8 @@ def _attend(
     tiles: Tiles,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     block_size = key_cache.shape[1]
     group = query.shape[1] // key_cache.shape[2]
@@ -73,10 +84,16 @@ def _attend(
         v = value_cache[blocks].flatten(0, 1)[:keys].to(query.dtype).repeat_interleave(group, 1)
         q = query[row0 : row0 + rows]  # [rows, heads, dim]
         scores = scale * torch.einsum("rhd,khd->rhk", q, k)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         j = torch.arange(keys, device=query.device)
         last = layout.row_last[row0 : row0 + rows, None].long()
         own = layout.row_self[row0 : row0 + rows, None].long()
-        seen = (j <= last) | (j == own)  # [rows, keys]
+        chain = j <= last
+        if window is not None:
+            position = last + (own != last).long()
+            chain &= j > position - window
+        seen = chain | (j == own)  # [rows, keys]
         scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
         attended = torch.einsum("rhk,khd->rhd", scores.softmax(-1), v)
         out[row0 : row0 + rows] = attended.to(out.dtype)

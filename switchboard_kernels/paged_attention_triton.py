@@ -15,6 +15,11 @@ keys over programs; prefill tiles (chunks, causal within the chunk, over any cac
 do not. What is loaded is converted to fp32 at once: the interpreter computes bf16 wrongly,
 and the references accumulate in fp32 or wider.
 
+A sliding window W (``window`` > 0) hides the chain keys at or before ``p - W`` from a row at
+position p (p is its last key, or one past it for a draft row off its chain, which still sees
+itself); a soft-cap turns each score s into ``cap * tanh(s / cap)`` before the softmax. The keys
+before a window are still walked (masked), so a windowed decode costs its whole context.
+
 To run on CPU tensors, set ``TRITON_INTERPRET=1`` before triton is first imported (see
 ``switchboard_kernels/lora_triton.py``). ``switchboard_kernels.paged_attention`` imports this module
 lazily.
@@ -41,8 +46,10 @@ def _attention_kernel(
     qk_scale, block_size, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_co, stride_ch, stride_table,
+    window, softcap_log2,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -66,6 +73,9 @@ def _attention_kernel(
     q = q * qk_scale  # scale * log2(e): the softmax runs in base 2
     last = tl.load(row_last_ptr + row, mask=m_valid, other=-1)
     own = tl.load(row_self_ptr + row, mask=m_valid, other=-1)
+    # The first chain key each row sees: past its window (position - W), or 0.
+    position = last + (own != last).to(last.dtype)
+    first = tl.where(window > 0, position - window + 1, 0)
     # This split's keys: a whole number of key steps each, the last split what is left.
     per_split = tl.cdiv(tl.cdiv(keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
@@ -82,7 +92,10 @@ def _attention_kernel(
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)  # [BM, BN]
-        seen = (n[None, :] <= last[:, None]) | (n[None, :] == own[:, None])
+        if SOFTCAP:  # cap * tanh(s / cap) in base-2 units: tanh(x) = 1 - 2 / (e^2x + 1)
+            s = softcap_log2 * (1.0 - 2.0 / (tl.exp2(2.0 * LOG2E * s / softcap_log2) + 1.0))
+        chain = (n[None, :] <= last[:, None]) & (n[None, :] >= first[:, None])
+        seen = chain | (n[None, :] == own[:, None])
         s = tl.where(seen & n_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
@@ -191,9 +204,12 @@ def decode(
     layout: PagedLayout,
     scale: float,
     out: torch.Tensor,  # [num_rows, num_heads, head_dim], the decode tiles' rows written
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """The decode tiles' rows, split-K over ``layout.decode.num_splits`` programs."""
-    _launch(query, key_cache, value_cache, layout, layout.decode, scale, out)
+    _launch(query, key_cache, value_cache, layout, layout.decode, scale, out, window, softcap)
 
 
 def prefill(
@@ -203,9 +219,12 @@ def prefill(
     layout: PagedLayout,
     scale: float,
     out: torch.Tensor,  # [num_rows, num_heads, head_dim], the prefill tiles' rows written
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """The prefill tiles' rows."""
-    _launch(query, key_cache, value_cache, layout, layout.prefill, scale, out)
+    _launch(query, key_cache, value_cache, layout, layout.prefill, scale, out, window, softcap)
 
 
 def _launch(
@@ -216,6 +235,8 @@ def _launch(
     tiles: Tiles,
     scale: float,
     out: torch.Tensor,
+    window: int | None,
+    softcap: float | None,
 ) -> None:
     _check_cache(key_cache, value_cache)
     query = _last_dense(query)
@@ -242,8 +263,10 @@ def _launch(
         scale * LOG2E, key_cache.shape[1], head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *key_cache.stride()[:3], layout.block_tables.stride(0),
+        window or 0, (softcap or 1.0) * LOG2E,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=BLOCK_N[_kind(query)], BLOCK_D=block_d,
         NUM_SPLITS=splits, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SOFTCAP=softcap is not None,
     )  # fmt: skip
     if splits > 1:
         _reduce_splits_kernel[(tiles.count, kv_heads)](

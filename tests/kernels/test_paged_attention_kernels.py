@@ -70,8 +70,12 @@ def make_query(layout: PagedLayout, group: int, dtype: torch.dtype) -> torch.Ten
     return torch.randn(rows, KV_HEADS * group, HEAD_DIM, generator=g).to(dtype)
 
 
-def loop_attention(query, key_cache, value_cache, sequences) -> torch.Tensor:
-    """The semantics one row and head at a time, slot by slot, in float64."""
+def loop_attention(
+    query, key_cache, value_cache, sequences, window=None, softcap=None
+) -> torch.Tensor:
+    """The semantics one row and head at a time, slot by slot, in float64; with a window W a
+    row at position p sees its chain's keys after p - W (a draft off its chain sits one past
+    its last key), with a soft-cap its scores s become softcap * tanh(s / softcap)."""
     out = torch.zeros(query.shape, dtype=torch.float64)
     group = query.shape[1] // key_cache.shape[2]
     row = 0
@@ -79,22 +83,27 @@ def loop_attention(query, key_cache, value_cache, sequences) -> torch.Tensor:
         lasts = s.last_keys or range(s.context, s.context + s.rows)
         for i, last in enumerate(lasts):
             own = s.context + i
-            keys = [j for j in range(own + 1) if j <= last or j == own]
+            position = own if last == own else last + 1
+            after = position - window if window else -1
+            keys = [j for j in range(own + 1) if after < j <= last or j == own]
             slots = [(s.block_table[j // BLOCK_SIZE], j % BLOCK_SIZE) for j in keys]
             for h in range(query.shape[1]):
                 k = torch.stack([key_cache[b, o, h // group] for b, o in slots]).double()
                 v = torch.stack([value_cache[b, o, h // group] for b, o in slots]).double()
-                weights = (SCALE * k @ query[row + i, h].double()).softmax(0)
+                scores = SCALE * k @ query[row + i, h].double()
+                if softcap:
+                    scores = softcap * torch.tanh(scores / softcap)
+                weights = scores.softmax(0)
                 out[row + i, h] = weights @ v
         row += s.rows
     return out
 
 
-def reference(query, key_cache, value_cache, layout) -> torch.Tensor:
+def reference(query, key_cache, value_cache, layout, **masking) -> torch.Tensor:
     out = torch.full(query.shape, float("nan"), dtype=torch.float64)
     args = (query.double(), key_cache.double(), value_cache.double(), layout, SCALE, out)
-    ref.decode(*args)
-    ref.prefill(*args)
+    ref.decode(*args, **masking)
+    ref.prefill(*args, **masking)
     return out
 
 
@@ -140,11 +149,11 @@ def test_reference_matches_a_per_row_loop(group):
     torch.testing.assert_close(got, loop_attention(query, key_cache, value_cache, sequences))
 
 
-def run_triton(kind: str, query, key_cache, value_cache, layout) -> torch.Tensor:
+def run_triton(kind: str, query, key_cache, value_cache, layout, **masking) -> torch.Tensor:
     out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=DEVICE)
     kernel = tri.decode if kind == "decode" else tri.prefill
     caches = key_cache.to(DEVICE), value_cache.to(DEVICE)
-    kernel(query.to(DEVICE), *caches, layout.to(torch.device(DEVICE)), SCALE, out)
+    kernel(query.to(DEVICE), *caches, layout.to(torch.device(DEVICE)), SCALE, out, **masking)
     return out.cpu()
 
 
@@ -188,6 +197,42 @@ def test_triton_prefill_matches_the_reference(group, dtype):
     query = make_query(layout, group, dtype)
     got = run_triton("prefill", query, key_cache, value_cache, layout)
     assert_close(got, reference(query, key_cache, value_cache, layout), dtype)
+
+
+# Sliding windows (ending mid-block, of one key, longer than some contexts) and soft-caps.
+MASKINGS = [{"window": 6}, {"window": 1, "softcap": 0.5}, {"softcap": 0.8}]
+
+
+@pytest.mark.parametrize("masking", MASKINGS, ids=str)
+def test_windowed_reference_matches_a_per_row_loop(masking):
+    sequences = make_sequences(SPANS)
+    sequences[1] = with_draft_off_its_chain(sequences[1])
+    sequences[4] = with_draft_off_its_chain(sequences[4])
+    layout = PagedLayout.build(sequences, num_kv_heads=KV_HEADS, group=3, device_type="cpu")
+    key_cache, value_cache = make_caches(torch.float32)
+    query = make_query(layout, 3, torch.float32)
+    got = reference(query, key_cache, value_cache, layout, **masking)
+    want = loop_attention(query, key_cache, value_cache, sequences, **masking)
+    torch.testing.assert_close(got, want)
+
+
+@triton_here
+@pytest.mark.parametrize("masking", MASKINGS, ids=str)
+def test_windowed_triton_kernels_match_the_reference(masking):
+    """Both launches, the decode one split over 3 programs, drafts off their chains."""
+    sequences = make_sequences(SPANS, seed=5)
+    sequences[1] = with_draft_off_its_chain(sequences[1])
+    sequences[4] = with_draft_off_its_chain(sequences[4])
+    layout = PagedLayout.build(
+        sequences, num_kv_heads=KV_HEADS, group=3, device_type="cpu", num_splits=3
+    )
+    key_cache, value_cache = make_caches(torch.float32)
+    query = make_query(layout, 3, torch.float32)
+    want = reference(query, key_cache, value_cache, layout, **masking)
+    for kind in ("decode", "prefill"):
+        got = run_triton(kind, query, key_cache, value_cache, layout, **masking)
+        rows = tile_rows(getattr(layout, kind))
+        assert_close(got[rows], want[rows], torch.float32)
 
 
 @triton_here

@@ -24,7 +24,6 @@ from worker.engine.placement import (
     resolve_device,
     resolve_dtype,
 )
-from worker.errors import InvalidRequestError
 from worker.model.llama import LlamaModel, projection_shapes
 from worker.model.lora_manager import LoraManager
 from worker.model.model_config import ModelConfig
@@ -64,11 +63,6 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
     async_output = resolve_async_output(config.async_output, device, config.speculative.enabled)
     num_kv_blocks, num_host_blocks = kv_cache_blocks(model, config, torch_dtype)
     model_config = ModelConfig.from_pretrained(model)
-    if attention_backend == "triton" and not model_config.block.plain_attention:
-        raise InvalidRequestError(
-            f"attention_backend='triton' takes no sliding window or soft-cap yet, which this "
-            f"{model_config.model_type} model has; use 'torch'"
-        )
     plan = linear_plan(
         projection_shapes(model_config),
         torch_dtype,
