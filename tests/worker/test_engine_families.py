@@ -135,3 +135,29 @@ def test_an_adapter_for_modules_the_base_lacks_is_refused_by_name(family, tmp_pa
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(IncompatibleAdapterError, match=f"module '{ours}'"):
         LoraManager(base, dtype=torch.float32).read(tmp_path)
+
+
+@pytest.mark.parametrize("proposer", ["draft-of-the-family", "ngram"])
+def test_speculative_decoding_keeps_the_windowed_tokens(family, reference, proposer):
+    """Verification rows (chains and alternatives off them) under windows and soft-caps:
+    a draft of the same family (the target itself, always right) or n-gram lookup."""
+    name, base, adapters = family
+    if name not in ("gemma2", "mistral-window", "phi3"):
+        pytest.skip("the other families' attention is covered by these three")
+    prompts, assignment, expected = reference
+    llm = LLM(
+        base,
+        dtype="float32",
+        max_loras=2,
+        speculative_model=str(base) if proposer != "ngram" else "ngram",
+        num_speculative_tokens=3,
+        speculative_alternatives=2 if proposer != "ngram" else 0,
+        speculative_position_cost=0.0,
+        speculative_draft_cost=0.0,
+        speculative_draft_quantization="none",
+    )
+    for adapter, path in adapters.items():
+        llm.load_adapter(adapter, path)
+    outputs = llm.generate(prompts, greedy(), adapters=assignment)
+    assert [o.token_ids for o in outputs] == expected
+    assert llm.engine.spec_decode_stats.num_verifications > 0
