@@ -17,8 +17,9 @@ and the references accumulate in fp32 or wider.
 
 A sliding window W (``window`` > 0) hides the chain keys at or before ``p - W`` from a row at
 position p (p is its last key, or one past it for a draft row off its chain, which still sees
-itself); a soft-cap turns each score s into ``cap * tanh(s / cap)`` before the softmax. The keys
-before a window are still walked (masked), so a windowed decode costs its whole context.
+itself); a soft-cap turns each score s into ``cap * tanh(s / cap)`` before the softmax. A tile's
+programs walk its keys from the earliest window start of its rows, so a windowed decode reads
+about a window of keys, not its whole context.
 
 To run on CPU tensors, set ``TRITON_INTERPRET=1`` before triton is first imported (see
 ``switchboard_kernels/lora_triton.py``). ``switchboard_kernels.paged_attention`` imports this module
@@ -49,7 +50,7 @@ def _attention_kernel(
     window, softcap_log2,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,12 +74,15 @@ def _attention_kernel(
     q = q * qk_scale  # scale * log2(e): the softmax runs in base 2
     last = tl.load(row_last_ptr + row, mask=m_valid, other=-1)
     own = tl.load(row_self_ptr + row, mask=m_valid, other=-1)
-    # The first chain key each row sees: past its window (position - W), or 0.
-    position = last + (own != last).to(last.dtype)
-    first = tl.where(window > 0, position - window + 1, 0)
-    # This split's keys: a whole number of key steps each, the last split what is left.
-    per_split = tl.cdiv(tl.cdiv(keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
+    # The tile's keys: from the earliest window start of its rows (else from 0). This split's:
+    # a whole number of key steps each, the last split what is left.
+    if WINDOWED:  # the first chain key each row sees: past its window (position - W)
+        first = last + (own != last).to(last.dtype) - window + 1
+        base = tl.maximum(tl.min(tl.where(m_valid, first, keys), 0), 0).to(tl.int32)
+    else:
+        base = 0
+    per_split = tl.cdiv(tl.cdiv(keys - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = base + split * per_split
     hi = tl.minimum(keys, lo + per_split)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -94,7 +98,9 @@ def _attention_kernel(
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION)  # [BM, BN]
         if SOFTCAP:  # cap * tanh(s / cap) in base-2 units: tanh(x) = 1 - 2 / (e^2x + 1)
             s = softcap_log2 * (1.0 - 2.0 / (tl.exp2(2.0 * LOG2E * s / softcap_log2) + 1.0))
-        chain = (n[None, :] <= last[:, None]) & (n[None, :] >= first[:, None])
+        chain = n[None, :] <= last[:, None]
+        if WINDOWED:
+            chain = chain & (n[None, :] >= first[:, None])
         seen = chain | (n[None, :] == own[:, None])
         s = tl.where(seen & n_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -263,10 +269,10 @@ def _launch(
         scale * LOG2E, key_cache.shape[1], head_dim,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *key_cache.stride()[:3], layout.block_tables.stride(0),
-        window or 0, (softcap or 1.0) * LOG2E,
+        window or 1, (softcap or 1.0) * LOG2E,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=BLOCK_N[_kind(query)], BLOCK_D=block_d,
         NUM_SPLITS=splits, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        SOFTCAP=softcap is not None,
+        SOFTCAP=softcap is not None, WINDOWED=window is not None,
     )  # fmt: skip
     if splits > 1:
         _reduce_splits_kernel[(tiles.count, kv_heads)](
