@@ -164,3 +164,33 @@ def test_a_signalled_process_that_does_not_stop_dumps_its_stacks_and_exits(tmp_p
     assert process.returncode == 1
     assert took >= 1.0
     assert "Timeout" in stderr.decode() and "rpc_side_that_never_stops" in stderr.decode()
+
+
+def test_the_engine_is_built_on_the_thread_that_will_run_its_steps():
+    """With a runner, WorkerServer builds its engine there (the main thread), so loading and
+    the kernels' measurement start no OpenMP team on a pool thread
+    (switchboard_kernels.openmp); a factory's error comes back to the event loop and the
+    main thread goes on serving."""
+    from worker.serving.server import WorkerServer
+
+    engine_loop = MainThreadEngineLoop()
+    built_on: list[str] = []
+
+    def factory():
+        built_on.append(threading.current_thread().name)
+        return "an engine"
+
+    def failing_factory():
+        raise ValueError("no such checkpoint")
+
+    async def rpc_main() -> None:
+        server = WorkerServer(factory, model_name="m", engine_runner=engine_loop.runner)
+        assert await server._build_engine() == "an engine"
+        server._engine_factory = failing_factory
+        with pytest.raises(ValueError, match="no such checkpoint"):
+            await server._build_engine()
+        server._engine_factory = factory
+        assert await server._build_engine() == "an engine"
+
+    engine_loop.run(functools.partial(asyncio.run, rpc_main()))
+    assert built_on == [threading.main_thread().name] * 2

@@ -103,12 +103,12 @@ class EngineLoop:
             try:
                 result = fn(*args)
             except Exception as exc:
-                self._to_event_loop(_settle, future, None, exc)
+                self._to_event_loop(settle_future, future, None, exc)
             else:
                 # Publish the effect (an adapter loaded, a request queued) before the caller
                 # resumes, so a Stats call right after it sees it.
                 self._stats = snapshot(self.engine)
-                self._to_event_loop(_settle, future, result, None)
+                self._to_event_loop(settle_future, future, result, None)
 
         self.post(command)
         return await future
@@ -183,7 +183,7 @@ class EngineLoop:
             self._stopping = True
 
 
-def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+def settle_future(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
     if future.done():  # the caller was cancelled meanwhile
         return
     if exc is not None:

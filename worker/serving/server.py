@@ -23,6 +23,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -33,10 +34,12 @@ from redis.exceptions import AuthenticationError, RedisError
 
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime import registry
+from switchboard_kernels.openmp import serial_openmp_here
 from worker.engine.llm_engine import LLMEngine
 from worker.errors import TensorParallelError, WorkerStartupError
 from worker.serving.async_engine import AsyncEngine
 from worker.serving.auth import WorkerAuth, WorkerAuthError
+from worker.serving.engine_loop import settle_future
 from worker.serving.main_thread import STOP_SIGNALS, MainThreadEngineLoop
 from worker.serving.metrics import WorkerMetrics
 from worker.serving.servicer import WorkerServicer
@@ -106,6 +109,27 @@ class WorkerServer:
         self.warmup = warmup
         self.failure: TensorParallelError | None = None
 
+    async def _build_engine(self) -> LLMEngine:
+        """The engine, built on the thread that will run its steps when a runner hands them
+        one (the main thread): torch's ops while loading and the kernels' measurement there
+        start no OpenMP team on a pool thread, which would slow every step after
+        (``switchboard_kernels.openmp``). Without a runner, on a pool thread."""
+        if self._engine_runner is None:
+            return await asyncio.to_thread(self._engine_factory)
+        loop = asyncio.get_running_loop()
+        built: asyncio.Future[LLMEngine] = loop.create_future()
+
+        def build() -> None:
+            try:
+                engine = self._engine_factory()
+            except BaseException as exc:  # raised on the event loop, not on the main thread
+                loop.call_soon_threadsafe(settle_future, built, None, exc)
+            else:
+                loop.call_soon_threadsafe(settle_future, built, engine, None)
+
+        self._engine_runner(build)
+        return await built
+
     @property
     def address(self) -> str:
         return f"{self.advertise_host}:{self.port}"
@@ -128,7 +152,7 @@ class WorkerServer:
             )
             await self._health_server.start()
         try:
-            llm_engine = await asyncio.to_thread(self._engine_factory)
+            llm_engine = await self._build_engine()
         except BaseException:
             await self._stop_servers(grace=None)
             raise
@@ -345,6 +369,12 @@ async def run_worker(
     loop = asyncio.get_running_loop()
     if engine_loop is not None:
         engine_loop.on_signal(lambda: loop.call_soon_threadsafe(stop.set))
+        # The steps own OpenMP: this thread's and the pool threads' torch work (an adapter
+        # read, a grammar prepared) runs serially (switchboard_kernels.openmp).
+        serial_openmp_here()
+        loop.set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="worker-pool", initializer=serial_openmp_here)
+        )
     else:
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
