@@ -22,7 +22,7 @@ _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes
 
 
 class DecoderLayer(Protocol):
-    """What a pass needs of each layer (``worker.model.llama.LayerWeights``)."""
+    """What a pass needs of each layer (``worker.model.layers.LayerWeights``)."""
 
     input_norm: torch.Tensor
     qkv: Linear

@@ -15,7 +15,6 @@ embedding and after each row-parallel projection (o, down), the logits gathered 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,7 +29,8 @@ from switchboard_kernels.lora import add_lora, lora_expand, lora_shrink
 from switchboard_kernels.norm_native import rms_norm
 from switchboard_kernels.paged_attention import AttentionMetadata, attend
 from worker.errors import ModelLoadError
-from worker.model.architectures import Activation, NormPlacement, QKNorm
+from worker.model.architectures import Activation, QKNorm
+from worker.model.layers import load_layer, norm_weight
 from worker.model.model_config import ModelConfig
 from worker.model.rope import RopeTables, apply_rope
 from worker.model.sharding import Shard, check_divisible, weight_slicer
@@ -38,23 +38,6 @@ from worker.model.sharding import Shard, check_divisible, weight_slicer
 if TYPE_CHECKING:
     from worker.model.lora_manager import LoraBatch
     from worker.model.parallel_group import TensorParallelGroup
-
-
-@dataclass(slots=True)
-class LayerWeights:
-    input_norm: torch.Tensor | None  # [hidden], before attention (None: OLMo 2)
-    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim, with Qwen2's biases
-    o: Linear  # heads * head_dim -> hidden
-    post_norm: torch.Tensor | None  # [hidden], before the MLP (None: OLMo 2)
-    gate_up: Linear  # hidden -> 2 * intermediate
-    down: Linear  # intermediate -> hidden
-    # The registry's departures from the Llama block (``worker.model.architectures``).
-    attn_out_norm: torch.Tensor | None = None  # [hidden], on attention's output (OLMo 2, Gemma)
-    mlp_out_norm: torch.Tensor | None = None  # [hidden], on the MLP's output (OLMo 2, Gemma)
-    q_norm: torch.Tensor | None = None  # [head_dim] per head, or [heads * head_dim] (OLMo 2)
-    k_norm: torch.Tensor | None = None
-    window: int | None = None  # sliding window (keys p - W < j <= p), None: full attention
-    rope: int = 0  # index of this layer's RoPE tables
 
 
 def projection_shapes(c: ModelConfig) -> list[tuple[int, int]]:
@@ -111,7 +94,7 @@ class LlamaModel:
         self.vocab_start = self.shard.vocab_span(c.vocab_size).start
         self.vocab_rows = self.shard.vocab_rows(c.vocab_size)
         self.embed = self._vocab_padded(weights["model.embed_tokens.weight"])
-        self.final_norm = self._norm(weights, "model.norm.weight")
+        self.final_norm = norm_weight(weights, "model.norm.weight", c.block.norm_offset)
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
         if head not in weights:
             raise ModelLoadError(f"the checkpoint has no {head} (tie_word_embeddings is False)")
@@ -125,7 +108,10 @@ class LlamaModel:
         self.quantization = quantization
         self.linear_plan = linear_plan
         self.lm_head = Linear(head_weight, quantization=quantization, plan=linear_plan)
-        self.layers = [self._layer(weights, i) for i in range(c.num_layers)]
+        self.layers = [
+            load_layer(weights, i, c, quantization=quantization, plan=linear_plan)
+            for i in range(c.num_layers)
+        ]
         # What one decode step reads (the embedding table is only gathered from): a small
         # batch's step time on CPU goes with it.
         linears = [self.lm_head] + [
@@ -184,59 +170,6 @@ class LlamaModel:
         if missing <= 0:
             return rows
         return torch.cat([rows, rows.new_zeros(missing, rows.shape[1])])
-
-    def _norm(self, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        """A norm's weight, with Gemma's ``w - 1`` storage undone."""
-        try:
-            weight = w[name]
-        except KeyError:
-            raise ModelLoadError(f"the checkpoint has no {name}") from None
-        offset = self.config.block.norm_offset
-        return weight + offset if offset else weight
-
-    def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
-        p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        block = self.config.block
-        if block.fused_checkpoint:  # Phi-3: stored in our fused order already
-            qkv, gate_up = w[attn + "qkv_proj.weight"], w[mlp + "gate_up_proj.weight"]
-        else:
-            qkv = torch.cat([w[attn + f"{n}_proj.weight"] for n in "qkv"])
-            gate_up = torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])
-        bias = None
-        if self.config.qkv_bias:
-            bias = torch.cat([w[attn + f"{n}_proj.bias"] for n in "qkv"])
-        q, plan = self.quantization, self.linear_plan
-        norms: dict[str, torch.Tensor | None] = {
-            "input_norm": None,
-            "post_norm": None,
-            "attn_out_norm": None,
-            "mlp_out_norm": None,
-        }
-        if block.norm_placement is NormPlacement.PRE:
-            norms["input_norm"] = self._norm(w, p + "input_layernorm.weight")
-            norms["post_norm"] = self._norm(w, p + "post_attention_layernorm.weight")
-        elif block.norm_placement is NormPlacement.POST:
-            norms["attn_out_norm"] = self._norm(w, p + "post_attention_layernorm.weight")
-            norms["mlp_out_norm"] = self._norm(w, p + "post_feedforward_layernorm.weight")
-        else:  # SANDWICH
-            norms["input_norm"] = self._norm(w, p + "input_layernorm.weight")
-            norms["attn_out_norm"] = self._norm(w, p + "post_attention_layernorm.weight")
-            norms["post_norm"] = self._norm(w, p + "pre_feedforward_layernorm.weight")
-            norms["mlp_out_norm"] = self._norm(w, p + "post_feedforward_layernorm.weight")
-        qk_norms = {}
-        if block.qk_norm is not QKNorm.NONE:
-            qk_norms = {n: self._norm(w, attn + n + ".weight") for n in ("q_norm", "k_norm")}
-        return LayerWeights(
-            qkv=Linear(qkv, bias, quantization=q, plan=plan),
-            o=Linear(w[attn + "o_proj.weight"], quantization=q, plan=plan),
-            gate_up=Linear(gate_up, quantization=q, plan=plan),
-            down=Linear(w[mlp + "down_proj.weight"], quantization=q, plan=plan),
-            window=block.layer_windows[i] if block.layer_windows else None,
-            rope=block.layer_ropes[i] if block.layer_ropes else 0,
-            **norms,
-            **qk_norms,
-        )
 
     def forward(
         self,

@@ -1,0 +1,95 @@
+"""One decoder layer's weights, loaded from a checkpoint as its family stores them.
+
+Where the norms sit (``NormPlacement``), whether q/k have norms, Gemma's ``w - 1`` norm storage and
+Phi-3's fused tensors come from the architecture registry's ``Block``
+(``worker.model.architectures``); q/k/v and gate/up end up fused into one projection each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from switchboard_kernels.linear import Linear
+from switchboard_kernels.linear_choice import LinearPlan
+from worker.errors import ModelLoadError
+from worker.model.architectures import NormPlacement, QKNorm
+from worker.model.model_config import ModelConfig
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor | None  # [hidden], before attention (None: OLMo 2)
+    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim, with Qwen2's biases
+    o: Linear  # heads * head_dim -> hidden
+    post_norm: torch.Tensor | None  # [hidden], before the MLP (None: OLMo 2)
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
+    # The registry's departures from the Llama block (``worker.model.architectures``).
+    attn_out_norm: torch.Tensor | None = None  # [hidden], on attention's output (OLMo 2, Gemma)
+    mlp_out_norm: torch.Tensor | None = None  # [hidden], on the MLP's output (OLMo 2, Gemma)
+    q_norm: torch.Tensor | None = None  # [head_dim] per head, or [heads * head_dim] (OLMo 2)
+    k_norm: torch.Tensor | None = None
+    window: int | None = None  # sliding window (keys p - W < j <= p), None: full attention
+    rope: int = 0  # index of this layer's RoPE tables
+
+
+def norm_weight(w: dict[str, torch.Tensor], name: str, offset: float) -> torch.Tensor:
+    """A norm's weight, with Gemma's ``w - 1`` storage undone (``offset`` 1)."""
+    try:
+        weight = w[name]
+    except KeyError:
+        raise ModelLoadError(f"the checkpoint has no {name}") from None
+    return weight + offset if offset else weight
+
+
+def load_layer(
+    w: dict[str, torch.Tensor],
+    i: int,
+    config: ModelConfig,
+    *,
+    quantization: str | None,
+    plan: LinearPlan | None,
+) -> LayerWeights:
+    """Layer ``i`` of the checkpoint's tensors ``w`` (see ``LlamaModel`` for the options)."""
+    p = f"model.layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    block = config.block
+    if block.fused_checkpoint:  # Phi-3: stored in our fused order already
+        qkv, gate_up = w[attn + "qkv_proj.weight"], w[mlp + "gate_up_proj.weight"]
+    else:
+        qkv = torch.cat([w[attn + f"{n}_proj.weight"] for n in "qkv"])
+        gate_up = torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])
+    bias = None
+    if config.qkv_bias:
+        bias = torch.cat([w[attn + f"{n}_proj.bias"] for n in "qkv"])
+
+    def norm(name: str) -> torch.Tensor:
+        return norm_weight(w, name, block.norm_offset)
+
+    norms: dict[str, torch.Tensor | None] = {}
+    if block.norm_placement is NormPlacement.PRE:
+        norms["input_norm"] = norm(p + "input_layernorm.weight")
+        norms["post_norm"] = norm(p + "post_attention_layernorm.weight")
+    elif block.norm_placement is NormPlacement.POST:
+        norms["input_norm"] = norms["post_norm"] = None
+        norms["attn_out_norm"] = norm(p + "post_attention_layernorm.weight")
+        norms["mlp_out_norm"] = norm(p + "post_feedforward_layernorm.weight")
+    else:  # SANDWICH
+        norms["input_norm"] = norm(p + "input_layernorm.weight")
+        norms["attn_out_norm"] = norm(p + "post_attention_layernorm.weight")
+        norms["post_norm"] = norm(p + "pre_feedforward_layernorm.weight")
+        norms["mlp_out_norm"] = norm(p + "post_feedforward_layernorm.weight")
+    if block.qk_norm is not QKNorm.NONE:
+        norms["q_norm"] = norm(attn + "q_norm.weight")
+        norms["k_norm"] = norm(attn + "k_norm.weight")
+    return LayerWeights(
+        qkv=Linear(qkv, bias, quantization=quantization, plan=plan),
+        o=Linear(w[attn + "o_proj.weight"], quantization=quantization, plan=plan),
+        gate_up=Linear(gate_up, quantization=quantization, plan=plan),
+        down=Linear(w[mlp + "down_proj.weight"], quantization=quantization, plan=plan),
+        window=block.layer_windows[i] if block.layer_windows else None,
+        rope=block.layer_ropes[i] if block.layer_ropes else 0,
+        **norms,
+    )
