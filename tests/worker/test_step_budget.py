@@ -160,6 +160,19 @@ def test_beside_decodes_a_prompt_gets_what_the_budget_leaves():
     assert run_step(sched)[-1] == ("r0", 60, 60)
 
 
+def test_beside_its_own_tenants_decodes_alone_a_prompt_fills_the_step():
+    """The budget guards other tenants' decodes: a tenant's prompt beside only its own
+    decodes takes the whole token limit; once another tenant decodes too, the budget's."""
+    sched = make_scheduler(budget_s=0.0164)
+    decoding(sched, 4, tenant="a")
+    sched.add(make_seq(0, 2000, tenant="a"))
+    assert run_step(sched)[-1] == ("r0", 0, 1020)
+    decoding(sched, 1, tenant="b", first=200)
+    plan = run_step(sched)
+    assert [rid for rid, _, n in plan if n == 1] == ["r100", "r101", "r102", "r103", "r200"]
+    assert plan[-1][0] == "r0" and plan[-1][2] == 64 - 5  # the budget's 64 tokens, less 5 decodes
+
+
 def test_without_a_budget_decodes_ride_beside_a_full_chunk():
     sched = make_scheduler(budget_s=None)
     decoding(sched, 4)
@@ -323,7 +336,8 @@ def test_a_tight_budget_changes_the_steps_not_the_tokens(checkpoint):
 
         engine.scheduler.schedule = recorded
         for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
+            # A tenant each: the budget caps prompts beside other tenants' decodes.
+            engine.add_request(str(i), prompt, params, tenant=f"t{i}")
             engine.step()  # arrivals spread over decoding steps
         outputs[budget_ms] = {r: o.token_ids for r, o in drain(engine).items()}
         if budget_ms:

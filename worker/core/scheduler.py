@@ -7,9 +7,10 @@ token budget (chunked prefill, as in Sarathi / vLLM v1). Running decodes go firs
 rest of the budget goes to unfinished prefills, swapped-out sequences and new arrivals,
 tenant by tenant in order of the service each has received (``worker.core.fairness``; or in
 arrival order under FCFS). A new arrival whose leading blocks are in the prefix cache
-starts past them. While a step carries decodes, a ``DecodeStepBudget`` may cap its tokens
-below ``max_num_batched_tokens`` so that its time stays within the decodes' latency budget
-(Sarathi-Serve's stall-free batching: ``worker.core.step_budget``). When KV blocks run out, a
+starts past them. While a step carries a tenant's decodes, a ``DecodeStepBudget`` may cap
+other tenants' prompt tokens below ``max_num_batched_tokens`` so that the step's time stays
+within the decodes' latency budget (Sarathi-Serve's stall-free batching:
+``worker.core.step_budget``). When KV blocks run out, a
 sequence is preempted (the latest arrival of the tenant furthest over its share): its K/V
 are swapped out to the host pool (``PreemptionMode.SWAP``, while the pool has room) or
 dropped and recomputed later (``RECOMPUTE``, the default).
@@ -226,7 +227,12 @@ class Scheduler:
         Other lone requests still join. A tenant whose chunks are cut so is served less,
         so its counter falls behind and it is placed first again.
 
-        The step's token limit is ``_step_token_limit``'s: lower while it carries decodes.
+        A prompt's tokens are bounded by ``_step_token_limit`` (lower while the step carries
+        decodes) only beside another tenant's decodes: beside its own tenant's alone it may fill
+        ``max_num_batched_tokens``. The budget keeps a flood from taking a neighbour's decode
+        latency; within a tenant, a long step trades its own streams' pace for its own first
+        tokens and throughput, as every step does in vLLM (bench.vllm_serving, one tenant:
+        capping there cost throughput and doubled mean TTFT).
         """
         adapters = AdapterGate(self.running, self.waiting, self.max_loras, self.max_lora_wait_steps)
         queues = self._work_queues()
@@ -235,15 +241,20 @@ class Scheduler:
         busy = {s.tenant for s in self.running}  # tenants with a sequence running
         short_limit = None  # the step's token limit once a lone request's prompt is in it
         step_limit = self._step_token_limit(out)
+        decoding = {placed.seq.tenant for placed in out.scheduled}
         while queues:
-            budget = step_limit - out.num_tokens
-            if budget == 0:
+            if out.num_tokens >= self.max_num_batched_tokens:
                 break
             tenant = step.lowest(queues, self.running) if self.ledger.fair else next(iter(queues))
             queue = queues[tenant]
             seq = queue.popleft()
             if not queue:
                 del queues[tenant]
+            # The budget guards other tenants' decodes: a tenant's prompts may stall only its own.
+            limit = step_limit if decoding - {seq.tenant} else self.max_num_batched_tokens
+            budget = limit - out.num_tokens
+            if budget <= 0:
+                continue
             lone = (
                 seq.status is SequenceStatus.WAITING
                 and seq.metrics.first_scheduled_time is None

@@ -4,8 +4,10 @@ Agrawal et al. ("Taming Throughput-Latency Tradeoff in LLM Inference with Sarath
 OSDI 2024): a decoding sequence gets one token per step, so its time per output token is the
 step's time; a step that also carries a long prefill chunk stalls every decode in it. Their
 stall-free batching caps the tokens of each step so that its time stays within a budget, the
-rest of a prompt waiting for the next steps. Here the cap applies while any sequence
-decodes; a step of prefills alone may still fill ``max_num_batched_tokens``.
+rest of a prompt waiting for the next steps. Here the cap applies to a tenant's prompts while
+another tenant's sequence decodes (the scheduler's ``_schedule_prefills``); a step of prefills
+alone, or of one tenant's prefills beside its own decodes, may still fill
+``max_num_batched_tokens``.
 
 The cap comes from what steps cost on this machine: ``StepTimes`` holds seconds by tokens fed,
 first from a sweep at warm-up, then from the steps the engine runs (the median of the latest
