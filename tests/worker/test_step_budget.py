@@ -11,6 +11,7 @@ from worker.core.fairness import split_rows
 from worker.core.scheduler import Scheduler
 from worker.core.sequence import Sequence
 from worker.core.step_budget import (
+    ACTIVE_GRACE_S,
     MIN_PREFILL_TOKENS,
     DecodeStepBudget,
     StepTimes,
@@ -171,6 +172,32 @@ def test_beside_its_own_tenants_decodes_alone_a_prompt_fills_the_step():
     plan = run_step(sched)
     assert [rid for rid, _, n in plan if n == 1] == ["r100", "r101", "r102", "r103", "r200"]
     assert plan[-1][0] == "r0" and plan[-1][2] == 64 - 5  # the budget's 64 tokens, less 5 decodes
+
+
+def test_beside_another_tenants_prompt_a_prompt_gets_what_the_budget_leaves():
+    """A quiet tenant's prompt goes first (its counter is lowest) beside a flood's decodes;
+    the flood's own prompt then gets only what the budget leaves, so the step that carries
+    the quiet prompt stays short."""
+    sched = make_scheduler(budget_s=0.0164)
+    decoding(sched, 4, tenant="flood")
+    sched.add(make_seq(0, 2000, tenant="flood"))
+    assert run_step(sched)[-1] == ("r0", 0, 1020)
+    sched.add(make_seq(1, 40, tenant="quiet"))
+    plan = run_step(sched)
+    assert plan[4:] == [("r1", 0, 40), ("r0", 1020, 20)]
+
+
+def test_a_tenant_counts_as_active_for_a_grace_after_its_last_sequence_left():
+    """A closed-loop client's next question arrives just after its answer: until the grace
+    runs out, another tenant's prompt still gets only the budget's room."""
+    sched = make_scheduler(budget_s=0.0164)
+    decoding(sched, 4, tenant="flood")
+    (quiet,) = decoding(sched, 1, tenant="quiet", first=500)
+    sched.remove(quiet)
+    sched.add(make_seq(0, 2000, tenant="flood"))
+    assert run_step(sched)[-1] == ("r0", 0, 60)
+    sched.tenants_left_at["quiet"] -= ACTIVE_GRACE_S
+    assert run_step(sched)[-1] == ("r0", 60, 1020)
 
 
 def test_without_a_budget_decodes_ride_beside_a_full_chunk():

@@ -30,7 +30,7 @@ from worker.core.fairness import ServiceLedger, Shares, StepCharges, split_rows
 from worker.core.prefix_cache import extend_block_hashes
 from worker.core.prefix_lookup import count_lookup, prefix_hits
 from worker.core.sequence import Sequence, SequenceStatus
-from worker.core.step_budget import MIN_PREFILL_TOKENS, DecodeStepBudget
+from worker.core.step_budget import ACTIVE_GRACE_S, MIN_PREFILL_TOKENS, DecodeStepBudget
 
 
 class _Admission(enum.Enum):
@@ -77,6 +77,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self._decode_turns = 0  # decodes placed in turns so far (``_decodes_within_budget``)
+        # When each tenant's latest sequence left (``_active_tenants``).
+        self.tenants_left_at: dict[str, float] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
         self.num_swap_outs = 0  # of which by swapping
 
@@ -103,6 +105,7 @@ class Scheduler:
             return  # never queued here (a sample waiting for its fork)
         self.ledger.leave(seq)
         self.block_manager.free(seq.block_table)
+        self.tenants_left_at[seq.tenant] = time.monotonic()
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start ``child`` (same prompt) where ``parent`` is, sharing all its blocks.
@@ -228,11 +231,12 @@ class Scheduler:
         so its counter falls behind and it is placed first again.
 
         A prompt's tokens are bounded by ``_step_token_limit`` (lower while the step carries
-        decodes) only beside another tenant's decodes: beside its own tenant's alone it may fill
-        ``max_num_batched_tokens``. The budget keeps a flood from taking a neighbour's decode
-        latency; within a tenant, a long step trades its own streams' pace for its own first
-        tokens and throughput, as every step does in vLLM (bench.vllm_serving, one tenant:
-        capping there cost throughput and doubled mean TTFT).
+        decodes) only while another tenant is active (``_active_tenants``): when its tenant is
+        alone it may fill ``max_num_batched_tokens``. The budget keeps a flood from taking a
+        neighbour's decode latency or first token; within a tenant, a long step trades its
+        own streams' pace for its own first tokens and throughput, as every step does in vLLM
+        (bench.vllm_serving, one tenant: capping there cost 15% of the throughput and doubled
+        mean TTFT).
         """
         adapters = AdapterGate(self.running, self.waiting, self.max_loras, self.max_lora_wait_steps)
         queues = self._work_queues()
@@ -241,7 +245,7 @@ class Scheduler:
         busy = {s.tenant for s in self.running}  # tenants with a sequence running
         short_limit = None  # the step's token limit once a lone request's prompt is in it
         step_limit = self._step_token_limit(out)
-        decoding = {placed.seq.tenant for placed in out.scheduled}
+        others = self._active_tenants()
         while queues:
             if out.num_tokens >= self.max_num_batched_tokens:
                 break
@@ -250,8 +254,8 @@ class Scheduler:
             seq = queue.popleft()
             if not queue:
                 del queues[tenant]
-            # The budget guards other tenants' decodes: a tenant's prompts may stall only its own.
-            limit = step_limit if decoding - {seq.tenant} else self.max_num_batched_tokens
+            # The budget guards other tenants: a tenant's prompts may stall only its own work.
+            limit = step_limit if others - {seq.tenant} else self.max_num_batched_tokens
             budget = limit - out.num_tokens
             if budget <= 0:
                 continue
@@ -287,6 +291,17 @@ class Scheduler:
                         del queues[tenant]
             if out.preempted:
                 admitting = False
+
+    def _active_tenants(self) -> set[str]:
+        """Tenants with a sequence here, or whose last one left within ``ACTIVE_GRACE_S``."""
+        now = time.monotonic()
+        for tenant, left in list(self.tenants_left_at.items()):
+            if now - left >= ACTIVE_GRACE_S:
+                del self.tenants_left_at[tenant]
+        active = set(self.tenants_left_at)
+        for queue in (self.running, self.waiting, self.swapped):
+            active.update(seq.tenant for seq in queue)
+        return active
 
     def _step_token_limit(self, out: SchedulerOutput) -> int:
         """``max_num_batched_tokens``; while the step carries decodes, no more than the

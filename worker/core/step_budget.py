@@ -5,9 +5,8 @@ OSDI 2024): a decoding sequence gets one token per step, so its time per output 
 step's time; a step that also carries a long prefill chunk stalls every decode in it. Their
 stall-free batching caps the tokens of each step so that its time stays within a budget, the
 rest of a prompt waiting for the next steps. Here the cap applies to a tenant's prompts while
-another tenant's sequence decodes (the scheduler's ``_schedule_prefills``); a step of prefills
-alone, or of one tenant's prefills beside its own decodes, may still fill
-``max_num_batched_tokens``.
+another tenant is active (the scheduler's ``_schedule_prefills``); a step of prefills alone, or
+of a lone tenant's prefills beside its own decodes, may still fill ``max_num_batched_tokens``.
 
 The cap comes from what steps cost on this machine: ``StepTimes`` holds seconds by tokens fed,
 first from a sweep at warm-up, then from the steps the engine runs (the median of the latest
@@ -34,6 +33,10 @@ IDLE_STEPS = 5.0
 # Prefill tokens a step may always add beside its decodes, however long they take, so that
 # new requests are admitted and prompts advance while a batch decodes.
 MIN_PREFILL_TOKENS = 16
+# A tenant counts as active this long after its last sequence left: a closed-loop client's next
+# request arrives just after its answer, and a step started in that gap would run uncapped (a
+# second of one prompt chunk here) before its next prompt could join.
+ACTIVE_GRACE_S = 1.0
 # Observed steps: bands of half an octave of tokens fed, the latest kept per band, and how
 # many before their median replaces the sweep's figure.
 BANDS_PER_OCTAVE = 2
