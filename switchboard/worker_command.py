@@ -212,8 +212,9 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--decode-step-budget-ms",
         type=float,
         default=None,
-        help="while a step carries decodes, cut its prefill so it takes at most this long "
-        "(default: the budget measured at warm-up; 0: no bound)",
+        help="while a step carries decodes and more than one tenant is active, cut its "
+        "prefill so it takes at most this long (default: the budget measured at warm-up; "
+        "0: no bound)",
     )
     parser.add_argument(
         "--no-warmup",

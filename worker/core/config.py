@@ -181,8 +181,9 @@ class EngineConfig:
     handing them out one step later (CUDA without speculation: the default there);
     ``kernel_choice``: "measure" (the projections' kernels timed on this CPU once, then
     cached: `switchboard_kernels.linear_choice`) or "fixed" (a rule by CPU features);
-    ``decode_step_budget_ms``: while a step carries decodes, its tokens are cut so that it
-    takes at most this long (prefill chunks wait; `worker.core.step_budget`); None: five
+    ``decode_step_budget_ms``: while a step carries decodes and more than one tenant is
+    active, its prompt tokens are cut so that it takes at most this long (prefill chunks wait;
+    `worker.core.step_budget`); None: five
     one-token steps as measured at warm-up, off without one; 0: off. See docs/engine.md."""
 
     dtype: str | torch.dtype = "auto"
