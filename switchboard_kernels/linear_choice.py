@@ -44,6 +44,12 @@ PANELS, ONEDNN, UPCAST, TORCH = "panels", "onednn", "upcast", "torch"
 STREAM_BYTES = 256 << 20
 MEASURE_ROUNDS = 2  # the fastest round counts (noise only slows a run down)
 MEASURE_SECONDS = 30.0  # larger buckets are left out past this (they take the largest's kernel)
+# A measurement during which our threads got less than this share of their cores' time was
+# slowed by other processes unevenly, kernel by kernel: it is neither trusted nor cached.
+MIN_CPU_SHARE = 0.6
+# Without a measurement on an AMX CPU, the panels keep bf16 products of up to this many rows
+# (a 2-core Sapphire Rapids: panels 12.7 vs oneDNN 15.9 ms a step at 1 row, 23.4 vs 15.7 at 8).
+AMX_PANEL_ROWS = 4
 # Two copies of the projection weights at most this share of the machine's memory.
 DUAL_MEMORY_FRACTION = 0.25
 PLAN_VERSION = 1  # bump when the meaning of a cached plan changes
@@ -74,12 +80,18 @@ class LinearPlan:
 
 @dataclass(frozen=True, slots=True)
 class Measurement:
-    """Seconds of one step's projections (all measured layers) by kernel and rows."""
+    """Seconds of one step's projections (all measured layers) by kernel and rows;
+    ``cpu_share``: the CPU time our threads got over the wall time of all of them."""
 
     plan: LinearPlan
     seconds: dict[str, dict[int, float]]
     layers: int
     elapsed: float
+    cpu_share: float = 1.0
+
+    @property
+    def contended(self) -> bool:
+        return self.cpu_share < MIN_CPU_SHARE
 
 
 def available_kernels(dtype: torch.dtype) -> list[str]:
@@ -101,13 +113,21 @@ def available_kernels(dtype: torch.dtype) -> list[str]:
     return found or [TORCH]
 
 
-def fixed_plan(dtype: torch.dtype, device: torch.device | str = "cpu") -> LinearPlan:
-    """Without a measurement: bf16 through the native panels wherever they build; fp32 through
-    them on CPUs whose widest vectors are AVX2's (with AVX-512, oneDNN's wider kernels); else
-    oneDNN's packed matmul where it packs, else ``F.linear``."""
+def fixed_plan(
+    dtype: torch.dtype, device: torch.device | str = "cpu", *, dual: bool = True
+) -> LinearPlan:
+    """Without a measurement: bf16 through the native panels wherever they build, except on
+    CPUs with AMX tiles, where oneDNN's tiles win from a few rows up (the panels keep up to
+    ``AMX_PANEL_ROWS`` rows when ``dual`` allows two copies); fp32 through the panels on CPUs
+    whose widest vectors are AVX2's (with AVX-512, oneDNN's wider kernels); else oneDNN's
+    packed matmul where it packs, else ``F.linear``."""
     if torch.device(device).type != "cpu":
         return LinearPlan(TORCH, TORCH)
     kernels = available_kernels(dtype)
+    if dtype == torch.bfloat16 and ONEDNN in kernels and torch.cpu._is_amx_tile_supported():
+        if dual and PANELS in kernels:
+            return LinearPlan(PANELS, ONEDNN, AMX_PANEL_ROWS)
+        return LinearPlan(ONEDNN, ONEDNN)
     if PANELS in kernels and (
         dtype == torch.bfloat16 or torch.backends.cpu.get_cpu_capability() == "AVX2"
     ):
@@ -158,7 +178,7 @@ def measure_plan(
     ``ROW_BUCKETS`` up to ``max_rows``, rounds outermost and kernels in a shuffled order."""
     from switchboard_kernels.linear import make_kernel
 
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     kernels = available_kernels(dtype)
     layer_bytes = sum(o * i for o, i in shapes) * torch.empty(0, dtype=dtype).element_size()
     layers = max(1, min(num_layers, math.ceil(STREAM_BYTES / max(layer_bytes, 1))))
@@ -181,7 +201,9 @@ def measure_plan(
                 taken = _time_step(built[k], rows, shapes, dtype)
                 seconds[k][rows] = min(seconds[k].get(rows, math.inf), taken)
     plan = choose(seconds, dual=dual and len(kernels) > 1)
-    return Measurement(plan, seconds, layers, time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    share = (time.process_time() - cpu_started) / (elapsed * torch.get_num_threads())
+    return Measurement(plan, seconds, layers, elapsed, share)
 
 
 def _time_step(
@@ -216,16 +238,24 @@ def linear_plan(
 ) -> LinearPlan:
     """The plan for a model's projections: measured (or read from the cache) on CPU when
     ``measure``, else ``fixed_plan``."""
-    if not measure or torch.device(device).type != "cpu" or len(available_kernels(dtype)) < 2:
-        return fixed_plan(dtype, device)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     dual = dual_allowed(num_layers * sum(o * i for o, i in shapes) * itemsize)
+    if not measure or torch.device(device).type != "cpu" or len(available_kernels(dtype)) < 2:
+        return fixed_plan(dtype, device, dual=dual)
     key = _cache_key(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual)
     path = _cache_dir() / f"linear-{key}.json"
     cached = _read(path)
     if cached is not None:
         return cached
     result = measure_plan(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual)
+    if result.contended:
+        logger.warning(
+            "projections measured while other processes took the CPU (our threads got %.0f%% "
+            "of their cores); not trusted or cached: %s",
+            100 * result.cpu_share,
+            fixed_plan(dtype, device, dual=dual).describe(),
+        )
+        return fixed_plan(dtype, device, dual=dual)
     logger.info(
         "projections measured in %.1f s over %d layers: %s; ms a step by rows: %s",
         result.elapsed,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from switchboard_kernels.linear_choice import (
+    AMX_PANEL_ROWS,
     ONEDNN,
     PANELS,
     TORCH,
@@ -52,9 +53,19 @@ def test_a_tie_keeps_one_kernel():
 def test_the_fixed_rule_names_a_kernel_this_cpu_has():
     for dtype in (torch.float32, torch.bfloat16):
         plan = fixed_plan(dtype)
-        assert plan.small == plan.large and plan.source == "fixed"
-        assert plan.small in [*available_kernels(dtype), TORCH]
+        assert plan.source == "fixed"
+        assert set(plan.kernels) <= {*available_kernels(dtype), TORCH}
     assert fixed_plan(torch.float32, "cuda").kernels == (TORCH,)
+
+
+def test_without_a_measurement_an_amx_cpu_sends_bf16_beyond_a_few_rows_to_onednn(monkeypatch):
+    if {PANELS, ONEDNN} - set(available_kernels(torch.bfloat16)):
+        pytest.skip("needs both the bf16 panels and oneDNN's bf16 packing")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert fixed_plan(torch.bfloat16) == LinearPlan(PANELS, ONEDNN, AMX_PANEL_ROWS)
+    assert fixed_plan(torch.bfloat16, dual=False) == LinearPlan(ONEDNN, ONEDNN)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert fixed_plan(torch.bfloat16) == LinearPlan(PANELS, PANELS)
 
 
 SHAPES = [(48, 32), (32, 48)]
@@ -73,6 +84,7 @@ def test_a_measured_plan_is_cached_and_read_back(tmp_path, monkeypatch):
     if len(available_kernels(torch.float32)) < 2:
         pytest.skip("one kernel here: nothing to measure")
     monkeypatch.setenv("SWITCHBOARD_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr("switchboard_kernels.linear_choice.MIN_CPU_SHARE", 0.0)  # a busy CI
     first = linear_plan(SHAPES, torch.float32, num_layers=2, max_rows=16)
     assert first.source == "measured"
     (cached,) = (tmp_path / "choices").glob("linear-*.json")
@@ -88,6 +100,23 @@ def test_a_measured_plan_is_cached_and_read_back(tmp_path, monkeypatch):
     assert linear_plan([(64, 32)], torch.float32, num_layers=2, max_rows=16).source == "measured"
     cached.write_text("{not json")
     assert linear_plan(SHAPES, torch.float32, num_layers=2, max_rows=16).source == "measured"
+
+
+def test_a_measurement_starved_of_cpu_is_neither_trusted_nor_cached(tmp_path, monkeypatch):
+    """Other processes slow each kernel's rounds unevenly; the plan is then the fixed rule's and
+    the next start measures again."""
+    import switchboard_kernels.linear_choice as choice
+
+    if len(available_kernels(torch.float32)) < 2:
+        pytest.skip("one kernel here: nothing to measure")
+    monkeypatch.setenv("SWITCHBOARD_KERNEL_CACHE", str(tmp_path))
+    result = measure_plan(SHAPES, torch.float32, num_layers=2, max_rows=16, dual=True)
+    assert result.cpu_share > 0
+    monkeypatch.setattr(choice, "MIN_CPU_SHARE", 1e9)  # every measurement counts as starved
+    assert linear_plan(SHAPES, torch.float32, num_layers=2, max_rows=16) == fixed_plan(
+        torch.float32
+    )
+    assert not list(tmp_path.glob("choices/linear-*.json"))
 
 
 def test_fixed_choice_measures_nothing(tmp_path, monkeypatch):
@@ -106,6 +135,7 @@ def test_an_engine_on_a_measured_plan_generates_what_transformers_does(tmp_path,
     from worker import LLM, SamplingParams
 
     monkeypatch.setenv("SWITCHBOARD_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr("switchboard_kernels.linear_choice.MIN_CPU_SHARE", 0.0)  # a busy CI
     checkpoint = make_checkpoint(tmp_path / "model")
     llm = LLM(str(checkpoint), dtype="float32", kernel_choice="measure")
     layer = llm.engine.model.layers[0]
