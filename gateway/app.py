@@ -123,6 +123,8 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
                 cache_entries=settings.grammar_cache_entries,
                 children=settings.grammar_checkers,
                 timeout_s=settings.grammar_check_timeout_s,
+                per_tenant=settings.grammar_checks_per_tenant,
+                queue_limit=settings.grammar_check_queue_per_tenant,
             )
         ),
     )

@@ -137,6 +137,14 @@ class NoWorkerError(GatewayError):
     code = "no_worker_available"
 
 
+class HelperUnavailableError(GatewayError):
+    """A gateway helper process (the grammar checker) failed by itself, not by the request."""
+
+    status = 503
+    type = "server_error"
+    code = "helper_unavailable"
+
+
 class StateUnavailableError(GatewayError):
     """Redis is unreachable: we fail closed (no auth, no routing) rather than guess."""
 

@@ -63,7 +63,7 @@ async def resolve(
     adapter = await resolve_model(
         tenants=tenants, caller=caller, model=body.model, served_model_name=limits.served_model_name
     )
-    constraint = await constraint_for(body, checker=grammars)
+    constraint = await constraint_for(body, checker=grammars, tenant=caller.tenant)
     prompt = await prompt_ids(body, tokenizer=tokenizer, max_model_len=limits.max_model_len)
     if parsed.prompt_logprobs is not None:
         bound_prompt_logprobs(

@@ -97,9 +97,14 @@ class GatewaySettings(BaseSettings):
     # Structured outputs and tool calls (gateway/structured/grammar_checker.py). A grammar's text
     # (JSON schema, regex, Lark, the tools' grammar) past max_grammar_bytes is a 400 before it is
     # compiled; each is checked in a child process (grammar_checkers at once, each check killed past
-    # grammar_check_timeout_s), and verdicts are cached by content.
+    # grammar_check_timeout_s), and verdicts are cached by content. The checkers are shared fairly:
+    # a tenant runs at most grammar_checks_per_tenant checks at once and queues at most
+    # grammar_check_queue_per_tenant more (past that, 429), so one tenant's flood of pathological
+    # grammars never holds every checker (gateway/fair_slots.py).
     max_grammar_bytes: int = Field(default=256 << 10, ge=1024, le=1 << 20)
     grammar_checkers: int = Field(default=2, ge=1)
+    grammar_checks_per_tenant: int = Field(default=1, ge=1)
+    grammar_check_queue_per_tenant: int = Field(default=16, ge=1)
     grammar_check_timeout_s: float = Field(default=10.0, gt=0)
     grammar_cache_entries: int = Field(default=1024, ge=1)
 

@@ -48,15 +48,20 @@ class Constraint:
         return worker_pb2.StructuredOutput(format=self.format, text=self.text)
 
 
-async def constraint_for(body: SamplingFields, *, checker: GrammarChecker) -> Constraint | None:
-    """The request's checked constraint, or None for free text; a 400 naming the field
-    when it is malformed, too large, or a grammar llguidance cannot follow."""
+async def constraint_for(
+    body: SamplingFields, *, checker: GrammarChecker, tenant: str
+) -> Constraint | None:
+    """The request's checked constraint (in ``tenant``'s turn on the checker), or None for
+    free text; a 400 naming the field when it is malformed, too large, or a grammar
+    llguidance cannot follow."""
     if isinstance(body, ChatCompletionRequest) and body.calls_tools:
-        return await _tool_constraint(body, checker=checker)
+        return await _tool_constraint(body, checker=checker, tenant=tenant)
     constraint = requested_constraint(body)
     if constraint is not None and constraint.format != "json_object":
         what = DESCRIPTIONS[constraint.format]
-        await checker.check(constraint.format, constraint.text, param=constraint.param, what=what)
+        await checker.check(
+            constraint.format, constraint.text, param=constraint.param, what=what, tenant=tenant
+        )
     return constraint
 
 
@@ -129,7 +134,9 @@ def _dumps(value: Any, param: str) -> str:
         raise InvalidRequestError(f"cannot be used as given: {exc}", param=param) from exc
 
 
-async def _tool_constraint(body: ChatCompletionRequest, *, checker: GrammarChecker) -> Constraint:
+async def _tool_constraint(
+    body: ChatCompletionRequest, *, checker: GrammarChecker, tenant: str
+) -> Constraint:
     """Each tool's parameters checked as a JSON schema (so an error names its tool), then
     the grammar of the answer under tool_choice."""
     tools = body.tools or []
@@ -146,10 +153,10 @@ async def _tool_constraint(body: ChatCompletionRequest, *, checker: GrammarCheck
         )
     for index, text in enumerate(texts):
         param = f"tools.{index}.function.parameters"
-        await checker.check("json_schema", text, param=param, what="JSON schema")
+        await checker.check("json_schema", text, param=param, what="JSON schema", tenant=tenant)
     choice = effective_tool_choice(body.tools, body.tool_choice)
     functions = [tool.function for tool in tools]
     grammar = tool_grammar(functions, choice, parallel=body.parallel_tool_calls)
     assert grammar is not None  # tool_choice is not "none" here
-    await checker.check("lark", grammar, param="tools", what=DESCRIPTIONS["lark"])
+    await checker.check("lark", grammar, param="tools", what=DESCRIPTIONS["lark"], tenant=tenant)
     return Constraint("lark", grammar, "tools")

@@ -11,10 +11,12 @@ and printed, and `bench/hostile_latency.py` reports their p99.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
 import socket
+import statistics
 import struct
 import threading
 import time
@@ -48,10 +50,14 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, redis_url, tmp_path_factory):
-    # A 3 s header deadline (10 by default) so the slowloris test waits 3 s for its close.
-    header_deadline = {"SWITCHBOARD_HTTP_HEADER_TIMEOUT_S": "3"}
+    # A 3 s header deadline (10 by default) so the slowloris test waits 3 s for its close; a
+    # tenant's queue on the grammar checkers of 4 (16 by default) so a flood ends sooner.
+    environ = {
+        "SWITCHBOARD_HTTP_HEADER_TIMEOUT_S": "3",
+        "SWITCHBOARD_GRAMMAR_CHECK_QUEUE_PER_TENANT": "4",
+    }
     with (
-        mock.patch.dict(os.environ, header_deadline),
+        mock.patch.dict(os.environ, environ),
         Stack(
             model=tiny_model,
             num_workers=1,  # victim and attacker share one worker and its engine steps
@@ -661,3 +667,83 @@ def test_grpc_callers_without_credentials_are_refused(stack, victim, prober):
                 grpc.StatusCode.UNAVAILABLE,
                 grpc.StatusCode.UNAUTHENTICATED,
             )
+
+
+# --- shared helpers: the grammar checkers ---------------------------------------------------
+
+
+def _ref_chain(depth: int, salt: str) -> dict:
+    """A schema whose `$ref` chain kills llguidance's compiler (and costs its metaschema check
+    seconds); `salt` makes each one new to the checker's cache."""
+    defs = {
+        f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(depth)
+    }
+    defs[f"d{depth}"] = {"type": "string", "description": salt}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def _plain_schema_latency(stack: Stack, key: str, model: str, salt: str) -> float:
+    """Seconds for one completion under a small JSON schema the checker has not seen."""
+    schema = {
+        "type": "object",
+        "properties": {f"k_{salt}": {"type": "integer"}},
+        "required": [f"k_{salt}"],
+        "additionalProperties": False,
+    }
+    body = {
+        "model": model,
+        "prompt": "json please",
+        "max_tokens": 8,
+        "temperature": 0,
+        "structured_outputs": {"json": schema},
+    }
+    started = time.perf_counter()
+    response = httpx.post(
+        f"{stack.base_url}/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+    )
+    took = time.perf_counter() - started
+    assert response.status_code == 200, response.text
+    return took
+
+
+def test_a_flood_of_crashing_schemas_leaves_another_tenants_schemas_fast(
+    stack, victim, attacker, prober, tiny_model
+):
+    """40 concurrent requests, each with a new `$ref` chain that crashes its check: each gets
+    its 400 (or a 429 once its tenant's queue on the checkers is full), and another tenant's
+    plain JSON schema is checked beside them, not behind them."""
+    salt = os.urandom(4).hex()
+    latency = functools.partial(_plain_schema_latency, stack, victim.key, tiny_model.name)
+    with victim.alongside():  # the victim's own stream runs in both measurements
+        alone = statistics.median(latency(f"{salt}_alone_{i}") for i in range(5))
+    statuses: list[int] = []
+
+    def attack(i: int) -> None:
+        body = {
+            "model": tiny_model.name,
+            "prompt": "attack",
+            "max_tokens": 4,
+            "structured_outputs": {"json": _ref_chain(2000, f"{salt}_{i}")},
+        }
+        response = attacker.post("/v1/completions", json=body, timeout=300)
+        assert_refused(response, 400, 429)
+        statuses.append(response.status_code)
+
+    with victim.alongside():
+        flood = [threading.Thread(target=attack, args=(i,)) for i in range(40)]
+        for thread in flood:
+            thread.start()
+        time.sleep(1.0)  # the flood's checks are running and queued
+        attacked = [latency(f"{salt}_attacked_{i}") for i in range(5)]
+        for thread in flood:
+            thread.join(timeout=300)
+    print(
+        f"\nvictim's schema request: alone {alone * 1e3:.0f} ms (median of 5), under the flood "
+        f"{statistics.median(attacked) * 1e3:.0f} ms median, {max(attacked) * 1e3:.0f} ms max; "
+        f"attacker: {statuses.count(400)} x 400, {statuses.count(429)} x 429"
+    )
+    assert len(statuses) == 40 and statuses.count(400) >= 1
+    assert statistics.median(attacked) <= 2 * alone, (alone, attacked)

@@ -14,7 +14,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from gateway import metrics
-from gateway.structured.grammar_checker import CRASHED, GrammarChecker, GrammarLimits
+from gateway.structured.grammar_checker import GrammarChecker, GrammarLimits
+from gateway.structured.grammar_child import CRASHED
 from gateway_support import MODEL_NAME, assert_error, gateway_settings, gateway_with_worker
 
 WEATHER_TOOL = {
@@ -485,11 +486,13 @@ async def test_a_grammar_is_checked_once_and_then_answered_from_the_cache():
     text = json.dumps(SCHEMA)
     try:
         valid, cached = checked("valid"), checked("cached")
-        verdicts = await asyncio.gather(*[grammars.verdict("json_schema", text) for _ in range(5)])
+        verdicts = await asyncio.gather(
+            *[grammars.verdict("json_schema", text, tenant="t") for _ in range(5)]
+        )
         assert verdicts == [""] * 5
         assert checked("valid") == valid + 1  # five requests at once: one check
         for _ in range(3):
-            assert await grammars.verdict("json_schema", text) == ""
+            assert await grammars.verdict("json_schema", text, tenant="t") == ""
         assert (checked("valid"), checked("cached")) == (valid + 1, cached + 3)
     finally:
         await grammars.close()
@@ -499,11 +502,11 @@ async def test_the_cache_keeps_the_latest_verdicts():
     grammars = checker(cache_entries=2)
     try:
         for pattern in ("a", "b", "c"):
-            await grammars.verdict("regex", pattern)
+            await grammars.verdict("regex", pattern, tenant="t")
         valid = checked("valid")
-        await grammars.verdict("regex", "c")  # kept
+        await grammars.verdict("regex", "c", tenant="t")  # kept
         assert checked("valid") == valid
-        await grammars.verdict("regex", "a")  # the oldest: forgotten, checked again
+        await grammars.verdict("regex", "a", tenant="t")  # the oldest: forgotten, checked again
         assert checked("valid") == valid + 1
     finally:
         await grammars.close()
@@ -512,9 +515,11 @@ async def test_the_cache_keeps_the_latest_verdicts():
 async def test_a_grammar_that_kills_its_checker_is_refused_and_the_next_is_checked():
     grammars = checker()
     try:
-        assert await grammars.verdict("json_schema", json.dumps(deep_ref_chain(3000))) == CRASHED
-        assert await grammars.verdict("regex", "[a-z]+") == ""
-        assert await grammars.verdict("regex", "(") != ""
+        assert await grammars.verdict(
+            "json_schema", json.dumps(deep_ref_chain(3000)), tenant="t"
+        ) == (CRASHED)
+        assert await grammars.verdict("regex", "[a-z]+", tenant="t") == ""
+        assert await grammars.verdict("regex", "(", tenant="t") != ""
     finally:
         await grammars.close()
 
@@ -522,7 +527,7 @@ async def test_a_grammar_that_kills_its_checker_is_refused_and_the_next_is_check
 async def test_a_check_past_its_time_is_refused():
     grammars = checker(timeout_s=0.001)
     try:
-        verdict = await grammars.verdict("json_schema", json.dumps(SCHEMA))
+        verdict = await grammars.verdict("json_schema", json.dumps(SCHEMA), tenant="t")
         assert verdict.startswith("checking it took longer than")
     finally:
         await grammars.close()
