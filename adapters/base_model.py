@@ -31,19 +31,25 @@ FUSED_PROJECTIONS: dict[str, str] = {
 }
 # Every projection name of every family, in the canonical order (Llama's first).
 ALL_PROJECTIONS: dict[str, str] = {**PROJECTIONS, **FUSED_PROJECTIONS}
+# The MLP projections, which a MoE base has only on its dense layers (Qwen3-MoE's
+# mlp_only_layers; none on Mixtral).
+MLP_PROJECTIONS = frozenset({"gate_proj", "up_proj", "down_proj", "gate_up_proj"})
 
-# The dense families the worker's architecture registry serves (worker/model/architectures.py;
-# a test holds the two lists together), all with Llama's projection names.
+# The families the worker's architecture registry serves (worker/model/architectures.py; a test
+# holds the two lists together), all with Llama's projection names.
 _FUSED_MODEL_TYPES = frozenset({"phi3"})
+_MOE_MODEL_TYPES = frozenset({"mixtral", "qwen3_moe"})
 SUPPORTED_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "gemma2", "gemma3_text"}
     | _FUSED_MODEL_TYPES
+    | _MOE_MODEL_TYPES
 )
 
 
 @dataclass(frozen=True, slots=True)
 class BaseModelSpec:
-    """Shapes of a dense base model (Llama, Mistral, Qwen2/3, OLMo 2, Granite, Gemma 2/3, Phi-3)."""
+    """Shapes of a base model (Llama, Mistral, Qwen2/3, OLMo 2, Granite, Gemma 2/3, Phi-3, and
+    the MoE families Mixtral and Qwen3-MoE)."""
 
     model_type: str
     num_layers: int
@@ -53,6 +59,11 @@ class BaseModelSpec:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    # MoE bases: experts per sparse layer, each expert's intermediate size, and per layer
+    # whether its MLP is sparse (0, 0, () for a dense base).
+    num_experts: int = 0
+    expert_intermediate_size: int = 0
+    sparse_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_config_dict(cls, config: Mapping[str, Any]) -> BaseModelSpec:
@@ -74,9 +85,11 @@ class BaseModelSpec:
         heads = positive_int("num_attention_heads", config.get("num_attention_heads"))
         kv_heads = config.get("num_key_value_heads")
         head_dim = config.get("head_dim")  # Mistral writes an explicit null
+        num_layers = positive_int("num_hidden_layers", config.get("num_hidden_layers"))
+        moe = _experts(config, model_type, num_layers, positive_int)
         return cls(
             model_type=model_type,
-            num_layers=positive_int("num_hidden_layers", config.get("num_hidden_layers")),
+            num_layers=num_layers,
             hidden_size=hidden,
             intermediate_size=positive_int("intermediate_size", config.get("intermediate_size")),
             num_heads=heads,
@@ -85,12 +98,24 @@ class BaseModelSpec:
             ),
             head_dim=positive_int("head_dim", hidden // heads if head_dim is None else head_dim),
             vocab_size=positive_int("vocab_size", config.get("vocab_size")),
+            **moe,
         )
 
     @property
     def projections(self) -> dict[str, str]:
         """This base's LoRA-targetable projections → their submodule, in canonical order."""
-        return FUSED_PROJECTIONS if self.model_type in _FUSED_MODEL_TYPES else PROJECTIONS
+        if self.model_type in _FUSED_MODEL_TYPES:
+            return FUSED_PROJECTIONS
+        if self.sparse_layers and all(self.sparse_layers):  # no dense MLP anywhere (Mixtral)
+            return {m: p for m, p in PROJECTIONS.items() if m not in MLP_PROJECTIONS}
+        return PROJECTIONS
+
+    def has_module(self, layer: int, module: str) -> bool:
+        """Whether layer ``layer`` has projection ``module`` (a MoE base's sparse layers have
+        no dense MLP)."""
+        if module not in self.projections:
+            return False
+        return not (module in MLP_PROJECTIONS and self.sparse_layers and self.sparse_layers[layer])
 
     def projection_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of one projection; `module` is a key of ALL_PROJECTIONS."""
@@ -108,3 +133,36 @@ class BaseModelSpec:
             "gate_up_proj": (self.hidden_size, 2 * self.intermediate_size),
         }
         return shapes[module]
+
+
+def _experts(
+    config: Mapping[str, Any], model_type: str, num_layers: int, positive_int: Any
+) -> dict[str, Any]:
+    """A MoE base's expert count, expert size and sparse layers, as transformers reads them
+    (Qwen3-MoE: layer i is sparse unless in mlp_only_layers, where (i + 1) % step == 0)."""
+    # Either name (transformers maps one to the other; Qwen3-MoE's hub configs say num_experts).
+    count = config.get("num_local_experts", config.get("num_experts"))
+    if model_type == "mixtral":
+        return {
+            "num_experts": positive_int("num_local_experts", 8 if count is None else count),
+            "expert_intermediate_size": positive_int(
+                "intermediate_size", config.get("intermediate_size")
+            ),
+            "sparse_layers": (True,) * num_layers,
+        }
+    if model_type == "qwen3_moe":
+        dense = config.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+            raise ValueError(f"base config.json: mlp_only_layers must be a list, got {dense!r}")
+        step = positive_int("decoder_sparse_step", config.get("decoder_sparse_step", 1))
+        experts = positive_int("num_experts", 128 if count is None else count)
+        return {
+            "num_experts": experts,
+            "expert_intermediate_size": positive_int(
+                "moe_intermediate_size", config.get("moe_intermediate_size", 768)
+            ),
+            "sparse_layers": tuple(
+                i not in dense and (i + 1) % step == 0 for i in range(num_layers)
+            ),
+        }
+    return {}

@@ -98,6 +98,13 @@ def check_against_base(
                 f"{base.num_layers} layers (0..{base.num_layers - 1})",
                 field=m.a.name,
             )
+        if not base.has_module(m.layer, m.module):
+            raise IncompatibleAdapterError(
+                f"tensor {m.a.name!r} is for module {m.module!r} of layer {m.layer}, a sparse "
+                f"(mixture-of-experts) layer of this {base.model_type} base, which has no "
+                "dense MLP (LoRA on its experts: target_parameters)",
+                field=m.a.name,
+            )
         for info in (m.a, m.b):
             if len(info.shape) != 2:
                 raise InvalidAdapterError(
@@ -154,7 +161,11 @@ def check_against_config(
     for layer in range(base.num_layers):
         for module, parent in base.projections.items():
             key = f"{prefix}layers.{layer}.{parent}.{module}"
-            if (layer, module) not in modules and config.selects(key):
+            if (
+                (layer, module) not in modules
+                and base.has_module(layer, module)
+                and config.selects(key)
+            ):
                 raise InvalidAdapterError(
                     f"{CONFIG_FILE} targets {key!r} but adapter_model.safetensors has no "
                     f"{PEFT_PREFIX}{key}.lora_A.weight / lora_B.weight",

@@ -59,10 +59,16 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
     torch_dtype = resolve_dtype(config.dtype, device)
     attention_backend = resolve_attention_backend(config.attention_backend, device)
     tp_size = config.tensor_parallel_size
-    cuda_graphs = resolve_cuda_graphs(config.cuda_graphs, device, attention_backend, tp_size)
+    model_config = ModelConfig.from_pretrained(model)
+    cuda_graphs = resolve_cuda_graphs(
+        config.cuda_graphs,
+        device,
+        attention_backend,
+        tp_size,
+        sparse_experts=model_config.block.experts is not None,
+    )
     async_output = resolve_async_output(config.async_output, device, config.speculative.enabled)
     num_kv_blocks, num_host_blocks = kv_cache_blocks(model, config, torch_dtype)
-    model_config = ModelConfig.from_pretrained(model)
     plan = linear_plan(
         projection_shapes(model_config),
         torch_dtype,

@@ -69,16 +69,25 @@ def resolve_attention_backend(backend: str | None, device: torch.device) -> str:
 
 
 def resolve_cuda_graphs(
-    requested: bool | None, device: torch.device, attention_backend: str, tensor_parallel_size: int
+    requested: bool | None,
+    device: torch.device,
+    attention_backend: str,
+    tensor_parallel_size: int,
+    *,
+    sparse_experts: bool = False,
 ) -> bool:
-    """Decode steps as CUDA graphs: on CUDA with the triton backend on one rank (None: there
-    by default); asking for them anywhere else is refused."""
+    """Decode steps as CUDA graphs: on CUDA with the triton backend on one rank, for a dense
+    model (None: there by default); asking for them anywhere else is refused. A MoE model's
+    grouping by expert reads the routing on the host, which a graph cannot replay."""
     possible = device.type == "cuda" and attention_backend == "triton" and tensor_parallel_size == 1
     if requested and not possible:
         raise InvalidRequestError(
             "cuda_graphs needs device 'cuda', attention_backend 'triton' and one rank "
             f"(got {device.type!r}, {attention_backend!r}, {tensor_parallel_size} ranks)"
         )
+    if requested and sparse_experts:
+        raise InvalidRequestError("cuda_graphs is not supported for mixture-of-experts models")
+    possible = possible and not sparse_experts
     return possible if requested is None else requested
 
 

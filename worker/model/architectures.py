@@ -5,8 +5,9 @@ reads, from its Hugging Face config, a ``Block``: the few facts in which its mat
 Llama block (RMSNorm before attention and MLP, RoPE, SiLU-gated MLP, ``head_dim ** -0.5``). vLLM's
 ``models/gemma2.py``, ``gemma3.py``, ``phi3.py``, ``olmo2.py``, ``granite.py`` map the differences;
 here each is data, read once at load. A config field that changes the math and that the entry does
-not read is refused by name (``MATH_FIELDS``), never ignored. A new family (a MoE block, say) is one
-more entry: its reader and the fields it handles.
+not read is refused by name (``MATH_FIELDS``), never ignored. A new family is one more entry: its
+reader and the fields it handles. The sparse MoE families (Mixtral, Qwen3-MoE) are the same block
+with ``Experts`` in place of the dense MLP on their sparse layers (``worker.model.moe``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,24 @@ class Activation(Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class Experts:
+    """A sparse mixture-of-experts MLP: each token's MLP output is the weighted sum of the
+    outputs of the ``top_k`` experts (of ``num_experts``) its router ranks highest."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's (Qwen3-MoE: moe_intermediate_size)
+    # Divide the top-k probabilities by their sum (Mixtral always; Qwen3-MoE's norm_topk_prob).
+    normalize: bool
+    # Qwen3-MoE rounds the routing weights to the model's dtype before scaling the experts'
+    # outputs; Mixtral scales by the fp32 weights and rounds the product.
+    weights_in_model_dtype: bool
+    # Per layer: True where the MLP is sparse, False for a dense MLP (Qwen3-MoE's
+    # ``mlp_only_layers`` and ``decoder_sparse_step``).
+    sparse_layers: tuple[bool, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Block:
     """How one checkpoint's decoder departs from the Llama block (the defaults are Llama's)."""
 
@@ -59,6 +78,8 @@ class Block:
     ropes: tuple[dict, ...] = field(default_factory=tuple)
     # Phi-3: q/k/v and gate/up are stored fused (``qkv_proj``, ``gate_up_proj``).
     fused_checkpoint: bool = False
+    # Mixtral, Qwen3-MoE: the sparse MLP of the layers ``experts.sparse_layers`` names.
+    experts: Experts | None = None
 
     @property
     def is_llama(self) -> bool:
@@ -75,6 +96,7 @@ class Block:
             and self.plain_attention
             and self.final_softcap is None
             and len(self.ropes) <= 1
+            and self.experts is None
         )
 
     @property
@@ -119,6 +141,8 @@ MATH_FIELDS: dict[str, Callable[[Any], bool]] = {
     "num_experts": lambda v: not v,
     "num_local_experts": lambda v: not v,
     "n_routed_experts": lambda v: not v,
+    "shared_expert_intermediate_size": lambda v: not v,
+    "n_shared_experts": lambda v: not v,
     "altup_num_inputs": lambda v: v is None,
     "pretraining_tp": lambda v: v is None or v == 1,
 }
@@ -222,6 +246,41 @@ def _phi3(hf: Any, n: int) -> Block:
     return Block(fused_checkpoint=True, layer_windows=_layer_windows(hf, n), **_one_rope(hf, n))
 
 
+def _mixtral(hf: Any, n: int) -> Block:
+    experts = Experts(
+        num_experts=int(hf.num_local_experts),
+        top_k=int(hf.num_experts_per_tok),
+        intermediate_size=int(hf.intermediate_size),
+        normalize=True,
+        weights_in_model_dtype=False,
+        sparse_layers=(True,) * n,
+    )
+    return Block(experts=experts, layer_windows=_layer_windows(hf, n), **_one_rope(hf, n))
+
+
+def _qwen3_moe(hf: Any, n: int) -> Block:
+    """Qwen3's block; layer i's MLP is sparse unless listed in ``mlp_only_layers``, where
+    ``(i + 1) % decoder_sparse_step == 0`` (what transformers' decoder layer tests)."""
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    num_experts = int(hf.num_experts)
+    sparse = tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(n))
+    experts = Experts(
+        num_experts=num_experts,
+        top_k=int(hf.num_experts_per_tok),
+        intermediate_size=int(hf.moe_intermediate_size),
+        normalize=bool(getattr(hf, "norm_topk_prob", False)),
+        weights_in_model_dtype=True,
+        sparse_layers=sparse,
+    )
+    return Block(
+        qk_norm=QKNorm.PER_HEAD,
+        experts=experts if any(sparse) else None,
+        layer_windows=_layer_windows(hf, n),
+        **_one_rope(hf, n),
+    )
+
+
 _WINDOWS = frozenset({"sliding_window", "use_sliding_window"})
 _GEMMA = frozenset({"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"})
 _GELU = frozenset({"gelu_pytorch_tanh"})
@@ -240,6 +299,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma2": Architecture(_gemma2, _WINDOWS | _GEMMA, _GELU),
     "gemma3_text": Architecture(_gemma3, _WINDOWS | _GEMMA, _GELU),
     "phi3": Architecture(_phi3, _WINDOWS),
+    # The expert count under either name (each config maps one to the other).
+    "mixtral": Architecture(_mixtral, _WINDOWS | {"num_local_experts", "num_experts"}),
+    "qwen3_moe": Architecture(_qwen3_moe, _WINDOWS | {"num_experts", "num_local_experts"}),
 }
 
 

@@ -2,7 +2,9 @@
 
 Where the norms sit (``NormPlacement``), whether q/k have norms, Gemma's ``w - 1`` norm storage and
 Phi-3's fused tensors come from the architecture registry's ``Block``
-(``worker.model.architectures``); q/k/v and gate/up end up fused into one projection each.
+(``worker.model.architectures``); q/k/v and gate/up end up fused into one projection each. A
+sparse layer of a MoE family holds its router and experts (``worker.model.moe``) instead of the
+dense MLP.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from switchboard_kernels.linear_choice import LinearPlan
 from worker.errors import ModelLoadError
 from worker.model.architectures import NormPlacement, QKNorm
 from worker.model.model_config import ModelConfig
+from worker.model.moe import MoeWeights, load_experts
 
 
 @dataclass(slots=True)
@@ -24,8 +27,8 @@ class LayerWeights:
     qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim, with Qwen2's biases
     o: Linear  # heads * head_dim -> hidden
     post_norm: torch.Tensor | None  # [hidden], before the MLP (None: OLMo 2)
-    gate_up: Linear  # hidden -> 2 * intermediate
-    down: Linear  # intermediate -> hidden
+    gate_up: Linear | None  # hidden -> 2 * intermediate (None: a sparse layer)
+    down: Linear | None  # intermediate -> hidden
     # The registry's departures from the Llama block (``worker.model.architectures``).
     attn_out_norm: torch.Tensor | None = None  # [hidden], on attention's output (OLMo 2, Gemma)
     mlp_out_norm: torch.Tensor | None = None  # [hidden], on the MLP's output (OLMo 2, Gemma)
@@ -33,6 +36,13 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     window: int | None = None  # sliding window (keys p - W < j <= p), None: full attention
     rope: int = 0  # index of this layer's RoPE tables
+    moe: MoeWeights | None = None  # a sparse layer's router and experts (Mixtral, Qwen3-MoE)
+
+    @property
+    def dense_linears(self) -> tuple[Linear, ...]:
+        """The projections every row multiplies by (a sparse layer's experts aside)."""
+        mlp = () if self.gate_up is None or self.down is None else (self.gate_up, self.down)
+        return (self.qkv, self.o, *mlp)
 
 
 def norm_weight(w: dict[str, torch.Tensor], name: str, offset: float) -> torch.Tensor:
@@ -56,11 +66,20 @@ def load_layer(
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
     block = config.block
+    experts = block.experts
+    sparse = experts is not None and experts.sparse_layers[i]
+    moe = gate_up = down = None
+    if sparse:
+        assert experts is not None
+        moe = load_experts(w, i, experts, quantization=quantization, plan=plan)
     if block.fused_checkpoint:  # Phi-3: stored in our fused order already
         qkv, gate_up = w[attn + "qkv_proj.weight"], w[mlp + "gate_up_proj.weight"]
     else:
         qkv = torch.cat([w[attn + f"{n}_proj.weight"] for n in "qkv"])
-        gate_up = torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])
+        if not sparse:
+            gate_up = torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])
+    if not sparse:
+        down = Linear(w[mlp + "down_proj.weight"], quantization=quantization, plan=plan)
     bias = None
     if config.qkv_bias:
         bias = torch.cat([w[attn + f"{n}_proj.bias"] for n in "qkv"])
@@ -87,8 +106,9 @@ def load_layer(
     return LayerWeights(
         qkv=Linear(qkv, bias, quantization=quantization, plan=plan),
         o=Linear(w[attn + "o_proj.weight"], quantization=quantization, plan=plan),
-        gate_up=Linear(gate_up, quantization=quantization, plan=plan),
-        down=Linear(w[mlp + "down_proj.weight"], quantization=quantization, plan=plan),
+        gate_up=None if gate_up is None else Linear(gate_up, quantization=quantization, plan=plan),
+        down=down,
+        moe=moe,
         window=block.layer_windows[i] if block.layer_windows else None,
         rope=block.layer_ropes[i] if block.layer_ropes else 0,
         **norms,

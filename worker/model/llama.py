@@ -1,7 +1,8 @@
-"""Our decoder over a flattened, paged batch: the Llama block, and every dense family the
-architecture registry (``worker.model.architectures``) describes as departures from it (q/k norms,
-norm placement, multipliers, GeLU, soft-caps, sliding windows, per-layer RoPE, fused checkpoints).
-A Llama-block checkpoint runs the Llama loop as it always has; the others run ``_forward_block``.
+"""Our decoder over a flattened, paged batch: the Llama block, and every family the architecture
+registry (``worker.model.architectures``) describes as departures from it (q/k norms, norm
+placement, multipliers, GeLU, soft-caps, sliding windows, per-layer RoPE, fused checkpoints, sparse
+MoE MLPs: ``worker.model.moe``). A Llama-block checkpoint runs the Llama loop as it always has; the
+others run ``_forward_block``.
 
 Plain tensors and functions rather than ``nn.Module``s: no hooks or parameter bookkeeping
 on the hot path. q/k/v and gate/up projections are fused into one matmul each (fewer,
@@ -32,6 +33,7 @@ from worker.errors import ModelLoadError
 from worker.model.architectures import Activation, QKNorm
 from worker.model.layers import load_layer, norm_weight
 from worker.model.model_config import ModelConfig
+from worker.model.moe import moe_mlp
 from worker.model.rope import RopeTables, apply_rope
 from worker.model.sharding import Shard, check_divisible, weight_slicer
 
@@ -114,17 +116,24 @@ class LlamaModel:
         ]
         # What one decode step reads (the embedding table is only gathered from): a small
         # batch's step time on CPU goes with it.
-        linears = [self.lm_head] + [
-            lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ]
+        # A sparse layer reads its router and top_k experts for one token.
+        linears = [self.lm_head] + [lin for layer in self.layers for lin in layer.dense_linears]
+        experts = sum(
+            y.moe.routing.top_k * y.moe.expert_bytes
+            + y.moe.router.numel() * y.moe.router.element_size()
+            for y in self.layers
+            if y.moe is not None
+        )
         norms = [self.final_norm] + [
             n
             for y in self.layers
             for n in (y.input_norm, y.post_norm, y.attn_out_norm, y.mlp_out_norm)
             if n is not None
         ]
-        self.decode_weight_bytes = sum(lin.decode_bytes for lin in linears) + sum(
-            n.numel() * n.element_size() for n in norms
+        self.decode_weight_bytes = (
+            sum(lin.decode_bytes for lin in linears)
+            + experts
+            + sum(n.numel() * n.element_size() for n in norms)
         )
         ropes = block.ropes or (c.rope,)
         self.ropes = [
@@ -227,7 +236,7 @@ class LlamaModel:
             hidden = hidden * block.embedding_scale
         n = hidden.shape[0]
         residual_scale = block.residual_multiplier
-        gelu = block.activation is Activation.GELU_TANH
+        activation = _gelu_tanh if block.activation is Activation.GELU_TANH else F.silu
         across = block.qk_norm is QKNorm.ACROSS_HEADS
         for index, (layer, (key_cache, value_cache)) in enumerate(
             zip(self.layers, kv_caches, strict=True)
@@ -265,12 +274,16 @@ class LlamaModel:
                 y = rms_norm(y, layer.attn_out_norm, eps)
             hidden = torch.add(hidden, y, alpha=residual_scale)
             x = hidden if layer.post_norm is None else rms_norm(hidden, layer.post_norm, eps)
-            gate_up = layer.gate_up(x)
-            if adapters is not None:
-                adapters.add(gate_up, x, "gate_up")
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
-            y = self._projected(layer.down, act, adapters, "down")
+            if layer.moe is not None:
+                y = moe_mlp(x, layer.moe, activation)
+            else:
+                assert layer.gate_up is not None and layer.down is not None
+                gate_up = layer.gate_up(x)
+                if adapters is not None:
+                    adapters.add(gate_up, x, "gate_up")
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = activation(gate) * up
+                y = self._projected(layer.down, act, adapters, "down")
             if layer.mlp_out_norm is not None:
                 y = rms_norm(y, layer.mlp_out_norm, eps)
             hidden = torch.add(hidden, y, alpha=residual_scale)
@@ -381,6 +394,10 @@ class LlamaModel:
             return kept
         full = kept.new_full((kept.shape[0], self.config.vocab_size), float("-inf"))
         return full.index_copy_(1, self.output_token_ids, kept)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 class _LayerLora:

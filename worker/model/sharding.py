@@ -47,9 +47,12 @@ class Shard:
 def check_divisible(config: ModelConfig, size: int) -> None:
     """Refuse a model that ``size`` ranks cannot split evenly, naming what does not divide,
     or whose block does not split by heads (OLMo 2's q/k norms span every head; Phi-3's fused
-    tensors would need their q/k/v and gate/up parts split apart)."""
+    tensors would need their q/k/v and gate/up parts split apart; a MoE model's experts are not
+    split yet)."""
     block = config.block
-    if size > 1 and (block.fused_checkpoint or block.qk_norm is QKNorm.ACROSS_HEADS):
+    if size > 1 and (
+        block.fused_checkpoint or block.qk_norm is QKNorm.ACROSS_HEADS or block.experts is not None
+    ):
         raise TensorParallelConfigError(
             f"tensor parallelism is not supported for {config.model_type} models yet"
         )

@@ -1,0 +1,145 @@
+"""The sparse MoE MLP (``worker.model.moe``) against a per-token float64 loop, over routings that
+broke others (every token to one expert, experts with no tokens, one token); the registry's
+reading of Mixtral and Qwen3-MoE configs; the three checkpoint layouts of the experts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from moe_factories import make_moe_checkpoint
+from safetensors.torch import load_file, save_file
+
+from adapters.base_model import BaseModelSpec
+from switchboard_kernels.linear import Linear
+from worker.errors import TensorParallelConfigError
+from worker.model.architectures import Experts, QKNorm
+from worker.model.llama import LlamaModel
+from worker.model.model_config import ModelConfig
+from worker.model.moe import MoeWeights, moe_mlp, route
+from worker.model.sharding import check_divisible
+
+HIDDEN, INTER, E = 32, 24, 6
+
+
+def make_moe(*, top_k=2, normalize=True, in_model_dtype=False, seed=0, router_bias=None):
+    g = torch.Generator().manual_seed(seed)
+    router = torch.randn(E, HIDDEN, generator=g)
+    if router_bias is not None:  # a router that sends every token to these experts
+        router = router * 0.01
+        router[router_bias] += 1.0
+    gate_up = torch.randn(E, 2 * INTER, HIDDEN, generator=g) / HIDDEN**0.5
+    down = torch.randn(E, HIDDEN, INTER, generator=g) / INTER**0.5
+    routing = Experts(E, top_k, INTER, normalize, in_model_dtype, (True,))
+    moe = MoeWeights(router, [Linear(w) for w in gate_up], [Linear(w) for w in down], routing)
+    return moe, router, gate_up, down
+
+
+def reference(x, router, gate_up, down, *, top_k, normalize):
+    """Each token alone, in float64: softmax, top-k, renormalize, weighted experts."""
+    x, router, gate_up, down = (t.double() for t in (x, router, gate_up, down))
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(router @ x[t], dim=-1)
+        weight, experts = torch.topk(probs, top_k)
+        if normalize:
+            weight = weight / weight.sum()
+        for w, e in zip(weight, experts, strict=True):
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += w * (down[e] @ (F.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "normalize", "skew"),
+    [
+        (17, 2, True, None),  # Mixtral-style
+        (17, 3, False, None),  # Qwen3-MoE without norm_topk_prob
+        (1, 2, True, None),  # one decode row
+        (9, 1, True, [4]),  # every token to expert 4: the others get none
+        (9, 2, True, [0, 5]),  # every token to the same two
+    ],
+)
+def test_grouped_experts_match_a_per_token_loop(tokens, top_k, normalize, skew):
+    moe, router, gate_up, down = make_moe(top_k=top_k, normalize=normalize, router_bias=skew)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(1))
+    if skew is not None:  # positive features: the boosted router rows win every token
+        x = x.abs() + 0.1
+    got = moe_mlp(x, moe, F.silu)
+    want = reference(x, router, gate_up, down, top_k=top_k, normalize=normalize)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    counts = route(x, moe).counts
+    assert sum(counts) == tokens * top_k
+    if skew is not None:
+        assert sorted(e for e, c in enumerate(counts) if c) == skew
+
+
+def test_qwen3_moe_rounds_the_routing_weights_to_the_model_dtype():
+    moe, *_ = make_moe(in_model_dtype=True)
+    x = torch.randn(5, HIDDEN).bfloat16()
+    moe.router = moe.router.bfloat16()
+    assert route(x, moe).weight.dtype == torch.bfloat16
+    moe.routing = Experts(E, 2, INTER, True, False, (True,))
+    assert route(x, moe).weight.dtype == torch.float32
+
+
+def test_the_registry_reads_the_expert_fields(tmp_path):
+    base = make_moe_checkpoint(tmp_path / "q", "qwen3_moe", decoder_sparse_step=1)
+    config = ModelConfig.from_pretrained(base)
+    experts = config.block.experts
+    assert experts is not None and config.block.qk_norm is QKNorm.PER_HEAD
+    assert (experts.num_experts, experts.top_k, experts.intermediate_size) == (8, 2, 32)
+    assert experts.normalize and experts.weights_in_model_dtype
+    assert experts.sparse_layers == (True, False, True)  # mlp_only_layers=[1]
+    spec = BaseModelSpec.from_config_dict(json.loads((base / "config.json").read_text()))
+    assert spec.sparse_layers == experts.sparse_layers and spec.num_experts == 8
+    assert spec.has_module(1, "down_proj") and not spec.has_module(0, "down_proj")
+    mixtral = make_moe_checkpoint(tmp_path / "m", "mixtral")
+    block = ModelConfig.from_pretrained(mixtral).block
+    assert block.experts is not None and block.experts.normalize and not block.is_llama
+    assert not block.experts.weights_in_model_dtype and block.qk_norm is QKNorm.NONE
+    spec = BaseModelSpec.from_config_dict(json.loads((mixtral / "config.json").read_text()))
+    assert "gate_proj" not in spec.projections and "q_proj" in spec.projections
+    with pytest.raises(TensorParallelConfigError, match="mixtral"):
+        check_divisible(ModelConfig.from_pretrained(mixtral), 2)
+
+
+def _fused(source, out, family):
+    """The checkpoint with its experts as transformers 5 holds them in memory."""
+    out.mkdir()
+    (out / "config.json").write_text((source / "config.json").read_text())
+    w = load_file(source / "model.safetensors")
+    n = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    moe = "block_sparse_moe" if family == "mixtral" else "mlp"
+    for i in range(n):
+        p = f"model.layers.{i}.{moe}."
+        if p + "gate.weight" not in w:
+            continue
+        experts = sorted(
+            {int(k[len(p) + 8 :].split(".")[0]) for k in w if k.startswith(p + "experts.")}
+        )
+        pick = {x: [w.pop(f"{p}experts.{e}.{x}.weight") for e in experts] for x in names}
+        q = f"model.layers.{i}.mlp."
+        w[q + "gate.weight"] = w.pop(p + "gate.weight")
+        gate_up = [torch.cat([g, u]) for g, u in zip(pick[names[0]], pick[names[1]], strict=True)]
+        w[q + "experts.gate_up_proj"] = torch.stack(gate_up)
+        w[q + "experts.down_proj"] = torch.stack(pick[names[2]])
+    save_file(w, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_fused_and_per_expert_layouts_load_alike(tmp_path, family):
+    base = make_moe_checkpoint(tmp_path / "base", family)
+    fused = _fused(base, tmp_path / "fused", family)
+    ids = torch.tensor([3, 14, 15, 92, 65, 35])
+    outs = []
+    for path in (base, fused):
+        model = LlamaModel.from_pretrained(path, dtype=torch.float32)
+        x = model.embed[ids]
+        layer = next(y for y in model.layers if y.moe is not None)
+        outs.append(moe_mlp(x, layer.moe, F.silu))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

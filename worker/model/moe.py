@@ -1,0 +1,159 @@
+"""Sparse mixture-of-experts MLPs (Mixtral, Qwen3-MoE): the router's top-k, experts grouped.
+
+Shazeer et al. (ICLR 2017), Mixtral (Jiang et al., 2024): a token's MLP output is
+``sum_j w_j * E_j(x)`` over the ``top_k`` experts its router ranks highest, ``w`` being their
+softmax probabilities (renormalized to sum 1 where the architecture says so). A step's
+(token, expert) pairs are sorted by expert (MegaBlocks' grouping, Gale et al., MLSys 2023,
+without its block-sparse kernels): each expert multiplies all its rows at once, so its weights
+are read once per step for the tokens routed to it, through the same projection kernels as a
+dense layer (``switchboard_kernels.linear``: the native bf16 panels on CPU). Python loops over
+the experts that received rows, never over tokens.
+
+Checkpoints store the experts in one of three layouts, all loaded into per-expert projections:
+transformers 5's fused ``mlp.experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I], and
+the per-expert tensors ``save_pretrained`` writes and the hub holds (Mixtral's
+``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen3-MoE's ``mlp.experts.{e}.gate/up/down_proj``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from switchboard_kernels.linear import Linear
+from switchboard_kernels.linear_choice import LinearPlan
+from worker.errors import ModelLoadError
+from worker.model.architectures import Experts
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+
+@dataclass(slots=True)
+class MoeWeights:
+    """One sparse layer's router and experts."""
+
+    router: torch.Tensor  # [num_experts, hidden]
+    gate_up: list[Linear]  # per expert: hidden -> 2 * intermediate (gate, then up)
+    down: list[Linear]  # per expert: intermediate -> hidden
+    routing: Experts
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes one expert's projections read for one row."""
+        return self.gate_up[0].decode_bytes + self.down[0].decode_bytes
+
+
+def load_experts(
+    w: dict[str, torch.Tensor],
+    i: int,
+    routing: Experts,
+    *,
+    quantization: str | None,
+    plan: LinearPlan | None,
+) -> MoeWeights:
+    """Layer ``i``'s router and experts from whichever layout the checkpoint uses."""
+    p = f"model.layers.{i}."
+    router, gate_up, down = _expert_tensors(w, p, routing.num_experts)
+    if gate_up.shape[1] != 2 * routing.intermediate_size:
+        raise ModelLoadError(
+            f"{p}mlp experts have {gate_up.shape[1] // 2} intermediate features, the config "
+            f"says {routing.intermediate_size}"
+        )
+
+    def linear(weight: torch.Tensor) -> Linear:
+        return Linear(weight.contiguous(), quantization=quantization, plan=plan)
+
+    return MoeWeights(
+        router=router,
+        gate_up=[linear(g) for g in gate_up],
+        down=[linear(d) for d in down],
+        routing=routing,
+    )
+
+
+def _expert_tensors(
+    w: dict[str, torch.Tensor], p: str, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(router [E, H], gate_up [E, 2I, H], down [E, H, I]) of the layer with prefix ``p``."""
+    experts = range(num_experts)
+    if p + "mlp.experts.gate_up_proj" in w:  # transformers 5, in memory
+        return (
+            w[p + "mlp.gate.weight"],
+            w[p + "mlp.experts.gate_up_proj"],
+            w[p + "mlp.experts.down_proj"],
+        )
+    if p + "block_sparse_moe.gate.weight" in w:  # Mixtral as published: w1 gate, w3 up, w2 down
+        e = p + "block_sparse_moe.experts."
+        names = ("w1", "w3", "w2")
+        router = w[p + "block_sparse_moe.gate.weight"]
+    else:  # Qwen3-MoE as published
+        e = p + "mlp.experts."
+        names = ("gate_proj", "up_proj", "down_proj")
+        router = w.get(p + "mlp.gate.weight")
+        if router is None:
+            raise ModelLoadError(f"the checkpoint has no router for layer {p[:-1]} (mlp.gate)")
+    try:
+        gate_up = torch.stack(
+            [
+                torch.cat([w[f"{e}{x}.{names[0]}.weight"], w[f"{e}{x}.{names[1]}.weight"]])
+                for x in experts
+            ]
+        )
+        down = torch.stack([w[f"{e}{x}.{names[2]}.weight"] for x in experts])
+    except KeyError as missing:
+        raise ModelLoadError(f"the checkpoint has no expert tensor {missing.args[0]}") from None
+    return router, gate_up, down
+
+
+@dataclass(slots=True)
+class Routing:
+    """A step's (token, expert) pairs sorted by expert."""
+
+    token: torch.Tensor  # [pairs] int64: the token of each pair, pairs grouped by expert
+    weight: torch.Tensor  # [pairs]: the pair's routing weight (fp32 or the model's dtype)
+    counts: list[int]  # [num_experts]: pairs per expert, in order
+
+
+def route(x: torch.Tensor, moe: MoeWeights) -> Routing:
+    """Top-k of the router's softmax (in fp32, as transformers computes it), renormalized
+    where the architecture says so; ties break as ``torch.topk`` breaks them."""
+    r = moe.routing
+    logits = F.linear(x, moe.router)  # [tokens, experts] in the model's dtype
+    probs = torch.softmax(logits.float(), dim=-1)
+    weight, expert = torch.topk(probs, r.top_k, dim=-1)  # each [tokens, top_k]
+    if r.normalize:
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+    if r.weights_in_model_dtype:
+        weight = weight.to(x.dtype)
+    flat = expert.flatten()  # pair p = token * top_k + j
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=r.num_experts).tolist()
+    return Routing(token=order // r.top_k, weight=weight.flatten()[order], counts=counts)
+
+
+def moe_mlp(
+    x: torch.Tensor,  # [tokens, hidden]
+    moe: MoeWeights,
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:  # [tokens, hidden]
+    """``sum_j w_j * down_j(act(gate_j(x)) * up_j(x))`` over each token's routed experts."""
+    routing = route(x, moe)
+    rows = x.index_select(0, routing.token)  # [pairs, hidden], grouped by expert
+    out = torch.empty_like(rows)
+    start = 0
+    for e, count in enumerate(routing.counts):
+        if not count:
+            continue
+        seg = slice(start, start + count)
+        start += count
+        h = rows[seg]
+        gate, up = moe.gate_up[e](h).chunk(2, dim=-1)
+        out[seg] = moe.down[e](act(gate) * up)
+    # Mixtral scales by fp32 weights and rounds the product; Qwen3-MoE's weights are rounded
+    # already. The pairs are added in expert order, as transformers adds them.
+    scaled = (out * routing.weight[:, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, routing.token, scaled)
