@@ -76,6 +76,12 @@ async def create_key(tenant: str, state: State) -> dict[str, Any]:
     return asdict(await state.tenants.create_key(tenant))
 
 
+@router.get("/tenants/{tenant}/keys")
+async def list_keys(tenant: str, state: State) -> dict[str, Any]:
+    """Key ids and creation times; never the keys."""
+    return {"data": await state.tenants.list_keys(tenant)}
+
+
 @router.delete("/keys/{key_id}")
 async def revoke_key(key_id: str, state: State) -> dict[str, Any]:
     await state.tenants.revoke_key(key_id)
@@ -153,6 +159,21 @@ async def reset_scheduling(tenant: str, state: State) -> dict[str, Any]:
 
 def _scheduling(tenant: str, scheduling: WeightAssignment) -> dict[str, Any]:
     return {"tenant": tenant, **asdict(scheduling)}
+
+
+@router.get("/workers")
+async def list_workers(state: State) -> dict[str, Any]:
+    """Live workers of the served model (the registry), each with its load and the adapters
+    it holds, named as "tenant/name"."""
+    workers = await state.workers.workers()
+    held = sorted({a for w in workers for a in w.adapters})
+    names = await state.catalog.names_of(held)
+    return {
+        "data": [
+            {**asdict(w), "adapter_names": {a: names.get(a, []) for a in w.adapters}}
+            for w in workers
+        ]
+    }
 
 
 @router.get("/usage")

@@ -26,6 +26,9 @@ from redis.backoff import ExponentialBackoff
 
 from adapters import BaseModelSpec, FilesystemAdapterStore
 from gateway import adapter_routes, admin_routes, metrics, openai_routes
+from gateway.console import pages as console
+from gateway.console.bridge import ConsoleBridge
+from gateway.console.session import ADMIN, TENANT
 from gateway.deps import State, require_admin
 from gateway.error_handlers import install_error_handlers
 from gateway.fair_queue import FairQueue
@@ -229,14 +232,19 @@ def _build(app: FastAPI, settings: GatewaySettings, *, public: bool, admin: bool
     if public:
         app.include_router(openai_routes.router)
         app.include_router(adapter_routes.router)
+        app.include_router(console.router(TENANT))
     if admin:
         app.include_router(admin_routes.router)
+        app.include_router(console.router(ADMIN))
 
         @app.get("/metrics", include_in_schema=False, dependencies=[Depends(require_admin)])
         async def metrics_text() -> Response:
             """This process's `switchboard_…` metrics, for the admin only: their labels name
             every tenant and adapter. Prometheus scrapes `metrics_port` instead."""
             return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    if public or admin:
+        app.mount(console.STATIC_PATH, console.static_files(), name="console-static")
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -256,3 +264,6 @@ def _build(app: FastAPI, settings: GatewaySettings, *, public: bool, admin: bool
         other=settings.max_small_body_bytes,
     )
     app.add_middleware(RequestBodyGuard, limits=limits, read_timeout_s=settings.http_body_timeout_s)
+    # Outside the guard: the console's API calls reach it (and the routes) as the API's paths.
+    sides = (TENANT,) * public + (ADMIN,) * admin
+    app.add_middleware(ConsoleBridge, sides=sides)

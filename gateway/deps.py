@@ -36,9 +36,12 @@ async def current_tenant(request: Request, state: State) -> Caller:
 CurrentTenant = Annotated[Caller, Depends(current_tenant)]
 
 
-async def require_admin(request: Request, state: State) -> None:
+def check_admin_token(state: GatewayState, given: str | None) -> None:
     expected = state.settings.admin_token.get_secret_value().encode()
-    given = (bearer_token(request) or "").encode()
     # Constant-time; an empty configured token (dev mode) never matches anything.
-    if not expected or not hmac.compare_digest(given, expected):
+    if not expected or not hmac.compare_digest((given or "").encode(), expected):
         raise AdminAuthenticationError("a valid admin token is required: Authorization: Bearer …")
+
+
+async def require_admin(request: Request, state: State) -> None:
+    check_admin_token(state, bearer_token(request))

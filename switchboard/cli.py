@@ -276,6 +276,7 @@ Switchboard is up: gateway {base}, Redis {stack.redis_url}
   API key (tenant demo, shown once): {key}
   admin token:                       {stack.admin_token}
   gateway -> workers: mutual TLS, certificates in {stack.certs.worker.cert.parent.parent}
+  web console: {base}/console (the API key), {base}/console/admin (the admin token)
 
 curl {base}/v1/chat/completions \\
   -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\

@@ -175,6 +175,20 @@ class TenantStore:
             await pipe.execute()
         return new
 
+    async def list_keys(self, tenant: str) -> list[dict[str, str | int]]:
+        """The tenant's keys: ids and creation times (Redis has no secret to show)."""
+        await self.require_tenant(tenant)
+        ids = sorted(await self.redis.smembers(self._k("tenant", tenant, "keys")))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key_id in ids:
+                pipe.hget(self._k("keyid", key_id), "created_at")
+            created = await pipe.execute()
+        return [
+            {"key_id": key_id, "created_at": int(at)}
+            for key_id, at in zip(ids, created, strict=True)
+            if at is not None
+        ]
+
     async def revoke_key(self, key_id: str) -> None:
         record = await self.redis.hgetall(self._k("keyid", key_id))
         if not record:

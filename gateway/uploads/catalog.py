@@ -146,6 +146,14 @@ class AdapterCatalog:
     def _refs(self, adapter_id: str) -> str:
         return f"{self.prefix}adapter:{adapter_id}:refs"
 
+    async def names_of(self, adapter_ids: list[str]) -> dict[str, list[str]]:
+        """Each content id's names, as "tenant/name" (for the admin's view of the fleet)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for adapter_id in adapter_ids:
+                pipe.smembers(self._refs(adapter_id))
+            refs = await pipe.execute()
+        return {a: sorted(r) for a, r in zip(adapter_ids, refs, strict=True)}
+
     def _names(self, tenant: str) -> str:
         return self.tenants.adapters_key(tenant)
 

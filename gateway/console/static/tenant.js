@@ -1,0 +1,201 @@
+"use strict";
+// The tenant's page: its adapters, a playground, its usage. Every call is the gateway's API
+// (/v1/...) through the console bridge.
+
+const { el, fill, json, call } = Console;
+const $ = (id) => document.getElementById(id);
+const baseModel = document.body.dataset.baseModel;
+
+// ---- adapters --------------------------------------------------------------------------
+
+async function loadAdapters() {
+  const list = await json("adapters");
+  const tbody = $("adapter-table").querySelector("tbody");
+  $("adapter-empty").hidden = list.data.length > 0;
+  fill(tbody, list.data.map((a) => [
+    a.name, a.rank, a.target_modules.join(", "), Console.bytes(a.num_bytes),
+    el("code", { title: a.adapter_id }, a.adapter_id.slice(0, 12)), Console.time(a.created_at),
+    el("button", { type: "button", class: "danger", "data-name": a.name, onclick: () => removeAdapter(a.name) },
+       "Delete"),
+  ]));
+  const select = $("chat-model");
+  const chosen = select.value;
+  select.replaceChildren(el("option", { value: baseModel }, `${baseModel} (base)`),
+                         ...list.data.map((a) => el("option", { value: a.name }, a.name)));
+  if ([...select.options].some((o) => o.value === chosen)) select.value = chosen;
+}
+
+async function removeAdapter(name) {
+  if (!confirm(`Delete adapter ${name}?`)) return;
+  try {
+    await json(`adapters/${encodeURIComponent(name)}`, { method: "DELETE" });
+    $("upload-status").textContent = `Deleted ${name}.`;
+  } catch (err) {
+    $("upload-status").textContent = err.message;
+  }
+  await loadAdapters();
+}
+
+// An XMLHttpRequest rather than fetch: only it reports upload progress.
+function upload(event) {
+  event.preventDefault();
+  const status = $("upload-status");
+  const progress = $("upload-progress");
+  const data = new FormData();
+  data.append("name", $("upload-name").value);
+  for (const id of ["upload-file", "upload-config", "upload-model"]) {
+    const input = $(id);
+    if (input.files.length) data.append(input.name, input.files[0]);
+  }
+  const xhr = new XMLHttpRequest();
+  xhr.open("POST", Console.apiBase + "adapters");
+  xhr.setRequestHeader("X-CSRF-Token", Console.csrf);
+  xhr.upload.onprogress = (e) => {
+    if (e.lengthComputable) { progress.value = e.loaded / e.total; }
+  };
+  xhr.onload = async () => {
+    progress.hidden = true;
+    let body = null;
+    try { body = JSON.parse(xhr.responseText); } catch { /* not JSON: shown by status */ }
+    if (xhr.status === 401) { location.assign(document.body.dataset.login + "?expired=1"); return; }
+    if (xhr.status >= 200 && xhr.status < 300) {
+      status.textContent = `Uploaded ${body.name} (rank ${body.rank}).`;
+      $("upload").reset();
+      await loadAdapters();
+    } else {
+      const message = body && body.error ? body.error.message : `HTTP ${xhr.status}`;
+      status.textContent = `Upload refused (${xhr.status}): ${message}`;
+    }
+  };
+  xhr.onerror = () => { progress.hidden = true; status.textContent = "Upload failed: the connection closed."; };
+  progress.value = 0;
+  progress.hidden = false;
+  status.textContent = "Uploading…";
+  xhr.send(data);
+}
+
+// ---- playground ------------------------------------------------------------------------
+
+let history = [];
+
+function constraint(body) {
+  const format = $("chat-format").value;
+  const text = $("chat-constraint").value;
+  if (format === "json_object") body.response_format = { type: "json_object" };
+  if (format === "json_schema") {
+    body.response_format = { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse(text) } };
+  }
+  if (format === "regex") body.structured_outputs = { regex: text };
+  if (format === "choice") body.structured_outputs = { choice: text.split("\n").filter(Boolean) };
+}
+
+function turn(role, text) {
+  const node = el("div", { class: `turn ${role}` }, el("span", { class: "role" }, role), el("span", { class: "text" }, text));
+  $("transcript").append(node);
+  return node.querySelector(".text");
+}
+
+async function* sseEvents(response) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value.replaceAll("\r\n", "\n");
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      for (const line of event.split("\n")) {
+        if (line.startsWith("data:")) {
+          const data = line.slice(5).trim();
+          if (data !== "[DONE]") yield JSON.parse(data);
+        }
+      }
+    }
+  }
+}
+
+async function chat(event) {
+  event.preventDefault();
+  const error = $("chat-error");
+  const stats = $("chat-stats");
+  error.textContent = "";
+  const content = $("chat-input").value;
+  const system = $("chat-system").value;
+  const messages = [...(system ? [{ role: "system", content: system }] : []), ...history,
+                    { role: "user", content }];
+  const body = {
+    model: $("chat-model").value, messages, stream: true, stream_options: { include_usage: true },
+    temperature: Number($("chat-temperature").value), top_p: Number($("chat-top-p").value),
+    max_tokens: Number($("chat-max-tokens").value),
+  };
+  if ($("chat-seed").value !== "") body.seed = Number($("chat-seed").value);
+  try { constraint(body); } catch (err) { error.textContent = `Schema: ${err.message}`; return; }
+  $("chat-send").disabled = true;
+  const started = performance.now();
+  let first = null, pieces = 0, usage = null, answer = "";
+  try {
+    const response = await call("chat/completions", {
+      method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body),
+    });
+    if (!response.ok) {
+      const failed = await response.json().catch(() => null);
+      throw new Console.ApiError(response.status, failed);
+    }
+    turn("user", content);
+    const out = turn("assistant", "");
+    stats.textContent = "streaming…";
+    for await (const chunk of sseEvents(response)) {
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) usage = chunk.usage;
+      const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content;
+      if (delta) {
+        first = first ?? performance.now();
+        pieces += 1;
+        answer += delta;
+        out.textContent = answer;
+      }
+    }
+    const end = performance.now();
+    const tokens = usage ? usage.completion_tokens : pieces;
+    const ttft = first === null ? null : first - started;
+    const rate = first !== null && tokens > 1 ? (tokens - 1) / ((end - first) / 1000) : null;
+    stats.textContent = `${tokens} tokens · TTFT ${ttft === null ? "–" : ttft.toFixed(0) + " ms"}` +
+      ` · ${rate === null ? "–" : rate.toFixed(1)} tokens/s`;
+    history.push({ role: "user", content }, { role: "assistant", content: answer });
+    $("chat-input").value = "";
+    loadUsage();
+  } catch (err) {
+    error.textContent = err.message;
+    stats.textContent = "";
+  } finally {
+    $("chat-send").disabled = false;
+  }
+}
+
+// ---- usage -----------------------------------------------------------------------------
+
+async function loadUsage() {
+  const count = Number($("usage-days").value);
+  const { start, end } = Console.daysBack(count);
+  const usage = await json(`usage?start_date=${start}&end_date=${end}`);
+  const days = [];
+  for (let t = Date.parse(start); t <= Date.parse(end); t += 86400000) days.push(new Date(t).toISOString().slice(0, 10));
+  const series = {};
+  for (const row of usage.data) {
+    series[row.model] = series[row.model] || days.map(() => 0);
+    series[row.model][days.indexOf(row.date)] += row.total_tokens;
+  }
+  Console.barChart($("usage-chart"), days, series);
+  fill($("usage-table").querySelector("tbody"), usage.data.slice().reverse().map((r) => [
+    r.date, r.model, r.requests, r.prompt_tokens, r.completion_tokens, r.total_tokens]));
+}
+
+$("upload").addEventListener("submit", upload);
+$("chat").addEventListener("submit", chat);
+$("chat-clear").addEventListener("click", () => { history = []; $("transcript").replaceChildren(); $("chat-stats").textContent = ""; });
+$("chat-format").addEventListener("change", () => { $("chat-constraint-label").hidden = $("chat-format").value === "text" || $("chat-format").value === "json_object"; });
+$("usage-days").addEventListener("change", loadUsage);
+loadAdapters();
+loadUsage();

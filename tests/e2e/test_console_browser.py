@@ -1,0 +1,299 @@
+"""The web console in a real headless Chromium against the real stack (`switchboard up`'s
+processes: Redis, a worker on a tiny model, the gateway).
+
+A tenant signs in, uploads an adapter, sees it listed, chats with it and sees the answer
+stream, sees its usage grow; another tenant's console sees none of it; hostile input (a
+script in a name, an upload over the limit, a cross-site form post) gets the API's answers
+and is shown as text; a revoked key is signed out; the admin creates a tenant, sets a quota
+and sees the worker holding a tenant's adapter.
+
+Chromium is Debian's (`apt-get install chromium`, which .ci/run does) driven by Playwright from
+PyPI; without either, these tests skip and say which is missing. With
+SWITCHBOARD_CONSOLE_SCREENSHOTS=DIR they save the main pages as PNGs there (docs/img/).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from unittest import mock
+
+import httpx
+import openai
+import pytest
+
+from archive_factories import adapter_members, tar_bytes
+from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
+from runtime.embedded_redis import free_port
+from runtime.stack import Stack
+
+pytestmark = pytest.mark.slow
+
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="Playwright is not installed (pip install playwright)"
+)
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+if CHROMIUM is None:
+    pytest.skip(
+        "no Chromium on this machine (apt-get install chromium; .ci/run installs it)",
+        allow_module_level=True,
+    )
+expect = sync_api.expect
+MAX_UPLOAD = 1 << 20
+SCREENSHOTS = os.environ.get("SWITCHBOARD_CONSOLE_SCREENSHOTS")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = make_checkpoint(
+        tmp_path_factory.mktemp("console-model"), vocab_size=512, max_position_embeddings=512
+    )
+    return add_byte_level_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, redis_url, tmp_path_factory):
+    limits = {"SWITCHBOARD_MAX_UPLOAD_BYTES": str(MAX_UPLOAD)}
+    with (
+        mock.patch.dict(os.environ, limits),
+        Stack(
+            model=tiny_model,
+            redis_url=redis_url,
+            gateway_port=free_port(),
+            dtype="float32",
+            key_prefix=f"sbconsole:{os.getpid()}:",
+            home=tmp_path_factory.mktemp("home"),
+        ) as running,
+    ):
+        yield running
+
+
+@pytest.fixture(scope="module")
+def adapter_archive(tiny_model, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("adapter")
+    adapter = make_peft_adapter(tiny_model, folder / "sql", rank=4, targets=["q_proj", "v_proj"])
+    archive = folder / "sql.tar.gz"
+    archive.write_bytes(tar_bytes(adapter_members(adapter, folder="sql")))
+    return archive
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as playwright:
+        # --no-sandbox: the tests may run as root (CI), where Chromium's sandbox refuses.
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def new_page(browser):
+    """A page in a fresh browser context (its own cookies), dialogs accepted; every script
+    error on it fails the test."""
+    contexts, errors = [], []
+
+    def make():
+        context = browser.new_context(viewport={"width": 1200, "height": 900})
+        contexts.append(context)
+        page = context.new_page()
+        page.set_default_timeout(20_000)
+        page.on("dialog", lambda dialog: dialog.accept())
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        return page
+
+    yield make
+    for context in contexts:
+        context.close()
+    assert errors == []
+
+
+def sign_in(page, stack: Stack, credential: str, *, side: str = "/console") -> None:
+    page.goto(stack.base_url + side)
+    expect(page).to_have_url(stack.base_url + side + "/login")
+    page.fill("#credential", credential)
+    page.click("button[type=submit]")
+    expect(page.locator("#who")).to_be_visible()
+
+
+def screenshot(page, name: str) -> None:
+    if SCREENSHOTS:
+        page.screenshot(path=Path(SCREENSHOTS).resolve() / f"console-{name}.png", full_page=True)
+
+
+def upload(page, name: str, archive: Path) -> None:
+    page.fill("#upload-name", name)
+    page.set_input_files("#upload-file", str(archive))
+    page.click("#upload-button")
+
+
+def test_a_tenant_uploads_chats_and_sees_its_usage_and_another_tenant_sees_none(
+    stack, new_page, adapter_archive
+):
+    acme_key, bolt_key = stack.create_tenant_key("acme"), stack.create_tenant_key("bolt")
+    page = new_page()
+    sign_in(page, stack, acme_key)
+    expect(page.locator("#who")).to_have_text("acme")
+    expect(page.locator("#adapter-empty")).to_be_visible()
+
+    upload(page, "sql", adapter_archive)
+    expect(page.locator("#upload-status")).to_have_text("Uploaded sql (rank 4).")
+    row = page.locator("#adapter-table tbody tr")
+    expect(row).to_have_count(1)
+    expect(row.locator("td").nth(0)).to_have_text("sql")
+    expect(row.locator("td").nth(2)).to_have_text("q_proj, v_proj")
+
+    # Chat with the adapter; record every change of the answer's text as it streams.
+    page.select_option("#chat-model", "sql")
+    page.fill("#chat-temperature", "0")
+    page.fill("#chat-max-tokens", "12")
+    page.fill("#chat-input", "the quick brown fox")
+    page.evaluate(
+        """() => {
+        window.__seen = [];
+        new MutationObserver(() => {
+          const out = document.querySelector('.turn.assistant .text');
+          if (out) window.__seen.push(out.textContent);
+        }).observe(document.getElementById('transcript'),
+                   {subtree: true, childList: true, characterData: true});
+    }"""
+    )
+    page.click("#chat-send")
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    answer = page.locator(".turn.assistant .text").text_content()
+    seen = [text for text in page.evaluate("window.__seen") if text]
+    assert len(set(seen)) > 1 and seen[-1] == answer  # grew piece by piece
+    expect(page.locator("#chat-stats")).to_contain_text("12 tokens · TTFT")
+    # The same request through the OpenAI client: the same (greedy) answer.
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=acme_key, max_retries=0)
+    same = client.chat.completions.create(
+        model="sql",
+        messages=[{"role": "user", "content": "the quick brown fox"}],
+        temperature=0,
+        max_tokens=12,
+    )
+    assert same.choices[0].message.content == answer
+
+    # Usage: the page's table and chart show the adapter's tokens.
+    usage_row = page.locator("#usage-table tbody tr", has_text="sql")
+    expect(usage_row).to_have_count(1)
+    total = usage_row.locator("td").nth(5).text_content()
+    today = usage_row.locator("td").nth(0).text_content()
+    expect(page.locator("#usage-chart rect title")).to_have_text([f"sql {today}: {total}"])
+    screenshot(page, "tenant")
+
+    # Another tenant's console: no adapter, no usage, and acme's name is unknown to it.
+    other = new_page()
+    sign_in(other, stack, bolt_key)
+    expect(other.locator("#adapter-empty")).to_be_visible()
+    expect(other.locator("#chat-model option")).to_have_count(1)  # the base model only
+    expect(other.locator("#usage-table tbody tr")).to_have_count(0)
+    status = other.evaluate("async () => (await Console.call('adapters/sql')).status")
+    assert status == 404
+
+
+def test_hostile_input_gets_the_apis_answers_shown_as_text(stack, new_page, tmp_path):
+    key = stack.create_tenant_key("mallory")
+    page = new_page()
+    sign_in(page, stack, key)
+    hostile = "<img src=x onerror=window.__xss=1>"
+
+    # A script in an adapter name: refused by the API, its words shown as they are.
+    (tmp_path / "config.json").write_text("{}")
+    page.fill("#upload-name", hostile)
+    page.set_input_files("#upload-config", str(tmp_path / "config.json"))
+    page.click("#upload-button")
+    expect(page.locator("#upload-status")).to_contain_text("Upload refused (400)")
+    # An upload over the gateway's limit: the API's 413.
+    big = tmp_path / "big.tar.gz"
+    big.write_bytes(os.urandom(MAX_UPLOAD + 1024))
+    upload(page, "big", big)
+    expect(page.locator("#upload-status")).to_contain_text("Upload refused (413)")
+
+    # A model name with markup: the API's 404 names it, and the page shows it as text.
+    page.evaluate(
+        "name => document.getElementById('chat-model').add(new Option(name, name, true, true))",
+        hostile,
+    )
+    page.fill("#chat-input", "hi")
+    page.click("#chat-send")
+    expect(page.locator("#chat-error")).to_have_text(f"The model `{hostile}` does not exist.")
+    assert page.locator("img").count() == 0
+    assert page.evaluate("window.__xss") is None
+
+    # Another site's form posting to the console's API with the tenant's cookie in the jar.
+    evil = "http://evil.test/"
+    page.route(
+        evil,
+        lambda route: route.fulfill(
+            content_type="text/html",
+            body=f"""<form id=f method=post enctype=multipart/form-data
+                      action="{stack.base_url}/console/api/adapters">
+                      <input name=name value=forged></form>
+                    <script>document.getElementById('f').submit()</script>""",
+        ),
+    )
+    with page.expect_response(f"{stack.base_url}/console/api/adapters") as posted:
+        page.goto(evil)
+    assert posted.value.status in {401, 403}  # no cookie (SameSite) or no token: refused
+    listed = httpx.get(
+        f"{stack.base_url}/v1/adapters", headers={"Authorization": f"Bearer {key}"}
+    ).json()
+    assert listed["data"] == []
+
+
+def test_a_revoked_key_is_signed_out(stack, new_page):
+    key = stack.create_tenant_key("leaver")
+    page = new_page()
+    sign_in(page, stack, key)
+    for key_id in stack.admin("GET", "/tenants/leaver/keys")["data"]:
+        stack.admin("DELETE", f"/keys/{key_id['key_id']}")
+    page.select_option("#usage-days", "30")  # the page's next call answers 401
+    expect(page).to_have_url(stack.base_url + "/console/login?expired=1")
+    expect(page.locator("#login-error")).to_have_text("Your session ended: sign in again.")
+    page.goto(stack.base_url + "/console")
+    expect(page).to_have_url(stack.base_url + "/console/login")
+
+
+def test_the_admin_creates_a_tenant_sets_a_quota_and_sees_the_fleet(
+    stack, new_page, adapter_archive
+):
+    # A tenant whose adapter a worker holds: uploaded (and preloaded) and used once.
+    key = stack.create_tenant_key("dyn")
+    uploaded = httpx.post(
+        f"{stack.base_url}/v1/adapters",
+        headers={"Authorization": f"Bearer {key}"},
+        data={"name": "tuned"},
+        files={"file": ("tuned.tar.gz", adapter_archive.read_bytes())},
+        timeout=30,
+    )
+    assert uploaded.status_code == 201, uploaded.text
+    client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
+    client.completions.create(model="tuned", prompt="hello", max_tokens=4)
+
+    page = new_page()
+    sign_in(page, stack, stack.admin_token, side="/console/admin")
+    page.fill("#new-tenant-name", "cobalt")
+    page.click("#new-tenant button[type=submit]")
+    row = page.locator("#tenant-table tbody tr", has_text="cobalt")
+    expect(row).to_have_count(1)
+    row.locator("button").click()
+    expect(page.locator("#detail-name")).to_have_text("cobalt")
+    page.fill("#q-requests_per_minute", "60")
+    page.fill("#q-daily_tokens", "100000")
+    page.click("#quota-save")
+    expect(row.locator("td").nth(2)).to_have_text("60")
+    assert stack.admin("GET", "/tenants/cobalt/quotas")["requests_per_minute"] == 60
+    page.click("#new-key")
+    expect(page.locator("#new-key-value")).to_contain_text("sk-")
+    expect(page.locator("#key-table tbody tr")).to_have_count(1)
+    assert "sk-" not in page.locator("#key-table").text_content()
+
+    # The fleet: the worker, holding dyn's adapter (the registry's next heartbeat).
+    deadline = time.monotonic() + 15
+    worker = page.locator("#worker-table tbody tr", has_text="worker-0")
+    while "dyn/tuned" not in (worker.text_content() if worker.count() else ""):
+        assert time.monotonic() < deadline, "the fleet never showed dyn/tuned"
+        page.wait_for_timeout(500)
+    screenshot(page, "admin")
