@@ -277,7 +277,9 @@ class ChatMessage(RequestModel):
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message answers this call
 
-    def check(self, index: int) -> None:
+    def check(self, index: int, *, calls: set[str]) -> None:
+        """This message's own rules; ``calls`` holds the ids of the earlier assistant
+        messages' tool calls, which a tool message must answer one of (as OpenAI checks)."""
         if self.tool_calls and self.role != "assistant":
             raise InvalidRequestError(
                 "only assistant messages carry tool_calls", param=f"messages.{index}.tool_calls"
@@ -285,6 +287,12 @@ class ChatMessage(RequestModel):
         if self.role == "tool" and not self.tool_call_id:
             raise InvalidRequestError(
                 "a tool message needs the tool_call_id it answers",
+                param=f"messages.{index}.tool_call_id",
+            )
+        if self.role == "tool" and self.tool_call_id not in calls:
+            raise InvalidRequestError(
+                "messages with role 'tool' must be a response to a preceding message with "
+                f"'tool_calls'; no earlier tool call has the id {self.tool_call_id[:64]!r}",
                 param=f"messages.{index}.tool_call_id",
             )
 
@@ -373,8 +381,10 @@ class ChatCompletionRequest(SamplingFields):
                 )
         constraint = next(iter(self.constrained_by), None)
         check_tools(self.tools, self.tool_choice, constrained_by=constraint)
+        calls: set[str] = set()
         for index, message in enumerate(self.messages):
-            message.check(index)
+            message.check(index, calls=calls)
+            calls.update(call.id for call in message.tool_calls or ())
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs"

@@ -394,3 +394,20 @@ def test_what_cannot_be_honoured_is_named_before_a_shape():
     """`check_supported` runs first: a body with both faults names the unsupported field."""
     error = refusal(completion(suffix="!", stop=["a", "b", "c"]))
     assert error.param == "suffix"
+
+
+def test_a_tool_message_answers_an_earlier_call():
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    asked = {"role": "assistant", "content": None, "tool_calls": [call]}
+    answer = {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
+    parse(chat(messages=[asked, answer]), limits=LIMITS)
+    for messages, index in (
+        ([{**answer, "tool_call_id": "call_2"}, asked], 0),  # no call before it
+        ([asked, {**answer, "tool_call_id": "call_2"}], 1),  # no call of that id
+    ):
+        assert_refused(
+            chat(messages=messages),
+            param=f"messages.{index}.tool_call_id",
+            message="messages with role 'tool' must be a response to a preceding message "
+            "with 'tool_calls'; no earlier tool call has the id 'call_2'",
+        )
