@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, ShapeLimits
 from gateway.responses_api import ResponsesRequest
+from gateway.text_check import check_text
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -39,11 +40,18 @@ class ParsedRequest:
         return self.best_of or self.body.n
 
 
-def parse(body: OpenAIRequest, *, limits: ShapeLimits) -> ParsedRequest:
+def parse(body: OpenAIRequest, *, limits: ShapeLimits, raw: bytes | None = None) -> ParsedRequest:
     """``body`` checked (400 naming the field) and settled for the later stages; a Responses
-    request as the chat completion it means (`gateway.responses_api`)."""
+    request as the chat completion it means (`gateway.responses_api`). Its strings are checked
+    first (`gateway.text_check`; ``raw``, the body's bytes, spares the walk when they cannot
+    hold invalid text)."""
+    check_text(body, raw)
     if isinstance(body, ResponsesRequest):
-        return dataclasses.replace(parse(body.chat, limits=limits), id_prefix="resp")
+        return dataclasses.replace(_settled(body.chat, limits), id_prefix="resp")
+    return _settled(body, limits)
+
+
+def _settled(body: CompletionRequest | ChatCompletionRequest, limits: ShapeLimits) -> ParsedRequest:
     body.check_supported()
     body.check_shape(limits)
     if isinstance(body, ChatCompletionRequest):

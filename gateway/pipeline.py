@@ -57,7 +57,7 @@ async def handle_request(
     observation = RequestObservation(tenant=caller.tenant, model=body.model, endpoint=body.endpoint)
     close: Callable[[], Awaitable[None]] | None = None
     try:
-        parsed = parse(body, limits=ShapeLimits.of(state.settings))
+        parsed = parse(body, limits=ShapeLimits.of(state.settings), raw=await http.body())
         job = await resolve(
             parsed,
             caller=caller,

@@ -356,6 +356,67 @@ def test_deeply_nested_json_is_refused(victim, attacker, prober):
     assert_refused(response)
 
 
+LONE = "\ud800"  # a lone UTF-16 surrogate: JSON can carry it, UTF-8 text cannot
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+SURROGATE_ATTACKS = {
+    "prompt": ("/v1/completions", {"prompt": f"a{LONE}"}, "prompt"),
+    "stop": ("/v1/completions", {"prompt": "a", "stop": [LONE]}, "stop.0"),
+    "model": ("/v1/completions", {"model": LONE, "prompt": "a"}, "model"),
+    "chat_content": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": LONE}]},
+        "messages.0.content",
+    ),
+    "tool_description": (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{**TOOL, "function": {**TOOL["function"], "description": LONE}}],
+        },
+        "tools.0.function.description",
+    ),
+    "tool_call_id": (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "assistant", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": f"call_1{LONE}", "content": "x"},
+            ]
+        },
+        "messages.1.tool_call_id",
+    ),
+    "responses_input": ("/v1/responses", {"input": LONE}, "input"),
+}
+
+
+@pytest.mark.parametrize(
+    "path, fields, param", SURROGATE_ATTACKS.values(), ids=SURROGATE_ATTACKS.keys()
+)
+def test_invalid_unicode_is_400_naming_the_field(
+    path, fields, param, victim, attacker, prober, tiny_model
+):
+    """A lone surrogate (escaped, as JSON allows) in any string: a 400 naming the field, never
+    a 500 from the tokenizer, the protobuf or Redis."""
+    body = json.dumps({"model": tiny_model.name, "max_tokens": 4, **fields}).encode()
+    with victim.alongside():
+        response = attacker.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert assert_refused(response, 400)["param"] == param
+
+
+def test_a_tool_message_answering_no_call_is_400(victim, attacker, prober, tiny_model):
+    """As OpenAI: a tool message's tool_call_id must name an earlier assistant tool call."""
+    answer = {"role": "tool", "tool_call_id": "call_2", "content": "18 C"}
+    for messages, index in (
+        ([{"role": "user", "content": "hi"}, answer], 1),
+        ([{"role": "assistant", "tool_calls": [CALL]}, answer], 1),
+    ):
+        body = {"model": tiny_model.name, "max_tokens": 4, "messages": messages}
+        with victim.alongside():
+            response = attacker.post("/v1/chat/completions", json=body)
+        assert assert_refused(response, 400)["param"] == f"messages.{index}.tool_call_id"
+
+
 def test_unknown_model_strings_are_404(victim, attacker, prober):
     with victim.alongside():
         for i in range(50):
