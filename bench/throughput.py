@@ -3,7 +3,8 @@
 W1: 32 requests x 128 prompt tokens x 128 output tokens (ignore_eos).
 W2: 128 requests with seeded long-tailed prompt (16-1024) and output (8-512) lengths.
 The baseline runs in the same process right after the engine, so machine noise hits both.
-Usage: ``python -m bench.throughput [--workload W1|W2|all] [--out results.json]``.
+Usage: ``python -m bench.throughput [--workload W1|W2|all] [--batch-invariant]
+[--out results.json]``.
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hf-batch-sizes", default="8,16,32")
     parser.add_argument("--w2-hf-subset", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--batch-invariant", action="store_true", help="the engine's setting")
     parser.add_argument("--out", default="bench/results/throughput.json")
     args = parser.parse_args(argv)
 
@@ -170,7 +172,11 @@ def main(argv: list[str] | None = None) -> dict:
     model_path = resolve_model_path(args.model)
     engine = LLMEngine(
         model_path,
-        engine_config(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens),
+        engine_config(
+            dtype=args.dtype,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            batch_invariant=args.batch_invariant,
+        ),
     )
     vocab = engine.config.vocab_size
     names = ["W1", "W2"] if args.workload == "all" else [args.workload]
@@ -178,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": str(model_path),
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
+        "batch_invariant": args.batch_invariant,
     }
     for name in names:
         requests = workload(name, vocab)

@@ -101,6 +101,7 @@ def worker_engine_kwargs(args: argparse.Namespace) -> dict:
         "attention_backend": args.attention_backend,
         "decode_step_budget_ms": args.decode_step_budget_ms,
         "kernel_choice": args.kernel_choice,
+        "batch_invariant": args.batch_invariant,
         "speculative_model": args.speculative_model,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_max_batch_size": args.speculative_max_batch_size,
@@ -207,6 +208,12 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("measure", "fixed"),
         default="measure",
         help="the projections' kernels: timed on this CPU once (cached), or a fixed rule",
+    )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="every request's numerics independent of its neighbours in a step, of chunking "
+        "and of prefix caching (CPU, one rank; docs/engine.md gives the cost)",
     )
     parser.add_argument(
         "--decode-step-budget-ms",

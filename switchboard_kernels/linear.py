@@ -221,14 +221,22 @@ class UpcastLinear:
 Kernel = PanelLinear | Bf16PanelLinear | OnednnLinear | UpcastLinear | TorchLinear
 
 
-def make_kernel(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Kernel:
+def make_kernel(
+    name: str, weight: torch.Tensor, bias: torch.Tensor | None = None, *, fixed_order: bool = False
+) -> Kernel:
     """The ``linear_choice`` kernel ``name`` over ``weight``, or the next one that can hold it
-    (the bf16 panels need an even number of input features and a bf16 bias)."""
+    (the bf16 panels need an even number of input features and a bf16 bias). ``fixed_order``:
+    the panels' (``LinearPlan.fixed_order``); with it, no other kernel may stand in."""
     if name == PANELS:
         if bf16_panels_preferred(weight) and (bias is None or bias.dtype == torch.bfloat16):
-            return Bf16PanelLinear(weight, bias)
+            return Bf16PanelLinear(weight, bias, fixed_order=fixed_order)
         if weight.dtype == torch.float32 and weight.device.type == "cpu" and native_linear():
-            return PanelLinear(weight, bias)
+            return PanelLinear(weight, bias, fixed_order=fixed_order)
+        if fixed_order:
+            raise ValueError(
+                f"batch-invariant products need the native panels for a {tuple(weight.shape)} "
+                f"{weight.dtype} weight (an even number of input features, bf16 or fp32, CPU)"
+            )
         name = ONEDNN
     if name == ONEDNN and can_pack(weight):
         return OnednnLinear(weight, bias)
@@ -279,9 +287,12 @@ class Linear:
             self.small = self.large = kernel
         else:
             plan = plan or fixed_plan(weight.dtype, weight.device)
-            self.small = make_kernel(plan.small, weight, bias)
+            order = plan.fixed_order
+            self.small = make_kernel(plan.small, weight, bias, fixed_order=order)
             self.large = (
-                self.small if plan.large == plan.small else make_kernel(plan.large, weight, bias)
+                self.small
+                if plan.large == plan.small
+                else make_kernel(plan.large, weight, bias, fixed_order=order)
             )
         self.split_rows = plan.split_rows
 

@@ -31,6 +31,8 @@ struct sb_bf16_panels {
     int64_t in_features, out_features;
     const uint16_t *panels; /* see Layout above */
     const uint16_t *bias;   /* [out] bf16 or NULL */
+    /* 1: a lone row sums in the order of a tile of many (batch-invariant); 0: two chains */
+    int64_t fixed_order;
 };
 
 /* bf16.h's masked 16-bit loads and stores need AVX512-BW and -VL besides the foundation. */
@@ -74,13 +76,15 @@ static inline __m512 dot(__m512 acc, wpairs w, xpair x) {
 #endif
 
 /* acc[m][v] = sum over pairs of x[m] . W for ROWS rows; ROWS is a constant at each call
- * site, so the accumulators live in registers. */
+ * site, so the accumulators live in registers. Each row's sums run over the pairs in order,
+ * whatever the rows, except a lone row without fixed_order. */
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t ldx,
                                                       const uint16_t *panel, int64_t pairs,
-                                                      int rows, __m512 acc[MR][2]) {
+                                                      int64_t fixed_order, int rows,
+                                                      __m512 acc[MR][2]) {
     for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     int64_t j = 0;
-    if (rows == 1) {
+    if (rows == 1 && !fixed_order) {
         /* one row: two pairs at a time into two more sums, or each sum's chain of
          * dot products would bound the loop */
         __m512 odd0 = _mm512_setzero_ps(), odd1 = _mm512_setzero_ps();
@@ -137,10 +141,11 @@ static inline void store_tile(__m512 acc[MR][2], int rows, int cols, const uint1
 
 /* Rows [0, rows) (at most TILE_ROWS) of one panel: columns [0, cols) of y. */
 static inline void rows_of_panel(const uint16_t *x, int64_t K, const uint16_t *panel,
-                                 int64_t pairs, int rows, int cols, const uint16_t *bias,
-                                 const uint16_t *res, int64_t N, uint16_t *y) {
+                                 int64_t pairs, int64_t fixed_order, int rows, int cols,
+                                 const uint16_t *bias, const uint16_t *res, int64_t N,
+                                 uint16_t *y) {
     __m512 acc[MR][2];
-    DISPATCH_ROWS(x, K, panel, pairs)
+    DISPATCH_ROWS(x, K, panel, pairs, fixed_order)
     store_tile(acc, rows, cols, bias, res, N, y, N);
 }
 
@@ -190,8 +195,10 @@ static inline void rows_tile8(const uint16_t *x, int64_t K, const uint16_t *pane
 #define TILE_ROWS MR8
 
 static inline void rows_of_panel(const uint16_t *x, int64_t K, const uint16_t *panel,
-                                 int64_t pairs, int rows, int cols, const uint16_t *bias,
-                                 const uint16_t *res, int64_t N, uint16_t *y) {
+                                 int64_t pairs, int64_t fixed_order, int rows, int cols,
+                                 const uint16_t *bias, const uint16_t *res, int64_t N,
+                                 uint16_t *y) {
+    (void)fixed_order; /* every row sums in one order here */
     v8f acc[MR8][4];
     rows_tile8(x, K, panel, pairs, rows, acc);
     for (int m = 0; m < rows; m++) {
@@ -226,7 +233,7 @@ void sb_linear_bf16(const struct sb_bf16_panels *w, const uint16_t *x, int64_t r
         const uint16_t *panel = w->panels + p * K * NP;
         for (int64_t m0 = 0; m0 < rows; m0 += TILE_ROWS) {
             int rows_here = rows - m0 < TILE_ROWS ? (int)(rows - m0) : TILE_ROWS;
-            rows_of_panel(x + m0 * K, K, panel, pairs, rows_here, cols,
+            rows_of_panel(x + m0 * K, K, panel, pairs, w->fixed_order, rows_here, cols,
                           w->bias ? w->bias + n0 : NULL, res ? res + m0 * N + n0 : NULL, N,
                           y + m0 * N + n0);
         }

@@ -58,12 +58,14 @@ PLAN_VERSION = 1  # bump when the meaning of a cached plan changes
 @dataclass(frozen=True, slots=True)
 class LinearPlan:
     """``small`` multiplies up to ``split_rows`` rows, ``large`` more (one kernel when equal);
-    ``source``: "measured", "cached" or "fixed"."""
+    ``source``: "measured", "cached", "fixed" or "invariant"; ``fixed_order``: the panel
+    kernels sum a lone row in the order of a tile of many (``invariant_plan``)."""
 
     small: str
     large: str
     split_rows: int = 0
     source: str = "fixed"
+    fixed_order: bool = False
 
     def kernel_for(self, rows: int) -> str:
         return self.small if rows <= self.split_rows else self.large
@@ -134,6 +136,16 @@ def fixed_plan(
         return LinearPlan(PANELS, PANELS)
     kernel = ONEDNN if ONEDNN in kernels else TORCH
     return LinearPlan(kernel, kernel)  # (upcast only by measurement: it holds 2x the bytes)
+
+
+def invariant_plan(dtype: torch.dtype, device: torch.device | str = "cpu") -> LinearPlan | None:
+    """Batch-invariant products: one kernel for every row count, whose sums for a row do not
+    depend on the other rows of the call, the thread that runs it, or their number: our native
+    panels in ``fixed_order`` (oneDNN picks its blocking, and so its summation order, by the
+    rows). None where the panels cannot serve ``dtype`` (not a CPU, no compiler)."""
+    if torch.device(device).type != "cpu" or PANELS not in available_kernels(dtype):
+        return None
+    return LinearPlan(PANELS, PANELS, source="invariant", fixed_order=True)
 
 
 def choose(

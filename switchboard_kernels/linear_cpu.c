@@ -74,10 +74,10 @@ static inline void store_tile(v8f acc[][2], int rows, int cols, const float *sca
 #define DEFINE_TILE(NAME, WTYPE, LOAD)                                                        \
     static inline __attribute__((always_inline)) void NAME(                                   \
         const float *x, int64_t ldx, const WTYPE *panel, int64_t K, const char *pf,           \
-        int64_t pf_lines, int rows, v8f acc[MR][2]) {                                         \
+        int64_t pf_lines, int fixed_order, int rows, v8f acc[MR][2]) {                        \
         for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (v8f){0};                      \
         int64_t due = 0, k = 0;                                                               \
-        if (rows == 1) {                                                                      \
+        if (rows == 1 && !fixed_order) {                                                      \
             /* one row: two k at a time into two more sums, or each sum's chain of FMAs      \
              * (4 cycles each) would bound the loop, int8 weights most */                     \
             v8f odd0 = {0}, odd1 = {0};                                                       \
@@ -125,7 +125,7 @@ DEFINE_TILE(tile_i8, int8_t, load_i8)
 /* y[m, n] = sum_k x[m, k] W[n, k] (* scales[n]) (+ bias[n]) (+ res[m, n]) for m < M. */
 static void linear(const float *x, int64_t M, int64_t K, const void *panels, int is_int8,
                    const float *scales, int64_t N, const float *bias, const float *res,
-                   float *y) {
+                   int fixed_order, float *y) {
     int64_t num_panels = (N + NR - 1) / NR, groups = (M + MR - 1) / MR;
     int64_t panel_bytes = K * NR * (is_int8 ? 1 : 4), panel_lines = (panel_bytes + 63) / 64;
 #pragma omp parallel for schedule(static)
@@ -145,10 +145,10 @@ static void linear(const float *x, int64_t M, int64_t K, const void *panels, int
             const float *xm = x + m0 * K;
             if (is_int8) {
                 const int8_t *panel = (const int8_t *)panels + p * K * NR;
-                DISPATCH_ROWS(tile_i8, xm, K, panel, K, pf, last - first)
+                DISPATCH_ROWS(tile_i8, xm, K, panel, K, pf, last - first, fixed_order)
             } else {
                 const float *panel = (const float *)panels + p * K * NR;
-                DISPATCH_ROWS(tile_f32, xm, K, panel, K, pf, last - first)
+                DISPATCH_ROWS(tile_f32, xm, K, panel, K, pf, last - first, fixed_order)
             }
             store_tile(acc, rows, cols, sp, bp, res ? res + m0 * N + n0 : NULL, N,
                        y + m0 * N + n0, N);
@@ -163,6 +163,8 @@ struct sb_panels {
     const void *panels; /* [ceil(out / 16)][in][16], fp32 or int8 */
     const float *scales; /* [16 * panels] for int8 panels, else NULL */
     const float *bias;   /* [out] or NULL */
+    /* 1: a lone row sums in the order of a tile of many (batch-invariant); 0: two chains */
+    int64_t fixed_order;
 };
 
 /* Semantics: y = x W^T (+ bias) (+ res), x [rows, in], res (nullable) and y [rows, out],
@@ -170,5 +172,5 @@ struct sb_panels {
 void sb_linear(const struct sb_panels *w, const float *x, int64_t rows, const float *res,
                float *y) {
     linear(x, rows, w->in_features, w->panels, w->scales != NULL, w->scales, w->out_features,
-           w->bias, res, y);
+           w->bias, res, (int)w->fixed_order, y);
 }

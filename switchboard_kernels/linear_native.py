@@ -27,6 +27,7 @@ class _Panels(ctypes.Structure):
         ("panels", _ptr),
         ("scales", _ptr),
         ("bias", _ptr),
+        ("fixed_order", _i64),
     ]
 
 
@@ -34,13 +35,20 @@ class PanelLinear:
     """``y = x @ weight.T (+ bias)`` through the native kernel, the weight [out, in] in panels
     of ``PANEL`` output features, each [in][PANEL] (one cache line of fp32 weights per input
     feature), the last one zero-padded: fp32, or int8 with one scale per output feature (an
-    approximate copy). The kernel must load (``native_linear()``)."""
+    approximate copy). The kernel must load (``native_linear()``). ``fixed_order``: a lone row
+    sums in the order every row of a larger call does (batch-invariant numerics), not in the
+    two chains that make one-row products faster."""
 
     __slots__ = ("_call", "_desc", "_desc_address", "bias", "in_features", "out_features")
     __slots__ += ("panels", "scales")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, int8: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        int8: bool = False,
+        fixed_order: bool = False,
     ) -> None:
         kernel = native_linear()
         if kernel is None:
@@ -69,6 +77,7 @@ class PanelLinear:
             self.panels.data_ptr(),
             None if self.scales is None else self.scales.data_ptr(),
             None if self.bias is None else self.bias.data_ptr(),
+            int(fixed_order),
         )
         self._desc_address = ctypes.addressof(self._desc)
         self._call = kernel.linear
@@ -141,7 +150,13 @@ BF16_PANEL = 32  # output features per bf16 panel, as NP in linear_bf16_cpu.c
 class _Bf16Panels(ctypes.Structure):
     """``struct sb_bf16_panels`` in linear_bf16_cpu.c."""
 
-    _fields_ = [("in_features", _i64), ("out_features", _i64), ("panels", _ptr), ("bias", _ptr)]
+    _fields_ = [
+        ("in_features", _i64),
+        ("out_features", _i64),
+        ("panels", _ptr),
+        ("bias", _ptr),
+        ("fixed_order", _i64),
+    ]
 
 
 class Bf16PanelLinear:
@@ -149,13 +164,18 @@ class Bf16PanelLinear:
     [out, in] (in even) in panels of ``BF16_PANEL`` outputs whose weights pair up along the
     input features (the layout VDPBF16PS reads), the last panel zero-padded. fp32 sums,
     one rounding to bf16 (bias and residual added before it). The kernel must load
-    (``native_linear_bf16()``)."""
+    (``native_linear_bf16()``). ``fixed_order``: as ``PanelLinear``'s."""
 
     __slots__ = ("_call", "_desc", "_desc_address", "bias", "in_features", "out_features")
     __slots__ += ("panels",)
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, kernel=None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        kernel=None,
+        fixed_order: bool = False,
     ) -> None:
         """``kernel``: another build's ``bf16_kernel_of`` (tests run the path a CPU lacks)."""
         kernel = kernel or native_linear_bf16()
@@ -179,6 +199,7 @@ class Bf16PanelLinear:
             out_features,
             self.panels.data_ptr(),
             None if self.bias is None else self.bias.data_ptr(),
+            int(fixed_order),
         )
         self._desc_address = ctypes.addressof(self._desc)
         self._call = kernel

@@ -8,7 +8,9 @@ CPU, decodes of a bf16 or fp32 model take the native kernel
 (``switchboard_kernels/attention_cpu.c``), which reads each sequence's keys and values in place;
 otherwise a sequence's blocks are gathered whole (one contiguous copy per block, which runs at
 memory bandwidth, unlike a per-token gather) and padding past the context is masked. Prefill chunks
-always take SDPA.
+take SDPA, or with batch-invariant numerics the native kernel too (each chunk a sequence feeding
+many queries: every row then attends in one order, alone or beside others, over a cached prefix
+or its own fresh keys).
 
 With ``AttentionMetadata.layout`` set (the ``triton`` backend), ``attend`` hands the whole
 step to the Triton kernels instead (``switchboard_kernels/paged_attention_triton.py``), imported on
@@ -95,11 +97,15 @@ class AttentionMetadata:
     native_decodes: NativeDecodes | None = None
     # The whole step for the Triton kernels (groups and chunks then empty).
     layout: PagedLayout | None = None
+    # ``native_decodes`` holds prefill chunks too (batch-invariant numerics; ``prefills`` empty).
+    native_prefills: bool = False
 
     @property
     def all_decode(self) -> bool:
         """No prefill chunk (on the Triton layout: no sequence past the decode launch's rows)."""
-        return not self.prefills if self.layout is None else self.layout.prefill.count == 0
+        if self.layout is not None:
+            return self.layout.prefill.count == 0
+        return not self.prefills and not self.native_prefills
 
     def to(self, device: torch.device) -> AttentionMetadata:
         """The same metadata with its tensors on ``device`` (the native decodes stay on the
@@ -110,6 +116,7 @@ class AttentionMetadata:
             prefills=[c.to(device) for c in self.prefills],
             native_decodes=self.native_decodes,
             layout=None if self.layout is None else self.layout.to(device),
+            native_prefills=self.native_prefills,
         )
 
 

@@ -25,6 +25,7 @@ from switchboard_kernels.linear_choice import (
     UPCAST,
     LinearPlan,
     available_kernels,
+    invariant_plan,
 )
 from switchboard_kernels.linear_native import PANEL, Bf16PanelLinear, PanelLinear, native_linear
 from switchboard_kernels.q4_native import Q4Linear, native_q4
@@ -103,6 +104,38 @@ def test_a_kernel_that_cannot_hold_the_weight_falls_back():
     torch.testing.assert_close(
         linear(x).double(), x.double() @ weight.double().T, atol=2e-2, rtol=2e-2
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_invariant_plan_gives_a_row_the_same_bits_in_any_batch(dtype):
+    """Batch invariance: a row's product, bias and residual bit for bit the same alone as
+    among any number of other rows (lone rows too, which otherwise sum in two chains)."""
+    plan = invariant_plan(dtype)
+    if plan is None:
+        pytest.skip(f"no native panels for {dtype} here")
+    gen = torch.Generator().manual_seed(4)
+    weight = (torch.randn(70, 96, generator=gen) / 96**0.5).to(dtype)
+    bias = torch.randn(70, generator=gen).to(dtype)
+    linear = Linear(weight, bias, plan=plan)
+    assert all(isinstance(k, (PanelLinear, Bf16PanelLinear)) for k in linear.kernels)
+    x = torch.randn(19, 96, generator=gen).to(dtype)
+    residual = torch.randn(19, 70, generator=gen).to(dtype)
+    whole, fused = linear(x), linear.add_to(x, residual)
+    for rows in (1, 2, 5, 8, 9, 13):
+        for start in (0, 19 - rows, 3):
+            part = slice(start, start + rows)
+            assert torch.equal(linear(x[part]), whole[part])
+            assert torch.equal(linear.add_to(x[part], residual[part]), fused[part])
+
+
+def test_the_invariant_plan_takes_no_other_kernel():
+    """A weight the bf16 panels cannot hold (odd input features) is refused, not sent to
+    oneDNN, whose summation order depends on the rows."""
+    plan = invariant_plan(torch.bfloat16)
+    if plan is None:
+        pytest.skip("no native bf16 panels here")
+    with pytest.raises(ValueError, match="batch-invariant"):
+        Linear(torch.randn(16, 15).bfloat16(), plan=plan)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -131,3 +131,25 @@ def test_the_paths_of_cpus_with_fewer_features(path, rows):
     layer = Bf16PanelLinear(w, bias, kernel=bf16_kernel_of(library))
     want = x.double() @ w.double().T + bias.double() + residual.double()
     assert_within_one_rounding(layer(x, residual), want, scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", ["best", *OTHER_PATHS])
+def test_fixed_order_gives_a_lone_row_the_bits_it_has_among_others(path):
+    """``fixed_order`` (batch-invariant numerics): a row alone sums in the order it sums in
+    a tile of many, on every path; tiles of any size, bias and residual."""
+    if path == "best":
+        kernel = None
+    else:
+        flags, feature = OTHER_PATHS[path]
+        if feature not in _cpu_flags():
+            pytest.skip(f"without {feature} the best path is this one")
+        source = Path(native.__file__).with_name("linear_bf16_cpu.c")
+        kernel = bf16_kernel_of(ctypes.CDLL(str(native.build(source, flags))))
+    x, w, bias, residual, _ = case(17, 100, 576, 5)
+    layer = Bf16PanelLinear(w, bias, kernel=kernel, fixed_order=True)
+    whole = layer(x, residual)
+    for rows in (1, 2, 7, 8, 9):
+        for start in (0, 17 - rows):
+            part = slice(start, start + rows)
+            assert torch.equal(layer(x[part], residual[part]), whole[part])

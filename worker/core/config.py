@@ -184,7 +184,11 @@ class EngineConfig:
     ``decode_step_budget_ms``: while a step carries decodes and more than one tenant is
     active, its prompt tokens are cut so that it takes at most this long (prefill chunks wait;
     `worker.core.step_budget`); None: five
-    one-token steps as measured at warm-up, off without one; 0: off. See docs/engine.md."""
+    one-token steps as measured at warm-up, off without one; 0: off;
+    ``batch_invariant``: every row's numerics fixed whatever else the step holds, whether its
+    prefix was cached and how its prompt was chunked (one rank on CPU, native kernels: the
+    projections through the panels in one order, every attention row through the native
+    kernel; `worker.engine.assembly` refuses it elsewhere). See docs/engine.md."""
 
     dtype: str | torch.dtype = "auto"
     device: str | torch.device = "cpu"
@@ -211,6 +215,7 @@ class EngineConfig:
     warmup: bool = False
     decode_step_budget_ms: float | None = None
     kernel_choice: str = field(default_factory=lambda: DEFAULT_KERNEL_CHOICE)
+    batch_invariant: bool = False
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     fairness: FairnessConfig = field(default_factory=FairnessConfig)
 

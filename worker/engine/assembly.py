@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from switchboard_kernels.linear_choice import linear_plan
+from switchboard_kernels.linear_choice import invariant_plan, linear_plan
 from worker.core.block_manager import BlockManager
 from worker.core.config import EngineConfig, PreemptionMode
 from worker.core.scheduler import Scheduler
@@ -24,6 +24,7 @@ from worker.engine.placement import (
     resolve_device,
     resolve_dtype,
 )
+from worker.errors import InvalidRequestError
 from worker.model.llama import LlamaModel, projection_shapes
 from worker.model.lora_manager import LoraManager
 from worker.model.model_config import ModelConfig
@@ -69,14 +70,17 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
     )
     async_output = resolve_async_output(config.async_output, device, config.speculative.enabled)
     num_kv_blocks, num_host_blocks = kv_cache_blocks(model, config, torch_dtype)
-    plan = linear_plan(
-        projection_shapes(model_config),
-        torch_dtype,
-        num_layers=model_config.num_layers,
-        max_rows=config.max_num_batched_tokens,
-        device=device,
-        measure=config.kernel_choice == "measure",
-    )
+    if config.batch_invariant:
+        plan = batch_invariant_plan(config, torch_dtype, device)
+    else:
+        plan = linear_plan(
+            projection_shapes(model_config),
+            torch_dtype,
+            num_layers=model_config.num_layers,
+            max_rows=config.max_num_batched_tokens,
+            device=device,
+            measure=config.kernel_choice == "measure",
+        )
     # Tensor parallelism: ranks 1..N-1 load their shards while this process (rank 0) loads
     # its own; None on one rank.
     tensor_parallel = start_ranks(
@@ -140,7 +144,12 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
         cuda_graphs=cuda_graphs,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
+        batch_invariant=config.batch_invariant,
     )
+    if config.batch_invariant and lora_manager is not None and not lora_manager.native:
+        raise InvalidRequestError(
+            "batch_invariant needs the native LoRA kernel (bf16 or fp32 on CPU, a C compiler)"
+        )
     runner = (
         ModelRunner(llama, **runner_options)
         if tensor_parallel is None
@@ -203,3 +212,16 @@ def kv_cache_blocks(
         if num_host_blocks is None:
             num_host_blocks = max(1, int(config.swap_space_gb * 2**30) // block_bytes)
     return num_kv_blocks, num_host_blocks
+
+
+def batch_invariant_plan(config: EngineConfig, dtype: torch.dtype, device: torch.device):
+    """The projections' one kernel for ``batch_invariant`` (``linear_choice.invariant_plan``),
+    or a refusal naming what is missing: one rank on CPU, bf16 or fp32, native kernels."""
+    if device.type != "cpu" or config.tensor_parallel_size != 1:
+        raise InvalidRequestError("batch_invariant serves one rank on CPU only")
+    plan = invariant_plan(dtype, device)
+    if plan is None:
+        raise InvalidRequestError(
+            f"batch_invariant needs the native panel kernels for {dtype} (a C compiler)"
+        )
+    return plan

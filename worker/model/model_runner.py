@@ -14,6 +14,7 @@ import torch
 from switchboard_kernels.attention_native import DTYPES as NATIVE_ATTENTION_DTYPES
 from switchboard_kernels.attention_native import MAX_HEAD_DIM, native_attention
 from worker.core.batch import BlockMove, MoveKind, ScheduledSequence
+from worker.errors import InvalidRequestError
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.llama import LlamaModel
 from worker.model.lora_manager import LoraBatch, LoraManager
@@ -45,9 +46,12 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_num_seqs: int = 128,
         max_model_len: int = 2048,
+        batch_invariant: bool = False,
     ) -> None:
         """``cuda_graphs``: replay decode steps as CUDA graphs (``worker.model.cuda_graphs``;
-        CUDA and the triton backend only), their buffers sized by the last two."""
+        CUDA and the triton backend only), their buffers sized by the last two.
+        ``batch_invariant``: prefill chunks attend through the native kernel too (every row
+        then attends in one order); refused where that kernel does not serve."""
         self.model = model
         self.device = model.device
         self.lora_manager = lora_manager
@@ -64,6 +68,12 @@ class ModelRunner:
             and c.head_dim <= MAX_HEAD_DIM
             and native_attention() is not None
         )
+        if batch_invariant and not self.native_decodes:
+            raise InvalidRequestError(
+                "batch_invariant needs the native attention kernel (CPU, bf16 or fp32, "
+                f"head_dim <= {MAX_HEAD_DIM}, a C compiler, the torch attention backend)"
+            )
+        self.native_prefills = batch_invariant
         shape = (num_blocks, block_size, kv_heads, c.head_dim)
         self.kv_caches = [
             tuple(torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in "kv")
@@ -202,4 +212,5 @@ class ModelRunner:
             num_kv_heads=self.model.num_kv_heads,
             heads_per_kv_head=self.heads_per_kv_head,
             device_type=self.device.type,
+            native_prefills=self.native_prefills,
         )

@@ -63,11 +63,14 @@ def prepare_step(
     num_kv_heads: int,
     heads_per_kv_head: int,
     device_type: str,
+    native_prefills: bool = False,
 ) -> StepInputs:
     """``scheduled`` as one forward pass's host tensors: decodes first, then prefill chunks.
     The attention metadata is for the native decode kernel (``native_decodes``), the Triton
     kernels (``triton_attention``: this rank's ``num_kv_heads``, on ``device_type``) or the
-    torch path (decode groups and chunks)."""
+    torch path (decode groups and chunks). ``native_prefills`` (with ``native_decodes``): the
+    prefill chunks too go to the native kernel, each a sequence feeding many queries, so that
+    every row attends in one order whatever the step holds (batch-invariant numerics)."""
     # Decodes (one real token, maybe draft tokens after it) sorted by tokens fed, then
     # context length, so that similar sequences share one attention call.
     decodes, prefills = [], []
@@ -110,16 +113,25 @@ def prepare_step(
         meta = AttentionMetadata(slot_mapping, [], [], layout=layout)
     else:
         decode_start = sum(s.num_fed for s in decodes)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            decode_groups=[]
-            if native_decodes
-            else _decode_groups(decodes, block_size, heads_per_kv_head),
-            prefills=_prefill_chunks(prefills, decode_start, block_size),
-            native_decodes=_native_decodes(decodes, block_size)
-            if native_decodes and decodes
-            else None,
-        )
+        if native_decodes and native_prefills:
+            meta = AttentionMetadata(
+                slot_mapping=slot_mapping,
+                decode_groups=[],
+                prefills=[],
+                native_decodes=_native_decodes(order, block_size) if order else None,
+                native_prefills=bool(prefills),
+            )
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=slot_mapping,
+                decode_groups=[]
+                if native_decodes
+                else _decode_groups(decodes, block_size, heads_per_kv_head),
+                prefills=_prefill_chunks(prefills, decode_start, block_size),
+                native_decodes=_native_decodes(decodes, block_size)
+                if native_decodes and decodes
+                else None,
+            )
     return StepInputs(
         input_ids=input_ids,
         positions=positions_t,
