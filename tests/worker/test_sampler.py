@@ -12,7 +12,7 @@ from worker.sampling.penalties import apply_penalties_
 from worker.sampling.rows import SampledToken, SamplingRow, make_generator
 from worker.sampling.sampler import LOGPROB_FLOOR, Sampler, filter_logits
 from worker.sampling.sampling_params import SamplingParams
-from worker.sampling.token_draw import pick
+from worker.sampling.token_draw import pick, row_sums
 
 NEG_INF = -math.inf
 
@@ -414,6 +414,18 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch(settings: dict[str, 
         rows.insert(position, make_row(**settings))
         batch = torch.cat([others[:position], mine[None], others[position:num_others]])
         assert tokens_of_seeded_row(batch, position, rows) == alone
+
+
+def test_a_rows_mass_does_not_depend_on_the_rows_beside_it() -> None:
+    """Batch invariance of top-p's mass: a full-vocabulary row (here SmolLM2's 49,152 plus
+    a ragged tail) sums to the same bits alone, among others, and padded with zeros (a wider
+    window, chosen by another row's top-k)."""
+    x = torch.rand(5, 49152 + 7, generator=torch.Generator().manual_seed(3))
+    whole = row_sums(x)
+    torch.testing.assert_close(whole, x.double().sum(dim=-1).float())
+    for i in range(5):
+        assert torch.equal(row_sums(x[i : i + 1]), whole[i : i + 1])
+    assert torch.equal(row_sums(torch.nn.functional.pad(x, (0, 3000))), whole)
 
 
 def test_two_seeded_rows_in_one_batch_match_running_alone_in_any_order() -> None:

@@ -107,11 +107,11 @@ def _sample_windowed(
     k = torch.tensor([k or width for k in ks], device=x.device)
     keep = values >= values.gather(1, (k - 1)[:, None])  # top-k; ties stay
     # Top-p renormalizes over what top-k kept; without top-k, over the whole row.
-    mass = (weights * keep).sum(dim=-1)  # [m], in units of p_max
+    mass = row_sums(weights * keep)  # [m], in units of p_max
     whole_row = [i for i in range(m) if ks[i] == 0]
     if whole_row:
         rest = take_rows(x, whole_row) - values[whole_row, :1]
-        mass[whole_row] = rest.clamp_(min=_MIN_LOG_WEIGHT).exp_().sum(dim=-1)
+        mass[whole_row] = row_sums(rest.clamp_(min=_MIN_LOG_WEIGHT).exp_())
     probs = weights * keep / mass[:, None]  # [m, width]
     cumulative = probs.cumsum(dim=-1)
     top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params], device=x.device)
@@ -154,6 +154,17 @@ def pick(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     inner = _below(target - before, inner_cdf[:, -1])
     offset = torch.searchsorted(inner_cdf, inner[:, None], right=True).squeeze(1)
     return block * _BLOCK + offset
+
+
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """Each row's sum, [m, n] -> [m], added in one order whatever else is in the batch:
+    sums of blocks of ``_BLOCK`` entries, then their running total. (torch's ``sum`` splits
+    a lone long row over threads but not a row among others, so a row's mass, and its
+    top-p cut, would depend on its neighbours; zeros past the end change nothing either.)"""
+    m, n = x.shape
+    if n % _BLOCK:
+        x = F.pad(x, (0, _BLOCK - n % _BLOCK))
+    return x.reshape(m, -1, _BLOCK).sum(dim=-1).cumsum_(dim=-1)[:, -1]
 
 
 def _below(value: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
