@@ -25,7 +25,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from adapters import BaseModelSpec, FilesystemAdapterStore
-from gateway import adapter_routes, admin_routes, metrics, openai_routes
+from gateway import account_routes, adapter_routes, admin_routes, metrics, openai_routes
 from gateway.console import pages as console
 from gateway.console.bridge import ConsoleBridge
 from gateway.console.session import ADMIN, TENANT
@@ -232,6 +232,7 @@ def _build(app: FastAPI, settings: GatewaySettings, *, public: bool, admin: bool
     if public:
         app.include_router(openai_routes.router)
         app.include_router(adapter_routes.router)
+        app.include_router(account_routes.router)
         app.include_router(console.router(TENANT))
     if admin:
         app.include_router(admin_routes.router)

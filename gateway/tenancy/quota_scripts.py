@@ -159,3 +159,21 @@ redis.call('ZADD', KEYS[1], 'XX', now + lease, ARGV[1])
 redis.call('PEXPIRE', KEYS[1], lease)
 return 1
 """
+
+# KEYS: 1 request log, 2 token log, 3 token total, 4 in-flight leases, 5 daily; ARGV: 1 window ms.
+# Returns {requests_used, tokens_used, running, daily_used} as ADMIT would count them now, and
+# changes nothing (expired entries are left for ADMIT to remove). A count is meaningful only
+# while its limit is set: ADMIT keeps no log for a limit the tenant does not have.
+PEEK = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cutoff = now - tonumber(ARGV[1])
+local requests = redis.call('ZCOUNT', KEYS[1], '(' .. cutoff, '+inf')
+local tokens = tonumber(redis.call('GET', KEYS[3]) or '0')
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', cutoff)) do
+  tokens = tokens - tonumber(string.match(member, '|(%d+)$'))
+end
+local running = redis.call('ZCOUNT', KEYS[4], '(' .. now, '+inf')
+local daily = tonumber(redis.call('GET', KEYS[5]) or '0')
+return {requests, tokens, running, daily}
+"""

@@ -26,7 +26,7 @@ import redis.exceptions
 
 from gateway import metrics
 from gateway.errors import RateLimitError, StateUnavailableError
-from gateway.tenancy.quota_scripts import ADMIT, RENEW, SETTLE
+from gateway.tenancy.quota_scripts import ADMIT, PEEK, RENEW, SETTLE
 from gateway.tenancy.script_batch import ScriptBatcher
 from gateway.tenancy.usage import UsageDelta, usage_key
 
@@ -58,6 +58,16 @@ class Quota:
     daily_tokens: int | None = None
     max_adapters: int | None = None  # None: the gateway's default_max_adapters
     max_adapter_bytes: int | None = None  # None: default_max_adapter_storage_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaUse:
+    """How much of each per-minute, concurrency and daily limit is in use now."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent_requests: int | None = None
+    daily_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -113,6 +123,7 @@ class QuotaService:
         self._admit = client.register_script(ADMIT)
         self._settle = client.register_script(SETTLE)
         self._renew = client.register_script(RENEW)
+        self._peek = client.register_script(PEEK)
         self._scripts = ScriptBatcher(client)
         self._room: dict[str, Room] = {}  # tenant -> what its last decision here left
 
@@ -134,6 +145,20 @@ class QuotaService:
     async def get_quota(self, tenant: str) -> Quota:
         raw = await self.redis.hgetall(self._k(tenant, "quota"))
         return Quota(**{k: int(raw[f]) for k, f in QUOTA_FIELDS.items() if f in raw})
+
+    async def usage_now(self, tenant: str) -> QuotaUse:
+        """What the tenant's limited windows hold now, as the next admission would count it
+        (None for a limit it does not have); reads only."""
+        quota = await self.get_quota(tenant)
+        names = ["requests", "tokens", "tokens_total", "inflight", f"daily:{utc_day()}"]
+        reply = await self._peek(keys=[self._k(tenant, n) for n in names], args=[self.window_ms])
+        requests, tokens, running, daily = (int(n) for n in reply)
+        return QuotaUse(
+            requests_per_minute=requests if quota.requests_per_minute is not None else None,
+            tokens_per_minute=tokens if quota.tokens_per_minute is not None else None,
+            max_concurrent_requests=running if quota.max_concurrent_requests is not None else None,
+            daily_tokens=daily if quota.daily_tokens is not None else None,
+        )
 
     async def admit(self, tenant: str, *, request_id: str, tokens: int) -> Reservation:
         """Reserve `tokens` for a request, or raise RateLimitError (429)."""

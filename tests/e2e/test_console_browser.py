@@ -132,6 +132,7 @@ def test_a_tenant_uploads_chats_and_sees_its_usage_and_another_tenant_sees_none(
     stack, new_page, adapter_archive
 ):
     acme_key, bolt_key = stack.create_tenant_key("acme"), stack.create_tenant_key("bolt")
+    stack.admin("PUT", "/tenants/acme/quotas", json={"requests_per_minute": 100})
     page = new_page()
     sign_in(page, stack, acme_key)
     expect(page.locator("#who")).to_have_text("acme")
@@ -165,6 +166,12 @@ def test_a_tenant_uploads_chats_and_sees_its_usage_and_another_tenant_sees_none(
     seen = [text for text in page.evaluate("window.__seen") if text]
     assert len(set(seen)) > 1 and seen[-1] == answer  # grew piece by piece
     expect(page.locator("#chat-stats")).to_contain_text("12 tokens · TTFT")
+    expect(page.locator("#chat-stats")).to_contain_text("99 requests left this minute")
+    # Its limits: the request it just made is in the minute's window; its key is listed.
+    limit = page.locator("#limit-table tbody tr", has_text="Requests per minute")
+    expect(limit.locator("td")).to_have_text(["Requests per minute", "100", "1", "99"])
+    expect(page.locator("#key-table tbody tr")).to_have_count(1)
+    expect(page.locator("#key-table tbody tr td").nth(2)).to_have_text("this session")
     # The same request through the OpenAI client: the same (greedy) answer.
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=acme_key, max_retries=0)
     same = client.chat.completions.create(
@@ -189,6 +196,7 @@ def test_a_tenant_uploads_chats_and_sees_its_usage_and_another_tenant_sees_none(
     expect(other.locator("#adapter-empty")).to_be_visible()
     expect(other.locator("#chat-model option")).to_have_count(1)  # the base model only
     expect(other.locator("#usage-table tbody tr")).to_have_count(0)
+    expect(other.locator("#key-table tbody tr")).to_have_count(1)  # its own key only
     status = other.evaluate("async () => (await Console.call('adapters/sql')).status")
     assert status == 404
 

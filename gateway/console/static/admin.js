@@ -18,7 +18,7 @@ async function loadTenants() {
     const limit = (v) => (v === null ? "–" : v);
     return [t.name, Console.time(t.created_at), limit(quota.requests_per_minute), limit(quota.tokens_per_minute),
             limit(quota.max_concurrent_requests), limit(quota.daily_tokens),
-            `${scheduling.tier ?? "own weight"} · ${scheduling.weight}`,
+            Console.scheduling(scheduling),
             el("button", { type: "button", "data-tenant": t.name, onclick: () => select(t.name) }, "Manage")];
   }));
   fill($("tenant-table").querySelector("tbody"), rows);

@@ -112,5 +112,11 @@ const Console = (() => {
     svg.replaceChildren(...nodes);
   }
 
-  return { ApiError, call, json, el, fill, bytes, time, daysBack, barChart, csrf, apiBase };
+  // A tenant's scheduling (GET .../scheduling or the account's) in words.
+  function scheduling(s) {
+    const from = { tier: `tier ${s.tier}`, weight: "own weight", default: "default tier" }[s.source];
+    return `${from ?? s.source}, weight ${s.weight}`;
+  }
+
+  return { scheduling, ApiError, call, json, el, fill, bytes, time, daysBack, barChart, csrf, apiBase };
 })();

@@ -62,6 +62,7 @@ function upload(event) {
       status.textContent = `Uploaded ${body.name} (rank ${body.rank}).`;
       $("upload").reset();
       await loadAdapters();
+      loadAccount();
     } else {
       const message = body && body.error ? body.error.message : `HTTP ${xhr.status}`;
       status.textContent = `Upload refused (${xhr.status}): ${message}`;
@@ -143,6 +144,9 @@ async function chat(event) {
       const failed = await response.json().catch(() => null);
       throw new Console.ApiError(response.status, failed);
     }
+    const limits = ["requests", "tokens"]
+      .filter((kind) => response.headers.has(`x-ratelimit-remaining-${kind}`))
+      .map((kind) => `${response.headers.get(`x-ratelimit-remaining-${kind}`)} ${kind} left this minute`);
     turn("user", content);
     const out = turn("assistant", "");
     stats.textContent = "streaming…";
@@ -162,10 +166,11 @@ async function chat(event) {
     const ttft = first === null ? null : first - started;
     const rate = first !== null && tokens > 1 ? (tokens - 1) / ((end - first) / 1000) : null;
     stats.textContent = `${tokens} tokens · TTFT ${ttft === null ? "–" : ttft.toFixed(0) + " ms"}` +
-      ` · ${rate === null ? "–" : rate.toFixed(1)} tokens/s`;
+      ` · ${rate === null ? "–" : rate.toFixed(1)} tokens/s` + limits.map((l) => ` · ${l}`).join("");
     history.push({ role: "user", content }, { role: "assistant", content: answer });
     $("chat-input").value = "";
     loadUsage();
+    loadAccount();
   } catch (err) {
     error.textContent = err.message;
     stats.textContent = "";
@@ -192,6 +197,30 @@ async function loadUsage() {
     r.date, r.model, r.requests, r.prompt_tokens, r.completion_tokens, r.total_tokens]));
 }
 
+// ---- limits and keys -------------------------------------------------------------------
+
+const LIMITS = {
+  requests_per_minute: "Requests per minute", tokens_per_minute: "Tokens per minute",
+  max_concurrent_requests: "Concurrent requests", daily_tokens: "Tokens today (UTC)",
+  max_adapters: "Adapters", max_adapter_bytes: "Adapter storage",
+};
+
+async function loadAccount() {
+  const account = await json("account");
+  const show = (name, n) => (n === null ? "–" : name === "max_adapter_bytes" ? Console.bytes(n) : n);
+  fill($("limit-table").querySelector("tbody"), Object.entries(LIMITS).map(([name, label]) => {
+    const limit = account.limits[name];
+    const used = account.in_use[name];
+    const left = limit === null ? "no limit" : show(name, Math.max(0, limit - (used ?? 0)));
+    return [label, limit === null ? "no limit" : show(name, limit), show(name, used), left];
+  }));
+  const s = account.scheduling;
+  $("scheduling").textContent = `Scheduling: ${Console.scheduling(s)} ` +
+    "(your share of busy workers relative to other tenants').";
+  fill($("key-table").querySelector("tbody"), account.keys.map((k) => [
+    el("code", {}, k.key_id), Console.time(k.created_at), k.key_id === account.key_id ? "this session" : ""]));
+}
+
 $("upload").addEventListener("submit", upload);
 $("chat").addEventListener("submit", chat);
 $("chat-clear").addEventListener("click", () => { history = []; $("transcript").replaceChildren(); $("chat-stats").textContent = ""; });
@@ -199,3 +228,4 @@ $("chat-format").addEventListener("change", () => { $("chat-constraint-label").h
 $("usage-days").addEventListener("change", loadUsage);
 loadAdapters();
 loadUsage();
+loadAccount();
