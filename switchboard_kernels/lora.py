@@ -25,14 +25,17 @@ from dataclasses import dataclass
 import torch
 
 from switchboard_kernels import lora_torch
+from switchboard_kernels.lora_dora import DoraScales, dora_slot_rows
 from switchboard_kernels.lora_native import NativeGroups, NativeSlots, native_library
 from switchboard_kernels.lora_torch import BucketPass, SlotPairs
 
 __all__ = [
+    "DoraScales",
     "LoraMapping",
     "NativeSlots",
     "SlotPairs",
     "add_lora",
+    "apply_dora",
     "bucket_passes",
     "lora_expand",
     "lora_shrink",
@@ -210,14 +213,54 @@ def add_lora(
     out_offset: int = 0,
     pairs: SlotPairs | None = None,
     native: NativeSlots | None = None,
+    dora: DoraScales | None = None,
+    dora_base: torch.Tensor | None = None,
 ) -> None:
-    """Semantics: ``y[t, o:o+out] += scales[s] * x[t] @ a_stack[s].T @ b_stack[s].T``, s=s_t>=0.
+    """Semantics: ``y[t, o:o+out] += scales[s] * x[t] @ a_stack[s].T @ b_stack[s].T``, s=s_t>=0;
+    then, with ``dora``, ``apply_dora`` on the rows of DoRA slots.
 
     ``pairs``: the stacks' slots cut to rank (CPU only; must match the stacks' contents).
     ``native``: the same for the native kernel; required by a mapping built ``native``.
+    ``dora_base``: the part of y DoRA leaves alone (see ``apply_dora``).
     """
     if not mapping.any_lora:
         return
+    _add_lora(y, x, a_stack, b_stack, scales, mapping, out_offset, pairs, native)
+    if dora is not None:
+        if out_offset != 0:
+            raise ValueError("DoRA rescales a whole group's output (out_offset 0)")
+        apply_dora(y, dora, mapping, base=dora_base)
+
+
+def apply_dora(
+    y: torch.Tensor,  # [T, >= out], the group's output with the LoRA delta in, updated in place
+    dora: DoraScales,
+    mapping: LoraMapping,
+    *,
+    base: torch.Tensor | None = None,  # [out] (a bias) or [T, out] (a residual), y's dtype
+) -> None:
+    """Semantics: ``y[t, :out] = z_t + dora.scales[s_t] ⊙ (y[t, :out] - z_t)`` for every row
+    whose slot s_t holds a DoRA adapter (z = base, or 0); other rows untouched.
+
+    CUDA: a Triton kernel over the rows; CPU: the native kernel over the mapping's groups, or
+    a gather and scatter per DoRA slot in torch (``switchboard_kernels/lora_dora.py``).
+    """
+    if mapping.cpu is None:
+        from switchboard_kernels import lora_triton as tri  # first CUDA call only
+
+        tri.dora_rescale(y, dora.scales, dora.enabled, mapping.token_slots, base=base)
+    elif mapping.cpu.native is not None:
+        library = native_library()
+        if library is None:
+            raise ValueError("a mapping built for the native kernel needs the native library")
+        library.dora(y, dora, mapping.cpu.native, base)
+    else:
+        dora_slot_rows(y, dora, _slot_rows(mapping), base)
+
+
+def _add_lora(
+    y, x, a_stack, b_stack, scales, mapping: LoraMapping, out_offset: int, pairs, native
+) -> None:
     if mapping.cpu is None:
         _add_lora_triton(y, x, a_stack, b_stack, scales, mapping, out_offset)
     elif mapping.cpu.native is not None:

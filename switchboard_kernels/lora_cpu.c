@@ -241,3 +241,46 @@ int sb_lora_bgmv(const void *x, int64_t x_stride, int64_t in, void *y, int64_t y
     }
     return failed ? -1 : 0;
 }
+
+/* DoRA's rescale, after sb_lora_bgmv added the LoRA delta into the same rows.
+ * Semantics: for each group g whose slot s = group_slot[g] has enabled[s] != 0, and each
+ * token row t among rows[group_start[g] : group_start[g+1]]:
+ *     y[t, j] = z[t, j] + scales[s, j] * (y[t, j] - z[t, j])        for j < out (fp32 math)
+ * where z is base (row stride base_stride: 0 repeats one vector, e.g. a bias) or 0 when
+ * base is NULL: the part of y that is not the projection's W x + delta (a bias or a
+ * residual added into the same output).
+ *   y: [T, >= out] bf16 (fp32 = 0) or fp32 (fp32 = 1), row stride y_stride; base: y's dtype
+ *   scales: [num_slots, out] float32 row-major;  enabled: [num_slots] int64
+ * Rows of other groups (plain LoRA, no adapter) are not touched.
+ */
+void sb_lora_dora(void *y, int64_t y_stride, int64_t out, const float *scales,
+                  const int64_t *enabled, const void *base, int64_t base_stride,
+                  int64_t n_groups, const int64_t *group_slot, const int64_t *group_start,
+                  const int64_t *rows, int fp32) {
+    /* One pass over a row's outputs: cheap beside the LoRA that wrote them (serial). */
+    for (int64_t g = 0; g < n_groups; g++) {
+        if (!enabled[group_slot[g]]) continue;
+        const float *gs = scales + group_slot[g] * out;
+        for (int64_t i = group_start[g]; i < group_start[g + 1]; i++) {
+            int64_t t = rows[i];
+            if (fp32) {
+                float *yt = (float *)y + t * y_stride;
+                const float *zt = base ? (const float *)base + t * base_stride : NULL;
+                if (zt) {
+#pragma omp simd
+                    for (int64_t j = 0; j < out; j++) yt[j] = zt[j] + gs[j] * (yt[j] - zt[j]);
+                } else {
+#pragma omp simd
+                    for (int64_t j = 0; j < out; j++) yt[j] = gs[j] * yt[j];
+                }
+            } else {
+                uint16_t *yt = (uint16_t *)y + t * y_stride;
+                const uint16_t *zt = base ? (const uint16_t *)base + t * base_stride : NULL;
+                for (int64_t j = 0; j < out; j++) {
+                    float z = zt ? bf16_to_f32(zt[j]) : 0.0f;
+                    yt[j] = f32_to_bf16(z + gs[j] * (bf16_to_f32(yt[j]) - z));
+                }
+            }
+        }
+    }
+}

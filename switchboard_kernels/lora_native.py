@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from switchboard_kernels import native
+from switchboard_kernels.lora_dora import DoraScales, check_dora
 
 MAX_BLOCKS = 3  # as in lora_cpu.c: a fused group of at most three projections (q/k/v)
 DTYPES = (torch.bfloat16, torch.float32)  # of x, y and the slots' weights
@@ -32,6 +33,49 @@ class NativeLora:
         self._bgmv.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
         self._bgmv.argtypes += [_ptr, _ptr, _ptr, ctypes.c_int, ctypes.c_int]
         self.has_avx512 = bool(lib.sb_lora_has_avx512())
+        self._dora = lib.sb_lora_dora
+        self._dora.restype = None
+        self._dora.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr]
+        self._dora.argtypes += [ctypes.c_int]
+
+    def dora(
+        self,
+        y: torch.Tensor,  # [T, >= out] bf16 or fp32, updated in place
+        dora: DoraScales,  # on the host
+        groups: NativeGroups,
+        base: torch.Tensor | None = None,  # [out] or [T, out], y's dtype
+    ) -> None:
+        """Semantics: ``y[t, :out] = z_t + scales[s] * (y[t, :out] - z_t)`` for the rows of
+        the groups whose slot s has DoRA (``switchboard_kernels/lora_dora.py``)."""
+        check_dora(y, dora, base)
+        if (
+            y.dtype not in DTYPES
+            or y.stride(1) != 1
+            or not dora.scales.is_contiguous()
+            or dora.enabled.dtype != torch.int64
+            or (base is not None and base.stride(-1) != 1)
+            or groups.max_slot >= dora.scales.shape[0]
+            or groups.end > y.shape[0]
+        ):
+            raise ValueError(
+                f"native DoRA: y {y.dtype} {tuple(y.shape)}, scales "
+                f"{tuple(dora.scales.shape)} and the groups do not fit together"
+            )
+        base_stride = 0 if base is None or base.dim() == 1 else base.stride(0)
+        self._dora(
+            y.data_ptr(),
+            y.stride(0),
+            dora.out_features,
+            dora.scales.data_ptr(),
+            dora.enabled.data_ptr(),
+            None if base is None else base.data_ptr(),
+            base_stride,
+            groups.num_groups,
+            groups.slots.data_ptr(),
+            groups.starts.data_ptr(),
+            groups.rows.data_ptr(),
+            int(y.dtype == torch.float32),
+        )
 
     def bgmv(
         self,

@@ -96,3 +96,27 @@ def sgmv_expand(
         if slot >= 0 and j > i:
             delta = x[i:j].float() @ b_stack[slot].float().T * scales[slot].float()
             y[i:j, cols] = (y[i:j, cols].float() + delta).to(y.dtype)
+
+
+def dora_rescale(
+    y: torch.Tensor,  # [T, >= out], updated in place
+    scales: torch.Tensor,  # [S, out] float32: each slot's DoRA factor
+    enabled: torch.Tensor,  # [S] int64: 1 where the slot's adapter is DoRA
+    token_slots: torch.Tensor,  # [T] int64, -1 = no adapter
+    *,
+    base: torch.Tensor | None = None,  # [out] or [T, out]: the part of y not to rescale
+) -> None:
+    """Semantics: ``y[t, :out] = z_t + scales[s_t] * (y[t, :out] - z_t)`` for ``s_t >= 0`` with
+    ``enabled[s_t]`` (z = base, or 0); other rows untouched (``lora_dora.py``)."""
+    out = scales.shape[1]
+    slots = token_slots.clamp(min=0)
+    use = (token_slots >= 0) & (enabled[slots] != 0)
+    rows = use.nonzero().squeeze(1)
+    g = scales[slots[rows]].float()  # [n, out]: each row's own factor
+    v = y[rows, :out].float()
+    if base is not None:
+        z = (base[None, :] if base.dim() == 1 else base[rows]).float()
+        v = z + g * (v - z)
+    else:
+        v = g * v
+    y[rows, :out] = v.to(y.dtype)

@@ -365,3 +365,66 @@ def sgmv_expand(
         PRECISION=_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=SGMV_BLOCK_N,
         BLOCK_R=_rank_block(rank),
     )  # fmt: skip
+
+
+@triton.jit
+def _dora_rescale_kernel(
+    y_ptr, scales_ptr, enabled_ptr, slots_ptr, base_ptr,
+    num_tokens, out_features,
+    stride_yt, stride_yn, stride_ss, stride_sn, stride_zt, stride_zn,
+    HAS_BASE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < num_tokens
+    slot = tl.load(slots_ptr + offs_m, mask=m_mask, other=-1)
+    live = m_mask & (slot >= 0)
+    slot = tl.where(live, slot, 0)
+    use = live & (tl.load(enabled_ptr + slot, mask=live, other=0) != 0)  # DoRA rows only
+    mask = use[:, None] & (offs_n < out_features)[None, :]
+    g = tl.load(
+        scales_ptr + slot[:, None] * stride_ss + offs_n[None, :] * stride_sn, mask=mask, other=1.0
+    ).to(tl.float32)
+    y = y_ptr + offs_m[:, None] * stride_yt + offs_n[None, :] * stride_yn
+    v = tl.load(y, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BASE:
+        z_at = base_ptr + offs_m[:, None] * stride_zt + offs_n[None, :] * stride_zn
+        z = tl.load(z_at, mask=mask, other=0.0).to(tl.float32)
+        v = z + g * (v - z)
+    else:
+        v = g * v
+    tl.store(y, v.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def dora_rescale(
+    y: torch.Tensor,  # [T, >= out], updated in place
+    scales: torch.Tensor,  # [S, out] float32
+    enabled: torch.Tensor,  # [S] int64
+    token_slots: torch.Tensor,  # [T] int64, -1 = no adapter
+    *,
+    base: torch.Tensor | None = None,  # [out] or [T, out], y's dtype
+) -> None:
+    """Semantics: ``y[t, :out] = z_t + scales[s_t] * (y[t, :out] - z_t)`` for ``s_t >= 0`` with
+    ``enabled[s_t]`` (z = base, or 0); other rows untouched (as the reference)."""
+    num_tokens, out_features = y.shape[0], scales.shape[1]
+    if y.dim() != 2 or y.shape[1] < out_features or token_slots.shape[0] != num_tokens:
+        raise ValueError(f"DoRA: y {tuple(y.shape)} does not fit scales {tuple(scales.shape)}")
+    if num_tokens == 0:
+        return
+    if base is None:
+        z, z_strides = y, (0, 0)
+    elif base.dim() == 1 and base.shape[0] == out_features:
+        z, z_strides = base, (0, base.stride(0))  # one vector (a bias) for every row
+    elif base.dim() == 2 and base.shape == (num_tokens, out_features):
+        z, z_strides = base, tuple(base.stride())
+    else:
+        raise ValueError(f"DoRA: base {tuple(base.shape)} does not fit y {tuple(y.shape)}")
+    on_gpu = y.device.type == "cuda"
+    block_m, block_n = (16, 128) if on_gpu else (4, 32)
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(out_features, block_n))
+    _dora_rescale_kernel[grid](
+        y, scales, enabled, token_slots, z,
+        num_tokens, out_features,
+        *y.stride(), *scales.stride(), *z_strides,
+        HAS_BASE=base is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
