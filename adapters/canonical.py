@@ -28,6 +28,8 @@ def canonical_files(adapter: LoraAdapter) -> dict[str, bytes]:
     for (layer, module), w in adapter.weights.items():
         tensors[canonical_tensor_name(layer, module, "A")] = w.a
         tensors[canonical_tensor_name(layer, module, "B")] = w.b
+        if w.magnitude is not None:
+            tensors[canonical_tensor_name(layer, module, "M")] = w.magnitude
     config = json.dumps(canonical_config(adapter), indent=2) + "\n"
     return {CONFIG_FILE: config.encode(), WEIGHTS_FILE: write_float32(tensors)}
 
@@ -55,7 +57,7 @@ def canonical_config(adapter: LoraAdapter) -> dict[str, Any]:
         "bias": "none",
         "lora_dropout": 0.0,
         "fan_in_fan_out": False,
-        "use_dora": False,
+        "use_dora": adapter.uses_dora,
         "modules_to_save": None,
         "init_lora_weights": True,
         "inference_mode": True,

@@ -2,7 +2,9 @@
 
 `adapter_id` = sha256 (full 64 lowercase hex digits) over a canonical serialization of the
 normalized adapter: for each (layer, projection) present, in canonical order, its rank, its
-scaling (exact, as float.hex) and the shapes and float32 little-endian bytes of A and B.
+scaling (exact, as float.hex) and the shapes and float32 little-endian bytes of A and B, then
+for a DoRA module its magnitude's length and bytes (absent for plain LoRA, so plain ids are
+unchanged by DoRA's arrival).
 Consequences, on purpose:
 - file layout does not matter: tensor order in the file, directory name, extra config fields
   (base_model_name_or_path, dropout, task_type, ...) and PEFT's module-name prefix are not
@@ -48,14 +50,17 @@ def compute_adapter_id(weights: Mapping[tuple[int, str], LoraWeights]) -> str:
     digest = hashlib.sha256(_DOMAIN)
     for layer, module in sorted(weights, key=canonical_order):
         w = weights[(layer, module)]
-        meta = json.dumps(
-            [layer, module, w.rank, list(w.a.shape), list(w.b.shape), float(w.scaling).hex()]
-        ).encode()
+        fields = [layer, module, w.rank, list(w.a.shape), list(w.b.shape), float(w.scaling).hex()]
+        if w.magnitude is not None:
+            fields.append(["dora", len(w.magnitude)])
+        meta = json.dumps(fields).encode()
         digest.update(len(meta).to_bytes(4, "little"))
         digest.update(meta)
         # The shapes above fix how many bytes follow, so the stream is unambiguous.
         digest.update(np.ascontiguousarray(w.a, dtype="<f4").tobytes())
         digest.update(np.ascontiguousarray(w.b, dtype="<f4").tobytes())
+        if w.magnitude is not None:
+            digest.update(np.ascontiguousarray(w.magnitude, dtype="<f4").tobytes())
     return digest.hexdigest()
 
 

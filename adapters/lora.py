@@ -1,7 +1,9 @@
 """The normalized adapter: per (layer, projection) float32 A, B and a scaling, plus its id.
 
 This is what the worker loads: for a batch row using this adapter, a projection computes
-`y = W x + scaling · B (A x)`, whatever the file's dtype, naming or rank/alpha patterns were.
+`y = W x + scaling · B (A x)`, whatever the file's dtype, naming or rank/alpha patterns were;
+with DoRA, `y = g ⊙ (W x + scaling · B (A x))` where `g = magnitude / ‖W + scaling · B A‖` per
+output feature (row norms of the adapted weight), which the worker computes from its base weight.
 """
 
 from __future__ import annotations
@@ -26,15 +28,21 @@ class LoraWeights:
     # lora_alpha as configured, kept so a re-serialized adapter reproduces `scaling` bit for
     # bit (alpha·r/r need not round-trip in floating point).
     alpha: float
+    magnitude: np.ndarray | None = None  # [out_features] float32: DoRA's, None for plain LoRA
 
     def __post_init__(self) -> None:
         if self.a.dtype != np.float32 or self.b.dtype != np.float32:
             raise TypeError(f"LoraWeights needs float32 arrays, got {self.a.dtype}, {self.b.dtype}")
         if self.a.ndim != 2 or self.b.ndim != 2 or self.a.shape[0] != self.b.shape[1]:
             raise ValueError(f"LoraWeights shapes A {self.a.shape}, B {self.b.shape} do not chain")
+        m = self.magnitude
+        if m is not None and (m.dtype != np.float32 or m.shape != (self.b.shape[0],)):
+            raise ValueError(f"DoRA magnitude {m.dtype} {m.shape} does not fit B {self.b.shape}")
         # The id is a hash of these bytes: freeze them so the two cannot drift apart.
         self.a.flags.writeable = False
         self.b.flags.writeable = False
+        if m is not None:
+            m.flags.writeable = False
 
     @property
     def rank(self) -> int:
@@ -42,7 +50,8 @@ class LoraWeights:
 
     @property
     def num_bytes(self) -> int:
-        return int(self.a.nbytes + self.b.nbytes)
+        extra = 0 if self.magnitude is None else self.magnitude.nbytes
+        return int(self.a.nbytes + self.b.nbytes + extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +62,17 @@ class LoraAdapter:
     # (layer, module) → weights, in canonical order (layer, then q k v o gate up down)
     weights: Mapping[tuple[int, str], LoraWeights]
     id: str = field(init=False)
-    num_bytes: int = field(init=False)  # float32 bytes of all A and B: the host-cache cost
+    num_bytes: int = field(init=False)  # float32 bytes of all tensors: the host-cache cost
 
     def __post_init__(self) -> None:
         ordered = {key: self.weights[key] for key in sorted(self.weights, key=canonical_order)}
         object.__setattr__(self, "weights", MappingProxyType(ordered))
         object.__setattr__(self, "id", compute_adapter_id(ordered))
         object.__setattr__(self, "num_bytes", sum(w.num_bytes for w in ordered.values()))
+
+    @property
+    def uses_dora(self) -> bool:
+        return any(w.magnitude is not None for w in self.weights.values())
 
     @property
     def max_rank(self) -> int:

@@ -32,7 +32,6 @@ MAX_LAYER_INDEX = 1 << 20
 
 # Fields that, when truthy, make the adapter something other than plain LoRA on Linear layers.
 _UNSUPPORTED_FIELDS: dict[str, str] = {
-    "use_dora": "DoRA adds a per-layer magnitude vector that plain LoRA serving ignores",
     "modules_to_save": "modules_to_save replaces whole base modules with trained copies",
     "fan_in_fan_out": "fan_in_fan_out marks transposed Conv1D (GPT-2 style) layers",
     "lora_bias": "a trainable bias on lora_B is not served",
@@ -59,6 +58,9 @@ class AdapterConfig:
     r: int
     lora_alpha: float
     use_rslora: bool
+    # DoRA: each adapted projection's output rescaled per output feature by its magnitude
+    # vector over the norm of the adapted weight (PEFT's `lora_magnitude_vector`).
+    use_dora: bool
     target_modules: str | tuple[str, ...]  # a str is a full-match regex (or "all-linear")
     exclude_modules: str | tuple[str, ...] | None
     layers_to_transform: int | tuple[int, ...] | None
@@ -106,6 +108,7 @@ def parse_adapter_config(data: bytes | str) -> AdapterConfig:
         r=_rank(raw.get("r", 8), "r"),
         lora_alpha=_alpha(raw.get("lora_alpha", 8), "lora_alpha"),
         use_rslora=_bool(raw.get("use_rslora", False), "use_rslora"),
+        use_dora=_bool(raw.get("use_dora") or False, "use_dora"),  # null as PEFT: off
         target_modules=_target_modules(raw.get("target_modules")),
         exclude_modules=_names_or_regex(raw.get("exclude_modules"), "exclude_modules"),
         layers_to_transform=_layers_to_transform(raw.get("layers_to_transform")),

@@ -97,9 +97,13 @@ def _read_module(data: bytes, m: ModuleTensors, config: AdapterConfig) -> LoraWe
     b = to_float32(data, m.b)  # [out, r]
     check_finite(m.a.name, a)
     check_finite(m.b.name, b)
+    magnitude = None
+    if m.magnitude is not None:
+        magnitude = to_float32(data, m.magnitude)  # [out]
+        check_finite(m.magnitude.name, magnitude)
     alpha = config.alpha_for(m.key)
     scaling = lora_scaling(rank=m.rank, alpha=alpha, use_rslora=config.use_rslora)
-    return LoraWeights(a=a, b=b, scaling=scaling, alpha=alpha)
+    return LoraWeights(a=a, b=b, scaling=scaling, alpha=alpha, magnitude=magnitude)
 
 
 def _read_file(path: Path, *, limit: int) -> bytes:

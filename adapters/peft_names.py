@@ -1,10 +1,10 @@
-"""PEFT's tensor names ↔ (layer, projection, A or B).
+"""PEFT's tensor names ↔ (layer, projection, A, B or DoRA's magnitude).
 
 PEFT saves `base_model.model.<module name>.lora_A.weight` ([r, in]) and `...lora_B.weight`
-([out, r]), where `<module name>` is the name in the model PEFT wrapped: for a
-`LlamaForCausalLM`, `model.layers.3.self_attn.q_proj`. Anything else in the file is either a
-feature we refuse by name (DoRA, modules_to_save, embedding/lm_head LoRA, biases) or not a
-LoRA adapter at all.
+([out, r]), and for DoRA `...lora_magnitude_vector` ([out]), where `<module name>` is the name
+in the model PEFT wrapped: for a `LlamaForCausalLM`, `model.layers.3.self_attn.q_proj`.
+Anything else in the file is either a feature we refuse by name (modules_to_save,
+embedding/lm_head LoRA, biases) or not a LoRA adapter at all.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from adapters.errors import (
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
-Side = Literal["A", "B"]
+Side = Literal["A", "B", "M"]  # M: DoRA's magnitude vector
 
-_LORA_WEIGHT = re.compile(r"(?P<key>.+)\.lora_(?P<side>[AB])\.weight")
+_LORA_WEIGHT = re.compile(r"(?P<key>.+)\.(?:lora_(?P<side>[AB])\.weight|lora_magnitude_vector)")
 # Module names of a Llama-family decoder projection, wrapped as a CausalLM or as the bare model.
 _PROJECTION_KEY = re.compile(
     r"(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z0-9_]+)\.(?P<module>[A-Za-z0-9_]+)"
@@ -39,7 +39,7 @@ class LoraTensorName:
     key: str  # e.g. "model.layers.3.self_attn.q_proj"
     layer: int
     module: str  # a key of ALL_PROJECTIONS
-    side: Side
+    side: Side  # A, B, or M for DoRA's lora_magnitude_vector
 
 
 def parse_tensor_name(name: str) -> LoraTensorName:
@@ -70,7 +70,8 @@ def parse_tensor_name(name: str) -> LoraTensorName:
             f"has (LoRA is served on model.layers.<i>.{{{expected}}})",
             field=name,
         )
-    side: Side = "A" if match.group("side") == "A" else "B"
+    found = match.group("side")  # None: the magnitude vector
+    side: Side = "M" if found is None else "A" if found == "A" else "B"
     return LoraTensorName(key, int(projection.group("layer")), projection.group("module"), side)
 
 
@@ -80,6 +81,8 @@ def canonical_module_key(layer: int, module: str) -> str:
 
 
 def canonical_tensor_name(layer: int, module: str, side: Side) -> str:
+    if side == "M":
+        return f"{PEFT_PREFIX}{canonical_module_key(layer, module)}.lora_magnitude_vector"
     return f"{PEFT_PREFIX}{canonical_module_key(layer, module)}.lora_{side}.weight"
 
 
@@ -87,8 +90,6 @@ def _refuse_unsupported_tensor(name: str, rest: str, segments: list[str]) -> Non
     def refuse(what: str, field: str) -> UnsupportedAdapterFeatureError:
         return UnsupportedAdapterFeatureError(f"tensor {name!r}: {what} is not served", field=field)
 
-    if "lora_magnitude_vector" in segments:
-        raise refuse("DoRA (use_dora, lora_magnitude_vector)", "use_dora")
     if "modules_to_save" in segments or "original_module" in segments:
         raise refuse("a fully trained module copy (modules_to_save)", "modules_to_save")
     if (

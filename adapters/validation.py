@@ -26,13 +26,14 @@ from adapters.safetensors_io import TensorInfo
 
 @dataclass(frozen=True, slots=True)
 class ModuleTensors:
-    """The lora_A / lora_B pair of one projection, still unread."""
+    """The lora_A / lora_B pair of one projection (and DoRA's magnitude), still unread."""
 
     key: str  # module name as PEFT saw it, e.g. "model.layers.0.self_attn.q_proj"
     layer: int
     module: str
     a: TensorInfo  # [r, in_features]
     b: TensorInfo  # [out_features, r]
+    magnitude: TensorInfo | None = None  # [out_features]: DoRA's lora_magnitude_vector
 
     @property
     def rank(self) -> int:
@@ -67,6 +68,13 @@ def pair_tensors(tensors: Mapping[str, TensorInfo]) -> dict[tuple[int, str], Mod
         )
     pairs = {}
     for (layer, module), sides in found.items():
+        if "A" not in sides and "B" not in sides:
+            parsed, info = sides["M"]
+            raise InvalidAdapterError(
+                f"tensor {info.name!r} is a DoRA magnitude without its LoRA weights "
+                f"({PEFT_PREFIX}{parsed.key}.lora_A.weight / lora_B.weight are missing)",
+                field=info.name,
+            )
         for have, missing in (("A", "B"), ("B", "A")):
             if have in sides and missing not in sides:
                 parsed, info = sides[have]
@@ -76,7 +84,8 @@ def pair_tensors(tensors: Mapping[str, TensorInfo]) -> dict[tuple[int, str], Mod
                     field=info.name,
                 )
         (parsed, a), (_, b) = sides["A"], sides["B"]
-        pairs[(layer, module)] = ModuleTensors(parsed.key, layer, module, a, b)
+        magnitude = sides["M"][1] if "M" in sides else None
+        pairs[(layer, module)] = ModuleTensors(parsed.key, layer, module, a, b, magnitude)
     return pairs
 
 
@@ -118,7 +127,10 @@ def check_against_base(
                 field=m.b.name,
             )
         in_features, out_features = base.projection_shape(m.module)
-        for info, expected in ((m.a, (m.rank, in_features)), (m.b, (out_features, m.rank))):
+        expected_shapes = [(m.a, (m.rank, in_features)), (m.b, (out_features, m.rank))]
+        if m.magnitude is not None:
+            expected_shapes.append((m.magnitude, (out_features,)))
+        for info, expected in expected_shapes:
             if info.shape != expected:
                 raise IncompatibleAdapterError(
                     f"tensor {info.name!r} has shape {list(info.shape)}, expected "
@@ -142,9 +154,22 @@ def check_no_head_targets(config: AdapterConfig) -> None:
 def check_against_config(
     modules: Mapping[tuple[int, str], ModuleTensors], config: AdapterConfig, base: BaseModelSpec
 ) -> None:
-    """The tensors are exactly the modules the config targets, with the ranks it gives them."""
+    """The tensors are exactly the modules the config targets, with the ranks it gives them,
+    and each with a DoRA magnitude exactly when the config says `use_dora`."""
     prefix = "model." if next(iter(modules.values())).key.startswith("model.") else ""
     for m in modules.values():
+        if config.use_dora and m.magnitude is None:
+            raise InvalidAdapterError(
+                f"{CONFIG_FILE} sets use_dora but {m.key!r} has no "
+                f"{PEFT_PREFIX}{m.key}.lora_magnitude_vector",
+                field="use_dora",
+            )
+        if not config.use_dora and m.magnitude is not None:
+            raise InvalidAdapterError(
+                f"tensor {m.magnitude.name!r} is a DoRA magnitude but {CONFIG_FILE} does not "
+                "set use_dora",
+                field=m.magnitude.name,
+            )
         if not config.selects(m.key):
             raise InvalidAdapterError(
                 f"tensor {m.a.name!r} is for {m.key!r}, which {CONFIG_FILE} does not target "
@@ -183,7 +208,10 @@ def check_limits(
                 f"{m.key!r} has rank {m.rank}, over max_lora_rank={max_lora_rank}",
                 field=m.a.name,
             )
-    float32_bytes = 4 * sum(m.a.num_elements + m.b.num_elements for m in modules.values())
+    float32_bytes = 4 * sum(
+        m.a.num_elements + m.b.num_elements + (m.magnitude.num_elements if m.magnitude else 0)
+        for m in modules.values()
+    )
     if float32_bytes > max_bytes:
         raise AdapterTooLargeError(
             f"adapter weights take {float32_bytes} bytes as float32, over the limit of {max_bytes}"

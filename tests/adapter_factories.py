@@ -95,6 +95,19 @@ def peft_reference(model: Any) -> Reference:
     return reference
 
 
+def peft_magnitudes(model: Any) -> dict[tuple[int, str], np.ndarray]:
+    """(layer, projection) → DoRA's magnitude vector as the live PeftModel holds it."""
+    from peft.tuners.lora import LoraLayer
+
+    found = {}
+    for name, module in model.base_model.model.named_modules():
+        if isinstance(module, LoraLayer) and "default" in module.lora_magnitude_vector:
+            parts = name.split(".")
+            vector = module.lora_magnitude_vector["default"].weight
+            found[(int(parts[2]), parts[4])] = vector.detach().numpy().copy()
+    return found
+
+
 def copy_adapter(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst

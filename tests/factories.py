@@ -119,6 +119,8 @@ def make_peft_adapter(
     """A real PEFT LoRA adapter for the checkpoint at ``base_path``, saved as safetensors.
 
     A fresh LoRA has B = 0 (no effect); both A and B are randomized so the adapter matters.
+    With ``use_dora=True``, PEFT starts each magnitude at the base weight's row norms (a factor
+    of 1 once B is 0); they are scaled by a random 0.7-1.3 per output feature here.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -128,7 +130,9 @@ def make_peft_adapter(
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "lora_" in name:
+            if "lora_magnitude_vector" in name:
+                param.mul_(0.7 + 0.6 * torch.rand(param.shape, generator=g))
+            elif "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=g) * 0.3 / param.shape[-1] ** 0.5)
     model.save_pretrained(out, safe_serialization=True)
     return out

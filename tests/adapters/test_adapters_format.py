@@ -14,6 +14,7 @@ from adapter_factories import (
     LIMITS,
     copy_adapter,
     edit_config,
+    peft_magnitudes,
     peft_reference,
     read_tensors,
     reload_peft,
@@ -218,7 +219,6 @@ class _Touch:
 
 
 PEFT_REFUSALS = {
-    "DoRA": ({"use_dora": True}, "use_dora=True"),
     "modules_to_save": ({"modules_to_save": ["lm_head"]}, "modules_to_save=['lm_head']"),
     "lm_head target": ({"target_modules": ["q_proj", "lm_head"]}, "selects 'lm_head'"),
     "embed target": ({"target_modules": ["embed_tokens"]}, "selects 'model.embed_tokens'"),
@@ -414,9 +414,9 @@ TENSOR_REFUSALS = [
     ),
     pytest.param(
         _replace(Q_A0.replace("lora_A.weight", "lora_magnitude_vector"), lambda t: t[Q_A0][0]),
-        UnsupportedAdapterFeatureError,
-        "DoRA (use_dora, lora_magnitude_vector) is not served",
-        id="DoRA magnitude tensor",
+        InvalidAdapterError,
+        "is a DoRA magnitude but adapter_config.json does not set use_dora",
+        id="DoRA magnitude without use_dora",
     ),
     pytest.param(
         _replace("base_model.model.foo", lambda t: t[Q_A0]),
@@ -658,3 +658,64 @@ def test_pathological_target_modules_adapter_is_refused_fast(adapter_dir: Path) 
     edit_config(adapter_dir, target_modules=PATHOLOGICAL)
     with pytest.raises(InvalidAdapterError, match=r"which adapter_config\.json does not"):
         load(adapter_dir)
+
+
+# --- DoRA -------------------------------------------------------------------------------
+
+
+def test_dora_magnitudes_are_read_as_peft_holds_them(tmp_path: Path) -> None:
+    path = tmp_path / "dora"
+    model = save_adapter(path, r=2, target_modules=["q_proj", "down_proj"], use_dora=True)
+    adapter = load(path)
+    assert_matches_peft(adapter, model)
+    magnitudes = peft_magnitudes(model)
+    assert adapter.uses_dora and set(magnitudes) == set(adapter.weights)
+    for key, magnitude in magnitudes.items():
+        np.testing.assert_array_equal(adapter.weights[key].magnitude, magnitude, err_msg=str(key))
+    # The same A and B without the magnitudes: a plain adapter, and another id.
+    tensors = read_tensors(path)
+    write_tensors(path, {k: v for k, v in tensors.items() if "magnitude" not in k})
+    edit_config(path, use_dora=False)
+    plain = load(path)
+    assert not plain.uses_dora and plain.id != adapter.id
+    assert plain.num_bytes < adapter.num_bytes
+
+
+Q_M0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
+
+
+@pytest.mark.parametrize(
+    "edit, error, message",
+    [
+        pytest.param(
+            lambda t: {k: v for k, v in t.items() if k != Q_M0},
+            InvalidAdapterError,
+            "sets use_dora but 'model.layers.0.self_attn.q_proj' has no",
+            id="magnitude missing",
+        ),
+        pytest.param(
+            lambda t: {**t, Q_M0: t[Q_M0][:10]},
+            IncompatibleAdapterError,
+            "has shape [10], expected [64]",
+            id="magnitude shape",
+        ),
+        pytest.param(
+            lambda t: {**t, Q_M0: np.full_like(t[Q_M0], np.nan)},
+            InvalidAdapterError,
+            "non-finite values",
+            id="magnitude NaN",
+        ),
+        pytest.param(
+            lambda t: {Q_M0: t[Q_M0]},
+            InvalidAdapterError,
+            "DoRA magnitude without its LoRA weights",
+            id="magnitude alone",
+        ),
+    ],
+)
+def test_dora_refusals(edit: Any, error: type[Exception], message: str, tmp_path: Path) -> None:
+    path = tmp_path / "dora"
+    save_adapter(path, r=2, target_modules=["q_proj"], use_dora=True)
+    write_tensors(path, edit(read_tensors(path)))
+    with pytest.raises(error, match=re.escape(message)):
+        load(path)

@@ -13,7 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from adapter_factories import LIMITS, peft_reference, reload_peft, save_adapter, tiny_spec
+from adapter_factories import (
+    LIMITS,
+    peft_magnitudes,
+    peft_reference,
+    reload_peft,
+    save_adapter,
+    tiny_spec,
+)
 from adapters import (
     AdapterNotFoundError,
     FilesystemAdapterStore,
@@ -111,6 +118,7 @@ STORED_CASES = {
     },
     "use_rslora": {"r": 8, "lora_alpha": 16, "use_rslora": True, "target_modules": ["q_proj"]},
     "layers_to_transform": {"r": 2, "target_modules": ["k_proj"], "layers_to_transform": [1]},
+    "use_dora": {"r": 4, "target_modules": ["q_proj", "down_proj"], "use_dora": True},
 }
 
 
@@ -122,12 +130,17 @@ def test_stored_adapter_is_a_plain_peft_adapter(
     original = save_adapter(tmp_path / "original", **lora)
     adapter_id = store.put(load(tmp_path / "original"))
     expected = peft_reference(original)
-    served = peft_reference(reload_peft(store.get(adapter_id)))
+    reloaded = reload_peft(store.get(adapter_id))
+    served = peft_reference(reloaded)
     assert served.keys() == expected.keys()
     for key, (a, b, scaling) in expected.items():
         np.testing.assert_array_equal(served[key][0], a)
         np.testing.assert_array_equal(served[key][1], b)
         assert served[key][2] == scaling, key
+    magnitudes, served_magnitudes = peft_magnitudes(original), peft_magnitudes(reloaded)
+    assert served_magnitudes.keys() == magnitudes.keys()  # empty but for DoRA
+    for key, magnitude in magnitudes.items():
+        np.testing.assert_array_equal(served_magnitudes[key], magnitude)
 
 
 @pytest.mark.parametrize(

@@ -192,6 +192,48 @@ def test_uploaded_adapter_serves_at_once_and_deletion_unloads_it(
     assert _workers_holding(stack, adapter_id) == []
 
 
+def test_dora_adapter_uploads_and_chats_as_the_engine_serves_it(
+    stack, client, api_key, tiny_model, tmp_path_factory
+):
+    """A DoRA adapter (``use_dora``) uploaded over HTTP answers a chat as the offline engine
+    (held to peft in tests/worker/test_dora_engine.py) does, and not as its plain LoRA would."""
+    adapter_dir = make_peft_adapter(
+        tiny_model,
+        tmp_path_factory.mktemp("dora") / "styled",
+        rank=4,
+        targets=["q_proj", "v_proj", "down_proj"],
+        use_dora=True,
+        seed=12,
+    )
+    offline = LLM(tiny_model, dtype="float32")
+    adapter_id = offline.load_adapter("styled", adapter_dir)
+    messages = [{"role": "user", "content": "hello there"}]
+    prompt = offline.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = offline.generate([prompt], params, adapters=["styled"])[0]
+    assert expected.text != offline.generate([prompt], params)[0].text
+    archive = tar_bytes(adapter_members(adapter_dir, folder="styled"))
+    created = httpx.post(
+        f"{stack.base_url}/v1/adapters",
+        headers={"Authorization": f"Bearer {api_key}"},
+        data={"name": "styled"},
+        files={"file": ("styled.tar.gz", archive)},
+        timeout=30,
+    )
+    assert created.status_code == 201, created.text
+    assert created.json()["adapter_id"] == adapter_id
+    chat = client.chat.completions.create(
+        model="styled",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.choices[0].message.content == expected.text
+
+
 def test_errors_come_back_in_openai_format(stack, client, tiny_model):
     with pytest.raises(openai.NotFoundError) as unknown:
         client.completions.create(model="nope", prompt="x", max_tokens=2)

@@ -195,12 +195,12 @@ async def test_adapter_registration_errors(admin, tmp_path):
     await admin.post("/admin/tenants", json={"name": "carol"})
     bad = write_adapter(tmp_path / "too-big", rank=8)
     config = json.loads((bad / "adapter_config.json").read_text())
-    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_qalora": True}))
     refused = await admin.post(
-        "/admin/tenants/carol/adapters", json={"name": "dora", "path": str(bad)}
+        "/admin/tenants/carol/adapters", json={"name": "qalora", "path": str(bad)}
     )
     error = assert_openai_error(refused, 400)
-    assert "use_dora" in error["message"]
+    assert "use_qalora" in error["message"]
     missing = await admin.post(
         "/admin/tenants/carol/adapters", json={"name": "x", "path": str(tmp_path / "absent")}
     )

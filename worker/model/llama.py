@@ -201,7 +201,7 @@ class LlamaModel:
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
             qkv = layer.qkv(x)
             if adapters is not None:
-                adapters.add(qkv, x, "qkv")
+                adapters.add(qkv, x, "qkv", base=layer.qkv.bias)
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # q and k rotate together: [num_tokens, heads + kv_heads, head_dim]
             qk = apply_rope(qk.view(num_tokens, -1, c.head_dim), cos, sin)
@@ -245,7 +245,7 @@ class LlamaModel:
             x = hidden if layer.input_norm is None else rms_norm(hidden, layer.input_norm, eps)
             qkv = layer.qkv(x)
             if adapters is not None:
-                adapters.add(qkv, x, "qkv")
+                adapters.add(qkv, x, "qkv", base=layer.qkv.bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if across:  # OLMo 2: over the whole projection, before the heads split
                 q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
@@ -325,7 +325,7 @@ class LlamaModel:
         first = self.group is None or self.group.rank == 0
         y = linear.add_to(x, residual) if first else linear(x)
         if adapters is not None:
-            adapters.add(y, x, lora_group)
+            adapters.add(y, x, lora_group, base=residual if first else None)
         if self.group is not None:
             self.group.all_reduce(y)
         return y
@@ -407,21 +407,29 @@ class _LayerLora:
     shrink and expand run apart, with the rank-sized exchange between them, an all-gather
     for a column-parallel group and an all-reduce for a row-parallel one."""
 
-    __slots__ = ("group", "mapping", "stacks")
+    __slots__ = ("dora", "group", "mapping", "stacks")
 
     def __init__(self, lora: LoraBatch, layer: int, group: TensorParallelGroup | None) -> None:
         self.mapping = lora.mapping
         self.stacks = lora.stacks[layer]
         self.group = group
+        self.dora = lora.dora
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, lora_group: str) -> None:
+    def add(
+        self, y: torch.Tensor, x: torch.Tensor, lora_group: str, *, base: torch.Tensor | None = None
+    ) -> None:
         """``y += LoRA_group(x)``: y is the group's fused projection output (row-parallel
-        under tensor parallelism: this rank's partial sum, full width)."""
+        under tensor parallelism: this rank's partial sum, full width). DoRA rows are then
+        rescaled, all of y but ``base`` (the bias or residual in y: [out] or [T, out])."""
         s = self.stacks[lora_group]
         if not s.used:
             return
         if self.group is None:
-            add_lora(y, x, s.a, s.b, s.scales, self.mapping, pairs=s.pairs, native=s.native)
+            dora = s.dora if self.dora else None
+            add_lora(
+                y, x, s.a, s.b, s.scales, self.mapping, pairs=s.pairs, native=s.native,
+                dora=dora, dora_base=base,
+            )  # fmt: skip
             return
         if not self.mapping.any_lora:
             return

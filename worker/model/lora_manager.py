@@ -22,6 +22,11 @@ groups (o, down): A split along its inputs like the base weight (the shrink is a
 sum, all-reduced), B along its outputs, added into this rank's columns of the partial sum
 that the base layer's all-reduce completes. Each slot is filled on every rank (rank 0
 records its fills, which travel with the next step).
+
+DoRA adapters (``worker.model.dora``): each DoRA module's factor ``g`` is computed when the
+adapter is read, kept beside it in the host cache, and written per slot into the group's
+``DoraScales`` (ones for the modules and slots without DoRA); a step that holds a DoRA slot
+rescales those rows after the LoRA delta. Not under tensor parallelism (refused at load).
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ import numpy as np
 import torch
 
 from adapters.base_model import BaseModelSpec
+from adapters.errors import UnsupportedAdapterFeatureError
 from adapters.lora import LoraAdapter
 from adapters.peft_format import load_adapter_dir
-from switchboard_kernels.lora import LoraMapping, NativeSlots, SlotPairs
+from switchboard_kernels.lora import DoraScales, LoraMapping, NativeSlots, SlotPairs
 from worker.errors import InvalidRequestError, UnknownAdapterError
+from worker.model.dora import BaseWeights, DoraFactors, dora_factors
 from worker.model.sharding import Shard
 
 logger = logging.getLogger(__name__)
@@ -81,6 +88,7 @@ class SlotStack:
     # Tensor parallelism: a row-parallel group's B writes these columns of the partial sum.
     row_parallel: bool = False
     out_offset: int = 0
+    dora: DoraScales | None = None  # made when a DoRA adapter first targets this group
 
 
 @dataclass(slots=True)
@@ -90,6 +98,7 @@ class LoraBatch:
     mapping: LoraMapping
     stacks: list[dict[str, SlotStack]]  # per layer, by LoRA group (LORA_GROUPS)
     token_slots: list[int]  # each token's slot, -1 for none (as the mapping holds them)
+    dora: bool = False  # some token's slot holds a DoRA adapter: rescale after the delta
 
 
 class LoraManager:
@@ -122,6 +131,11 @@ class LoraManager:
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # LRU, newest last
         self.slots: list[str | None] = [None] * max_loras  # content id held by each slot
         self.slot_use: list[int] = [0] * max_loras  # step of last use, for LRU
+        self.slot_dora: list[bool] = [False] * max_loras  # the slot's adapter is DoRA
+        self.base_weights = BaseWeights(model_path, dtype)  # for DoRA's factors
+        # DoRA's factors of the adapters read (content id -> g per module), computed by
+        # ``read`` off the step loop; dropped with the adapter from the host cache.
+        self.dora: dict[str, DoraFactors] = {}
         self._step = 0
         self._stacks: list[dict[str, SlotStack]] | None = None  # allocated on first load
         self.num_slot_loads = 0
@@ -158,13 +172,21 @@ class LoraManager:
         return self.add(name, self.read(path), path)
 
     def read(self, path: str | Path) -> LoraAdapter:
-        """Read and validate an adapter's files (no state touched: safe off the step loop)."""
-        return load_adapter_dir(
+        """Read and validate an adapter's files, and compute DoRA's factors (safe off the
+        step loop: the only state touched is the factors' cache, keyed by content)."""
+        adapter = load_adapter_dir(
             Path(path),
             base=self.spec,
             max_lora_rank=self.max_lora_rank,
             max_bytes=self.max_adapter_bytes,
         )
+        if adapter.uses_dora and adapter.id not in self.dora:
+            if self.shard is not None:
+                raise UnsupportedAdapterFeatureError(
+                    "DoRA (use_dora) is not served under tensor parallelism", field="use_dora"
+                )
+            self.dora[adapter.id] = dora_factors(adapter, self.base_weights)
+        return adapter
 
     def add(self, name: str, adapter: LoraAdapter, path: str | Path) -> str:
         """Name an adapter already read by `read` from `path` (kept to reload it later)."""
@@ -202,7 +224,8 @@ class LoraManager:
         mapping = LoraMapping.build(
             token_slots, device=self.device, all_decode=all_decode, native=self.native
         )
-        return LoraBatch(mapping, self._stacks, token_slots)
+        dora = any(self.slot_dora) and any(self.slot_dora[s] for s in set(token_slots) if s >= 0)
+        return LoraBatch(mapping, self._stacks, token_slots, dora=dora)
 
     def take_fills(self) -> list[tuple[int, str, str]]:
         """Rank 0 of a group: the slots filled since the last call, for the other ranks."""
@@ -234,6 +257,9 @@ class LoraManager:
     def _fill_slot(self, slot: int, adapter: LoraAdapter) -> None:
         assert self._stacks is not None
         rank = self.max_lora_rank
+        factors = self.dora.get(adapter.id) if adapter.uses_dora else None
+        if adapter.uses_dora and factors is None:  # dropped from the host cache meanwhile
+            factors = self.dora[adapter.id] = dora_factors(adapter, self.base_weights)
         for layer, stacks in enumerate(self._stacks):
             for group, stack in stacks.items():
                 stack.a[slot].zero_()
@@ -253,14 +279,35 @@ class LoraManager:
                         stack.b[slot, row : row + out_features, cols].copy_(scaled_b[:, :r])
                         stack.used = True
                     row += out_features
+                self._fill_dora(stack, group, layer, slot, factors)
                 if stack.pairs is not None:
                     stack.pairs.refresh(slot, stack.a, stack.b)
                 if stack.native is not None:
                     stack.native.refresh(slot, stack.a[slot], stack.b[slot])
         self.slots[slot] = adapter.id
+        self.slot_dora[slot] = bool(factors)
         self.num_slot_loads += 1
         if self._fills is not None:
             self._fills.append((slot, adapter.id, str(self.paths[adapter.id])))
+
+    def _fill_dora(
+        self, stack: SlotStack, group: str, layer: int, slot: int, factors: DoraFactors | None
+    ) -> None:
+        """The group's DoRA factor of ``slot`` (ones for its modules without DoRA), or its
+        slot turned off when the group has no DoRA module of this adapter."""
+        modules = self.groups[group]
+        if not factors or all((layer, m) not in factors for m in modules):
+            if stack.dora is not None:
+                stack.dora.set(slot, None)
+            return
+        spans = self._outputs(modules)
+        if stack.dora is None:
+            stack.dora = DoraScales.allocate(self.max_loras, spans[-1][1], self.device)
+        g = torch.ones(spans[-1][1], dtype=torch.float32)
+        for module, (begin, end) in zip(modules, spans, strict=True):
+            if (layer, module) in factors:
+                g[begin:end] = factors[(layer, module)]
+        stack.dora.set(slot, g.to(self.device))
 
     def _fill_shard(
         self,
@@ -320,6 +367,7 @@ class LoraManager:
         total = sum(a.num_bytes for a in self.host.values())
         while total > self.host_cache_bytes and len(self.host) > 1:
             _, evicted = self.host.popitem(last=False)
+            self.dora.pop(evicted.id, None)
             total -= evicted.num_bytes
             self.num_host_evictions += 1
 

@@ -143,7 +143,8 @@ class ModelRunner:
         inputs = self.prepare(scheduled)
         lora = self.lora_batch(inputs)
         scoring = not kept_only and any(wants_prompt_logprobs(s) for s in scheduled)
-        if self.graphs is not None and not kept_only and not scoring and self.graphs.fits(inputs):
+        eager = kept_only or scoring or (lora is not None and lora.dora)  # DoRA: not captured
+        if self.graphs is not None and not eager and self.graphs.fits(inputs):
             logits = self.graphs.run(inputs, lora)
         else:
             logits = self.run(inputs.to(self.device), lora, kept_only=kept_only, scoring=scoring)
