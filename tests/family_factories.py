@@ -2,7 +2,7 @@
 
 Each family is configured so that what sets it apart from Llama actually bites: windows shorter
 than the prompts, soft-caps small enough to bend the scores, Granite's multipliers away from 1,
-Gemma 3's scaled global RoPE.
+Gemma 3's scaled global RoPE, a LongRoPE switch within the prompts' lengths.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import torch
 from factories import TINY_VOCAB
 
 WINDOW = 8  # shorter than every test prompt
+# LongRoPE's switch: test prompts of 17-40 tokens start short (and cross it while decoding) or long.
+LONG_ROPE_AT = 24
 
 _COMMON = {
     "vocab_size": TINY_VOCAB,
@@ -72,6 +74,21 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         },
     ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "phi3-longrope": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {
+            "max_position_embeddings": 4 * LONG_ROPE_AT,
+            "original_max_position_embeddings": LONG_ROPE_AT,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": LONG_ROPE_AT,
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [1.0 + 0.9 * i for i in range(8)],
+            },
+        },
+    ),
 }
 
 

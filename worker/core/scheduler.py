@@ -107,6 +107,18 @@ class Scheduler:
         self.block_manager.free(seq.block_table)
         self.tenants_left_at[seq.tenant] = time.monotonic()
 
+    def recompute(self, seq: Sequence) -> None:
+        """Drop a running sequence's K/V, which no longer hold (LongRoPE's switch to its long
+        factors: ``worker.engine.long_rope``); it is computed again first, as after a
+        preemption."""
+        self.running.remove(seq)
+        seq.clear_spec()
+        self.block_manager.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start ``child`` (same prompt) where ``parent`` is, sharing all its blocks.
 

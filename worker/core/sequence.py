@@ -86,6 +86,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    # LongRoPE: its K/V rotate with the long factors (``worker.engine.long_rope``).
+    long_rope: bool = False
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -35,6 +35,7 @@ from worker.engine.isolation import (
     plain_rows,
     sample_isolating,
 )
+from worker.engine.long_rope import LongRopeSwitch
 from worker.engine.output_stage import OutputStage
 from worker.engine.request_checks import check_request, check_tenant_weight
 from worker.engine.token_processor import TokenProcessor
@@ -75,6 +76,8 @@ class LLMEngine:
         self.runner = parts.runner
         self.speculator = parts.speculator
         self.async_output = parts.async_output
+        threshold = self.model.long_rope
+        self.long_rope = None if threshold is None else LongRopeSwitch(threshold)
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(
             self.tokenizer,
@@ -265,6 +268,8 @@ class LLMEngine:
                 tenant_weight=tenant_weight,
                 cache_root=root,
             )
+            if self.long_rope is not None:
+                self.long_rope.admit(seq)
             if p.seed is not None:
                 seq.generator = torch.Generator().manual_seed(p.seed)
             if p.structured_output is not None:
@@ -287,6 +292,8 @@ class LLMEngine:
         """One iteration: the outputs of every request that produced a token or finished.
         A request whose forward pass, sampling or postprocessing fails alone is finished
         (its output says "abort"; ``take_failures`` says why); the others are not touched."""
+        if self.long_rope is not None:
+            self.long_rope.switch(self.scheduler)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self._rows)
         sched = self.scheduler.schedule()

@@ -34,8 +34,8 @@ from worker.model.architectures import Activation, QKNorm
 from worker.model.layers import load_layer, norm_weight
 from worker.model.model_config import ModelConfig
 from worker.model.moe import moe_mlp
-from worker.model.rope import RopeTables, apply_rope
-from worker.model.sharding import Shard, check_divisible, weight_slicer
+from worker.model.rope import RopeTables, apply_rope, long_rope_threshold
+from worker.model.sharding import Shard, Span, check_divisible, weight_slicer
 
 if TYPE_CHECKING:
     from worker.model.lora_manager import LoraBatch
@@ -141,6 +141,9 @@ class LlamaModel:
             for r in ropes
         ]
         self.rope = self.ropes[0]
+        # LongRoPE: a sequence longer than this rotates with the long factors (its rows look up
+        # ``rope_positions``: see ``forward``); None: positions are all RoPE needs.
+        self.long_rope = long_rope_threshold(c.rope)
 
     @classmethod
     def from_pretrained(
@@ -187,11 +190,16 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, [num_slots, kv_heads, dim]
         meta: AttentionMetadata,
         lora: LoraBatch | None = None,
+        rope_positions: torch.Tensor | None = None,  # [num_tokens] int64
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        """``rope_positions``: the rows of the RoPE tables to rotate with (LongRoPE: a long
+        sequence's positions past the short rows; ``StepInputs.rope_positions``), else
+        ``positions``."""
+        rotary = positions if rope_positions is None else rope_positions
         if not self.llama_block:
-            return self._forward_block(input_ids, positions, kv_caches, meta, lora)
+            return self._forward_block(input_ids, positions, rotary, kv_caches, meta, lora)
         c = self.config
-        cos, sin = self.rope.lookup(positions)  # each [num_tokens, 1, head_dim]
+        cos, sin = self.rope.lookup(rotary)  # each [num_tokens, 1, head_dim]
         hidden = self._embed(input_ids)
         num_tokens = hidden.shape[0]
         for index, (layer, (key_cache, value_cache)) in enumerate(
@@ -223,6 +231,7 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
+        rope_positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer
         meta: AttentionMetadata,
         lora: LoraBatch | None = None,
@@ -230,7 +239,7 @@ class LlamaModel:
         """``forward`` for a block that departs from Llama's, as ``config.block`` describes."""
         c, block = self.config, self.config.block
         eps, hd = c.rms_norm_eps, c.head_dim
-        rotations = [rope.lookup(positions) for rope in self.ropes]
+        rotations = [rope.lookup(rope_positions) for rope in self.ropes]
         hidden = self._embed(input_ids)
         if block.embedding_scale != 1.0:
             hidden = hidden * block.embedding_scale
@@ -248,7 +257,7 @@ class LlamaModel:
                 adapters.add(qkv, x, "qkv", base=layer.qkv.bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if across:  # OLMo 2: over the whole projection, before the heads split
-                q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+                q, k = self._norm_across_heads(q, k, layer.q_norm, layer.k_norm)
             q = q.reshape(n * self.num_heads, hd)
             k = k.reshape(n * self.num_kv_heads, hd)
             if layer.q_norm is not None and not across:  # per head, before RoPE
@@ -288,6 +297,23 @@ class LlamaModel:
                 y = rms_norm(y, layer.mlp_out_norm, eps)
             hidden = torch.add(hidden, y, alpha=residual_scale)
         return hidden
+
+    def _norm_across_heads(
+        self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo 2's RMSNorm over all of q's (k's) heads. Split by heads, each rank holds its
+        heads' features: one all-reduce sums the squares of both, in fp32 as HF does."""
+        eps = self.config.rms_norm_eps
+        if self.group is None:
+            return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+        qf, kf = q.float(), k.float()
+        squares = torch.stack([qf.square().sum(-1), kf.square().sum(-1)], dim=-1)  # [n, 2]
+        self.group.all_reduce(squares)
+        mean = squares / squares.new_tensor([q.shape[-1], k.shape[-1]]) / self.shard.size
+        inv = torch.rsqrt(mean + eps)
+        q = (q_weight.float() * (qf * inv[:, :1])).to(q.dtype)
+        k = (k_weight.float() * (kf * inv[:, 1:])).to(k.dtype)
+        return q, k
 
     def _projected(
         self, linear: Linear, x: torch.Tensor, adapters: _LayerLora | None, lora_group: str
@@ -341,6 +367,7 @@ class LlamaModel:
             self.quantization != "int4"
             or self.device.type != "cpu"
             or not self.llama_block
+            or self.long_rope is not None
             or native_draft() is None
         ):
             return None
@@ -444,10 +471,11 @@ def load_safetensors(
     path: Path,
     dtype: torch.dtype,
     *,
-    select: Callable[[str], tuple[int, slice] | None] | None = None,
+    select: Callable[[str], tuple[int, Span] | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of every ``*.safetensors`` shard in ``path``, cast to ``dtype``.
-    ``select``: for a name, the (dim, slice) of it to read (None: all of it)."""
+    ``select``: for a name, the (dim, span) of it to read (None: all of it; several slices:
+    their rows, or columns, stacked)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {path} (pickled weights are refused)")
@@ -461,7 +489,11 @@ def load_safetensors(
                 else:
                     dim, span = part
                     sliced = f.get_slice(name)
-                    tensor = sliced[span] if dim == 0 else sliced[:, span]
+                    pieces = [
+                        sliced[s] if dim == 0 else sliced[:, s]
+                        for s in (span if isinstance(span, tuple) else (span,))
+                    ]
+                    tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
                 weights[name] = tensor.to(dtype)
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError(f"{path} has no model.embed_tokens.weight: not a Llama checkpoint")

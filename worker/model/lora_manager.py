@@ -48,7 +48,7 @@ from adapters.peft_format import load_adapter_dir
 from switchboard_kernels.lora import DoraScales, LoraMapping, NativeSlots, SlotPairs
 from worker.errors import InvalidRequestError, UnknownAdapterError
 from worker.model.dora import BaseWeights, DoraFactors, dora_factors
-from worker.model.sharding import Shard
+from worker.model.sharding import FUSED_PARTS, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -324,8 +324,8 @@ class LoraManager:
         width = stack.a.shape[1] // len(modules)  # A rows per module on this rank
         row = 0
         for m, module in enumerate(modules):
-            in_features, out_features = self.spec.projection_shape(module)
-            out_rows = shard.span(out_features)
+            in_features = self.spec.projection_shape(module)[0]
+            out_rows = self._shard_rows(module, shard)
             weights = adapter.weights.get((layer, module))
             if weights is not None:
                 r = weights.rank
@@ -344,7 +344,14 @@ class LoraManager:
                         col = (j * len(modules) + m) * width
                         stack.b[slot, row : row + b.shape[0], col : col + n].copy_(b[:, ranks])
                 stack.used = True
-            row += out_rows.stop - out_rows.start
+            row += len(out_rows)
+
+    def _shard_rows(self, module: str, shard: Shard) -> torch.Tensor:
+        """This rank's output rows of ``module``, as the base weight's split has them (Phi-3's
+        fused modules: its share of each part)."""
+        parts = FUSED_PARTS.get(module, (module,))
+        spans = shard.part_spans([self.spec.projection_shape(p)[1] for p in parts])
+        return torch.cat([torch.arange(s.start, s.stop) for s in spans])
 
     # --- host cache -------------------------------------------------------------------
 

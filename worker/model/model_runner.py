@@ -92,7 +92,7 @@ class ModelRunner:
         # A draft model's small passes in one native call (None: the torch path only).
         self.native_pass = model.native_decode_pass(self.kv_caches)
         self.graphs = None
-        if cuda_graphs:
+        if cuda_graphs and model.long_rope is None:  # graphs capture no ``rope_positions``
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_caches,
@@ -171,7 +171,12 @@ class ModelRunner:
         of a tensor-parallel group other than 0, which only lends its share of the pass);
         ``scoring``: the prompt logprobs asked for are recorded on their sequences too."""
         hidden = self.model.forward(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, lora
+            inputs.input_ids,
+            inputs.positions,
+            self.kv_caches,
+            inputs.meta,
+            lora,
+            rope_positions=inputs.rope_positions,
         )
         if scoring:
             record_prompt_logprobs(self.model, hidden, inputs.order)
@@ -205,7 +210,7 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
         """The step's inputs, laid out for this runner's attention path (``step_inputs``)."""
-        return prepare_step(
+        inputs = prepare_step(
             scheduled,
             block_size=self.block_size,
             native_decodes=self.native_decodes,
@@ -215,3 +220,14 @@ class ModelRunner:
             device_type=self.device.type,
             native_prefills=self.native_prefills,
         )
+        if self.model.long_rope is not None:
+            inputs.rope_positions = long_rope_positions(inputs, self.model.config)
+        return inputs
+
+
+def long_rope_positions(inputs: StepInputs, config: ModelConfig) -> torch.Tensor:
+    """LongRoPE: each row's row of the RoPE tables, its position past the short factors' rows
+    where its sequence rotates with the long ones (``Sequence.long_rope``)."""
+    rows = [s.seq.long_rope for s in inputs.order for _ in range(s.num_fed)]
+    long = torch.tensor(rows, dtype=torch.int64)
+    return inputs.positions + long * config.max_position_embeddings

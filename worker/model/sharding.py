@@ -6,12 +6,15 @@ a slice of the MLP's intermediate features), o and down are row-parallel (the ma
 slice of their input features), so each attention block and each MLP needs one all-reduce,
 after its row-parallel projection. The embedding and the output layer are split by
 vocabulary rows (vocabulary-parallel), padded to a multiple of the group size. Norms are
-replicated. Every split is even: a head count (or size) the group does not divide is refused.
+replicated, except OLMo 2's q/k norms, which span every head: each rank holds its heads' share
+and their mean square is all-reduced. Phi-3's fused tensors (``qkv_proj``, ``gate_up_proj``) are
+split part by part: each rank reads its share of q, of k and of v (of gate and of up). Every split
+is even: a head count (or size) the group does not divide is refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from worker.errors import TensorParallelConfigError
@@ -20,6 +23,8 @@ from worker.model.model_config import ModelConfig
 
 # The tensors split by vocabulary rows.
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+# Phi-3's fused checkpoint tensors: the projections stacked in each, split one by one.
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,16 +48,20 @@ class Shard:
         rows = self.vocab_rows(vocab_size)
         return slice(min(self.rank * rows, vocab_size), min((self.rank + 1) * rows, vocab_size))
 
+    def part_spans(self, sizes: Sequence[int]) -> tuple[slice, ...]:
+        """This rank's rows of a tensor stacking parts of ``sizes`` rows: its share of each."""
+        spans, start = [], 0
+        for size in sizes:
+            own = self.span(size)
+            spans.append(slice(start + own.start, start + own.stop))
+            start += size
+        return tuple(spans)
+
 
 def check_divisible(config: ModelConfig, size: int) -> None:
     """Refuse a model that ``size`` ranks cannot split evenly, naming what does not divide,
-    or whose block does not split by heads (OLMo 2's q/k norms span every head; Phi-3's fused
-    tensors would need their q/k/v and gate/up parts split apart; a MoE model's experts are not
-    split yet)."""
-    block = config.block
-    if size > 1 and (
-        block.fused_checkpoint or block.qk_norm is QKNorm.ACROSS_HEADS or block.experts is not None
-    ):
+    or whose experts would have to be split (a MoE model's experts are not split yet)."""
+    if size > 1 and config.block.experts is not None:
         raise TensorParallelConfigError(
             f"tensor parallelism is not supported for {config.model_type} models yet"
         )
@@ -71,8 +80,11 @@ def check_divisible(config: ModelConfig, size: int) -> None:
         )
 
 
-def weight_slicer(config: ModelConfig, shard: Shard) -> Callable[[str], tuple[int, slice] | None]:
-    """For a checkpoint tensor's name, the (dim, slice) this rank loads, or None: whole."""
+Span = slice | tuple[slice, ...]  # a tensor's rows (or columns), or its parts' rows stacked
+
+
+def weight_slicer(config: ModelConfig, shard: Shard) -> Callable[[str], tuple[int, Span] | None]:
+    """For a checkpoint tensor's name, the (dim, span) this rank loads, or None: whole."""
     c = config
     q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     out_features = {
@@ -83,11 +95,15 @@ def weight_slicer(config: ModelConfig, shard: Shard) -> Callable[[str], tuple[in
         "up_proj": c.intermediate_size,
     }
     in_features = {"o_proj": q_size, "down_proj": c.intermediate_size}
+    if c.block.qk_norm is QKNorm.ACROSS_HEADS:  # OLMo 2: a weight per feature of q (of k)
+        out_features |= {"q_norm": q_size, "k_norm": kv_size}
 
-    def select(name: str) -> tuple[int, slice] | None:
+    def select(name: str) -> tuple[int, Span] | None:
         if name in VOCAB_PARALLEL:
             return 0, shard.vocab_span(c.vocab_size)
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if module in FUSED_PARTS:
+            return 0, shard.part_spans([out_features[part] for part in FUSED_PARTS[module]])
         if module in out_features:  # weight [out, in] and bias [out]: output rows
             return 0, shard.span(out_features[module])
         if module in in_features and name.endswith(".weight"):

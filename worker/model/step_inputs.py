@@ -29,6 +29,8 @@ class StepInputs:
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # [num_sampling] rows of the flattened batch to sample from
     order: list[ScheduledSequence]  # the batch's sequences in flattened order
+    # LongRoPE: each row's row of the RoPE tables (``LlamaModel.forward``); None: positions.
+    rope_positions: torch.Tensor | None = None  # [num_tokens]
 
     def to(self, device: torch.device) -> StepInputs:
         """The same inputs with their tensors on ``device`` (``prepare_step`` makes them on the
@@ -41,6 +43,7 @@ class StepInputs:
             meta=self.meta.to(device),
             logit_rows=self.logit_rows.to(device),
             order=self.order,
+            rope_positions=None if self.rope_positions is None else self.rope_positions.to(device),
         )
 
 
