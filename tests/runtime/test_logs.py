@@ -1,0 +1,71 @@
+"""Log lines: JSON for machines (without uvicorn's ANSI twin of the message), one short
+coloured line for a person at a terminal."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+
+from runtime.logs import REQUEST_ID, configure_logging
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(autouse=True)
+def restore_root():
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def uvicorn_started() -> None:
+    logging.getLogger("uvicorn.error").info(
+        "Started server process [%d]",
+        42,
+        extra={"color_message": "Started server process [\x1b[36m%d\x1b[0m]"},
+    )
+
+
+def test_json_lines_carry_no_colour_codes():
+    stream = io.StringIO()
+    configure_logging(json_lines=True, stream=stream)
+    uvicorn_started()
+    line = json.loads(stream.getvalue())
+    assert line["message"] == "Started server process [42]"
+    assert set(line) == {"time", "level", "logger", "message", "request_id"}
+    assert "\x1b" not in stream.getvalue()
+
+
+def test_a_terminal_gets_one_short_coloured_line(monkeypatch):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    stream = Terminal()
+    configure_logging(json_lines=False, stream=stream)
+    uvicorn_started()
+    token = REQUEST_ID.set("chatcmpl-abc")
+    try:
+        logging.getLogger("gateway.relay").warning("worker %s failed", "w1")
+    finally:
+        REQUEST_ID.reset(token)
+    started, warned = stream.getvalue().splitlines()
+    assert "\x1b[32mINFO   \x1b[0m" in started and "[\x1b[36m42\x1b[0m]" in started
+    assert "\x1b[33mWARNING\x1b[0m" in warned and warned.endswith("[chatcmpl-abc]\x1b[0m")
+    assert "worker w1 failed" in warned
+
+
+def test_no_colour_when_asked_or_not_a_terminal(monkeypatch):
+    monkeypatch.setenv("NO_COLOR", "1")
+    for stream in (Terminal(), io.StringIO()):
+        configure_logging(json_lines=False, stream=stream)
+        uvicorn_started()
+        line = stream.getvalue().rstrip("\n")
+        assert "\x1b" not in line
+        assert line.endswith(" INFO    uvicorn Started server process [42]")
+        monkeypatch.delenv("NO_COLOR", raising=False)
