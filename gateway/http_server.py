@@ -1,7 +1,10 @@
 """The gateway's uvicorn server: connection, header and keep-alive limits from the settings.
 
-uvicorn bounds the size of a request's headers (h11's max incomplete event) but not how
-long they may take: a client that sends half a header and then a byte every few seconds
+uvicorn bounds the size of a request's headers (h11's max incomplete event) only while they
+are incomplete: a head that arrives whole in one read is parsed whatever its size, so
+`BoundedHeadConnection` measures every parsed head against the same bound (400 past it), and
+the limit holds however the bytes arrive. Nor does uvicorn bound how long headers may take:
+a client that sends half a header and then a byte every few seconds
 (slowloris) holds its connection forever. `HeaderDeadlineH11` closes a connection whose
 request line and headers are not complete within `http_header_timeout_s` of the connection
 opening, or of the first byte of a kept-alive connection's next request. A request answered
@@ -19,16 +22,49 @@ from typing import Any
 
 import h11
 import uvicorn
+from uvicorn.protocols.http import h11_impl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.settings import GatewaySettings
 
 
+class BoundedHeadConnection(h11.Connection):
+    """h11's server side with its bound on a request's line and headers applied to every
+    request, however its bytes arrived (past it: `h11.RemoteProtocolError`, which uvicorn
+    answers with a 400 and a close)."""
+
+    def __init__(self, *, max_head_bytes: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_head_bytes)
+        self.max_head_bytes = max_head_bytes
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if isinstance(event, h11.Request) and head_bytes(event) > self.max_head_bytes:
+            raise h11.RemoteProtocolError(
+                f"the request's line and headers exceed {self.max_head_bytes} bytes",
+                error_status_hint=431,
+            )
+        return event
+
+
+def head_bytes(request: h11.Request) -> int:
+    """A request head's size as sent: `METHOD target HTTP/1.1` and each `name: value`, each
+    line with its CRLF, then the blank line."""
+    line = len(request.method) + len(request.target) + len(b"  HTTP/1.1\r\n")
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers) + 2
+
+
 class HeaderDeadlineH11(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request's line and headers."""
+    """uvicorn's h11 protocol with a deadline on each request's line and headers, and their
+    size bound held however they arrive."""
 
     header_timeout_s: float = 10.0
     linger_s: float = 30.0
+
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        limit = config.h11_max_incomplete_event_size or h11_impl.DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+        self.conn = BoundedHeadConnection(max_head_bytes=limit)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.header_deadline: asyncio.TimerHandle | None = None

@@ -15,6 +15,7 @@ import functools
 import io
 import json
 import os
+import select
 import socket
 import statistics
 import struct
@@ -487,6 +488,31 @@ def test_a_client_that_never_finishes_its_headers_is_dropped(stack, victim, prob
         with contextlib.suppress(ConnectionResetError):
             while sock.recv(1024):
                 pass
+
+
+def _pieces_exchange(port: int, data: bytes, piece: int) -> bytes:
+    """Sends `data` in `piece`-byte writes until the server answers; returns its answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        for start in range(0, len(data), piece):
+            if select.select([sock], [], [], 0.02)[0]:
+                break  # answered: more bytes would only reset the connection
+            sock.sendall(data[start : start + piece])
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+    return answer
+
+
+def test_the_header_limit_holds_in_one_write_and_in_pieces(stack, victim, prober):
+    """A 74 KB head (5,000 headers, past the 16 KiB bound) is a 400 however it arrives."""
+    head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
+    head += b"".join(b"X-Filler-%04d: v\r\n" % i for i in range(5000)) + b"\r\n"
+    with victim.alongside():
+        whole = _raw_exchange(stack.gateway_port, head, iter(()))
+        pieces = _pieces_exchange(stack.gateway_port, head, 4096)
+    assert whole.startswith(b"HTTP/1.1 400"), whole[:200]
+    assert pieces.startswith(b"HTTP/1.1 400"), pieces[:200]
 
 
 def test_invalid_json_and_wrong_types_are_400(victim, attacker, prober, tiny_model):

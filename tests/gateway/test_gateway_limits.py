@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import select
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -165,6 +167,42 @@ async def test_slow_headers_are_closed_while_models_stays_fast(settings_for):
         assert 0.9 < took < 10.0  # at http_header_timeout_s, loose for a loaded machine
         # Served while the stalled connection was open: it blocks no one.
         assert answered_meanwhile >= 5
+
+
+def pieces_exchange(url: str, data: bytes, *, piece: int) -> bytes:
+    """Send `data` in pieces of `piece` bytes, each its own write, until the server answers;
+    what came back (blocking: run it on a thread)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        for start in range(0, len(data), piece):
+            if select.select([sock], [], [], 0.02)[0]:
+                break  # answered: more bytes would only reset the connection
+            sock.sendall(data[start : start + piece])
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 16):
+                received += chunk
+    return received
+
+
+async def test_the_header_limit_holds_however_the_bytes_arrive(settings_for):
+    """74 KB of headers (5,000 of them) past the 16 KiB bound: a 400 whether the head comes in
+    one write or in 4 KB pieces; a head within the bound is served."""
+    big = b"GET /v1/models HTTP/1.1\r\nHost: t\r\n"
+    big += b"".join(b"X-Filler-%04d: v\r\n" % i for i in range(5000)) + b"\r\n"
+    async with served(settings_for()) as (gw, _):
+        assert gw.settings.http_max_header_bytes < len(big)
+        whole, _ = await raw_exchange(gw.url, big)
+        pieces = await asyncio.to_thread(pieces_exchange, gw.url, big, piece=4096)
+        fits, _ = await raw_exchange(
+            gw.url,
+            b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\nX-A: "
+            + b"a" * 8000
+            + b"\r\n\r\n",
+        )
+    assert whole.startswith(b"HTTP/1.1 400"), whole[:200]
+    assert pieces.startswith(b"HTTP/1.1 400"), pieces[:200]
+    assert not fits.startswith(b"HTTP/1.1 400"), fits[:200]
 
 
 async def test_a_prompt_too_long_in_bytes_is_refused_without_tokenizing(
