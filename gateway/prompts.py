@@ -51,7 +51,10 @@ async def chat_prompt_ids(
     shown = [t.function.for_template() for t in body.tools or []] if body.calls_tools else None
     messages, tools = template_input(messages, shown, native=tokenizer.renders_tools)
     text = await tokenizer.render_chat_async(
-        messages, add_generation_prompt=body.add_generation_prompt, tools=tools
+        messages,
+        add_generation_prompt=body.add_generation_prompt,
+        tools=tools,
+        switches=body.template_switches,
     )
     check_text_fits(text, tokenizer=tokenizer, max_model_len=max_model_len, param="messages")
     # The template writes the special tokens itself, so none are added (like transformers).

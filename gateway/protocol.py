@@ -33,6 +33,7 @@ from gateway.structured.protocol import (
     check_tools,
     effective_tool_choice,
 )
+from gateway.template_switches import ChatTemplateKwargs
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
@@ -353,6 +354,15 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
     # vLLM extra: False to continue the last message instead of opening an assistant turn.
     add_generation_prompt: bool = True
+    # vLLM extra: the template's switches (Qwen3's enable_thinking), bounded to known ones.
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    # vLLM extra: a template of the client's own. Refused: a template is code.
+    chat_template: str | None = None
+
+    @property
+    def template_switches(self) -> dict[str, bool]:
+        kwargs = self.chat_template_kwargs
+        return kwargs.for_template() if kwargs is not None else {}
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -374,6 +384,11 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.chat_template is not None:
+            raise InvalidRequestError(
+                "chat_template is not supported: the model's own template renders every chat",
+                param="chat_template",
+            )
         for legacy in ("functions", "function_call"):
             if getattr(self, legacy) is not None:
                 raise InvalidRequestError(

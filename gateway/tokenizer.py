@@ -115,18 +115,20 @@ class ChatTokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        switches: Mapping[str, bool] | None = None,
     ) -> str:
         """`render_chat`, on the pool unless the conversation is small (and has no tools)."""
+        render = functools.partial(
+            self.render_chat,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            switches=switches,
+        )
         size = sum(len(m.get("content") or "") for m in messages)
         if size <= INLINE_CHARS and len(messages) <= INLINE_MESSAGES and not tools:
-            return self.render_chat(messages, add_generation_prompt=add_generation_prompt)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self.pool,
-            lambda: self.render_chat(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools
-            ),
-        )
+            return render()
+        return await asyncio.get_running_loop().run_in_executor(self.pool, render)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -137,9 +139,11 @@ class ChatTokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        switches: Mapping[str, bool] | None = None,
     ) -> str:
         """The prompt text of a conversation, as `apply_chat_template(tokenize=False)` gives
-        (``tools``: its `tools=`, OpenAI's tool objects)."""
+        (``tools``: its `tools=`, OpenAI's tool objects; ``switches``: its extra keyword
+        arguments, `gateway.template_switches`' known booleans such as `enable_thinking`)."""
         if self.chat_template is None:
             raise InvalidRequestError(
                 "this model has no chat template; use /v1/completions", param="messages"
@@ -150,6 +154,7 @@ class ChatTokenizer:
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
+                **(switches or {}),
             )
         except jinja2.TemplateError as exc:
             # Templates reject conversations they cannot format (raise_exception).

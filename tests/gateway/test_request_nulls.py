@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from gateway import protocol, responses_api
+from gateway import protocol, responses_api, template_switches
 from gateway.request_model import RequestModel
 from gateway.structured import protocol as structured
 
@@ -18,6 +18,7 @@ MINIMAL: dict[type[BaseModel], dict] = {
     protocol.StreamOptions: {},
     protocol.TextPart: {"type": "text"},
     protocol.ChatMessage: {"role": "user"},
+    template_switches.ChatTemplateKwargs: {},
     structured.JsonSchemaFormat: {"name": "n", "schema": {}},
     structured.ResponseFormat: {},
     structured.StructuredOutputsParams: {},
