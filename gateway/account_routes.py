@@ -1,5 +1,6 @@
 """A tenant's own account under /v1/account: its keys (ids, never secrets), its limits beside
-what of each is in use now, and its scheduling share."""
+what of each is in use now, and its scheduling share; creating and revoking its own keys where
+the admin allows it (`PUT /admin/tenants/{tenant}/self-service`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from typing import Any
 from fastapi import APIRouter
 
 from gateway.deps import CurrentTenant, State
+from gateway.errors import PermissionDeniedError
+from gateway.state import GatewayState
+from gateway.tenancy.tenants import Caller
 
 router = APIRouter(prefix="/v1")
 
@@ -36,7 +40,31 @@ async def account(caller: CurrentTenant, state: State) -> dict[str, Any]:
         "tenant": caller.tenant,
         "key_id": caller.key_id,
         "keys": await state.tenants.list_keys(caller.tenant),
+        "self_service_keys": await state.tenants.self_service_keys(caller.tenant),
         "limits": limits,
         "in_use": in_use,
         "scheduling": asdict(await state.weights.get(caller.tenant)),
     }
+
+
+@router.post("/account/keys", status_code=201)
+async def create_key(caller: CurrentTenant, state: State) -> dict[str, Any]:
+    """A new key for the caller's tenant: in this response only."""
+    await _require_self_service(caller, state)
+    return asdict(await state.tenants.create_key(caller.tenant))
+
+
+@router.delete("/account/keys/{key_id}")
+async def revoke_key(key_id: str, caller: CurrentTenant, state: State) -> dict[str, Any]:
+    """One of the tenant's own keys (the caller's too: that signs it out); another tenant's key
+    answers 404, as a missing one."""
+    await _require_self_service(caller, state)
+    await state.tenants.revoke_key(key_id, tenant=caller.tenant)
+    return {"key_id": key_id, "deleted": True}
+
+
+async def _require_self_service(caller: Caller, state: GatewayState) -> None:
+    if not await state.tenants.self_service_keys(caller.tenant):
+        raise PermissionDeniedError(
+            "your admin manages this tenant's keys (self-service keys are off)"
+        )

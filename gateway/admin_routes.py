@@ -49,6 +49,12 @@ class SchedulingBody(BaseModel):
     weight: float | None = None
 
 
+class SelfServiceBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    keys: bool  # the tenant may create and revoke its own keys
+
+
 class NewAdapter(BaseModel):
     name: str
     path: str  # a PEFT adapter directory readable by the gateway
@@ -80,6 +86,18 @@ async def create_key(tenant: str, state: State) -> dict[str, Any]:
 async def list_keys(tenant: str, state: State) -> dict[str, Any]:
     """Key ids and creation times; never the keys."""
     return {"data": await state.tenants.list_keys(tenant)}
+
+
+@router.put("/tenants/{tenant}/self-service")
+async def set_self_service(tenant: str, body: SelfServiceBody, state: State) -> dict[str, Any]:
+    await state.tenants.set_self_service_keys(tenant, body.keys)
+    return {"tenant": tenant, "keys": body.keys}
+
+
+@router.get("/tenants/{tenant}/self-service")
+async def get_self_service(tenant: str, state: State) -> dict[str, Any]:
+    await state.tenants.require_tenant(tenant)
+    return {"tenant": tenant, "keys": await state.tenants.self_service_keys(tenant)}
 
 
 @router.delete("/keys/{key_id}")

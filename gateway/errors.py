@@ -69,6 +69,14 @@ class NotFoundError(GatewayError):
     code = "not_found"
 
 
+class PermissionDeniedError(GatewayError):
+    """A valid caller asking for what its tenant is not allowed (e.g. self-service keys)."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
+
+
 class ConflictError(GatewayError):
     status = 409
     type = "invalid_request_error"

@@ -5,7 +5,8 @@ its sha256: a request's key is hashed and looked up in one GET. Keys (all under 
 
     tenants                      set of tenant names
     tenant:{name}                hash {name, created_at, and sched_tier or sched_weight
-                                 when set (gateway.tenancy.weights)}
+                                 when set (gateway.tenancy.weights), self_service_keys
+                                 "1" when the admin lets the tenant manage its keys}
     tenant:{name}:keys           set of key ids
     tenant:{name}:adapters       hash adapter name -> JSON TenantAdapter
     apikey:{sha256 hex}          string: "{key_id} {tenant}"
@@ -189,9 +190,18 @@ class TenantStore:
             if at is not None
         ]
 
-    async def revoke_key(self, key_id: str) -> None:
+    async def set_self_service_keys(self, tenant: str, allowed: bool) -> None:
+        """Whether the tenant may create and revoke its own keys (`/v1/account/keys`)."""
+        await self.require_tenant(tenant)
+        await self.redis.hset(self._k("tenant", tenant), "self_service_keys", int(allowed))
+
+    async def self_service_keys(self, tenant: str) -> bool:
+        return await self.redis.hget(self._k("tenant", tenant), "self_service_keys") == "1"
+
+    async def revoke_key(self, key_id: str, *, tenant: str | None = None) -> None:
+        """Revoke a key; with `tenant`, only one of that tenant's (another's is "missing")."""
         record = await self.redis.hgetall(self._k("keyid", key_id))
-        if not record:
+        if not record or (tenant is not None and record["tenant"] != tenant):
             raise NotFoundError(f"key {key_id!r} does not exist", param="key_id")
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self._k("apikey", record["hash"]))

@@ -41,6 +41,8 @@ if CHROMIUM is None:
         allow_module_level=True,
     )
 expect = sync_api.expect
+# A worker on a loaded 2-core machine can take seconds for a first answer.
+expect.set_options(timeout=30_000)
 MAX_UPLOAD = 1 << 20
 SCREENSHOTS = os.environ.get("SWITCHBOARD_CONSOLE_SCREENSHOTS")
 
@@ -71,11 +73,15 @@ def stack(tiny_model, redis_url, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def adapter_archive(tiny_model, tmp_path_factory) -> Path:
+def adapter_dir(tiny_model, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("adapter")
-    adapter = make_peft_adapter(tiny_model, folder / "sql", rank=4, targets=["q_proj", "v_proj"])
-    archive = folder / "sql.tar.gz"
-    archive.write_bytes(tar_bytes(adapter_members(adapter, folder="sql")))
+    return make_peft_adapter(tiny_model, folder / "sql", rank=4, targets=["q_proj", "v_proj"])
+
+
+@pytest.fixture(scope="module")
+def adapter_archive(adapter_dir) -> Path:
+    archive = adapter_dir.parent / "sql.tar.gz"
+    archive.write_bytes(tar_bytes(adapter_members(adapter_dir, folder="sql")))
     return archive
 
 
@@ -264,6 +270,32 @@ def test_a_revoked_key_is_signed_out(stack, new_page):
     expect(page).to_have_url(stack.base_url + "/console/login")
 
 
+def test_a_tenant_uploads_a_directory_and_manages_its_keys_where_allowed(
+    stack, new_page, adapter_dir
+):
+    key = stack.create_tenant_key("keyring")
+    page = new_page()
+    sign_in(page, stack, key)
+    expect(page.locator("#admin-keys")).to_be_visible()  # the admin's, until it allows
+    expect(page.locator("#new-key")).to_be_hidden()
+
+    page.fill("#upload-name", "from-dir")
+    page.set_input_files("#upload-dir", str(adapter_dir))
+    page.click("#upload-button")
+    expect(page.locator("#upload-status")).to_have_text("Uploaded from-dir (rank 4).")
+
+    stack.admin("PUT", "/tenants/keyring/self-service", json={"keys": True})
+    page.reload()
+    page.click("#new-key")
+    expect(page.locator("#new-key-value")).to_contain_text("New key (shown once): sk-")
+    rows = page.locator("#key-table tbody tr")
+    expect(rows).to_have_count(2)
+    rows.filter(has_not_text="this session").locator("button").click()
+    expect(rows).to_have_count(1)
+    rows.locator("button").click()  # its own key: signed out
+    expect(page).to_have_url(stack.base_url + "/console/login?expired=1")
+
+
 def test_the_admin_creates_a_tenant_sets_a_quota_and_sees_the_fleet(
     stack, new_page, adapter_archive
 ):
@@ -293,8 +325,10 @@ def test_the_admin_creates_a_tenant_sets_a_quota_and_sees_the_fleet(
     page.click("#quota-save")
     expect(row.locator("td").nth(2)).to_have_text("60")
     assert stack.admin("GET", "/tenants/cobalt/quotas")["requests_per_minute"] == 60
+    page.check("#self-service-keys")
     page.click("#new-key")
     expect(page.locator("#new-key-value")).to_contain_text("sk-")
+    assert stack.admin("GET", "/tenants/cobalt/self-service")["keys"] is True
     expect(page.locator("#key-table tbody tr")).to_have_count(1)
     assert "sk-" not in page.locator("#key-table").text_content()
 

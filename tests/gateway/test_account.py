@@ -65,3 +65,38 @@ async def test_limits_and_what_is_in_use_now(live):
         assert theirs.json()["limits"]["requests_per_minute"] is None
         assert before["key_id"] not in theirs.text
         assert "sk-" not in theirs.text and "sk-" not in (await alice.get("/v1/account")).text
+
+
+async def test_self_service_keys_only_where_the_admin_allows_and_only_ones_own(live):
+    async with (
+        as_tenant(live, "alice") as alice,
+        as_tenant(live, "bob") as bob,
+        httpx.AsyncClient(base_url=live.gw.url, headers=live.gw.admin_headers) as admin,
+    ):
+        bob_key_id = (await bob.get("/v1/account")).json()["key_id"]
+        refused = await alice.post("/v1/account/keys")
+        assert refused.status_code == 403
+        assert refused.json()["error"]["code"] == "permission_denied"
+        assert (await alice.delete(f"/v1/account/keys/{bob_key_id}")).status_code == 403
+
+        allowed = await admin.put("/admin/tenants/alice/self-service", json={"keys": True})
+        assert allowed.json() == {"tenant": "alice", "keys": True}
+        assert (await alice.get("/v1/account")).json()["self_service_keys"] is True
+        created = await alice.post("/v1/account/keys")
+        assert created.status_code == 201 and created.json()["tenant"] == "alice"
+        new_key, new_id = created.json()["key"], created.json()["key_id"]
+        listed = (await alice.get("/v1/account")).json()["keys"]
+        assert new_id in [k["key_id"] for k in listed] and len(listed) == 2
+        headers = {"Authorization": f"Bearer {new_key}"}
+        assert (await alice.get("/v1/models", headers=headers)).status_code == 200
+
+        # Another tenant's key id answers as a missing one, and stays valid.
+        theirs = await alice.delete(f"/v1/account/keys/{bob_key_id}")
+        missing = await alice.delete("/v1/account/keys/key_000000000000000000000000")
+        assert theirs.status_code == missing.status_code == 404
+        assert (await bob.get("/v1/models")).status_code == 200
+        assert (await bob.post("/v1/account/keys")).status_code == 403  # bob is not allowed
+
+        revoked = await alice.delete(f"/v1/account/keys/{new_id}")
+        assert revoked.status_code == 200
+        assert (await alice.get("/v1/models", headers=headers)).status_code == 401

@@ -30,9 +30,10 @@ async function select(tenant) {
   $("detail-name").textContent = tenant;
   $("new-key-value").textContent = "";
   $("detail-error").textContent = "";
-  const [quota, scheduling, keys, adapters] = await Promise.all([
+  const [quota, scheduling, keys, adapters, selfService] = await Promise.all([
     json(path(tenant, "/quotas")), json(path(tenant, "/scheduling")), json(path(tenant, "/keys")),
-    json(path(tenant, "/adapters"))]);
+    json(path(tenant, "/adapters")), json(path(tenant, "/self-service"))]);
+  $("self-service-keys").checked = selfService.keys;
   for (const field of QUOTAS) $(`q-${field}`).value = quota[field] ?? "";
   $("s-tier").value = scheduling.tier ?? "";
   $("s-weight").value = scheduling.tier ? "" : scheduling.weight;
@@ -82,6 +83,12 @@ $("scheduling").addEventListener("submit", async (event) => {
     await json(path(selected, "/scheduling"), { method: "PUT", body });
     $("detail-error").textContent = "";
     await loadTenants();
+  } catch (err) { show("detail-error")(err); }
+});
+
+$("self-service-keys").addEventListener("change", async (event) => {
+  try {
+    await json(path(selected, "/self-service"), { method: "PUT", body: { keys: event.target.checked } });
   } catch (err) { show("detail-error")(err); }
 });
 

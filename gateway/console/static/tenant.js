@@ -47,6 +47,11 @@ function upload(event) {
     const input = $(id);
     if (input.files.length) data.append(input.name, input.files[0]);
   }
+  // A directory as `save_pretrained` wrote it: its two files, by name (the API names the rest).
+  const fields = { "adapter_config.json": "adapter_config", "adapter_model.safetensors": "adapter_model" };
+  for (const file of $("upload-dir").files) {
+    if (fields[file.name]) data.append(fields[file.name], file);
+  }
   const xhr = new XMLHttpRequest();
   xhr.open("POST", Console.apiBase + "adapters");
   xhr.setRequestHeader("X-CSRF-Token", Console.csrf);
@@ -217,9 +222,36 @@ async function loadAccount() {
   const s = account.scheduling;
   $("scheduling").textContent = `Scheduling: ${Console.scheduling(s)} ` +
     "(your share of busy workers relative to other tenants').";
+  const own = account.self_service_keys;
+  $("self-service").hidden = !own;
+  $("admin-keys").hidden = own;
   fill($("key-table").querySelector("tbody"), account.keys.map((k) => [
-    el("code", {}, k.key_id), Console.time(k.created_at), k.key_id === account.key_id ? "this session" : ""]));
+    el("code", {}, k.key_id), Console.time(k.created_at),
+    el("span", {}, k.key_id === account.key_id ? "this session " : "",
+       ...(own ? [el("button", { type: "button", class: "danger", onclick: () => revokeKey(k.key_id) }, "Revoke")] : [])),
+  ]));
 }
+
+async function revokeKey(keyId) {
+  if (!confirm(`Revoke ${keyId}? Whoever uses it is refused from now on.`)) return;
+  try {
+    await json(`account/keys/${encodeURIComponent(keyId)}`, { method: "DELETE" });
+  } catch (err) {
+    $("key-error").textContent = err.message;
+  }
+  await loadAccount();  // revoking this session's own key signs it out here
+}
+
+$("new-key").addEventListener("click", async () => {
+  $("key-error").textContent = "";
+  try {
+    const key = await json("account/keys", { method: "POST" });
+    await loadAccount();
+    $("new-key-value").textContent = `New key (shown once): ${key.key}`;
+  } catch (err) {
+    $("key-error").textContent = err.message;
+  }
+});
 
 $("upload").addEventListener("submit", upload);
 $("chat").addEventListener("submit", chat);
