@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from gateway.deps import CurrentTenant, State
+from gateway.errors import ModelNotFoundError
 from gateway.pipeline import handle_request
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.resolution import list_models
@@ -27,6 +28,17 @@ async def models(caller: CurrentTenant, state: State) -> dict[str, Any]:
         served_model_name=state.settings.served_model_name,
         max_model_len=state.max_model_len,
     )
+
+
+@router.get("/models/{model:path}")
+async def retrieve_model(model: str, caller: CurrentTenant, state: State) -> dict[str, Any]:
+    """One entry of /v1/models (the SDK's `models.retrieve`); another tenant's adapter is as
+    unknown as a missing one (404 model_not_found)."""
+    listed = await models(caller, state)
+    found = next((entry for entry in listed["data"] if entry["id"] == model), None)
+    if found is None:
+        raise ModelNotFoundError(model)
+    return found
 
 
 @router.post("/completions")

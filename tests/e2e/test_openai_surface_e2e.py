@@ -218,6 +218,10 @@ def test_models_lists_the_callers_adapters_with_their_parent(client, model):
     assert listed["sql"].model_extra["parent"] == model
     assert listed["sql"].owned_by == "acme"
     assert listed[model].model_extra["parent"] is None
+    # The SDK's models.retrieve: one entry, the caller's own only.
+    assert client.models.retrieve("sql") == listed["sql"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("secret")
 
 
 # --- the Responses API --------------------------------------------------------------------

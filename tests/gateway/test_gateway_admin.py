@@ -185,6 +185,18 @@ async def test_adapters_are_tenant_scoped(admin, gw, tmp_path):
             "message"
         ].replace("nope", "X")
 
+        # One entry (the SDK's models.retrieve): the caller's own, never another tenant's.
+        assert (await client.get("/v1/models/sql", headers=as_alice)).json() == sql
+        base = (await client.get(f"/v1/models/{MODEL_NAME}", headers=as_bob)).json()
+        assert base == alice_models[0]
+        assert_openai_error(
+            await client.get("/v1/models/sql", headers=as_bob), 404, "model_not_found"
+        )
+        assert_openai_error(
+            await client.get("/v1/models/nope", headers=as_bob), 404, "model_not_found"
+        )
+        assert_openai_error(await client.get("/v1/models/sql"), 401, "invalid_api_key")
+
     removed = await admin.delete("/admin/tenants/alice/adapters/sql")
     assert removed.status_code == 200 and removed.json()["content_deleted"] is True
     assert (await admin.get("/admin/tenants/alice/adapters")).json()["data"] == []
