@@ -108,6 +108,30 @@ async def test_429_is_openai_shaped_with_rate_limit_headers(env):
             await oa.chat.completions.create(**CHAT)
 
 
+async def test_responses_are_admitted_and_charged_by_the_same_quotas(env):
+    """/v1/responses runs on chat's pipeline: the tenant's request and token limits hold
+    across both endpoints, and a Responses refusal is the same 429 (the SDK's
+    RateLimitError)."""
+    await env.set_quota(requests_per_minute=2, tokens_per_minute=10_000)
+    async with env.http() as client:
+        ok = await client.post("/v1/responses", json={"model": MODEL_NAME, "input": "hi"})
+        assert ok.status_code == 200, ok.text
+        assert ok.headers["x-ratelimit-remaining-requests"] == "1"
+        usage = ok.json()["usage"]
+        assert await env.tokens_total() == usage["input_tokens"] + usage["output_tokens"]
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        body = {"model": MODEL_NAME, "input": "hi", "stream": True}
+        refused = await client.post("/v1/responses", json=body)
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    async with openai.AsyncOpenAI(
+        base_url=f"{env.urls[0]}/v1", api_key=env.key, max_retries=0
+    ) as oa:
+        with pytest.raises(openai.RateLimitError):
+            await oa.responses.create(model=MODEL_NAME, input="hi")
+    assert await env.inflight() == 0
+
+
 async def test_a_refusal_decided_beside_the_worker_call_cancels_it(env):
     """The quota decision runs beside the worker call once this gateway saw room for the
     tenant: a refusal then still answers 429 (nothing streamed, nothing billed) and cancels
