@@ -6,10 +6,10 @@ Workloads (token-id prompts from ``bench.workloads``, greedy, ``ignore_eos``):
 - ``W1``: 32 x 128/128 at once; ``W2``: 128 long-tailed requests at once.
 Each engine runs each workload once on other prompts (warm-up, another seed) and then
 ``--repeats`` times on the timed prompts, its prefix cache reset before each run; the
-fastest run is kept. vLLM runs in its own virtual environment (``--vllm-python``; how to
-build it: ../shared/TOOLCHAIN.md, or bench/README.md) with both cores, after ours, in a
-child process. Usage: ``python -m bench.vllm_side_by_side --vllm-python VENV/bin/python
-[--workloads batch1 W1 W2]``.
+fastest run is kept. Both engines get the same KV cache (``KV_CACHE_GB``). vLLM runs in its
+own virtual environment (``--vllm-python``; how to build it: ../shared/TOOLCHAIN.md, or
+bench/README.md) with both cores, after ours, in a child process. Usage: ``python -m
+bench.vllm_side_by_side --vllm-python VENV/bin/python [--workloads batch1 W1 W2]``.
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ if __name__ == "__main__":
 """
 
 
+# Both engines' KV cache, GB. W2's 128 long-tailed requests need ~100k tokens of cache at once
+# (23 KB a token in bf16): in our 1 GB default a third of them wait or are preempted.
+KV_CACHE_GB = 4
+
+
 def requests_for(name: str, vocab: int, seed: int) -> tuple[list[BenchRequest], bool]:
     """The workload's requests and whether they run one after another."""
     if name == "batch1":
@@ -92,7 +97,7 @@ def run_vllm(python: str, job: dict) -> dict[str, list[tuple[int, float]]]:
     env = {
         **os.environ,
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # both cores for the model (default keeps one)
-        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GB),
     }
     env.pop("PYTHONPATH", None)
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     from worker.model.default_model import resolve_model_path
 
     model_path = resolve_model_path(args.model)
-    engine = LLMEngine(model_path, engine_config(dtype=args.dtype))
+    engine = LLMEngine(model_path, engine_config(dtype=args.dtype, kv_cache_memory_gb=KV_CACHE_GB))
     vocab = engine.config.vocab_size
     job: dict = {
         "model": str(model_path), "dtype": args.vllm_dtype, "repeats": args.repeats,
