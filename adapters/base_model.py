@@ -31,6 +31,11 @@ FUSED_PROJECTIONS: dict[str, str] = {
 }
 # Every projection name of every family, in the canonical order (Llama's first).
 ALL_PROJECTIONS: dict[str, str] = {**PROJECTIONS, **FUSED_PROJECTIONS}
+# LoRA on a MoE base's experts (PEFT's target_parameters on the fused expert tensors
+# mlp.experts.gate_up_proj [E, 2I, H] and down_proj [E, H, I]), named as modules here.
+EXPERT_PROJECTIONS: dict[str, str] = {"experts.gate_up_proj": "mlp", "experts.down_proj": "mlp"}
+# Every module an adapter's weights may be keyed by, in the canonical order.
+MODULE_PARENTS: dict[str, str] = {**ALL_PROJECTIONS, **EXPERT_PROJECTIONS}
 # The MLP projections, which a MoE base has only on its dense layers (Qwen3-MoE's
 # mlp_only_layers; none on Mixtral).
 MLP_PROJECTIONS = frozenset({"gate_proj", "up_proj", "down_proj", "gate_up_proj"})
@@ -118,7 +123,8 @@ class BaseModelSpec:
         return not (module in MLP_PROJECTIONS and self.sparse_layers and self.sparse_layers[layer])
 
     def projection_shape(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of one projection; `module` is a key of ALL_PROJECTIONS."""
+        """(in_features, out_features) of one projection (one expert's for EXPERT_PROJECTIONS);
+        `module` is a key of MODULE_PARENTS."""
         q_out = self.num_heads * self.head_dim
         kv_out = self.num_kv_heads * self.head_dim
         shapes = {
@@ -131,6 +137,9 @@ class BaseModelSpec:
             "down_proj": (self.intermediate_size, self.hidden_size),
             "qkv_proj": (self.hidden_size, q_out + 2 * kv_out),
             "gate_up_proj": (self.hidden_size, 2 * self.intermediate_size),
+            # one expert's
+            "experts.gate_up_proj": (self.hidden_size, 2 * self.expert_intermediate_size),
+            "experts.down_proj": (self.expert_intermediate_size, self.hidden_size),
         }
         return shapes[module]
 

@@ -14,9 +14,16 @@ import json
 import re
 from typing import Any
 
+from adapters.base_model import EXPERT_PROJECTIONS
 from adapters.lora import LoraAdapter
 from adapters.peft_config import CONFIG_FILE
-from adapters.peft_names import WEIGHTS_FILE, canonical_module_key, canonical_tensor_name
+from adapters.peft_names import (
+    PEFT_PREFIX,
+    WEIGHTS_FILE,
+    Side,
+    canonical_module_key,
+    canonical_tensor_name,
+)
 from adapters.safetensors_io import write_float32
 
 
@@ -25,9 +32,10 @@ def canonical_files(adapter: LoraAdapter) -> dict[str, bytes]:
     if not adapter.weights:
         raise ValueError("an adapter with no LoRA weights has no canonical form")
     tensors = {}
-    for (layer, module), w in adapter.weights.items():
-        tensors[canonical_tensor_name(layer, module, "A")] = w.a
-        tensors[canonical_tensor_name(layer, module, "B")] = w.b
+    for layer, module in adapter.weights:
+        w = adapter.weights[(layer, module)]
+        for side, array in (("A", w.a), ("B", w.b)):
+            tensors[_tensor_name(adapter, layer, module, side)] = array
         if w.magnitude is not None:
             tensors[canonical_tensor_name(layer, module, "M")] = w.magnitude
     config = json.dumps(canonical_config(adapter), indent=2) + "\n"
@@ -45,13 +53,17 @@ def canonical_config(adapter: LoraAdapter) -> dict[str, Any]:
             rank_pattern[pattern] = w.rank
         if w.alpha != first.alpha:
             alpha_pattern[pattern] = w.alpha
-    return {
+    config: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": first.rank,
         "lora_alpha": first.alpha,
         "use_rslora": adapter.config.use_rslora,
-        "target_modules": [canonical_module_key(*key) for key in adapter.weights],
+        "target_modules": [
+            canonical_module_key(*key)
+            for key in adapter.weights
+            if key[1] not in EXPERT_PROJECTIONS
+        ],
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
         "bias": "none",
@@ -63,3 +75,17 @@ def canonical_config(adapter: LoraAdapter) -> dict[str, Any]:
         "inference_mode": True,
         "base_model_name_or_path": None,
     }
+    parameters = [canonical_module_key(*k) for k in adapter.weights if k[1] in EXPERT_PROJECTIONS]
+    if parameters:  # LoRA on MoE experts
+        config["target_parameters"] = parameters
+    return config
+
+
+def _tensor_name(adapter: LoraAdapter, layer: int, module: str, side: Side) -> str:
+    """PEFT's name for the tensor; a layer's expert tensors nest as PEFT wraps them
+    (``adapters.peft_experts``): gate_up_proj under down_proj's wrapper when both are there."""
+    if module not in EXPERT_PROJECTIONS:
+        return canonical_tensor_name(layer, module, side)
+    inner = module == "experts.gate_up_proj" and (layer, "experts.down_proj") in adapter.weights
+    nest = ".base_layer" if inner else ""
+    return f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts{nest}.lora_{side}.weight"

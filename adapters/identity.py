@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
 
-from adapters.base_model import ALL_PROJECTIONS
+from adapters.base_model import MODULE_PARENTS
 from adapters.errors import InvalidAdapterIdError
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 _DOMAIN = b"switchboard.lora-adapter.v1\n"
 _ID = re.compile(r"[0-9a-f]{64}")
-_MODULE_ORDER = {module: i for i, module in enumerate(ALL_PROJECTIONS)}
+_MODULE_ORDER = {module: i for i, module in enumerate(MODULE_PARENTS)}
 
 
 def canonical_order(key: tuple[int, str]) -> tuple[int, int]:

@@ -29,6 +29,9 @@ class LoraWeights:
     # bit (alpha·r/r need not round-trip in floating point).
     alpha: float
     magnitude: np.ndarray | None = None  # [out_features] float32: DoRA's, None for plain LoRA
+    # LoRA on a MoE layer's experts (PEFT's target_parameters): A [experts * r, in] holds expert
+    # e's A in rows e*r .. (e+1)*r, B [out, r * experts] its B in columns j*experts + e.
+    experts: int = 1
 
     def __post_init__(self) -> None:
         if self.a.dtype != np.float32 or self.b.dtype != np.float32:
@@ -46,7 +49,8 @@ class LoraWeights:
 
     @property
     def rank(self) -> int:
-        return int(self.a.shape[0])
+        """The rank of each expert's update (of the one update for a plain projection)."""
+        return int(self.a.shape[0]) // self.experts
 
     @property
     def num_bytes(self) -> int:

@@ -38,7 +38,6 @@ _UNSUPPORTED_FIELDS: dict[str, str] = {
     "use_qalora": "QALoRA pools the input before lora_A",
     "alora_invocation_tokens": "Activated LoRA applies only after invocation tokens",
     "layer_replication": "layer replication changes the base model's layer stack",
-    "target_parameters": "LoRA on nn.Parameter targets (e.g. MoE experts) is not served",
     "trainable_token_indices": "trainable token embeddings are not served",
     "velora_config": "the VeLoRA variant is not served",
     "monteclora_config": "the MonteCLoRA variant is not served",
@@ -68,6 +67,8 @@ class AdapterConfig:
     rank_pattern: Mapping[str, int]  # file order matters: PEFT takes the first match
     alpha_pattern: Mapping[str, float]
     base_model_name_or_path: str | None  # informational; never part of the identity
+    # LoRA on nn.Parameters: a MoE base's expert tensors (``adapters.peft_experts``).
+    target_parameters: tuple[str, ...] = ()
 
     def selects(self, key: str) -> bool:
         """Whether PEFT would put LoRA on module `key` (e.g. `model.layers.0.mlp.up_proj`)."""
@@ -78,6 +79,12 @@ class AdapterConfig:
             layers_to_transform=self.layers_to_transform,
             layers_pattern=self.layers_pattern,
         )
+
+    def selects_parameter(self, key: str) -> bool:
+        """Whether PEFT would wrap parameter `key` (`model.layers.0.mlp.experts.down_proj`):
+        its full name or a suffix after a dot (``BaseTuner._inject_parameters``)."""
+        targets = self.target_parameters
+        return key in targets or any(key.endswith(f".{t}") for t in targets)
 
     def rank_for(self, key: str) -> int:
         return lookup_pattern(self.rank_pattern, key, self.r)
@@ -104,18 +111,20 @@ def parse_adapter_config(data: bytes | str) -> AdapterConfig:
     if not isinstance(raw, dict):
         raise InvalidAdapterError(f"{CONFIG_FILE}: top level is not a JSON object")
     _refuse_unsupported(raw)
+    parameters = _target_parameters(raw.get("target_parameters"))
     config = AdapterConfig(
         r=_rank(raw.get("r", 8), "r"),
         lora_alpha=_alpha(raw.get("lora_alpha", 8), "lora_alpha"),
         use_rslora=_bool(raw.get("use_rslora", False), "use_rslora"),
         use_dora=_bool(raw.get("use_dora") or False, "use_dora"),  # null as PEFT: off
-        target_modules=_target_modules(raw.get("target_modules")),
+        target_modules=_target_modules(raw.get("target_modules"), required=not parameters),
         exclude_modules=_names_or_regex(raw.get("exclude_modules"), "exclude_modules"),
         layers_to_transform=_layers_to_transform(raw.get("layers_to_transform")),
         layers_pattern=_names_or_regex(raw.get("layers_pattern"), "layers_pattern"),
         rank_pattern=_pattern_dict(raw.get("rank_pattern"), "rank_pattern", _rank),
         alpha_pattern=_pattern_dict(raw.get("alpha_pattern"), "alpha_pattern", _alpha),
         base_model_name_or_path=_optional_str(raw.get("base_model_name_or_path")),
+        target_parameters=parameters,
     )
     _check_like_lora_config_post_init(config)
     return config
@@ -167,13 +176,43 @@ def _check_like_lora_config_post_init(config: AdapterConfig) -> None:
         )
 
 
-def _target_modules(value: Any) -> str | tuple[str, ...]:
+def _target_modules(value: Any, *, required: bool) -> str | tuple[str, ...]:
+    """PEFT's target_modules; it may be missing where target_parameters names targets."""
     result = None if value in (None, "", []) else _names_or_regex(value, "target_modules")
     if not result:
+        if not required:
+            return ()
         raise InvalidAdapterError(
             f"{CONFIG_FILE}: target_modules is missing", field="target_modules"
         )
     return result
+
+
+# The parameters LoRA may target: a MoE layer's fused expert tensors, by a suffix of their name.
+_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+def _target_parameters(value: Any) -> tuple[str, ...]:
+    """target_parameters: names (or dotted suffixes) of MoE expert tensors only, e.g.
+    ``mlp.experts.gate_up_proj``; anything else (a router, a 2-D weight) is refused by name."""
+    if value in (None, []):
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidAdapterError(
+            f"{CONFIG_FILE}: target_parameters must be a list of strings, got {value!r}",
+            field="target_parameters",
+        )
+    _check_length(value, "target_parameters")
+    for name in value:
+        parts = name.split(".")
+        if parts[-1] not in _EXPERT_PARAMETERS or (len(parts) > 1 and parts[-2] != "experts"):
+            raise UnsupportedAdapterFeatureError(
+                f"{CONFIG_FILE}: target_parameters entry {name[:200]!r} is not served (LoRA on "
+                "parameters is served on MoE experts: mlp.experts.gate_up_proj, "
+                "mlp.experts.down_proj)",
+                field="target_parameters",
+            )
+    return tuple(value)
 
 
 def _names_or_regex(value: Any, field: str) -> str | tuple[str, ...] | None:

@@ -21,6 +21,7 @@ from adapters.peft_config import (
     lora_scaling,
     parse_adapter_config,
 )
+from adapters.peft_experts import expert_modules, split_expert_tensors
 from adapters.peft_names import WEIGHTS_FILE
 from adapters.safetensors_io import check_header_length, read_header, to_float32
 from adapters.validation import (
@@ -82,10 +83,16 @@ def parse_adapter(
     check_weight_file_size(len(weights), max_bytes=max_bytes, what=WEIGHTS_FILE)
     # One A and one B per projection, and room for stray tensors (biases, DoRA magnitudes)
     # so that their own refusals name them; the bound is on size, the checks on exactness.
-    max_tensors = 4 * len(PROJECTIONS) * base.num_layers
-    modules = pair_tensors(read_header(weights, what=WEIGHTS_FILE, max_tensors=max_tensors))
-    check_against_base(modules, base)
-    check_against_config(modules, config, base)
+    projections_per_layer = len(PROJECTIONS) + (2 if base.num_experts else 0)  # MoE: experts
+    max_tensors = 4 * projections_per_layer * base.num_layers
+    header = read_header(weights, what=WEIGHTS_FILE, max_tensors=max_tensors)
+    projections, experts = split_expert_tensors(header)
+    modules = {}
+    if projections or not experts:  # an adapter of experts alone has no projection tensors
+        modules = pair_tensors(projections)
+        check_against_base(modules, base)
+        check_against_config(modules, config, base)
+    modules.update(expert_modules(experts, base, config))
     check_limits(modules, max_lora_rank=max_lora_rank, max_bytes=max_bytes)
     return LoraAdapter(
         config, {key: _read_module(weights, m, config) for key, m in modules.items()}
@@ -103,7 +110,9 @@ def _read_module(data: bytes, m: ModuleTensors, config: AdapterConfig) -> LoraWe
         check_finite(m.magnitude.name, magnitude)
     alpha = config.alpha_for(m.key)
     scaling = lora_scaling(rank=m.rank, alpha=alpha, use_rslora=config.use_rslora)
-    return LoraWeights(a=a, b=b, scaling=scaling, alpha=alpha, magnitude=magnitude)
+    return LoraWeights(
+        a=a, b=b, scaling=scaling, alpha=alpha, magnitude=magnitude, experts=m.experts
+    )
 
 
 def _read_file(path: Path, *, limit: int) -> bytes:

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from adapters.base_model import ALL_PROJECTIONS
+from adapters.base_model import ALL_PROJECTIONS, MODULE_PARENTS
 from adapters.errors import (
     IncompatibleAdapterError,
     InvalidAdapterError,
@@ -76,8 +76,9 @@ def parse_tensor_name(name: str) -> LoraTensorName:
 
 
 def canonical_module_key(layer: int, module: str) -> str:
-    """The module's name in a `LlamaForCausalLM`, as stored adapters spell it."""
-    return f"model.layers.{layer}.{ALL_PROJECTIONS[module]}.{module}"
+    """The module's name in a `LlamaForCausalLM`, as stored adapters spell it (for an expert
+    tensor, the parameter's name: `model.layers.0.mlp.experts.gate_up_proj`)."""
+    return f"model.layers.{layer}.{MODULE_PARENTS[module]}.{module}"
 
 
 def canonical_tensor_name(layer: int, module: str, side: Side) -> str:

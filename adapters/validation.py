@@ -31,13 +31,15 @@ class ModuleTensors:
     key: str  # module name as PEFT saw it, e.g. "model.layers.0.self_attn.q_proj"
     layer: int
     module: str
-    a: TensorInfo  # [r, in_features]
-    b: TensorInfo  # [out_features, r]
+    a: TensorInfo  # [r, in_features] ([experts * r, in] on MoE experts)
+    b: TensorInfo  # [out_features, r] ([out, r * experts] on MoE experts)
     magnitude: TensorInfo | None = None  # [out_features]: DoRA's lora_magnitude_vector
+    experts: int = 1  # LoRA on a MoE layer's experts (``adapters.peft_experts``)
 
     @property
     def rank(self) -> int:
-        return self.a.shape[0]
+        """Each expert's rank (the projection's, for a plain projection)."""
+        return self.a.shape[0] // self.experts
 
 
 def check_weight_file_size(num_bytes: int, *, max_bytes: int, what: str) -> None:

@@ -69,3 +69,34 @@ def make_moe_checkpoint(path: Path, family: str, *, seed: int = 0, **overrides) 
                 param.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def make_expert_adapter(
+    base_path: Path,
+    out: Path,
+    *,
+    rank: int,
+    targets: list[str],
+    parameters: list[str],
+    seed: int = 0,
+) -> Path:
+    """A real PEFT adapter with LoRA on the experts (``target_parameters``) and on the modules
+    ``targets`` names; A and B randomized so that it matters."""
+    from peft import LoraConfig, get_peft_model
+
+    from factories import load_hf_model
+
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, target_parameters=parameters
+    )
+    model = get_peft_model(load_hf_model(base_path), config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.5 / param.shape[-1] ** 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -1,12 +1,18 @@
 """Mixtral and Qwen3-MoE against transformers + peft (fp32): routing that varies across
-tokens, a mixed batch of base rows and adapters under preemption, prefix hits, speculative
-decoding, and prefill logits."""
+tokens, a mixed batch of base rows, an attention adapter and expert adapters (PEFT's
+target_parameters) under preemption, prefix hits, speculative decoding, and prefill logits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from moe_factories import MOE_FAMILIES, NUM_EXPERTS, make_moe_checkpoint
+from moe_factories import (
+    EXPERT_PARAMETERS,
+    MOE_FAMILIES,
+    NUM_EXPERTS,
+    make_expert_adapter,
+    make_moe_checkpoint,
+)
 from peft import PeftModel
 from transformers import GenerationConfig
 
@@ -20,7 +26,7 @@ from worker.model.model_runner import ModelRunner
 from worker.model.moe import route
 
 MAX_NEW = 10
-ADAPTERS = {"attn": {"rank": 4, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}}
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # A pool too small for the batch at once (recompute preemption), 4-token blocks.
 PRESSURE = {"block_size": 4, "num_kv_blocks": 24, "max_num_batched_tokens": 48}
 
@@ -31,31 +37,36 @@ def family(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(name)
     base = make_moe_checkpoint(root / "base", name, seed=3)
     adapters = {
-        a: make_peft_adapter(base, root / a, seed=i, **spec)
-        for i, (a, spec) in enumerate(ADAPTERS.items())
-    }
+        "attn": make_peft_adapter(base, root / "attn", rank=4, targets=ATTENTION),
+        # Both expert tensors and two attention projections, rank 4.
+        "experts": make_expert_adapter(
+            base, root / "experts", rank=4, targets=["q_proj", "v_proj"],
+            parameters=EXPERT_PARAMETERS, seed=1,
+        ),
+        # The experts' down_proj alone (no nesting), rank 2.
+        "down": make_expert_adapter(
+            base, root / "down", rank=2, targets=[], parameters=["mlp.experts.down_proj"], seed=2
+        ),
+    }  # fmt: skip
     return name, base, adapters
 
 
 @pytest.fixture(scope="module")
 def reference(family):
-    """Prompts, their adapters, and peft's greedy tokens for each (one adapter at a time)."""
+    """Prompts, their adapters, and peft's greedy tokens for each (one adapter per model: peft
+    refuses two adapters with different target_parameters on one model)."""
     _, base, adapters = family
-    prompts = random_prompts(5, min_len=12, max_len=36, seed=5)
-    assignment = [None, "attn", None, "attn", None]
-    hf = load_hf_model(base)
-    hf.generation_config.eos_token_id = None
+    prompts = random_prompts(6, min_len=12, max_len=36, seed=5)
+    assignment = [None, "attn", "experts", "down", None, "experts"]
     config = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-    model = PeftModel.from_pretrained(hf, adapters["attn"], adapter_name="attn").eval()
+    models = {None: load_hf_model(base)}
+    for name, path in adapters.items():
+        models[name] = PeftModel.from_pretrained(load_hf_model(base), path).eval()
+    for model in models.values():
+        model.generation_config.eos_token_id = None
     expected = []
     for prompt, adapter in zip(prompts, assignment, strict=True):
-        ids = torch.tensor([prompt])
-        if adapter is None:
-            with model.disable_adapter():
-                out = model.generate(input_ids=ids, generation_config=config)
-        else:
-            model.set_adapter(adapter)
-            out = model.generate(input_ids=ids, generation_config=config)
+        out = models[adapter].generate(input_ids=torch.tensor([prompt]), generation_config=config)
         expected.append(out[0, len(prompt) :].tolist())
     return prompts, assignment, expected
 
@@ -85,9 +96,11 @@ def test_mixed_batch_preempted_and_prefix_hit_match_peft(family, reference):
     outputs = llm.generate(prompts, greedy(), adapters=assignment)
     assert [o.token_ids for o in outputs] == expected, name
     assert llm.engine.scheduler.num_preemptions > 0
-    assert expected[1] != llm.generate(prompts[1], greedy())[0].token_ids
+    # Each adapter changes its row's output (else this test could not fail).
+    for i in (1, 2, 3):
+        assert expected[i] != llm.generate(prompts[i], greedy())[0].token_ids, assignment[i]
     assert len({t for tokens in expected for t in tokens}) > MAX_NEW
-    for i in (0, 1):
+    for i in (0, 2):
         llm.generate(prompts[i], greedy(), adapters=[assignment[i]])
         again = llm.generate(prompts[i], greedy(), adapters=[assignment[i]])[0]
         assert again.num_cached_tokens >= 8

@@ -143,3 +143,45 @@ def test_the_fused_and_per_expert_layouts_load_alike(tmp_path, family):
         layer = next(y for y in model.layers if y.moe is not None)
         outs.append(moe_mlp(x, layer.moe, F.silu))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_expert_lora_adds_each_rows_own_delta():
+    """Rows of two adapters and base rows through the grouped experts, against the per-token
+    loop over each row's adapted expert weights W_e + B_e A_e (PEFT's merged form); skewed so
+    one expert holds every row."""
+    from adapters.lora import LoraWeights
+    from worker.model.expert_lora import ExpertLora, ExpertSlots
+
+    moe, router, gate_up, down = make_moe(router_bias=[2, 3])
+    slots = ExpertSlots.allocate(
+        experts=E, slots=3, max_rank=4, hidden=HIDDEN, intermediate=INTER,
+        dtype=torch.float32, device=torch.device("cpu"),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    deltas = {}
+    for slot, rank in ((0, 2), (2, 4)):
+        ws = []
+        for in_f, out_f in ((HIDDEN, 2 * INTER), (INTER, HIDDEN)):
+            a = torch.randn(E * rank, in_f, generator=g) * 0.3
+            b = torch.randn(out_f, rank * E, generator=g) * 0.3
+            ws.append(LoraWeights(a.numpy(), b.numpy(), scaling=0.5, alpha=rank * 0.5, experts=E))
+        slots.fill(slot, *ws)
+        # PEFT's ParamWrapper.get_delta_weight: B [out, r, E], A [E, r, in] -> [E, out, in]
+        deltas[slot] = [
+            0.5
+            * torch.einsum(
+                "ore,eri->eoi",
+                torch.from_numpy(w.b).reshape(-1, rank, E),
+                torch.from_numpy(w.a).reshape(E, rank, -1),
+            )
+            for w in ws
+        ]
+    token_slots = torch.tensor([0, -1, 2, 2, 0, -1, 1])  # slot 1 is empty: adds nothing
+    x = torch.rand(7, HIDDEN, generator=g) + 0.1
+    got = moe_mlp(x, moe, F.silu, ExpertLora(slots, token_slots))
+    for t, slot in enumerate(token_slots.tolist()):
+        gu, dn = gate_up, down
+        if slot in deltas:
+            gu, dn = gate_up + deltas[slot][0], down + deltas[slot][1]
+        want = reference(x[t : t + 1], router, gu, dn, top_k=2, normalize=True)
+        torch.testing.assert_close(got[t : t + 1].double(), want, rtol=1e-5, atol=1e-5)

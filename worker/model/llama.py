@@ -284,7 +284,8 @@ class LlamaModel:
             hidden = torch.add(hidden, y, alpha=residual_scale)
             x = hidden if layer.post_norm is None else rms_norm(hidden, layer.post_norm, eps)
             if layer.moe is not None:
-                y = moe_mlp(x, layer.moe, activation)
+                experts = None if lora is None else lora.expert_lora(index)
+                y = moe_mlp(x, layer.moe, activation, experts)
             else:
                 assert layer.gate_up is not None and layer.down is not None
                 gate_up = layer.gate_up(x)

@@ -41,13 +41,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from adapters.base_model import BaseModelSpec
+from adapters.base_model import EXPERT_PROJECTIONS, BaseModelSpec
 from adapters.errors import UnsupportedAdapterFeatureError
 from adapters.lora import LoraAdapter
 from adapters.peft_format import load_adapter_dir
 from switchboard_kernels.lora import DoraScales, LoraMapping, NativeSlots, SlotPairs
 from worker.errors import InvalidRequestError, UnknownAdapterError
 from worker.model.dora import BaseWeights, DoraFactors, dora_factors
+from worker.model.expert_lora import ExpertLora, ExpertSlots
 from worker.model.sharding import FUSED_PARTS, Shard
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,15 @@ class LoraBatch:
     stacks: list[dict[str, SlotStack]]  # per layer, by LoRA group (LORA_GROUPS)
     token_slots: list[int]  # each token's slot, -1 for none (as the mapping holds them)
     dora: bool = False  # some token's slot holds a DoRA adapter: rescale after the delta
+    # Per layer: a MoE base's expert LoRA (``worker.model.expert_lora``), None on dense layers.
+    experts: list[ExpertSlots | None] | None = None
+
+    def expert_lora(self, layer: int) -> ExpertLora | None:
+        """Layer ``layer``'s expert LoRA for this step, None where no adapter has any."""
+        slots = None if self.experts is None else self.experts[layer]
+        if slots is None or not slots.used or not self.mapping.any_lora:
+            return None
+        return ExpertLora(slots, self.mapping.token_slots)
 
 
 class LoraManager:
@@ -138,6 +148,7 @@ class LoraManager:
         self.dora: dict[str, DoraFactors] = {}
         self._step = 0
         self._stacks: list[dict[str, SlotStack]] | None = None  # allocated on first load
+        self._experts: list[ExpertSlots | None] | None = None  # a MoE base's, with the stacks
         self.num_slot_loads = 0
         # Evictions, for metrics: a slot refilled while it held another adapter, and an
         # adapter dropped from the host cache (it is read from the store again when needed).
@@ -225,7 +236,7 @@ class LoraManager:
             token_slots, device=self.device, all_decode=all_decode, native=self.native
         )
         dora = any(self.slot_dora) and any(self.slot_dora[s] for s in set(token_slots) if s >= 0)
-        return LoraBatch(mapping, self._stacks, token_slots, dora=dora)
+        return LoraBatch(mapping, self._stacks, token_slots, dora=dora, experts=self._experts)
 
     def take_fills(self) -> list[tuple[int, str, str]]:
         """Rank 0 of a group: the slots filled since the last call, for the other ranks."""
@@ -284,6 +295,8 @@ class LoraManager:
                     stack.pairs.refresh(slot, stack.a, stack.b)
                 if stack.native is not None:
                     stack.native.refresh(slot, stack.a[slot], stack.b[slot])
+        if self.spec.num_experts:
+            self._fill_experts(slot, adapter)
         self.slots[slot] = adapter.id
         self.slot_dora[slot] = bool(factors)
         self.num_slot_loads += 1
@@ -308,6 +321,35 @@ class LoraManager:
             if (layer, module) in factors:
                 g[begin:end] = factors[(layer, module)]
         stack.dora.set(slot, g.to(self.device))
+
+    def _fill_experts(self, slot: int, adapter: LoraAdapter) -> None:
+        """A MoE base's expert LoRA of ``adapter`` into ``slot``. The expert slots are large (per
+        sparse layer, experts x slots x max_lora_rank x (2 hidden + 3 intermediate)), so they are
+        allocated with the first adapter that has expert LoRA."""
+        spec = self.spec
+        if self._experts is None:
+            if not any(module in EXPERT_PROJECTIONS for _, module in adapter.weights):
+                return
+            self._experts = [
+                ExpertSlots.allocate(
+                    experts=spec.num_experts,
+                    slots=self.max_loras,
+                    max_rank=self.max_lora_rank,
+                    hidden=spec.hidden_size,
+                    intermediate=spec.expert_intermediate_size,
+                    dtype=self.dtype,
+                    device=self.device,
+                )
+                if sparse
+                else None
+                for sparse in spec.sparse_layers
+            ]
+        get = adapter.weights.get
+        for layer, experts in enumerate(self._experts):
+            if experts is not None:
+                experts.fill(
+                    slot, get((layer, "experts.gate_up_proj")), get((layer, "experts.down_proj"))
+                )
 
     def _fill_shard(
         self,

@@ -31,6 +31,8 @@ from worker.model.architectures import Experts
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from worker.model.expert_lora import ExpertLora
+
 
 @dataclass(slots=True)
 class MoeWeights:
@@ -139,9 +141,13 @@ def moe_mlp(
     x: torch.Tensor,  # [tokens, hidden]
     moe: MoeWeights,
     act: Callable[[torch.Tensor], torch.Tensor],
+    lora: ExpertLora | None = None,
 ) -> torch.Tensor:  # [tokens, hidden]
-    """``sum_j w_j * down_j(act(gate_j(x)) * up_j(x))`` over each token's routed experts."""
+    """``sum_j w_j * down_j(act(gate_j(x)) * up_j(x))`` over each token's routed experts, each
+    expert's projections with the LoRA delta of each row's adapter where ``lora`` has one
+    (``worker.model.expert_lora``)."""
     routing = route(x, moe)
+    step = None if lora is None else lora.for_pairs(routing.token)
     rows = x.index_select(0, routing.token)  # [pairs, hidden], grouped by expert
     out = torch.empty_like(rows)
     start = 0
@@ -151,8 +157,15 @@ def moe_mlp(
         seg = slice(start, start + count)
         start += count
         h = rows[seg]
-        gate, up = moe.gate_up[e](h).chunk(2, dim=-1)
-        out[seg] = moe.down[e](act(gate) * up)
+        gate_up = moe.gate_up[e](h)
+        if step is not None:
+            step.add_gate_up(gate_up, h, e, seg)
+        gate, up = gate_up.chunk(2, dim=-1)
+        inner = act(gate) * up
+        y = moe.down[e](inner)
+        if step is not None:
+            step.add_down(y, inner, e, seg)
+        out[seg] = y
     # Mixtral scales by fp32 weights and rounds the product; Qwen3-MoE's weights are rounded
     # already. The pairs are added in expert order, as transformers adds them.
     scaled = (out * routing.weight[:, None]).to(x.dtype)
