@@ -1,22 +1,30 @@
 """The admin API under /admin (bearer admin token): tenants, API keys, adapters, quotas,
-scheduling weights, usage."""
+scheduling weights, usage, the live workers."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import grpc
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.deps import State, require_admin
 from gateway.errors import InvalidRequestError
+from gateway.state import GatewayState
 from gateway.tenancy.quotas import Quota
 from gateway.tenancy.usage import day_range, read_usage
 from gateway.tenancy.weights import WeightAssignment
 from gateway.uploads.registration import delete_adapter, register_adapter_dir
+from gateway.worker_client import stats
+
+log = logging.getLogger(__name__)
+STATS_TIMEOUT_S = 2.0
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
@@ -181,17 +189,42 @@ def _scheduling(tenant: str, scheduling: WeightAssignment) -> dict[str, Any]:
 
 @router.get("/workers")
 async def list_workers(state: State) -> dict[str, Any]:
-    """Live workers of the served model (the registry), each with its load and the adapters
-    it holds, named as "tenant/name"."""
+    """Live workers of the served model (the registry), each with its load, the adapters it
+    holds, named as "tenant/name", and its engine's service per tenant (its `Stats`; null
+    when the worker did not answer in time)."""
     workers = await state.workers.workers()
     held = sorted({a for w in workers for a in w.adapters})
     names = await state.catalog.names_of(held)
+    services = await asyncio.gather(*(_tenant_service(state, w.address) for w in workers))
     return {
         "data": [
-            {**asdict(w), "adapter_names": {a: names.get(a, []) for a in w.adapters}}
-            for w in workers
+            {
+                **asdict(w),
+                "adapter_names": {a: names.get(a, []) for a in w.adapters},
+                "tenant_service": service,
+            }
+            for w, service in zip(workers, services, strict=True)
         ]
     }
+
+
+async def _tenant_service(state: GatewayState, address: str) -> list[dict[str, Any]] | None:
+    try:
+        answer = await stats(state.channels, address=address, timeout_s=STATS_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        log.warning("Stats from worker %s failed: %s", address, exc)
+        return None
+    return [
+        {
+            "tenant": t.tenant,
+            "weight": t.weight,
+            "virtual_counter": t.virtual_counter,
+            "prefill_tokens": t.prefill_tokens,
+            "decode_tokens": t.decode_tokens,
+            "mean_queue_s": t.queue_time_sum_s / t.queued_requests if t.queued_requests else 0.0,
+        }
+        for t in answer.tenants
+    ]
 
 
 @router.get("/usage")

@@ -258,6 +258,13 @@ async def load_adapter(
     await channels.stub(address).LoadAdapter(request, timeout=timeout_s)
 
 
+async def stats(
+    channels: WorkerChannels, *, address: str, timeout_s: float
+) -> worker_pb2.StatsResponse:
+    """One worker's load and per-tenant service (raises grpc errors)."""
+    return await channels.stub(address).Stats(worker_pb2.StatsRequest(), timeout=timeout_s)
+
+
 async def unload_adapter(
     channels: WorkerChannels, *, address: str, adapter_id: str, timeout_s: float
 ) -> bool:

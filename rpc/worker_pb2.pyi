@@ -178,17 +178,37 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("model", "running", "waiting", "free_kv_blocks", "total_kv_blocks", "adapters_loaded")
+    __slots__ = ("model", "running", "waiting", "free_kv_blocks", "total_kv_blocks", "adapters_loaded", "tenants")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     running: int
     waiting: int
     free_kv_blocks: int
     total_kv_blocks: int
     adapters_loaded: int
-    def __init__(self, model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., adapters_loaded: _Optional[int] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantService]
+    def __init__(self, model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., adapters_loaded: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantService, _Mapping]]] = ...) -> None: ...
+
+class TenantService(_message.Message):
+    __slots__ = ("tenant", "weight", "virtual_counter", "prefill_tokens", "decode_tokens", "queue_time_sum_s", "queued_requests")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    VIRTUAL_COUNTER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIME_SUM_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: float
+    virtual_counter: float
+    prefill_tokens: int
+    decode_tokens: int
+    queue_time_sum_s: float
+    queued_requests: int
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ..., virtual_counter: _Optional[float] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., queue_time_sum_s: _Optional[float] = ..., queued_requests: _Optional[int] = ...) -> None: ...

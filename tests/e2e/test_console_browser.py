@@ -338,4 +338,8 @@ def test_the_admin_creates_a_tenant_sets_a_quota_and_sees_the_fleet(
     while "dyn/tuned" not in (worker.text_content() if worker.count() else ""):
         assert time.monotonic() < deadline, "the fleet never showed dyn/tuned"
         page.wait_for_timeout(500)
+    # The engine's service per tenant: dyn's request was computed there.
+    service = page.locator("#service-table tbody tr", has_text="dyn")
+    expect(service).to_have_count(1)
+    assert int(service.locator("td").nth(3).text_content()) > 0  # prefill tokens
     screenshot(page, "admin")

@@ -229,6 +229,16 @@ async def test_cached_prompt_tokens_are_reported_and_isolated_per_tenant(stub, p
     assert cached[1] > 0
 
 
+async def test_stats_report_each_tenants_service(stub, prompt_ids):
+    """The fair-scheduling ledger the metrics port exports, also in `Stats` (for the admin)."""
+    await collect(stub, request(prompt_ids, max_tokens=4, tenant="stats-only"))
+    stats = await stub.Stats(worker_pb2.StatsRequest())
+    [mine] = [t for t in stats.tenants if t.tenant == "stats-only"]
+    assert mine.prefill_tokens == len(prompt_ids) and 1 <= mine.decode_tokens <= 4
+    assert mine.weight > 0 and mine.virtual_counter > 0
+    assert mine.queued_requests == 1 and mine.queue_time_sum_s >= 0
+
+
 async def test_stop_string(stub, offline, prompt_ids):
     [free] = offline.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=32))
     stop = free.text[5:7]

@@ -269,6 +269,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             free_kv_blocks=stats.free_kv_blocks,
             total_kv_blocks=stats.total_kv_blocks,
             adapters_loaded=len(stats.adapter_ids),
+            tenants=[
+                worker_pb2.TenantService(
+                    tenant=t.tenant,
+                    weight=t.weight,
+                    virtual_counter=t.counter,
+                    prefill_tokens=t.prefill_tokens,
+                    decode_tokens=t.decode_tokens,
+                    queue_time_sum_s=t.queue_time_sum,
+                    queued_requests=t.queue_time_buckets[-1] if t.queue_time_buckets else 0,
+                )
+                for t in stats.tenants
+            ],
         )
 
     def _stored(self, adapter_id: str) -> Path:

@@ -122,6 +122,10 @@ async function loadFleet() {
     return [w.worker_id, w.address, w.running, w.waiting, `${(used * 100).toFixed(0)} %`,
             held.length ? held.join("; ") : "–", `${Math.max(0, Date.now() / 1000 - w.heartbeat_at).toFixed(0)} s ago`];
   }));
+  fill($("service-table").querySelector("tbody"), workers.flatMap((w) => (w.tenant_service === null
+    ? [[w.worker_id, "(no answer)", "", "", "", "", ""]]
+    : w.tenant_service.map((t) => [w.worker_id, t.tenant || "–", t.weight, t.prefill_tokens, t.decode_tokens,
+                                   t.virtual_counter.toFixed(1), `${(t.mean_queue_s * 1000).toFixed(0)} ms`]))));
 }
 
 $("usage-days").addEventListener("change", loadUsage);
