@@ -17,9 +17,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Prepares the default model, then Redis (reused or embedded), a worker and the gateway.
+# MODEL=DIR serves a local checkpoint of any supported family instead (docs/models.md;
+# `switchboard model tiny FAMILY DIR` writes a tiny random one).
+MODEL ?=
 run: install
+ifeq ($(MODEL),)
 	$(BIN)/switchboard model prepare
-	$(BIN)/switchboard up
+endif
+	$(BIN)/switchboard up $(if $(MODEL),--model $(MODEL))
 
 # The offline engine alone, no servers.
 demo: install

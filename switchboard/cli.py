@@ -37,6 +37,24 @@ def _model_prepare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="convert again even if cached")
 
 
+def model_tiny(args: argparse.Namespace) -> int:
+    """Write a tiny random checkpoint of a family, with a tokenizer; print its directory."""
+    from pathlib import Path
+
+    from worker.model.tiny_families import make_servable_checkpoint
+
+    print(make_servable_checkpoint(Path(args.dir), args.family, seed=args.seed))
+    return 0
+
+
+def _model_tiny_arguments(parser: argparse.ArgumentParser) -> None:
+    from worker.model.tiny_families import FAMILIES
+
+    parser.add_argument("family", choices=sorted(FAMILIES), help="the architecture to build")
+    parser.add_argument("dir", help="where to write it (then: make run MODEL=DIR)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+
+
 def model_path(args: argparse.Namespace) -> int:
     """Print where the default model lives; exit 1 if it has not been prepared yet."""
     from runtime.home import default_model_dir
@@ -309,6 +327,12 @@ COMMANDS: tuple[Command, ...] = (
         _model_prepare_arguments,
     ),
     Command(("model", "path"), "print the default model's directory", model_path),
+    Command(
+        ("model", "tiny"),
+        "write a tiny random checkpoint of a family (to try it end to end)",
+        model_tiny,
+        _model_tiny_arguments,
+    ),
     Command(("demo",), "answer a few chat prompts with the engine", demo, _demo_arguments),
     Command(
         ("bench", "throughput"),

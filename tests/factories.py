@@ -75,35 +75,11 @@ def random_prompts(num: int, *, min_len: int, max_len: int, vocab: int = TINY_VO
 
 
 def add_byte_level_tokenizer(path: Path, *, vocab_size: int = 400) -> Path:
-    """Train a small byte-level BPE (GPT-2 / Llama 3 style) and save it beside a checkpoint.
+    """A small byte-level BPE with a plain chat template beside a checkpoint
+    (``worker.model.tiny_families.write_byte_level_tokenizer``)."""
+    from worker.model.tiny_families import write_byte_level_tokenizer
 
-    The checkpoint's vocabulary must be at least ``vocab_size``.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    corpus = [
-        "héllo 世界 🙂 hello world",
-        "the quick brown fox jumps over the lazy dog",
-        "naïve café über straße déjà vu, again and again.",
-    ] * 20
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>"],
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
-    fast.chat_template = (
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}"
-    )
-    fast.save_pretrained(path)
-    return path
+    return write_byte_level_tokenizer(path, vocab_size=vocab_size)
 
 
 def make_peft_adapter(

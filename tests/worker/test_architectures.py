@@ -49,7 +49,7 @@ def test_llama_reads_as_the_plain_llama_block(tmp_path):
         ({"num_local_experts": 8}, "num_local_experts"),
         ({"hidden_act": "gelu"}, "'gelu'"),
         ({"model_type": "gpt2"}, "'gpt2'"),
-        ({"model_type": "phi3", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"model_type": "qwen3", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ],
 )
 def test_a_math_field_the_family_does_not_read_is_refused_by_name(tmp_path, fields, named):

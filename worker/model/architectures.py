@@ -174,11 +174,13 @@ def _rope(hf: Any) -> dict:
     return rope
 
 
-def _one_rope(hf: Any, num_layers: int) -> dict[str, Any]:
+def _one_rope(hf: Any, num_layers: int, *, partial: bool = False) -> dict[str, Any]:
+    """One RoPE for every layer; ``partial``: it may rotate only the first
+    ``partial_rotary_factor`` of each head (Phi-4-mini), else that is refused."""
     rope = _rope(hf)
-    partial = rope.get("partial_rotary_factor", 1.0)
-    if partial not in (None, 1.0):
-        raise ModelLoadError(f"partial_rotary_factor={partial} is not supported")
+    factor = rope.get("partial_rotary_factor", 1.0)
+    if factor not in (None, 1.0) and not partial:
+        raise ModelLoadError(f"partial_rotary_factor={factor} is not supported")
     return {"ropes": (rope,), "layer_ropes": (0,) * num_layers}
 
 
@@ -243,7 +245,9 @@ def _gemma3(hf: Any, n: int) -> Block:
 
 
 def _phi3(hf: Any, n: int) -> Block:
-    return Block(fused_checkpoint=True, layer_windows=_layer_windows(hf, n), **_one_rope(hf, n))
+    return Block(
+        fused_checkpoint=True, layer_windows=_layer_windows(hf, n), **_one_rope(hf, n, partial=True)
+    )
 
 
 def _mixtral(hf: Any, n: int) -> Block:
@@ -298,7 +302,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     "gemma2": Architecture(_gemma2, _WINDOWS | _GEMMA, _GELU),
     "gemma3_text": Architecture(_gemma3, _WINDOWS | _GEMMA, _GELU),
-    "phi3": Architecture(_phi3, _WINDOWS),
+    "phi3": Architecture(_phi3, _WINDOWS | {"partial_rotary_factor"}),
     # The expert count under either name (each config maps one to the other).
     "mixtral": Architecture(_mixtral, _WINDOWS | {"num_local_experts", "num_experts"}),
     "qwen3_moe": Architecture(_qwen3_moe, _WINDOWS | {"num_experts", "num_local_experts"}),

@@ -34,7 +34,13 @@ from worker.model.architectures import Activation, QKNorm
 from worker.model.layers import load_layer, norm_weight
 from worker.model.model_config import ModelConfig
 from worker.model.moe import moe_mlp
-from worker.model.rope import RopeTables, apply_rope, long_rope_threshold
+from worker.model.rope import (
+    RopeTables,
+    apply_partial_rope,
+    apply_rope,
+    long_rope_threshold,
+    rotary_dim,
+)
 from worker.model.sharding import Shard, Span, check_divisible, weight_slicer
 
 if TYPE_CHECKING:
@@ -89,8 +95,8 @@ class LlamaModel:
         self.kv_size = self.num_kv_heads * c.head_dim
         block = c.block
         self.scale = block.attention_scale or c.head_dim**-0.5
-        # The Llama block exactly: the Llama loop, the native draft pass.
-        self.llama_block = block.is_llama
+        # The Llama block exactly: the Llama loop, the native draft pass (RoPE on whole heads).
+        self.llama_block = block.is_llama and rotary_dim(c.head_dim, c.rope) == c.head_dim
         # Vocabulary-parallel: this rank's rows of the embedding and the output layer, ids
         # vocab_start .. vocab_start + rows, padded with zero rows to vocab_rows.
         self.vocab_start = self.shard.vocab_span(c.vocab_size).start
@@ -263,8 +269,8 @@ class LlamaModel:
             if layer.q_norm is not None and not across:  # per head, before RoPE
                 q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
             cos, sin = rotations[layer.rope]
-            q = apply_rope(q.view(n, self.num_heads, hd), cos, sin)
-            k = apply_rope(k.view(n, self.num_kv_heads, hd), cos, sin)
+            q = apply_partial_rope(q.view(n, self.num_heads, hd), cos, sin)
+            k = apply_partial_rope(k.view(n, self.num_kv_heads, hd), cos, sin)
             v = v.reshape(n, self.num_kv_heads, hd)
             attn = attend(
                 q,

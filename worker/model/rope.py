@@ -28,6 +28,12 @@ def long_rope_threshold(rope: dict) -> int | None:
     return int(rope["original_max_position_embeddings"])
 
 
+def rotary_dim(head_dim: int, rope: dict) -> int:
+    """The leading features of each head that RoPE rotates (Phi-4-mini: ``partial_rotary_factor``
+    0.75; the rest pass through)."""
+    return int(head_dim * (rope.get("partial_rotary_factor") or 1.0))
+
+
 def inverse_frequencies(head_dim: int, rope: dict, *, long: bool = False) -> torch.Tensor:
     """[head_dim // 2] fp32 inverse frequencies for HF's ``rope_parameters`` dict
     (``long``: LongRoPE's long factors, else its short ones)."""
@@ -83,7 +89,8 @@ def _attention_factor(rope: dict, max_positions: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class RopeTables:
-    """cos and sign-folded sin per position, each [max_positions, head_dim].
+    """cos and sign-folded sin per position, each [max_positions, rotary_dim] (``rotary_dim``:
+    head_dim, or its leading part under a partial rotary factor).
 
     HF's rotate-half form is ``x * cos + cat(-x2, x1) * sin``. Folding the minus sign into
     the first half of ``sin`` turns ``cat(-x2, x1)`` into ``roll(x, half)``, so applying
@@ -98,6 +105,7 @@ class RopeTables:
 
     @classmethod
     def build(cls, head_dim: int, rope: dict, max_positions: int, dtype: torch.dtype) -> RopeTables:
+        head_dim = rotary_dim(head_dim, rope)
         positions = torch.arange(max_positions, dtype=torch.float32)
         variants = [False] if long_rope_threshold(rope) is None else [False, True]
         scale = 1.0 if len(variants) == 1 else _attention_factor(rope, max_positions)
@@ -124,3 +132,14 @@ class RopeTables:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x: [tokens, heads, head_dim]; cos/signed_sin: [tokens, 1, head_dim] (rotate-half)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def apply_partial_rope(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> torch.Tensor:
+    """``apply_rope`` on the leading ``rotary_dim`` features of each head (cos/signed_sin's
+    width); the rest pass through."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return apply_rope(x, cos, signed_sin)
+    return torch.cat((apply_rope(x[..., :rot], cos, signed_sin), x[..., rot:]), dim=-1)
