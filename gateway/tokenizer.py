@@ -131,7 +131,10 @@ class ChatTokenizer:
         return await asyncio.get_running_loop().run_in_executor(self.pool, render)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # `encode_batch` releases the GIL while it tokenizes; `encode` holds it throughout, so
+        # a long text on the pool stalled the event loop for as long (2 s for 1 MB).
+        encoding = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return encoding.ids
 
     def render_chat(
         self,
