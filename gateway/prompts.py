@@ -29,12 +29,12 @@ def check_text_fits(text: str, *, tokenizer: ChatTokenizer, max_model_len: int, 
 
 
 async def completion_prompt_ids(
-    body: CompletionRequest, *, tokenizer: ChatTokenizer, max_model_len: int
+    body: CompletionRequest, *, tokenizer: ChatTokenizer, max_model_len: int, tenant: str = ""
 ) -> list[int]:
     prompt = body.single_prompt()
     if isinstance(prompt, str):
         check_text_fits(prompt, tokenizer=tokenizer, max_model_len=max_model_len, param="prompt")
-        return await tokenizer.encode_async(prompt, add_special_tokens=True)
+        return await tokenizer.encode_async(prompt, add_special_tokens=True, tenant=tenant)
     if len(prompt) >= max_model_len:
         raise context_error(max_model_len, str(len(prompt)), param="prompt")
     vocab = tokenizer.vocab_size
@@ -44,7 +44,7 @@ async def completion_prompt_ids(
 
 
 async def chat_prompt_ids(
-    body: ChatCompletionRequest, *, tokenizer: ChatTokenizer, max_model_len: int
+    body: ChatCompletionRequest, *, tokenizer: ChatTokenizer, max_model_len: int, tenant: str = ""
 ) -> list[int]:
     messages = [m.for_template(i) for i, m in enumerate(body.messages)]
     # The model sees the tools only when it may call them (tool_choice other than "none").
@@ -55,16 +55,26 @@ async def chat_prompt_ids(
         add_generation_prompt=body.add_generation_prompt,
         tools=tools,
         switches=body.template_switches,
+        tenant=tenant,
     )
     check_text_fits(text, tokenizer=tokenizer, max_model_len=max_model_len, param="messages")
     # The template writes the special tokens itself, so none are added (like transformers).
-    return await tokenizer.encode_async(text, add_special_tokens=False)
+    return await tokenizer.encode_async(text, add_special_tokens=False, tenant=tenant)
 
 
 async def prompt_ids(
-    body: CompletionRequest | ChatCompletionRequest, *, tokenizer: ChatTokenizer, max_model_len: int
+    body: CompletionRequest | ChatCompletionRequest,
+    *,
+    tokenizer: ChatTokenizer,
+    max_model_len: int,
+    tenant: str = "",
 ) -> list[int]:
-    """The prompt of either endpoint as token ids."""
+    """The prompt of either endpoint as token ids (long ones on the tokenizer's pool, in
+    ``tenant``'s turn)."""
     if isinstance(body, ChatCompletionRequest):
-        return await chat_prompt_ids(body, tokenizer=tokenizer, max_model_len=max_model_len)
-    return await completion_prompt_ids(body, tokenizer=tokenizer, max_model_len=max_model_len)
+        return await chat_prompt_ids(
+            body, tokenizer=tokenizer, max_model_len=max_model_len, tenant=tenant
+        )
+    return await completion_prompt_ids(
+        body, tokenizer=tokenizer, max_model_len=max_model_len, tenant=tenant
+    )

@@ -64,7 +64,9 @@ async def resolve(
         tenants=tenants, caller=caller, model=body.model, served_model_name=limits.served_model_name
     )
     constraint = await constraint_for(body, checker=grammars, tenant=caller.tenant)
-    prompt = await prompt_ids(body, tokenizer=tokenizer, max_model_len=limits.max_model_len)
+    prompt = await prompt_ids(
+        body, tokenizer=tokenizer, max_model_len=limits.max_model_len, tenant=caller.tenant
+    )
     if parsed.prompt_logprobs is not None:
         bound_prompt_logprobs(
             len(prompt),

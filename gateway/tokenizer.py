@@ -9,8 +9,10 @@ environment configured the way transformers configures it (`trim_blocks`, `lstri
 the rendering against transformers' `apply_chat_template`.
 
 Long texts are tokenized, and large conversations rendered, on a small thread pool of the
-tokenizer's own, never on the event loop; `min_tokens` bounds a text's token count from its
-byte length alone, so a prompt that cannot fit is refused without tokenizing it.
+tokenizer's own, never on the event loop, shared by tenants in fair order
+(`gateway.fair_slots`: a freed thread goes to the tenant that has held the threads least, and
+a tenant waits with at most `QUEUE_PER_TENANT` jobs); `min_tokens` bounds a text's token count
+from its byte length alone, so a prompt that cannot fit is refused without tokenizing it.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ import functools
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 from jinja2 import meta
@@ -33,11 +35,16 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 
 from gateway.errors import InvalidRequestError
+from gateway.fair_slots import FairSlots
+
+T = TypeVar("T")
 
 SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # Texts up to this many characters are tokenized inline: the hand-off to a thread costs more.
 INLINE_CHARS = 8192
 INLINE_MESSAGES = 64
+# A tenant's jobs waiting for the pool at most (the default concurrency quota); past it, 429.
+QUEUE_PER_TENANT = 64
 # Pre-tokenizers and normalizers that never drop or shrink text (see `_longest_token_bytes`).
 KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split"})
 
@@ -61,10 +68,20 @@ class ChatTokenizer:
     # rendered its own way, else by gateway.structured.tool_rendering's fallback.
     renders_tools: bool = False
     pool: ThreadPoolExecutor = field(init=False, repr=False, compare=False)
+    turns: FairSlots = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="tokenize")
         object.__setattr__(self, "pool", pool)
+        # Jobs are bounded (a body's size, the context), so a tenant alone may use every
+        # thread; beside others it waits its fair turn, at most one job long.
+        turns = FairSlots(
+            slots=self.threads,
+            per_tenant=self.threads,
+            queue_limit=QUEUE_PER_TENANT,
+            name="tokenizing",
+        )
+        object.__setattr__(self, "turns", turns)
 
     @classmethod
     def from_dir(cls, path: str | Path, *, threads: int = 2) -> ChatTokenizer:
@@ -100,13 +117,14 @@ class ChatTokenizer:
             return 0
         return math.ceil(len(text.encode("utf-8", "surrogatepass")) / self.longest_token_bytes)
 
-    async def encode_async(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """`encode`, on the pool unless the text is short."""
+    async def encode_async(
+        self, text: str, *, add_special_tokens: bool = True, tenant: str = ""
+    ) -> list[int]:
+        """`encode`, on the pool (in ``tenant``'s turn) unless the text is short."""
         if len(text) <= INLINE_CHARS:
             return self.encode(text, add_special_tokens=add_special_tokens)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self.pool, lambda: self.encode(text, add_special_tokens=add_special_tokens)
+        return await self._on_pool(
+            tenant, lambda: self.encode(text, add_special_tokens=add_special_tokens)
         )
 
     async def render_chat_async(
@@ -116,8 +134,10 @@ class ChatTokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         switches: Mapping[str, bool] | None = None,
+        tenant: str = "",
     ) -> str:
-        """`render_chat`, on the pool unless the conversation is small (and has no tools)."""
+        """`render_chat`, on the pool (in ``tenant``'s turn) unless the conversation is small
+        (and has no tools)."""
         render = functools.partial(
             self.render_chat,
             messages,
@@ -128,7 +148,11 @@ class ChatTokenizer:
         size = sum(len(m.get("content") or "") for m in messages)
         if size <= INLINE_CHARS and len(messages) <= INLINE_MESSAGES and not tools:
             return render()
-        return await asyncio.get_running_loop().run_in_executor(self.pool, render)
+        return await self._on_pool(tenant, render)
+
+    async def _on_pool(self, tenant: str, job: Callable[[], T]) -> T:
+        async with self.turns.hold(tenant):
+            return await asyncio.get_running_loop().run_in_executor(self.pool, job)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         # `encode_batch` releases the GIL while it tokenizes; `encode` holds it throughout, so

@@ -117,3 +117,26 @@ async def test_a_newcomer_banks_no_credit_from_being_idle():
     assert pool.counter("b") == pool.counter("a") == 3.0
     release.set()
     await asyncio.gather(holder, newcomer)
+
+
+async def test_the_tokenizers_pool_serves_tenants_in_fair_order(model_dir):
+    """A tenant with many long prompts queued on the tokenizer's pool does not hold another
+    tenant's prompt behind all of them: the next free thread goes to the newcomer."""
+    from gateway.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer.from_dir(model_dir, threads=1)
+    text = "hello world " * 2000  # long enough for the pool
+    order: list[str] = []
+
+    async def encode(tenant: str) -> None:
+        await tokenizer.encode_async(text, tenant=tenant)
+        order.append(tenant)
+
+    try:
+        flood = [asyncio.create_task(encode("flood")) for _ in range(6)]
+        await settle()
+        victim = asyncio.create_task(encode("victim"))
+        await asyncio.gather(*flood, victim)
+    finally:
+        tokenizer.close()
+    assert order.index("victim") <= 2, order  # after at most the running job and one more
