@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from switchboard_kernels.activation_native import silu_mul
 from switchboard_kernels.draft_native import NativeDecodePass, native_draft
 from switchboard_kernels.linear import Q4_MAX_ROWS, Linear
 from switchboard_kernels.linear_choice import LinearPlan
@@ -228,8 +229,7 @@ class LlamaModel:
             gate_up = layer.gate_up(x)
             if adapters is not None:
                 adapters.add(gate_up, x, "gate_up")
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = silu_mul(gate_up)
             hidden = self._row_parallel(layer.down, act, hidden, adapters, "down")
         return hidden
 
@@ -297,8 +297,11 @@ class LlamaModel:
                 gate_up = layer.gate_up(x)
                 if adapters is not None:
                     adapters.add(gate_up, x, "gate_up")
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = activation(gate) * up
+                if activation is F.silu:
+                    act = silu_mul(gate_up)
+                else:
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    act = activation(gate) * up
                 y = self._projected(layer.down, act, adapters, "down")
             if layer.mlp_out_norm is not None:
                 y = rms_norm(y, layer.mlp_out_norm, eps)
