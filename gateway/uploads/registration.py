@@ -85,7 +85,9 @@ async def _register(
     *, state: GatewayState, tenant: str, name: str, source, path: Path, staging: Path
 ) -> Registration:
     check_adapter_name(name, served_model_name=state.settings.served_model_name)
-    validated = await state.catalog.validator.validate(source=source, path=path, work_dir=staging)
+    validated = await state.catalog.validator.validate(
+        source=source, path=path, work_dir=staging, tenant=tenant
+    )
     return await state.catalog.register(tenant, name, validated)
 
 

@@ -5,7 +5,10 @@ A fresh `python -m adapters.isolated` per upload, rather than a process pool: ea
 starts with its own limits and a clean address space, and one killed by a limit takes no
 other upload's work with it (a pool's broken worker fails every task in flight). Its start
 (Python, numpy and adapters imported) is small next to receiving an upload
-(docs/performance.md). A gateway-wide semaphore bounds how many run at once.
+(docs/performance.md). At most `limits.concurrency` run at once, shared fairly by tenants
+(`gateway.fair_slots`): one tenant's validation at a time (a tenant's uploads in flight are
+bounded by its own quota, `max_concurrent_uploads`), a freed slot to the waiting tenant that
+has held them least, so one tenant's slow uploads never hold every slot.
 
 A child's end becomes an error in OpenAI's format: its own refusals keep their adapter
 error (400/413), memory past its limit is 413, CPU time or wall time past its limit 422.
@@ -27,6 +30,7 @@ from typing import Literal
 from adapters import ArchiveLimits, BaseModelSpec, errors
 from gateway.child_processes import Child
 from gateway.errors import GatewayError, PayloadTooLargeError
+from gateway.fair_slots import FairSlots
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,10 @@ class UploadValidationLimitError(GatewayError):
     status = 422
     type = "invalid_request_error"
     code = "upload_validation_limit"
+
+
+# A tenant's validations waiting at most (its uploads in flight are bounded by its quota first).
+QUEUE_PER_TENANT = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,14 +103,20 @@ class UploadValidator:
             "file_bytes": max(max_bytes, archive_limits.max_member_bytes) + (2 << 20),
         }
         self.limits = limits
-        self._slots = asyncio.Semaphore(limits.concurrency)
+        self._slots = FairSlots(
+            slots=limits.concurrency,
+            per_tenant=max(1, limits.concurrency // 2),
+            queue_limit=QUEUE_PER_TENANT,
+            name="upload validation",
+        )
 
     async def validate(
-        self, *, source: Literal["archive", "dir"], path: Path, work_dir: Path
+        self, *, source: Literal["archive", "dir"], path: Path, work_dir: Path, tenant: str = ""
     ) -> ValidatedUpload:
-        """Validate the archive or directory at `path`; the child writes into `work_dir`."""
+        """Validate the archive or directory at `path` (in ``tenant``'s turn); the child
+        writes into `work_dir`."""
         job = {**self.job, "source": source, "path": str(path), "work_dir": str(work_dir)}
-        async with self._slots:
+        async with self._slots.hold(tenant):
             returncode, out, err = await self._run(json.dumps(job).encode())
         answer = _answer(out)
         if answer is None:
