@@ -12,8 +12,10 @@ child goes to the waiting tenant that has used the children for the fewest secon
 pathological grammars from one tenant thus costs that tenant's own turns; another tenant's check
 waits at most for one check in progress.
 
-Verdicts, good and bad, are kept in an LRU by sha256 of (format, text): a schema sent again costs a
-hash and a dict lookup, and the same grammar checked by several requests at once is checked once.
+Verdicts, good and bad, are kept in an LRU by sha256 of (tenant, format, text): a schema a tenant
+sends again costs a hash and a dict lookup, and the same grammar checked by several of its
+requests at once is checked once. The tenant is part of the key, as it salts the prefix cache:
+otherwise a fast answer would tell a tenant that someone else had sent that schema recently.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class GrammarChecker:
 
     async def verdict(self, fmt: str, text: str, *, tenant: str) -> str:
         """Why the grammar is invalid ("" if it is valid), from the cache when known."""
-        key = hashlib.sha256(f"{fmt}\0{text}".encode("utf-8", "surrogatepass")).digest()
+        key = hashlib.sha256(f"{tenant}\0{fmt}\0{text}".encode("utf-8", "surrogatepass")).digest()
         known = self._verdicts.get(key)
         if known is not None:
             self._verdicts.move_to_end(key)

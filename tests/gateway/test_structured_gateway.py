@@ -531,3 +531,18 @@ async def test_a_check_past_its_time_is_refused():
         assert verdict.startswith("checking it took longer than")
     finally:
         await grammars.close()
+
+
+async def test_verdicts_are_cached_per_tenant():
+    """A tenant's schema is not answered from another tenant's verdict (its time would tell
+    that someone else sent it)."""
+    grammars = checker()
+    try:
+        await grammars.verdict("regex", "[0-9]+x", tenant="a")
+        valid = checked("valid")
+        await grammars.verdict("regex", "[0-9]+x", tenant="b")
+        assert checked("valid") == valid + 1
+        await grammars.verdict("regex", "[0-9]+x", tenant="b")
+        assert checked("valid") == valid + 1
+    finally:
+        await grammars.close()
