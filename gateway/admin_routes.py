@@ -151,6 +151,13 @@ async def get_quotas(tenant: str, state: State) -> dict[str, Any]:
     return {"tenant": tenant, **asdict(await state.quotas.get_quota(tenant))}
 
 
+@router.get("/tenants/{tenant}/quotas/in-use")
+async def get_quotas_in_use(tenant: str, state: State) -> dict[str, Any]:
+    """What of each per-minute, concurrency and daily limit is in use now (null: no limit)."""
+    await state.tenants.require_tenant(tenant)
+    return {"tenant": tenant, **asdict(await state.quotas.usage_now(tenant))}
+
+
 @router.put("/tenants/{tenant}/scheduling")
 async def set_scheduling(tenant: str, body: SchedulingBody, state: State) -> dict[str, Any]:
     """Put the tenant on a tier or give it a weight (its share of busy workers relative to

@@ -323,7 +323,7 @@ def test_the_admin_creates_a_tenant_sets_a_quota_and_sees_the_fleet(
     page.fill("#q-requests_per_minute", "60")
     page.fill("#q-daily_tokens", "100000")
     page.click("#quota-save")
-    expect(row.locator("td").nth(2)).to_have_text("60")
+    expect(row.locator("td").nth(2)).to_have_text("60 (0 in use)")
     assert stack.admin("GET", "/tenants/cobalt/quotas")["requests_per_minute"] == 60
     page.check("#self-service-keys")
     page.click("#new-key")

@@ -58,6 +58,9 @@ async def test_limits_and_what_is_in_use_now(live):
         assert after["requests_per_minute"] == 1
         assert after["tokens_per_minute"] == after["daily_tokens"] == charged
         assert after["max_concurrent_requests"] == 0  # it ended
+        async with httpx.AsyncClient(base_url=live.gw.url, headers=live.gw.admin_headers) as admin:
+            seen = (await admin.get("/admin/tenants/alice/quotas/in-use")).json()
+        assert seen == {"tenant": "alice", **{k: after[k] for k in quota}}
 
         # Bob: no limit set but the default concurrency (none here), nothing of alice's.
         theirs = await bob.get("/v1/account")

@@ -11,17 +11,23 @@ let selected = null;
 const show = (target) => (err) => { $(target).textContent = err.message; };
 const path = (tenant, rest = "") => `tenants/${encodeURIComponent(tenant)}${rest}`;
 
+const tenantsTicket = Console.tickets();
+const usageTicket = Console.tickets();
+const fleetTicket = Console.tickets();
+
 async function loadTenants() {
+  const current = tenantsTicket();
   const tenants = (await json("tenants")).data;
   const rows = await Promise.all(tenants.map(async (t) => {
-    const [quota, scheduling] = await Promise.all([json(path(t.name, "/quotas")), json(path(t.name, "/scheduling"))]);
-    const limit = (v) => (v === null ? "–" : v);
-    return [t.name, Console.time(t.created_at), limit(quota.requests_per_minute), limit(quota.tokens_per_minute),
-            limit(quota.max_concurrent_requests), limit(quota.daily_tokens),
+    const [quota, used, scheduling] = await Promise.all([
+      json(path(t.name, "/quotas")), json(path(t.name, "/quotas/in-use")), json(path(t.name, "/scheduling"))]);
+    const limit = (name) => (quota[name] === null ? "–" : `${quota[name]} (${used[name]} in use)`);
+    return [t.name, Console.time(t.created_at), limit("requests_per_minute"), limit("tokens_per_minute"),
+            limit("max_concurrent_requests"), limit("daily_tokens"),
             Console.scheduling(scheduling),
             el("button", { type: "button", "data-tenant": t.name, onclick: () => select(t.name) }, "Manage")];
   }));
-  fill($("tenant-table").querySelector("tbody"), rows);
+  if (current()) fill($("tenant-table").querySelector("tbody"), rows);
 }
 
 async function select(tenant) {
@@ -101,8 +107,10 @@ $("new-key").addEventListener("click", async () => {
 });
 
 async function loadUsage() {
+  const current = usageTicket();
   const { start, end } = Console.daysBack(Number($("usage-days").value));
   const usage = await json(`usage?start_date=${start}&end_date=${end}`);
+  if (!current()) return;
   const days = [];
   for (let t = Date.parse(start); t <= Date.parse(end); t += 86400000) days.push(new Date(t).toISOString().slice(0, 10));
   const series = {};
@@ -114,7 +122,9 @@ async function loadUsage() {
 }
 
 async function loadFleet() {
+  const current = fleetTicket();
   const workers = (await json("workers")).data;
+  if (!current()) return;
   $("fleet-empty").hidden = workers.length > 0;
   fill($("worker-table").querySelector("tbody"), workers.map((w) => {
     const used = w.total_kv_blocks ? 1 - w.free_kv_blocks / w.total_kv_blocks : 0;

@@ -118,5 +118,15 @@ const Console = (() => {
     return `${from ?? s.source}, weight ${s.weight}`;
   }
 
-  return { scheduling, ApiError, call, json, el, fill, bytes, time, daysBack, barChart, csrf, apiBase };
+  // For a loader called again before its last call answered: `const current = ticket();`
+  // before its awaits, `if (!current()) return;` after them, so only the latest call renders.
+  function tickets() {
+    let issued = 0;
+    return () => {
+      const mine = ++issued;
+      return () => mine === issued;
+    };
+  }
+
+  return { tickets, scheduling, ApiError, call, json, el, fill, bytes, time, daysBack, barChart, csrf, apiBase };
 })();

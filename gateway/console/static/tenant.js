@@ -6,10 +6,16 @@ const { el, fill, json, call } = Console;
 const $ = (id) => document.getElementById(id);
 const baseModel = document.body.dataset.baseModel;
 
+const adaptersTicket = Console.tickets();
+const usageTicket = Console.tickets();
+const accountTicket = Console.tickets();
+
 // ---- adapters --------------------------------------------------------------------------
 
 async function loadAdapters() {
+  const current = adaptersTicket();
   const list = await json("adapters");
+  if (!current()) return;
   const tbody = $("adapter-table").querySelector("tbody");
   $("adapter-empty").hidden = list.data.length > 0;
   fill(tbody, list.data.map((a) => [
@@ -189,7 +195,9 @@ async function chat(event) {
 async function loadUsage() {
   const count = Number($("usage-days").value);
   const { start, end } = Console.daysBack(count);
+  const current = usageTicket();
   const usage = await json(`usage?start_date=${start}&end_date=${end}`);
+  if (!current()) return;
   const days = [];
   for (let t = Date.parse(start); t <= Date.parse(end); t += 86400000) days.push(new Date(t).toISOString().slice(0, 10));
   const series = {};
@@ -211,7 +219,9 @@ const LIMITS = {
 };
 
 async function loadAccount() {
+  const current = accountTicket();
   const account = await json("account");
+  if (!current()) return;
   const show = (name, n) => (n === null ? "–" : name === "max_adapter_bytes" ? Console.bytes(n) : n);
   fill($("limit-table").querySelector("tbody"), Object.entries(LIMITS).map(([name, label]) => {
     const limit = account.limits[name];
