@@ -50,6 +50,9 @@ SUPPORTED_MODEL_TYPES = frozenset(
     | _MOE_MODEL_TYPES
 )
 
+# Families whose transformers config class ties the embeddings by default.
+_TIED_BY_DEFAULT = frozenset({"gemma2", "gemma3_text"})
+
 
 @dataclass(frozen=True, slots=True)
 class BaseModelSpec:
@@ -69,6 +72,9 @@ class BaseModelSpec:
     num_experts: int = 0
     expert_intermediate_size: int = 0
     sparse_layers: tuple[bool, ...] = ()
+    # The output layer is the embedding (PEFT then ties saved copies under ensure_weight_tying
+    # and trainable token rows); a config.json leaves it out when it is the class default.
+    tie_word_embeddings: bool = False
 
     @classmethod
     def from_config_dict(cls, config: Mapping[str, Any]) -> BaseModelSpec:
@@ -103,6 +109,9 @@ class BaseModelSpec:
             ),
             head_dim=positive_int("head_dim", hidden // heads if head_dim is None else head_dim),
             vocab_size=positive_int("vocab_size", config.get("vocab_size")),
+            tie_word_embeddings=bool(
+                config.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)
+            ),
             **moe,
         )
 

@@ -25,6 +25,8 @@ from adapters.peft_names import (
     canonical_tensor_name,
 )
 from adapters.safetensors_io import write_float32
+from adapters.saved_modules import saved_tensor_name
+from adapters.trainable_tokens import TOKENS_TENSOR
 
 
 def canonical_files(adapter: LoraAdapter) -> dict[str, bytes]:
@@ -38,6 +40,10 @@ def canonical_files(adapter: LoraAdapter) -> dict[str, bytes]:
             tensors[_tensor_name(adapter, layer, module, side)] = array
         if w.magnitude is not None:
             tensors[canonical_tensor_name(layer, module, "M")] = w.magnitude
+    for module, table in adapter.saved.items():
+        tensors[saved_tensor_name(module)] = table
+    if adapter.tokens is not None:
+        tensors[TOKENS_TENSOR] = adapter.tokens.rows
     config = json.dumps(canonical_config(adapter), indent=2) + "\n"
     return {CONFIG_FILE: config.encode(), WEIGHTS_FILE: write_float32(tensors)}
 
@@ -70,7 +76,12 @@ def canonical_config(adapter: LoraAdapter) -> dict[str, Any]:
         "lora_dropout": 0.0,
         "fan_in_fan_out": False,
         "use_dora": adapter.uses_dora,
-        "modules_to_save": None,
+        # Each copy saved under its own name: PEFT loads them untied, as they were read.
+        "modules_to_save": list(adapter.saved) or None,
+        "ensure_weight_tying": False,
+        "trainable_token_indices": (
+            None if adapter.tokens is None else adapter.tokens.ids.tolist()
+        ),
         "init_lora_weights": True,
         "inference_mode": True,
         "base_model_name_or_path": None,

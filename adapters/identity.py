@@ -3,8 +3,10 @@
 `adapter_id` = sha256 (full 64 lowercase hex digits) over a canonical serialization of the
 normalized adapter: for each (layer, projection) present, in canonical order, its rank, its
 scaling (exact, as float.hex) and the shapes and float32 little-endian bytes of A and B, then
-for a DoRA module its magnitude's length and bytes (absent for plain LoRA, so plain ids are
-unchanged by DoRA's arrival).
+for a DoRA module its magnitude's length and bytes, then each saved module copy
+(modules_to_save: embed_tokens, lm_head) by name, shape and bytes, then trainable tokens' ids
+(ascending) and rows. The last three are absent for plain LoRA, so plain ids are unchanged by
+their arrival.
 Consequences, on purpose:
 - file layout does not matter: tensor order in the file, directory name, extra config fields
   (base_model_name_or_path, dropout, task_type, ...) and PEFT's module-name prefix are not
@@ -33,6 +35,7 @@ from adapters.errors import InvalidAdapterIdError
 
 if TYPE_CHECKING:
     from adapters.lora import LoraWeights
+    from adapters.trainable_tokens import TrainableTokens
 
 _DOMAIN = b"switchboard.lora-adapter.v1\n"
 _ID = re.compile(r"[0-9a-f]{64}")
@@ -45,22 +48,33 @@ def canonical_order(key: tuple[int, str]) -> tuple[int, int]:
     return layer, _MODULE_ORDER[module]
 
 
-def compute_adapter_id(weights: Mapping[tuple[int, str], LoraWeights]) -> str:
+def compute_adapter_id(
+    weights: Mapping[tuple[int, str], LoraWeights],
+    saved: Mapping[str, np.ndarray] | None = None,  # module name → copy, in canonical order
+    tokens: TrainableTokens | None = None,
+) -> str:
     """sha256 over the canonical serialization described in the module docstring."""
     digest = hashlib.sha256(_DOMAIN)
-    for layer, module in sorted(weights, key=canonical_order):
-        w = weights[(layer, module)]
-        fields = [layer, module, w.rank, list(w.a.shape), list(w.b.shape), float(w.scaling).hex()]
-        if w.magnitude is not None:
-            fields.append(["dora", len(w.magnitude)])
+
+    def update(fields: list, *arrays: np.ndarray) -> None:
         meta = json.dumps(fields).encode()
         digest.update(len(meta).to_bytes(4, "little"))
         digest.update(meta)
-        # The shapes above fix how many bytes follow, so the stream is unambiguous.
-        digest.update(np.ascontiguousarray(w.a, dtype="<f4").tobytes())
-        digest.update(np.ascontiguousarray(w.b, dtype="<f4").tobytes())
-        if w.magnitude is not None:
-            digest.update(np.ascontiguousarray(w.magnitude, dtype="<f4").tobytes())
+        # The shapes in `fields` fix how many bytes follow, so the stream is unambiguous.
+        for array in arrays:
+            digest.update(np.ascontiguousarray(array, dtype="<f4").tobytes())
+
+    for layer, module in sorted(weights, key=canonical_order):
+        w = weights[(layer, module)]
+        fields = [layer, module, w.rank, list(w.a.shape), list(w.b.shape), float(w.scaling).hex()]
+        if w.magnitude is None:
+            update(fields, w.a, w.b)
+        else:
+            update([*fields, ["dora", len(w.magnitude)]], w.a, w.b, w.magnitude)
+    for module, table in (saved or {}).items():
+        update(["saved", module, list(table.shape)], table)
+    if tokens is not None:
+        update(["tokens", tokens.ids.tolist(), list(tokens.rows.shape)], tokens.rows)
     return digest.hexdigest()
 
 

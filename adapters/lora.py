@@ -4,6 +4,8 @@ This is what the worker loads: for a batch row using this adapter, a projection 
 `y = W x + scaling · B (A x)`, whatever the file's dtype, naming or rank/alpha patterns were;
 with DoRA, `y = g ⊙ (W x + scaling · B (A x))` where `g = magnitude / ‖W + scaling · B A‖` per
 output feature (row norms of the adapted weight), which the worker computes from its base weight.
+With modules_to_save, the row's embeddings and logits come from the adapter's copies; with
+trainable tokens, a few embedding rows are the adapter's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import numpy as np
 
 from adapters.identity import canonical_order, compute_adapter_id
 from adapters.peft_config import AdapterConfig
+from adapters.saved_modules import SAVED_MODULES
+from adapters.trainable_tokens import TrainableTokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,14 +69,30 @@ class LoraAdapter:
     config: AdapterConfig
     # (layer, module) → weights, in canonical order (layer, then q k v o gate up down)
     weights: Mapping[tuple[int, str], LoraWeights]
+    # modules_to_save: "embed_tokens" / "lm_head" → the trained copy [vocab, hidden] float32
+    # that replaces the base module for this adapter's rows (``adapters/saved_modules.py``).
+    saved: Mapping[str, np.ndarray] = field(default_factory=dict)
+    # trainable_token_indices: embedding rows replaced for this adapter's rows (and, on a
+    # tied base, the output layer's columns of those ids; ``adapters/trainable_tokens.py``).
+    tokens: TrainableTokens | None = None
     id: str = field(init=False)
     num_bytes: int = field(init=False)  # float32 bytes of all tensors: the host-cache cost
 
     def __post_init__(self) -> None:
         ordered = {key: self.weights[key] for key in sorted(self.weights, key=canonical_order)}
+        saved = {m: self.saved[m] for m in SAVED_MODULES if m in self.saved}
+        for module, table in saved.items():
+            if table.dtype != np.float32 or table.ndim != 2:
+                raise ValueError(f"saved {module} must be a 2-D float32 array, got {table.dtype}")
+            table.flags.writeable = False
         object.__setattr__(self, "weights", MappingProxyType(ordered))
-        object.__setattr__(self, "id", compute_adapter_id(ordered))
-        object.__setattr__(self, "num_bytes", sum(w.num_bytes for w in ordered.values()))
+        object.__setattr__(self, "saved", MappingProxyType(saved))
+        object.__setattr__(self, "id", compute_adapter_id(ordered, saved, self.tokens))
+        # A tied pair shares one array: counted once.
+        distinct = {id(t): t.nbytes for t in saved.values()}
+        total = sum(w.num_bytes for w in ordered.values()) + sum(distinct.values())
+        total += 0 if self.tokens is None else self.tokens.num_bytes
+        object.__setattr__(self, "num_bytes", total)
 
     @property
     def uses_dora(self) -> bool:

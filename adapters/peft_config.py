@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 from adapters.errors import InvalidAdapterError, UnsupportedAdapterFeatureError
 from adapters.linear_regex import PatternError, compile_linear
 from adapters.peft_patterns import lookup_pattern, target_selected
+from adapters.saved_modules import saved_module_names
+from adapters.trainable_tokens import trainable_token_ids
 
 T = TypeVar("T")
 
@@ -32,13 +34,11 @@ MAX_LAYER_INDEX = 1 << 20
 
 # Fields that, when truthy, make the adapter something other than plain LoRA on Linear layers.
 _UNSUPPORTED_FIELDS: dict[str, str] = {
-    "modules_to_save": "modules_to_save replaces whole base modules with trained copies",
     "fan_in_fan_out": "fan_in_fan_out marks transposed Conv1D (GPT-2 style) layers",
     "lora_bias": "a trainable bias on lora_B is not served",
     "use_qalora": "QALoRA pools the input before lora_A",
     "alora_invocation_tokens": "Activated LoRA applies only after invocation tokens",
     "layer_replication": "layer replication changes the base model's layer stack",
-    "trainable_token_indices": "trainable token embeddings are not served",
     "velora_config": "the VeLoRA variant is not served",
     "monteclora_config": "the MonteCLoRA variant is not served",
     "use_bdlora": "the block-diagonal LoRA variant is not served",
@@ -60,6 +60,13 @@ class AdapterConfig:
     # DoRA: each adapted projection's output rescaled per output feature by its magnitude
     # vector over the norm of the adapted weight (PEFT's `lora_magnitude_vector`).
     use_dora: bool
+    # Trained full copies of these modules ("embed_tokens", "lm_head"), in canonical order
+    # (``adapters/saved_modules.py``); ensure_weight_tying ties the pair on a tied base.
+    modules_to_save: tuple[str, ...]
+    ensure_weight_tying: bool
+    # trainable_token_indices: ids whose input-embedding rows the adapter replaces, in the
+    # file's order (``adapters/trainable_tokens.py``).
+    trainable_tokens: tuple[int, ...]
     target_modules: str | tuple[str, ...]  # a str is a full-match regex (or "all-linear")
     exclude_modules: str | tuple[str, ...] | None
     layers_to_transform: int | tuple[int, ...] | None
@@ -117,6 +124,11 @@ def parse_adapter_config(data: bytes | str) -> AdapterConfig:
         lora_alpha=_alpha(raw.get("lora_alpha", 8), "lora_alpha"),
         use_rslora=_bool(raw.get("use_rslora", False), "use_rslora"),
         use_dora=_bool(raw.get("use_dora") or False, "use_dora"),  # null as PEFT: off
+        modules_to_save=saved_module_names(raw.get("modules_to_save"), config_file=CONFIG_FILE),
+        ensure_weight_tying=_bool(raw.get("ensure_weight_tying") or False, "ensure_weight_tying"),
+        trainable_tokens=trainable_token_ids(
+            raw.get("trainable_token_indices"), config_file=CONFIG_FILE
+        ),
         target_modules=_target_modules(raw.get("target_modules"), required=not parameters),
         exclude_modules=_names_or_regex(raw.get("exclude_modules"), "exclude_modules"),
         layers_to_transform=_layers_to_transform(raw.get("layers_to_transform")),
@@ -169,6 +181,11 @@ def _check_like_lora_config_post_init(config: AdapterConfig) -> None:
                     f"{CONFIG_FILE}: {field} cannot be used when target_modules is a regex string",
                     field=field,
                 )
+    if config.trainable_tokens and "embed_tokens" in config.modules_to_save:
+        raise InvalidAdapterError(
+            f"{CONFIG_FILE}: trainable_token_indices and modules_to_save both replace embed_tokens",
+            field="trainable_token_indices",
+        )
     if config.layers_pattern and config.layers_to_transform is None:
         raise InvalidAdapterError(
             f"{CONFIG_FILE}: layers_pattern is set but layers_to_transform is not",

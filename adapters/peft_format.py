@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
+
 from adapters.base_model import PROJECTIONS, BaseModelSpec
 from adapters.errors import InvalidAdapterError, UnsupportedAdapterFeatureError
 from adapters.lora import LoraAdapter, LoraWeights
@@ -23,7 +25,9 @@ from adapters.peft_config import (
 )
 from adapters.peft_experts import expert_modules, split_expert_tensors
 from adapters.peft_names import WEIGHTS_FILE
-from adapters.safetensors_io import check_header_length, read_header, to_float32
+from adapters.safetensors_io import TensorInfo, check_header_length, read_header, to_float32
+from adapters.saved_modules import SAVED_MODULES, split_saved_tensors
+from adapters.trainable_tokens import TrainableTokens, split_tokens_tensor
 from adapters.validation import (
     ModuleTensors,
     check_against_base,
@@ -84,19 +88,57 @@ def parse_adapter(
     # One A and one B per projection, and room for stray tensors (biases, DoRA magnitudes)
     # so that their own refusals name them; the bound is on size, the checks on exactness.
     projections_per_layer = len(PROJECTIONS) + (2 if base.num_experts else 0)  # MoE: experts
-    max_tensors = 4 * projections_per_layer * base.num_layers
+    max_tensors = 4 * projections_per_layer * base.num_layers + len(SAVED_MODULES) + 1
     header = read_header(weights, what=WEIGHTS_FILE, max_tensors=max_tensors)
-    projections, experts = split_expert_tensors(header)
+    tied = config.ensure_weight_tying and base.tie_word_embeddings
+    if config.trainable_tokens and base.tie_word_embeddings and config.modules_to_save:
+        raise UnsupportedAdapterFeatureError(
+            "trainable_token_indices beside modules_to_save on a base with tied embeddings "
+            "(both would change lm_head) is not served",
+            field="trainable_token_indices",
+        )
+    tokens, rest = split_tokens_tensor(header, ids=config.trainable_tokens, base=base)
+    saved, rest = split_saved_tensors(
+        rest, listed=config.modules_to_save, tied=tied, config_file=CONFIG_FILE, base=base
+    )
+    projections, experts = split_expert_tensors(rest)
     modules = {}
     if projections or not experts:  # an adapter of experts alone has no projection tensors
         modules = pair_tensors(projections)
         check_against_base(modules, base)
         check_against_config(modules, config, base)
     modules.update(expert_modules(experts, base, config))
-    check_limits(modules, max_lora_rank=max_lora_rank, max_bytes=max_bytes)
+    extra = {**saved, **({"trainable_token_indices": tokens} if tokens else {})}
+    check_limits(modules, max_lora_rank=max_lora_rank, max_bytes=max_bytes, saved=extra)
     return LoraAdapter(
-        config, {key: _read_module(weights, m, config) for key, m in modules.items()}
+        config,
+        {key: _read_module(weights, m, config) for key, m in modules.items()},
+        _read_saved(weights, saved, tied=tied),
+        None if tokens is None else _read_tokens(weights, tokens, config.trainable_tokens),
     )
+
+
+def _read_tokens(data: bytes, info: TensorInfo, ids: tuple[int, ...]) -> TrainableTokens:
+    rows = to_float32(data, info)  # [n, hidden], in the order of ids
+    check_finite(info.name, rows)
+    return TrainableTokens.in_id_order(ids, rows)
+
+
+def _read_saved(data: bytes, saved: dict[str, TensorInfo], *, tied: bool) -> dict[str, np.ndarray]:
+    """The copies as float32; a tied pair is one copy serving both (from either in the file)."""
+    tables = {}
+    for module, info in saved.items():
+        tables[module] = to_float32(data, info)  # [vocab, hidden]
+        check_finite(info.name, tables[module])
+    if tied and len(tables) == 2 and not np.array_equal(*tables.values()):
+        raise InvalidAdapterError(
+            "ensure_weight_tying ties embed_tokens and lm_head on this base, but the two saved "
+            "copies differ",
+            field="ensure_weight_tying",
+        )
+    if tied and tables:  # one array for both: counted and held once
+        tables = dict.fromkeys(SAVED_MODULES, next(iter(tables.values())))
+    return tables
 
 
 def _read_module(data: bytes, m: ModuleTensors, config: AdapterConfig) -> LoraWeights:

@@ -201,9 +201,14 @@ def check_against_config(
 
 
 def check_limits(
-    modules: Mapping[tuple[int, str], ModuleTensors], *, max_lora_rank: int, max_bytes: int
+    modules: Mapping[tuple[int, str], ModuleTensors],
+    *,
+    max_lora_rank: int,
+    max_bytes: int,
+    saved: Mapping[str, TensorInfo] | None = None,
 ) -> None:
-    """Deployment limits: every rank fits the device slots; float32 weights fit the byte bound."""
+    """Deployment limits: every rank fits the device slots; float32 weights, saved module copies
+    (modules_to_save) included, fit the byte bound."""
     for m in modules.values():
         if m.rank > max_lora_rank:
             raise AdapterTooLargeError(
@@ -214,9 +219,13 @@ def check_limits(
         m.a.num_elements + m.b.num_elements + (m.magnitude.num_elements if m.magnitude else 0)
         for m in modules.values()
     )
-    if float32_bytes > max_bytes:
+    saved_bytes = 4 * sum(info.num_elements for info in (saved or {}).values())
+    if float32_bytes + saved_bytes > max_bytes:
+        copies = f" ({saved_bytes} of them module copies or token rows)" if saved_bytes else ""
         raise AdapterTooLargeError(
-            f"adapter weights take {float32_bytes} bytes as float32, over the limit of {max_bytes}"
+            f"adapter weights take {float32_bytes + saved_bytes} bytes as float32{copies}, "
+            f"over the limit of {max_bytes}",
+            field="modules_to_save" if saved_bytes else None,
         )
 
 

@@ -55,6 +55,8 @@ def make_peft_model(*, arch: str = "llama", seed: int = 0, **lora: Any) -> Any:
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.5)
+            elif "modules_to_save" in name or "trainable_tokens_delta" in name:
+                param.add_(torch.randn_like(param))  # trained: not the base's values
     return model
 
 
@@ -106,6 +108,25 @@ def peft_magnitudes(model: Any) -> dict[tuple[int, str], np.ndarray]:
             vector = module.lora_magnitude_vector["default"].weight
             found[(int(parts[2]), parts[4])] = vector.detach().numpy().copy()
     return found
+
+
+def peft_saved(model: Any) -> dict[str, np.ndarray]:
+    """modules_to_save name ("embed_tokens", "lm_head") → the trained copy the PeftModel uses."""
+    from peft.utils import ModulesToSaveWrapper
+
+    found = {}
+    for name, module in model.base_model.model.named_modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            weight = module.modules_to_save["default"].weight
+            found[name.split(".")[-1]] = weight.detach().numpy().copy()
+    return found
+
+
+def peft_tokens(model: Any) -> dict[int, np.ndarray]:
+    """Trainable token id → the embedding row the PeftModel uses for it."""
+    layer = model.base_model.model.model.embed_tokens.token_adapter
+    rows = layer.trainable_tokens_delta["default"].detach().numpy()
+    return {int(i): rows[k].copy() for k, i in enumerate(layer.token_indices["default"])}
 
 
 def copy_adapter(src: Path, dst: Path) -> Path:

@@ -96,7 +96,8 @@ def make_peft_adapter(
 
     A fresh LoRA has B = 0 (no effect); both A and B are randomized so the adapter matters.
     With ``use_dora=True``, PEFT starts each magnitude at the base weight's row norms (a factor
-    of 1 once B is 0); they are scaled by a random 0.7-1.3 per output feature here.
+    of 1 once B is 0); they are scaled by a random 0.7-1.3 per output feature here. Saved module
+    copies (``modules_to_save``) and trainable token rows are moved off the base's values.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -108,6 +109,9 @@ def make_peft_adapter(
         for name, param in model.named_parameters():
             if "lora_magnitude_vector" in name:
                 param.mul_(0.7 + 0.6 * torch.rand(param.shape, generator=g))
+            elif "modules_to_save" in name or "trainable_tokens_delta" in name:
+                # Trained copies and token rows: the base's values moved by their own scale.
+                param.add_(torch.randn(param.shape, generator=g) * param.std())
             elif "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=g) * 0.3 / param.shape[-1] ** 0.5)
     model.save_pretrained(out, safe_serialization=True)

@@ -16,6 +16,8 @@ from adapter_factories import (
     edit_config,
     peft_magnitudes,
     peft_reference,
+    peft_saved,
+    peft_tokens,
     read_tensors,
     reload_peft,
     save_adapter,
@@ -219,7 +221,10 @@ class _Touch:
 
 
 PEFT_REFUSALS = {
-    "modules_to_save": ({"modules_to_save": ["lm_head"]}, "modules_to_save=['lm_head']"),
+    "modules_to_save norm": (
+        {"modules_to_save": ["norm"]},
+        "modules_to_save=['norm']: a trained copy of 'norm' is not served",
+    ),
     "lm_head target": ({"target_modules": ["q_proj", "lm_head"]}, "selects 'lm_head'"),
     "embed target": ({"target_modules": ["embed_tokens"]}, "selects 'model.embed_tokens'"),
     "bias lora_only": ({"bias": "lora_only"}, "bias='lora_only'"),
@@ -618,10 +623,11 @@ def test_giant_header_length_is_refused_before_reading(
 
 
 def test_header_with_more_tensors_than_the_base_allows(adapter_dir: Path) -> None:
-    # The tiny base has 2 layers x 7 projections: 28 LoRA tensors, and room for as many strays.
-    entries = [(f"t{i}", "F32", (1,), bytes(4)) for i in range(57)]
+    # The tiny base has 2 layers x 7 projections: 28 LoRA tensors, room for as many strays,
+    # two saved module copies (embed_tokens, lm_head) and trainable token rows.
+    entries = [(f"t{i}", "F32", (1,), bytes(4)) for i in range(60)]
     write_raw_safetensors(adapter_dir / "adapter_model.safetensors", entries)
-    with pytest.raises(InvalidAdapterError, match=r"lists 57 tensors; .* at most 56"):
+    with pytest.raises(InvalidAdapterError, match=r"lists 60 tensors; .* at most 59"):
         load(adapter_dir)
 
 
@@ -717,5 +723,207 @@ def test_dora_refusals(edit: Any, error: type[Exception], message: str, tmp_path
     path = tmp_path / "dora"
     save_adapter(path, r=2, target_modules=["q_proj"], use_dora=True)
     write_tensors(path, edit(read_tensors(path)))
+    with pytest.raises(error, match=re.escape(message)):
+        load(path)
+
+
+# --- modules_to_save --------------------------------------------------------------------
+
+HEAD = "base_model.model.lm_head.weight"
+EMBED = "base_model.model.model.embed_tokens.weight"
+
+
+def test_saved_copies_are_read_as_peft_holds_them(tmp_path: Path) -> None:
+    path = tmp_path / "saved"
+    model = save_adapter(
+        path, r=2, target_modules=["q_proj"], modules_to_save=["lm_head", "embed_tokens"]
+    )
+    adapter = load(path)
+    assert_matches_peft(adapter, model)
+    copies = peft_saved(model)
+    assert set(copies) == set(adapter.saved) == {"lm_head", "embed_tokens"}
+    for module, copy in copies.items():
+        np.testing.assert_array_equal(adapter.saved[module], copy, err_msg=module)
+    tensors = read_tensors(path)
+    write_tensors(path, {k: v for k, v in tensors.items() if k not in (HEAD, EMBED)})
+    edit_config(path, modules_to_save=None)
+    plain = load(path)
+    assert plain.id != adapter.id
+    vocab, hidden = copies["lm_head"].shape
+    assert adapter.num_bytes - plain.num_bytes == 2 * 4 * vocab * hidden
+
+
+def test_saved_copies_count_in_the_byte_limit(tmp_path: Path) -> None:
+    path = tmp_path / "saved"
+    save_adapter(path, r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    write_tensors(path, read_tensors(path), dtype="BF16")  # the file fits; float32 does not
+    with pytest.raises(
+        AdapterTooLargeError, match="of them module copies or token rows"
+    ) as refused:
+        load(path, max_bytes=128 * 64 * 4)
+    assert refused.value.field == "modules_to_save"
+
+
+@pytest.mark.parametrize(
+    "edit, config, error, message",
+    [
+        pytest.param(
+            lambda t: {k: v for k, v in t.items() if k != HEAD},
+            {},
+            InvalidAdapterError,
+            "lists lm_head in modules_to_save but the weights have no base_model.model.lm_head",
+            id="copy missing",
+        ),
+        pytest.param(
+            lambda t: t,
+            {"modules_to_save": ["embed_tokens"]},
+            InvalidAdapterError,
+            "is a trained copy of lm_head, but adapter_config.json's modules_to_save does not",
+            id="copy not listed",
+        ),
+        pytest.param(
+            lambda t: {**t, HEAD: t[HEAD][:100]},
+            {},
+            IncompatibleAdapterError,
+            "has shape [100, 64], expected [128, 64]",
+            id="copy shape",
+        ),
+        pytest.param(
+            lambda t: {**t, HEAD: np.full_like(t[HEAD], np.inf)},
+            {},
+            InvalidAdapterError,
+            "non-finite values",
+            id="copy infinite",
+        ),
+        pytest.param(
+            lambda t: t,
+            {"modules_to_save": ["lm_head", "model.layers.0.mlp"]},
+            UnsupportedAdapterFeatureError,
+            "a trained copy of 'model.layers.0.mlp' is not served",
+            id="other module listed",
+        ),
+    ],
+)
+def test_saved_copy_refusals(
+    edit: Any, config: dict[str, Any], error: type[Exception], message: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "saved"
+    save_adapter(path, r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    write_tensors(path, edit(read_tensors(path)))
+    if config:
+        edit_config(path, **config)
+    with pytest.raises(error, match=re.escape(message)):
+        load(path)
+
+
+def test_tied_copies_under_ensure_weight_tying(tmp_path: Path) -> None:
+    """On a tied base, ensure_weight_tying makes one copy serve both modules, as PEFT ties them;
+    two copies that differ are refused (PEFT would keep one of them, silently)."""
+    tied = tiny_spec(tie_word_embeddings=True)
+    path = tmp_path / "saved"
+    save_adapter(path, r=2, target_modules=["q_proj"], modules_to_save=["embed_tokens"])
+    edit_config(path, ensure_weight_tying=True)
+    tensors = read_tensors(path)
+    with pytest.raises(InvalidAdapterError, match="does not list it"):  # untied base
+        write_tensors(path, {**tensors, HEAD: tensors[EMBED]})
+        load(path)
+    adapter = load(path, base=tied)
+    assert adapter.saved["lm_head"] is adapter.saved["embed_tokens"]
+    assert adapter.num_bytes == load(path, base=tied).num_bytes
+    write_tensors(path, {k: v for k, v in tensors.items() if k != HEAD})
+    alone = load(path, base=tied)
+    assert alone.id == adapter.id and set(alone.saved) == {"embed_tokens", "lm_head"}
+    write_tensors(path, {**tensors, HEAD: tensors[EMBED] + 1})
+    with pytest.raises(InvalidAdapterError, match="the two saved copies differ"):
+        load(path, base=tied)
+
+
+# --- trainable_token_indices ------------------------------------------------------------
+
+TOKENS = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+
+
+def test_trainable_token_rows_are_read_as_peft_holds_them(tmp_path: Path) -> None:
+    path = tmp_path / "tokens"
+    model = save_adapter(path, r=2, target_modules=["q_proj"], trainable_token_indices=[7, 2, 90])
+    adapter = load(path)
+    assert_matches_peft(adapter, model)
+    rows = peft_tokens(model)
+    assert adapter.tokens is not None and adapter.tokens.ids.tolist() == [2, 7, 90]
+    for k, token in enumerate(adapter.tokens.ids.tolist()):
+        np.testing.assert_array_equal(adapter.tokens.rows[k], rows[token], err_msg=str(token))
+    # The dict form names the same rows: the same adapter.
+    edit_config(path, trainable_token_indices={"embed_tokens": [7, 2, 90]})
+    assert load(path).id == adapter.id
+    tensors = read_tensors(path)
+    write_tensors(path, {k: v for k, v in tensors.items() if k != TOKENS})
+    edit_config(path, trainable_token_indices=None)
+    plain = load(path)
+    assert plain.id != adapter.id and plain.tokens is None
+    assert adapter.num_bytes - plain.num_bytes == 3 * (8 + 4 * 64)
+
+
+@pytest.mark.parametrize(
+    "edit, config, error, message",
+    [
+        pytest.param(
+            lambda t: t,
+            {"trainable_token_indices": [7, 2, 7]},
+            InvalidAdapterError,
+            "lists a token id twice",
+            id="duplicate id",
+        ),
+        pytest.param(
+            lambda t: t,
+            {"trainable_token_indices": [7, 2, 128]},
+            IncompatibleAdapterError,
+            "token id 128, outside this base model's vocabulary of 128",
+            id="id outside the vocabulary",
+        ),
+        pytest.param(
+            lambda t: t,
+            {"trainable_token_indices": {"lm_head": [7, 2, 5]}},
+            UnsupportedAdapterFeatureError,
+            "targets 'lm_head'; only the input embedding (embed_tokens) is served",
+            id="another layer",
+        ),
+        pytest.param(
+            lambda t: {k: v for k, v in t.items() if k != TOKENS},
+            {},
+            InvalidAdapterError,
+            "sets trainable_token_indices but the weights have no",
+            id="rows missing",
+        ),
+        pytest.param(
+            lambda t: t,
+            {"trainable_token_indices": None},
+            InvalidAdapterError,
+            "holds trainable token rows but adapter_config.json sets no",
+            id="rows not configured",
+        ),
+        pytest.param(
+            lambda t: {**t, TOKENS: t[TOKENS][:2]},
+            {},
+            IncompatibleAdapterError,
+            "has shape [2, 64], expected [3, 64]",
+            id="rows shape",
+        ),
+        pytest.param(
+            lambda t: t,
+            {"modules_to_save": ["embed_tokens"]},
+            InvalidAdapterError,
+            "trainable_token_indices and modules_to_save both replace embed_tokens",
+            id="with a copy of embed_tokens",
+        ),
+    ],
+)
+def test_trainable_token_refusals(
+    edit: Any, config: dict[str, Any], error: type[Exception], message: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "tokens"
+    save_adapter(path, r=2, target_modules=["q_proj"], trainable_token_indices=[7, 2, 5])
+    write_tensors(path, edit(read_tensors(path)))
+    if config:
+        edit_config(path, **config)
     with pytest.raises(error, match=re.escape(message)):
         load(path)

@@ -17,6 +17,8 @@ from adapter_factories import (
     LIMITS,
     peft_magnitudes,
     peft_reference,
+    peft_saved,
+    peft_tokens,
     reload_peft,
     save_adapter,
     tiny_spec,
@@ -119,6 +121,12 @@ STORED_CASES = {
     "use_rslora": {"r": 8, "lora_alpha": 16, "use_rslora": True, "target_modules": ["q_proj"]},
     "layers_to_transform": {"r": 2, "target_modules": ["k_proj"], "layers_to_transform": [1]},
     "use_dora": {"r": 4, "target_modules": ["q_proj", "down_proj"], "use_dora": True},
+    "modules_to_save": {"r": 2, "target_modules": ["v_proj"], "modules_to_save": ["lm_head"]},
+    "trainable_token_indices": {
+        "r": 2,
+        "target_modules": ["q_proj"],
+        "trainable_token_indices": [9, 4, 100],
+    },
 }
 
 
@@ -141,6 +149,15 @@ def test_stored_adapter_is_a_plain_peft_adapter(
     assert served_magnitudes.keys() == magnitudes.keys()  # empty but for DoRA
     for key, magnitude in magnitudes.items():
         np.testing.assert_array_equal(served_magnitudes[key], magnitude)
+    copies, served_copies = peft_saved(original), peft_saved(reloaded)
+    assert served_copies.keys() == copies.keys()  # empty but for modules_to_save
+    for module, copy in copies.items():
+        np.testing.assert_array_equal(served_copies[module], copy)
+    if "trainable_token_indices" in lora:
+        tokens, served_tokens = peft_tokens(original), peft_tokens(reloaded)
+        assert served_tokens.keys() == tokens.keys()
+        for token, row in tokens.items():
+            np.testing.assert_array_equal(served_tokens[token], row)
 
 
 @pytest.mark.parametrize(
