@@ -234,6 +234,55 @@ def test_dora_adapter_uploads_and_chats_as_the_engine_serves_it(
     assert chat.choices[0].message.content == expected.text
 
 
+def test_saved_lm_head_uploads_chats_and_counts_in_the_storage_quota(
+    stack, client, api_key, tiny_model, tmp_path_factory
+):
+    """An adapter with trained copies of lm_head and embed_tokens (modules_to_save) uploaded
+    over HTTP chats as the offline engine (held to peft in test_saved_modules_engine.py) does;
+    its record and the tenant's storage in use count the copies' float32 bytes."""
+    adapter_dir = make_peft_adapter(
+        tiny_model,
+        tmp_path_factory.mktemp("saved") / "voiced",
+        rank=2,
+        targets=["q_proj"],
+        modules_to_save=["lm_head", "embed_tokens"],
+        seed=13,
+    )
+    offline = LLM(tiny_model, dtype="float32")
+    adapter_id = offline.load_adapter("voiced", adapter_dir)
+    messages = [{"role": "user", "content": "hello there"}]
+    prompt = offline.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = offline.generate([prompt], params, adapters=["voiced"])[0]
+    assert expected.text != offline.generate([prompt], params)[0].text
+    headers = {"Authorization": f"Bearer {api_key}"}
+    before = httpx.get(f"{stack.base_url}/v1/account", headers=headers, timeout=30).json()
+    created = httpx.post(
+        f"{stack.base_url}/v1/adapters",
+        headers=headers,
+        data={"name": "voiced"},
+        files={"file": ("voiced.tar.gz", tar_bytes(adapter_members(adapter_dir)))},
+        timeout=30,
+    )
+    assert created.status_code == 201, created.text
+    assert created.json()["adapter_id"] == adapter_id
+    copies = 2 * 4 * offline.engine.config.vocab_size * offline.engine.config.hidden_size
+    assert created.json()["num_bytes"] > copies
+    after = httpx.get(f"{stack.base_url}/v1/account", headers=headers, timeout=30).json()
+    grown = after["in_use"]["max_adapter_bytes"] - before["in_use"]["max_adapter_bytes"]
+    assert grown == created.json()["num_bytes"]
+    chat = client.chat.completions.create(
+        model="voiced",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.choices[0].message.content == expected.text
+
+
 def test_errors_come_back_in_openai_format(stack, client, tiny_model):
     with pytest.raises(openai.NotFoundError) as unknown:
         client.completions.create(model="nope", prompt="x", max_tokens=2)

@@ -42,6 +42,7 @@ from worker.model.rope import (
     long_rope_threshold,
     rotary_dim,
 )
+from worker.model.saved_modules import HeadPatch, apply_heads
 from worker.model.sharding import Shard, Span, check_divisible, weight_slicer
 
 if TYPE_CHECKING:
@@ -208,6 +209,8 @@ class LlamaModel:
         c = self.config
         cos, sin = self.rope.lookup(rotary)  # each [num_tokens, 1, head_dim]
         hidden = self._embed(input_ids)
+        if lora is not None and lora.saved is not None:
+            lora.saved.embed(hidden, input_ids)  # rows whose adapter has embedding rows
         num_tokens = hidden.shape[0]
         for index, (layer, (key_cache, value_cache)) in enumerate(
             zip(self.layers, kv_caches, strict=True)
@@ -247,6 +250,8 @@ class LlamaModel:
         eps, hd = c.rms_norm_eps, c.head_dim
         rotations = [rope.lookup(rope_positions) for rope in self.ropes]
         hidden = self._embed(input_ids)
+        if lora is not None and lora.saved is not None:
+            lora.saved.embed(hidden, input_ids)  # rows whose adapter has embedding rows
         if block.embedding_scale != 1.0:
             hidden = hidden * block.embedding_scale
         n = hidden.shape[0]
@@ -400,13 +405,16 @@ class LlamaModel:
             return None
 
     def compute_logits(
-        self, hidden: torch.Tensor, *, kept_only: bool = False
+        self, hidden: torch.Tensor, *, kept_only: bool = False, heads: list[HeadPatch] | None = None
     ) -> torch.Tensor | None:
         """[rows, hidden] -> [rows, vocab] fp32, for the rows that sample only; with
         ``kept_only``, [rows, len(output_token_ids)] for a cut-down output layer. Split by
-        vocabulary, the ranks' columns are gathered to rank 0 (the others return None)."""
+        vocabulary, the ranks' columns are gathered to rank 0 (the others return None).
+        ``heads``: rows whose adapter changes the output layer (modules_to_save, tokens)."""
         x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         logits = self.lm_head(x).float()
+        if heads:
+            apply_heads(logits, x, heads)
         if not self.llama_block:
             logits = self._shaped_logits(logits)
         if self.group is not None:

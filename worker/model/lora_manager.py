@@ -27,6 +27,10 @@ DoRA adapters (``worker.model.dora``): each DoRA module's factor ``g`` is comput
 adapter is read, kept beside it in the host cache, and written per slot into the group's
 ``DoraScales`` (ones for the modules and slots without DoRA); a step that holds a DoRA slot
 rescales those rows after the LoRA delta. Not under tensor parallelism (refused at load).
+
+Saved modules (modules_to_save: embed_tokens, lm_head; ``worker.model.saved_modules``): a slot
+filled with such an adapter holds its copies on the device in the model's dtype; a step's rows
+of that slot take embeddings and logits from them. Not under tensor parallelism either.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from switchboard_kernels.lora import DoraScales, LoraMapping, NativeSlots, SlotP
 from worker.errors import InvalidRequestError, UnknownAdapterError
 from worker.model.dora import BaseWeights, DoraFactors, dora_factors
 from worker.model.expert_lora import ExpertLora, ExpertSlots
+from worker.model.saved_modules import SavedRows, SlotModules
 from worker.model.sharding import FUSED_PARTS, Shard
 
 logger = logging.getLogger(__name__)
@@ -110,6 +115,14 @@ class LoraBatch:
             return None
         return ExpertLora(slots, self.mapping.token_slots)
 
+    # The step's slots with saved embed_tokens / lm_head copies or token rows, if any.
+    saved: SavedRows | None = None
+
+    @property
+    def eager(self) -> bool:
+        """Not replayed as a captured CUDA graph (DoRA's rescale and saved copies are not)."""
+        return self.dora or self.saved is not None
+
 
 class LoraManager:
     def __init__(
@@ -142,6 +155,8 @@ class LoraManager:
         self.slots: list[str | None] = [None] * max_loras  # content id held by each slot
         self.slot_use: list[int] = [0] * max_loras  # step of last use, for LRU
         self.slot_dora: list[bool] = [False] * max_loras  # the slot's adapter is DoRA
+        # The slot's adapter's modules_to_save copies and token rows on the device (None: none).
+        self.slot_saved: list[SlotModules | None] = [None] * max_loras
         self.base_weights = BaseWeights(model_path, dtype)  # for DoRA's factors
         # DoRA's factors of the adapters read (content id -> g per module), computed by
         # ``read`` off the step loop; dropped with the adapter from the host cache.
@@ -191,6 +206,11 @@ class LoraManager:
             max_lora_rank=self.max_lora_rank,
             max_bytes=self.max_adapter_bytes,
         )
+        if (adapter.saved or adapter.tokens is not None) and self.shard is not None:
+            field = "modules_to_save" if adapter.saved else "trainable_token_indices"
+            raise UnsupportedAdapterFeatureError(
+                f"{field} is not served under tensor parallelism", field=field
+            )
         if adapter.uses_dora and adapter.id not in self.dora:
             if self.shard is not None:
                 raise UnsupportedAdapterFeatureError(
@@ -235,8 +255,16 @@ class LoraManager:
         mapping = LoraMapping.build(
             token_slots, device=self.device, all_decode=all_decode, native=self.native
         )
-        dora = any(self.slot_dora) and any(self.slot_dora[s] for s in set(token_slots) if s >= 0)
-        return LoraBatch(mapping, self._stacks, token_slots, dora=dora, experts=self._experts)
+        used = {s for s in token_slots if s >= 0}
+        dora = any(self.slot_dora) and any(self.slot_dora[s] for s in used)
+        saved = None
+        slots = {s: self.slot_saved[s] for s in used if self.slot_saved[s] is not None}
+        if slots:
+            on_device = torch.tensor(token_slots, dtype=torch.int64).to(self.device)
+            saved = SavedRows(on_device, slots)  # type: ignore[arg-type]
+        return LoraBatch(
+            mapping, self._stacks, token_slots, dora=dora, experts=self._experts, saved=saved
+        )
 
     def take_fills(self) -> list[tuple[int, str, str]]:
         """Rank 0 of a group: the slots filled since the last call, for the other ranks."""
@@ -299,6 +327,10 @@ class LoraManager:
             self._fill_experts(slot, adapter)
         self.slots[slot] = adapter.id
         self.slot_dora[slot] = bool(factors)
+        self.slot_saved[slot] = None  # the old copies go before the new ones are made
+        if adapter.saved or adapter.tokens is not None:
+            tied = self.spec.tie_word_embeddings
+            self.slot_saved[slot] = SlotModules.of(adapter, self.dtype, self.device, tied_base=tied)
         self.num_slot_loads += 1
         if self._fills is not None:
             self._fills.append((slot, adapter.id, str(self.paths[adapter.id])))

@@ -143,7 +143,7 @@ class ModelRunner:
         inputs = self.prepare(scheduled)
         lora = self.lora_batch(inputs)
         scoring = not kept_only and any(wants_prompt_logprobs(s) for s in scheduled)
-        eager = kept_only or scoring or (lora is not None and lora.dora)  # DoRA: not captured
+        eager = kept_only or scoring or (lora is not None and lora.eager)
         if self.graphs is not None and not eager and self.graphs.fits(inputs):
             logits = self.graphs.run(inputs, lora)
         else:
@@ -178,9 +178,13 @@ class ModelRunner:
             lora,
             rope_positions=inputs.rope_positions,
         )
+        saved = None if lora is None else lora.saved
         if scoring:
-            record_prompt_logprobs(self.model, hidden, inputs.order)
-        return self.model.compute_logits(hidden[inputs.logit_rows], kept_only=kept_only)
+            record_prompt_logprobs(self.model, hidden, inputs.order, saved=saved)
+        heads = None if saved is None else saved.heads(inputs.logit_rows)
+        return self.model.compute_logits(
+            hidden[inputs.logit_rows], kept_only=kept_only, heads=heads
+        )
 
     def _execute_native(
         self, scheduled: list[ScheduledSequence], kept_only: bool

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from worker.core.batch import ScheduledSequence
+from worker.model.saved_modules import SavedRows
 from worker.sampling.rows import SampledToken
 
 # Rows projected to the vocabulary at once: [ROWS, vocab] fp32 (12.6 MB for 49,152 tokens).
@@ -29,12 +30,15 @@ def wants_prompt_logprobs(s: ScheduledSequence) -> bool:
     return pending is not None and s.start < len(pending)
 
 
-def record_prompt_logprobs(model, hidden: torch.Tensor, order: list[ScheduledSequence]) -> None:
+def record_prompt_logprobs(
+    model, hidden: torch.Tensor, order: list[ScheduledSequence], *, saved: SavedRows | None = None
+) -> None:
     """Fill ``seq.prompt_logprobs[p]`` for every prompt position p this step computes.
 
     ``hidden``: [rows, hidden] in ``order``'s flattened layout (each sequence's ``num_fed``
     rows in turn). Writing by position makes a step that is run again (a failing batch split
-    apart, a recompute after preemption) write the same entries again, never twice."""
+    apart, a recompute after preemption) write the same entries again, never twice. ``saved``:
+    the step's adapters' lm_head copies, for their rows."""
     rows: list[int] = []  # rows of ``hidden``
     targets: list[tuple[list, int, int, int]] = []  # (list, position, next token, top k)
     offset = 0
@@ -49,7 +53,8 @@ def record_prompt_logprobs(model, hidden: torch.Tensor, order: list[ScheduledSeq
         offset += s.num_fed
     for first in range(0, len(rows), ROWS):
         index = torch.tensor(rows[first : first + ROWS], device=hidden.device)
-        logits = model.compute_logits(hidden.index_select(0, index))  # [rows, vocab] fp32
+        heads = None if saved is None else saved.heads(index)
+        logits = model.compute_logits(hidden.index_select(0, index), heads=heads)  # [rows, vocab]
         _fill(logits, targets[first : first + ROWS])
 
 
