@@ -27,11 +27,19 @@ def restore_root():
 
 
 def uvicorn_started() -> None:
-    logging.getLogger("uvicorn.error").info(
-        "Started server process [%d]",
-        42,
-        extra={"color_message": "Started server process [\x1b[36m%d\x1b[0m]"},
+    """The record uvicorn logs at start, handed to the root's handler directly (uvicorn run
+    in this process may have set its loggers' levels and propagation)."""
+    record = logging.makeLogRecord(
+        {
+            "name": "uvicorn.error",
+            "levelno": logging.INFO,
+            "levelname": "INFO",
+            "msg": "Started server process [%d]",
+            "args": (42,),
+            "color_message": "Started server process [\x1b[36m%d\x1b[0m]",
+        }
     )
+    logging.getLogger().handle(record)
 
 
 def test_json_lines_carry_no_colour_codes():
