@@ -8,8 +8,9 @@ oneDNN, ``switchboard_kernels.linear``'s path on CPUs with AVX-512), ``panels``
 (``switchboard_kernels/linear_cpu.c`` over fp32 panels, its path on AVX2-only CPUs) and
 ``panels-int8`` (int8 panels, a draft model's weights; a quarter of the bytes). With ``--dtype
 bfloat16`` the weights are bf16 (270 MB) and the methods ``onednn`` and ``panels-bf16``
-(``switchboard_kernels/linear_bf16_cpu.c``, the path on CPUs with AVX-512). Before timing, each
-method's output is checked against ``F.linear`` on one layer.
+(``switchboard_kernels/linear_bf16_cpu.c``, the path on CPUs with AVX-512). ``-fixed``: the
+panels as ``batch_invariant`` runs them (a lone row in one chain, as in a tile of many).
+Before timing, each method's output is checked against ``F.linear`` on one layer.
 
 Timing: rounds outermost, then the row counts, then the methods in a shuffled order, so a
 burst of load from other processes hits them all alike; the figure per method is its
@@ -61,8 +62,10 @@ def methods(weights: list[torch.Tensor]) -> dict[str, list[Projection]]:
     if weights[0].dtype == torch.bfloat16:
         if native_linear_bf16() is not None:
             found["panels-bf16"] = [Bf16PanelLinear(w) for w in weights]
+            found["panels-bf16-fixed"] = [Bf16PanelLinear(w, fixed_order=True) for w in weights]
     elif native_linear() is not None:
         found["panels"] = [PanelLinear(w) for w in weights]
+        found["panels-fixed"] = [PanelLinear(w, fixed_order=True) for w in weights]
         found["panels-int8"] = [PanelLinear(w, int8=True) for w in weights]
     return found
 

@@ -102,7 +102,9 @@ def noise(count: int, seed: int) -> list[tuple]:
     """Other tenants' requests on every adapter and the base model, longer prompts and
     answers than the victims'."""
     prompts = random_prompts(count, min_len=5, max_len=60, seed=seed)
-    names = [None, *ADAPTERS]
+    # The adapters first asked for in the other order: each then sits in another slot than
+    # when its victim runs alone.
+    names = [None, *reversed(ADAPTERS)]
     return [
         (f"noise-{seed}-{i}", p, names[i % len(names)], f"tenant-{i % 3}", 6 + 3 * (i % 4))
         for i, p in enumerate(prompts)
@@ -151,15 +153,13 @@ def cached(base, adapter_dirs, dtype, invariant, first: dict) -> tuple[Logits, d
     for i, (prompt, adapter) in enumerate(victims()):
         tokens |= run(engine, [[(f"warm-{i}", prompt, adapter, "victim", MAX_NEW)]])
         tokens |= run(engine, [[(f"victim-{i}", prompt, adapter, "victim", MAX_NEW)]])
-    turns = [
-        (f"turn-{i}", prompt + first[f"victim-{i}"] + [5, 6, 7], adapter, "victim", MAX_NEW)
-        for i, (prompt, adapter) in enumerate(victims())
-    ]
+    turns = [(*turn, "victim", MAX_NEW) for turn in second_turns(first)]
     tokens |= run(engine, [noise(3, seed=13), turns])
     return rows, tokens
 
 
 def second_turns(first: dict) -> list[tuple]:
+    """(id, prompt, adapter) of each victim's second turn: its prompt, answer and three more."""
     return [
         (f"turn-{i}", prompt + first[f"victim-{i}"] + [5, 6, 7], adapter)
         for i, (prompt, adapter) in enumerate(victims())
