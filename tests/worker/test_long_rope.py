@@ -1,7 +1,8 @@
 """Phi-3's LongRoPE against transformers (fp32): the tables for the short and the long factors,
 and the switch, a sequence past ``original_max_position_embeddings`` rotating every position
 with the long factors (a prompt past it from the start, one crossing it while decoding, its
-cached K/V computed again), with prefix-cache hits only within one set of factors."""
+cached K/V computed again), with prefix-cache hits only within one set of factors, and drafts
+that stop at the switch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from factories import load_hf_model, random_prompts
 from worker import LLM, SamplingParams
-from worker.errors import SpeculativeConfigError
 from worker.model.model_config import ModelConfig
 from worker.model.rope import RopeTables
 
@@ -95,6 +95,26 @@ def test_prefix_hits_stay_within_one_set_of_factors(base):
             assert out.num_cached_tokens >= LONG_ROPE_AT  # the crossed sequence's long blocks
 
 
-def test_speculative_decoding_is_refused_by_name(base):
-    with pytest.raises(SpeculativeConfigError, match="LongRoPE"):
-        LLM(base, **ENGINE, speculative_model="ngram", num_speculative_tokens=2)
+@pytest.mark.parametrize("proposer", ["draft-of-the-family", "ngram"])
+def test_speculative_decoding_drafts_no_row_past_the_switch(base, proposer):
+    """A short sequence's drafts stop at the switch (their tokens would need the long factors);
+    verification rows of long sequences rotate long. The target is its own draft (always
+    right, alternatives off the chain), or n-gram lookup."""
+    lengths = (20, 22, 23, 24, 30)
+    pool = random_prompts(5, min_len=40, max_len=40, seed=9)
+    prompts = [p[:n] for p, n in zip(pool, lengths, strict=True)]
+    hf = load_hf_model(base)
+    expected = [hf_greedy(hf, p, 8) for p in prompts]
+    llm = LLM(
+        base,
+        **ENGINE,
+        speculative_model=str(base) if proposer != "ngram" else "ngram",
+        num_speculative_tokens=3,
+        speculative_alternatives=2 if proposer != "ngram" else 0,
+        speculative_position_cost=0.0,
+        speculative_draft_cost=0.0,
+        speculative_draft_quantization="none",
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.spec_decode_stats.num_verifications > 0

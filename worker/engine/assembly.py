@@ -24,7 +24,7 @@ from worker.engine.placement import (
     resolve_device,
     resolve_dtype,
 )
-from worker.errors import InvalidRequestError, SpeculativeConfigError
+from worker.errors import InvalidRequestError
 from worker.model.llama import LlamaModel, projection_shapes
 from worker.model.lora_manager import LoraManager
 from worker.model.model_config import ModelConfig
@@ -71,9 +71,6 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
     )
     async_output = resolve_async_output(config.async_output, device, config.speculative.enabled)
     num_kv_blocks, num_host_blocks = kv_cache_blocks(model, config, torch_dtype)
-    if config.speculative.enabled and long_rope_threshold(model_config.rope) is not None:
-        # A draft row past the switch would need the long factors while its sequence is short.
-        raise SpeculativeConfigError("speculative decoding is not supported with LongRoPE yet")
     if config.batch_invariant:
         plan = batch_invariant_plan(config, torch_dtype, device)
     else:
@@ -180,6 +177,8 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
             device=device,
         ),
     )
+    if speculator is not None:
+        speculator.rope_switch = long_rope_threshold(model_config.rope)
     return EngineParts(
         device=device,
         attention_backend=attention_backend,

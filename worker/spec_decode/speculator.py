@@ -59,6 +59,9 @@ class Speculator:
         # at), both past the sequence's computed tokens; moved in ``commit``.
         self._moves: dict[Sequence, tuple[int, int]] = {}
         self.copy_kv_slots = copy_kv_slots
+        # LongRoPE (``worker.engine.long_rope``): a sequence no longer than this drafts no row
+        # past it, whose token would need the long factors while its K/V are short.
+        self.rope_switch: int | None = None
 
     def propose(self, running: list[Sequence], rows: dict[str, SamplingRow]) -> None:
         """Give each decoding sequence that may speculate its draft tokens for this step."""
@@ -137,7 +140,11 @@ class Speculator:
         left = min(
             seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens
         )
-        return max(0, min(k, left - 1))
+        room = min(k, left - 1)
+        if self.rope_switch is not None and not seq.long_rope:
+            # The row at position q scores token q + 1, as a sequence of q + 1 tokens does.
+            room = min(room, self.rope_switch - seq.num_tokens)
+        return max(0, room)
 
     def verify(
         self,
