@@ -146,6 +146,8 @@ def moe_mlp(
     """``sum_j w_j * down_j(act(gate_j(x)) * up_j(x))`` over each token's routed experts, each
     expert's projections with the LoRA delta of each row's adapter where ``lora`` has one
     (``worker.model.expert_lora``)."""
+    if x.shape[0] == 1 and lora is None:
+        return _one_token(x, moe, act)
     routing = route(x, moe)
     step = None if lora is None else lora.for_pairs(routing.token)
     rows = x.index_select(0, routing.token)  # [pairs, hidden], grouped by expert
@@ -170,3 +172,22 @@ def moe_mlp(
     # already. The pairs are added in expert order, as transformers adds them.
     scaled = (out * routing.weight[:, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, routing.token, scaled)
+
+
+def _one_token(
+    x: torch.Tensor, moe: MoeWeights, act: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:  # [1, hidden]
+    """``moe_mlp`` for a single row (a batch-1 decode step) without the grouping's sort and
+    scatter: its experts in ascending order, each product rounded as ``moe_mlp`` rounds it."""
+    r = moe.routing
+    probs = torch.softmax(F.linear(x, moe.router).float(), dim=-1)
+    weight, expert = torch.topk(probs[0], r.top_k)
+    if r.normalize:
+        weight = weight / weight.sum()
+    if r.weights_in_model_dtype:
+        weight = weight.to(x.dtype)
+    out = torch.zeros_like(x)
+    for e, w in sorted(zip(expert.tolist(), weight, strict=True)):
+        gate, up = moe.gate_up[e](x).chunk(2, dim=-1)
+        out += (moe.down[e](act(gate) * up) * w).to(x.dtype)
+    return out

@@ -1,0 +1,145 @@
+"""A small Mixtral-style MoE against a dense Llama of the same active parameter count.
+
+Both random, built by transformers in a temporary directory: the same attention, vocabulary and
+layers; the MoE has ``--experts`` experts of ``--expert-intermediate`` features and routes each
+token to ``--top-k`` of them, the dense model one MLP of ``top_k x expert_intermediate``
+features, so a token multiplies by as many weights in both. Decode output tokens/s of the
+offline engine at batch 1 and at ``--batch`` (alternated, ``--repeats`` times, medians), and
+the weight bytes a batch-1 decode token reads (``LlamaModel.decode_weight_bytes``) beside the
+whole checkpoint's.
+
+    python -m bench.moe [--dtype bfloat16] [--batch 16] [--out bench/results/moe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPE = {
+    "vocab_size": 8192,
+    "hidden_size": 768,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+
+
+def build(root: Path, *, experts: int, top_k: int, expert_intermediate: int) -> dict[str, Path]:
+    import transformers
+
+    torch.manual_seed(0)
+    moe = transformers.MixtralConfig(
+        **SHAPE,
+        intermediate_size=expert_intermediate,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+    )
+    dense = transformers.LlamaConfig(**SHAPE, intermediate_size=top_k * expert_intermediate)
+    paths = {}
+    for name, config, cls in (
+        ("moe", moe, transformers.MixtralForCausalLM),
+        ("dense", dense, transformers.LlamaForCausalLM),
+    ):
+        model = cls(config)
+        with torch.no_grad():  # a decisive router: the routing varies across tokens
+            for key, param in model.named_parameters():
+                if key.endswith("gate.weight"):
+                    param.normal_(0.0, 0.5)
+        paths[name] = root / name
+        model.save_pretrained(paths[name], safe_serialization=True)
+    return paths
+
+
+def decode_rate(llm, *, batch: int, prompt_len: int, output_len: int, seed: int) -> float:
+    """Output tokens/s of ``batch`` requests generated together (prefill included)."""
+    from worker import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(3, SHAPE["vocab_size"], (prompt_len,), generator=g).tolist()
+        for _ in range(batch)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.token_ids) for o in outputs) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--expert-intermediate", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="bench/results/moe.json")
+    args = parser.parse_args()
+
+    from worker import LLM
+    from worker.model.llama import LlamaModel
+
+    dtype = getattr(torch, args.dtype)
+    result: dict = {"args": vars(args), "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = build(
+            Path(tmp),
+            experts=args.experts,
+            top_k=args.top_k,
+            expert_intermediate=args.expert_intermediate,
+        )
+        llms = {}
+        for name, path in paths.items():
+            model = LlamaModel.from_pretrained(path, dtype=dtype)
+            total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+            result["models"][name] = {
+                "decode_weight_bytes": model.decode_weight_bytes,
+                "checkpoint_bytes_fp32": total,
+            }
+            del model
+            llms[name] = LLM(path, dtype=args.dtype)
+            decode_rate(llms[name], batch=2, prompt_len=8, output_len=4, seed=9)  # warm-up
+        for batch in (1, args.batch):
+            rates: dict[str, list[float]] = {name: [] for name in llms}
+            for repeat in range(args.repeats):
+                for name, llm in llms.items():
+                    rates[name].append(
+                        decode_rate(
+                            llm,
+                            batch=batch,
+                            prompt_len=args.prompt_len,
+                            output_len=args.output_len,
+                            seed=repeat,
+                        )
+                    )
+            for name, values in rates.items():
+                result["models"][name][f"tok_s_batch_{batch}"] = statistics.median(values)
+            ratio = statistics.median(rates["moe"]) / statistics.median(rates["dense"])
+            result[f"moe_over_dense_batch_{batch}"] = ratio
+    for name, figures in result["models"].items():
+        print(name, json.dumps(figures))
+    for key, value in result.items():
+        if key.startswith("moe_over_dense"):
+            print(f"{key}: {value:.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
