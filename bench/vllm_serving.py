@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import resource
+import shlex
 import subprocess
 import tempfile
 import time
@@ -122,7 +123,10 @@ def run_client(python: str, base_url: str, model: str, tokenizer: Path, api_key:
 
 def ours(args, model_path: Path) -> dict:
     with Stack(
-        model=model_path, gateway_port=free_port(), key_prefix=f"sbvs:{uuid.uuid4().hex[:8]}:"
+        model=model_path,
+        gateway_port=free_port(),
+        key_prefix=f"sbvs:{uuid.uuid4().hex[:8]}:",
+        worker_args=shlex.split(args.worker_args),
     ) as stack:
         key = stack.create_tenant_key("bench")
         stack.admin("PUT", "/tenants/bench/quotas", json={"max_concurrent_requests": 1000})
@@ -167,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--worker-args", default="", help="more flags for our worker")
+    parser.add_argument("--skip-vllm", action="store_true", help="ours only (a flag's effect)")
     parser.add_argument("--out", default="bench/results/vllm_serving.json")
     args = parser.parse_args(argv)
     from worker.model.default_model import resolve_model_path
@@ -176,6 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
     report["switchboard"] = ours(args, model_path)
     shown = (*KEPT, "client_wall_s", "cpu_seconds")
     print("switchboard", json.dumps({k: v for k, v in report["switchboard"].items() if k in shown}))
+    if args.skip_vllm:
+        return write_report(report, args.out)
     report["vllm"] = vllm(args, model_path)
     print("vllm", json.dumps({k: v for k, v in report["vllm"].items() if k in shown}), flush=True)
     switchboard, baseline = report["switchboard"], report["vllm"]

@@ -19,11 +19,23 @@ class Terminal(io.StringIO):
 
 @pytest.fixture(autouse=True)
 def restore_root():
+    """Root as it was after each test, and uvicorn's loggers as configure_logging expects them
+    before it: a server an earlier test ran in this process (at log_level="warning", with
+    uvicorn's own handlers) leaves them dropping or diverting these tests' INFO records."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
+    saved = []
+    for name in ("uvicorn", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.level, logger.handlers[:], logger.propagate, logger.disabled))
+        logger.setLevel(logging.NOTSET)
+        logger.handlers[:], logger.propagate, logger.disabled = [], True, False
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+    for logger, level_, handlers_, propagate, disabled in saved:
+        logger.setLevel(level_)
+        logger.handlers[:], logger.propagate, logger.disabled = handlers_, propagate, disabled
 
 
 def uvicorn_started() -> None:
