@@ -74,6 +74,8 @@ class TenantAdapter:
     rank: int = 0  # the largest rank of any module
     target_modules: list[str] = field(default_factory=list)
     num_bytes: int = 0  # float32 bytes of all A and B (what a worker's host cache holds)
+    # When the name last got new content (a replacing upload); created_at until then.
+    updated_at: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

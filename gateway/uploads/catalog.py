@@ -63,6 +63,7 @@ class Removal:
 class Registration:
     record: TenantAdapter
     created: bool  # False: the same content was already under this name (idempotent)
+    replaced: Removal | None = None  # the content this upload replaced under the name
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,45 +195,34 @@ class AdapterCatalog:
             except redis.exceptions.RedisError as exc:
                 log.warning("renewing upload slot %s failed: %r", upload_id, exc)
 
-    async def register(self, tenant: str, name: str, upload: ValidatedUpload) -> Registration:
+    async def register(
+        self, tenant: str, name: str, upload: ValidatedUpload, *, replace: bool = False
+    ) -> Registration:
         """Put the validated blob in the store and name it for `tenant`, atomically with
-        the quota check; ConflictError if the name holds other content."""
+        the quota check; ConflictError if the name holds other content, unless `replace`:
+        then the name moves to the new content in one step (a new version) and the old
+        content's blob goes once no name references it."""
         adopted = await asyncio.to_thread(self.store.adopt, upload.adapter_id, upload.blob)
-        record = TenantAdapter(
-            name=name,
-            adapter_id=upload.adapter_id,
-            created_at=int(time.time()),
-            rank=upload.rank,
-            target_modules=upload.target_modules,
-            num_bytes=upload.num_bytes,
-        )
         try:
-            outcome, *rest = await self._register(
-                keys=[
-                    self._names(tenant),
-                    self._refs(upload.adapter_id),
-                    tenant_key(self.prefix, tenant, "quota"),
-                ],
-                args=[
-                    name,
-                    record.to_json(),
-                    f"{tenant}/{name}",
-                    upload.adapter_id,
-                    upload.num_bytes,
-                    self.defaults.max_adapters,
-                    self.defaults.max_adapter_bytes,
-                ],
-            )
+            outcome, rest, previous = await self._name(tenant, name, upload, replace=replace)
         except BaseException:
             if adopted:
                 await self._delete_blob_if_unreferenced(upload.adapter_id)
             raise
-        if outcome in ("created", "same"):
+        if outcome in ("created", "same", "replaced"):
             # A concurrent deletion of the same content's last other name may have taken
             # the blob between `adopt` and the script: put it back from our staged copy.
             if not await asyncio.to_thread(self.store.exists, upload.adapter_id):
                 await asyncio.to_thread(self.store.adopt, upload.adapter_id, upload.blob)
-            return Registration(TenantAdapter.from_json(rest[0]), created=outcome == "created")
+            replaced = None
+            if outcome == "replaced":
+                assert previous is not None
+                last = int(rest[1]) == 0 and await self._delete_blob_if_unreferenced(
+                    previous.adapter_id
+                )
+                replaced = Removal(record=previous, last_reference=last)
+            record = TenantAdapter.from_json(rest[0])
+            return Registration(record, created=outcome == "created", replaced=replaced)
         if adopted:  # we brought this blob and nobody named it: it goes (by the protocol)
             await self._delete_blob_if_unreferenced(upload.adapter_id)
         if outcome == "taken":
@@ -248,6 +238,51 @@ class AdapterCatalog:
             f"adapter storage quota exceeded for tenant {tenant}: Limit {limit} bytes, Used "
             f"{used}, Requested {upload.num_bytes} (float32 bytes of the adapters' weights)",
             param="file",
+        )
+
+    async def _name(
+        self, tenant: str, name: str, upload: ValidatedUpload, *, replace: bool
+    ) -> tuple[str, list, TenantAdapter | None]:
+        """The REGISTER script's outcome, its values, and the record it replaced (if any).
+        A replacing upload reads the name's record first (its blob's references are a key of
+        the script) and tries again if the name moved in between."""
+        now = int(time.time())
+        for _ in range(8):
+            previous = await self.tenants.get_adapter(tenant, name) if replace else None
+            record = TenantAdapter(
+                name=name,
+                adapter_id=upload.adapter_id,
+                created_at=now if previous is None else previous.created_at,
+                rank=upload.rank,
+                target_modules=upload.target_modules,
+                num_bytes=upload.num_bytes,
+                updated_at=now,
+            )
+            old_id = "" if previous is None else previous.adapter_id
+            outcome, *rest = await self._register(
+                keys=[
+                    self._names(tenant),
+                    self._refs(upload.adapter_id),
+                    tenant_key(self.prefix, tenant, "quota"),
+                    self._refs(old_id or upload.adapter_id),
+                ],
+                args=[
+                    name,
+                    record.to_json(),
+                    f"{tenant}/{name}",
+                    upload.adapter_id,
+                    upload.num_bytes,
+                    self.defaults.max_adapters,
+                    self.defaults.max_adapter_bytes,
+                    "1" if replace else "0",
+                    old_id,
+                ],
+            )
+            if outcome != "moved":
+                return outcome, rest, previous
+        raise ConflictError(
+            f"the adapter {name!r} kept changing while this upload replaced it; try again",
+            param="name",
         )
 
     async def remove(self, tenant: str, name: str) -> Removal:
@@ -311,7 +346,7 @@ def adapter_not_found(name: str) -> NotFoundError:
 
 def _name_taken(name: str) -> ConflictError:
     return ConflictError(
-        f"an adapter named {name!r} already exists with other content; delete it first or "
-        "pick another name",
+        f"an adapter named {name!r} already exists with other content; upload with "
+        "replace=true to make this its new version, delete it first, or pick another name",
         param="name",
     )

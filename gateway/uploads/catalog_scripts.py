@@ -9,29 +9,45 @@ request concurrency leases: a gateway that dies stops renewing, and its slots co
 Time comes from Redis (`TIME`), so replicas with skewed clocks agree on leases.
 """
 
-# KEYS: 1 the tenant's names hash, 2 the blob's reference set, 3 the tenant's quota hash
+# KEYS: 1 the tenant's names hash, 2 the blob's reference set, 3 the tenant's quota hash,
+#       4 the reference set of the blob the name held when the caller looked (replace only)
 # ARGV: 1 name, 2 record JSON, 3 reference member, 4 adapter id, 5 the blob's float32 bytes,
-#       6 default max adapters, 7 default max adapter bytes
+#       6 default max adapters, 7 default max adapter bytes, 8 "1" to replace other content,
+#       9 the adapter id the caller saw under the name ("" for none)
+# Replacing swaps the name's record and references in this one step: the old content's bytes
+# leave the storage in use as the new content's enter it.
 # Returns: {"created", record} | {"same", existing record} | {"taken", existing record}
+#          | {"replaced", record, references left on the old blob} | {"moved"} (the name
+#          changed since the caller looked: look again)
 #          | {"max_adapters", used, limit} | {"max_adapter_bytes", used, limit}
 REGISTER = """
 local existing = redis.call('HGET', KEYS[1], ARGV[1])
+local old = nil
 if existing then
-  if cjson.decode(existing)['adapter_id'] == ARGV[4] then return {'same', existing} end
-  return {'taken', existing}
+  old = cjson.decode(existing)
+  if old['adapter_id'] == ARGV[4] then return {'same', existing} end
+  if ARGV[8] ~= '1' then return {'taken', existing} end
+  if old['adapter_id'] ~= ARGV[9] then return {'moved'} end
+elseif ARGV[9] ~= '' then
+  return {'moved'}
 end
 local cfg = redis.call('HMGET', KEYS[3], 'max_adapters', 'max_adapter_bytes')
 local max_count = tonumber(cfg[1]) or tonumber(ARGV[6])
 local max_bytes = tonumber(cfg[2]) or tonumber(ARGV[7])
 local count = redis.call('HLEN', KEYS[1])
-if count + 1 > max_count then return {'max_adapters', count, max_count} end
+if not old and count + 1 > max_count then return {'max_adapters', count, max_count} end
 local used = 0
 for _, raw in ipairs(redis.call('HVALS', KEYS[1])) do
   used = used + (tonumber(cjson.decode(raw)['num_bytes']) or 0)
 end
+if old then used = used - (tonumber(old['num_bytes']) or 0) end
 if used + tonumber(ARGV[5]) > max_bytes then return {'max_adapter_bytes', used, max_bytes} end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[3])
+if old then
+  redis.call('SREM', KEYS[4], ARGV[3])
+  return {'replaced', ARGV[2], redis.call('SCARD', KEYS[4])}
+end
 return {'created', ARGV[2]}
 """
 

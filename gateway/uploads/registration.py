@@ -75,20 +75,30 @@ async def upload_adapter(request: Request, *, state: GatewayState, tenant: str) 
             source=upload.source,
             path=upload.path,
             staging=staging,
+            replace=upload.replace,
         )
-    if registration.created:
+    if registration.replaced is not None and registration.replaced.last_reference:
+        await _unload_everywhere(state, registration.replaced.record.adapter_id)
+    if registration.created or registration.replaced is not None:
         state.spawn(preload(state=state, adapter_id=registration.record.adapter_id))
     return registration
 
 
 async def _register(
-    *, state: GatewayState, tenant: str, name: str, source, path: Path, staging: Path
+    *,
+    state: GatewayState,
+    tenant: str,
+    name: str,
+    source,
+    path: Path,
+    staging: Path,
+    replace: bool = False,
 ) -> Registration:
     check_adapter_name(name, served_model_name=state.settings.served_model_name)
     validated = await state.catalog.validator.validate(
         source=source, path=path, work_dir=staging, tenant=tenant
     )
-    return await state.catalog.register(tenant, name, validated)
+    return await state.catalog.register(tenant, name, validated, replace=replace)
 
 
 @contextlib.asynccontextmanager
@@ -124,18 +134,20 @@ async def delete_adapter(*, state: GatewayState, tenant: str, name: str) -> Remo
     content's last name. Requests already running on a worker finish with their weights."""
     removal = await state.catalog.remove(tenant, name)
     if removal.last_reference:
-        workers = await state.workers.workers()
-        await asyncio.gather(
-            *(
-                unload_adapter(
-                    state.channels,
-                    address=w.address,
-                    adapter_id=removal.record.adapter_id,
-                    timeout_s=UNLOAD_TIMEOUT_S,
-                )
-                # Every live worker, not only those whose last heartbeat listed it: one
-                # may have loaded it since.
-                for w in workers
-            )
-        )
+        await _unload_everywhere(state, removal.record.adapter_id)
     return removal
+
+
+async def _unload_everywhere(state: GatewayState, adapter_id: str) -> None:
+    """Unload content no name points at any more (requests running on it finish first)."""
+    workers = await state.workers.workers()
+    await asyncio.gather(
+        *(
+            unload_adapter(
+                state.channels, address=w.address, adapter_id=adapter_id, timeout_s=UNLOAD_TIMEOUT_S
+            )
+            # Every live worker, not only those whose last heartbeat listed it: one may have
+            # loaded it since.
+            for w in workers
+        )
+    )

@@ -30,7 +30,7 @@ from gateway.errors import InvalidRequestError, PayloadTooLargeError
 
 ARCHIVE_FIELD = "file"
 FILE_FIELDS = {"adapter_config": CONFIG_FILE, "adapter_model": WEIGHTS_FILE}
-TEXT_FIELDS = frozenset({"name"})
+TEXT_FIELDS = frozenset({"name", "replace"})
 MAX_TEXT_FIELD_BYTES = 4096
 MAX_PARTS = 8
 
@@ -40,6 +40,7 @@ class ReceivedUpload:
     name: str
     source: Literal["archive", "dir"]
     path: Path  # the archive, or a directory with the adapter's two files
+    replace: bool = False  # new content may replace what the name holds (a new version)
 
 
 async def receive_adapter_upload(
@@ -62,10 +63,11 @@ async def receive_adapter_upload(
     )
     try:
         name = _text_field(form, "name")
+        replace = _flag_field(form, "replace")
         files = _file_fields(form)
         # Copying up to the size limit is disk work: off the event loop.
         source, path = await asyncio.to_thread(_materialize, files, staging)
-        return ReceivedUpload(name=name, source=source, path=path)
+        return ReceivedUpload(name=name, source=source, path=path, replace=replace)
     finally:
         await form.close()
 
@@ -106,6 +108,21 @@ def _text_field(form: FormData, field: str) -> str:
     if len(values) != 1 or not isinstance(values[0], str) or not values[0].strip():
         raise InvalidRequestError(f"the form needs exactly one non-empty `{field}`", param=field)
     return values[0].strip()
+
+
+def _flag_field(form: FormData, field: str) -> bool:
+    """An optional `true` / `false` field (absent: false)."""
+    values = form.getlist(field)
+    if not values:
+        return False
+    if len(values) != 1 or not isinstance(values[0], str):
+        raise InvalidRequestError(f"the form takes at most one `{field}`", param=field)
+    value = values[0].strip().lower()
+    if value not in ("true", "false"):
+        raise InvalidRequestError(
+            f"`{field}` must be true or false, got {value[:20]!r}", param=field
+        )
+    return value == "true"
 
 
 def _file_fields(form: FormData) -> dict[str, UploadFile]:

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -281,6 +282,63 @@ def test_saved_lm_head_uploads_chats_and_counts_in_the_storage_quota(
         extra_body={"ignore_eos": True},
     )
     assert chat.choices[0].message.content == expected.text
+
+
+def test_replacing_a_version_mid_stream(stack, client, api_key, tiny_model, tmp_path_factory):
+    """A stream on version 1 completes on version 1 while version 2 replaces it under the same
+    name (``replace=true``); the next request gets version 2, each as the offline engine
+    computes it, and the name's record shows the new content."""
+    root = tmp_path_factory.mktemp("versions")
+    versions = [
+        make_peft_adapter(tiny_model, root / f"v{i}", rank=4, targets=["q_proj", "o_proj"], seed=i)
+        for i in (31, 32)
+    ]
+    offline = LLM(tiny_model, dtype="float32")
+    prompt, tokens = "the quick brown fox", 200
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    expected = []
+    for i, path in enumerate(versions):
+        offline.load_adapter(f"v{i}", path)
+        expected.append(offline.generate([prompt], params, adapters=[f"v{i}"])[0].text)
+    assert expected[0] != expected[1]
+    headers = {"Authorization": f"Bearer {api_key}"}
+
+    def upload(path: Path, replace: bool) -> httpx.Response:
+        return httpx.post(
+            f"{stack.base_url}/v1/adapters",
+            headers=headers,
+            data={"name": "policy", "replace": "true" if replace else "false"},
+            files={"file": ("policy.tar.gz", tar_bytes(adapter_members(path)))},
+            timeout=30,
+        )
+
+    assert upload(versions[0], False).status_code == 201
+    replaced: list[httpx.Response] = []
+    body = {
+        "model": "policy",
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events = _stream_events(
+        stack, api_key, body, lambda: replaced.append(upload(versions[1], True))
+    )
+    assert replaced[0].status_code == 200, replaced[0].text
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]")
+    assert text == expected[0]
+    after = client.completions.create(
+        model="policy",
+        prompt=prompt,
+        max_tokens=tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert after.choices[0].text == expected[1]
+    record = httpx.get(f"{stack.base_url}/v1/adapters/policy", headers=headers, timeout=30).json()
+    assert record["adapter_id"] == replaced[0].json()["adapter_id"]
+    assert record["updated_at"] >= record["created_at"]
 
 
 def test_errors_come_back_in_openai_format(stack, client, tiny_model):

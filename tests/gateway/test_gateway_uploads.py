@@ -326,6 +326,49 @@ async def test_name_collisions_are_409_and_keep_the_first(env, adapter_dir, tmp_
     assert env.store_entries() == [first["adapter_id"]]
 
 
+async def test_replace_true_makes_new_content_the_names_next_version(env, adapter_dir, tmp_path):
+    """The name moves to the new content in one step: new requests use it, the list shows its
+    content id and when it changed, the storage in use counts it alone, and the old blob goes
+    (and is unloaded) once no name holds it; a second name on the old content keeps it."""
+    other = write_adapter(tmp_path / "other", rank=2, seed=5)
+    async with env.http("alice") as alice:
+        first = (await alice.post("/v1/adapters", **files_upload("sql", adapter_dir))).json()
+        await alice.post("/v1/adapters", **files_upload("keep", adapter_dir))
+        upload = files_upload("sql", other)
+        bad = await alice.post(
+            "/v1/adapters", **{**upload, "data": {"name": "sql", "replace": "1"}}
+        )
+        assert_error(bad, 400, param="replace", says="must be true or false")
+        replaced = await alice.post(
+            "/v1/adapters", **{**upload, "data": {"name": "sql", "replace": "true"}}
+        )
+        assert replaced.status_code == 200, replaced.text
+        new = replaced.json()
+        assert new["adapter_id"] != first["adapter_id"] and new["rank"] == 2
+        assert new["created_at"] == first["created_at"] <= new["updated_at"]
+        assert (await alice.get("/v1/adapters/sql")).json() == new
+        used = await alice.post("/v1/completions", json={"model": "sql", "prompt": "x"})
+        assert used.status_code == 200 and env.worker.requests[-1].adapter_id == new["adapter_id"]
+        account = (await alice.get("/v1/account")).json()
+        assert account["in_use"]["max_adapter_bytes"] == first["num_bytes"] + new["num_bytes"]
+        assert sorted(env.store_entries()) == sorted([first["adapter_id"], new["adapter_id"]])
+        assert first["adapter_id"] not in env.worker.unloaded  # "keep" still names it
+
+        # The same again, now that "sql" alone named the old content: its blob goes.
+        again = await alice.post(
+            "/v1/adapters",
+            **{**files_upload("keep", other), "data": {"name": "keep", "replace": "true"}},
+        )
+        assert again.status_code == 200, again.text
+        assert env.store_entries() == [new["adapter_id"]]
+        assert env.worker.unloaded == [first["adapter_id"]]
+        # The same content again is idempotent, replace or not.
+        same = await alice.post(
+            "/v1/adapters", **{**upload, "data": {"name": "sql", "replace": "true"}}
+        )
+        assert same.status_code == 200 and same.json() == new
+
+
 # --- tenants never see each other --------------------------------------------------------
 
 
