@@ -205,6 +205,13 @@ def test_a_tenant_uploads_chats_and_sees_its_usage_and_another_tenant_sees_none(
     expect(other.locator("#key-table tbody tr")).to_have_count(1)  # its own key only
     status = other.evaluate("async () => (await Console.call('adapters/sql')).status")
     assert status == 404
+    # Chatting with acme's adapter by name: the API's answer for a model that does not exist.
+    other.evaluate(
+        "document.getElementById('chat-model').add(new Option('sql', 'sql', true, true))"
+    )
+    other.fill("#chat-input", "hi")
+    other.click("#chat-send")
+    expect(other.locator("#chat-error")).to_have_text("The model `sql` does not exist.")
 
 
 def test_hostile_input_gets_the_apis_answers_shown_as_text(stack, new_page, tmp_path):
