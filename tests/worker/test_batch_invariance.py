@@ -224,3 +224,14 @@ def test_batch_invariant_refused_where_it_cannot_hold(base):
         LLMEngine(
             base, engine_config(dtype="float32", batch_invariant=True, attention_backend="triton")
         )
+
+
+def test_the_worker_flag_turns_it_on():
+    from switchboard.cli import build_parser
+    from switchboard.worker_command import worker_engine_kwargs
+
+    def config(*flags: str):
+        return engine_config(**worker_engine_kwargs(build_parser().parse_args(["worker", *flags])))
+
+    assert config("--batch-invariant").batch_invariant
+    assert not config().batch_invariant
