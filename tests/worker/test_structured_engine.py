@@ -367,3 +367,19 @@ def test_a_hostile_grammar_leaves_the_request_beside_it_untouched(llm):
     assert outputs["victim"].token_ids == reference.token_ids
     assert all(out.finished for out in outputs.values())
     engine.take_failures()
+
+
+def test_compiled_grammars_are_cached_per_tenant(llm, monkeypatch):
+    """A cache hit is fast: shared across tenants, a request's latency would tell one tenant
+    that another had sent the same grammar (the gateway's verdicts are keyed likewise)."""
+    grammars = llm.engine.grammars
+    built = []
+    build = grammars._build
+    monkeypatch.setattr(grammars, "_build", lambda tok, g: built.append(g) or build(tok, g))
+    spec = StructuredOutput("regex", "[a-c]{3}-per-tenant")
+    grammars.prepare(spec, "tenant-a")
+    grammars.prepare(spec, "tenant-a")
+    grammars.matcher(spec, "tenant-a")
+    assert len(built) == 1
+    grammars.prepare(spec, "tenant-b")
+    assert len(built) == 2

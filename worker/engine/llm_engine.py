@@ -273,7 +273,7 @@ class LLMEngine:
             if p.seed is not None:
                 seq.generator = torch.Generator().manual_seed(p.seed)
             if p.structured_output is not None:
-                seq.grammar = self.grammars.matcher(p.structured_output)
+                seq.grammar = self.grammars.matcher(p.structured_output, seq.tenant)
             self.token_processor.attach(seq, self.tokenizer)
             self.requests[request_id] = seq
             self._rows[request_id] = SamplingRow(

@@ -10,9 +10,11 @@ computes each mask lazily from a lexer and an Earley parser instead of compiling
 to token tables up front, and ``LLParserLimits`` bounds the parser's work per token, so a
 hostile grammar cannot stall the step for everyone else.
 
-Compiling is cached by (format, text): a request's sequences each get a copy of the cached
-matcher in its start state. The server compiles off the step loop (``prepare``) before it
-queues a request, so the loop itself only copies.
+Compiling is cached by (tenant, format, text): a request's sequences each get a copy of the
+cached matcher in its start state. The tenant is in the key because a cache hit is fast: shared
+across tenants, a request's latency would tell one tenant which grammars another had sent. The
+server compiles off the step loop (``prepare``) before it queues a request, so the loop itself
+only copies.
 """
 
 from __future__ import annotations
@@ -72,17 +74,18 @@ class GrammarCompiler:
                 )
             return self._tokenizer
 
-    def prepare(self, spec: StructuredOutput) -> None:
-        """Compile ``spec`` into the cache (the slow part, for a thread off the step loop)."""
-        self._compiled(spec)
+    def prepare(self, spec: StructuredOutput, tenant: str = "") -> None:
+        """Compile ``spec`` for ``tenant`` into the cache (the slow part, for a thread off the
+        step loop)."""
+        self._compiled(spec, tenant)
 
-    def matcher(self, spec: StructuredOutput) -> GrammarState:
+    def matcher(self, spec: StructuredOutput, tenant: str = "") -> GrammarState:
         """A fresh matcher in the grammar's start state; ``InvalidRequestError`` if the
         grammar is invalid or too complex."""
-        return GrammarState(self._compiled(spec).deep_copy())
+        return GrammarState(self._compiled(spec, tenant).deep_copy())
 
-    def _compiled(self, spec: StructuredOutput) -> llguidance.LLMatcher:
-        key = hashlib.sha256(f"{spec.format}\0{spec.text}".encode()).digest()
+    def _compiled(self, spec: StructuredOutput, tenant: str) -> llguidance.LLMatcher:
+        key = hashlib.sha256(f"{tenant}\0{spec.format}\0{spec.text}".encode()).digest()
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:

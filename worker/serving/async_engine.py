@@ -154,7 +154,9 @@ class AsyncEngine:
             if adapter_id is not None and adapter_path and not self._has_adapter(adapter_id):
                 await self.load_adapter(adapter_id, adapter_path)
             if params.structured_output is not None:  # compiled here, off the step loop
-                await asyncio.to_thread(self.engine.grammars.prepare, params.structured_output)
+                await asyncio.to_thread(
+                    self.engine.grammars.prepare, params.structured_output, tenant or ""
+                )
             await self._call(
                 self._add_on_loop,
                 engine_ids,
