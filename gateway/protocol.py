@@ -22,7 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field
 
 from gateway.errors import InvalidRequestError
-from gateway.request_model import RequestModel
+from gateway.request_model import MAX_PARSED_ITEMS, RequestModel, at_most
 from gateway.structured.protocol import (
     MAX_TOOLS,
     ResponseFormat,
@@ -342,11 +342,11 @@ def _call_for_template(call: ToolCall, param: str) -> dict[str, Any]:
 class ChatCompletionRequest(SamplingFields):
     endpoint: ClassVar[str] = "chat"  # the metrics label
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], at_most(MAX_PARSED_ITEMS)] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tools: Annotated[list[Tool] | None, at_most(MAX_TOOLS)] = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool = True  # False: at most one call
     # OpenAI's deprecated form of tools: refused (with a pointer to tools), never ignored.

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
+
+# The most items a body's lists (messages, input items, tools) may hold when parsed. Their
+# items are validated on the event loop (tens of µs each, more on a busy machine), and pydantic
+# checks a list's length only after validating every item: 100,000 messages held the loop for
+# seconds. `at_most` refuses a longer list by its length first.
+MAX_PARSED_ITEMS = 4096
 
 
 class RequestModel(BaseModel):
@@ -44,3 +50,15 @@ def _optional_keys(model: type[BaseModel]) -> frozenset[str]:
         )
         _OPTIONAL[model] = keys
     return keys
+
+
+def at_most(limit: int) -> BeforeValidator:
+    """For `Annotated[...]`: a list or map longer than ``limit`` is refused (naming the field)
+    before any of its items is validated."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, list | dict) and len(value) > limit:
+            raise ValueError(f"at most {limit} items are allowed, got {len(value)}")
+        return value
+
+    return BeforeValidator(check)

@@ -13,13 +13,13 @@ The answer is shaped by `gateway.responses_format`.
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError
 
 from gateway.errors import InvalidRequestError
 from gateway.protocol import INT32_MAX, ChatCompletionRequest, StreamOptions
-from gateway.request_model import RequestModel
+from gateway.request_model import MAX_PARSED_ITEMS, RequestModel, at_most
 
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 ROLES = frozenset({"user", "system", "developer", "assistant"})
@@ -74,19 +74,19 @@ class ResponsesRequest(RequestModel):
     endpoint: ClassVar[str] = "responses"  # the metrics label
 
     model: str
-    input: str | list[InputItem]
+    input: Annotated[str | list[InputItem], at_most(MAX_PARSED_ITEMS)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    tools: list[ResponsesTool] | None = None
+    tools: Annotated[list[ResponsesTool] | None, at_most(MAX_PARSED_ITEMS)] = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     user: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str] | None, at_most(MAX_PARSED_ITEMS)] = None
     # Accepted: nothing is stored whatever it says (so nothing can be referred to later).
     store: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=0)

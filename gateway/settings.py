@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gateway.request_model import MAX_PARSED_ITEMS
 from gateway.tenancy.weights import check_tiers
 from runtime.home import default_adapter_store, default_model_dir
 
@@ -87,7 +88,7 @@ class GatewaySettings(BaseSettings):
     max_stop_strings: int = Field(default=16, ge=0, le=32)
     max_stop_string_chars: int = Field(default=256, ge=1, le=1024)
     max_stop_token_ids: int = Field(default=64, ge=0, le=1024)
-    max_chat_messages: int = Field(default=1024, ge=1)
+    max_chat_messages: int = Field(default=1024, ge=1, le=MAX_PARSED_ITEMS)
     # n (or best_of) × max_tokens: tokens one request may ask the workers to generate. A
     # request without max_tokens gets its default cut to fit instead of a 400.
     max_generated_tokens: int = Field(default=16384, ge=1)

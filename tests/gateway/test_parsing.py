@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.errors import InvalidRequestError
 from gateway.parsing import ParsedRequest, parse
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, ShapeLimits
+from gateway.responses_api import ResponsesRequest
 
 MODEL = "tiny-chat"
 USER = [{"role": "user", "content": "Hi"}]
@@ -411,3 +413,20 @@ def test_a_tool_message_answers_an_earlier_call():
             message="messages with role 'tool' must be a response to a preceding message "
             "with 'tool_calls'; no earlier tool call has the id 'call_2'",
         )
+
+
+@pytest.mark.parametrize(
+    "model, field, body",
+    [
+        (ChatCompletionRequest, "messages", {"messages": [{"role": "user", "content": "hi"}]}),
+        (ResponsesRequest, "input", {"input": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+def test_a_list_past_the_parsed_bound_is_refused_by_its_length(model, field, body):
+    """Refused before its items are validated (on the event loop: 100,000 messages held it
+    for seconds), naming the field."""
+    many = {"model": "m", field: body[field] * 100_000}
+    with pytest.raises(ValidationError) as refused:
+        model.model_validate(many)
+    (error,) = refused.value.errors()
+    assert error["loc"] == (field,) and "at most 4096 items" in error["msg"]
