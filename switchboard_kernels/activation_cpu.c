@@ -22,6 +22,7 @@
 #endif
 
 #include "bf16.h"
+#include "exp_avx512.h"
 
 /* e^x for x <= 0, plain C (x = n ln2 + f ln2, |f| <= 1/2, 2^f by its Taylor polynomial, then
  * scaled by 2^n with ldexpf, which keeps subnormal results as the AVX-512 loop's scalef does). */
@@ -47,21 +48,6 @@ static inline float silu_f32(float x) {
 }
 
 #if defined(__AVX512F__)
-static inline __m512 exp_nonpositive(__m512 x) {
-    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)),
-                             _mm512_set1_ps(1.44269504089f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718056f));
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 static inline __m512 silu16(__m512 x) {
     __m512 magnitude = _mm512_abs_ps(x);
     __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), magnitude));
@@ -73,18 +59,7 @@ static inline __m512 silu16(__m512 x) {
 
 /* bf16(x) as fp32: the rounding torch's bf16 op applies between silu and the product. */
 static inline __m512 round_to_bf16(__m512 v) {
-    __m256i h;
-#if defined(__AVX512BF16__)
-    h = (__m256i)_mm512_cvtneps_pbh(v);
-#else
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
-    h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-#endif
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pack_bf16(v)), 16));
 }
 #endif
 

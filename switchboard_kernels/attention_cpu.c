@@ -32,6 +32,7 @@
 #endif
 
 #include "bf16.h"
+#include "exp_avx512.h"
 
 #define MAX_HEAD_DIM 256
 #define CHUNK_QUERIES 4 /* queries of one sequence per work item (see sb_paged_decode) */
@@ -369,23 +370,6 @@ static void attend_vec8(const Item *it, const float *q, float scale, float *scor
 }
 
 #if defined(__AVX512F__)
-/* e^x for x <= 0: x = n ln2 + f ln2 with |f| <= 1/2, 2^f by its degree-6 Taylor polynomial
- * (relative error < 2e-7), then scaled by 2^n. Large negative x gives 0. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)),
-                             _mm512_set1_ps(1.44269504089f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718056f));
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* Row r's scores -> probabilities over its visible keys, zeros up to len (rounded to 16). */
 static inline void softmax_row(const Item *it, float *scores, int64_t r, int64_t len) {
     float *sr = scores + r * it->stride;

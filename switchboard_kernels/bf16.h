@@ -44,17 +44,23 @@ static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-/* The lanes in m of v, rounded to bf16 (nearest even). */
-static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
+/* v rounded to bf16 (nearest even, NaN kept as NaN), packed in 16 halves. */
+static inline __m256i pack_bf16(__m512 v) {
 #if defined(__AVX512BF16__)
-    __m256i packed = (__m256i)_mm512_cvtneps_pbh(v);
-#else /* round to nearest even by hand (finite values) */
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else /* round to nearest even by hand; a NaN's payload could round up into infinity */
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    __m256i packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+    __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 #endif
-    _mm256_mask_storeu_epi16(p, m, packed);
+}
+
+/* The lanes in m of v, rounded to bf16 (nearest even). */
+static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, pack_bf16(v));
 }
 #endif
 

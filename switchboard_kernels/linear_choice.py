@@ -261,13 +261,14 @@ def linear_plan(
         return cached
     result = measure_plan(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual)
     if result.contended:
+        fallback = fixed_plan(dtype, device, dual=dual)
         logger.warning(
             "projections measured while other processes took the CPU (our threads got %.0f%% "
             "of their cores); not trusted or cached: %s",
             100 * result.cpu_share,
-            fixed_plan(dtype, device, dual=dual).describe(),
+            fallback.describe(),
         )
-        return fixed_plan(dtype, device, dual=dual)
+        return fallback
     logger.info(
         "projections measured in %.1f s over %d layers: %s; ms a step by rows: %s",
         result.elapsed,

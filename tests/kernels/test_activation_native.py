@@ -5,11 +5,15 @@ overflows."""
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from switchboard_kernels.activation_native import native_activation, silu_mul
+from switchboard_kernels import native
+from switchboard_kernels.activation_native import NativeActivation, native_activation, silu_mul
 
 EDGES = [0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 100.0, -100.0, 3e38, -3e38, float("inf")]
 
@@ -78,3 +82,16 @@ def test_what_the_kernel_cannot_take_is_refused(kernel):
         kernel.silu_mul(torch.zeros(2, 6, dtype=torch.float16))
     with pytest.raises(ValueError):
         kernel.silu_mul(torch.zeros(6, 2).t())  # columns not contiguous
+
+
+def test_the_avx512_loop_without_avx512_bf16_rounds_as_torch(kernel):
+    """On an AVX-512 CPU without BF16 instructions (a Xeon before Cooper Lake) the rounding
+    to bf16 is done by hand (bf16.h's pack_bf16): built here with those instructions off."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if "avx512_bf16" not in flags.split():
+        pytest.skip("without avx512_bf16 every other test here already runs this loop")
+    source = Path(native.__file__).with_name("activation_cpu.c")
+    built = NativeActivation(ctypes.CDLL(str(native.build(source, ("-mno-avx512bf16",)))))
+    x = _inputs(33, 1536, torch.bfloat16, seed=5)
+    want = _reference(x)
+    assert torch.equal(built.silu_mul(x).view(torch.int16), want.view(torch.int16))
