@@ -182,6 +182,9 @@ async function chat(event) {
     $("chat-input").value = "";
     loadUsage();
     loadAccount();
+    // The gateway settles a request's usage just after its stream's last byte, so the first
+    // read can miss this answer: read once more when it has surely been settled.
+    setTimeout(loadUsage, 1500);
   } catch (err) {
     error.textContent = err.message;
     stats.textContent = "";
