@@ -32,8 +32,6 @@ async function loadTenants() {
 
 async function select(tenant) {
   selected = tenant;
-  $("tenant-detail").hidden = false;
-  $("detail-name").textContent = tenant;
   $("new-key-value").textContent = "";
   $("detail-error").textContent = "";
   const [quota, scheduling, keys, adapters, selfService] = await Promise.all([
@@ -48,6 +46,10 @@ async function select(tenant) {
     el("button", { type: "button", class: "danger", onclick: () => revoke(k.key_id) }, "Revoke")]));
   fill($("detail-adapters").querySelector("tbody"), adapters.data.map((a) => [
     a.name, a.rank, a.target_modules.join(", "), Console.bytes(a.num_bytes), el("code", {}, a.adapter_id.slice(0, 12))]));
+  // Named and shown only now that its form holds its values: an edit made while they loaded
+  // would be overwritten by them, and saved as the old quotas.
+  $("detail-name").textContent = tenant;
+  $("tenant-detail").hidden = false;
   $("tenant-detail").scrollIntoView();
 }
 
