@@ -7,9 +7,11 @@ MLP layer between sparse ones (``mlp_only_layers``) and its top-k renormalized.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from factories import TINY_VOCAB
 
@@ -99,4 +101,30 @@ def make_expert_adapter(
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=g) * 0.5 / param.shape[-1] ** 0.5)
     model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def write_fused_experts(source: Path, out: Path, family: str) -> Path:
+    """The checkpoint ``source`` with its experts as transformers 5 holds them in memory (fused
+    gate_up_proj [E, 2I, H] and down_proj [E, H, I] per layer), written to ``out``."""
+    out.mkdir()
+    (out / "config.json").write_text((source / "config.json").read_text())
+    w = load_file(source / "model.safetensors")
+    n = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    moe = "block_sparse_moe" if family == "mixtral" else "mlp"
+    for i in range(n):
+        p = f"model.layers.{i}.{moe}."
+        if p + "gate.weight" not in w:
+            continue
+        experts = sorted(
+            {int(k[len(p) + 8 :].split(".")[0]) for k in w if k.startswith(p + "experts.")}
+        )
+        pick = {x: [w.pop(f"{p}experts.{e}.{x}.weight") for e in experts] for x in names}
+        q = f"model.layers.{i}.mlp."
+        w[q + "gate.weight"] = w.pop(p + "gate.weight")
+        gate_up = [torch.cat([g, u]) for g, u in zip(pick[names[0]], pick[names[1]], strict=True)]
+        w[q + "experts.gate_up_proj"] = torch.stack(gate_up)
+        w[q + "experts.down_proj"] = torch.stack(pick[names[2]])
+    save_file(w, out / "model.safetensors")
     return out

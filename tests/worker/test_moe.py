@@ -9,12 +9,10 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from moe_factories import make_moe_checkpoint
-from safetensors.torch import load_file, save_file
+from moe_factories import make_moe_checkpoint, write_fused_experts
 
 from adapters.base_model import BaseModelSpec
 from switchboard_kernels.linear import Linear
-from worker.errors import TensorParallelConfigError
 from worker.model.architectures import Experts, QKNorm
 from worker.model.llama import LlamaModel
 from worker.model.model_config import ModelConfig
@@ -102,39 +100,13 @@ def test_the_registry_reads_the_expert_fields(tmp_path):
     assert not block.experts.weights_in_model_dtype and block.qk_norm is QKNorm.NONE
     spec = BaseModelSpec.from_config_dict(json.loads((mixtral / "config.json").read_text()))
     assert "gate_proj" not in spec.projections and "q_proj" in spec.projections
-    with pytest.raises(TensorParallelConfigError, match="mixtral"):
-        check_divisible(ModelConfig.from_pretrained(mixtral), 2)
-
-
-def _fused(source, out, family):
-    """The checkpoint with its experts as transformers 5 holds them in memory."""
-    out.mkdir()
-    (out / "config.json").write_text((source / "config.json").read_text())
-    w = load_file(source / "model.safetensors")
-    n = json.loads((source / "config.json").read_text())["num_hidden_layers"]
-    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    moe = "block_sparse_moe" if family == "mixtral" else "mlp"
-    for i in range(n):
-        p = f"model.layers.{i}.{moe}."
-        if p + "gate.weight" not in w:
-            continue
-        experts = sorted(
-            {int(k[len(p) + 8 :].split(".")[0]) for k in w if k.startswith(p + "experts.")}
-        )
-        pick = {x: [w.pop(f"{p}experts.{e}.{x}.weight") for e in experts] for x in names}
-        q = f"model.layers.{i}.mlp."
-        w[q + "gate.weight"] = w.pop(p + "gate.weight")
-        gate_up = [torch.cat([g, u]) for g, u in zip(pick[names[0]], pick[names[1]], strict=True)]
-        w[q + "experts.gate_up_proj"] = torch.stack(gate_up)
-        w[q + "experts.down_proj"] = torch.stack(pick[names[2]])
-    save_file(w, out / "model.safetensors")
-    return out
+    check_divisible(ModelConfig.from_pretrained(mixtral), 2)  # its experts split (issue 45)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_the_fused_and_per_expert_layouts_load_alike(tmp_path, family):
     base = make_moe_checkpoint(tmp_path / "base", family)
-    fused = _fused(base, tmp_path / "fused", family)
+    fused = write_fused_experts(base, tmp_path / "fused", family)
     ids = torch.tensor([3, 14, 15, 92, 65, 35])
     outs = []
     for path in (base, fused):

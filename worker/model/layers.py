@@ -9,7 +9,7 @@ dense MLP.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -61,8 +61,11 @@ def load_layer(
     *,
     quantization: str | None,
     plan: LinearPlan | None,
+    shards: int = 1,
 ) -> LayerWeights:
-    """Layer ``i`` of the checkpoint's tensors ``w`` (see ``LlamaModel`` for the options)."""
+    """Layer ``i`` of the checkpoint's tensors ``w`` (see ``LlamaModel`` for the options);
+    ``shards``: a tensor-parallel group's size, ``w`` being one rank's shard (each expert holds
+    its share of the intermediate features: ``worker.model.sharding``)."""
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
     block = config.block
@@ -71,7 +74,8 @@ def load_layer(
     moe = gate_up = down = None
     if sparse:
         assert experts is not None
-        moe = load_experts(w, i, experts, quantization=quantization, plan=plan)
+        own = replace(experts, intermediate_size=experts.intermediate_size // shards)
+        moe = load_experts(w, i, own, quantization=quantization, plan=plan)
     if block.fused_checkpoint:  # Phi-3: stored in our fused order already
         qkv, gate_up = w[attn + "qkv_proj.weight"], w[mlp + "gate_up_proj.weight"]
     else:

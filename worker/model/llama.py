@@ -10,7 +10,8 @@ larger GEMMs); their HF weights are concatenated at load time.
 
 Under tensor parallelism each rank holds its shard (``worker.model.sharding``: Megatron-LM's
 split) and the forward pass adds the collectives: an all-reduce after the vocabulary-parallel
-embedding and after each row-parallel projection (o, down), the logits gathered to rank 0.
+embedding and after each row-parallel projection (o, down, a sparse layer's experts), the logits
+gathered to rank 0.
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ class LlamaModel:
         self.linear_plan = linear_plan
         self.lm_head = Linear(head_weight, quantization=quantization, plan=linear_plan)
         self.layers = [
-            load_layer(weights, i, c, quantization=quantization, plan=linear_plan)
+            load_layer(
+                weights, i, c, quantization=quantization, plan=linear_plan, shards=self.shard.size
+            )
             for i in range(c.num_layers)
         ]
         # What one decode step reads (the embedding table is only gathered from): a small
@@ -297,6 +300,8 @@ class LlamaModel:
             if layer.moe is not None:
                 experts = None if lora is None else lora.expert_lora(index)
                 y = moe_mlp(x, layer.moe, activation, experts)
+                if self.group is not None:  # each rank's experts' slices: a partial sum
+                    self.group.all_reduce(y)
             else:
                 assert layer.gate_up is not None and layer.down is not None
                 gate_up = layer.gate_up(x)
@@ -493,7 +498,7 @@ def load_safetensors(
 ) -> dict[str, torch.Tensor]:
     """Every tensor of every ``*.safetensors`` shard in ``path``, cast to ``dtype``.
     ``select``: for a name, the (dim, span) of it to read (None: all of it; several slices:
-    their rows, or columns, stacked)."""
+    stacked along ``dim``)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {path} (pickled weights are refused)")
@@ -508,7 +513,7 @@ def load_safetensors(
                     dim, span = part
                     sliced = f.get_slice(name)
                     pieces = [
-                        sliced[s] if dim == 0 else sliced[:, s]
+                        sliced[(slice(None),) * dim + (s,)]
                         for s in (span if isinstance(span, tuple) else (span,))
                     ]
                     tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)

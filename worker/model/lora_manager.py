@@ -21,7 +21,8 @@ columns laid out as the ranks' shrink outputs arrive from the all-gather. Row-pa
 groups (o, down): A split along its inputs like the base weight (the shrink is a partial
 sum, all-reduced), B along its outputs, added into this rank's columns of the partial sum
 that the base layer's all-reduce completes. Each slot is filled on every rank (rank 0
-records its fills, which travel with the next step).
+records its fills, which travel with the next step). A MoE base's expert LoRA is split with no
+exchange of its own (``sharding.expert_lora_shard``).
 
 DoRA adapters (``worker.model.dora``): each DoRA module's factor ``g`` is computed when the
 adapter is read, kept beside it in the host cache, and written per slot into the group's
@@ -47,14 +48,14 @@ import torch
 
 from adapters.base_model import EXPERT_PROJECTIONS, BaseModelSpec
 from adapters.errors import UnsupportedAdapterFeatureError
-from adapters.lora import LoraAdapter
+from adapters.lora import LoraAdapter, LoraWeights
 from adapters.peft_format import load_adapter_dir
 from switchboard_kernels.lora import DoraScales, LoraMapping, NativeSlots, SlotPairs
 from worker.errors import InvalidRequestError, UnknownAdapterError
 from worker.model.dora import BaseWeights, DoraFactors, dora_factors
 from worker.model.expert_lora import ExpertLora, ExpertSlots
 from worker.model.saved_modules import SavedRows, SlotModules
-from worker.model.sharding import FUSED_PARTS, Shard
+from worker.model.sharding import FUSED_PARTS, Shard, expert_lora_shard
 
 logger = logging.getLogger(__name__)
 
@@ -358,17 +359,18 @@ class LoraManager:
         """A MoE base's expert LoRA of ``adapter`` into ``slot``. The expert slots are large (per
         sparse layer, experts x slots x max_lora_rank x (2 hidden + 3 intermediate)), so they are
         allocated with the first adapter that has expert LoRA."""
-        spec = self.spec
+        spec, shard = self.spec, self.shard
         if self._experts is None:
             if not any(module in EXPERT_PROJECTIONS for _, module in adapter.weights):
                 return
+            size = 1 if shard is None else shard.size
             self._experts = [
                 ExpertSlots.allocate(
                     experts=spec.num_experts,
                     slots=self.max_loras,
                     max_rank=self.max_lora_rank,
                     hidden=spec.hidden_size,
-                    intermediate=spec.expert_intermediate_size,
+                    intermediate=spec.expert_intermediate_size // size,  # this rank's
                     dtype=self.dtype,
                     device=self.device,
                 )
@@ -376,11 +378,17 @@ class LoraManager:
                 else None
                 for sparse in spec.sparse_layers
             ]
-        get = adapter.weights.get
+
+        def get(layer: int, module: str) -> LoraWeights | None:
+            w = adapter.weights.get((layer, module))
+            if w is None or shard is None:
+                return w
+            return expert_lora_shard(w, module, spec.expert_intermediate_size, shard)
+
         for layer, experts in enumerate(self._experts):
             if experts is not None:
                 experts.fill(
-                    slot, get((layer, "experts.gate_up_proj")), get((layer, "experts.down_proj"))
+                    slot, get(layer, "experts.gate_up_proj"), get(layer, "experts.down_proj")
                 )
 
     def _fill_shard(

@@ -10,13 +10,21 @@ replicated, except OLMo 2's q/k norms, which span every head: each rank holds it
 and their mean square is all-reduced. Phi-3's fused tensors (``qkv_proj``, ``gate_up_proj``) are
 split part by part: each rank reads its share of q, of k and of v (of gate and of up). Every split
 is even: a head count (or size) the group does not divide is refused.
+
+A MoE layer's experts (Mixtral, Qwen3-MoE) split like the dense MLP, expert by expert: each rank
+holds every expert's slice of the intermediate features (gate and up by output rows, down by input
+columns), so each expert's product is a partial sum and the layer's summed output needs the one
+all-reduce a dense MLP needs. The router is replicated: every rank routes every token alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
+
+from adapters.lora import LoraWeights
 from worker.errors import TensorParallelConfigError
 from worker.model.architectures import QKNorm
 from worker.model.model_config import ModelConfig
@@ -25,6 +33,10 @@ from worker.model.model_config import ModelConfig
 VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 # Phi-3's fused checkpoint tensors: the projections stacked in each, split one by one.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# One expert's projections as checkpoints name them (Mixtral's w1/w3/w2, Qwen3-MoE's): gate and
+# up hold the expert's intermediate features as output rows, down as input columns.
+EXPERT_OUT = ("w1", "w3", "gate_proj", "up_proj")
+EXPERT_IN = ("w2", "down_proj")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,18 +71,15 @@ class Shard:
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
-    """Refuse a model that ``size`` ranks cannot split evenly, naming what does not divide,
-    or whose experts would have to be split (a MoE model's experts are not split yet)."""
-    if size > 1 and config.block.experts is not None:
-        raise TensorParallelConfigError(
-            f"tensor parallelism is not supported for {config.model_type} models yet"
-        )
+    """Refuse a model that ``size`` ranks cannot split evenly, naming what does not divide."""
     counts = {
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
         "intermediate_size": config.intermediate_size,
         "hidden_size": config.hidden_size,
     }
+    if config.block.experts is not None:
+        counts["expert intermediate size"] = config.block.experts.intermediate_size
     bad = [f"{name}={value}" for name, value in counts.items() if value % size]
     if bad:
         raise TensorParallelConfigError(
@@ -97,10 +106,13 @@ def weight_slicer(config: ModelConfig, shard: Shard) -> Callable[[str], tuple[in
     in_features = {"o_proj": q_size, "down_proj": c.intermediate_size}
     if c.block.qk_norm is QKNorm.ACROSS_HEADS:  # OLMo 2: a weight per feature of q (of k)
         out_features |= {"q_norm": q_size, "k_norm": kv_size}
+    expert_size = c.block.experts.intermediate_size if c.block.experts is not None else 0
 
     def select(name: str) -> tuple[int, Span] | None:
         if name in VOCAB_PARALLEL:
             return 0, shard.vocab_span(c.vocab_size)
+        if ".experts." in name:
+            return _expert_part(name, expert_size, shard)
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
         if module in FUSED_PARTS:
             return 0, shard.part_spans([out_features[part] for part in FUSED_PARTS[module]])
@@ -111,3 +123,37 @@ def weight_slicer(config: ModelConfig, shard: Shard) -> Callable[[str], tuple[in
         return None
 
     return select
+
+
+def _expert_part(name: str, size: int, shard: Shard) -> tuple[int, Span] | None:
+    """The (dim, span) of an expert tensor this rank loads: its share of the expert
+    intermediate features ``size`` (transformers 5's fused [E, 2I, H] and [E, H, I] tensors,
+    or one expert's projection as the hub stores it)."""
+    if name.endswith("experts.gate_up_proj"):
+        return 1, shard.part_spans([size, size])
+    if name.endswith("experts.down_proj"):
+        return 2, shard.span(size)
+    module = name.rsplit(".", 2)[-2]
+    if module in EXPERT_OUT:
+        return 0, shard.span(size)
+    if module in EXPERT_IN and name.endswith(".weight"):
+        return 1, shard.span(size)
+    return None
+
+
+def expert_lora_shard(
+    weights: LoraWeights, module: str, intermediate: int, shard: Shard
+) -> LoraWeights:
+    """This rank's part of one layer's expert LoRA (``module``: ``experts.gate_up_proj`` or
+    ``experts.down_proj``; ``intermediate``: each expert's, whole), lined up with the experts'
+    split so that it needs no exchange of its own. gate_up (column-parallel): A whole, B's rows of
+    this rank's gate and up features; every rank does the whole shrink, a few columns per row.
+    down (row-parallel): A's columns of this rank's input features, B whole; each rank's shrink is
+    a partial sum and so is its expand (B is linear), which the layer's all-reduce completes.
+    S-LoRA's exchange between shrink and expand would cost a collective per expert."""
+    if module == "experts.gate_up_proj":
+        spans = shard.part_spans([intermediate, intermediate])
+        b = np.concatenate([weights.b[s] for s in spans])
+        return replace(weights, a=weights.a.copy(), b=b)
+    a = np.ascontiguousarray(weights.a[:, shard.span(intermediate)])
+    return replace(weights, a=a, b=weights.b.copy())

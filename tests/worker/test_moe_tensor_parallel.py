@@ -1,0 +1,153 @@
+"""Mixtral and Qwen3-MoE split over two ranks (issue 45): each expert's gate/up by output rows and
+down by input columns, the router replicated, expert LoRA split to need no exchange of its own.
+
+In one process: the two ranks' shards of a sparse layer (both checkpoint layouts), with a mixed
+batch's expert LoRA, add up to the whole layer. Over gloo: two ranks' greedy tokens equal one
+rank's and transformers + peft's in fp32, for a batch mixing base rows, an attention-only adapter
+and expert adapters (target_parameters) of two ranks, with chunked prefill and slots refilled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from moe_factories import (
+    EXPERT_PARAMETERS,
+    MOE_FAMILIES,
+    make_expert_adapter,
+    make_moe_checkpoint,
+    write_fused_experts,
+)
+from peft import PeftModel
+from transformers import GenerationConfig
+
+from factories import load_hf_model, make_peft_adapter, random_prompts
+from worker import LLM, SamplingParams
+from worker.errors import TensorParallelConfigError
+from worker.model.layers import load_layer
+from worker.model.llama import load_safetensors
+from worker.model.lora_manager import LoraManager
+from worker.model.model_config import ModelConfig
+from worker.model.moe import moe_mlp
+from worker.model.sharding import Shard, check_divisible, weight_slicer
+
+MAX_NEW = 8
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# Each token's slot: an expert adapter of rank 4 (0), one of rank 2 on down_proj alone (1), an
+# attention-only adapter (2), base rows (-1).
+TOKEN_SLOTS = [0, -1, 1, 2, 0, 0, -1, 1, 2, 1, 0, -1, 1, 0, 2, -1, 0]
+# Chunked prefill (prompts up to 36 tokens, 32 a step), three adapters over two slots.
+ENGINE = {
+    "dtype": "float32",
+    "block_size": 4,
+    "num_kv_blocks": 96,
+    "max_num_batched_tokens": 32,
+    "max_loras": 2,
+    "max_lora_rank": 8,
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_FAMILIES))
+def family(request, tmp_path_factory):
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    base = make_moe_checkpoint(root / "base", name, seed=3)
+    adapters = {
+        "experts": make_expert_adapter(
+            base, root / "experts", rank=4, targets=["q_proj", "v_proj"],
+            parameters=EXPERT_PARAMETERS, seed=1,
+        ),
+        "down": make_expert_adapter(
+            base, root / "down", rank=2, targets=[], parameters=["mlp.experts.down_proj"], seed=2
+        ),
+        "attn": make_peft_adapter(base, root / "attn", rank=4, targets=ATTENTION),
+    }  # fmt: skip
+    return name, root, base, adapters
+
+
+def sparse_layer(path, shard: Shard | None) -> tuple[int, object]:
+    """The first sparse layer's index and weights, whole or as ``shard``'s rank loads them."""
+    config = ModelConfig.from_pretrained(path)
+    select = None if shard is None else weight_slicer(config, shard)
+    w = load_safetensors(path, torch.float32, select=select)
+    i = config.block.experts.sparse_layers.index(True)
+    size = 1 if shard is None else shard.size
+    return i, load_layer(w, i, config, quantization=None, plan=None, shards=size).moe
+
+
+def expert_lora(path, adapters, shard: Shard | None, layer: int):
+    """The layer's expert LoRA for TOKEN_SLOTS, with the slots filled as ``shard``'s rank
+    fills them."""
+    manager = LoraManager(path, dtype=torch.float32, max_loras=3, max_lora_rank=8, shard=shard)
+    for slot, (name, adapter) in enumerate(adapters.items()):
+        manager.fill(slot, manager.load(name, adapter), adapter)
+    return manager.batch(TOKEN_SLOTS, all_decode=False).expert_lora(layer)
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+def test_the_ranks_experts_add_up_to_the_whole_layer(family, layout):
+    """Partial sums of every rank (the all-reduce played by hand) equal the unsplit layer, LoRA
+    on each row as its slot says; the rank-2 adapter's slot padded to the max rank of 8."""
+    name, root, base, adapters = family
+    path = base if layout == "per-expert" else root / "fused"
+    if layout == "fused" and not path.exists():
+        write_fused_experts(base, path, name)
+    layer, whole = sparse_layer(path, None)
+    x = torch.randn(
+        len(TOKEN_SLOTS), whole.router.shape[1], generator=torch.Generator().manual_seed(0)
+    )
+    expected = moe_mlp(x, whole, F.silu, expert_lora(base, adapters, None, layer))
+    without = moe_mlp(x, whole, F.silu)
+    assert not torch.allclose(expected, without, atol=1e-3)  # the LoRA matters
+    total = torch.zeros_like(expected)
+    for rank in range(2):
+        shard = Shard(rank, 2)
+        _, moe = sparse_layer(path, shard)
+        assert moe.gate_up[0].out_features == whole.gate_up[0].out_features // 2
+        torch.testing.assert_close(moe.router, whole.router, rtol=0, atol=0)
+        total += moe_mlp(x, moe, F.silu, expert_lora(base, adapters, shard, layer))
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_expert_size_the_group_does_not_divide_is_refused(tmp_path):
+    base = make_moe_checkpoint(tmp_path / "odd", "qwen3_moe", moe_intermediate_size=33)
+    check_divisible(ModelConfig.from_pretrained(base), 1)
+    with pytest.raises(TensorParallelConfigError, match="expert intermediate size=33"):
+        check_divisible(ModelConfig.from_pretrained(base), 2)
+
+
+def peft_greedy(base, adapters, prompts, assignment) -> list[list[int]]:
+    """transformers + peft, one adapter per model, greedy."""
+    config = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
+    models = {None: load_hf_model(base)}
+    for name in set(assignment) - {None}:
+        models[name] = PeftModel.from_pretrained(load_hf_model(base), adapters[name]).eval()
+    expected = []
+    for prompt, adapter in zip(prompts, assignment, strict=True):
+        model = models[adapter]
+        model.generation_config.eos_token_id = None
+        out = model.generate(input_ids=torch.tensor([prompt]), generation_config=config)
+        expected.append(out[0, len(prompt) :].tolist())
+    return expected
+
+
+def test_two_ranks_match_one_and_peft(family):
+    name, _, base, adapters = family
+    prompts = random_prompts(6, min_len=12, max_len=36, seed=5)
+    assignment = [None, "attn", "experts", "down", None, "experts"]
+    expected = peft_greedy(base, adapters, prompts, assignment)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    tokens = []
+    for size in (1, 2):
+        llm = LLM(base, **ENGINE, tensor_parallel_size=size)
+        try:
+            for adapter, path in adapters.items():
+                llm.load_adapter(adapter, path)
+            outputs = llm.generate(prompts, params, adapters=assignment)
+            tokens.append([o.token_ids for o in outputs])
+        finally:
+            if size == 2:
+                llm.shutdown()
+    assert tokens[0] == expected, name
+    assert tokens[1] == expected, name
