@@ -19,34 +19,39 @@ nothing is measured.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import psutil
 import torch
 
-from switchboard_kernels import native
+from switchboard_kernels.measured_choice import (
+    MEASURE_ROUNDS,
+    MIN_CPU_SHARE,
+    ROW_BUCKETS,
+    CpuShare,
+    KernelPlan,
+    Seconds,
+    cache_path,
+    choose,
+    describe_seconds,
+    kernel_sources,
+    read_record,
+    write_record,
+)
 
 logger = logging.getLogger(__name__)
 
-ROW_BUCKETS = (1, 4, 16, 64, 256, 1024)
 PANELS, ONEDNN, UPCAST, TORCH = "panels", "onednn", "upcast", "torch"
 # Weights a measurement multiplies per step, at least: several times any CPU's last-level
 # cache, so each product reads its weight from memory as a model's step does.
 STREAM_BYTES = 256 << 20
-MEASURE_ROUNDS = 2  # the fastest round counts (noise only slows a run down)
 MEASURE_SECONDS = 30.0  # larger buckets are left out past this (they take the largest's kernel)
-# A measurement during which our threads got less than this share of their cores' time was
-# slowed by other processes unevenly, kernel by kernel: it is neither trusted nor cached.
-MIN_CPU_SHARE = 0.6
 # Without a measurement on an AMX CPU, the panels keep bf16 products of up to this many rows
 # (a 2-core Sapphire Rapids: panels 12.7 vs oneDNN 15.9 ms a step at 1 row, 23.4 vs 15.7 at 8).
 AMX_PANEL_ROWS = 4
@@ -54,30 +59,7 @@ AMX_PANEL_ROWS = 4
 DUAL_MEMORY_FRACTION = 0.25
 PLAN_VERSION = 1  # bump when the meaning of a cached plan changes
 
-
-@dataclass(frozen=True, slots=True)
-class LinearPlan:
-    """``small`` multiplies up to ``split_rows`` rows, ``large`` more (one kernel when equal);
-    ``source``: "measured", "cached", "fixed" or "invariant"; ``fixed_order``: the panel
-    kernels sum a lone row in the order of a tile of many (``invariant_plan``)."""
-
-    small: str
-    large: str
-    split_rows: int = 0
-    source: str = "fixed"
-    fixed_order: bool = False
-
-    def kernel_for(self, rows: int) -> str:
-        return self.small if rows <= self.split_rows else self.large
-
-    @property
-    def kernels(self) -> tuple[str, ...]:
-        return (self.small,) if self.small == self.large else (self.small, self.large)
-
-    def describe(self) -> str:
-        if self.small == self.large:
-            return f"{self.small} ({self.source})"
-        return f"{self.small} up to {self.split_rows} rows, {self.large} above ({self.source})"
+LinearPlan = KernelPlan  # the projections' plan: kernels named PANELS, ONEDNN, UPCAST, TORCH
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +68,7 @@ class Measurement:
     ``cpu_share``: the CPU time our threads got over the wall time of all of them."""
 
     plan: LinearPlan
-    seconds: dict[str, dict[int, float]]
+    seconds: Seconds
     layers: int
     elapsed: float
     cpu_share: float = 1.0
@@ -148,34 +130,6 @@ def invariant_plan(dtype: torch.dtype, device: torch.device | str = "cpu") -> Li
     return LinearPlan(PANELS, PANELS, source="invariant", fixed_order=True)
 
 
-def choose(
-    seconds: dict[str, dict[int, float]], *, dual: bool, source: str = "measured"
-) -> LinearPlan:
-    """The plan with the least total relative time over the measured buckets (each bucket's
-    time over its fastest kernel's): one kernel, or, with ``dual``, a small-row kernel and a
-    large-row kernel split at a bucket. Ties go to one kernel, then to the first listed."""
-    buckets = sorted({r for times in seconds.values() for r in times})
-    best = {r: min(t[r] for t in seconds.values() if r in t) for r in buckets}
-
-    def cost(small: str, large: str, split: int) -> float:
-        total = 0.0
-        for r in buckets:
-            kernel = small if r <= split else large
-            total += seconds[kernel].get(r, math.inf) / best[r]
-        return total
-
-    names = list(seconds)
-    options = [(cost(k, k, 0), 0, LinearPlan(k, k, 0, source)) for k in names]
-    if dual:
-        for small in names:
-            for large in names:
-                if small != large:
-                    for split in buckets[:-1]:
-                        plan = LinearPlan(small, large, split, source)
-                        options.append((cost(small, large, split), 1, plan))
-    return min(options, key=lambda option: option[:2])[2]
-
-
 def measure_plan(
     shapes: Sequence[tuple[int, int]],
     dtype: torch.dtype,
@@ -190,7 +144,7 @@ def measure_plan(
     ``ROW_BUCKETS`` up to ``max_rows``, rounds outermost and kernels in a shuffled order."""
     from switchboard_kernels.linear import make_kernel
 
-    started, cpu_started = time.perf_counter(), time.process_time()
+    clock = CpuShare()
     kernels = available_kernels(dtype)
     layer_bytes = sum(o * i for o, i in shapes) * torch.empty(0, dtype=dtype).element_size()
     layers = max(1, min(num_layers, math.ceil(STREAM_BYTES / max(layer_bytes, 1))))
@@ -203,19 +157,17 @@ def measure_plan(
     built = {k: [make_kernel(k, w) for w in weights] for k in kernels}
     del weights
     buckets = [r for r in ROW_BUCKETS if r <= max(1, max_rows)]
-    seconds: dict[str, dict[int, float]] = {k: {} for k in kernels}
+    seconds: Seconds = {k: {} for k in kernels}
     order = random.Random(0)
     for _ in range(MEASURE_ROUNDS):
         for rows in buckets:
-            if rows not in seconds[kernels[0]] and time.perf_counter() - started > seconds_limit:
+            if rows not in seconds[kernels[0]] and clock.elapsed() > seconds_limit:
                 break
             for k in order.sample(kernels, len(kernels)):
                 taken = _time_step(built[k], rows, shapes, dtype)
                 seconds[k][rows] = min(seconds[k].get(rows, math.inf), taken)
     plan = choose(seconds, dual=dual and len(kernels) > 1)
-    elapsed = time.perf_counter() - started
-    share = (time.process_time() - cpu_started) / (elapsed * torch.get_num_threads())
-    return Measurement(plan, seconds, layers, elapsed, share)
+    return Measurement(plan, seconds, layers, clock.elapsed(), clock.share())
 
 
 def _time_step(
@@ -254,11 +206,13 @@ def linear_plan(
     dual = dual_allowed(num_layers * sum(o * i for o, i in shapes) * itemsize)
     if not measure or torch.device(device).type != "cpu" or len(available_kernels(dtype)) < 2:
         return fixed_plan(dtype, device, dual=dual)
-    key = _cache_key(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual)
-    path = _cache_dir() / f"linear-{key}.json"
-    cached = _read(path)
+    path = _cache_path(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual)
+    cached = read_record(path)
     if cached is not None:
-        return cached
+        try:
+            return LinearPlan.cached(cached["plan"])
+        except (KeyError, TypeError, ValueError):
+            pass
     result = measure_plan(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual)
     if result.contended:
         fallback = fixed_plan(dtype, device, dual=dual)
@@ -274,65 +228,28 @@ def linear_plan(
         result.elapsed,
         result.layers,
         result.plan.describe(),
-        _describe_seconds(result.seconds),
+        describe_seconds(result.seconds),
     )
-    _write(path, result)
-    return result.plan
-
-
-def _describe_seconds(seconds: dict[str, dict[int, float]]) -> str:
-    return "; ".join(
-        f"{k} " + ", ".join(f"{r}: {1000 * s:.1f}" for r, s in sorted(t.items()))
-        for k, t in seconds.items()
-    )
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get(native.CACHE_ENV) or Path.home() / ".cache/switchboard/kernels"
-    return Path(base) / "choices"
-
-
-def _cache_key(shapes, dtype, *, num_layers: int, max_rows: int, dual: bool) -> str:
-    """Everything a measured plan depends on: the CPU, torch, our kernels' builds, the
-    threads, the weights' shapes and dtype, the buckets measured and whether two copies fit."""
-    sources = [
-        Path(native.__file__).with_name(name).read_bytes()
-        for name in ("linear_cpu.c", "linear_bf16_cpu.c", "bf16.h")
-    ]
-    key = hashlib.sha256()
-    for part in (
-        native._cpu_id(),
-        torch.__version__.encode(),
-        str(torch.get_num_threads()).encode(),
-        *sources,
-        json.dumps([PLAN_VERSION, available_kernels(dtype), [list(s) for s in shapes],
-                    str(dtype), num_layers, [r for r in ROW_BUCKETS if r <= max(1, max_rows)],
-                    dual]).encode(),
-    ):  # fmt: skip
-        key.update(part)
-    return key.hexdigest()[:20]
-
-
-def _read(path: Path) -> LinearPlan | None:
-    try:
-        plan = json.loads(path.read_text())["plan"]
-        return LinearPlan(plan["small"], plan["large"], int(plan["split_rows"]), "cached")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _write(path: Path, result: Measurement) -> None:
-    """Written under a temporary name, then renamed: a reader never sees half a file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        record = {
-            "plan": asdict(result.plan),
+    write_record(
+        path,
+        {
+            "plan": result.plan.record(),
             "seconds": {k: {str(r): s for r, s in t.items()} for k, t in result.seconds.items()},
             "layers": result.layers,
             "elapsed": result.elapsed,
-        }
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(record, indent=1))
-        os.replace(temporary, path)
-    except OSError as exc:
-        logger.warning("could not cache the projection plan at %s: %s", path, exc)
+        },
+    )
+    return result.plan
+
+
+def _cache_path(shapes, dtype, *, num_layers: int, max_rows: int, dual: bool):
+    """Keyed by everything a measured plan depends on: the CPU, torch, our kernels' builds,
+    the threads, the weights' shapes and dtype, the buckets measured and whether two copies
+    fit."""
+    return cache_path(
+        "linear",
+        *kernel_sources("linear_cpu.c", "linear_bf16_cpu.c", "bf16.h"),
+        json.dumps([PLAN_VERSION, available_kernels(dtype), [list(s) for s in shapes],
+                    str(dtype), num_layers, [r for r in ROW_BUCKETS if r <= max(1, max_rows)],
+                    dual]),
+    )  # fmt: skip

@@ -29,6 +29,7 @@ from worker.model.llama import LlamaModel, projection_shapes
 from worker.model.lora_manager import LoraManager
 from worker.model.model_config import ModelConfig
 from worker.model.model_runner import ModelRunner, kv_bytes_per_block
+from worker.model.op_choice import OpShapes, fixed_op_plans, op_plans
 from worker.model.rope import long_rope_threshold
 from worker.parallel.launch import RankProcesses, start_ranks
 from worker.parallel.runner import TensorParallelRunner
@@ -71,9 +72,19 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
     )
     async_output = resolve_async_output(config.async_output, device, config.speculative.enabled)
     num_kv_blocks, num_host_blocks = kv_cache_blocks(model, config, torch_dtype)
+    # Measured op plans switch kernels by rows, and each rank of a group must compute alike:
+    # batch-invariant numerics and tensor parallelism keep the fixed rule.
+    ops = fixed_op_plans(torch_dtype, device)
     if config.batch_invariant:
         plan = batch_invariant_plan(config, torch_dtype, device)
     else:
+        if tp_size == 1:
+            ops = op_plans(
+                op_shapes(model_config, config),
+                torch_dtype,
+                device=device,
+                measure=config.kernel_choice == "measure",
+            )
         plan = linear_plan(
             projection_shapes(model_config),
             torch_dtype,
@@ -96,7 +107,7 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
     group = tensor_parallel.group if tensor_parallel is not None else None
     try:
         llama = LlamaModel.from_pretrained(
-            model, dtype=torch_dtype, device=device, group=group, linear_plan=plan
+            model, dtype=torch_dtype, device=device, group=group, linear_plan=plan, op_plans=ops
         )
         if tensor_parallel is not None:
             tensor_parallel.connect()
@@ -135,6 +146,7 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
             max_lora_rank=config.max_lora_rank,
             host_cache_bytes=int(config.lora_host_cache_gb * 2**30),
             shard=group.shard if group is not None else None,
+            ops=ops,
         )
     runner_options = dict(
         num_blocks=num_kv_blocks,
@@ -228,3 +240,18 @@ def batch_invariant_plan(config: EngineConfig, dtype: torch.dtype, device: torch
             f"batch_invariant needs the native panel kernels for {dtype} (a C compiler)"
         )
     return plan
+
+
+def op_shapes(model: ModelConfig, config: EngineConfig) -> OpShapes:
+    """What ``op_choice`` measures the ops on: the model's dims and the engine's bounds."""
+    return OpShapes(
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_layers=model.num_layers,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        block_size=config.block_size,
+        max_rows=config.max_num_batched_tokens,
+        max_seqs=config.max_num_seqs,
+    )

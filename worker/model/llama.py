@@ -24,18 +24,17 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from switchboard_kernels.activation_native import silu_mul
 from switchboard_kernels.draft_native import NativeDecodePass, native_draft
 from switchboard_kernels.linear import Q4_MAX_ROWS, Linear
 from switchboard_kernels.linear_choice import LinearPlan
 from switchboard_kernels.lora import add_lora, lora_expand, lora_shrink
-from switchboard_kernels.norm_native import rms_norm
 from switchboard_kernels.paged_attention import AttentionMetadata, attend
 from worker.errors import ModelLoadError
 from worker.model.architectures import Activation, QKNorm
 from worker.model.layers import load_layer, norm_weight
 from worker.model.model_config import ModelConfig
 from worker.model.moe import moe_mlp
+from worker.model.op_choice import OpPlans, fixed_op_plans
 from worker.model.rope import (
     RopeTables,
     apply_partial_rope,
@@ -75,6 +74,7 @@ class LlamaModel:
         quantization: str | None = None,
         group: TensorParallelGroup | None = None,
         linear_plan: LinearPlan | None = None,
+        op_plans: OpPlans | None = None,
     ):
         """``weights`` on the device the model runs on (``switchboard_kernels.linear`` packs on
         CPU).
@@ -85,7 +85,8 @@ class LlamaModel:
         (``switchboard_kernels.linear``): approximate, for a draft model only. ``group``: this
         rank's tensor-parallel group, ``weights`` then being its shard (``from_pretrained``).
         ``linear_plan``: the projections' kernels (``switchboard_kernels.linear_choice``; None:
-        its fixed rule)."""
+        its fixed rule); ``op_plans`` the other ops' (``worker.model.op_choice``; None: its
+        fixed rule)."""
         self.config = config
         self.dtype = dtype
         self.device = weights["model.embed_tokens.weight"].device
@@ -118,6 +119,9 @@ class LlamaModel:
             head_weight = head_weight[self.output_token_ids].contiguous()
         self.quantization = quantization
         self.linear_plan = linear_plan
+        # The other ops' kernels (RMSNorm, the activation; attention and LoRA for the runner
+        # and the LoRA manager): measured on this CPU by the engine, else the fixed rule.
+        self.ops = op_plans or fixed_op_plans(dtype, self.device)
         self.lm_head = Linear(head_weight, quantization=quantization, plan=linear_plan)
         self.layers = [
             load_layer(
@@ -167,6 +171,7 @@ class LlamaModel:
         quantization: str | None = None,
         group: TensorParallelGroup | None = None,
         linear_plan: LinearPlan | None = None,
+        op_plans: OpPlans | None = None,
     ) -> LlamaModel:
         """``group``: load this rank's shard only (each tensor's slice read from the file)."""
         config = ModelConfig.from_pretrained(path)
@@ -185,6 +190,7 @@ class LlamaModel:
             quantization=quantization,
             group=group,
             linear_plan=linear_plan,
+            op_plans=op_plans,
         )
 
     def _vocab_padded(self, rows: torch.Tensor) -> torch.Tensor:
@@ -219,7 +225,7 @@ class LlamaModel:
             zip(self.layers, kv_caches, strict=True)
         ):
             adapters = None if lora is None else _LayerLora(lora, index, self.group)
-            x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
+            x = self.ops.rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
             qkv = layer.qkv(x)
             if adapters is not None:
                 adapters.add(qkv, x, "qkv", base=layer.qkv.bias)
@@ -231,11 +237,11 @@ class LlamaModel:
             attn = attend(q, k, v, key_cache, value_cache, meta, self.scale)
             attn = attn.view(num_tokens, self.q_size)
             hidden = self._row_parallel(layer.o, attn, hidden, adapters, "o")
-            x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
+            x = self.ops.rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate_up = layer.gate_up(x)
             if adapters is not None:
                 adapters.add(gate_up, x, "gate_up")
-            act = silu_mul(gate_up)
+            act = self.ops.silu_mul(gate_up)
             hidden = self._row_parallel(layer.down, act, hidden, adapters, "down")
         return hidden
 
@@ -265,7 +271,11 @@ class LlamaModel:
             zip(self.layers, kv_caches, strict=True)
         ):
             adapters = None if lora is None else _LayerLora(lora, index, self.group)
-            x = hidden if layer.input_norm is None else rms_norm(hidden, layer.input_norm, eps)
+            x = (
+                hidden
+                if layer.input_norm is None
+                else self.ops.rms_norm(hidden, layer.input_norm, eps)
+            )
             qkv = layer.qkv(x)
             if adapters is not None:
                 adapters.add(qkv, x, "qkv", base=layer.qkv.bias)
@@ -275,7 +285,10 @@ class LlamaModel:
             q = q.reshape(n * self.num_heads, hd)
             k = k.reshape(n * self.num_kv_heads, hd)
             if layer.q_norm is not None and not across:  # per head, before RoPE
-                q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+                q, k = (
+                    self.ops.rms_norm(q, layer.q_norm, eps),
+                    self.ops.rms_norm(k, layer.k_norm, eps),
+                )
             cos, sin = rotations[layer.rope]
             q = apply_partial_rope(q.view(n, self.num_heads, hd), cos, sin)
             k = apply_partial_rope(k.view(n, self.num_kv_heads, hd), cos, sin)
@@ -294,9 +307,13 @@ class LlamaModel:
             )
             y = self._projected(layer.o, attn.view(n, self.q_size), adapters, "o")
             if layer.attn_out_norm is not None:
-                y = rms_norm(y, layer.attn_out_norm, eps)
+                y = self.ops.rms_norm(y, layer.attn_out_norm, eps)
             hidden = torch.add(hidden, y, alpha=residual_scale)
-            x = hidden if layer.post_norm is None else rms_norm(hidden, layer.post_norm, eps)
+            x = (
+                hidden
+                if layer.post_norm is None
+                else self.ops.rms_norm(hidden, layer.post_norm, eps)
+            )
             if layer.moe is not None:
                 experts = None if lora is None else lora.expert_lora(index)
                 y = moe_mlp(x, layer.moe, activation, experts)
@@ -308,13 +325,13 @@ class LlamaModel:
                 if adapters is not None:
                     adapters.add(gate_up, x, "gate_up")
                 if activation is F.silu:
-                    act = silu_mul(gate_up)
+                    act = self.ops.silu_mul(gate_up)
                 else:
                     gate, up = gate_up.chunk(2, dim=-1)
                     act = activation(gate) * up
                 y = self._projected(layer.down, act, adapters, "down")
             if layer.mlp_out_norm is not None:
-                y = rms_norm(y, layer.mlp_out_norm, eps)
+                y = self.ops.rms_norm(y, layer.mlp_out_norm, eps)
             hidden = torch.add(hidden, y, alpha=residual_scale)
         return hidden
 
@@ -325,7 +342,7 @@ class LlamaModel:
         heads' features: one all-reduce sums the squares of both, in fp32 as HF does."""
         eps = self.config.rms_norm_eps
         if self.group is None:
-            return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+            return self.ops.rms_norm(q, q_weight, eps), self.ops.rms_norm(k, k_weight, eps)
         qf, kf = q.float(), k.float()
         squares = torch.stack([qf.square().sum(-1), kf.square().sum(-1)], dim=-1)  # [n, 2]
         self.group.all_reduce(squares)
@@ -416,7 +433,7 @@ class LlamaModel:
         ``kept_only``, [rows, len(output_token_ids)] for a cut-down output layer. Split by
         vocabulary, the ranks' columns are gathered to rank 0 (the others return None).
         ``heads``: rows whose adapter changes the output layer (modules_to_save, tokens)."""
-        x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        x = self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         logits = self.lm_head(x).float()
         if heads:
             apply_heads(logits, x, heads)

@@ -54,6 +54,7 @@ from switchboard_kernels.lora import DoraScales, LoraMapping, NativeSlots, SlotP
 from worker.errors import InvalidRequestError, UnknownAdapterError
 from worker.model.dora import BaseWeights, DoraFactors, dora_factors
 from worker.model.expert_lora import ExpertLora, ExpertSlots
+from worker.model.op_choice import OpPlans
 from worker.model.saved_modules import SavedRows, SlotModules
 from worker.model.sharding import FUSED_PARTS, Shard, expert_lora_shard
 
@@ -137,9 +138,12 @@ class LoraManager:
         max_adapter_bytes: int = 512 * 2**20,
         host_cache_bytes: int = 2 * 2**30,
         shard: Shard | None = None,
+        ops: OpPlans | None = None,
     ) -> None:
         """``shard``: this rank's place in a tensor-parallel group; its slots hold S-LoRA's
-        shards, for the split shrink and expand (no native kernel or prepacked pairs)."""
+        shards, for the split shrink and expand (no native kernel or prepacked pairs).
+        ``ops``: which steps, by token count, take the native kernel (``op_choice``; None:
+        every step where it builds)."""
         config = json.loads((Path(model_path) / "config.json").read_text())
         self.spec = BaseModelSpec.from_config_dict(config)
         fused = "qkv_proj" in self.spec.projections
@@ -179,6 +183,7 @@ class LoraManager:
         # rank of a tensor-parallel group, which exchanges between them, does without it.
         probe = torch.empty(0, dtype=dtype, device=self.device)
         self.native = shard is None and NativeSlots.wanted(probe)
+        self.ops = ops
         if self.device.type == "cpu":
             kernel = "native kernel" if self.native else "torch paths"
             logger.info("LoRA on CPU in %s: %s", str(dtype).removeprefix("torch."), kernel)
@@ -253,8 +258,9 @@ class LoraManager:
     def batch(self, token_slots: list[int], all_decode: bool) -> LoraBatch:
         """The step's LoRA from each token's slot (-1: none), its slots already filled."""
         assert self._stacks is not None
+        native = self.native and (self.ops is None or self.ops.native_lora(len(token_slots)))
         mapping = LoraMapping.build(
-            token_slots, device=self.device, all_decode=all_decode, native=self.native
+            token_slots, device=self.device, all_decode=all_decode, native=native
         )
         used = {s for s in token_slots if s >= 0}
         dora = any(self.slot_dora) and any(self.slot_dora[s] for s in used)

@@ -214,15 +214,21 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
         """The step's inputs, laid out for this runner's attention path (``step_inputs``)."""
+        native_decodes = self.native_decodes
+        if native_decodes and not self.native_prefills:
+            # The op plan may give torch's path a step of so many decodes (op_choice).
+            decoding = sum(1 for s in scheduled if s.num_tokens == 1 and s.start > 0)
+            native_decodes = decoding == 0 or self.model.ops.native_decodes(decoding)
         inputs = prepare_step(
             scheduled,
             block_size=self.block_size,
-            native_decodes=self.native_decodes,
+            native_decodes=native_decodes,
             triton_attention=self.triton_attention,
             num_kv_heads=self.model.num_kv_heads,
             heads_per_kv_head=self.heads_per_kv_head,
             device_type=self.device.type,
             native_prefills=self.native_prefills,
+            native_chunk=self.model.ops.native_chunk,
         )
         if self.model.long_rope is not None:
             inputs.rope_positions = long_rope_positions(inputs, self.model.config)

@@ -10,6 +10,7 @@ an attention call; then prefill chunks. How long this takes bounds a GPU's tok/s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,19 +68,29 @@ def prepare_step(
     heads_per_kv_head: int,
     device_type: str,
     native_prefills: bool = False,
+    native_chunk: Callable[[int], bool] | None = None,
 ) -> StepInputs:
     """``scheduled`` as one forward pass's host tensors: decodes first, then prefill chunks.
     The attention metadata is for the native decode kernel (``native_decodes``), the Triton
     kernels (``triton_attention``: this rank's ``num_kv_heads``, on ``device_type``) or the
     torch path (decode groups and chunks). ``native_prefills`` (with ``native_decodes``): the
     prefill chunks too go to the native kernel, each a sequence feeding many queries, so that
-    every row attends in one order whatever the step holds (batch-invariant numerics)."""
+    every row attends in one order whatever the step holds (batch-invariant numerics).
+    ``native_chunk`` (with ``native_decodes``): whether a prefill chunk of so many tokens
+    (without draft rows) goes to the native kernel rather than SDPA (``op_choice``)."""
     # Decodes (one real token, maybe draft tokens after it) sorted by tokens fed, then
-    # context length, so that similar sequences share one attention call.
+    # context length, so that similar sequences share one attention call; then the chunks
+    # the native kernel takes, then SDPA's.
     decodes, prefills = [], []
     for s in scheduled:
         (decodes if _is_decode(s, native_decodes) else prefills).append(s)
     decodes.sort(key=lambda s: (s.num_fed, s.start))
+    native_chunks = []
+    if native_decodes and native_chunk is not None and not native_prefills:
+        native_chunks = [s for s in prefills if not s.num_spec and native_chunk(s.num_fed)]
+        if native_chunks:
+            prefills = [s for s in prefills if s.num_spec or not native_chunk(s.num_fed)]
+            decodes += native_chunks
     order = decodes + prefills
     bs = block_size
     ids: list[int] = []
@@ -134,6 +145,7 @@ def prepare_step(
                 native_decodes=_native_decodes(decodes, block_size)
                 if native_decodes and decodes
                 else None,
+                native_prefills=bool(native_chunks),
             )
     return StepInputs(
         input_ids=input_ids,
