@@ -48,9 +48,10 @@ def model_tiny(args: argparse.Namespace) -> int:
 
 
 def _model_tiny_arguments(parser: argparse.ArgumentParser) -> None:
-    from worker.model.tiny_families import FAMILIES
+    from worker.model.tiny_families import FAMILIES, MOE_FAMILIES
 
-    parser.add_argument("family", choices=sorted(FAMILIES), help="the architecture to build")
+    families = sorted(FAMILIES) + sorted(MOE_FAMILIES)  # dense, then mixture-of-experts
+    parser.add_argument("family", choices=families, help="the architecture to build")
     parser.add_argument("dir", help="where to write it (then: make run MODEL=DIR)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
 

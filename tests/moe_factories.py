@@ -1,9 +1,6 @@
-"""Tiny random Mixtral and Qwen3-MoE checkpoints, built by transformers.
-
-Eight experts, two per token, a router with weights large enough that routing varies from
-token to token (every expert gets tokens in a prompt of a few dozen); Qwen3-MoE with a dense
-MLP layer between sparse ones (``mlp_only_layers``) and its top-k renormalized.
-"""
+"""Tiny random Mixtral and Qwen3-MoE checkpoints (``worker.model.tiny_families``: eight experts,
+two per token, a router whose choices vary from token to token, Qwen3-MoE with a dense MLP layer
+between sparse ones), and PEFT adapters on their experts."""
 
 from __future__ import annotations
 
@@ -13,65 +10,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from factories import TINY_VOCAB
+from worker.model.tiny_families import MOE_FAMILIES, NUM_EXPERTS, TOP_K, make_moe_checkpoint
 
-NUM_EXPERTS = 8
-TOP_K = 2
-
-_COMMON = {
-    "vocab_size": TINY_VOCAB,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 1024,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-    "initializer_range": 0.15,
-    "num_experts_per_tok": TOP_K,
-}
-
-# family -> (config class name, model class name, config fields)
-MOE_FAMILIES: dict[str, tuple[str, str, dict]] = {
-    "mixtral": (
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        {"num_hidden_layers": 2, "intermediate_size": 48, "num_local_experts": NUM_EXPERTS},
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        {
-            "num_hidden_layers": 3,
-            "intermediate_size": 96,  # the dense layer's
-            "moe_intermediate_size": 32,
-            "num_experts": NUM_EXPERTS,
-            "mlp_only_layers": [1],
-            "norm_topk_prob": True,
-        },
-    ),
-}
-
-
-def make_moe_checkpoint(path: Path, family: str, *, seed: int = 0, **overrides) -> Path:
-    """Write a tiny random MoE checkpoint of ``family`` (as ``save_pretrained`` writes it:
-    one tensor per expert projection)."""
-    import transformers
-
-    config_name, model_name, fields = MOE_FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**_COMMON, **fields, **overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.8, 1.2)
-            elif name.endswith("gate.weight"):  # the router: decisive, varied choices
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
+__all__ = [
+    "EXPERT_PARAMETERS",
+    "MOE_FAMILIES",
+    "NUM_EXPERTS",
+    "TOP_K",
+    "make_expert_adapter",
+    "make_moe_checkpoint",
+    "write_fused_experts",
+]
 
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 

@@ -1,10 +1,10 @@
-"""Each dense family served end to end by ``switchboard up``'s processes (what ``make run
+"""Each family served end to end by ``switchboard up``'s processes (what ``make run
 MODEL=DIR`` starts), from the tiny checkpoint ``switchboard model tiny`` writes (no real one can
 be downloaded here): a completion through the openai client gives the offline engine's text, and
 a chat completion renders the checkpoint's template and answers. Each family's math is held against
-transformers offline (tests/worker/test_engine_families.py); here three that differ most in what
-the worker reads (windows and soft-caps, q/k norms, LongRoPE) keep the suite short, and
-``SB_E2E_ALL_FAMILIES=1`` runs every family."""
+transformers offline (tests/worker/test_engine_families.py, test_engine_moe.py); here four that
+differ most in what the worker reads (windows and soft-caps, q/k norms, LongRoPE, experts) keep the
+suite short, and ``SB_E2E_ALL_FAMILIES=1`` runs every family, dense and mixture-of-experts."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 import openai
 import pytest
 from family_factories import FAMILIES
+from moe_factories import MOE_FAMILIES
 
 from runtime.embedded_redis import free_port
 from runtime.stack import Stack
@@ -22,9 +23,9 @@ from worker import LLM, SamplingParams
 pytestmark = pytest.mark.slow
 IGNORE_EOS = {"ignore_eos": True}
 SERVED = (
-    sorted(FAMILIES)
+    sorted(FAMILIES) + sorted(MOE_FAMILIES)
     if os.environ.get("SB_E2E_ALL_FAMILIES")
-    else ["gemma2", "phi3-longrope", "qwen3"]
+    else ["gemma2", "phi3-longrope", "qwen3", "qwen3_moe"]
 )
 
 

@@ -1,11 +1,13 @@
-"""Tiny random checkpoints of the dense families beyond Llama, built by transformers: for the
-tests that hold each family against transformers, and to try a family end to end where no real
-checkpoint can be downloaded (``switchboard model tiny FAMILY DIR``, then ``make run MODEL=DIR``).
+"""Tiny random checkpoints of the families beyond Llama, dense and mixture-of-experts, built by
+transformers: for the tests that hold each family against transformers, and to try a family end to
+end where no real checkpoint can be downloaded (``switchboard model tiny FAMILY DIR``, then
+``make run MODEL=DIR``).
 
 Each family is configured so that what sets it apart from Llama actually bites: windows shorter
 than the test prompts, soft-caps small enough to bend the scores, Granite's multipliers away from
 1, Gemma 3's scaled global RoPE, a LongRoPE switch within the prompts' lengths (on Phi-4-mini's
-partial rotary).
+partial rotary); the MoE families with eight experts, two per token, and a router decisive enough
+that routing varies from token to token (Qwen3-MoE with a dense MLP layer between sparse ones).
 """
 
 from __future__ import annotations
@@ -94,6 +96,31 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 }
 
 
+NUM_EXPERTS = 8
+TOP_K = 2
+
+# MoE family -> (config class name, model class name, config overrides)
+MOE_FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_hidden_layers": 2, "intermediate_size": 48, "num_local_experts": NUM_EXPERTS},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "intermediate_size": 96,  # the dense layer's
+            "moe_intermediate_size": 32,
+            "num_experts": NUM_EXPERTS,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": True,
+        },
+    ),
+}
+
+
 def make_family_checkpoint(path: Path, family: str, *, seed: int = 0, **overrides) -> Path:
     """Write a tiny random checkpoint of ``family``; weights scaled so greedy choices are clear
     (Gemma's norms are stored as w - 1, so they get small values around 0, and its
@@ -114,6 +141,28 @@ def make_family_checkpoint(path: Path, family: str, *, seed: int = 0, **override
                 param.normal_(0.0, 0.1)
             elif gemma and "embed" in name:
                 param.normal_(0.0, 0.01)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_moe_checkpoint(path: Path, family: str, *, seed: int = 0, **overrides) -> Path:
+    """Write a tiny random checkpoint of a MoE ``family`` (as ``save_pretrained`` writes it: one
+    tensor per expert projection); the router's weights large enough that every expert gets
+    some of a few dozen tokens."""
+    import torch
+    import transformers
+
+    config_name, model_name, extra = MOE_FAMILIES[family]
+    fields = {**_COMMON, "num_experts_per_tok": TOP_K, **extra, **overrides}
+    config = getattr(transformers, config_name)(**fields)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.8, 1.2)
+            elif name.endswith("gate.weight"):  # the router: decisive, varied choices
+                param.normal_(0.0, 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -151,5 +200,6 @@ def write_byte_level_tokenizer(path: Path, *, vocab_size: int = 400) -> Path:
 def make_servable_checkpoint(path: Path, family: str, *, seed: int = 0) -> Path:
     """A tiny ``family`` checkpoint with a tokenizer and a chat template: what ``switchboard up``
     needs to serve it through the OpenAI API (its tokens are random, its plumbing real)."""
-    make_family_checkpoint(path, family, seed=seed, vocab_size=512)
+    make = make_moe_checkpoint if family in MOE_FAMILIES else make_family_checkpoint
+    make(path, family, seed=seed, vocab_size=512)
     return write_byte_level_tokenizer(path)
