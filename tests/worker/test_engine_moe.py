@@ -17,6 +17,7 @@ from peft import PeftModel
 from transformers import GenerationConfig
 
 from factories import load_hf_model, make_peft_adapter, random_prompts
+from switchboard_kernels.moe_native import grouped_kernel
 from worker import LLM, SamplingParams
 from worker.core.batch import ScheduledSequence
 from worker.core.block_manager import BlockManager
@@ -105,6 +106,25 @@ def test_mixed_batch_preempted_and_prefix_hit_match_peft(family, reference):
         again = llm.generate(prompts[i], greedy(), adapters=[assignment[i]])[0]
         assert again.num_cached_tokens >= 8
         assert again.token_ids == expected[i]
+
+
+@pytest.mark.skipif(
+    grouped_kernel(torch.float32) is None, reason="no native grouped-experts kernel here"
+)
+def test_the_native_grouped_kernel_keeps_the_tokens(family, reference):
+    """The projections in the native panels (``batch_invariant``: the panels for every row
+    count, on any CPU), so every sparse layer's step runs the grouped kernel, the rows with
+    expert LoRA beside it through the per-expert path: peft's tokens still."""
+    name, base, adapters = family
+    prompts, assignment, expected = reference
+    llm = LLM(base, dtype="float32", max_loras=2, batch_invariant=True, **PRESSURE)
+    model = llm.engine.model
+    assert all(y.moe.native is not None for y in model.layers if y.moe is not None)
+    for adapter, path in adapters.items():
+        llm.load_adapter(adapter, path)
+    outputs = llm.generate(prompts, greedy(), adapters=assignment)
+    assert [o.token_ids for o in outputs] == expected, name
+    assert llm.generate(prompts[0], greedy())[0].token_ids == expected[0]
 
 
 def test_prefill_logits_match_transformers(family, reference):

@@ -13,6 +13,8 @@ from moe_factories import make_moe_checkpoint, write_fused_experts
 
 from adapters.base_model import BaseModelSpec
 from switchboard_kernels.linear import Linear
+from switchboard_kernels.linear_choice import PANELS, LinearPlan
+from switchboard_kernels.moe_native import grouped_kernel
 from worker.model.architectures import Experts, QKNorm
 from worker.model.llama import LlamaModel
 from worker.model.model_config import ModelConfig
@@ -20,9 +22,17 @@ from worker.model.moe import MoeWeights, moe_mlp, route
 from worker.model.sharding import check_divisible
 
 HIDDEN, INTER, E = 32, 24, 6
+# The experts in the native panels: moe_mlp takes the grouped kernel (else each expert's
+# projections, through the plan this CPU would use).
+NATIVE = LinearPlan(PANELS, PANELS)
+PLANS = [
+    None,
+    pytest.param(NATIVE, marks=pytest.mark.skipif(grouped_kernel(torch.float32) is None,
+                                                  reason="no native grouped-experts kernel")),
+]  # fmt: skip
 
 
-def make_moe(*, top_k=2, normalize=True, in_model_dtype=False, seed=0, router_bias=None):
+def make_moe(*, top_k=2, normalize=True, in_model_dtype=False, seed=0, router_bias=None, plan=None):
     g = torch.Generator().manual_seed(seed)
     router = torch.randn(E, HIDDEN, generator=g)
     if router_bias is not None:  # a router that sends every token to these experts
@@ -31,7 +41,14 @@ def make_moe(*, top_k=2, normalize=True, in_model_dtype=False, seed=0, router_bi
     gate_up = torch.randn(E, 2 * INTER, HIDDEN, generator=g) / HIDDEN**0.5
     down = torch.randn(E, HIDDEN, INTER, generator=g) / INTER**0.5
     routing = Experts(E, top_k, INTER, normalize, in_model_dtype, (True,))
-    moe = MoeWeights(router, [Linear(w) for w in gate_up], [Linear(w) for w in down], routing)
+    moe = MoeWeights(
+        router,
+        [Linear(w, plan=plan) for w in gate_up],
+        [Linear(w, plan=plan) for w in down],
+        routing,
+    )
+    if plan is NATIVE:  # the step goes through the native grouped kernel
+        assert moe.native is not None
     return moe, router, gate_up, down
 
 
@@ -60,8 +77,11 @@ def reference(x, router, gate_up, down, *, top_k, normalize):
         (9, 2, True, [0, 5]),  # every token to the same two
     ],
 )
-def test_grouped_experts_match_a_per_token_loop(tokens, top_k, normalize, skew):
-    moe, router, gate_up, down = make_moe(top_k=top_k, normalize=normalize, router_bias=skew)
+@pytest.mark.parametrize("plan", PLANS)
+def test_grouped_experts_match_a_per_token_loop(tokens, top_k, normalize, skew, plan):
+    moe, router, gate_up, down = make_moe(
+        top_k=top_k, normalize=normalize, router_bias=skew, plan=plan
+    )
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(1))
     if skew is not None:  # positive features: the boosted router rows win every token
         x = x.abs() + 0.1
@@ -117,14 +137,15 @@ def test_the_fused_and_per_expert_layouts_load_alike(tmp_path, family):
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
-def test_expert_lora_adds_each_rows_own_delta():
+@pytest.mark.parametrize("plan", PLANS)
+def test_expert_lora_adds_each_rows_own_delta(plan):
     """Rows of two adapters and base rows through the grouped experts, against the per-token
     loop over each row's adapted expert weights W_e + B_e A_e (PEFT's merged form); skewed so
     one expert holds every row."""
     from adapters.lora import LoraWeights
     from worker.model.expert_lora import ExpertLora, ExpertSlots
 
-    moe, router, gate_up, down = make_moe(router_bias=[2, 3])
+    moe, router, gate_up, down = make_moe(router_bias=[2, 3], plan=plan)
     slots = ExpertSlots.allocate(
         experts=E, slots=3, max_rank=4, hidden=HIDDEN, intermediate=INTER,
         dtype=torch.float32, device=torch.device("cpu"),
@@ -157,3 +178,9 @@ def test_expert_lora_adds_each_rows_own_delta():
             gu, dn = gate_up + deltas[slot][0], down + deltas[slot][1]
         want = reference(x[t : t + 1], router, gu, dn, top_k=2, normalize=True)
         torch.testing.assert_close(got[t : t + 1].double(), want, rtol=1e-5, atol=1e-5)
+    # A step without expert deltas (no adapter, or one without expert LoRA): the whole step
+    # takes the grouped path as a step without LoRA does.
+    plain = ExpertLora(slots, torch.tensor([-1, 1, 1, -1, -1, 1, -1]))
+    assert plain.rows_with_delta() is None
+    want = reference(x, router, gate_up, down, top_k=2, normalize=True)
+    torch.testing.assert_close(moe_mlp(x, moe, F.silu, plain).double(), want, rtol=1e-5, atol=1e-5)

@@ -33,6 +33,7 @@ class ExpertSlots:
     gate_up: _Pair  # in: hidden, out: 2 * expert intermediate (gate, then up)
     down: _Pair  # in: expert intermediate, out: hidden
     max_rank: int
+    has_delta: torch.Tensor  # [slots] bool: the slot's adapter has expert LoRA here
     used: bool = False  # some adapter ever had expert LoRA here (else skip it)
 
     @classmethod
@@ -56,10 +57,16 @@ class ExpertSlots:
                 b=torch.zeros(experts, out_features, width, **on),
             )
 
-        return cls(pair(hidden, 2 * intermediate), pair(intermediate, hidden), max_rank)
+        return cls(
+            pair(hidden, 2 * intermediate),
+            pair(intermediate, hidden),
+            max_rank,
+            torch.zeros(slots, dtype=torch.bool, device=device),
+        )
 
     def fill(self, slot: int, gate_up: LoraWeights | None, down: LoraWeights | None) -> None:
         """Put one adapter's expert LoRA of this layer in ``slot`` (zeros where it has none)."""
+        self.has_delta[slot] = gate_up is not None or down is not None
         for pair, w in ((self.gate_up, gate_up), (self.down, down)):
             cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
             pair.a[:, cols].zero_()
@@ -82,6 +89,16 @@ class ExpertLora:
 
     slots: ExpertSlots
     token_slots: torch.Tensor  # [tokens] int64
+
+    def rows_with_delta(self) -> torch.Tensor | None:
+        """[tokens] bool: the rows whose adapter has expert LoRA in this layer; None if none."""
+        slots = self.token_slots
+        adapted = (slots >= 0) & self.slots.has_delta[slots.clamp(min=0)]
+        return adapted if bool(adapted.any()) else None
+
+    def select(self, rows: torch.Tensor) -> ExpertLora:
+        """The same for the step's ``rows`` only (their token indices)."""
+        return ExpertLora(self.slots, self.token_slots[rows])
 
     def for_pairs(self, token: torch.Tensor) -> ExpertLoraStep:
         """For the routed pairs (``token``: each pair's token, grouped by expert)."""

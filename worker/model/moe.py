@@ -17,7 +17,7 @@ the per-expert tensors ``save_pretrained`` writes and the hub holds (Mixtral's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from switchboard_kernels.linear import Linear
 from switchboard_kernels.linear_choice import LinearPlan
+from switchboard_kernels.moe_native import GroupedExperts
 from worker.errors import ModelLoadError
 from worker.model.architectures import Experts
 
@@ -42,6 +43,11 @@ class MoeWeights:
     gate_up: list[Linear]  # per expert: hidden -> 2 * intermediate (gate, then up)
     down: list[Linear]  # per expert: intermediate -> hidden
     routing: Experts
+    # The native grouped kernel over the experts' panels, where it can serve them
+    native: GroupedExperts | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.native = GroupedExperts.of(self.gate_up, self.down)
 
     @property
     def expert_bytes(self) -> int:
@@ -120,21 +126,33 @@ class Routing:
     counts: list[int]  # [num_experts]: pairs per expert, in order
 
 
-def route(x: torch.Tensor, moe: MoeWeights) -> Routing:
-    """Top-k of the router's softmax (in fp32, as transformers computes it), renormalized
-    where the architecture says so; ties break as ``torch.topk`` breaks them."""
+def top_k(x: torch.Tensor, moe: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts), each [tokens, top_k]: the top-k of the router's softmax (in fp32,
+    as transformers computes it), renormalized where the architecture says so, rounded to
+    the model's dtype where it says so; ties break as ``torch.topk`` breaks them."""
     r = moe.routing
     logits = F.linear(x, moe.router)  # [tokens, experts] in the model's dtype
     probs = torch.softmax(logits.float(), dim=-1)
-    weight, expert = torch.topk(probs, r.top_k, dim=-1)  # each [tokens, top_k]
+    weight, expert = torch.topk(probs, r.top_k, dim=-1)
     if r.normalize:
         weight = weight / weight.sum(dim=-1, keepdim=True)
     if r.weights_in_model_dtype:
         weight = weight.to(x.dtype)
+    return weight, expert
+
+
+def group(weight: torch.Tensor, expert: torch.Tensor, num_experts: int) -> Routing:
+    """The pairs of ``top_k``'s result sorted by expert, tokens ascending within one."""
+    k = expert.shape[1]
     flat = expert.flatten()  # pair p = token * top_k + j
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=r.num_experts).tolist()
-    return Routing(token=order // r.top_k, weight=weight.flatten()[order], counts=counts)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return Routing(token=order // k, weight=weight.flatten()[order], counts=counts)
+
+
+def route(x: torch.Tensor, moe: MoeWeights) -> Routing:
+    """The step's pairs grouped by expert (``top_k``, then ``group``)."""
+    return group(*top_k(x, moe), moe.routing.num_experts)
 
 
 def moe_mlp(
@@ -145,10 +163,40 @@ def moe_mlp(
 ) -> torch.Tensor:  # [tokens, hidden]
     """``sum_j w_j * down_j(act(gate_j(x)) * up_j(x))`` over each token's routed experts, each
     expert's projections with the LoRA delta of each row's adapter where ``lora`` has one
-    (``worker.model.expert_lora``)."""
+    (``worker.model.expert_lora``). On CPU, with SiLU, the rows without an expert delta go
+    through the native grouped kernel where it serves the step
+    (``switchboard_kernels.moe_native``); the others through the per-expert path."""
+    weight, expert = top_k(x, moe)
+    native = moe.native if act is F.silu else None
+    if native is None or not native.serves(x, expert):
+        return _per_expert(x, moe, act, weight, expert, lora)
+    adapted = None if lora is None else lora.rows_with_delta()
+    if adapted is None:
+        return native(x, expert, weight)
+    # Rows are independent: the adapted ones through the torch path with their deltas, the
+    # rest through the kernel (the experts' weights are read twice in such a step).
+    rows = adapted.nonzero().flatten()
+    rest = (~adapted).nonzero().flatten()
+    out = torch.empty_like(x)
+    out[rows] = _per_expert(x[rows], moe, act, weight[rows], expert[rows], lora.select(rows))
+    if rest.numel():
+        out[rest] = native(x[rest], expert[rest], weight[rest])
+    return out
+
+
+def _per_expert(
+    x: torch.Tensor,  # [tokens, hidden]
+    moe: MoeWeights,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    weight: torch.Tensor,  # [tokens, top_k]
+    expert: torch.Tensor,  # [tokens, top_k]
+    lora: ExpertLora | None,
+) -> torch.Tensor:  # [tokens, hidden]
+    """``moe_mlp`` in torch: each expert with rows multiplies all of them at once through its
+    projections (``switchboard_kernels.linear``)."""
     if x.shape[0] == 1 and lora is None:
-        return _one_token(x, moe, act)
-    routing = route(x, moe)
+        return _one_token(x, moe, act, weight[0], expert[0])
+    routing = group(weight, expert, moe.routing.num_experts)
     step = None if lora is None else lora.for_pairs(routing.token)
     rows = x.index_select(0, routing.token)  # [pairs, hidden], grouped by expert
     out = torch.empty_like(rows)
@@ -175,17 +223,14 @@ def moe_mlp(
 
 
 def _one_token(
-    x: torch.Tensor, moe: MoeWeights, act: Callable[[torch.Tensor], torch.Tensor]
+    x: torch.Tensor,
+    moe: MoeWeights,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    weight: torch.Tensor,  # [top_k]
+    expert: torch.Tensor,  # [top_k]
 ) -> torch.Tensor:  # [1, hidden]
-    """``moe_mlp`` for a single row (a batch-1 decode step) without the grouping's sort and
-    scatter: its experts in ascending order, each product rounded as ``moe_mlp`` rounds it."""
-    r = moe.routing
-    probs = torch.softmax(F.linear(x, moe.router).float(), dim=-1)
-    weight, expert = torch.topk(probs[0], r.top_k)
-    if r.normalize:
-        weight = weight / weight.sum()
-    if r.weights_in_model_dtype:
-        weight = weight.to(x.dtype)
+    """``_per_expert`` for a single row without the grouping's sort and scatter: its experts
+    in ascending order, each product rounded as ``_per_expert`` rounds it."""
     out = torch.zeros_like(x)
     for e, w in sorted(zip(expert.tolist(), weight, strict=True)):
         gate, up = moe.gate_up[e](x).chunk(2, dim=-1)

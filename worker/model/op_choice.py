@@ -243,7 +243,9 @@ def op_plans(
         return fixed
     path = cache_path(
         "ops",
-        *kernel_sources("norm_cpu.c", "activation_cpu.c", "lora_cpu.c", "attention_cpu.c"),
+        *kernel_sources(
+            "norm_cpu.c", "activation_cpu.c", "swiglu.h", "lora_cpu.c", "attention_cpu.c"
+        ),
         json.dumps([PLAN_VERSION, str(dtype), _shape_key(shapes)]),
     )
     cached = read_record(path)
