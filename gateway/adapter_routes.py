@@ -27,6 +27,7 @@ def adapter_object(record: TenantAdapter, *, base_model: str) -> dict[str, Any]:
         "base_model": base_model,
         "created_at": record.created_at,
         "updated_at": record.updated_at or record.created_at,
+        "version": record.current_version,
         "rank": record.rank,
         "target_modules": record.target_modules,
         "num_bytes": record.num_bytes,

@@ -22,6 +22,7 @@ from gateway.tenancy.usage import day_range, read_usage
 from gateway.tenancy.weights import WeightAssignment
 from gateway.uploads.registration import delete_adapter, register_adapter_dir
 from gateway.worker_client import stats
+from runtime.registry import WorkerInfo
 
 log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 2.0
@@ -197,22 +198,28 @@ def _scheduling(tenant: str, scheduling: WeightAssignment) -> dict[str, Any]:
 @router.get("/workers")
 async def list_workers(state: State) -> dict[str, Any]:
     """Live workers of the served model (the registry), each with its load, the adapters it
-    holds, named as "tenant/name", and its engine's service per tenant (its `Stats`; null
-    when the worker did not answer in time)."""
+    has loaded, holds in its device slots and in its host cache, each content id named as
+    "tenant/name" (none for content no name holds now, e.g. a replaced version still cached),
+    and its engine's service per tenant (its `Stats`; null when the worker did not answer in
+    time)."""
     workers = await state.workers.workers()
-    held = sorted({a for w in workers for a in w.adapters})
+    held = sorted({a for w in workers for a in _content_ids(w)})
     names = await state.catalog.names_of(held)
     services = await asyncio.gather(*(_tenant_service(state, w.address) for w in workers))
     return {
         "data": [
             {
                 **asdict(w),
-                "adapter_names": {a: names.get(a, []) for a in w.adapters},
+                "adapter_names": {a: names.get(a, []) for a in sorted(_content_ids(w))},
                 "tenant_service": service,
             }
             for w, service in zip(workers, services, strict=True)
         ]
     }
+
+
+def _content_ids(worker: WorkerInfo) -> set[str]:
+    return {*worker.adapters, *(a for a in worker.slot_adapters if a), *worker.host_adapters}
 
 
 async def _tenant_service(state: GatewayState, address: str) -> list[dict[str, Any]] | None:

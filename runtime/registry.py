@@ -39,6 +39,12 @@ class WorkerInfo:
     address: str  # "host:port" of its gRPC server
     model: str  # the base model's name or path
     adapters: list[str] = field(default_factory=list)  # content ids loaded on it
+    # Where their weights are now: each device slot's content id (None: empty), and the host
+    # cache's, most recently used first (content no longer named may linger in either).
+    slot_adapters: list[str | None] = field(default_factory=list)
+    host_adapters: list[str] = field(default_factory=list)
+    host_cache_bytes: int = 0  # float32 bytes the host cache holds
+    host_cache_limit: int = 0  # its byte budget
     running: int = 0
     waiting: int = 0
     free_kv_blocks: int = 0

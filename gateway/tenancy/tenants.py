@@ -76,6 +76,13 @@ class TenantAdapter:
     num_bytes: int = 0  # float32 bytes of all A and B (what a worker's host cache holds)
     # When the name last got new content (a replacing upload); created_at until then.
     updated_at: int = 0
+    # 1 for the name's first content, +1 for each replacing upload (0: written before versions
+    # were counted, shown as 1).
+    version: int = 0
+
+    @property
+    def current_version(self) -> int:
+        return max(1, self.version)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

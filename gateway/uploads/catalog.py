@@ -257,6 +257,7 @@ class AdapterCatalog:
                 target_modules=upload.target_modules,
                 num_bytes=upload.num_bytes,
                 updated_at=now,
+                version=1 if previous is None else previous.current_version + 1,
             )
             old_id = "" if previous is None else previous.adapter_id
             outcome, *rest = await self._register(
@@ -276,6 +277,7 @@ class AdapterCatalog:
                     self.defaults.max_adapter_bytes,
                     "1" if replace else "0",
                     old_id,
+                    0 if previous is None else previous.version,
                 ],
             )
             if outcome != "moved":

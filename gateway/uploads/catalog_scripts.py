@@ -13,7 +13,7 @@ Time comes from Redis (`TIME`), so replicas with skewed clocks agree on leases.
 #       4 the reference set of the blob the name held when the caller looked (replace only)
 # ARGV: 1 name, 2 record JSON, 3 reference member, 4 adapter id, 5 the blob's float32 bytes,
 #       6 default max adapters, 7 default max adapter bytes, 8 "1" to replace other content,
-#       9 the adapter id the caller saw under the name ("" for none)
+#       9 the adapter id the caller saw under the name ("" for none), 10 the version it saw
 # Replacing swaps the name's record and references in this one step: the old content's bytes
 # leave the storage in use as the new content's enter it.
 # Returns: {"created", record} | {"same", existing record} | {"taken", existing record}
@@ -28,6 +28,7 @@ if existing then
   if old['adapter_id'] == ARGV[4] then return {'same', existing} end
   if ARGV[8] ~= '1' then return {'taken', existing} end
   if old['adapter_id'] ~= ARGV[9] then return {'moved'} end
+  if (tonumber(old['version']) or 0) ~= tonumber(ARGV[10]) then return {'moved'} end
 elseif ARGV[9] ~= '' then
   return {'moved'}
 end

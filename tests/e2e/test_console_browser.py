@@ -15,6 +15,7 @@ SWITCHBOARD_CONSOLE_SCREENSHOTS=DIR they save the main pages as PNGs there (docs
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -178,6 +179,13 @@ def test_a_tenant_uploads_chats_and_sees_its_usage_and_another_tenant_sees_none(
     expect(limit.locator("td")).to_have_text(["Requests per minute", "100", "1", "99"])
     expect(page.locator("#key-table tbody tr")).to_have_count(1)
     expect(page.locator("#key-table tbody tr td").nth(2)).to_have_text("this session")
+    # Usage: the page's table and chart show the adapter's tokens.
+    usage_row = page.locator("#usage-table tbody tr", has_text="sql")
+    expect(usage_row).to_have_count(1)
+    expect(usage_row.locator("td").nth(2)).to_have_text("1")  # requests: settled, then shown
+    total = usage_row.locator("td").nth(5).text_content()
+    today = usage_row.locator("td").nth(0).text_content()
+    expect(page.locator("#usage-chart rect title")).to_have_text([f"sql {today}: {total}"])
     # The same request through the OpenAI client: the same (greedy) answer.
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=acme_key, max_retries=0)
     same = client.chat.completions.create(
@@ -188,12 +196,6 @@ def test_a_tenant_uploads_chats_and_sees_its_usage_and_another_tenant_sees_none(
     )
     assert same.choices[0].message.content == answer
 
-    # Usage: the page's table and chart show the adapter's tokens.
-    usage_row = page.locator("#usage-table tbody tr", has_text="sql")
-    expect(usage_row).to_have_count(1)
-    total = usage_row.locator("td").nth(5).text_content()
-    today = usage_row.locator("td").nth(0).text_content()
-    expect(page.locator("#usage-chart rect title")).to_have_text([f"sql {today}: {total}"])
     screenshot(page, "tenant")
 
     # Another tenant's console: no adapter, no usage, and acme's name is unknown to it.
@@ -212,6 +214,64 @@ def test_a_tenant_uploads_chats_and_sees_its_usage_and_another_tenant_sees_none(
     other.fill("#chat-input", "hi")
     other.click("#chat-send")
     expect(other.locator("#chat-error")).to_have_text("The model `sql` does not exist.")
+
+
+def record_texts(page, selector: str) -> None:
+    """Keep every text the element at `selector` shows, in `window.__texts`."""
+    page.evaluate(
+        """selector => {
+        const node = document.querySelector(selector);
+        window.__texts = [];
+        new MutationObserver(() => window.__texts.push(node.textContent))
+          .observe(node, {subtree: true, childList: true, characterData: true});
+    }""",
+        selector,
+    )
+
+
+def test_a_tenant_replaces_an_adapters_content_and_sees_its_version(
+    stack, new_page, adapter_archive, tiny_model, tmp_path
+):
+    key = stack.create_tenant_key("versioned")
+    api = {"Authorization": f"Bearer {key}"}
+    page = new_page()
+    sign_in(page, stack, key)
+    upload(page, "policy", adapter_archive)
+    expect(page.locator("#upload-status")).to_have_text("Uploaded policy (rank 4).")
+    row = page.locator("#adapter-table tbody tr", has_text="policy")
+    first = httpx.get(f"{stack.base_url}/v1/adapters/policy", headers=api).json()
+    expect(row.locator("td").nth(4).locator("code")).to_have_attribute("title", first["adapter_id"])
+    expect(row.locator("td").nth(5)).to_contain_text("v1 · ")
+
+    # Other content under the taken name, without asking to replace: the API's 409, its words.
+    v2 = make_peft_adapter(tiny_model, tmp_path / "v2", rank=8, targets=["q_proj"], seed=7)
+    archive = tmp_path / "v2.tar.gz"
+    archive.write_bytes(tar_bytes(adapter_members(v2, folder="v2")))
+    upload(page, "policy", archive)
+    expect(page.locator("#upload-status")).to_have_text(
+        "Upload refused (409): an adapter named 'policy' already exists with other content; "
+        "upload with replace=true to make this its new version, delete it first, or pick "
+        "another name"
+    )
+
+    # The row's Replace: the form set to replace that name; the upload's progress shown.
+    row.locator("button", has_text="Replace").click()
+    expect(page.locator("#upload-name")).to_have_value("policy")
+    expect(page.locator("#upload-replace")).to_be_checked()
+    record_texts(page, "#upload-status")
+    page.set_input_files("#upload-file", str(archive))
+    page.click("#upload-button")
+    expect(page.locator("#upload-status")).to_have_text("Uploaded policy version 2 (rank 8).")
+    assert any(t.startswith("Uploading… 100 % of ") for t in page.evaluate("window.__texts"))
+    second = httpx.get(f"{stack.base_url}/v1/adapters/policy", headers=api).json()
+    assert second["adapter_id"] != first["adapter_id"] and second["version"] == 2
+    expect(row.locator("td").nth(4).locator("code")).to_have_attribute(
+        "title", second["adapter_id"]
+    )
+    expect(row.locator("td").nth(5)).to_contain_text("v2 · ")
+    expect(row.locator("td").nth(1)).to_have_text("8")
+    expect(row.locator("td").nth(2)).to_have_text("q_proj")
+    expect(page.locator("#upload-replace")).not_to_be_checked()  # the form is reset
 
 
 def test_hostile_input_gets_the_apis_answers_shown_as_text(stack, new_page, tmp_path):
@@ -303,6 +363,17 @@ def test_a_tenant_uploads_a_directory_and_manages_its_keys_where_allowed(
     expect(page).to_have_url(stack.base_url + "/console/login?expired=1")
 
 
+def settled_usage(stack: Stack, tenant: str, *, models: int) -> list[dict]:
+    """The tenant's usage rows once the gateway has settled `models` models' requests (it
+    settles just after each answer's last byte)."""
+    for _ in range(100):
+        rows = stack.admin("GET", f"/usage?tenant={tenant}")["data"]
+        if len(rows) == models:
+            return rows
+        time.sleep(0.1)
+    raise AssertionError(f"{tenant}'s usage never showed {models} models: {rows}")
+
+
 def test_the_admin_creates_a_tenant_sets_a_quota_and_sees_the_fleet(
     stack, new_page, adapter_archive
 ):
@@ -318,6 +389,9 @@ def test_the_admin_creates_a_tenant_sets_a_quota_and_sees_the_fleet(
     assert uploaded.status_code == 201, uploaded.text
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0)
     client.completions.create(model="tuned", prompt="hello", max_tokens=4)
+    base_model = client.models.list().data[0].id
+    client.completions.create(model=base_model, prompt="hello there", max_tokens=3)
+    usage = settled_usage(stack, "dyn", models=2)
 
     page = new_page()
     sign_in(page, stack, stack.admin_token, side="/console/admin")
@@ -339,14 +413,40 @@ def test_the_admin_creates_a_tenant_sets_a_quota_and_sees_the_fleet(
     expect(page.locator("#key-table tbody tr")).to_have_count(1)
     assert "sk-" not in page.locator("#key-table").text_content()
 
-    # The fleet: the worker, holding dyn's adapter (the registry's next heartbeat).
-    deadline = time.monotonic() + 15
+    # The fleet: the worker, with dyn's adapter in a device slot and in its host cache (the
+    # registry's next heartbeat; the page reads the fleet every 5 s).
     worker = page.locator("#worker-table tbody tr", has_text="worker-0")
-    while "dyn/tuned" not in (worker.text_content() if worker.count() else ""):
-        assert time.monotonic() < deadline, "the fleet never showed dyn/tuned"
-        page.wait_for_timeout(500)
+    expect(worker.locator("td").nth(5)).to_contain_text("dyn/tuned")
+    expect(worker.locator("td").nth(5)).to_contain_text(re.compile(r"^\d+ of \d+ slots"))
+    expect(worker.locator("td").nth(6)).to_contain_text("dyn/tuned")
     # The engine's service per tenant: dyn's request was computed there.
     service = page.locator("#service-table tbody tr", has_text="dyn")
     expect(service).to_have_count(1)
     assert int(service.locator("td").nth(3).text_content()) > 0  # prefill tokens
+
+    # Every tenant's usage per day and model, as the admin API counts it: one tenant's rows,
+    # then its bars per model.
+    page.select_option("#usage-tenant", "dyn")
+    rows = page.locator("#usage-table tbody tr")
+    expect(rows).to_have_count(2)
+    expected = [
+        [r["date"], "dyn", r["model"], str(r["requests"]), str(r["prompt_tokens"]),
+         str(r["completion_tokens"]), str(r["total_tokens"])]
+        for r in sorted(usage, key=lambda r: r["model"])
+    ]  # fmt: skip
+    for row, cells in zip(rows.all(), expected, strict=True):
+        expect(row.locator("td")).to_have_text(cells)
+    page.select_option("#usage-by", "model")
+    bars = page.locator("#usage-chart rect title")
+    expect(bars).to_have_text(
+        [
+            f"{r['model']} {r['date']}: {r['total_tokens']}"
+            for r in sorted(usage, key=lambda r: r["model"])
+        ]
+    )
+    page.select_option("#usage-tenant", "")
+    page.select_option("#usage-by", "tenant")
+    expect(page.locator("#usage-chart rect title", has_text="dyn ")).to_have_text(
+        [f"dyn {usage[0]['date']}: {sum(r['total_tokens'] for r in usage)}"]
+    )
     screenshot(page, "admin")

@@ -4,6 +4,7 @@ code paths (here both run in this process: the real gateway app and a real Worke
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -35,6 +36,17 @@ def scrape(text: str) -> dict[tuple[str, tuple], float]:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
+
+
+async def fleet_holding(admin: httpx.AsyncClient, adapter_id: str) -> list[dict]:
+    """/admin/workers once a heartbeat has published `adapter_id` in a device slot (a beat
+    comes every 2 s; bounded so a worker that never publishes it fails the test)."""
+    for _ in range(200):
+        fleet = (await admin.get("/admin/workers")).json()["data"]
+        if any(adapter_id in w["slot_adapters"] for w in fleet):
+            return fleet
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no worker published {adapter_id} in a slot: {fleet}")
 
 
 @pytest.fixture
@@ -89,12 +101,23 @@ async def test_worker_metrics_and_request_ids_across_the_hop(
                 reply = await client.post("/v1/completions", json=body)
                 assert reply.status_code == 200, reply.text
             request_id = reply.json()["id"]
+            fleet = await fleet_holding(admin, adapter.id)
             async with httpx.AsyncClient() as scraper:
                 text = (await scraper.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
     finally:
         await worker.shutdown(drain_timeout=2.0)
         await redis.aclose()
         await delete_prefix(redis_url, redis_prefix)
+
+    # The admin's fleet: the adapter in a device slot and in the host cache, each content id
+    # named for its tenant, and the engine's service for the tenant (its Stats).
+    (record,) = fleet
+    assert record["worker_id"] == "obs" and record["adapters"] == [adapter.id]
+    assert adapter.id in record["slot_adapters"] and record["host_adapters"] == [adapter.id]
+    assert record["host_cache_bytes"] == adapter.num_bytes <= record["host_cache_limit"]
+    assert record["adapter_names"] == {adapter.id: ["obs/qa"]}
+    (service,) = record["tenant_service"]
+    assert service["tenant"] == "obs" and service["decode_tokens"] == 4
 
     values = scrape(text)
     assert values[("switchboard_worker_requests_total", (("outcome", "ok"),))] == 1

@@ -346,6 +346,7 @@ async def test_replace_true_makes_new_content_the_names_next_version(env, adapte
         new = replaced.json()
         assert new["adapter_id"] != first["adapter_id"] and new["rank"] == 2
         assert new["created_at"] == first["created_at"] <= new["updated_at"]
+        assert (first["version"], new["version"]) == (1, 2)
         assert (await alice.get("/v1/adapters/sql")).json() == new
         used = await alice.post("/v1/completions", json={"model": "sql", "prompt": "x"})
         assert used.status_code == 200 and env.worker.requests[-1].adapter_id == new["adapter_id"]
@@ -360,6 +361,7 @@ async def test_replace_true_makes_new_content_the_names_next_version(env, adapte
             **{**files_upload("keep", other), "data": {"name": "keep", "replace": "true"}},
         )
         assert again.status_code == 200, again.text
+        assert again.json()["version"] == 2
         assert env.store_entries() == [new["adapter_id"]]
         assert env.worker.unloaded == [first["adapter_id"]]
         # The same content again is idempotent, replace or not.
@@ -367,6 +369,14 @@ async def test_replace_true_makes_new_content_the_names_next_version(env, adapte
             "/v1/adapters", **{**upload, "data": {"name": "sql", "replace": "true"}}
         )
         assert same.status_code == 200 and same.json() == new
+        # And a third content is the third version.
+        third = await alice.post(
+            "/v1/adapters",
+            **{**files_upload("sql", adapter_dir), "data": {"name": "sql", "replace": "true"}},
+        )
+        assert third.status_code == 200 and third.json()["version"] == 3
+        listed = {a["name"]: a for a in (await alice.get("/v1/adapters")).json()["data"]}
+        assert (listed["sql"]["version"], listed["keep"]["version"]) == (3, 2)
 
 
 # --- tenants never see each other --------------------------------------------------------

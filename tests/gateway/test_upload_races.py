@@ -117,6 +117,28 @@ async def test_concurrent_uploads_of_one_name_one_wins_the_blob_stays(live, stor
         assert used.status_code == 200
 
 
+async def test_concurrent_replacements_each_get_their_own_version(live, store, tmp_path):
+    """Replacing uploads racing on one name: every one lands, each as a distinct next version
+    (a script that saw the name move looks again), and only the last content's blob stays."""
+    first, *others = [write_adapter(tmp_path / f"a{i}", seed=i) for i in range(4)]
+    async with client(live, "alice") as alice:
+        assert (await alice.post("/v1/adapters", **files_upload("sql", first))).status_code == 201
+        replies = await asyncio.gather(
+            *(
+                alice.post(
+                    "/v1/adapters",
+                    **{**files_upload("sql", a), "data": {"name": "sql", "replace": "true"}},
+                )
+                for a in others
+            )
+        )
+        assert [r.status_code for r in replies] == [200, 200, 200], [r.text for r in replies]
+        assert sorted(r.json()["version"] for r in replies) == [2, 3, 4]
+        last = max((r.json() for r in replies), key=lambda r: r["version"])
+        assert (await alice.get("/v1/adapters/sql")).json() == last
+    assert entries(store) == [last["adapter_id"]]
+
+
 async def test_a_delete_racing_an_upload_of_the_same_content_keeps_the_blob(live, store, tmp_path):
     """Bob deletes his name for a blob while Alice uploads the same content: whatever the
     order, Alice's name ends with its blob in the store."""

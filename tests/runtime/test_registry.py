@@ -25,6 +25,10 @@ def make_info(worker_id: str = "w1", **fields) -> WorkerInfo:
         address="127.0.0.1:50051",
         model="tiny",
         adapters=["a" * 64],
+        slot_adapters=["a" * 64, None],
+        host_adapters=["b" * 64, "a" * 64],
+        host_cache_bytes=4096,
+        host_cache_limit=1 << 30,
         running=2,
         waiting=1,
         free_kv_blocks=30,
@@ -44,6 +48,10 @@ async def test_register_writes_the_documented_format(redis, redis_prefix):
         "address": "127.0.0.1:50051",
         "model": "tiny",
         "adapters": ["a" * 64],
+        "slot_adapters": ["a" * 64, None],
+        "host_adapters": ["b" * 64, "a" * 64],
+        "host_cache_bytes": 4096,
+        "host_cache_limit": 1 << 30,
         "running": 2,
         "waiting": 1,
         "free_kv_blocks": 30,
@@ -114,3 +122,13 @@ def test_prefix_default_and_no_heavy_imports():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+async def test_an_older_workers_record_loads_without_slots_and_host_cache(redis, redis_prefix):
+    older = json.loads(make_info("old").to_json())
+    for name in ("slot_adapters", "host_adapters", "host_cache_bytes", "host_cache_limit"):
+        del older[name]
+    await redis.sadd(f"{redis_prefix}workers", "old")
+    await redis.set(f"{redis_prefix}worker:old", json.dumps(older), ex=10)
+    (info,) = await registry.live_workers(redis, redis_prefix)
+    assert info.slot_adapters == info.host_adapters == [] and info.host_cache_limit == 0

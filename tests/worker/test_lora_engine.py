@@ -123,6 +123,49 @@ def test_more_adapters_than_slots_all_complete_unchanged(base, adapter_dirs, pef
     assert exported == {"slot": manager.num_slot_evictions, "host": manager.num_host_evictions}
 
 
+def test_the_stats_tell_slots_from_the_host_cache(base, adapter_dirs):
+    """What the worker publishes (its registry record and /metrics read this snapshot): each
+    device slot's content and the host cache's, most recently used first, apart. A host cache
+    of one adapter keeps only the last one read, while the slots keep what ran."""
+    first, second, third = list(adapter_dirs)[:3]
+    llm = make_llm(
+        base,
+        {n: adapter_dirs[n] for n in (first, second, third)},
+        max_loras=2,
+        lora_host_cache_gb=1e-6,
+    )
+    manager = llm.engine.lora_manager
+    ids = {name: manager.resolve(name) for name in (first, second, third)}
+
+    def stats():
+        return AsyncEngine(llm.engine).stats
+
+    loaded = stats().residency
+    assert loaded.slots == (None, None) and loaded.host == (ids[third],)
+    assert loaded.host_bytes == manager.host[ids[third]].num_bytes
+    assert loaded.host_limit == manager.host_cache_bytes
+
+    llm.generate([[1, 2, 3]], greedy(), adapters=[first])
+    llm.generate([[1, 2, 3]], greedy(), adapters=[second])
+    ran = stats().residency
+    assert ran.slots == (ids[first], ids[second])  # in slots, though read again in turn
+    assert ran.host == (ids[second],)
+    assert stats().adapter_ids == tuple(sorted(ids.values()))
+
+    # A roomy host cache keeps all three, most recent first; /metrics counts both tiers.
+    roomy = make_llm(base, {n: adapter_dirs[n] for n in (first, second, third)}, max_loras=2)
+    roomy.generate([[1, 2, 3]], greedy(), adapters=[first])
+    residency = AsyncEngine(roomy.engine).stats.residency
+    assert residency.host == (ids[first], ids[third], ids[second])
+    assert residency.slots == (ids[first], None)
+    collector = EngineStatsCollector(lambda: AsyncEngine(roomy.engine).stats)
+    exported = {s.name: s.value for family in collector.collect() for s in family.samples}
+    assert exported["switchboard_worker_adapter_slots_used"] == 1
+    assert exported["switchboard_worker_adapter_slots_total"] == 2
+    assert exported["switchboard_worker_adapters_in_host_cache"] == 3
+    assert exported["switchboard_worker_adapter_host_cache_bytes"] == residency.host_bytes
+
+
 def peft_with_every_adapter(base, adapter_dirs) -> PeftModel:
     """The fp32 HF model with every adapter loaded under its name (none active yet)."""
     names = list(adapter_dirs)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from worker.core.fairness import TenantService
 from worker.core.prefix_cache import PrefixCacheStats
 from worker.engine.llm_engine import LLMEngine
+from worker.model.lora_manager import AdapterResidency
 from worker.spec_decode.stats import SpecDecodeStats
 
 # (device slots refilled while holding another adapter, adapters dropped from the host cache)
@@ -30,6 +31,8 @@ class EngineStats:
     spec_decode: SpecDecodeStats | None = None  # None: speculation is off
     adapter_evictions: AdapterEvictions = (0, 0)
     tenants: tuple[TenantService, ...] = ()  # service and queue time per tenant
+    # The content in each device slot and in the host cache (empty without LoRA).
+    residency: AdapterResidency = dataclasses.field(default_factory=AdapterResidency)
 
 
 def snapshot(engine: LLMEngine) -> EngineStats:
@@ -48,6 +51,7 @@ def snapshot(engine: LLMEngine) -> EngineStats:
         if manager is not None
         else (0, 0),
         tenants=engine.scheduler.ledger.snapshot(),
+        residency=manager.residency() if manager is not None else AdapterResidency(),
     )
 
 

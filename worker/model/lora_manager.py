@@ -126,6 +126,16 @@ class LoraBatch:
         return self.dora or self.saved is not None
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterResidency:
+    """Where adapters' weights are: per device slot (None: empty) and in the host cache."""
+
+    slots: tuple[str | None, ...] = ()  # content id held by each slot, by slot index
+    host: tuple[str, ...] = ()  # content ids in the host cache, most recently used first
+    host_bytes: int = 0  # float32 bytes those take
+    host_limit: int = 0  # the host cache's byte budget
+
+
 class LoraManager:
     def __init__(
         self,
@@ -442,6 +452,16 @@ class LoraManager:
         return torch.cat([torch.arange(s.start, s.stop) for s in spans])
 
     # --- host cache -------------------------------------------------------------------
+
+    def residency(self) -> AdapterResidency:
+        """Which content sits in each device slot and in the host cache now (for the fleet
+        view; call it on the thread that steps the engine)."""
+        return AdapterResidency(
+            slots=tuple(self.slots),
+            host=tuple(reversed(self.host)),
+            host_bytes=sum(a.num_bytes for a in self.host.values()),
+            host_limit=self.host_cache_bytes,
+        )
 
     def _host_get(self, adapter_id: str) -> LoraAdapter:
         adapter = self.host.get(adapter_id)

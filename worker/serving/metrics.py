@@ -56,6 +56,19 @@ class EngineStatsCollector(Collector):
             "prefix_cache_blocks", "Blocks whose content is reusable now.", cache.cached_blocks
         )
         yield _gauge("adapters_loaded", "LoRA adapters loaded (named).", len(stats.adapter_ids))
+        where = stats.residency
+        yield _gauge(
+            "adapter_slots_used",
+            "Device adapter slots holding an adapter.",
+            sum(s is not None for s in where.slots),
+        )
+        yield _gauge("adapter_slots_total", "Device adapter slots (max_loras).", len(where.slots))
+        yield _gauge("adapters_in_host_cache", "Adapters in the host cache.", len(where.host))
+        yield _gauge(
+            "adapter_host_cache_bytes",
+            "Bytes of adapter weights in the host cache.",
+            where.host_bytes,
+        )
         evictions = CounterMetricFamily(
             "switchboard_worker_adapter_evictions",
             "Adapters evicted: from a device slot (refilled for another adapter) or from the "

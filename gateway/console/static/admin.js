@@ -27,7 +27,9 @@ async function loadTenants() {
             Console.scheduling(scheduling),
             el("button", { type: "button", "data-tenant": t.name, onclick: () => select(t.name) }, "Manage")];
   }));
-  if (current()) fill($("tenant-table").querySelector("tbody"), rows);
+  if (!current()) return;
+  fill($("tenant-table").querySelector("tbody"), rows);
+  tenantChoices(tenants.map((t) => t.name));
 }
 
 async function select(tenant) {
@@ -45,7 +47,8 @@ async function select(tenant) {
     el("code", {}, k.key_id), Console.time(k.created_at),
     el("button", { type: "button", class: "danger", onclick: () => revoke(k.key_id) }, "Revoke")]));
   fill($("detail-adapters").querySelector("tbody"), adapters.data.map((a) => [
-    a.name, a.rank, a.target_modules.join(", "), Console.bytes(a.num_bytes), el("code", {}, a.adapter_id.slice(0, 12))]));
+    a.name, a.rank, a.target_modules.join(", "), Console.bytes(a.num_bytes), el("code", {}, a.adapter_id.slice(0, 12)),
+    `v${Math.max(1, a.version ?? 0)} · ${Console.time(a.updated_at || a.created_at)}`]));
   // Named and shown only now that its form holds its values: an edit made while they loaded
   // would be overwritten by them, and saved as the old quotas.
   $("detail-name").textContent = tenant;
@@ -108,19 +111,38 @@ $("new-key").addEventListener("click", async () => {
   } catch (err) { show("detail-error")(err); }
 });
 
+// Every tenant's usage (or one's), per day, tenant and model: the admin API's /admin/usage.
 async function loadUsage() {
   const current = usageTicket();
   const { start, end } = Console.daysBack(Number($("usage-days").value));
-  const usage = await json(`usage?start_date=${start}&end_date=${end}`);
+  const tenant = $("usage-tenant").value;
+  const only = tenant ? `&tenant=${encodeURIComponent(tenant)}` : "";
+  const usage = await json(`usage?start_date=${start}&end_date=${end}${only}`);
   if (!current()) return;
   const days = [];
   for (let t = Date.parse(start); t <= Date.parse(end); t += 86400000) days.push(new Date(t).toISOString().slice(0, 10));
+  const by = $("usage-by").value;
+  const key = (row) => (by === "tenant" ? row.tenant : by === "model" ? row.model : `${row.tenant} · ${row.model}`);
   const series = {};
   for (const row of usage.data) {
-    series[row.tenant] = series[row.tenant] || days.map(() => 0);
-    series[row.tenant][days.indexOf(row.date)] += row.total_tokens;
+    series[key(row)] = series[key(row)] || days.map(() => 0);
+    series[key(row)][days.indexOf(row.date)] += row.total_tokens;
   }
   Console.barChart($("usage-chart"), days, series);
+  const rows = usage.data.slice().sort((a, b) =>
+    b.date.localeCompare(a.date) || a.tenant.localeCompare(b.tenant) || a.model.localeCompare(b.model));
+  fill($("usage-table").querySelector("tbody"), rows.map((r) => [
+    r.date, r.tenant, r.model, r.requests, r.prompt_tokens, r.completion_tokens, r.total_tokens]));
+  $("usage-empty").hidden = rows.length > 0;
+}
+
+// The tenant filter's choices, kept when the list is read again.
+function tenantChoices(names) {
+  const select = $("usage-tenant");
+  const chosen = select.value;
+  select.replaceChildren(el("option", { value: "" }, "every tenant"),
+                         ...names.map((name) => el("option", { value: name }, name)));
+  if (names.includes(chosen)) select.value = chosen;
 }
 
 async function loadFleet() {
@@ -130,9 +152,17 @@ async function loadFleet() {
   $("fleet-empty").hidden = workers.length > 0;
   fill($("worker-table").querySelector("tbody"), workers.map((w) => {
     const used = w.total_kv_blocks ? 1 - w.free_kv_blocks / w.total_kv_blocks : 0;
-    const held = w.adapters.map((id) => (w.adapter_names[id] || []).join(", ") || id.slice(0, 12));
-    return [w.worker_id, w.address, w.running, w.waiting, `${(used * 100).toFixed(0)} %`,
-            held.length ? held.join("; ") : "–", `${Math.max(0, Date.now() / 1000 - w.heartbeat_at).toFixed(0)} s ago`];
+    const named = (id) => (w.adapter_names[id] || []).join(", ") || `${id.slice(0, 12)} (no name)`;
+    const inSlots = w.slot_adapters.filter(Boolean);
+    const slots = el("div", { class: "held" },
+      el("span", { class: "muted" }, `${inSlots.length} of ${w.slot_adapters.length} slots`),
+      ...inSlots.map((id) => el("span", { "data-adapter": id }, named(id))));
+    const host = el("div", { class: "held" },
+      el("span", { class: "muted" },
+         `${w.host_adapters.length} · ${Console.bytes(w.host_cache_bytes)} of ${Console.bytes(w.host_cache_limit)}`),
+      ...w.host_adapters.map((id) => el("span", { "data-adapter": id }, named(id))));
+    return [w.worker_id, w.address, w.running, w.waiting, `${(used * 100).toFixed(0)} %`, slots, host,
+            `${Math.max(0, Date.now() / 1000 - w.heartbeat_at).toFixed(0)} s ago`];
   }));
   fill($("service-table").querySelector("tbody"), workers.flatMap((w) => (w.tenant_service === null
     ? [[w.worker_id, "(no answer)", "", "", "", "", ""]]
@@ -140,7 +170,7 @@ async function loadFleet() {
                                    t.virtual_counter.toFixed(1), `${(t.mean_queue_s * 1000).toFixed(0)} ms`]))));
 }
 
-$("usage-days").addEventListener("change", loadUsage);
+for (const id of ["usage-days", "usage-tenant", "usage-by"]) $(id).addEventListener("change", loadUsage);
 loadTenants();
 loadUsage();
 loadFleet();

@@ -20,9 +20,14 @@ async function loadAdapters() {
   $("adapter-empty").hidden = list.data.length > 0;
   fill(tbody, list.data.map((a) => [
     a.name, a.rank, a.target_modules.join(", "), Console.bytes(a.num_bytes),
-    el("code", { title: a.adapter_id }, a.adapter_id.slice(0, 12)), Console.time(a.created_at),
-    el("button", { type: "button", class: "danger", "data-name": a.name, onclick: () => removeAdapter(a.name) },
-       "Delete"),
+    el("code", { title: a.adapter_id }, a.adapter_id.slice(0, 12)),
+    el("span", { title: `content since ${Console.time(a.updated_at)}` },
+       `v${a.version} · ${Console.time(a.updated_at)}`),
+    Console.time(a.created_at),
+    el("span", { class: "actions" },
+       el("button", { type: "button", "data-replace": a.name, onclick: () => startReplace(a.name) }, "Replace…"),
+       el("button", { type: "button", class: "danger", "data-name": a.name, onclick: () => removeAdapter(a.name) },
+          "Delete")),
   ]));
   const select = $("chat-model");
   const chosen = select.value;
@@ -42,6 +47,14 @@ async function removeAdapter(name) {
   await loadAdapters();
 }
 
+// A new version of `name`: the upload form, set to replace it (the API's `replace=true`).
+function startReplace(name) {
+  $("upload-name").value = name;
+  $("upload-replace").checked = true;
+  $("upload-status").textContent = `Choose the new content for ${name}, then Upload.`;
+  $("upload-file").focus();
+}
+
 // An XMLHttpRequest rather than fetch: only it reports upload progress.
 function upload(event) {
   event.preventDefault();
@@ -49,6 +62,7 @@ function upload(event) {
   const progress = $("upload-progress");
   const data = new FormData();
   data.append("name", $("upload-name").value);
+  if ($("upload-replace").checked) data.append("replace", "true");
   for (const id of ["upload-file", "upload-config", "upload-model"]) {
     const input = $(id);
     if (input.files.length) data.append(input.name, input.files[0]);
@@ -62,7 +76,9 @@ function upload(event) {
   xhr.open("POST", Console.apiBase + "adapters");
   xhr.setRequestHeader("X-CSRF-Token", Console.csrf);
   xhr.upload.onprogress = (e) => {
-    if (e.lengthComputable) { progress.value = e.loaded / e.total; }
+    if (!e.lengthComputable) return;
+    progress.value = e.loaded / e.total;
+    status.textContent = `Uploading… ${Math.floor((100 * e.loaded) / e.total)} % of ${Console.bytes(e.total)}`;
   };
   xhr.onload = async () => {
     progress.hidden = true;
@@ -70,7 +86,8 @@ function upload(event) {
     try { body = JSON.parse(xhr.responseText); } catch { /* not JSON: shown by status */ }
     if (xhr.status === 401) { location.assign(document.body.dataset.login + "?expired=1"); return; }
     if (xhr.status >= 200 && xhr.status < 300) {
-      status.textContent = `Uploaded ${body.name} (rank ${body.rank}).`;
+      const version = body.version > 1 ? ` version ${body.version}` : "";
+      status.textContent = `Uploaded ${body.name}${version} (rank ${body.rank}).`;
       $("upload").reset();
       await loadAdapters();
       loadAccount();
@@ -180,11 +197,8 @@ async function chat(event) {
       ` · ${rate === null ? "–" : rate.toFixed(1)} tokens/s` + limits.map((l) => ` · ${l}`).join("");
     history.push({ role: "user", content }, { role: "assistant", content: answer });
     $("chat-input").value = "";
-    loadUsage();
     loadAccount();
-    // The gateway settles a request's usage just after its stream's last byte, so the first
-    // read can miss this answer: read once more when it has surely been settled.
-    setTimeout(loadUsage, 1500);
+    usageAfter(requestsCounted + 1);
   } catch (err) {
     error.textContent = err.message;
     stats.textContent = "";
@@ -195,12 +209,24 @@ async function chat(event) {
 
 // ---- usage -----------------------------------------------------------------------------
 
+let requestsCounted = 0;  // requests in the usage last shown
+
+// The gateway settles a request's usage just after its stream's last byte, so a read right
+// after an answer can miss it: read until it counts `wanted` requests (or a minute passed).
+async function usageAfter(wanted) {
+  for (let wait = 250; wait < 60000; wait = Math.min(2 * wait, 4000)) {
+    if (await loadUsage() >= wanted) return;
+    await new Promise((done) => setTimeout(done, wait));
+  }
+}
+
+// Draws the usage; returns how many requests it counts (-1 when a later call drew instead).
 async function loadUsage() {
   const count = Number($("usage-days").value);
   const { start, end } = Console.daysBack(count);
   const current = usageTicket();
   const usage = await json(`usage?start_date=${start}&end_date=${end}`);
-  if (!current()) return;
+  if (!current()) return -1;
   const days = [];
   for (let t = Date.parse(start); t <= Date.parse(end); t += 86400000) days.push(new Date(t).toISOString().slice(0, 10));
   const series = {};
@@ -211,6 +237,8 @@ async function loadUsage() {
   Console.barChart($("usage-chart"), days, series);
   fill($("usage-table").querySelector("tbody"), usage.data.slice().reverse().map((r) => [
     r.date, r.model, r.requests, r.prompt_tokens, r.completion_tokens, r.total_tokens]));
+  requestsCounted = usage.data.reduce((sum, r) => sum + r.requests, 0);
+  return requestsCounted;
 }
 
 // ---- limits and keys -------------------------------------------------------------------
