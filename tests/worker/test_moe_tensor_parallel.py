@@ -4,7 +4,8 @@ down by input columns, the router replicated, expert LoRA split to need no excha
 In one process: the two ranks' shards of a sparse layer (both checkpoint layouts), with a mixed
 batch's expert LoRA, add up to the whole layer. Over gloo: two ranks' greedy tokens equal one
 rank's and transformers + peft's in fp32, for a batch mixing base rows, an attention-only adapter
-and expert adapters (target_parameters) of two ranks, with chunked prefill and slots refilled.
+and expert adapters (target_parameters) of two ranks, with chunked prefill and slots refilled; then
+with prefix hits, with recompute preemption and with n-gram speculation.
 """
 
 from __future__ import annotations
@@ -132,22 +133,51 @@ def peft_greedy(base, adapters, prompts, assignment) -> list[list[int]]:
     return expected
 
 
-def test_two_ranks_match_one_and_peft(family):
-    name, _, base, adapters = family
+@pytest.fixture(scope="module")
+def reference(family):
+    """Prompts, their adapters, and peft's greedy tokens for each."""
+    _, _, base, adapters = family
     prompts = random_prompts(6, min_len=12, max_len=36, seed=5)
     assignment = [None, "attn", "experts", "down", None, "experts"]
-    expected = peft_greedy(base, adapters, prompts, assignment)
+    return prompts, assignment, peft_greedy(base, adapters, prompts, assignment)
+
+
+def generate(base, adapters, prompts, assignment, **options) -> tuple[list[list[int]], LLM]:
+    llm = LLM(base, **{**ENGINE, **options})
+    for adapter, path in adapters.items():
+        llm.load_adapter(adapter, path)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    tokens = []
-    for size in (1, 2):
-        llm = LLM(base, **ENGINE, tensor_parallel_size=size)
-        try:
-            for adapter, path in adapters.items():
-                llm.load_adapter(adapter, path)
-            outputs = llm.generate(prompts, params, adapters=assignment)
-            tokens.append([o.token_ids for o in outputs])
-        finally:
-            if size == 2:
-                llm.shutdown()
-    assert tokens[0] == expected, name
-    assert tokens[1] == expected, name
+    return [o.token_ids for o in llm.generate(prompts, params, adapters=assignment)], llm
+
+
+def test_two_ranks_match_one_and_peft(family, reference):
+    """Then the expert adapter's prompt again, from the prefix cache, on two ranks."""
+    name, _, base, adapters = family
+    prompts, assignment, expected = reference
+    one, _ = generate(base, adapters, prompts, assignment)
+    assert one == expected, name
+    two, llm = generate(base, adapters, prompts, assignment, tensor_parallel_size=2)
+    try:
+        assert two == expected, name
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        again = llm.generate(prompts[2], params, adapters=[assignment[2]])[0]
+        assert again.num_cached_tokens >= 8 and again.token_ids == expected[2]
+    finally:
+        llm.shutdown()
+
+
+def test_two_ranks_preempted_and_speculating_match_peft(family, reference):
+    """A KV pool too small for the batch (recompute preemption) and n-gram speculation, whose
+    verification rows go through the split experts."""
+    name, _, base, adapters = family
+    prompts, assignment, expected = reference
+    tokens, llm = generate(
+        base, adapters, prompts, assignment, tensor_parallel_size=2, num_kv_blocks=24,
+        speculative_model="ngram", num_speculative_tokens=3,
+    )  # fmt: skip
+    try:
+        assert tokens == expected, name
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.spec_decode_stats.num_verifications > 0
+    finally:
+        llm.shutdown()
