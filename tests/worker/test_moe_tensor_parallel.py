@@ -67,20 +67,20 @@ def family(request, tmp_path_factory):
     return name, root, base, adapters
 
 
-def sparse_layer(path, shard: Shard | None) -> tuple[int, object]:
+def sparse_layer(path, shard: Shard | None, dtype=torch.float32) -> tuple[int, object]:
     """The first sparse layer's index and weights, whole or as ``shard``'s rank loads them."""
     config = ModelConfig.from_pretrained(path)
     select = None if shard is None else weight_slicer(config, shard)
-    w = load_safetensors(path, torch.float32, select=select)
+    w = load_safetensors(path, dtype, select=select)
     i = config.block.experts.sparse_layers.index(True)
     size = 1 if shard is None else shard.size
     return i, load_layer(w, i, config, quantization=None, plan=None, shards=size).moe
 
 
-def expert_lora(path, adapters, shard: Shard | None, layer: int):
+def expert_lora(path, adapters, shard: Shard | None, layer: int, dtype=torch.float32):
     """The layer's expert LoRA for TOKEN_SLOTS, with the slots filled as ``shard``'s rank
     fills them."""
-    manager = LoraManager(path, dtype=torch.float32, max_loras=3, max_lora_rank=8, shard=shard)
+    manager = LoraManager(path, dtype=dtype, max_loras=3, max_lora_rank=8, shard=shard)
     for slot, (name, adapter) in enumerate(adapters.items()):
         manager.fill(slot, manager.load(name, adapter), adapter)
     return manager.batch(TOKEN_SLOTS, all_decode=False).expert_lora(layer)
@@ -109,6 +109,30 @@ def test_the_ranks_experts_add_up_to_the_whole_layer(family, layout):
         torch.testing.assert_close(moe.router, whole.router, rtol=0, atol=0)
         total += moe_mlp(x, moe, F.silu, expert_lora(base, adapters, shard, layer))
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_the_ranks_native_grouped_experts_add_up_in_bf16(family, with_lora):
+    """In bf16 each rank's slices go through the native grouped kernel where the whole layer
+    does (``switchboard_kernels.moe_native``; rows with expert LoRA beside it through the
+    per-expert path); the ranks' partial sums, each rounded to bf16, within bf16's rounding of
+    the fp32 layer."""
+    _, _, base, adapters = family
+    layer, whole = sparse_layer(base, None)
+    _, whole_bf16 = sparse_layer(base, None, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(len(TOKEN_SLOTS), whole.router.shape[1], generator=g)
+    lora = expert_lora(base, adapters, None, layer) if with_lora else None
+    expected = moe_mlp(x, whole, F.silu, lora)
+    total = torch.zeros_like(expected)
+    for rank in range(2):
+        shard = Shard(rank, 2)
+        _, moe = sparse_layer(base, shard, torch.bfloat16)
+        assert (moe.native is None) == (whole_bf16.native is None)
+        lora = expert_lora(base, adapters, shard, layer, torch.bfloat16) if with_lora else None
+        total += moe_mlp(x.bfloat16(), moe, F.silu, lora).float()
+    error = (total - expected).norm() / expected.norm()
+    assert error < 2e-2, float(error)
 
 
 def test_an_expert_size_the_group_does_not_divide_is_refused(tmp_path):
