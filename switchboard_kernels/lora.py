@@ -26,15 +26,18 @@ import torch
 
 from switchboard_kernels import lora_torch
 from switchboard_kernels.lora_dora import DoraScales, dora_slot_rows
+from switchboard_kernels.lora_mix import MixRows
 from switchboard_kernels.lora_native import NativeGroups, NativeSlots, native_library
 from switchboard_kernels.lora_torch import BucketPass, SlotPairs
 
 __all__ = [
     "DoraScales",
     "LoraMapping",
+    "MixRows",
     "NativeSlots",
     "SlotPairs",
     "add_lora",
+    "add_mix",
     "apply_dora",
     "bucket_passes",
     "lora_expand",
@@ -215,21 +218,48 @@ def add_lora(
     native: NativeSlots | None = None,
     dora: DoraScales | None = None,
     dora_base: torch.Tensor | None = None,
+    mix: MixRows | None = None,
 ) -> None:
     """Semantics: ``y[t, o:o+out] += scales[s] * x[t] @ a_stack[s].T @ b_stack[s].T``, s=s_t>=0;
-    then, with ``dora``, ``apply_dora`` on the rows of DoRA slots.
+    then, with ``dora``, ``apply_dora`` on the rows of DoRA slots; then, with ``mix``, each
+    mixed token t (``s_t = -1`` in ``mapping``) gets ``sum_k w_k * scales[s_k] * x[t] @
+    a_stack[s_k].T @ b_stack[s_k].T`` over its parts (``switchboard_kernels/lora_mix.py``).
 
     ``pairs``: the stacks' slots cut to rank (CPU only; must match the stacks' contents).
     ``native``: the same for the native kernel; required by a mapping built ``native``.
     ``dora_base``: the part of y DoRA leaves alone (see ``apply_dora``).
     """
-    if not mapping.any_lora:
-        return
-    _add_lora(y, x, a_stack, b_stack, scales, mapping, out_offset, pairs, native)
-    if dora is not None:
-        if out_offset != 0:
-            raise ValueError("DoRA rescales a whole group's output (out_offset 0)")
-        apply_dora(y, dora, mapping, base=dora_base)
+    if mapping.any_lora:
+        _add_lora(y, x, a_stack, b_stack, scales, mapping, out_offset, pairs, native)
+        if dora is not None:
+            if out_offset != 0:
+                raise ValueError("DoRA rescales a whole group's output (out_offset 0)")
+            apply_dora(y, dora, mapping, base=dora_base)
+    if mix is not None:
+        add_mix(y, x, a_stack, b_stack, scales, mix, out_offset=out_offset, pairs=pairs, native=native)
+
+
+def add_mix(
+    y: torch.Tensor,  # [T, out_total], updated in place
+    x: torch.Tensor,  # [T, in]
+    a_stack: torch.Tensor,  # [S, R, in]
+    b_stack: torch.Tensor,  # [S, out, R]
+    scales: torch.Tensor,  # [S] float32
+    mix: MixRows,
+    *,
+    out_offset: int = 0,
+    pairs: SlotPairs | None = None,
+    native: NativeSlots | None = None,
+) -> None:
+    """Semantics: ``y[t, o:o+out] += sum_k w_k * scales[s_k] * x[t] @ a_stack[s_k].T @
+    b_stack[s_k].T`` for each mixed token t and its parts (s_k, w_k).
+
+    The parts run as virtual rows (weighted inputs) through the same kernels as any batch,
+    into a scratch output added into y part by part."""
+    out = b_stack.shape[1]
+    deltas = y.new_zeros(mix.num_rows, out)  # [V, out]
+    _add_lora(deltas, mix.inputs(x), a_stack, b_stack, scales, mix.mapping, 0, pairs, native)
+    mix.add(y[:, out_offset : out_offset + out], deltas)
 
 
 def apply_dora(

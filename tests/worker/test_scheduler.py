@@ -1,6 +1,7 @@
 """Scheduler scenarios without a model: who runs, how many tokens, who gets preempted."""
 
 from factories import pretend_step
+from worker.core.adapter_mix import AdapterMix
 from worker.core.batch import BlockMove, MoveKind
 from worker.core.block_manager import BlockManager
 from worker.core.scheduler import Scheduler
@@ -156,6 +157,61 @@ def test_a_stream_of_requests_for_running_adapters_cannot_starve_another_adapter
     run_step(sched)
     assert running_ids(sched) == ["r1"]
     assert late_a.status is SequenceStatus.WAITING  # B holds the only slot now
+
+
+def make_mix_seq(order: int, adapters: list[str]) -> Sequence:
+    seq = make_seq(order, 2)
+    seq.adapter_mix = AdapterMix.of([(a, 0.5) for a in adapters], max_adapters=8)
+    seq.adapter_id = seq.adapter_mix.key
+    return seq
+
+
+def test_a_mix_holds_a_slot_for_each_of_its_adapters():
+    sched = make_scheduler(max_loras=3)
+    reqs = [
+        make_lora_seq(0, "A"),
+        make_mix_seq(1, ["B", "C"]),  # A, B, C: three slots
+        make_mix_seq(2, ["C", "D"]),  # D would be a fourth
+        make_lora_seq(3, "B"),  # B runs in the mix: no new slot
+        make_mix_seq(4, ["A", "C"]),  # both running
+        make_lora_seq(5, None),
+    ]
+    for seq in reqs:
+        sched.add(seq)
+    run_step(sched)
+    assert running_ids(sched) == ["r0", "r1", "r3", "r4", "r5"]
+    assert reqs[2].lora_wait_steps == 1
+    sched.remove(reqs[1])
+    sched.remove(reqs[3])  # B drained; C still runs in r4's mix
+    run_step(sched)
+    assert "r2" in running_ids(sched)  # A, C, D
+
+
+def test_a_mix_kept_out_by_single_adapters_gets_its_slots_once_they_drain():
+    sched = make_scheduler(max_num_seqs=64, max_loras=2, num_blocks=256)
+    sched.max_lora_wait_steps = 2
+    sched.add(make_lora_seq(0, "C"))
+    sched.add(make_lora_seq(1, "D"))
+    mix = make_mix_seq(2, ["A", "B"])
+    sched.add(mix)
+    order = 3
+    for _ in range(3):  # C and D keep both slots busy
+        sched.add(make_lora_seq(order, "C" if order % 2 else "D"))
+        order += 1
+        run_step(sched)
+    assert mix.status is SequenceStatus.WAITING
+    late = make_lora_seq(order, "C")  # running adapter, but the mix has waited long enough
+    sched.add(late)
+    run_step(sched)
+    assert late.status is SequenceStatus.WAITING
+    for seq in list(sched.running):
+        sched.remove(seq)
+    run_step(sched)
+    assert running_ids(sched) == ["r2"]
+    assert late.status is SequenceStatus.WAITING  # A and B hold both slots
+    sched.remove(mix)
+    run_step(sched)
+    assert late.status is SequenceStatus.RUNNING
 
 
 def run_step_with_cache(sched: Scheduler) -> list[tuple[str, int, int]]:

@@ -13,6 +13,7 @@ from worker.sampling.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from worker.core.adapter_mix import AdapterMix
     from worker.sampling.grammar import GrammarState
     from worker.text.byte_level import ByteLevelDetokenizer
     from worker.text.detokenizer import IncrementalDetokenizer
@@ -65,8 +66,10 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_order: int
-    # Content id of the LoRA adapter this request runs with; None for the base model.
+    # Content id of the LoRA adapter this request runs with; None for the base model. For a
+    # weighted mix of adapters, the mix's key (``AdapterMix.key``), and the mix itself below.
     adapter_id: str | None = None
+    adapter_mix: AdapterMix | None = None
     # Who sent it, and that tenant's weight under fair scheduling (``worker.core.fairness``).
     tenant: str = ""
     tenant_weight: float = 1.0
@@ -140,6 +143,13 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.tokens) - self.num_computed_tokens
+
+    @property
+    def adapter_ids(self) -> tuple[str, ...]:
+        """The content ids of the adapters it runs with, each holding a slot while it runs."""
+        if self.adapter_mix is not None:
+            return self.adapter_mix.ids
+        return () if self.adapter_id is None else (self.adapter_id,)
 
     def draft_offsets(self, num_spec: int) -> list[int]:
         """The position offsets of the first ``num_spec`` drafts (see ``spec_offsets``)."""

@@ -474,13 +474,14 @@ class _LayerLora:
     shrink and expand run apart, with the rank-sized exchange between them, an all-gather
     for a column-parallel group and an all-reduce for a row-parallel one."""
 
-    __slots__ = ("dora", "group", "mapping", "stacks")
+    __slots__ = ("dora", "group", "mapping", "mix", "stacks")
 
     def __init__(self, lora: LoraBatch, layer: int, group: TensorParallelGroup | None) -> None:
         self.mapping = lora.mapping
         self.stacks = lora.stacks[layer]
         self.group = group
         self.dora = lora.dora
+        self.mix = lora.mix  # mixed rows (never under tensor parallelism: refused per request)
 
     def add(
         self, y: torch.Tensor, x: torch.Tensor, lora_group: str, *, base: torch.Tensor | None = None
@@ -495,7 +496,7 @@ class _LayerLora:
             dora = s.dora if self.dora else None
             add_lora(
                 y, x, s.a, s.b, s.scales, self.mapping, pairs=s.pairs, native=s.native,
-                dora=dora, dora_base=base,
+                dora=dora, dora_base=base, mix=self.mix,
             )  # fmt: skip
             return
         if not self.mapping.any_lora:

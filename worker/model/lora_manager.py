@@ -32,6 +32,10 @@ rescales those rows after the LoRA delta. Not under tensor parallelism (refused 
 Saved modules (modules_to_save: embed_tokens, lm_head; ``worker.model.saved_modules``): a slot
 filled with such an adapter holds its copies on the device in the model's dtype; a step's rows
 of that slot take embeddings and logits from them. Not under tensor parallelism either.
+
+Mixes (``worker.core.adapter_mix``): a row that asks for several adapters with weights needs each
+of them in a slot; its tokens are -1 in the step's mapping and run as weighted virtual rows
+beside it (``switchboard_kernels.lora_mix``). Only plain LoRA adapters mix (``check_mix``).
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ from adapters.base_model import EXPERT_PROJECTIONS, BaseModelSpec
 from adapters.errors import UnsupportedAdapterFeatureError
 from adapters.lora import LoraAdapter, LoraWeights
 from adapters.peft_format import load_adapter_dir
-from switchboard_kernels.lora import DoraScales, LoraMapping, NativeSlots, SlotPairs
+from switchboard_kernels.lora import DoraScales, LoraMapping, MixRows, NativeSlots, SlotPairs
+from switchboard_kernels.lora_mix import MixRun
+from worker.core.adapter_mix import AdapterMix
 from worker.errors import InvalidRequestError, UnknownAdapterError
 from worker.model.dora import BaseWeights, DoraFactors, dora_factors
 from worker.model.expert_lora import ExpertLora, ExpertSlots
@@ -109,6 +115,8 @@ class LoraBatch:
     dora: bool = False  # some token's slot holds a DoRA adapter: rescale after the delta
     # Per layer: a MoE base's expert LoRA (``worker.model.expert_lora``), None on dense layers.
     experts: list[ExpertSlots | None] | None = None
+    # The step's mixed tokens as weighted virtual rows (they are -1 in ``mapping``), if any.
+    mix: MixRows | None = None
 
     def expert_lora(self, layer: int) -> ExpertLora | None:
         """Layer ``layer``'s expert LoRA for this step, None where no adapter has any."""
@@ -122,8 +130,9 @@ class LoraBatch:
 
     @property
     def eager(self) -> bool:
-        """Not replayed as a captured CUDA graph (DoRA's rescale and saved copies are not)."""
-        return self.dora or self.saved is not None
+        """Not replayed as a captured CUDA graph (DoRA's rescale, saved copies and mixes are
+        not)."""
+        return self.dora or self.saved is not None or self.mix is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +182,8 @@ class LoraManager:
         # The slot's adapter's modules_to_save copies and token rows on the device (None: none).
         self.slot_saved: list[SlotModules | None] = [None] * max_loras
         self.base_weights = BaseWeights(model_path, dtype)  # for DoRA's factors
+        # Why an adapter may not be part of a mix (content id -> the feature), set when named.
+        self.unmixable: dict[str, str] = {}
         # DoRA's factors of the adapters read (content id -> g per module), computed by
         # ``read`` off the step loop; dropped with the adapter from the host cache.
         self.dora: dict[str, DoraFactors] = {}
@@ -239,6 +250,9 @@ class LoraManager:
         """Name an adapter already read by `read` from `path` (kept to reload it later)."""
         self.names[name] = adapter.id
         self.paths[adapter.id] = Path(path)
+        reason = _unmixable(adapter)
+        if reason is not None:
+            self.unmixable[adapter.id] = reason
         self._cache(adapter)
         if self._stacks is None:
             self._stacks = self._allocate()
@@ -254,24 +268,58 @@ class LoraManager:
         except KeyError:
             raise UnknownAdapterError(f"adapter {name!r} is not loaded") from None
 
+    def check_mix(self, names: list[str], mix: AdapterMix) -> None:
+        """A mix's adapters (named ``names``, in ``mix.ids``' order) may be summed: plain LoRA
+        only, and not under tensor parallelism."""
+        if self.shard is not None:
+            raise InvalidRequestError("adapter mixes are not served under tensor parallelism")
+        for name, adapter_id in zip(names, mix.ids, strict=True):
+            reason = self.unmixable.get(adapter_id)
+            if reason is not None:
+                raise InvalidRequestError(
+                    f"adapter {name!r} uses {reason}, which is not served in a mix: a mix sums "
+                    "plain LoRA deltas only"
+                )
+
     # --- per step ---------------------------------------------------------------------
 
-    def prepare(self, token_adapters: list[str | None], *, all_decode: bool) -> LoraBatch | None:
-        """Put this step's adapters in slots; the mapping from tokens to slots."""
-        needed = {a for a in token_adapters if a is not None}
+    def prepare(
+        self, token_adapters: list[str | AdapterMix | None], *, all_decode: bool
+    ) -> LoraBatch | None:
+        """Put this step's adapters (a mix's each) in slots; the mapping from tokens to slots."""
+        distinct = {a for a in token_adapters if a is not None}
+        needed = {i for a in distinct for i in (a.ids if isinstance(a, AdapterMix) else (a,))}
         if not needed:
             return None
         self._step += 1
         slot_of = {adapter: self._slot_for(adapter, needed) for adapter in needed}
-        return self.batch([-1 if a is None else slot_of[a] for a in token_adapters], all_decode)
+        token_slots = [slot_of[a] if isinstance(a, str) else -1 for a in token_adapters]
+        runs: list[MixRun] = []
+        mixes = any(isinstance(a, AdapterMix) for a in distinct)
+        for t, a in enumerate(token_adapters if mixes else ()):
+            if not isinstance(a, AdapterMix):
+                continue
+            if runs and runs[-1][1] == t and token_adapters[t - 1] is a:
+                runs[-1] = (runs[-1][0], t + 1, runs[-1][2])
+            else:
+                runs.append((t, t + 1, [(slot_of[i], w) for i, w in a.parts]))
+        return self.batch(token_slots, all_decode, mix_runs=runs)
 
-    def batch(self, token_slots: list[int], all_decode: bool) -> LoraBatch:
-        """The step's LoRA from each token's slot (-1: none), its slots already filled."""
+    def batch(
+        self, token_slots: list[int], all_decode: bool, *, mix_runs: list[MixRun] | None = None
+    ) -> LoraBatch:
+        """The step's LoRA from each token's slot (-1: none) and the runs of mixed tokens,
+        (start, end, [(slot, weight), ...]), their slots already filled."""
         assert self._stacks is not None
         native = self.native and (self.ops is None or self.ops.native_lora(len(token_slots)))
         mapping = LoraMapping.build(
             token_slots, device=self.device, all_decode=all_decode, native=native
         )
+        mix = None
+        if mix_runs:
+            rows = sum((end - start) * len(parts) for start, end, parts in mix_runs)
+            native = self.native and (self.ops is None or self.ops.native_lora(rows))
+            mix = MixRows.build(mix_runs, device=self.device, all_decode=all_decode, native=native)
         used = {s for s in token_slots if s >= 0}
         dora = any(self.slot_dora) and any(self.slot_dora[s] for s in used)
         saved = None
@@ -280,7 +328,13 @@ class LoraManager:
             on_device = torch.tensor(token_slots, dtype=torch.int64).to(self.device)
             saved = SavedRows(on_device, slots)  # type: ignore[arg-type]
         return LoraBatch(
-            mapping, self._stacks, token_slots, dora=dora, experts=self._experts, saved=saved
+            mapping,
+            self._stacks,
+            token_slots,
+            dora=dora,
+            experts=self._experts,
+            mix=mix,
+            saved=saved,
         )
 
     def take_fills(self) -> list[tuple[int, str, str]]:
@@ -553,3 +607,18 @@ class LoraManager:
                 )
             stacks.append(layer)
         return stacks
+
+
+def _unmixable(adapter: LoraAdapter) -> str | None:
+    """The feature of ``adapter`` a weighted sum of deltas cannot express, if any: DoRA rescales
+    by its own adapted weight's norm, saved copies and token rows replace rather than add, and
+    expert LoRA takes another path."""
+    if adapter.uses_dora:
+        return "DoRA (use_dora)"
+    if adapter.saved:
+        return "modules_to_save"
+    if adapter.tokens is not None:
+        return "trainable_token_indices"
+    if any(module in EXPERT_PROJECTIONS for _, module in adapter.weights):
+        return "LoRA on MoE experts (target_parameters)"
+    return None

@@ -156,7 +156,9 @@ class ModelRunner:
         (the per-token list is only built then)."""
         if self.lora_manager is None or not any(s.seq.adapter_id for s in inputs.order):
             return None
-        token_adapters = [a for s in inputs.order for a in [s.seq.adapter_id] * s.num_fed]
+        token_adapters = [
+            a for s in inputs.order for a in [s.seq.adapter_mix or s.seq.adapter_id] * s.num_fed
+        ]
         return self.lora_manager.prepare(token_adapters, all_decode=inputs.meta.all_decode)
 
     def run(
