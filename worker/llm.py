@@ -44,12 +44,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        adapters: Sequence[str | None] | None = None,
+        adapters: Sequence[str | list[tuple[str, float]] | None] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order.
 
-        ``adapters`` gives each prompt's adapter name (None: the base model).
+        ``adapters`` gives each prompt's adapter name (None: the base model), or a weighted
+        mix of adapters as a list of (name, weight).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or as token ids
@@ -65,7 +66,10 @@ class LLM:
         added = []
         try:
             for request_id, prompt, p, adapter in zip(ids, prompts, params, adapters, strict=True):
-                self.engine.add_request(request_id, prompt, p, adapter=adapter)
+                if isinstance(adapter, list):
+                    self.engine.add_request(request_id, prompt, p, mix=adapter)
+                else:
+                    self.engine.add_request(request_id, prompt, p, adapter=adapter)
                 added.append(request_id)
             return self._run(ids, use_tqdm)
         finally:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from adapters.lora import LoraAdapter
+from worker.core.adapter_mix import MAX_MIX_ADAPTERS, AdapterMix
 from worker.core.batch import ScheduledSequence
 from worker.core.config import EngineConfig
 from worker.core.forks import PendingForks
@@ -197,12 +198,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         adapter: str | None = None,
+        mix: list[tuple[str, float]] | None = None,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
     ) -> None:
         """Validate and queue a request; raises ``InvalidRequestError`` and queues nothing.
 
-        ``adapter`` names a loaded LoRA adapter; None runs the base model. ``tenant``
+        ``adapter`` names a loaded LoRA adapter; None runs the base model. ``mix`` instead
+        names several, with weights: the request gets the weighted sum of their deltas. ``tenant``
         isolates the request's prefix cache from other tenants', and is served its share,
         ``tenant_weight`` relative to the other tenants' weights, under fair scheduling.
         """
@@ -211,6 +214,7 @@ class LLMEngine:
             prompt,
             [params or SamplingParams()],
             adapter=adapter,
+            mix=mix,
             tenant=tenant,
             tenant_weight=tenant_weight,
         )
@@ -222,6 +226,7 @@ class LLMEngine:
         params: list[SamplingParams],
         *,
         adapter: str | None = None,
+        mix: list[tuple[str, float]] | None = None,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
     ) -> None:
@@ -241,6 +246,12 @@ class LLMEngine:
             if self.lora_manager is None:
                 raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
             adapter_id = self.lora_manager.resolve(adapter)
+        adapter_mix = None
+        if mix is not None:
+            if adapter is not None:
+                raise InvalidRequestError("a request names one adapter or a mix, not both")
+            adapter_mix = self._resolve_mix(mix)
+            adapter_id = adapter_mix.key
         check_tenant_weight(tenant_weight)
         if self.tensor_parallel is not None and any(p.prompt_logprobs is not None for p in params):
             # Its ranks would have to join the scoring rows' vocabulary gather.
@@ -264,6 +275,7 @@ class LLMEngine:
                 p,
                 arrival_order=next(self._arrivals),
                 adapter_id=adapter_id,
+                adapter_mix=adapter_mix,
                 tenant=tenant or "",
                 tenant_weight=tenant_weight,
                 cache_root=root,
@@ -282,6 +294,27 @@ class LLMEngine:
             seqs.append(seq)
         self.scheduler.add(seqs[0])
         self._forks.add(seqs[0], seqs[1:])
+
+    def _resolve_mix(self, mix: list[tuple[str, float]]) -> AdapterMix:
+        """Names to content ids, checked: known, distinct, at most ``MAX_MIX_ADAPTERS`` and the
+        slots there are (a larger mix could never start), and summable (plain LoRA)."""
+        names = [name for name, _ in mix]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("a mix names each adapter at most once")
+        manager = self.lora_manager
+        limit = 0 if manager is None else min(MAX_MIX_ADAPTERS, manager.max_loras)
+        if not 1 <= len(names) <= limit:  # the count first: it is the error, not the names
+            raise InvalidRequestError(
+                f"a mix names 1 to {limit} adapters on this worker; this one names {len(names)}"
+            )
+        assert manager is not None
+        ids = [manager.resolve(name) for name in names]
+        adapter_mix = AdapterMix.of(
+            [(i, w) for i, (_, w) in zip(ids, mix, strict=True)], max_adapters=limit
+        )
+        by_id = dict(zip(ids, names, strict=True))
+        manager.check_mix([by_id[i] for i in adapter_mix.ids], adapter_mix)
+        return adapter_mix
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; None if it is unknown or already done."""
