@@ -236,7 +236,9 @@ def add_lora(
                 raise ValueError("DoRA rescales a whole group's output (out_offset 0)")
             apply_dora(y, dora, mapping, base=dora_base)
     if mix is not None:
-        add_mix(y, x, a_stack, b_stack, scales, mix, out_offset=out_offset, pairs=pairs, native=native)
+        add_mix(
+            y, x, a_stack, b_stack, scales, mix, out_offset=out_offset, pairs=pairs, native=native
+        )
 
 
 def add_mix(

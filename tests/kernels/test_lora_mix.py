@@ -193,7 +193,9 @@ def test_virtual_rows_run_part_by_part_in_contiguous_segments():
     assert mix is not None
     assert mix.rows.tolist() == [2, 3, 4, 2, 3, 4, 7, 7, 7]
     assert mix.mapping.token_slots.tolist() == [0, 0, 0, 2, 2, 2, 1, 3, 0]
-    assert mix.weights.squeeze(1).tolist() == pytest.approx([0.7] * 3 + [0.3] * 3 + [0.25, 1.5, 0.5])
+    assert mix.weights.squeeze(1).tolist() == pytest.approx(
+        [0.7] * 3 + [0.3] * 3 + [0.25, 1.5, 0.5]
+    )
     for positions, tokens in mix.parts:
         assert len(set(tokens.tolist())) == len(tokens)
         assert mix.rows[positions].tolist() == tokens.tolist()

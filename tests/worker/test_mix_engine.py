@@ -151,8 +151,12 @@ def test_a_mix_is_refused_by_name(case, mix, error, words, tmp_path):
     base, dirs, rounds, _ = case
     llm = make_llm(base, dirs)
     llm.load_adapter("a2", dirs["a"])
-    llm.load_adapter("dora", make_peft_adapter(base, tmp_path / "d", rank=2, targets=ALL, use_dora=True))
-    saved = make_peft_adapter(base, tmp_path / "h", rank=2, targets=["q_proj"], modules_to_save=["lm_head"])
+    llm.load_adapter(
+        "dora", make_peft_adapter(base, tmp_path / "d", rank=2, targets=ALL, use_dora=True)
+    )
+    saved = make_peft_adapter(
+        base, tmp_path / "h", rank=2, targets=["q_proj"], modules_to_save=["lm_head"]
+    )
     llm.load_adapter("head", saved)
     with pytest.raises(error, match=words):
         llm.engine.add_request("r", rounds[0][0], SamplingParams(max_tokens=2), mix=mix)
