@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from gateway.errors import GatewayError, InvalidRequestError
 from gateway.tenancy.tenants import TenantAdapter
 from rpc import worker_pb2
 
@@ -23,6 +24,8 @@ class Job:
     adapter: TenantAdapter | None
     deadline: float
     keep: int | None = None  # best_of: return only the `keep` most likely samples
+    # A weighted mix of the caller's adapters (then ``adapter`` is None): (adapter, weight).
+    mix: tuple[tuple[TenantAdapter, float], ...] = ()
     tenant_weight: float = 1.0  # the tenant's share under fair scheduling (gateway.tenancy.weights)
 
     @property
@@ -36,7 +39,20 @@ class Job:
 
     @property
     def adapter_id(self) -> str | None:
+        """The adapter routing prefers a holder of: the request's, or its mix's first."""
+        if self.mix:
+            return self.mix[0][0].adapter_id
         return self.adapter.adapter_id if self.adapter else None
+
+    def named(self, error: GatewayError) -> GatewayError:
+        """A worker's refusal of this request's mix, naming the caller's adapters where the
+        worker (which knows content ids only) named their ids."""
+        if not self.mix or not isinstance(error, InvalidRequestError):
+            return error
+        message = error.message
+        for adapter, _ in self.mix:
+            message = message.replace(repr(adapter.adapter_id), repr(adapter.name))
+        return InvalidRequestError(message, param="adapters")
 
     def to_proto(self) -> worker_pb2.GenerateRequest:
         return worker_pb2.GenerateRequest(
@@ -46,4 +62,7 @@ class Job:
             adapter_id=self.adapter.adapter_id if self.adapter else "",
             tenant=self.tenant,
             tenant_weight=self.tenant_weight,
+            adapter_mix=[
+                worker_pb2.AdapterWeight(adapter_id=a.adapter_id, weight=w) for a, w in self.mix
+            ],
         )

@@ -63,6 +63,7 @@ class ShapeLimits:
     max_stop_string_chars: int
     max_stop_token_ids: int
     max_chat_messages: int
+    max_mix_adapters: int = 4
 
     @classmethod
     def of(cls, settings: Any) -> ShapeLimits:
@@ -71,7 +72,21 @@ class ShapeLimits:
             max_stop_string_chars=settings.max_stop_string_chars,
             max_stop_token_ids=settings.max_stop_token_ids,
             max_chat_messages=settings.max_chat_messages,
+            max_mix_adapters=settings.max_mix_adapters,
         )
+
+
+# A mix's list is refused past this length before its items are validated; the setting
+# `max_mix_adapters` (at most 8) is the bound that matters.
+MAX_PARSED_MIX = 64
+
+
+class AdapterWeight(RequestModel):
+    """One adapter of a request's mix (Switchboard's): the caller's adapter name and the
+    weight its LoRA delta is summed with."""
+
+    name: str = Field(min_length=1, max_length=256)
+    weight: float = Field(ge=0.0, le=1e6)
 
 
 class StreamOptions(RequestModel):
@@ -113,6 +128,9 @@ class SamplingFields(RequestModel):
     # Switchboard's: speculative decoding's draft tokens a step at most for this request
     # (0: none); unset: the worker's k. Only speed depends on it, never the output.
     num_speculative_tokens: int | None = Field(default=None, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    # Switchboard's: a weighted mix of the caller's adapters instead of one (then `model` names
+    # the base model); the request gets the weighted sum of their LoRA deltas.
+    adapters: Annotated[list[AdapterWeight] | None, at_most(MAX_PARSED_MIX)] = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -143,6 +161,8 @@ class SamplingFields(RequestModel):
                 f"got {len(self.stop_token_ids)}",
                 param="stop_token_ids",
             )
+        if self.adapters is not None:
+            check_mix(self.adapters, limit=limits.max_mix_adapters)
 
     @property
     def constrained_by(self) -> list[str]:
@@ -404,3 +424,18 @@ class ChatCompletionRequest(SamplingFields):
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs"
             )
+
+
+def check_mix(adapters: list[AdapterWeight], *, limit: int) -> None:
+    """1 to ``limit`` adapters, each named once; a 400 naming `adapters` otherwise."""
+    if not 1 <= len(adapters) <= limit:
+        raise InvalidRequestError(
+            f"adapters may name 1 to {limit} adapters, got {len(adapters)}", param="adapters"
+        )
+    names = [a.name for a in adapters]
+    repeated = next((n for n in names if names.count(n) > 1), None)
+    if repeated is not None:
+        raise InvalidRequestError(
+            f"adapters names {repeated!r} more than once; each adapter at most once",
+            param="adapters",
+        )

@@ -109,7 +109,7 @@ async def _on_a_worker(
             raise DeadlineExceededError("the request's deadline passed") from exc
         except WorkerStreamError as exc:
             if not exc.retryable:
-                raise exc.error from exc  # the request's own failure: this worker is fine
+                raise job.named(exc.error) from exc  # the request's own: this worker is fine
             log.warning("request %s: %s", job.request_id, exc.error.message)
             if exc.worker_failed:
                 route.failed(worker)
@@ -164,7 +164,7 @@ async def _responses(
         raise DeadlineExceededError("the request's deadline passed") from exc
     except WorkerStreamError as exc:
         ended = True
-        raise exc.error from exc
+        raise job.named(exc.error) from exc
     finally:
         await _end_call(stream, tally, ended=ended)
 

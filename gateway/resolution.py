@@ -18,7 +18,7 @@ from gateway.errors import InvalidRequestError, ModelNotFoundError
 from gateway.job import Job
 from gateway.parsing import ParsedRequest
 from gateway.prompts import prompt_ids
-from gateway.protocol import SamplingFields
+from gateway.protocol import AdapterWeight, SamplingFields
 from gateway.structured.constraint import Constraint, constraint_for
 from gateway.structured.grammar_checker import GrammarChecker
 from gateway.tenancy.tenants import Caller, TenantAdapter, TenantStore
@@ -63,6 +63,11 @@ async def resolve(
     adapter = await resolve_model(
         tenants=tenants, caller=caller, model=body.model, served_model_name=limits.served_model_name
     )
+    mix = ()
+    if body.adapters is not None:
+        mix = await resolve_mix(
+            tenants=tenants, caller=caller, adapters=body.adapters, model_is_base=adapter is None
+        )
     constraint = await constraint_for(body, checker=grammars, tenant=caller.tenant)
     prompt = await prompt_ids(
         body, tokenizer=tokenizer, max_model_len=limits.max_model_len, tenant=caller.tenant
@@ -105,6 +110,7 @@ async def resolve(
         prompt_ids=prompt,
         params=params,
         adapter=adapter,
+        mix=mix,
         deadline=asyncio.get_running_loop().time() + limits.request_timeout_s,
         keep=body.n if parsed.best_of else None,
         tenant_weight=weight,
@@ -127,6 +133,30 @@ async def resolve_model(
         raise ModelNotFoundError(model)
     metrics.known_model(caller.tenant, model)  # a name the tenant registered: a label value
     return adapter
+
+
+async def resolve_mix(
+    *, tenants: TenantStore, caller: Caller, adapters: list[AdapterWeight], model_is_base: bool
+) -> tuple[tuple[TenantAdapter, float], ...]:
+    """The caller's adapters a request mixes, with their weights (the list's shape is checked
+    in parse). An unknown name is the same 404 as in `model`; `model` must name the base."""
+    if not model_is_base:
+        raise InvalidRequestError(
+            "with adapters, model must name the base model: the mix is applied to it",
+            param="model",
+        )
+    mix = []
+    for part in adapters:
+        adapter = await tenants.get_adapter(caller.tenant, part.name)
+        if adapter is None:
+            raise ModelNotFoundError(part.name)
+        mix.append((adapter, part.weight))
+    ids = [a.adapter_id for a, _ in mix]
+    if len(set(ids)) != len(ids):
+        raise InvalidRequestError(
+            "adapters names the same content twice (two names of one adapter)", param="adapters"
+        )
+    return tuple(mix)
 
 
 def settle_max_tokens(

@@ -18,7 +18,13 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, ValidationError
 
 from gateway.errors import InvalidRequestError
-from gateway.protocol import INT32_MAX, ChatCompletionRequest, StreamOptions
+from gateway.protocol import (
+    INT32_MAX,
+    MAX_PARSED_MIX,
+    AdapterWeight,
+    ChatCompletionRequest,
+    StreamOptions,
+)
 from gateway.request_model import MAX_PARSED_ITEMS, RequestModel, at_most
 
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
@@ -99,6 +105,8 @@ class ResponsesRequest(RequestModel):
     include: list[str] | None = None
     prompt: Any = None
     max_tool_calls: int | None = None
+    # Switchboard's, as in chat: a weighted mix of the caller's adapters.
+    adapters: Annotated[list[AdapterWeight] | None, at_most(MAX_PARSED_MIX)] = None
 
     @property
     def include_usage(self) -> bool:
@@ -152,6 +160,8 @@ class ResponsesRequest(RequestModel):
             body["tool_choice"] = _tool_choice(self.tool_choice)
         if self.text is not None and self.text.format is not None:
             body["response_format"] = _response_format(self.text.format)
+        if self.adapters is not None:
+            body["adapters"] = [a.model_dump() for a in self.adapters]
         try:
             return ChatCompletionRequest.model_validate(body)
         except ValidationError as exc:

@@ -89,6 +89,10 @@ class GatewaySettings(BaseSettings):
     max_stop_string_chars: int = Field(default=256, ge=1, le=1024)
     max_stop_token_ids: int = Field(default=64, ge=0, le=1024)
     max_chat_messages: int = Field(default=1024, ge=1, le=MAX_PARSED_ITEMS)
+    # Adapters one request may mix (`adapters`): each holds a worker's adapter slot while the
+    # request runs. At most the workers' own limit (worker/core/adapter_mix.py: 8; a worker also
+    # refuses a mix larger than its max_loras).
+    max_mix_adapters: int = Field(default=4, ge=1, le=8)
     # n (or best_of) × max_tokens: tokens one request may ask the workers to generate. A
     # request without max_tokens gets its default cut to fit instead of a 400.
     max_generated_tokens: int = Field(default=16384, ge=1)

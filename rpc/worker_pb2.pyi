@@ -64,20 +64,30 @@ class StructuredOutput(_message.Message):
     def __init__(self, format: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "adapter_id", "tenant", "tenant_weight")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "adapter_id", "tenant", "tenant_weight", "adapter_mix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_MIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     adapter_id: str
     tenant: str
     tenant_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter_id: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
+    adapter_mix: _containers.RepeatedCompositeFieldContainer[AdapterWeight]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter_id: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., adapter_mix: _Optional[_Iterable[_Union[AdapterWeight, _Mapping]]] = ...) -> None: ...
+
+class AdapterWeight(_message.Message):
+    __slots__ = ("adapter_id", "weight")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    weight: float
+    def __init__(self, adapter_id: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -341,6 +341,77 @@ def test_replacing_a_version_mid_stream(stack, client, api_key, tiny_model, tmp_
     assert record["updated_at"] >= record["created_at"]
 
 
+def test_a_mix_of_uploaded_adapters_chats_as_the_engine_mixes_them(
+    stack, client, api_key, tiny_model, tmp_path_factory
+):
+    """Two adapters uploaded over HTTP and chatted with as a weighted mix answer as the offline
+    engine's mix (held to peft's add_weighted_adapter in test_mix_engine.py) does, and as
+    neither adapter alone; past the bound, another tenant's name and a DoRA part are refused
+    in OpenAI's format, naming the caller's adapter."""
+    root = tmp_path_factory.mktemp("mixes")
+    specs = {
+        "mix-sql": {"rank": 4, "targets": ["q_proj", "v_proj", "down_proj"], "seed": 41},
+        "mix-poet": {"rank": 8, "targets": ["k_proj", "o_proj", "up_proj"], "seed": 42},
+        "mix-dora": {"rank": 2, "targets": ["q_proj"], "seed": 43, "use_dora": True},
+    }
+    dirs = {
+        name: make_peft_adapter(tiny_model, root / name, **spec) for name, spec in specs.items()
+    }
+    offline = LLM(tiny_model, dtype="float32")
+    for name in ("mix-sql", "mix-poet"):
+        offline.load_adapter(name, dirs[name])
+    messages = [{"role": "user", "content": "hello there"}]
+    prompt = offline.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    mix = [("mix-sql", 0.7), ("mix-poet", 0.3)]
+    expected = offline.generate([prompt], params, adapters=[mix])[0].text
+    alone = offline.generate([prompt] * 2, params, adapters=["mix-sql", "mix-poet"])
+    assert expected not in {o.text for o in alone}
+
+    def upload(name: str, key: str) -> None:
+        created = httpx.post(
+            f"{stack.base_url}/v1/adapters",
+            headers={"Authorization": f"Bearer {key}"},
+            data={"name": name},
+            files={"file": (f"{name}.tar.gz", tar_bytes(adapter_members(dirs[name])))},
+            timeout=30,
+        )
+        assert created.status_code == 201, created.text
+
+    for name in specs:
+        upload(name, api_key)
+
+    def chat(adapters: list[dict]):
+        return client.chat.completions.create(
+            model=tiny_model.name,
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True, "adapters": adapters},
+        )
+
+    weighted = [{"name": n, "weight": w} for n, w in mix]
+    assert chat(weighted).choices[0].message.content == expected
+    with pytest.raises(openai.BadRequestError) as too_many:
+        chat([{"name": "mix-sql", "weight": 0.1}] * 5)
+    assert too_many.value.body["param"] == "adapters"
+    with pytest.raises(openai.BadRequestError) as dora:
+        chat([weighted[0], {"name": "mix-dora", "weight": 0.5}])
+    assert "'mix-dora' uses DoRA" in dora.value.body["message"]
+    other_key = stack.create_tenant_key("globex-mix")
+    upload("mix-poet", other_key)
+    theirs = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=other_key, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as foreign:
+        theirs.chat.completions.create(
+            model=tiny_model.name,
+            messages=messages,
+            extra_body={"adapters": [{"name": "mix-sql", "weight": 1.0}]},
+        )
+    assert foreign.value.code == "model_not_found"
+
+
 def test_errors_come_back_in_openai_format(stack, client, tiny_model):
     with pytest.raises(openai.NotFoundError) as unknown:
         client.completions.create(model="nope", prompt="x", max_tokens=2)

@@ -335,3 +335,72 @@ async def test_every_optional_argument_none_is_the_default(stack):
         )
         assert out.choices[0].message.content == "Hello, world!"
     assert stack.worker.requests[-2].params.max_tokens == 16  # the completions default
+
+
+async def test_a_mix_of_adapters_goes_to_the_worker_by_content_id_and_weight(stack, tmp_path):
+    ids = {}
+    for i, name in enumerate(["sql", "poet"]):
+        path = write_adapter(tmp_path / name, seed=i)
+        body = {"name": name, "path": str(path)}
+        ids[name] = (await stack.admin.post("/admin/tenants/acme/adapters", json=body)).json()[
+            "adapter_id"
+        ]
+    mix = [{"name": "sql", "weight": 0.7}, {"name": "poet", "weight": 0.3}]
+    async with stack.client() as client:
+        out = await client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"adapters": mix},
+        )
+    assert out.model == MODEL_NAME
+    sent = stack.worker.requests[-1]
+    assert sent.adapter_id == ""
+    assert [(p.adapter_id, p.weight) for p in sent.adapter_mix] == [
+        (ids["sql"], 0.7),
+        (ids["poet"], 0.3),
+    ]
+    await stack.admin.post("/admin/tenants", json={"name": "globex"})
+    await stack.admin.post(
+        "/admin/tenants/globex/adapters",
+        json={"name": "theirs", "path": str(write_adapter(tmp_path / "theirs", seed=9))},
+    )
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    five = [{"name": "sql", "weight": 0.2}] * 5
+    cases = [  # (body, status, code, param)
+        ({"model": MODEL_NAME, "adapters": five}, 400, None, "adapters"),
+        ({"model": MODEL_NAME, "adapters": []}, 400, None, "adapters"),
+        ({"model": MODEL_NAME, "adapters": mix[:1] * 2}, 400, None, "adapters"),
+        ({"model": MODEL_NAME, "adapters": [{"name": "sql", "weight": -1}]}, 400, None, None),
+        ({"model": "sql", "adapters": mix}, 400, None, "model"),
+        (
+            {"model": MODEL_NAME, "adapters": [*mix[:1], {"name": "theirs", "weight": 1}]},
+            404,
+            "model_not_found",
+            None,
+        ),
+        (
+            {"model": MODEL_NAME, "adapters": [{"name": "nope", "weight": 1}]},
+            404,
+            "model_not_found",
+            None,
+        ),
+    ]
+    async with stack.http() as http:
+        for body, status, code, param in cases:
+            response = await http.post("/v1/chat/completions", json={**chat, **body})
+            assert response.status_code == status, (body, response.text)
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            if code:
+                assert error["code"] == code
+            if param:
+                assert error["param"] == param
+        theirs = await http.post("/v1/chat/completions", json={**chat, "model": "theirs"})
+        foreign = cases[5][0]
+        mixed = await http.post("/v1/chat/completions", json={**chat, **foreign})
+        assert mixed.json()["error"]["message"] == theirs.json()["error"]["message"]
+        responses = await http.post(
+            "/v1/responses", json={"model": MODEL_NAME, "input": "hi", "adapters": mix}
+        )
+        assert responses.status_code == 200, responses.text
+    assert len(stack.worker.requests[-1].adapter_mix) == 2

@@ -123,6 +123,7 @@ class AsyncEngine:
         *,
         adapter_id: str | None = None,
         adapter_path: str | Path | None = None,
+        mix: list[tuple[str, float]] | None = None,
         n: int = 1,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
@@ -133,6 +134,7 @@ class AsyncEngine:
         naming); with a seed, sample i uses ``seed + i`` so the samples differ yet are
         reproducible. The prompt is computed once; the samples then share its KV blocks
         (copy-on-write). ``adapter_path`` loads the adapter first if it is not loaded;
+        ``mix`` names loaded adapters (content ids) with weights instead of ``adapter_id``;
         ``tenant`` isolates the prefix cache and is served its share (``tenant_weight``) under
         fair scheduling. Invalid requests raise here, before any output.
         Closing the iterator early (or cancelling its consumer) aborts what is left.
@@ -163,6 +165,7 @@ class AsyncEngine:
                 prompt_token_ids,
                 params,
                 adapter_id,
+                mix,
                 tenant,
                 tenant_weight,
             )
@@ -260,6 +263,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         adapter_id: str | None,
+        mix: list[tuple[str, float]] | None,
         tenant: str | None,
         tenant_weight: float,
     ) -> None:
@@ -272,6 +276,7 @@ class AsyncEngine:
             prompt_token_ids,
             per_sample,
             adapter=adapter_id,
+            mix=mix,
             tenant=tenant,
             tenant_weight=tenant_weight,
         )

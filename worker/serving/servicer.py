@@ -171,14 +171,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         token = REQUEST_ID.set(request.request_id or "-")
         tokens = 0
         try:
-            if request.adapter_id and request.adapter_id not in engine.stats.adapter_ids:
-                path = self._stored(request.adapter_id)
-                await self._load_adapter(engine, request.adapter_id, path)
+            mix = [(part.adapter_id, part.weight) for part in request.adapter_mix] or None
+            if mix is not None and request.adapter_id:
+                raise InvalidRequestError("a request names adapter_id or adapter_mix, not both")
+            needed = [request.adapter_id] if request.adapter_id else [i for i, _ in mix or []]
+            for adapter_id in needed:
+                if adapter_id not in engine.stats.adapter_ids:
+                    await self._load_adapter(engine, adapter_id, self._stored(adapter_id))
             samples = engine.generate(
                 request.request_id or uuid.uuid4().hex,
                 list(request.prompt_token_ids),
                 params,
                 adapter_id=request.adapter_id or None,
+                mix=mix,
                 n=request.params.n or 1,
                 tenant=request.tenant or None,
                 tenant_weight=request.tenant_weight or 1.0,
@@ -201,7 +206,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.metrics.requests.labels(outcome).inc()
             logger.info(
                 "generate %s: %d prompt tokens, %d generated, adapter %s",
-                outcome, len(request.prompt_token_ids), tokens, request.adapter_id or "-",
+                outcome, len(request.prompt_token_ids), tokens,
+                request.adapter_id or ("mix" if request.adapter_mix else "-"),
             )  # fmt: skip
             REQUEST_ID.reset(token)
             self._in_flight -= 1
