@@ -102,18 +102,24 @@ def assign(num_requests: int, distinct: int, popularity: str, seed: int = 0) -> 
     return rng.choice(distinct, num_requests, p=weights / weights.sum()).tolist()
 
 
-def run_engine(engine, requests, adapters: list[str | None], name: str) -> LoraRun:
+def run_engine(
+    engine, requests, adapters: list[str | list[tuple[str, float]] | None], name: str
+) -> LoraRun:
+    """Each request on its adapter: a name, a weighted mix [(name, weight), ...], or None."""
     from worker import SamplingParams
 
     start = time.monotonic()
     for i, (r, adapter) in enumerate(zip(requests, adapters, strict=True)):
         params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-        engine.add_request(f"{name}-{i}", r.prompt_token_ids, params, adapter=adapter)
+        mix = adapter if isinstance(adapter, list) else None
+        single = None if mix is not None else adapter
+        engine.add_request(f"{name}-{i}", r.prompt_token_ids, params, adapter=single, mix=mix)
     tokens = 0
     while engine.has_unfinished_requests:
         tokens += sum(len(o.new_token_ids) for o in engine.step())
     elapsed = time.monotonic() - start
-    distinct = len({a for a in adapters if a is not None})
+    names = [n for a in adapters for n in ([x for x, _ in a] if isinstance(a, list) else [a])]
+    distinct = len({n for n in names if n is not None})
     return LoraRun(name, len(requests), distinct, tokens, elapsed, tokens / elapsed)
 
 

@@ -16,6 +16,7 @@ MINIMAL: dict[type[BaseModel], dict] = {
     protocol.CompletionRequest: {"model": "m", "prompt": "hi"},
     protocol.ChatCompletionRequest: {"model": "m", "messages": [{"role": "user"}]},
     protocol.StreamOptions: {},
+    protocol.AdapterWeight: {"name": "a", "weight": 0.5},
     protocol.TextPart: {"type": "text"},
     protocol.ChatMessage: {"role": "user"},
     template_switches.ChatTemplateKwargs: {},
