@@ -333,7 +333,8 @@ class LiveGateway:
 
 
 async def create_tenant_key(gw: RunningGateway, tenant: str) -> str:
-    async with httpx.AsyncClient(base_url=gw.url, headers=gw.admin_headers) as admin:
+    # 30 s, not httpx's 5: a fresh gateway's first calls on a loaded 2-core machine took longer.
+    async with httpx.AsyncClient(base_url=gw.url, headers=gw.admin_headers, timeout=30) as admin:
         await admin.post("/admin/tenants", json={"name": tenant})
         return (await admin.post(f"/admin/tenants/{tenant}/keys")).json()["key"]
 

@@ -14,6 +14,7 @@ SWITCHBOARD_CONSOLE_SCREENSHOTS=DIR they save the main pages as PNGs there (docs
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -51,7 +52,10 @@ SCREENSHOTS = os.environ.get("SWITCHBOARD_CONSOLE_SCREENSHOTS")
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     path = make_checkpoint(
-        tmp_path_factory.mktemp("console-model"), vocab_size=512, max_position_embeddings=512
+        tmp_path_factory.mktemp("console-model"),
+        vocab_size=512,
+        max_position_embeddings=2048,  # the playground's tools prompt is ~1 token a byte here
+        eos_token_id=0,  # the tokenizer's <|endoftext|>, as the grammars' matchers know it
     )
     return add_byte_level_tokenizer(path)
 
@@ -272,6 +276,130 @@ def test_a_tenant_replaces_an_adapters_content_and_sees_its_version(
     expect(row.locator("td").nth(1)).to_have_text("8")
     expect(row.locator("td").nth(2)).to_have_text("q_proj")
     expect(page.locator("#upload-replace")).not_to_be_checked()  # the form is reset
+
+
+def send(page, text: str, *, timeout_s: float = 30) -> str:
+    """Send `text` in the playground; the answer's text once its stats are shown."""
+    page.evaluate("document.getElementById('chat-stats').textContent = ''")
+    page.fill("#chat-input", text)
+    page.click("#chat-send")
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s", timeout=timeout_s * 1000)
+    return page.locator(".turn.assistant .text").last.text_content()
+
+
+def api_error(stack: Stack, key: str, body: dict) -> dict:
+    """The API's own error for `body` (what the playground must show, word for word)."""
+    reply = httpx.post(
+        f"{stack.base_url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **body},
+        timeout=30,
+    )
+    assert reply.status_code == 400, reply.text
+    return reply.json()["error"]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_the_playground_constrains_the_output_and_calls_tools(stack, new_page):
+    key = stack.create_tenant_key("shaper")
+    page = new_page()
+    sign_in(page, stack, key)
+    base_model = page.locator("#chat-model option").first.get_attribute("value")
+    page.fill("#chat-temperature", "0")
+    page.fill("#chat-max-tokens", "40")
+
+    # Each output constraint the API has: the answer follows it.
+    page.select_option("#chat-format", "json_schema")
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    page.fill("#chat-constraint", json.dumps(schema))
+    assert isinstance(json.loads(send(page, "answer in JSON"))["ok"], bool)
+    expect(page.locator("#chat-stats")).to_contain_text(" · stop")
+    page.select_option("#chat-format", "json_object")
+    expect(page.locator("#chat-constraint-label")).to_be_hidden()
+    assert isinstance(json.loads(send(page, "any object")), dict)
+    page.select_option("#chat-format", "regex")
+    page.fill("#chat-constraint", "(yes|no)")
+    assert send(page, "yes or no?") in {"yes", "no"}
+    page.select_option("#chat-format", "choice")
+    page.fill("#chat-constraint", "red\ngreen")
+    assert send(page, "a colour") in {"red", "green"}
+    page.select_option("#chat-format", "grammar")
+    page.fill("#chat-constraint", 'start: "ab" | "cd"')
+    assert send(page, "ab or cd") in {"ab", "cd"}
+    expect(page.locator("#chat-stats")).to_contain_text("tokens · TTFT")
+
+    # What the API refuses, in its words, and the field it names.
+    page.select_option("#chat-format", "json_schema")
+    page.fill("#chat-constraint", '{"type": "nonsense"}')
+    page.fill("#chat-input", "hi")
+    page.click("#chat-send")
+    refused = api_error(
+        stack,
+        key,
+        {
+            "model": base_model,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": {"type": "nonsense"}},
+            },
+        },
+    )
+    expect(page.locator("#chat-error")).to_have_text(refused["message"])
+    expect(page.locator("#chat-error-param")).to_have_text(f"(field: {refused['param']})")
+    page.fill("#chat-constraint", "{not json")
+    page.click("#chat-send")
+    expect(page.locator("#chat-error")).to_contain_text("The schema is not JSON: ")
+    page.select_option("#chat-format", "text")
+
+    # Tools: a bad one refused as the API words it, then a forced call shown, answered, and
+    # the chat going on with the tool's result.
+    page.click("#chat-tools-box summary")
+    bad = {**WEATHER, "function": {**WEATHER["function"], "name": "get weather"}}
+    page.fill("#chat-tools", json.dumps([bad]))
+    page.fill("#chat-input", "hi")
+    page.click("#chat-send")
+    refused = api_error(stack, key, {"model": base_model, "tools": [bad]})
+    expect(page.locator("#chat-error")).to_have_text(refused["message"])
+    expect(page.locator("#chat-error-param")).to_have_text("(field: tools.0.function.name)")
+
+    page.fill("#chat-tools", json.dumps([WEATHER]))
+    page.fill("#chat-max-tokens", "120")  # room for the call's block
+    page.select_option("#chat-tool-choice", "function:get_weather")
+    # The tools' system prompt is ~750 tokens of this byte-level tokenizer: seconds to prefill,
+    # 20 s seen on a 2-core machine under load.
+    send(page, "the weather in Paris?", timeout_s=120)
+    call = page.locator(".turn.assistant .tool-call").last
+    expect(call.locator("code")).to_have_text(
+        re.compile(r'^get_weather\(\{"city": ?"(Paris|Oslo)"\}\)$')
+    )
+    expect(page.locator("#chat-stats")).to_contain_text(" · tool_calls")
+    call_id = call.get_attribute("data-call")
+    assert call_id.startswith("call_")
+    expect(page.locator("#chat-role")).to_have_value(call_id)
+    page.select_option("#chat-tool-choice", "none")  # the tools not shown: a short prompt
+    page.fill("#chat-max-tokens", "8")
+    send(page, "18 C", timeout_s=120)
+    expect(page.locator(".turn.tool .text")).to_have_text(f"{call_id}: 18 C")
+    expect(page.locator("#chat-role")).to_have_value("user")
+    expect(page.locator("#chat-error")).to_have_text("")
 
 
 def test_hostile_input_gets_the_apis_answers_shown_as_text(stack, new_page, tmp_path):

@@ -1,6 +1,6 @@
 "use strict";
-// The tenant's page: its adapters, a playground, its usage. Every call is the gateway's API
-// (/v1/...) through the console bridge.
+// The tenant's page: its adapters, its usage, its limits and keys (the playground is
+// playground.js). Every call is the gateway's API (/v1/...) through the console bridge.
 
 const { el, fill, json, call } = Console;
 const $ = (id) => document.getElementById(id);
@@ -103,110 +103,6 @@ function upload(event) {
   xhr.send(data);
 }
 
-// ---- playground ------------------------------------------------------------------------
-
-let history = [];
-
-function constraint(body) {
-  const format = $("chat-format").value;
-  const text = $("chat-constraint").value;
-  if (format === "json_object") body.response_format = { type: "json_object" };
-  if (format === "json_schema") {
-    body.response_format = { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse(text) } };
-  }
-  if (format === "regex") body.structured_outputs = { regex: text };
-  if (format === "choice") body.structured_outputs = { choice: text.split("\n").filter(Boolean) };
-}
-
-function turn(role, text) {
-  const node = el("div", { class: `turn ${role}` }, el("span", { class: "role" }, role), el("span", { class: "text" }, text));
-  $("transcript").append(node);
-  return node.querySelector(".text");
-}
-
-async function* sseEvents(response) {
-  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
-  let buffer = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
-    buffer += value.replaceAll("\r\n", "\n");
-    let end;
-    while ((end = buffer.indexOf("\n\n")) >= 0) {
-      const event = buffer.slice(0, end);
-      buffer = buffer.slice(end + 2);
-      for (const line of event.split("\n")) {
-        if (line.startsWith("data:")) {
-          const data = line.slice(5).trim();
-          if (data !== "[DONE]") yield JSON.parse(data);
-        }
-      }
-    }
-  }
-}
-
-async function chat(event) {
-  event.preventDefault();
-  const error = $("chat-error");
-  const stats = $("chat-stats");
-  error.textContent = "";
-  const content = $("chat-input").value;
-  const system = $("chat-system").value;
-  const messages = [...(system ? [{ role: "system", content: system }] : []), ...history,
-                    { role: "user", content }];
-  const body = {
-    model: $("chat-model").value, messages, stream: true, stream_options: { include_usage: true },
-    temperature: Number($("chat-temperature").value), top_p: Number($("chat-top-p").value),
-    max_tokens: Number($("chat-max-tokens").value),
-  };
-  if ($("chat-seed").value !== "") body.seed = Number($("chat-seed").value);
-  try { constraint(body); } catch (err) { error.textContent = `Schema: ${err.message}`; return; }
-  $("chat-send").disabled = true;
-  const started = performance.now();
-  let first = null, pieces = 0, usage = null, answer = "";
-  try {
-    const response = await call("chat/completions", {
-      method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body),
-    });
-    if (!response.ok) {
-      const failed = await response.json().catch(() => null);
-      throw new Console.ApiError(response.status, failed);
-    }
-    const limits = ["requests", "tokens"]
-      .filter((kind) => response.headers.has(`x-ratelimit-remaining-${kind}`))
-      .map((kind) => `${response.headers.get(`x-ratelimit-remaining-${kind}`)} ${kind} left this minute`);
-    turn("user", content);
-    const out = turn("assistant", "");
-    stats.textContent = "streaming…";
-    for await (const chunk of sseEvents(response)) {
-      if (chunk.error) throw new Error(chunk.error.message);
-      if (chunk.usage) usage = chunk.usage;
-      const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content;
-      if (delta) {
-        first = first ?? performance.now();
-        pieces += 1;
-        answer += delta;
-        out.textContent = answer;
-      }
-    }
-    const end = performance.now();
-    const tokens = usage ? usage.completion_tokens : pieces;
-    const ttft = first === null ? null : first - started;
-    const rate = first !== null && tokens > 1 ? (tokens - 1) / ((end - first) / 1000) : null;
-    stats.textContent = `${tokens} tokens · TTFT ${ttft === null ? "–" : ttft.toFixed(0) + " ms"}` +
-      ` · ${rate === null ? "–" : rate.toFixed(1)} tokens/s` + limits.map((l) => ` · ${l}`).join("");
-    history.push({ role: "user", content }, { role: "assistant", content: answer });
-    $("chat-input").value = "";
-    loadAccount();
-    usageAfter(requestsCounted + 1);
-  } catch (err) {
-    error.textContent = err.message;
-    stats.textContent = "";
-  } finally {
-    $("chat-send").disabled = false;
-  }
-}
-
 // ---- usage -----------------------------------------------------------------------------
 
 let requestsCounted = 0;  // requests in the usage last shown
@@ -295,9 +191,6 @@ $("new-key").addEventListener("click", async () => {
 });
 
 $("upload").addEventListener("submit", upload);
-$("chat").addEventListener("submit", chat);
-$("chat-clear").addEventListener("click", () => { history = []; $("transcript").replaceChildren(); $("chat-stats").textContent = ""; });
-$("chat-format").addEventListener("change", () => { $("chat-constraint-label").hidden = $("chat-format").value === "text" || $("chat-format").value === "json_object"; });
 $("usage-days").addEventListener("change", loadUsage);
 loadAdapters();
 loadUsage();
