@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import logging
+import time
 
 import httpx
 import pytest
@@ -98,7 +99,9 @@ async def test_worker_metrics_and_request_ids_across_the_hop(
             headers = {"Authorization": f"Bearer {key}"}
             async with httpx.AsyncClient(base_url=gw.url, headers=headers, timeout=30) as client:
                 body = {"model": "qa", "prompt": "hello", "max_tokens": 5, "ignore_eos": True}
+                started = time.monotonic()
                 reply = await client.post("/v1/completions", json=body)
+                elapsed = time.monotonic() - started
                 assert reply.status_code == 200, reply.text
             request_id = reply.json()["id"]
             fleet = await fleet_holding(admin, adapter.id)
@@ -135,6 +138,10 @@ async def test_worker_metrics_and_request_ids_across_the_hop(
     tenant = (("kind", "decode"), ("tenant", "obs"))
     assert values[("switchboard_worker_tenant_service_tokens_total", tenant)] == 4
     assert values[("switchboard_worker_tenant_queue_seconds_count", (("tenant", "obs"),))] == 1
+    # The engine's own time to the first token: one request, within the request's own time.
+    first = (("tenant", "obs"),)
+    assert values[("switchboard_worker_tenant_first_token_seconds_count", first)] == 1
+    assert 0 < values[("switchboard_worker_tenant_first_token_seconds_sum", first)] < elapsed
     assert values[("switchboard_worker_tenant_weight", (("tenant", "obs"),))] > 0
 
     # The same id on the gateway's line and the worker's line for this request.

@@ -17,6 +17,7 @@ first preempted, and a waiting tenant under its share may take room from it.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from worker.core.sequence import Sequence
 if TYPE_CHECKING:
     from worker.core.batch import ScheduledSequence
 
-# Queue-time histogram buckets (seconds) kept per tenant for the worker's /metrics.
+# Queue-time and first-token histogram buckets (seconds) kept per tenant for /metrics.
 QUEUE_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, math.inf)
 # Accounts of idle tenants are kept (a counter must survive a short pause, or leaving and
 # coming back would wipe it); past this many, those no higher than the floor are dropped.
@@ -48,6 +49,8 @@ class TenantAccount:
     decode_tokens: int = 0
     queue_time_sum: float = 0.0
     queue_time_buckets: list[int] = field(default_factory=lambda: [0] * len(QUEUE_TIME_BUCKETS))
+    first_token_sum: float = 0.0  # arrival at the engine to the first token
+    first_token_buckets: list[int] = field(default_factory=lambda: [0] * len(QUEUE_TIME_BUCKETS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,8 @@ class TenantService:
     decode_tokens: int
     queue_time_sum: float
     queue_time_buckets: tuple[int, ...]  # cumulative counts per QUEUE_TIME_BUCKETS bound
+    first_token_sum: float = 0.0
+    first_token_buckets: tuple[int, ...] = ()  # the same, from arrival to the first token
 
 
 class ServiceLedger:
@@ -134,6 +139,15 @@ class ServiceLedger:
         account.queue_time_sum += seconds
         account.queue_time_buckets[bisect.bisect_left(QUEUE_TIME_BUCKETS, seconds)] += 1
 
+    def record_first_token(self, tenant: str, seconds: float) -> None:
+        """A request's time from arrival at the engine to its first token (the engine's own
+        TTFT: what a client sees beyond it is the serving path's)."""
+        account = self.accounts.get(tenant)
+        if account is None:  # dropped while idle; the request is done with it anyway
+            return
+        account.first_token_sum += seconds
+        account.first_token_buckets[bisect.bisect_left(QUEUE_TIME_BUCKETS, seconds)] += 1
+
     def shares(self) -> dict[str, float]:
         """Each tenant with work here: its weight over the sum of theirs."""
         active = {t: a.weight for t, a in self.accounts.items() if a.num_seqs > 0}
@@ -143,11 +157,6 @@ class ServiceLedger:
     def snapshot(self) -> tuple[TenantService, ...]:
         out = []
         for tenant, a in sorted(self.accounts.items()):
-            cumulative = []
-            running = 0
-            for count in a.queue_time_buckets:
-                running += count
-                cumulative.append(running)
             out.append(
                 TenantService(
                     tenant,
@@ -156,7 +165,9 @@ class ServiceLedger:
                     a.prefill_tokens,
                     a.decode_tokens,
                     a.queue_time_sum,
-                    tuple(cumulative),
+                    tuple(itertools.accumulate(a.queue_time_buckets)),
+                    a.first_token_sum,
+                    tuple(itertools.accumulate(a.first_token_buckets)),
                 )
             )
         return tuple(out)

@@ -86,8 +86,11 @@ class LLMEngine:
             eos_token_ids=self.config.eos_token_ids,
         )
         self._masks = MaskBatch(self.config.vocab_size)
+        ledger = self.scheduler.ledger
         self.token_processor = TokenProcessor(
-            eos_token_ids=self.config.eos_token_ids, max_model_len=self.max_model_len
+            eos_token_ids=self.config.eos_token_ids,
+            max_model_len=self.max_model_len,
+            first_token=lambda seq: ledger.record_first_token(seq.tenant, seq.metrics.ttft or 0.0),
         )
         self.requests: dict[str, Sequence] = {}
         self._rows: dict[str, SamplingRow] = {}

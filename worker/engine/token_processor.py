@@ -4,6 +4,8 @@ the sequence's `RequestOutput`. `OutputStage` calls it for each sequence of a st
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from worker.core.outputs import RequestOutput
 from worker.core.sequence import FinishReason, Sequence
 from worker.sampling.rows import SampledToken
@@ -12,9 +14,17 @@ from worker.text.stop_checker import StopChecker
 
 
 class TokenProcessor:
-    def __init__(self, *, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+    def __init__(
+        self,
+        *,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        first_token: Callable[[Sequence], None] | None = None,
+    ) -> None:
+        """``first_token``: called with a sequence as its first token is appended."""
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.first_token = first_token
 
     def attach(self, seq: Sequence, tokenizer) -> None:
         """Give a new sequence its detokenizer and stop-string checker."""
@@ -45,6 +55,8 @@ class TokenProcessor:
         seq.append_token(token_id)
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
+            if self.first_token is not None:
+                self.first_token(seq)
         seq.metrics.last_token_time = now
         seq.token_times.append(now)
         if seq.logprobs is not None:

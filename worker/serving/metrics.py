@@ -104,17 +104,26 @@ def _tenants(tenants: tuple[TenantService, ...]) -> Iterator[Metric]:
         "Time from arrival to first scheduling, per tenant.",
         labels=["tenant"],
     )
+    first_token = HistogramMetricFamily(
+        "switchboard_worker_tenant_first_token_seconds",
+        "Time from arrival at the engine to the first token, per tenant (the engine's own "
+        "TTFT; a client's beyond it is the serving path's).",
+        labels=["tenant"],
+    )
+    bounds = ["+Inf" if b == float("inf") else repr(b) for b in QUEUE_TIME_BUCKETS]
     for t in tenants:
         name = t.tenant or "-"
         service.add_metric([name, "prefill"], t.prefill_tokens)
         service.add_metric([name, "decode"], t.decode_tokens)
         counter.add_metric([name], t.counter)
         weight.add_metric([name], t.weight)
-        bounds = ["+Inf" if b == float("inf") else repr(b) for b in QUEUE_TIME_BUCKETS]
         queue.add_metric(
             [name], list(zip(bounds, t.queue_time_buckets, strict=True)), t.queue_time_sum
         )
-    yield from (service, counter, weight, queue)
+        first_token.add_metric(
+            [name], list(zip(bounds, t.first_token_buckets, strict=True)), t.first_token_sum
+        )
+    yield from (service, counter, weight, queue, first_token)
 
 
 def _speculation(spec: SpecDecodeStats) -> Iterator[Metric]:
