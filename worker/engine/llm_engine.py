@@ -27,7 +27,7 @@ from worker.core.config import EngineConfig
 from worker.core.forks import PendingForks
 from worker.core.outputs import RequestOutput
 from worker.core.prefix_cache import PrefixCacheStats, root_hash
-from worker.core.sequence import Sequence
+from worker.core.sequence import RequestMetrics, Sequence
 from worker.core.step_budget import DecodeStepBudget, StepTimes, default_budget
 from worker.engine.assembly import assemble
 from worker.engine.isolation import (
@@ -232,12 +232,15 @@ class LLMEngine:
         mix: list[tuple[str, float]] | None = None,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
+        arrival_time: float | None = None,
     ) -> None:
         """Several samples of one prompt (``n > 1``), each its own request with its own params.
 
         The prompt is computed once, by the first; when its prefill ends the others fork
         from it, sharing its blocks (the partly filled last one is copied on first write),
         and sample their first tokens from the same logits. Validates all, queues all or none.
+        ``arrival_time`` (``time.monotonic()``): when the request reached the server, if it
+        waited for the step loop since (its queue time and TTFT count from there); else now.
         """
         if len(params) != len(request_ids) or not request_ids:
             raise InvalidRequestError("one sampling params per sample id is required")
@@ -282,6 +285,7 @@ class LLMEngine:
                 tenant=tenant or "",
                 tenant_weight=tenant_weight,
                 cache_root=root,
+                metrics=RequestMetrics(arrival_time or time.monotonic()),
             )
             if self.long_rope is not None:
                 self.long_rope.admit(seq)

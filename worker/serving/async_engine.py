@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -139,6 +140,7 @@ class AsyncEngine:
         fair scheduling. Invalid requests raise here, before any output.
         Closing the iterator early (or cancelling its consumer) aborts what is left.
         """
+        received = time.monotonic()  # the engine's clocks for this request start here
         if not 1 <= n <= MAX_N:
             raise InvalidRequestError(f"n must be between 1 and {MAX_N}, got {n}")
         if request_id in self._requests:
@@ -168,6 +170,7 @@ class AsyncEngine:
                 mix,
                 tenant,
                 tenant_weight,
+                received,
             )
             while unfinished:
                 item = await queue.get()
@@ -266,6 +269,7 @@ class AsyncEngine:
         mix: list[tuple[str, float]] | None,
         tenant: str | None,
         tenant_weight: float,
+        received: float,
     ) -> None:
         per_sample = [
             dataclasses.replace(params, seed=params.seed + i) if params.seed is not None else params
@@ -279,6 +283,7 @@ class AsyncEngine:
             mix=mix,
             tenant=tenant,
             tenant_weight=tenant_weight,
+            arrival_time=received,
         )
 
     def _load_on_loop(self, adapter_id: str, path: str | Path) -> None:
