@@ -6,7 +6,9 @@ token to ``--top-k`` of them, the dense model one MLP of ``top_k x expert_interm
 features, so a token multiplies by as many weights in both. Decode output tokens/s of the
 offline engine at batch 1 and at ``--batch`` (alternated, ``--repeats`` times, medians), and
 the weight bytes a batch-1 decode token reads (``LlamaModel.decode_weight_bytes``) beside the
-whole checkpoint's.
+whole checkpoint's. The MoE runs twice in each round: its experts through the native grouped
+kernel where it serves the step (``switchboard_kernels.moe_native``; "moe") and through the
+per-expert torch path ("moe_torch_experts", the kernel switched off on the same engine).
 
     python -m bench.moe [--dtype bfloat16] [--batch 16] [--out bench/results/moe.json]
 """
@@ -113,11 +115,21 @@ def main() -> None:
             }
             del model
             llms[name] = LLM(path, dtype=args.dtype)
+            plan = llms[name].engine.model.linear_plan
+            result["models"][name]["linear_plan"] = plan.describe() if plan else "fixed rule"
             decode_rate(llms[name], batch=2, prompt_len=8, output_len=4, seed=9)  # warm-up
+        sparse = [y.moe for y in llms["moe"].engine.model.layers if y.moe is not None]
+        kernels = [moe.native for moe in sparse]
+        result["models"]["moe"]["native_experts"] = all(k is not None for k in kernels)
+        runs = {"dense": (llms["dense"], kernels), "moe": (llms["moe"], kernels)}
+        runs["moe_torch_experts"] = (llms["moe"], [None] * len(sparse))
+        result["models"]["moe_torch_experts"] = {}
         for batch in (1, args.batch):
-            rates: dict[str, list[float]] = {name: [] for name in llms}
+            rates: dict[str, list[float]] = {name: [] for name in runs}
             for repeat in range(args.repeats):
-                for name, llm in llms.items():
+                for name, (llm, natives) in runs.items():
+                    for moe, native in zip(sparse, natives, strict=True):
+                        moe.native = native
                     rates[name].append(
                         decode_rate(
                             llm,
@@ -129,12 +141,13 @@ def main() -> None:
                     )
             for name, values in rates.items():
                 result["models"][name][f"tok_s_batch_{batch}"] = statistics.median(values)
-            ratio = statistics.median(rates["moe"]) / statistics.median(rates["dense"])
-            result[f"moe_over_dense_batch_{batch}"] = ratio
+            for name in ("moe", "moe_torch_experts"):
+                ratio = statistics.median(rates[name]) / statistics.median(rates["dense"])
+                result[f"{name}_over_dense_batch_{batch}"] = ratio
     for name, figures in result["models"].items():
         print(name, json.dumps(figures))
     for key, value in result.items():
-        if key.startswith("moe_over_dense"):
+        if "_over_dense" in key:
             print(f"{key}: {value:.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -132,7 +132,7 @@ def top_k(x: torch.Tensor, moe: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]
     the model's dtype where it says so; ties break as ``torch.topk`` breaks them."""
     r = moe.routing
     logits = F.linear(x, moe.router)  # [tokens, experts] in the model's dtype
-    probs = torch.softmax(logits.float(), dim=-1)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # widened first, then softmax
     weight, expert = torch.topk(probs, r.top_k, dim=-1)
     if r.normalize:
         weight = weight / weight.sum(dim=-1, keepdim=True)
