@@ -8,7 +8,8 @@ offline engine at batch 1 and at ``--batch`` (alternated, ``--repeats`` times, m
 the weight bytes a batch-1 decode token reads (``LlamaModel.decode_weight_bytes``) beside the
 whole checkpoint's. The MoE runs twice in each round: its experts through the native grouped
 kernel where it serves the step (``switchboard_kernels.moe_native``; "moe") and through the
-per-expert torch path ("moe_torch_experts", the kernel switched off on the same engine).
+per-expert torch path ("moe_torch_experts", the kernel switched off on the same engine). Last,
+the MLP blocks alone (all layers, one row) of the three, alternated ``--block-rounds`` times.
 
     python -m bench.moe [--dtype bfloat16] [--batch 16] [--out bench/results/moe.json]
 """
@@ -80,6 +81,53 @@ def decode_rate(llm, *, batch: int, prompt_len: int, output_len: int, seed: int)
     return sum(len(o.token_ids) for o in outputs) / elapsed
 
 
+def block_times(llms, kernels, *, rounds: int) -> dict[str, dict[str, float]]:
+    """Milliseconds of one batch-1 token's MLP blocks, every layer, outside the engine: the
+    MoE's with and without the native kernel, the dense model's (gate_up, SwiGLU, down),
+    alternated ``rounds`` times; the median and the fastest round (a shared machine's noise
+    only slows a round down)."""
+    import torch.nn.functional as F
+
+    from switchboard_kernels.activation_native import silu_mul
+    from worker.model.moe import moe_mlp
+
+    sparse = [y.moe for y in llms["moe"].engine.model.layers if y.moe is not None]
+    dense = [(y.gate_up, y.down) for y in llms["dense"].engine.model.layers]
+    dtype = sparse[0].router.dtype
+    x = torch.randn(1, SHAPE["hidden_size"], generator=torch.Generator().manual_seed(0))
+    x = x.to(dtype)
+
+    def moe(natives) -> float:
+        for layer, native in zip(sparse, natives, strict=True):
+            layer.native = native
+        start = time.perf_counter()
+        for layer in sparse:
+            moe_mlp(x, layer, F.silu)
+        return time.perf_counter() - start
+
+    def mlp() -> float:
+        start = time.perf_counter()
+        for gate_up, down in dense:
+            down(silu_mul(gate_up(x)))
+        return time.perf_counter() - start
+
+    runs = {"moe": lambda: moe(kernels), "moe_torch_experts": lambda: moe([None] * len(sparse))}
+    runs["dense"] = mlp
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.inference_mode():
+        for n in range(rounds + 5):  # 5 rounds of warm-up
+            for name, run in runs.items():
+                taken = run()
+                if n >= 5:
+                    seconds[name].append(taken)
+    for layer, native in zip(sparse, kernels, strict=True):
+        layer.native = native
+    return {
+        name: {"median_ms": 1e3 * statistics.median(v), "min_ms": 1e3 * min(v)}
+        for name, v in seconds.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="bfloat16")
@@ -90,6 +138,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--block-rounds", type=int, default=200)
     parser.add_argument("--out", default="bench/results/moe.json")
     args = parser.parse_args()
 
@@ -144,8 +193,10 @@ def main() -> None:
             for name in ("moe", "moe_torch_experts"):
                 ratio = statistics.median(rates[name]) / statistics.median(rates["dense"])
                 result[f"{name}_over_dense_batch_{batch}"] = ratio
+        result["blocks_batch_1"] = block_times(llms, kernels, rounds=args.block_rounds)
     for name, figures in result["models"].items():
         print(name, json.dumps(figures))
+    print("MLP blocks of a batch-1 token, ms:", json.dumps(result["blocks_batch_1"]))
     for key, value in result.items():
         if "_over_dense" in key:
             print(f"{key}: {value:.2f}")
