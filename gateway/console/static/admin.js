@@ -171,6 +171,8 @@ async function loadFleet() {
 }
 
 for (const id of ["usage-days", "usage-tenant", "usage-by"]) $(id).addEventListener("change", loadUsage);
+$("new-tenant-button").disabled = false;  // disabled in the page until its handler is bound
+Console.ready();
 loadTenants();
 loadUsage();
 loadFleet();

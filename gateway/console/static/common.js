@@ -128,5 +128,11 @@ const Console = (() => {
     };
   }
 
-  return { tickets, scheduling, ApiError, call, json, el, fill, bytes, time, daysBack, barChart, csrf, apiBase };
+  // The page's last script calls this once every handler is bound: until then its forms'
+  // buttons are disabled (a form sent before would be the browser's own GET to the page).
+  function ready() {
+    document.body.dataset.ready = "1";
+  }
+
+  return { ready, tickets, scheduling, ApiError, call, json, el, fill, bytes, time, daysBack, barChart, csrf, apiBase };
 })();

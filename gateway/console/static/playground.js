@@ -82,8 +82,10 @@ const Playground = (() => {
     if (pending.length) $("chat-role").value = pending[0].id;
   }
 
+  // A transcript row: its role, its text, and (assistant) the tool calls it makes.
   function turn(role, text) {
-    const node = el("div", { class: `turn ${role}` }, el("span", { class: "role" }, role), el("span", { class: "text" }, text));
+    const node = el("div", { class: `turn ${role}` }, el("span", { class: "role" }, role),
+                    el("div", {}, el("span", { class: "text" }, text), el("div", { class: "tool-calls" })));
     $("transcript").append(node);
     return node;
   }
@@ -170,8 +172,7 @@ const Playground = (() => {
       turn(message.role, message.role === "tool" ? `${message.tool_call_id}: ${content}` : content);
       const node = turn("assistant", "");
       const out = node.querySelector(".text");
-      const callList = el("div", { class: "tool-calls" });
-      node.append(callList);
+      const callList = node.querySelector(".tool-calls");
       stats.textContent = "streaming…";
       for await (const chunk of sseEvents(response)) {
         if (chunk.error) throw new Console.ApiError(200, chunk);
@@ -246,5 +247,7 @@ const Playground = (() => {
   $("chat-clear").addEventListener("click", clear);
   $("chat-format").addEventListener("change", formatChanged);
   $("chat-tools").addEventListener("input", toolChoices);
+  $("chat-send").disabled = false;  // disabled in the page until this handler is bound
+  Console.ready();
   return { clear };
 })();

@@ -191,6 +191,7 @@ $("new-key").addEventListener("click", async () => {
 });
 
 $("upload").addEventListener("submit", upload);
+$("upload-button").disabled = false;  // disabled in the page until this handler is bound
 $("usage-days").addEventListener("change", loadUsage);
 loadAdapters();
 loadUsage();
