@@ -338,7 +338,7 @@ def test_replacing_a_version_mid_stream(stack, client, api_key, tiny_model, tmp_
     assert after.choices[0].text == expected[1]
     record = httpx.get(f"{stack.base_url}/v1/adapters/policy", headers=headers, timeout=30).json()
     assert record["adapter_id"] == replaced[0].json()["adapter_id"]
-    assert record["updated_at"] >= record["created_at"]
+    assert record["updated_at"] >= record["created_at"] and record["version"] == 2
 
 
 def test_a_mix_of_uploaded_adapters_chats_as_the_engine_mixes_them(
