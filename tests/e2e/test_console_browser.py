@@ -519,11 +519,14 @@ def test_a_tenant_uploads_a_directory_and_manages_its_keys_where_allowed(
 def settled_usage(stack: Stack, tenant: str, *, models: int) -> list[dict]:
     """The tenant's usage rows once the gateway has settled `models` models' requests (it
     settles just after each answer's last byte)."""
-    for _ in range(100):
+    deadline = time.monotonic() + 30  # as long as the page's waits (expect's timeout)
+    while True:
         rows = stack.admin("GET", f"/usage?tenant={tenant}")["data"]
-        if len(rows) == models:
-            return rows
+        if len(rows) == models or time.monotonic() > deadline:
+            break
         time.sleep(0.1)
+    if len(rows) == models:
+        return rows
     raise AssertionError(f"{tenant}'s usage never showed {models} models: {rows}")
 
 
