@@ -11,7 +11,7 @@ kernel where it serves the step (``switchboard_kernels.moe_native``; "moe") and 
 per-expert torch path ("moe_torch_experts", the kernel switched off on the same engine). Last,
 the MLP blocks alone (all layers, one row) of the three, alternated ``--block-rounds`` times.
 
-    python -m bench.moe [--dtype bfloat16] [--batch 16] [--out bench/results/moe.json]
+    python -m bench.moe [--dtype bfloat16] [--batch 16] [--threads N] [--out bench/results/moe.json]
 """
 
 from __future__ import annotations
@@ -139,12 +139,17 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-rounds", type=int, default=200)
+    # A machine shared with other work: 1 thread keeps OpenMP's teams from waiting on a
+    # descheduled partner (2 threads there read 5-10x slower, every path alike)
+    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="bench/results/moe.json")
     args = parser.parse_args()
 
     from worker import LLM
     from worker.model.llama import LlamaModel
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     result: dict = {"args": vars(args), "models": {}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,7 +18,7 @@ from switchboard_kernels.moe_native import grouped_kernel
 from worker.model.architectures import Experts, QKNorm
 from worker.model.llama import LlamaModel
 from worker.model.model_config import ModelConfig
-from worker.model.moe import MoeWeights, moe_mlp, route
+from worker.model.moe import MoeWeights, moe_mlp, route, top_k
 from worker.model.sharding import check_divisible
 
 HIDDEN, INTER, E = 32, 24, 6
@@ -184,3 +184,24 @@ def test_expert_lora_adds_each_rows_own_delta(plan):
     assert plain.rows_with_delta() is None
     want = reference(x, router, gate_up, down, top_k=2, normalize=True)
     torch.testing.assert_close(moe_mlp(x, moe, F.silu, plain).double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    grouped_kernel(torch.bfloat16) is None, reason="no native bf16 panels on this CPU"
+)
+def test_a_bf16_router_in_the_panels_routes_as_f_linear(tmp_path):
+    """bf16 on CPU: the router multiplies through the native panels (F.linear's bf16 path costs
+    ~7x as much a decode row); its logits are F.linear's up to the fp32 summation order, so
+    the experts and weights picked are the same here."""
+    base = make_moe_checkpoint(tmp_path / "m", "mixtral")
+    model = LlamaModel.from_pretrained(base, dtype=torch.bfloat16)
+    layer = next(y.moe for y in model.layers if y.moe is not None)
+    assert layer.router_panels is not None
+    x = model.embed[torch.arange(40)]
+    got = layer.router_panels(x)
+    want = F.linear(x, layer.router)
+    torch.testing.assert_close(got, want, rtol=2**-8, atol=1e-6)
+    weight, expert = top_k(x, layer)
+    layer.router_panels = None
+    weight_f, expert_f = top_k(x, layer)
+    assert torch.equal(expert, expert_f) and torch.equal(weight, weight_f)
