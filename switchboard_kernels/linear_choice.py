@@ -32,17 +32,15 @@ import torch
 
 from switchboard_kernels.measured_choice import (
     MEASURE_ROUNDS,
-    MIN_CPU_SHARE,
     ROW_BUCKETS,
     CpuShare,
     KernelPlan,
     Seconds,
     cache_path,
+    cached_or_measured,
     choose,
     describe_seconds,
     kernel_sources,
-    read_record,
-    write_record,
 )
 
 logger = logging.getLogger(__name__)
@@ -73,9 +71,19 @@ class Measurement:
     elapsed: float
     cpu_share: float = 1.0
 
-    @property
-    def contended(self) -> bool:
-        return self.cpu_share < MIN_CPU_SHARE
+    def record(self) -> dict:
+        return {
+            "plan": self.plan.record(),
+            "seconds": {k: {str(r): s for r, s in t.items()} for k, t in self.seconds.items()},
+            "layers": self.layers,
+            "elapsed": self.elapsed,
+        }
+
+    def summary(self) -> str:
+        return (
+            f"in {self.elapsed:.1f} s over {self.layers} layers: {self.plan.describe()}; "
+            f"ms a step by rows: {describe_seconds(self.seconds)}"
+        )
 
 
 def available_kernels(dtype: torch.dtype) -> list[str]:
@@ -206,40 +214,20 @@ def linear_plan(
     dual = dual_allowed(num_layers * sum(o * i for o, i in shapes) * itemsize)
     if not measure or torch.device(device).type != "cpu" or len(available_kernels(dtype)) < 2:
         return fixed_plan(dtype, device, dual=dual)
-    path = _cache_path(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual)
-    cached = read_record(path)
-    if cached is not None:
-        try:
-            return LinearPlan.cached(cached["plan"])
-        except (KeyError, TypeError, ValueError):
-            pass
-    result = measure_plan(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual)
-    if result.contended:
-        fallback = fixed_plan(dtype, device, dual=dual)
-        logger.warning(
-            "projections measured while other processes took the CPU (our threads got %.0f%% "
-            "of their cores); not trusted or cached: %s",
-            100 * result.cpu_share,
-            fallback.describe(),
-        )
-        return fallback
-    logger.info(
-        "projections measured in %.1f s over %d layers: %s; ms a step by rows: %s",
-        result.elapsed,
-        result.layers,
-        result.plan.describe(),
-        describe_seconds(result.seconds),
+    return cached_or_measured(
+        _cache_path(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual),
+        "projections",
+        read=lambda record: LinearPlan.cached(record["plan"]),
+        measure=lambda: _measured(
+            measure_plan(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual)
+        ),
+        fixed=lambda: fixed_plan(dtype, device, dual=dual),
+        describe=LinearPlan.describe,
     )
-    write_record(
-        path,
-        {
-            "plan": result.plan.record(),
-            "seconds": {k: {str(r): s for r, s in t.items()} for k, t in result.seconds.items()},
-            "layers": result.layers,
-            "elapsed": result.elapsed,
-        },
-    )
-    return result.plan
+
+
+def _measured(result: Measurement) -> tuple[LinearPlan, Measurement]:
+    return result.plan, result
 
 
 def _cache_path(shapes, dtype, *, num_layers: int, max_rows: int, dual: bool):

@@ -12,8 +12,10 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -143,3 +145,51 @@ def describe_seconds(seconds: Seconds) -> str:
         f"{k} " + ", ".join(f"{r}: {1000 * s:.2f}" for r, s in sorted(t.items()))
         for k, t in seconds.items()
     )
+
+
+class Measured(Protocol):
+    """What a measurement hands ``cached_or_measured``."""
+
+    cpu_share: float
+
+    def record(self) -> dict: ...  # what the cache keeps
+
+    def summary(self) -> str: ...  # the plan and its timings, for the log
+
+
+Plan = TypeVar("Plan")
+
+
+def cached_or_measured(
+    path: Path,
+    what: str,
+    *,
+    read: Callable[[dict], Plan],
+    measure: Callable[[], tuple[Plan, Measured]],
+    fixed: Callable[[], Plan],
+    describe: Callable[[Plan], str],
+) -> Plan:
+    """The plan cached at ``path`` (``read`` from its record), else ``measure``'s, logged
+    and cached; or, when other processes held the CPU while it measured (below
+    ``MIN_CPU_SHARE``), the ``fixed`` plan, neither trusted nor cached (the next start
+    measures again)."""
+    cached = read_record(path)
+    if cached is not None:
+        try:
+            return read(cached)
+        except (KeyError, TypeError, ValueError):
+            pass  # an older or damaged record: measure again
+    plan, result = measure()
+    if result.cpu_share < MIN_CPU_SHARE:
+        fallback = fixed()
+        logger.warning(
+            "%s measured while other processes took the CPU (our threads got %.0f%% of their "
+            "cores); not trusted or cached: %s",
+            what,
+            100 * result.cpu_share,
+            describe(fallback),
+        )
+        return fallback
+    logger.info("%s measured: %s", what, result.summary())
+    write_record(path, result.record())
+    return plan

@@ -84,7 +84,7 @@ def test_a_measured_plan_is_cached_and_read_back(tmp_path, monkeypatch):
     if len(available_kernels(torch.float32)) < 2:
         pytest.skip("one kernel here: nothing to measure")
     monkeypatch.setenv("SWITCHBOARD_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr("switchboard_kernels.linear_choice.MIN_CPU_SHARE", 0.0)  # a busy CI
+    monkeypatch.setattr("switchboard_kernels.measured_choice.MIN_CPU_SHARE", 0.0)  # a busy CI
     first = linear_plan(SHAPES, torch.float32, num_layers=2, max_rows=16)
     assert first.source == "measured"
     (cached,) = (tmp_path / "choices").glob("linear-*.json")
@@ -105,7 +105,7 @@ def test_a_measured_plan_is_cached_and_read_back(tmp_path, monkeypatch):
 def test_a_measurement_starved_of_cpu_is_neither_trusted_nor_cached(tmp_path, monkeypatch):
     """Other processes slow each kernel's rounds unevenly; the plan is then the fixed rule's and
     the next start measures again."""
-    import switchboard_kernels.linear_choice as choice
+    import switchboard_kernels.measured_choice as choice
 
     if len(available_kernels(torch.float32)) < 2:
         pytest.skip("one kernel here: nothing to measure")
@@ -135,7 +135,7 @@ def test_an_engine_on_a_measured_plan_generates_what_transformers_does(tmp_path,
     from worker import LLM, SamplingParams
 
     monkeypatch.setenv("SWITCHBOARD_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr("switchboard_kernels.linear_choice.MIN_CPU_SHARE", 0.0)  # a busy CI
+    monkeypatch.setattr("switchboard_kernels.measured_choice.MIN_CPU_SHARE", 0.0)  # a busy CI
     checkpoint = make_checkpoint(tmp_path / "model")
     llm = LLM(str(checkpoint), dtype="float32", kernel_choice="measure")
     layer = llm.engine.model.layers[0]

@@ -162,7 +162,7 @@ def test_a_measured_plan_is_cached_and_read_back(tmp_path, monkeypatch):
     if not native_everywhere():
         pytest.skip("without the native kernels there is nothing to choose or cache")
     monkeypatch.setenv("SWITCHBOARD_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr("worker.model.op_choice.MIN_CPU_SHARE", 0.0)  # a busy CI
+    monkeypatch.setattr("switchboard_kernels.measured_choice.MIN_CPU_SHARE", 0.0)  # a busy CI
     first = op_plans(TINY, torch.float32)
     assert len(list((tmp_path / "choices").glob("ops-*.json"))) == 1
     monkeypatch.setattr(
@@ -179,7 +179,7 @@ def test_a_measured_plan_is_cached_and_read_back(tmp_path, monkeypatch):
 
 def test_a_measurement_starved_of_cpu_is_neither_trusted_nor_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("SWITCHBOARD_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr("worker.model.op_choice.MIN_CPU_SHARE", 2.0)  # never reached
+    monkeypatch.setattr("switchboard_kernels.measured_choice.MIN_CPU_SHARE", 2.0)  # never reached
     assert op_plans(TINY, torch.float32) == fixed_op_plans(torch.float32)
     assert not list(tmp_path.glob("choices/ops-*.json"))
 

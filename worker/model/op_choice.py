@@ -39,17 +39,15 @@ from switchboard_kernels.lora import LoraMapping, add_lora
 from switchboard_kernels.lora_native import NativeSlots, native_library
 from switchboard_kernels.measured_choice import (
     MEASURE_ROUNDS,
-    MIN_CPU_SHARE,
     ROW_BUCKETS,
     CpuShare,
     KernelPlan,
     Seconds,
     cache_path,
+    cached_or_measured,
     choose,
     describe_seconds,
     kernel_sources,
-    read_record,
-    write_record,
 )
 from switchboard_kernels.norm_native import native_norm
 from switchboard_kernels.norm_native import rms_norm as native_rms_norm
@@ -186,9 +184,19 @@ class OpMeasurement:
     elapsed: float
     cpu_share: float
 
-    @property
-    def contended(self) -> bool:
-        return self.cpu_share < MIN_CPU_SHARE
+    def record(self) -> dict:
+        return {
+            "plans": {op: getattr(self.plans, op).record() for op in OPS},
+            "seconds": {
+                op: {k: {str(r): t for r, t in times.items()} for k, times in s.items()}
+                for op, s in self.seconds.items()
+            },
+            "elapsed": self.elapsed,
+        }
+
+    def summary(self) -> str:
+        timings = " | ".join(f"{op}: {describe_seconds(s)}" for op, s in self.seconds.items())
+        return f"in {self.elapsed:.1f} s: {self.plans.describe()}; ms a step by rows: {timings}"
 
 
 def measure_op_plans(
@@ -241,46 +249,24 @@ def op_plans(
     fixed = fixed_op_plans(dtype, device)
     if not measure or torch.device(device).type != "cpu" or dtype not in NATIVE_DTYPES:
         return fixed
-    path = cache_path(
-        "ops",
-        *kernel_sources(
-            "norm_cpu.c", "activation_cpu.c", "swiglu.h", "lora_cpu.c", "attention_cpu.c"
+    return cached_or_measured(
+        cache_path(
+            "ops",
+            *kernel_sources(
+                "norm_cpu.c", "activation_cpu.c", "swiglu.h", "lora_cpu.c", "attention_cpu.c"
+            ),
+            json.dumps([PLAN_VERSION, str(dtype), _shape_key(shapes)]),
         ),
-        json.dumps([PLAN_VERSION, str(dtype), _shape_key(shapes)]),
+        "the other ops",
+        read=lambda record: OpPlans(**{op: KernelPlan.cached(record["plans"][op]) for op in OPS}),
+        measure=lambda: _measured(measure_op_plans(shapes, dtype)),
+        fixed=lambda: fixed,
+        describe=OpPlans.describe,
     )
-    cached = read_record(path)
-    if cached is not None:
-        try:
-            return OpPlans(**{op: KernelPlan.cached(cached["plans"][op]) for op in OPS})
-        except (KeyError, TypeError, ValueError):
-            pass
-    result = measure_op_plans(shapes, dtype)
-    if result.contended:
-        logger.warning(
-            "ops measured while other processes took the CPU (our threads got %.0f%% of their "
-            "cores); not trusted or cached: %s",
-            100 * result.cpu_share,
-            fixed.describe(),
-        )
-        return fixed
-    logger.info(
-        "ops measured in %.1f s: %s; ms a step by rows: %s",
-        result.elapsed,
-        result.plans.describe(),
-        " | ".join(f"{op}: {describe_seconds(s)}" for op, s in result.seconds.items()),
-    )
-    write_record(
-        path,
-        {
-            "plans": {op: getattr(result.plans, op).record() for op in OPS},
-            "seconds": {
-                op: {k: {str(r): t for r, t in times.items()} for k, times in s.items()}
-                for op, s in result.seconds.items()
-            },
-            "elapsed": result.elapsed,
-        },
-    )
-    return result.plans
+
+
+def _measured(result: OpMeasurement) -> tuple[OpPlans, OpMeasurement]:
+    return result.plans, result
 
 
 def _shape_key(shapes: OpShapes) -> list[int]:
