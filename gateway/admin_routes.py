@@ -127,7 +127,9 @@ async def add_adapter(tenant: str, body: NewAdapter, state: State) -> dict[str, 
 @router.get("/tenants/{tenant}/adapters")
 async def list_adapters(tenant: str, state: State) -> dict[str, Any]:
     await state.tenants.require_tenant(tenant)
-    return {"data": [asdict(a) for a in await state.tenants.list_adapters(tenant)]}
+    adapters = await state.tenants.list_adapters(tenant)
+    # A record stored before versions were counted is version 1, as the tenant API says.
+    return {"data": [asdict(a) | {"version": a.current_version} for a in adapters]}
 
 
 @router.delete("/tenants/{tenant}/adapters/{name:path}")

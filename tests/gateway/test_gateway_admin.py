@@ -160,7 +160,7 @@ async def test_adapters_are_tenant_scoped(admin, gw, tmp_path):
     assert (gw.settings.adapter_store / record["adapter_id"] / "adapter_config.json").is_file()
     assert (record["rank"], record["target_modules"]) == (4, ["q_proj", "v_proj"])
     listed = (await admin.get("/admin/tenants/alice/adapters")).json()["data"]
-    assert [a["name"] for a in listed] == ["sql"]
+    assert [(a["name"], a["version"]) for a in listed] == [("sql", 1)]
 
     async with httpx.AsyncClient(base_url=gw.url) as client:
         as_alice = {"Authorization": f"Bearer {alice['key']}"}
