@@ -7,8 +7,9 @@ features, so a token multiplies by as many weights in both. Decode output tokens
 offline engine at batch 1 and at ``--batch`` (alternated, ``--repeats`` times, medians), and
 the weight bytes a batch-1 decode token reads (``LlamaModel.decode_weight_bytes``) beside the
 whole checkpoint's. The MoE runs twice in each round: its experts through the native grouped
-kernel where it serves the step (``switchboard_kernels.moe_native``; "moe") and through the
-per-expert torch path ("moe_torch_experts", the kernel switched off on the same engine). Last,
+kernel where it serves the step (``switchboard_kernels.moe_native``) and its bf16 router through the
+native panels ("moe"), and as before them ("moe_torch": the per-expert torch path and F.linear's
+router, switched on the same engine). Last,
 the MLP blocks alone (all layers, one row) of the three, alternated ``--block-rounds`` times.
 
     python -m bench.moe [--dtype bfloat16] [--batch 16] [--threads N] [--out bench/results/moe.json]
@@ -65,8 +66,12 @@ def build(root: Path, *, experts: int, top_k: int, expert_intermediate: int) -> 
     return paths
 
 
-def decode_rate(llm, *, batch: int, prompt_len: int, output_len: int, seed: int) -> float:
-    """Output tokens/s of ``batch`` requests generated together (prefill included)."""
+def decode_rate(
+    llm, *, batch: int, prompt_len: int, output_len: int, seed: int
+) -> tuple[float, float]:
+    """Output tokens/s of ``batch`` requests generated together (prefill included), and the
+    process's CPU milliseconds per output token (with ``--threads 1`` on a shared machine, the
+    work itself: time spent waiting for a core is not counted)."""
     from worker import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
@@ -75,10 +80,17 @@ def decode_rate(llm, *, batch: int, prompt_len: int, output_len: int, seed: int)
         for _ in range(batch)
     ]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.token_ids) for o in outputs) / elapsed
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return tokens / elapsed, 1e3 * cpu / tokens
+
+
+def use(sparse, kernels) -> None:
+    """Each sparse layer's (grouped kernel, router panels): theirs, or (None, None)."""
+    for moe, (native, router) in zip(sparse, kernels, strict=True):
+        moe.native, moe.router_panels = native, router
 
 
 def block_times(llms, kernels, *, rounds: int) -> dict[str, dict[str, float]]:
@@ -98,8 +110,7 @@ def block_times(llms, kernels, *, rounds: int) -> dict[str, dict[str, float]]:
     x = x.to(dtype)
 
     def moe(natives) -> float:
-        for layer, native in zip(sparse, natives, strict=True):
-            layer.native = native
+        use(sparse, natives)
         start = time.perf_counter()
         for layer in sparse:
             moe_mlp(x, layer, F.silu)
@@ -111,7 +122,7 @@ def block_times(llms, kernels, *, rounds: int) -> dict[str, dict[str, float]]:
             down(silu_mul(gate_up(x)))
         return time.perf_counter() - start
 
-    runs = {"moe": lambda: moe(kernels), "moe_torch_experts": lambda: moe([None] * len(sparse))}
+    runs = {"moe": lambda: moe(kernels), "moe_torch": lambda: moe([(None, None)] * len(sparse))}
     runs["dense"] = mlp
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     with torch.inference_mode():
@@ -120,8 +131,7 @@ def block_times(llms, kernels, *, rounds: int) -> dict[str, dict[str, float]]:
                 taken = run()
                 if n >= 5:
                     seconds[name].append(taken)
-    for layer, native in zip(sparse, kernels, strict=True):
-        layer.native = native
+    use(sparse, kernels)
     return {
         name: {"median_ms": 1e3 * statistics.median(v), "min_ms": 1e3 * min(v)}
         for name, v in seconds.items()
@@ -173,29 +183,31 @@ def main() -> None:
             result["models"][name]["linear_plan"] = plan.describe() if plan else "fixed rule"
             decode_rate(llms[name], batch=2, prompt_len=8, output_len=4, seed=9)  # warm-up
         sparse = [y.moe for y in llms["moe"].engine.model.layers if y.moe is not None]
-        kernels = [moe.native for moe in sparse]
-        result["models"]["moe"]["native_experts"] = all(k is not None for k in kernels)
+        kernels = [(moe.native, moe.router_panels) for moe in sparse]
+        result["models"]["moe"]["native_experts"] = all(k is not None for k, _ in kernels)
         runs = {"dense": (llms["dense"], kernels), "moe": (llms["moe"], kernels)}
-        runs["moe_torch_experts"] = (llms["moe"], [None] * len(sparse))
-        result["models"]["moe_torch_experts"] = {}
+        runs["moe_torch"] = (llms["moe"], [(None, None)] * len(sparse))
+        result["models"]["moe_torch"] = {}
         for batch in (1, args.batch):
             rates: dict[str, list[float]] = {name: [] for name in runs}
+            cpu: dict[str, list[float]] = {name: [] for name in runs}
             for repeat in range(args.repeats):
                 for name, (llm, natives) in runs.items():
-                    for moe, native in zip(sparse, natives, strict=True):
-                        moe.native = native
-                    rates[name].append(
-                        decode_rate(
-                            llm,
-                            batch=batch,
-                            prompt_len=args.prompt_len,
-                            output_len=args.output_len,
-                            seed=repeat,
-                        )
+                    use(sparse, natives)
+                    rate, cpu_ms = decode_rate(
+                        llm,
+                        batch=batch,
+                        prompt_len=args.prompt_len,
+                        output_len=args.output_len,
+                        seed=repeat,
                     )
+                    rates[name].append(rate)
+                    cpu[name].append(cpu_ms)
             for name, values in rates.items():
                 result["models"][name][f"tok_s_batch_{batch}"] = statistics.median(values)
-            for name in ("moe", "moe_torch_experts"):
+                cpu_ms = statistics.median(cpu[name])
+                result["models"][name][f"cpu_ms_per_token_batch_{batch}"] = cpu_ms
+            for name in ("moe", "moe_torch"):
                 ratio = statistics.median(rates[name]) / statistics.median(rates["dense"])
                 result[f"{name}_over_dense_batch_{batch}"] = ratio
         result["blocks_batch_1"] = block_times(llms, kernels, rounds=args.block_rounds)
