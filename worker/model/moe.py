@@ -43,8 +43,8 @@ class MoeWeights:
     gate_up: list[Linear]  # per expert: hidden -> 2 * intermediate (gate, then up)
     down: list[Linear]  # per expert: intermediate -> hidden
     routing: Experts
-    # bf16 on CPU: the router in the native panels (~5 us a decode row on an AMX Xeon, where
-    # F.linear's bf16 path took ~35); else None, and F.linear multiplies by ``router``
+    # bf16 on CPU, or batch-invariant: the router in the native panels (~5 us a decode row on
+    # an AMX Xeon, where F.linear's bf16 path took ~35); else None, and F.linear multiplies
     router_panels: Linear | None = None
     # The native grouped kernel over the experts' panels, where it can serve them
     native: GroupedExperts | None = field(init=False)
@@ -78,9 +78,11 @@ def load_experts(
     def linear(weight: torch.Tensor) -> Linear:
         return Linear(weight.contiguous(), quantization=quantization, plan=plan)
 
+    # bf16: the panels' sums in fp32, one rounding, as F.linear's. ``batch_invariant``
+    # (fixed_order) in any dtype: a row's logits then never depend on the step's other rows.
     router_panels = None
-    if bf16_panels_preferred(router):  # the panels' sums in fp32, one rounding, as F.linear's
-        fixed_order = plan is not None and plan.fixed_order
+    fixed_order = plan is not None and plan.fixed_order
+    if bf16_panels_preferred(router) or fixed_order:
         router_panels = Linear(router, plan=LinearPlan(PANELS, PANELS, fixed_order=fixed_order))
     return MoeWeights(
         router=router,
