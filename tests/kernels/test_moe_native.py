@@ -31,13 +31,13 @@ def needs(dtype):
     )
 
 
-def experts(dtype, seed=0, *, quantization=None):
+def experts(dtype, seed=0, *, quantization=None, plan=PANEL_PLAN):
     g = torch.Generator().manual_seed(seed)
     gate_up = (torch.randn(E, 2 * INTER, HIDDEN, generator=g) / HIDDEN**0.5).to(dtype)
     down = (torch.randn(E, HIDDEN, INTER, generator=g) / INTER**0.5).to(dtype)
 
     def linear(w):
-        return Linear(w, plan=PANEL_PLAN, quantization=quantization)
+        return Linear(w, plan=plan, quantization=quantization)
 
     return [linear(w) for w in gate_up], [linear(w) for w in down], gate_up, down
 
@@ -191,3 +191,20 @@ def test_served_only_where_every_expert_is_in_panels_and_within_their_rows():
     assert grouped.serves(x, spread)
     assert not grouped.serves(x, torch.zeros(6, 1, dtype=torch.int64) + 3)
     assert not grouped.serves(x.float(), spread)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fixed_order_panels_give_a_token_the_bits_it_has_among_others(dtype):
+    """``batch_invariant``'s panels (``fixed_order``): a token's output does not depend on the
+    other tokens of the step, whether its experts get 1 row or a tile's worth."""
+    if grouped_kernel(dtype) is None:
+        pytest.skip(f"no native grouped-experts kernel for {dtype}")
+    gu, dn, _, _ = experts(dtype, seed=6, plan=LinearPlan(PANELS, PANELS, fixed_order=True))
+    grouped = GroupedExperts(gu, dn)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(19, HIDDEN, generator=g).to(dtype)
+    ids, weights = routing(19, 2, 4, seed=8)  # expert 4 gets all 19 rows
+    whole = grouped(x, ids, weights)
+    for t in (0, 7, 18):
+        alone = grouped(x[t : t + 1], ids[t : t + 1], weights[t : t + 1])
+        assert torch.equal(alone, whole[t : t + 1]), t
