@@ -256,8 +256,19 @@ def add_mix(
     """Semantics: ``y[t, o:o+out] += sum_k w_k * scales[s_k] * x[t] @ a_stack[s_k].T @
     b_stack[s_k].T`` for each mixed token t and its parts (s_k, w_k).
 
-    The parts run as virtual rows (weighted inputs) through the same kernels as any batch,
-    into a scratch output added into y part by part."""
+    Native: a call per part index over virtual slots. Otherwise the parts run as virtual rows
+    (weighted inputs) through the same kernels as any batch, into a scratch output added into
+    y part by part (``switchboard_kernels/lora_mix.py``)."""
+    if mix.native is not None:
+        library = native_library()
+        if native is None or library is None:
+            raise ValueError("a mix built for the native kernel needs NativeSlots")
+        for part in mix.native:
+            table = native.table.index_select(0, part.sources)  # [J, fields]: virtual slots
+            part_scales = scales.index_select(0, part.sources).mul_(part.weights)
+            library.bgmv(y, x, native, part_scales, part.groups, out_offset, table=table)
+        return
+    assert mix.mapping is not None
     out = b_stack.shape[1]
     deltas = y.new_zeros(mix.num_rows, out)  # [V, out]
     _add_lora(deltas, mix.inputs(x), a_stack, b_stack, scales, mix.mapping, 0, pairs, native)

@@ -87,8 +87,13 @@ class NativeLora:
         out_offset: int = 0,
         *,
         portable: bool = False,
+        table: torch.Tensor | None = None,
     ) -> None:
-        """Semantics: ``y[t, o:] += scales[s] * x[t] @ A_s.T @ B_s.T`` for the groups' tokens."""
+        """Semantics: ``y[t, o:] += scales[s] * x[t] @ A_s.T @ B_s.T`` for the groups' tokens.
+
+        ``table``: rows of ``slots.table`` to read instead of it (a mix's virtual slots: row j
+        points at a real slot's weights, ``scales[j]`` its scale times a weight)."""
+        table = slots.table if table is None else table
         if x.stride(1) != 1 or y.stride(1) != 1 or not x.dtype == y.dtype == slots.dtype:
             raise ValueError(
                 f"native LoRA: x ({x.dtype}) and y ({y.dtype}) must have contiguous rows and "
@@ -97,14 +102,15 @@ class NativeLora:
         if scales.dtype != torch.float32 or not scales.is_contiguous():
             raise ValueError("native LoRA: scales must be contiguous float32")
         if (
-            groups.max_slot >= slots.table.shape[0]
+            groups.max_slot >= table.shape[0]
+            or scales.shape[0] < table.shape[0]
             or groups.end > min(x.shape[0], y.shape[0])
             or x.shape[1] != slots.in_features
             or out_offset + slots.out_features > y.shape[1]
         ):
             raise ValueError(
                 f"native LoRA: x {tuple(x.shape)}, y {tuple(y.shape)} at column {out_offset} "
-                f"and slots [{slots.table.shape[0]}, {slots.in_features} -> "
+                f"and slots [{table.shape[0]}, {slots.in_features} -> "
                 f"{slots.out_features}] do not fit together"
             )
         status = self._bgmv(
@@ -113,7 +119,7 @@ class NativeLora:
             x.shape[1],
             y.data_ptr() + out_offset * y.element_size(),
             y.stride(0),
-            slots.table.data_ptr(),  # valid while ``slots`` holds the buffers it points at
+            table.data_ptr(),  # valid while ``slots`` holds the buffers it points at
             scales.data_ptr(),
             groups.num_groups,
             groups.slots.data_ptr(),

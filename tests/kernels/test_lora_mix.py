@@ -209,3 +209,20 @@ def test_a_mix_of_one_part_with_weight_one_equals_the_single_adapter():
     _, want, _ = run("torch", single, torch.float32)
     _, got, _ = run("torch", as_mix, torch.float32)
     assert_close(got, want, torch.float32)
+
+
+def test_the_native_form_calls_once_per_part_index_over_virtual_slots():
+    """Part k of every mixed token in one call, grouped by (slot, weight): a slot taken with
+    two weights is two virtual slots; no token twice in a call."""
+    mix = MixRows.build([(2, 5, MIX_A), (7, 8, MIX_B), (9, 10, MIX_C)], native=True)
+    assert mix is not None and mix.mapping is None
+    first, second, third = mix.native
+    assert first.sources.tolist() == [0, 1, 2]  # (0, 0.7), (1, 0.25), (2, 0.6)
+    assert first.weights.tolist() == pytest.approx([0.7, 0.25, 0.6])
+    assert second.sources.tolist() == [2, 3, 0]  # (2, 0.3), (3, 1.5), (0, 0.4)
+    assert third.sources.tolist() == [0] and third.weights.tolist() == [0.5]
+    for part in mix.native:
+        rows = part.groups.rows.tolist()
+        assert len(set(rows)) == len(rows)
+    assert first.groups.rows.tolist() == [2, 3, 4, 7, 9]
+    assert third.groups.rows.tolist() == [7]
