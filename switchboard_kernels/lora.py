@@ -264,8 +264,7 @@ def add_mix(
         if native is None or library is None:
             raise ValueError("a mix built for the native kernel needs NativeSlots")
         for part in mix.native:
-            table = native.table.index_select(0, part.sources)  # [J, fields]: virtual slots
-            part_scales = scales.index_select(0, part.sources).mul_(part.weights)
+            table, part_scales = native.virtual(part.key, part.sources, part.weights, scales)
             library.bgmv(y, x, native, part_scales, part.groups, out_offset, table=table)
         return
     assert mix.mapping is not None

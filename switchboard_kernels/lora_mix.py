@@ -43,6 +43,7 @@ class NativePart:
     groups: NativeGroups  # token rows grouped by virtual slot j
     sources: torch.Tensor  # [J] int64: the real slot behind virtual slot j
     weights: torch.Tensor  # [J] float32: its weight
+    key: tuple  # (sources, weights) as tuples: the virtual slots' identity (NativeSlots.virtual)
 
 
 @dataclass(slots=True)
@@ -129,11 +130,13 @@ def _native_form(runs: Sequence[MixRun]) -> MixRows | None:
             if k < len(parts):
                 j = virtual.setdefault((parts[k][0], float(parts[k][1])), len(virtual))
                 pieces.append((start, end, j))
+        sources, weights = [slot for slot, _ in virtual], [w for _, w in virtual]
         calls.append(
             NativePart(
                 groups=NativeGroups.from_runs(pieces),
-                sources=torch.tensor([slot for slot, _ in virtual], dtype=torch.int64),
-                weights=torch.tensor([w for _, w in virtual], dtype=torch.float32),
+                sources=torch.tensor(sources, dtype=torch.int64),
+                weights=torch.tensor(weights, dtype=torch.float32),
+                key=(tuple(sources), tuple(weights)),
             )
         )
     if not calls:

@@ -173,7 +173,7 @@ class NativeSlots:
     block of each projection is kept transposed without the block diagonal's zeros.
     """
 
-    __slots__ = ("blocks", "dtype", "held", "in_features", "out_features", "table")
+    __slots__ = ("_virtual", "blocks", "dtype", "held", "in_features", "out_features", "table")
 
     @staticmethod
     def wanted(a_stack: torch.Tensor) -> bool:
@@ -201,11 +201,29 @@ class NativeSlots:
         self.out_features = max(end for _, end in blocks)
         self.table = torch.zeros(num_slots, SLOT_FIELDS, dtype=torch.int64)
         self.held: list[list[torch.Tensor]] = [[] for _ in range(num_slots)]  # keeps pointers valid
+        # A mix's virtual slots, by (real slots, weights): (table rows, scales); see ``virtual``.
+        self._virtual: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def virtual(
+        self, key: tuple, sources: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Virtual slots j: table row ``sources[j]``, scale ``scales[sources[j]] * weights[j]``;
+        kept until a slot is refreshed (``scales`` is the stack's, which changes only with its
+        slots), so steps of a running mix build them once. ``key``: (sources, weights) as tuples.
+        """
+        hit = self._virtual.get(key)
+        if hit is None:
+            if len(self._virtual) >= 64:
+                self._virtual.clear()
+            table = self.table.index_select(0, sources)
+            hit = self._virtual[key] = (table, scales.index_select(0, sources).mul_(weights))
+        return hit
 
     def refresh(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Rebuild ``slot`` from its padded A [M*R, in] and B [out_total, M*R]."""
         rank_per_block = a.shape[0] // len(self.blocks)
         keep = a.ne(0).any(dim=1).nonzero().squeeze(1).tolist()
+        self._virtual.clear()
         row = self.table[slot]
         row.zero_()
         self.held[slot] = []

@@ -145,6 +145,7 @@ def test_a_mix_shares_kv_with_no_single_adapter_and_no_other_mix(case):
         ([], InvalidRequestError, "1 to 3"),
         ([("a", 0.5), ("dora", 0.5)], InvalidRequestError, "'dora' uses DoRA"),
         ([("a", 0.5), ("head", 0.5)], InvalidRequestError, "'head' uses modules_to_save"),
+        ([("tokens", 0.5), ("a", 0.5)], InvalidRequestError, "'tokens' uses trainable_token"),
     ],
 )
 def test_a_mix_is_refused_by_name(case, mix, error, words, tmp_path):
@@ -158,6 +159,26 @@ def test_a_mix_is_refused_by_name(case, mix, error, words, tmp_path):
         base, tmp_path / "h", rank=2, targets=["q_proj"], modules_to_save=["lm_head"]
     )
     llm.load_adapter("head", saved)
+    tokens = make_peft_adapter(
+        base, tmp_path / "t", rank=2, targets=["q_proj"], trainable_token_indices=[3, 5]
+    )
+    llm.load_adapter("tokens", tokens)
     with pytest.raises(error, match=words):
         llm.engine.add_request("r", rounds[0][0], SamplingParams(max_tokens=2), mix=mix)
     assert not llm.engine.requests
+
+
+def test_expert_lora_is_refused_in_a_mix(tmp_path):
+    """On a MoE base, an adapter with LoRA on the experts (target_parameters) does not mix."""
+    from moe_factories import EXPERT_PARAMETERS, make_expert_adapter, make_moe_checkpoint
+
+    base = make_moe_checkpoint(tmp_path / "base", "mixtral", seed=3)
+    llm = LLM(base, dtype="float32", max_loras=2)
+    llm.load_adapter("plain", make_peft_adapter(base, tmp_path / "p", rank=2, targets=["q_proj"]))
+    experts = make_expert_adapter(
+        base, tmp_path / "e", rank=2, targets=["q_proj"], parameters=EXPERT_PARAMETERS
+    )
+    llm.load_adapter("experts", experts)
+    mix = [("plain", 0.5), ("experts", 0.5)]
+    with pytest.raises(InvalidRequestError, match="'experts' uses LoRA on MoE experts"):
+        llm.engine.add_request("r", [3, 4, 5], SamplingParams(max_tokens=2), mix=mix)
