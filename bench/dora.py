@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench.lora import LoraRun, make_adapters, run_engine
+from bench.lora import compare_sides, make_adapters, median, side_by_side_arguments
 from bench.report import write_report
 from bench.workloads import fixed_lengths
 
@@ -47,22 +47,9 @@ def dora_copy(plain: Path, out: Path, model_path: Path, seed: int) -> Path:
     return out
 
 
-def median(runs: list[LoraRun]) -> LoraRun:
-    return sorted(runs, key=lambda r: r.output_tok_per_s)[len(runs) // 2]
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="auto", help="auto: as the engine chooses")
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
-    parser.add_argument("--adapters", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workdir", default="/tmp/switchboard-bench-dora")
-    parser.add_argument("--out", default="bench/results/dora.json")
+    side_by_side_arguments(parser, adapters=8, name="dora")
     args = parser.parse_args(argv)
 
     from worker import LLMEngine, engine_config
@@ -96,13 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         "plain LoRA": [f"plain-{k}" for k in picks],
         "DoRA": [f"dora-{k}" for k in picks],
     }
-    warm = requests[: min(4, args.requests)]
-    for name, adapters in sides.items():  # fills every slot; first-call costs out of the way
-        run_engine(engine, warm, adapters[: len(warm)], f"warmup {name}")
-    runs: dict[str, list[LoraRun]] = {name: [] for name in sides}
-    for _ in range(args.repeats):
-        for name, adapters in sides.items():
-            runs[name].append(run_engine(engine, requests, adapters, name))
+    runs = compare_sides(engine, requests, sides, args.repeats)
     best = {name: median(r) for name, r in runs.items()}
     ratio = best["DoRA"].output_tok_per_s / best["plain LoRA"].output_tok_per_s
     best["DoRA"].note = f"{ratio:.1%} of plain LoRA"

@@ -123,19 +123,50 @@ def run_engine(
     return LoraRun(name, len(requests), distinct, tokens, elapsed, tokens / elapsed)
 
 
+def median(runs: list[LoraRun]) -> LoraRun:
+    return sorted(runs, key=lambda r: r.output_tok_per_s)[len(runs) // 2]
+
+
 def alternate(engine, requests, adapters, name: str, repeats: int) -> tuple[LoraRun, LoraRun]:
     """The base model and the adapters on the same requests, alternated ``repeats`` times;
     the median run of each. A burst of load on these shared machines moved single runs of
     the base model by +-15%; alternating puts both sides under the same conditions."""
-    bases, runs = [], []
+    runs = compare_sides(
+        engine, requests, {f"base for {name}": [None] * len(requests), name: adapters}, repeats,
+        warm=False,
+    )  # fmt: skip
+    return median(runs[f"base for {name}"]), median(runs[name])
+
+
+def compare_sides(
+    engine, requests, sides: dict[str, list], repeats: int, *, warm: bool = True
+) -> dict[str, list[LoraRun]]:
+    """Each side's runs: the same requests on each side's adapters (as ``run_engine`` takes
+    them), the sides alternated ``repeats`` times, after one short untimed run of each that
+    fills every slot (``warm``) and takes first-call costs out of the way."""
+    if warm:
+        first = requests[: min(4, len(requests))]
+        for name, adapters in sides.items():
+            run_engine(engine, first, adapters[: len(first)], f"warmup {name}")
+    runs: dict[str, list[LoraRun]] = {name: [] for name in sides}
     for _ in range(repeats):
-        bases.append(run_engine(engine, requests, [None] * len(requests), f"base for {name}"))
-        runs.append(run_engine(engine, requests, adapters, name))
+        for name, adapters in sides.items():
+            runs[name].append(run_engine(engine, requests, adapters, name))
+    return runs
 
-    def median(xs: list[LoraRun]) -> LoraRun:
-        return sorted(xs, key=lambda r: r.output_tok_per_s)[len(xs) // 2]
 
-    return median(bases), median(runs)
+def side_by_side_arguments(parser: argparse.ArgumentParser, *, adapters: int, name: str) -> None:
+    """The options ``bench.dora`` and ``bench.mix`` share."""
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto", help="auto: as the engine chooses")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
+    parser.add_argument("--adapters", type=int, default=adapters)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", default=f"/tmp/switchboard-bench-{name}")
+    parser.add_argument("--out", default=f"bench/results/{name}.json")
 
 
 def run_peft(

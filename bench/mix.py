@@ -17,27 +17,14 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.lora import LoraRun, make_adapters, run_engine
+from bench.lora import compare_sides, make_adapters, median, side_by_side_arguments
 from bench.report import write_report
 from bench.workloads import fixed_lengths
 
 
-def median(runs: list[LoraRun]) -> LoraRun:
-    return sorted(runs, key=lambda r: r.output_tok_per_s)[len(runs) // 2]
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="auto", help="auto: as the engine chooses")
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda[:N]")
-    parser.add_argument("--adapters", type=int, default=1)
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workdir", default="/tmp/switchboard-bench-mix")
-    parser.add_argument("--out", default="bench/results/mix.json")
+    side_by_side_arguments(parser, adapters=1, name="mix")
     args = parser.parse_args(argv)
 
     from worker import LLMEngine, engine_config
@@ -70,13 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
         "one adapter": [f"lora-{k}" for k in picks],
         "mix of two": [[(f"lora-{k}", 0.7), (f"lora-{(k + 1) % count}", 0.3)] for k in picks],
     }
-    warm = requests[: min(4, args.requests)]
-    for name, adapters in sides.items():  # fills every slot; first-call costs out of the way
-        run_engine(engine, warm, adapters[: len(warm)], f"warmup {name}")
-    runs: dict[str, list[LoraRun]] = {name: [] for name in sides}
-    for _ in range(args.repeats):
-        for name, adapters in sides.items():
-            runs[name].append(run_engine(engine, requests, adapters, name))
+    runs = compare_sides(engine, requests, sides, args.repeats)
     best = {name: median(r) for name, r in runs.items()}
     ratio = best["mix of two"].output_tok_per_s / best["one adapter"].output_tok_per_s
     best["mix of two"].note = f"{ratio:.1%} of one adapter"
