@@ -1,6 +1,7 @@
 """Adapters with trained copies of lm_head and embed_tokens (PEFT's modules_to_save) or trainable
-token rows beside plain LoRA, DoRA and base rows in one step, against peft one adapter at a time
-(fp32), through preemption and prefix-cache hits, on a base with separate and with tied
+token rows beside plain LoRA, DoRA, a weighted mix of two plain adapters and base rows in one
+step, against peft one adapter at a time (fp32; the mix as PEFT's ``add_weighted_adapter(...,
+"cat")``), through preemption and prefix-cache hits, on a base with separate and with tied
 embeddings (where token rows change the logits of their ids too)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from worker import LLM, SamplingParams
 QV = ["q_proj", "v_proj"]
 ADAPTERS = {
     "plain": {"rank": 4, "targets": QV},
+    "plain2": {"rank": 4, "targets": ["o_proj", "gate_proj", "up_proj", "down_proj"]},
     "head": {"rank": 2, "targets": QV, "modules_to_save": ["lm_head"]},
     "embed": {"rank": 2, "targets": ["o_proj"], "modules_to_save": ["embed_tokens"]},
     "both-dora": {
@@ -25,7 +27,7 @@ ADAPTERS = {
         "use_dora": True,
     },
 }
-FIRST = random_prompts(11, min_len=5, max_len=18, seed=8)  # one per row of the assignment
+FIRST = random_prompts(12, min_len=5, max_len=18, seed=8)  # one per row of the assignment
 TOKEN_IDS = sorted({t for p in FIRST for t in p[1:4]})  # ids the prompts hold
 ADAPTERS["tokens"] = {"rank": 2, "targets": ["k_proj"], "trainable_token_indices": TOKEN_IDS}
 TIED_ONLY = {  # PEFT ties the two copies on a tied base when asked
@@ -44,7 +46,19 @@ UNTIED_ONLY = {  # token rows beside a trained lm_head (on a tied base both woul
         "modules_to_save": ["lm_head"],
     }
 }
-ASSIGNMENT = [None, "plain", "head", "embed", "both-dora", None, "tokens", "both-dora", "tokens"]
+MIX = [("plain", 0.5), ("plain2", 1.5)]
+ASSIGNMENT = [
+    None,
+    "plain",
+    "head",
+    "embed",
+    "both-dora",
+    None,
+    "tokens",
+    MIX,
+    "both-dora",
+    "tokens",
+]
 MAX_NEW = 10
 # A pool this small preempts; the second round's prompts extend the first's (prefix hits).
 PRESSURE = {"block_size": 4, "num_kv_blocks": 34, "max_num_batched_tokens": 48}
@@ -76,9 +90,17 @@ def peft_greedy(base, dirs, assignment, rounds) -> list[list[list[int]]]:
         models[name] = PeftModel.from_pretrained(hf, path).eval()
     plain = load_hf_model(base).eval()
     plain.generation_config.eos_token_id = None
+    hf = load_hf_model(base)
+    hf.generation_config.eos_token_id = None
+    mixed = PeftModel.from_pretrained(hf, dirs["plain"], adapter_name="plain")
+    mixed.load_adapter(dirs["plain2"], adapter_name="plain2")
+    names, weights = zip(*MIX, strict=True)
+    mixed.add_weighted_adapter(list(names), list(weights), "mix", combination_type="cat")
+    mixed.set_adapter("mix")
+    models["mix"] = mixed.eval()
 
     def run(prompt, adapter):
-        model = plain if adapter is None else models[adapter]
+        model = plain if adapter is None else models["mix" if adapter == MIX else adapter]
         out = model.generate(input_ids=torch.tensor([prompt]), generation_config=config)
         return out[0, len(prompt) :].tolist()
 
@@ -98,10 +120,14 @@ def test_saved_copies_beside_plain_dora_and_base_rows_match_peft(case):
     assert llm.engine.prefix_cache_stats.hits > 0
     manager = llm.engine.lora_manager
     held = [m for m in manager.slot_saved if m is not None]
-    assert len(held) == len(dirs) - 1  # all but "plain"
+    assert len(held) == len(dirs) - 2  # all but "plain" and "plain2"
     # The copies change the tokens: the base's rows differ from the "head" adapter's.
     row = assignment.index("head")
     alone = llm.generate([rounds[0][row]], params)[0].token_ids
+    assert alone != expected[0][row]
+    # The mix's second part counts: its row differs from its first adapter's alone.
+    row = assignment.index(MIX)
+    alone = llm.generate([rounds[0][row]], params, adapters=["plain"])[0].token_ids
     assert alone != expected[0][row]
 
 
