@@ -7,10 +7,13 @@ gateway's loop, spawns with libuv, which forks. `subprocess.Popen` on Linux star
 with vfork, which runs no fork handlers, so children start here and join the loop afterwards:
 their pipes as asyncio streams, their exit awaited on a pidfd (a thread elsewhere).
 
-Each pipe is closed through its transport, which closes Popen's file object with it, so its
-descriptor is closed exactly once. A transport freed unclosed under uvloop has libuv close
-the descriptor while the file object still holds the number; the file object then closed it
-a second time when it was collected, by then another socket's (a gRPC channel's, in a test).
+Each of our pipe ends is closed exactly once, by libuv, when its transport closes. uvloop's
+pipe transport has libuv close the descriptor and then closes the file object it was given
+too (expecting EBADF); a Popen file object would close the number a second time, and when
+another thread (gRPC's) had opened a socket in between, that socket (a channel's connection
+reset, or a call that never ends, in a test). So the pipes are made here (`os.pipe`), the
+child's ends closed once after the spawn, and uvloop is given file objects that never close
+their descriptor (``closefd=False``; asyncio's own loops close the file object instead).
 """
 
 from __future__ import annotations
@@ -35,44 +38,62 @@ class Child:
 
     @classmethod
     async def start(cls, argv: Sequence[str], *, env: dict[str, str], stderr: bool) -> Child:
-        popen = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE if stderr else subprocess.DEVNULL,
-            env=env,
-        )
+        # (the child's end, ours) of each pipe; ours are not inherited (os.pipe's default)
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        stderr_r, stderr_w = os.pipe() if stderr else (-1, -1)
+        ours = [stdin_w, stdout_r] + ([stderr_r] if stderr else [])
+        try:
+            popen = subprocess.Popen(
+                list(argv),
+                stdin=stdin_r,
+                stdout=stdout_w,
+                stderr=stderr_w if stderr else subprocess.DEVNULL,
+                env=env,
+            )
+        except BaseException:
+            _close_all(ours)
+            raise
+        finally:
+            _close_all([stdin_r, stdout_w] + ([stderr_w] if stderr else []))
         child = cls(popen)
         try:
-            await child._join_loop()
+            await child._join_loop(ours)
         except BaseException:
             popen.kill()
             popen.wait()
             child._close_pipes()
+            _close_all(ours)  # those no transport took yet
             raise
         return child
 
-    async def _join_loop(self) -> None:
+    async def _join_loop(self, ours: list[int]) -> None:
+        """``ours``: our ends, stdin's, stdout's (and stderr's); each leaves the list as a
+        transport takes it (and with it the duty to close it)."""
         loop = asyncio.get_running_loop()
-        popen = self._popen
-        assert popen.stdin is not None and popen.stdout is not None
         transport, protocol = await loop.connect_write_pipe(
-            lambda: _WriteProtocol(loop), popen.stdin
+            lambda: _WriteProtocol(loop), _pipe_file(loop, ours[0], "wb")
         )
-        self._transports.append(transport)
+        self._took(transport, ours)
         self.stdin = asyncio.StreamWriter(transport, protocol, None, loop)
-        self.stdout = await self._reader(loop, popen.stdout)
-        if popen.stderr is not None:
-            self.stderr = await self._reader(loop, popen.stderr)
-        self._exited = _exit_future(loop, popen)
+        self.stdout = await self._reader(loop, ours)
+        if ours:
+            self.stderr = await self._reader(loop, ours)
+        self._exited = _exit_future(loop, self._popen)
 
-    async def _reader(self, loop: asyncio.AbstractEventLoop, pipe) -> asyncio.StreamReader:
+    async def _reader(
+        self, loop: asyncio.AbstractEventLoop, ours: list[int]
+    ) -> asyncio.StreamReader:
         reader = asyncio.StreamReader()
         transport, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), pipe
+            lambda: asyncio.StreamReaderProtocol(reader), _pipe_file(loop, ours[0], "rb")
         )
-        self._transports.append(transport)
+        self._took(transport, ours)
         return reader
+
+    def _took(self, transport: asyncio.BaseTransport, ours: list[int]) -> None:
+        self._transports.append(transport)
+        ours.pop(0)
 
     def _close_pipes(self) -> None:
         """Our ends of the pipes, each closed once, through its transport (module docstring)."""
@@ -112,6 +133,21 @@ class Child:
 
 class _WriteProtocol(asyncio.streams.FlowControlMixin):
     """What a StreamWriter on a pipe needs: flow control, and nothing read back."""
+
+
+def _pipe_file(loop: asyncio.AbstractEventLoop, fd: int, mode: str):
+    """A file object over ``fd`` for a pipe transport of ``loop``, which closes ``fd`` once:
+    under uvloop libuv closes the descriptor (the file object must not close it again);
+    asyncio's own loops close the file object."""
+    libuv_closes = type(loop).__module__.startswith("uvloop")
+    return open(fd, mode, buffering=0, closefd=not libuv_closes)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        if fd >= 0:
+            os.close(fd)
+    fds.clear()
 
 
 async def _nothing() -> bytes:

@@ -87,7 +87,8 @@ def test_a_finished_child_never_closes_a_descriptor_that_has_been_reused() -> No
         await killed.kill()
         popens = [talked._popen, killed._popen]
         await asyncio.sleep(0.05)  # a transport closes its pipe on the loop's next turns
-        assert all(f.closed for p in popens for f in (p.stdin, p.stdout, p.stderr))
+        # The pipes are the transports' alone: no file object of Popen's holds their numbers.
+        assert all(f is None for p in popens for f in (p.stdin, p.stdout, p.stderr))
         del talked, killed
         gc.collect()
         # Files that take the lowest free numbers: the pipes' old ones, if they were freed.
