@@ -231,3 +231,32 @@ def test_an_output_reads_as_of_its_own_step_however_far_the_request_goes(llm):
     out = outputs[0]
     out.token_ids.append(7)  # a copy: the output and the request are untouched
     assert out.token_ids == final.token_ids[:1] and final.num_tokens == 6
+
+
+def test_a_requests_clocks_start_when_the_server_received_it(llm):
+    """``arrival_time``: a request that waited for the step loop counts its queue time and its
+    time to the first token from when it was received, and the tenant's first-token histogram
+    holds that time (against the wall clock read before and after)."""
+    import time
+
+    engine = llm.engine
+    ledger = engine.scheduler.ledger
+
+    def first_token_totals() -> tuple[float, int]:
+        (mine,) = [t for t in ledger.snapshot() if t.tenant == "clocks"] or [None]
+        return (0.0, 0) if mine is None else (mine.first_token_sum, mine.first_token_buckets[-1])
+
+    received = time.monotonic() - 2.0  # as if it had waited two seconds for the loop
+    engine.add_samples(["clocks"], [5, 6, 7], [greedy(2)], tenant="clocks", arrival_time=received)
+    seq = engine.requests["clocks"]
+    assert seq.metrics.arrival_time == received
+    while engine.has_unfinished_requests:
+        engine.step()
+        if seq.metrics.first_token_time is not None and first_token_totals()[1] == 1:
+            break
+    total, count = first_token_totals()
+    assert count == 1
+    assert total == pytest.approx(seq.metrics.first_token_time - received)
+    assert 2.0 <= total < 2.0 + (time.monotonic() - received)
+    while engine.has_unfinished_requests:
+        engine.step()
