@@ -190,12 +190,14 @@ def test_fixed_choice_measures_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "choices").exists()
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split-at-4", "torch-only"])
 def test_an_engine_switching_kernels_by_rows_generates_what_transformers_and_peft_do(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, split
 ):
     """Every op on a plan that changes kernel at 4 rows (native below, torch above, and the
     reverse), prompts chunked so chunks, decodes and LoRA steps fall on both sides, a
-    prefix shared: greedy tokens equal transformers' and peft's (fp32)."""
+    prefix shared; or torch's path for every op: greedy tokens equal transformers' and peft's
+    (fp32)."""
     from peft import PeftModel
     from transformers import GenerationConfig
 
@@ -207,6 +209,8 @@ def test_an_engine_switching_kernels_by_rows_generates_what_transformers_and_pef
     low, high = KernelPlan(NATIVE, TORCH, 4, "measured"), KernelPlan(TORCH, NATIVE, 4, "measured")
     plans = OpPlans(norm=low, activation=high, lora=low, decode_attention=high,
                     prefill_attention=low)  # fmt: skip
+    if not split:  # torch's path for every op, however many rows
+        plans = one_kernel(TORCH)
     monkeypatch.setattr("worker.engine.assembly.op_plans", lambda *a, **k: plans)
     base = make_checkpoint(tmp_path / "base", seed=3)
     adapter = make_peft_adapter(
@@ -219,6 +223,8 @@ def test_an_engine_switching_kernels_by_rows_generates_what_transformers_and_pef
     llm = LLM(str(base), dtype="float32", max_num_batched_tokens=24, enable_prefix_caching=True)
     assert llm.engine.model.ops is plans
     llm.load_adapter("a", adapter)
+    if not split:  # the native attention kernel gone: a step planned for it would raise
+        monkeypatch.setattr("switchboard_kernels.paged_attention.native_attention", lambda: None)
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outputs = llm.generate(prompts, greedy, adapters=adapters)
 

@@ -19,6 +19,7 @@ from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.llama import LlamaModel
 from worker.model.lora_manager import LoraBatch, LoraManager
 from worker.model.model_config import ModelConfig
+from worker.model.op_choice import NATIVE
 from worker.model.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from worker.model.step_inputs import StepInputs, prepare_step
 
@@ -217,10 +218,13 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSequence]) -> StepInputs:
         """The step's inputs, laid out for this runner's attention path (``step_inputs``)."""
         native_decodes = self.native_decodes
+        plan = self.model.ops.decode_attention
         if native_decodes and not self.native_prefills:
-            # The op plan may give torch's path a step of so many decodes (op_choice).
-            decoding = sum(1 for s in scheduled if s.num_tokens == 1 and s.start > 0)
-            native_decodes = decoding == 0 or self.model.ops.native_decodes(decoding)
+            if len(plan.kernels) == 1:  # no count needed
+                native_decodes = plan.small == NATIVE
+            else:  # a split plan: torch's path for steps of so many decodes (op_choice)
+                decoding = sum(1 for s in scheduled if s.num_tokens == 1 and s.start > 0)
+                native_decodes = decoding == 0 or plan.kernel_for(decoding) == NATIVE
         inputs = prepare_step(
             scheduled,
             block_size=self.block_size,
