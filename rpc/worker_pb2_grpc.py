@@ -5,7 +5,7 @@ import warnings
 
 from rpc import worker_pb2 as rpc_dot_worker__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

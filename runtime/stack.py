@@ -22,6 +22,7 @@ import httpx
 from runtime.certs import CertSet, ensure_certs
 from runtime.embedded_redis import EmbeddedRedis, free_port
 from runtime.home import default_tls_dir
+from runtime.kept_keys import keep_key, read_kept_key, up_key_path
 from runtime.processes import reap
 
 
@@ -186,12 +187,40 @@ class Stack:
         A tenant left in a persistent Redis by an earlier run is reused, so `make run`
         works every time.
         """
+        return self._new_key(tenant)["key"]
+
+    def _new_key(self, tenant: str) -> dict:
         try:
             self.admin("POST", "/tenants", json={"name": tenant})
         except httpx.HTTPStatusError as error:
             if error.response.status_code != 409:  # 409: it already exists
                 raise
-        return self.admin("POST", f"/tenants/{tenant}/keys")["key"]
+        return self.admin("POST", f"/tenants/{tenant}/keys")
+
+    def demo_key(self, tenant: str) -> str:
+        """The key `switchboard up` prints: the one an earlier start left while Redis still
+        knows it, else a new one (the tenant created if new).
+
+        Redis keeps only a key's hash, so the key itself is kept in a file of mode 0600 under
+        `$SWITCHBOARD_HOME/up-keys`, one per Redis, prefix and tenant: however often `up`
+        starts on a Redis that outlives it, the tenant holds one key that `up` made.
+        """
+        path = up_key_path(self.home, f"{self.redis_url}|{self.key_prefix}|{tenant}")
+        kept = read_kept_key(path)
+        if kept is not None and self._key_is_live(tenant, kept["key_id"]):
+            return kept["key"]
+        new = self._new_key(tenant)
+        keep_key(path, key_id=new["key_id"], key=new["key"])
+        return new["key"]
+
+    def _key_is_live(self, tenant: str, key_id: str) -> bool:
+        try:
+            live = self.admin("GET", f"/tenants/{tenant}/keys")["data"]
+        except httpx.HTTPStatusError as error:
+            if error.response.status_code == 404:  # no such tenant: a fresh Redis
+                return False
+            raise
+        return any(entry["key_id"] == key_id for entry in live)
 
     def stop(self) -> None:
         """SIGTERM everyone (workers drain), then kill whatever is left."""

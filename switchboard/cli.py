@@ -270,7 +270,7 @@ def up(args: argparse.Namespace) -> int:
     stack = Stack(model=model, num_workers=args.workers, gateway_port=args.port)
     print("starting Redis, worker(s) and gateway ...", flush=True)
     with stack:
-        key = stack.create_tenant_key(args.tenant)
+        key = stack.demo_key(args.tenant)
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
         # Also when started in the background, where SIGINT arrives ignored: Ctrl-C on the
         # process group must still reach this loop, not only the children. Before the
@@ -292,7 +292,7 @@ def _up_banner(stack, key: str, model_name: str) -> str:
     base = stack.base_url
     return f"""
 Switchboard is up: gateway {base}, Redis {stack.redis_url}
-  API key (tenant demo, shown once): {key}
+  API key (tenant demo):             {key}
   admin token:                       {stack.admin_token}
   gateway -> workers: mutual TLS, certificates in {stack.certs.worker.cert.parent.parent}
   web console: {base}/console (the API key), {base}/console/admin (the admin token)

@@ -1,4 +1,5 @@
-"""`switchboard up` as `make run` starts it: Ctrl-C on its process group stops the stack.
+"""`switchboard up` as `make run` starts it: Ctrl-C on its process group stops the stack, and
+a restart on the same Redis reuses the demo key instead of minting another.
 
 Started with SIGINT ignored, as a shell starts a background job: the group's Ctrl-C must
 still reach `up` itself, not only its worker and gateway (which then exit under it).
@@ -7,8 +8,10 @@ still reach `up` itself, not only its worker and gateway (which then exit under 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import queue
+import re
 import signal
 import subprocess
 import threading
@@ -29,12 +32,8 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def test_ctrl_c_on_the_process_group_stops_everything(redis_url, tmp_path):
-    model = add_byte_level_tokenizer(make_checkpoint(tmp_path / "model", vocab_size=512))
-    # `up` uses the "sb:" prefix: a database of its own keeps it apart from other users.
-    url = redis_url.rsplit("/", 1)[0] + "/14"
-    env = {**os.environ, "SWITCHBOARD_REDIS_URL": url, "SWITCHBOARD_HOME": str(tmp_path)}
-    command = [*switchboard_command(), "up", "--model", str(model), "--port", str(free_port())]
+def _start_and_interrupt(command: list[str], env: dict[str, str]) -> str:
+    """One `up` as `make run` starts it, stopped by Ctrl-C on its group; returns its output."""
     process = subprocess.Popen(
         command,
         env=env,
@@ -67,7 +66,29 @@ def test_ctrl_c_on_the_process_group_stops_everything(redis_url, tmp_path):
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-        client = redis.Redis.from_url(url)
-        keys = list(client.scan_iter("sb:*"))
-        if keys:
-            client.delete(*keys)
+    return "".join(output)
+
+
+def test_ctrl_c_stops_everything_and_restarts_keep_one_demo_key(redis_url, tmp_path):
+    """Three starts on one Redis that outlives them: each stops cleanly on Ctrl-C, and all
+    print the same working key, the demo tenant's only one."""
+    model = add_byte_level_tokenizer(make_checkpoint(tmp_path / "model", vocab_size=512))
+    # `up` uses the "sb:" prefix: a database of its own keeps it apart from other users.
+    url = redis_url.rsplit("/", 1)[0] + "/14"
+    env = {**os.environ, "SWITCHBOARD_REDIS_URL": url, "SWITCHBOARD_HOME": str(tmp_path)}
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        keys = []
+        for _ in range(3):
+            port = str(free_port())
+            command = [*switchboard_command(), "up", "--model", str(model), "--port", port]
+            banner = _start_and_interrupt(command, env)
+            keys.append(re.search(r"API key \(tenant demo\):\s+(\S+)", banner).group(1))
+        assert keys[0] == keys[1] == keys[2]
+        assert client.scard("sb:tenant:demo:keys") == 1
+        # The key is the one Redis knows (by its hash), not just the same string each time.
+        assert client.get("sb:apikey:" + hashlib.sha256(keys[0].encode()).hexdigest())
+    finally:
+        stale = list(client.scan_iter("sb:*"))
+        if stale:
+            client.delete(*stale)

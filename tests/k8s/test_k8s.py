@@ -806,53 +806,30 @@ def third_party_imports(entry_modules: tuple[str, ...]) -> set[str]:
     return found
 
 
-def load_select_requirements():
-    """docker/select_requirements.py, the script the gateway image build runs."""
-    path = ROOT / "docker" / "select_requirements.py"
-    spec = importlib.util.spec_from_file_location("select_requirements", path)
+def load_lockfile():
+    """locks/lockfile.py, which reads the locks the images install."""
+    path = ROOT / "locks" / "lockfile.py"
+    spec = importlib.util.spec_from_file_location("lockfile", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-select_requirements = load_select_requirements()
+lockfile = load_lockfile()
 
 
-def distribution_closure(names: list[str]) -> set[str]:
-    """`names` and everything they require (unconditionally), per installed metadata."""
-    closure: set[str] = set()
-    todo = [select_requirements.normalize(n) for n in names]
-    while todo:
-        name = todo.pop()
-        if name in closure:
-            continue
-        try:
-            requirements = importlib.metadata.requires(name) or []
-        except importlib.metadata.PackageNotFoundError:
-            # Not installed here: a requirement behind a platform marker (e.g. Windows only).
-            listed = {select_requirements.normalize(n) for n in names}
-            assert name not in listed, f"{name} is listed but not installed"
-            continue
-        closure.add(name)
-        for requirement in requirements:
-            if "extra ==" not in requirement:
-                todo.append(select_requirements.requirement_name(requirement))
-    return closure
-
-
-def test_gateway_image_requirements_cover_its_imports_without_torch():
-    names = select_requirements.read_names(ROOT / "docker" / "gateway-requirements.txt")
-    # Every name is a project dependency, so its version constraint comes from pyproject.
-    lines = select_requirements.select(ROOT / "pyproject.toml", names)
-    assert len(lines) == len(names)
-    closure = distribution_closure(names)
-    assert not HEAVY & closure
+def test_gateway_image_lock_covers_its_imports_without_torch():
+    """locks/gateway.txt, all the gateway image installs, holds a distribution for every
+    third-party module the gateway and `switchboard admin` import, and nothing heavy."""
+    locked = set(lockfile.read_lock(ROOT / "locks" / "gateway.txt"))
+    assert not HEAVY & locked
     providers = importlib.metadata.packages_distributions()
     imports = third_party_imports(GATEWAY_ENTRY_MODULES)
     assert "fastapi" in imports and not imports & HEAVY
     for module in imports:
-        dists = {select_requirements.normalize(d) for d in providers.get(module, [])}
-        assert dists & closure, f"the gateway imports {module}; no listed requirement brings it"
+        dists = {lockfile.normalize(d) for d in providers.get(module, [])}
+        assert dists & locked, f"the gateway imports {module}; locks/gateway.txt has no provider"
 
 
 def test_images_run_as_the_uid_the_pods_expect():
@@ -871,7 +848,20 @@ def test_gateway_image_never_installs_torch():
     text = (ROOT / "docker" / "gateway.Dockerfile").read_text()
     installs = [line for line in text.splitlines() if "pip install" in line]
     assert installs and not any("torch" in line for line in installs)
-    assert "pip install --no-deps /src" in text  # the package's own torch pin is skipped
+    assert "pip install --no-deps --no-build-isolation /src" in text  # skips its torch pin
+
+
+def test_images_install_the_locks():
+    """Both images install hash-checked pins of locks/ and the package with --no-deps."""
+    for dockerfile in ("gateway.Dockerfile", "worker.Dockerfile"):
+        text = (ROOT / "docker" / dockerfile).read_text()
+        installs = re.findall(r"pip install ([^\n]*)", text)
+        for install in installs:
+            assert (
+                "--require-hashes" in install
+                or "--no-deps --no-build-isolation /src" in install
+                or "torch==2.13.0" in install  # the CUDA build's torch, from its own index
+            ), f"{dockerfile}: {install}"
 
 
 def test_grafana_dashboard_queries_only_series_we_export():
