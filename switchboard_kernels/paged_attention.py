@@ -173,10 +173,18 @@ def write_kv(
     value_cache.view(-1, *value.shape[1:]).index_copy_(0, slot_mapping, value)
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, rows: int) -> torch.Tensor:
-    """[rows, blocks_per_row * block_size, kv_heads, dim]: the listed blocks, back to back."""
-    gathered = cache.index_select(0, block_tables)
-    return gathered.view(rows, -1, *cache.shape[2:])
+def gather_blocks(
+    cache: torch.Tensor, block_tables: torch.Tensor, rows: int, seen: torch.Tensor
+) -> torch.Tensor:
+    """[rows, blocks_per_row * block_size, kv_heads, dim]: the listed blocks, back to back, with
+    every slot that no query of its row sees (``seen``: [rows, span] bool) set to zero.
+
+    Those slots hold whatever a freed block or a padding block last held, another sequence's
+    K/V, possibly inf or NaN. A masked score gets weight 0, but 0 x NaN is NaN, and SDPA adds a
+    boolean mask as -inf to a score that is already NaN; so the slots are overwritten (a select,
+    not a product) and nothing of their contents reaches the output."""
+    gathered = cache.index_select(0, block_tables).view(rows, -1, *cache.shape[2:])
+    return gathered.masked_fill_(~seen.view(rows, -1, 1, 1), 0)
 
 
 def paged_attention(
@@ -206,8 +214,9 @@ def paged_attention(
         # dim], row g * n + i for head g of the KV group at position i.
         q = query[rows].view(g.count, n, num_kv_heads, group, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(g.count, num_kv_heads, group * n, head_dim)
-        k = gather_blocks(key_cache, g.block_tables, g.count).transpose(1, 2)
-        v = gather_blocks(value_cache, g.block_tables, g.count).transpose(1, 2)
+        seen = g.mask.any(dim=2).view(g.count, -1)  # [count, span]: slots some row sees
+        k = gather_blocks(key_cache, g.block_tables, g.count, seen).transpose(1, 2)
+        v = gather_blocks(value_cache, g.block_tables, g.count, seen).transpose(1, 2)
         # k, v: [count, kv_heads, max_blocks * block_size, dim]
         mask = g.mask
         if window is not None:
@@ -239,8 +248,9 @@ def paged_attention(
             k = key[rows].view(count, chunk.length, num_kv_heads, head_dim).transpose(1, 2)
             v = value[rows].view(count, chunk.length, num_kv_heads, head_dim).transpose(1, 2)
         else:
-            k = gather_blocks(key_cache, chunk.block_table, 1).transpose(1, 2)
-            v = gather_blocks(value_cache, chunk.block_table, 1).transpose(1, 2)
+            seen = chunk.mask.any(dim=0).view(1, -1)  # [1, span]: the sequence's own slots
+            k = gather_blocks(key_cache, chunk.block_table, 1, seen).transpose(1, 2)
+            v = gather_blocks(value_cache, chunk.block_table, 1, seen).transpose(1, 2)
         mask = chunk.mask
         if window is not None and (mask is not None or chunk.length > window):
             inside = _in_window(positions[rows][: chunk.length], k.shape[2], window)
