@@ -18,16 +18,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
+import pytest
+import triton.language as tl
 
-import switchboard_kernels.paged_attention_triton as tri  # noqa: E402
-from switchboard_kernels.attention_native import native_attention  # noqa: E402
-from switchboard_kernels.paged_attention import attend  # noqa: E402
-from worker.core.batch import ScheduledSequence  # noqa: E402
-from worker.core.block_manager import BlockManager  # noqa: E402
-from worker.core.sequence import Sequence  # noqa: E402
-from worker.model.step_inputs import prepare_step  # noqa: E402
+import switchboard_kernels.paged_attention_triton as tri
+from switchboard_kernels.attention_native import native_attention
+from switchboard_kernels.paged_attention import attend
+from worker.core.batch import ScheduledSequence
+from worker.core.block_manager import BlockManager
+from worker.core.sequence import Sequence
+from worker.model.step_inputs import prepare_step
 
 HEADS, KV_HEADS, DIM, BLOCK, NUM_BLOCKS = 4, 2, 16, 4, 64
 TRITON_HERE = torch.cuda.is_available() or (

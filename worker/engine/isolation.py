@@ -120,6 +120,25 @@ def _one_by_one(
     return tokens, raised
 
 
+def non_finite(seq: Sequence, why: str) -> NonFiniteLogitsError:
+    """The error of a request whose own logits cannot be sampled (``why_unusable``), naming
+    the adapter (or mix) it runs with: an adapter whose weights overflow the dtype is the usual
+    cause. Attention reads no slot a sequence does not own, so the step's others are untouched."""
+    if seq.adapter_mix is not None:
+        return NonFiniteLogitsError(f"{why}, with the mix of adapters {seq.adapter_id}")
+    if seq.adapter_id is not None:
+        return NonFiniteLogitsError(
+            f"{why}, with adapter {seq.adapter_id}: its weights take the model's values past "
+            "what the dtype holds"
+        )
+    return NonFiniteLogitsError(why)
+
+
+def with_adapter_named(seq: Sequence, exc: Exception) -> Exception:
+    """A sampling failure of ``seq``: unusable logits say which adapter gave them."""
+    return non_finite(seq, str(exc)) if isinstance(exc, NonFiniteLogitsError) else exc
+
+
 def plain_rows(
     sampling: list[ScheduledSequence], logits: torch.Tensor
 ) -> tuple[list[ScheduledSequence], torch.Tensor]:
@@ -147,7 +166,7 @@ def drop_unusable_drafts(
         span = range(row, row + s.num_spec + 1)
         why = next((w for r in span if (w := why_unusable(top[r])) is not None), None)
         if s.num_spec and why is not None:
-            failed[s.seq] = NonFiniteLogitsError(why)
+            failed[s.seq] = non_finite(s.seq, why)
         else:
             kept.append(s)
             rows.extend(span)

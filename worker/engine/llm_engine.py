@@ -35,6 +35,7 @@ from worker.engine.isolation import (
     execute_isolating,
     plain_rows,
     sample_isolating,
+    with_adapter_named,
 )
 from worker.engine.long_rope import LongRopeSwitch
 from worker.engine.output_stage import OutputStage
@@ -364,7 +365,10 @@ class LLMEngine:
         # (sampling waits for it).
         outputs = stage.render_committed()
         sampled, failures = sample_isolating(self.sampler, logits, rows)
-        failed += [(sampling[j].seq, exc) for j, exc in failures.items()]
+        failed += [
+            (sampling[j].seq, with_adapter_named(sampling[j].seq, exc))
+            for j, exc in failures.items()
+        ]
         if self.scheduler.step_budget is not None and executed.parts == 1:
             self.scheduler.step_budget.times.observe(sched.num_tokens, time.perf_counter() - start)
         now = time.monotonic()
