@@ -170,11 +170,17 @@ class ClientDisconnectedError(GatewayError):
 
 
 class WorkerFailedError(GatewayError):
-    """The worker failed (before the first token on every try, or mid-stream)."""
+    """The worker failed (before the first token on every try, or mid-stream). The message a
+    tenant sees names no worker and no gRPC status: ``detail`` (the worker's address, the
+    status and its text) is for the gateway's log, beside the request id."""
 
     status = 502
     type = "server_error"
     code = "worker_failed"
+
+    def __init__(self, message: str, *, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail or message
 
 
 class DeadlineExceededError(GatewayError):

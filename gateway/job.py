@@ -45,14 +45,18 @@ class Job:
         return self.adapter.adapter_id if self.adapter else None
 
     def named(self, error: GatewayError) -> GatewayError:
-        """A worker's refusal of this request's mix, naming the caller's adapters where the
-        worker (which knows content ids only) named their ids."""
-        if not self.mix or not isinstance(error, InvalidRequestError):
+        """A worker's refusal of this request (its mix, its adapter's overflowing numbers),
+        naming the caller's adapters where the worker (which knows content ids only) named
+        their ids."""
+        adapters = [a for a, _ in self.mix] or ([self.adapter] if self.adapter else [])
+        if not adapters or not isinstance(error, InvalidRequestError):
             return error
         message = error.message
-        for adapter, _ in self.mix:
+        for adapter in adapters:
             message = message.replace(repr(adapter.adapter_id), repr(adapter.name))
-        return InvalidRequestError(message, param="adapters")
+        if self.mix:
+            return InvalidRequestError(message, param="adapters")
+        return error if message == error.message else InvalidRequestError(message, param="model")
 
     def to_proto(self) -> worker_pb2.GenerateRequest:
         return worker_pb2.GenerateRequest(

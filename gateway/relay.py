@@ -109,8 +109,9 @@ async def _on_a_worker(
             raise DeadlineExceededError("the request's deadline passed") from exc
         except WorkerStreamError as exc:
             if not exc.retryable:
+                log.info("request %s: %s", job.request_id, failure_detail(exc.error))
                 raise job.named(exc.error) from exc  # the request's own: this worker is fine
-            log.warning("request %s: %s", job.request_id, exc.error.message)
+            log.warning("request %s: %s", job.request_id, failure_detail(exc.error))
             if exc.worker_failed:
                 route.failed(worker)
             error = exc.error
@@ -140,11 +141,18 @@ async def stop_unfinished(tally: Tally) -> None:
         tally.charge_reported(report)
 
 
+def failure_detail(error: GatewayError) -> str:
+    """What the log says of a failure: a worker's own detail (address, gRPC status), which
+    the tenant's message leaves out."""
+    return error.detail if isinstance(error, WorkerFailedError) else error.message
+
+
 def _check_not_aborted(message: worker_pb2.GenerateResponse, *, address: str) -> None:
     if message.finish_reason == "abort":
-        raise WorkerStreamError(
-            WorkerFailedError(f"worker {address} aborted the request"), retryable=False
+        error = WorkerFailedError(
+            "the worker aborted this request", detail=f"worker {address} aborted the request"
         )
+        raise WorkerStreamError(error, retryable=False)
 
 
 async def _responses(
@@ -164,6 +172,7 @@ async def _responses(
         raise DeadlineExceededError("the request's deadline passed") from exc
     except WorkerStreamError as exc:
         ended = True
+        log.warning("request %s, mid-stream: %s", job.request_id, failure_detail(exc.error))
         raise job.named(exc.error) from exc
     finally:
         await _end_call(stream, tally, ended=ended)
@@ -189,6 +198,7 @@ def collect(reply: WorkerReply, *, job: Job, fmt: OutputFormat, tally: Tally) ->
         try:
             _check_not_aborted(message, address=reply.address)
         except WorkerStreamError as exc:
+            log.warning("request %s: %s", job.request_id, failure_detail(exc.error))
             raise exc.error from exc
         sample = samples.setdefault(message.index, Sample(index=message.index))
         sample.text += message.text
@@ -203,7 +213,9 @@ def collect(reply: WorkerReply, *, job: Job, fmt: OutputFormat, tally: Tally) ->
     # Every sample generated must have ended, best_of's discarded ones too: a call cut short
     # is a failure whatever the ranking would keep.
     if any(s.finish_reason is None for s in ordered):
-        raise WorkerFailedError(f"worker {reply.address} ended the call before every sample")
+        detail = f"worker {reply.address} ended the call before every sample"
+        log.warning("request %s: %s", job.request_id, detail)
+        raise WorkerFailedError("the worker ended this request early", detail=detail)
     tally.finished = True
     for sample in ordered:
         sample.prompt_logprobs = prompt_logprobs

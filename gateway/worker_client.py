@@ -51,6 +51,8 @@ RETRY_ELSEWHERE = frozenset({grpc.StatusCode.NOT_FOUND})
 # with top logprobs pass gRPC's default 4 MB receive limit, and the HTTP body the gateway
 # builds from it is larger still, so the message is not what should bound it.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
+# What a tenant reads when its worker fails: no address, no gRPC status (those are logged).
+UNAVAILABLE_MESSAGE = "the worker serving this request became unavailable; try again"
 
 
 class WorkerStreamError(Exception):
@@ -74,10 +76,11 @@ def translate_rpc_error(exc: grpc.RpcError, *, address: str) -> WorkerStreamErro
         return WorkerStreamError(error, retryable=False)
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
         return WorkerStreamError(InvalidRequestError(details or "invalid request"), retryable=False)
+    detail = f"worker {address} failed: {code.name}: {details}"
     if code in RETRYABLE or code in RETRY_ELSEWHERE:
-        error = WorkerFailedError(f"worker {address} failed: {code.name}: {details}")
+        error = WorkerFailedError(UNAVAILABLE_MESSAGE, detail=detail)
         return WorkerStreamError(error, retryable=True, worker_failed=code in RETRYABLE)
-    error = WorkerFailedError(f"the worker could not complete this request: {code.name}: {details}")
+    error = WorkerFailedError("the worker could not complete this request", detail=detail)
     return WorkerStreamError(error, retryable=False, worker_failed=False)
 
 
@@ -198,7 +201,9 @@ async def start_generate(
         call.cancel()  # our own caller was cancelled (client gone): tell the worker
         raise
     if first is grpc.aio.EOF:
-        error = WorkerFailedError(f"worker {address} ended the stream without a response")
+        error = WorkerFailedError(
+            UNAVAILABLE_MESSAGE, detail=f"worker {address} ended the stream without a response"
+        )
         raise WorkerStreamError(error, retryable=True)
     return WorkerStream(worker_id=worker_id, address=address, call=call, first=first)
 
@@ -234,7 +239,9 @@ async def generate_all(
             )  # fmt: skip
         raise translate_rpc_error(exc, address=address) from exc
     if not reply.responses:
-        error = WorkerFailedError(f"worker {address} answered without a response")
+        error = WorkerFailedError(
+            UNAVAILABLE_MESSAGE, detail=f"worker {address} answered without a response"
+        )
         raise WorkerStreamError(error, retryable=True)
     first_token_at = time.monotonic() - reply.first_token_to_end_s
     return WorkerReply(worker_id, address, list(reply.responses), first_token_at)

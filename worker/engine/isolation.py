@@ -125,10 +125,11 @@ def non_finite(seq: Sequence, why: str) -> NonFiniteLogitsError:
     the adapter (or mix) it runs with: an adapter whose weights overflow the dtype is the usual
     cause. Attention reads no slot a sequence does not own, so the step's others are untouched."""
     if seq.adapter_mix is not None:
-        return NonFiniteLogitsError(f"{why}, with the mix of adapters {seq.adapter_id}")
+        names = ", ".join(repr(adapter_id) for adapter_id, _ in seq.adapter_mix.parts)
+        return NonFiniteLogitsError(f"{why}, with the mix of adapters {names}")
     if seq.adapter_id is not None:
         return NonFiniteLogitsError(
-            f"{why}, with adapter {seq.adapter_id}: its weights take the model's values past "
+            f"{why}, with adapter {seq.adapter_id!r}: its weights take the model's values past "
             "what the dtype holds"
         )
     return NonFiniteLogitsError(why)
