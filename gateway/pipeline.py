@@ -13,7 +13,6 @@ plumbing around them (arrival, the client leaving, the SSE response) is `gateway
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -26,6 +25,7 @@ from gateway.admission import Admission
 from gateway.connection import SSE_HEADERS, ClosingEventStream, arrival_of, until_disconnect
 from gateway.errors import status_of
 from gateway.job import Job
+from gateway.large_bodies import large_json_response
 from gateway.metrics import RequestObservation
 from gateway.openai_format import ChatFormat, Header, OutputFormat, output_format
 from gateway.parsing import OpenAIRequest, parse
@@ -109,20 +109,16 @@ async def _route_and_relay(
     return await call(job, route, channels=state.channels, tally=tally)
 
 
-async def _collected(
-    reply: WorkerReply, *, job: Job, fmt: OutputFormat, tally: Tally
-) -> JSONResponse:
-    """The whole body: assembled and serialized on a thread once it is large; the tally is
-    final once it is back."""
+async def _collected(reply: WorkerReply, *, job: Job, fmt: OutputFormat, tally: Tally) -> Response:
+    """The whole body: once large, assembled on a thread and serialized in pieces that leave
+    the loop free (``gateway.large_bodies``); the tally is final once it is back."""
     top = job.params.logprobs if job.params.HasField("logprobs") else 0
     entries = sum(len(m.token_ids) + len(m.prompt_logprobs) for m in reply.responses) * (1 + top)
     if entries <= INLINE_COLLECT_ENTRIES:
         return JSONResponse(relay.collect(reply, job=job, fmt=fmt, tally=tally))
-    return await asyncio.to_thread(_collected_now, reply, job, fmt, tally)
-
-
-def _collected_now(reply: WorkerReply, job: Job, fmt: OutputFormat, tally: Tally) -> JSONResponse:
-    return JSONResponse(relay.collect(reply, job=job, fmt=fmt, tally=tally))
+    return await large_json_response(
+        functools.partial(relay.collect, reply, job=job, fmt=fmt, tally=tally)
+    )
 
 
 def _output_format(
