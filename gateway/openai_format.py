@@ -220,6 +220,11 @@ class CompletionFormat:
     _prompt: list[Sequence[worker_pb2.TokenLogprob]] = field(
         default_factory=list, init=False, repr=False, compare=False
     )
+    # The echoed prompt's logprobs, built once for all of a request's choices (n up to 128
+    # of them would otherwise each rebuild the same ~prompt x alternatives entries).
+    _echoed: dict[int, tuple[Sequence[worker_pb2.TokenLogprob], dict[str, list[Any]]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def _logprobs(
         self,
@@ -233,9 +238,9 @@ class CompletionFormat:
         tokens, token_logprobs, top, offsets = [], [], [], []
         if self.echo and self.prompt is not None:
             if prompt is not None:
-                echoed = self.prompt.legacy_logprobs(self.tokenizer, prompt, self.logprobs)
-                tokens, token_logprobs = echoed["tokens"], echoed["token_logprobs"]
-                top, offsets = echoed["top_logprobs"], echoed["text_offset"]
+                echoed = self._echoed_logprobs(prompt)
+                tokens, token_logprobs = list(echoed["tokens"]), list(echoed["token_logprobs"])
+                top, offsets = list(echoed["top_logprobs"]), list(echoed["text_offset"])
             text_offset += len(self.prompt.text(self.tokenizer))
         for e in entries:
             text = self.tokenizer.token_text(e.token_id)
@@ -250,6 +255,16 @@ class CompletionFormat:
             "top_logprobs": top,
             "text_offset": offsets,
         }
+
+    def _echoed_logprobs(self, prompt: Sequence[worker_pb2.TokenLogprob]) -> dict[str, list[Any]]:
+        """The prompt's legacy logprobs, shared by the choices (each copies the lists before
+        adding its own tokens; the entries themselves are never changed)."""
+        assert self.prompt is not None and self.logprobs is not None
+        cached = self._echoed.get(id(prompt))
+        if cached is None or cached[0] is not prompt:
+            built = self.prompt.legacy_logprobs(self.tokenizer, prompt, self.logprobs)
+            cached = self._echoed[id(prompt)] = (prompt, built)
+        return cached[1]
 
     def _choice(
         self,

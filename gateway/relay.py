@@ -49,6 +49,10 @@ MAX_TRIES = 2
 # How long a client's departure waits for the worker to report what the request generated;
 # a worker's Abort waits for its step in progress at most (well under a second here).
 ABORT_TIMEOUT_S = 2.0
+# A streamed event past this size (an echoed prompt's logprobs in each choice's first chunk)
+# is followed by a turn of the loop: sending does not suspend while the socket takes bytes,
+# so n such events would otherwise be built back to back.
+LARGE_EVENT_CHARS = 16 << 10
 
 
 async def open_stream(
@@ -172,7 +176,6 @@ async def _responses(
         raise DeadlineExceededError("the request's deadline passed") from exc
     except WorkerStreamError as exc:
         ended = True
-        log.warning("request %s, mid-stream: %s", job.request_id, failure_detail(exc.error))
         raise job.named(exc.error) from exc
     finally:
         await _end_call(stream, tally, ended=ended)
@@ -293,7 +296,10 @@ async def _events(
                 continue  # text held back (it may start a tool call)
             started.add(message.index)
             for event in body if isinstance(body, list) else [body]:
-                yield sse(json.dumps(event, separators=(",", ":")))
+                data = json.dumps(event, separators=(",", ":"))
+                yield sse(data)
+                if len(data) > LARGE_EVENT_CHARS:
+                    await asyncio.sleep(0)  # the loop's other work before building the next
             # Resumed once the server took the bytes: the relay share of this delta.
             metrics.RELAY_TIME.observe(time.monotonic() - tally.last_message_at)
         if include_usage:
@@ -306,7 +312,7 @@ async def _events(
             for event in closing if isinstance(closing, list) else [closing]:
                 yield sse(json.dumps(event, separators=(",", ":")))
     except GatewayError as exc:
-        log.warning("request %s failed mid-stream: %s", job.request_id, exc.message)
+        log.warning("request %s failed mid-stream: %s", job.request_id, failure_detail(exc))
         tally.error_status = exc.status
         yield sse(json.dumps(gateway_error_body(exc)))
     finally:
