@@ -891,3 +891,65 @@ def test_a_flood_of_crashing_schemas_leaves_another_tenants_schemas_fast(
     # fair checkers the victim waited 41-45 s behind the flood. The ratio is printed above and
     # reported with its command (1.25-1.3x measured); a fixed second of slack absorbs a busy CI.
     assert statistics.median(attacked) <= 2 * alone + 1.0, (alone, attacked)
+
+
+# --- an adapter whose numbers overflow, on the torch attention path ---------------------------
+
+
+@pytest.fixture(scope="module")
+def torch_plan_stack(tiny_model, redis_url, tmp_path_factory):
+    """A worker in float16 on CPU: no native kernel serves that dtype, so every attention call
+    takes the torch path (blocks gathered whole, padding and tails included), the plan a
+    disturbed start-up measurement also falls back to. A small KV pool (65 blocks of 16
+    tokens), so that freed blocks come round again within a few requests."""
+    with Stack(
+        model=tiny_model,
+        num_workers=1,
+        redis_url=redis_url,
+        gateway_port=free_port(),
+        dtype="float16",
+        worker_args=["--kv-cache-memory-gb", "0.00025"],
+        key_prefix=f"sbhostile-f16:{os.getpid()}:",
+        home=tmp_path_factory.mktemp("hostile-f16-home"),
+    ) as running:
+        yield running
+
+
+def _overflowing(adapter_dir) -> bytes:
+    """The adapter with every ``lora_B`` entry 3e38: finite (accepted, as PEFT would), but
+    its rows' K/V overflow to inf and NaN."""
+    import numpy as np
+    from safetensors.numpy import load, save
+
+    tensors = load((adapter_dir / "adapter_model.safetensors").read_bytes())
+    for name in [k for k in tensors if "lora_B" in k]:
+        tensors[name] = np.full_like(tensors[name], 3e38)
+    return _with_weights(adapter_dir, save(tensors))
+
+
+def test_an_adapters_nan_in_freed_kv_blocks_reaches_no_other_tenant(
+    torch_plan_stack, tiny_model, tmp_path_factory
+):
+    stack = torch_plan_stack
+    adapter = make_peft_adapter(
+        tiny_model,
+        tmp_path_factory.mktemp("overflow") / "a",
+        rank=4,
+        targets=["k_proj", "v_proj", "o_proj"],
+    )
+    victim = Victim(stack, stack.create_tenant_key("victim"), tiny_model.name)
+    key = stack.create_tenant_key("attacker")
+    with httpx.Client(
+        base_url=stack.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60
+    ) as attacker:
+        assert _upload(attacker, "boom", _overflowing(adapter)).status_code == 201
+        refused = []
+        with victim.alongside():
+            for i in range(40):  # each writes NaN into the blocks it then frees
+                body = {"model": "boom", "prompt": "overflow " * (5 + i % 5), "max_tokens": 4}
+                refused.append(attacker.post("/v1/completions", json=body))
+        for response in refused:
+            error = assert_refused(response, 400)
+            assert "not numbers (NaN)" in error["message"] and "'boom'" in error["message"]
+    # After the floods, on the blocks they left: the victim's answer is still the clean one.
+    assert victim.stream() == victim.expected
