@@ -48,6 +48,11 @@ PATHS = {
 }
 
 
+def device_of(path: str) -> str:
+    """Triton on the GPU where there is one (else its interpreter); the others on the CPU."""
+    return "cuda" if path == "triton" and torch.cuda.is_available() else "cpu"
+
+
 def plan(path: str):
     """One step over sequences whose blocks are scattered over the pool (every other block
     free, so padding and neighbours are slots nobody in the step owns), and the flat slots
@@ -72,7 +77,7 @@ def plan(path: str):
         block_size=BLOCK,
         num_kv_heads=KV_HEADS,
         heads_per_kv_head=HEADS // KV_HEADS,
-        device_type="cpu",
+        device_type=device_of(path),
         **PATHS[path],
     )
     return step, torch.tensor(owned)
@@ -92,14 +97,16 @@ def caches(owned: torch.Tensor, dtype: torch.dtype, fill: tuple[float, float] | 
     return key.view(shape).to(dtype), value.view(shape).to(dtype)
 
 
-def run(step, key_cache, value_cache) -> torch.Tensor:
+def run(step, key_cache, value_cache, device: str) -> torch.Tensor:
     rows = len(step.positions)
     query = torch.randn(rows, HEADS, DIM, generator=torch.Generator().manual_seed(2))
+    query, key_cache, value_cache = (t.to(device) for t in (query, key_cache, value_cache))
     query = query.to(key_cache.dtype)
-    flat = step.meta.slot_mapping
+    meta = step.meta.to(torch.device(device))
+    flat = meta.slot_mapping
     key = key_cache.flatten(0, 1)[flat].clone()  # this step's fresh keys, as their slots hold
     value = value_cache.flatten(0, 1)[flat].clone()
-    return attend(query, key, value, key_cache, value_cache, step.meta, DIM**-0.5)
+    return attend(query, key, value, key_cache, value_cache, meta, DIM**-0.5).cpu()
 
 
 def skip_unless_here(path: str) -> None:
@@ -117,8 +124,8 @@ def test_foreign_slots_never_reach_the_output(path, dtype, fill):
     if path == "triton" and dtype == torch.bfloat16 and not torch.cuda.is_available():
         pytest.skip("the interpreter's bf16 is covered by the float32 case")
     step, owned = plan(path)
-    clean = run(step, *caches(owned, dtype, None))
-    poisoned = run(step, *caches(owned, dtype, fill))
+    clean = run(step, *caches(owned, dtype, None), device_of(path))
+    poisoned = run(step, *caches(owned, dtype, fill), device_of(path))
     assert clean.isfinite().all()
     torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
 
