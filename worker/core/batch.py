@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from worker.core.prompt_scoring import work_tokens
 from worker.core.sequence import Sequence
 
 
@@ -48,17 +49,26 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # K/V block moves to make, in this order, before the forward pass.
     moves: list[BlockMove] = field(default_factory=list)
-    num_tokens: int = 0  # kept equal to the sum of scheduled num_fed
+    # The step's work, kept equal to the sum of scheduled num_fed, each position that scores
+    # its prompt counted ``scored_token_cost`` times (``worker.core.prompt_scoring``).
+    num_tokens: int = 0
+    scored_token_cost: float = 1.0
 
     def add(self, placed: ScheduledSequence) -> None:
         self.scheduled.append(placed)
-        self.num_tokens += placed.num_fed
+        self.num_tokens += self._work(placed)
+
+    def _work(self, placed: ScheduledSequence) -> int:
+        if placed.seq.params.prompt_logprobs is None:
+            return placed.num_fed
+        cost = self.scored_token_cost
+        return work_tokens(placed.seq, placed.start, placed.num_tokens, cost) + placed.num_spec
 
     def drop(self, seq: Sequence) -> None:
         """Take back ``seq``'s place, if it has one this step."""
         for i, placed in enumerate(self.scheduled):
             if placed.seq is seq:
-                self.num_tokens -= placed.num_fed
+                self.num_tokens -= self._work(placed)
                 del self.scheduled[i]
                 return
 

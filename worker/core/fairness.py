@@ -7,7 +7,8 @@ admissions, the split of a step's token budget between prefill chunks, and whom 
 A tenant that arrives with nothing here starts no lower than the lowest counter of the
 tenants that have work (the paper's counter lift), so idle time is not banked as credit.
 
-Our variant counts tokens computed, not tokens sent: a prefix-cache hit costs nothing, and
+Our variant counts tokens computed, not tokens sent: a prefix-cache hit costs nothing, a prompt
+position scored for its logprobs costs its scoring too (``worker.core.prompt_scoring``), and
 a recompute after preemption is not charged twice (``Sequence.num_charged_tokens``), since
 the counter measures the compute a tenant took from the others. While another tenant waits,
 a tenant holds at most its weighted share of the seats and KV blocks; past it, it is the
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from worker.core.config import FairnessConfig, SchedulingPolicy
+from worker.core.prompt_scoring import work_tokens
 from worker.core.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -45,7 +47,7 @@ class TenantAccount:
     weight: float = 1.0
     counter: float = 0.0  # weighted tokens served / weight
     num_seqs: int = 0  # unfinished sequences here (waiting, running or swapped)
-    prefill_tokens: int = 0  # since start, for metrics
+    prefill_tokens: int = 0  # since start, for metrics (scored prompt positions at their cost)
     decode_tokens: int = 0
     queue_time_sum: float = 0.0
     queue_time_buckets: list[int] = field(default_factory=lambda: [0] * len(QUEUE_TIME_BUCKETS))
@@ -73,6 +75,8 @@ class ServiceLedger:
 
     def __init__(self, config: FairnessConfig) -> None:
         self.config = config
+        # A prompt position scored for its logprobs counts as this many prefill tokens.
+        self.scored_token_cost = 1.0
         self.accounts: dict[str, TenantAccount] = {}
         self._last_left = 0.0  # counter of the last tenant to run out of work
 
@@ -107,6 +111,8 @@ class ServiceLedger:
         prompt_end = seq.num_prompt_tokens
         prefill = max(0, min(end, prompt_end) - begin)
         decode = max(0, end - max(begin, prompt_end)) + num_spec
+        if prefill and seq.params.prompt_logprobs is not None:  # its scoring's share
+            prefill = work_tokens(seq, begin, prefill, self.scored_token_cost)
         return prefill, decode
 
     def virtual(self, tenant: str, prefill: int, decode: int) -> float:

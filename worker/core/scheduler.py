@@ -29,6 +29,7 @@ from worker.core.config import FairnessConfig, PreemptionMode
 from worker.core.fairness import ServiceLedger, Shares, StepCharges, split_rows
 from worker.core.prefix_cache import extend_block_hashes
 from worker.core.prefix_lookup import count_lookup, prefix_hits
+from worker.core.prompt_scoring import tokens_within
 from worker.core.sequence import Sequence, SequenceStatus
 from worker.core.step_budget import ACTIVE_GRACE_S, MIN_PREFILL_TOKENS, DecodeStepBudget
 
@@ -54,6 +55,7 @@ class Scheduler:
         host_block_manager: BlockManager | None = None,
         fairness: FairnessConfig | None = None,
         step_budget: DecodeStepBudget | None = None,
+        scored_token_cost: float = 1.0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -71,6 +73,10 @@ class Scheduler:
             raise ValueError("swap preemption needs a host block pool")
         self.host_block_manager = host_block_manager
         self.ledger = ServiceLedger(fairness or FairnessConfig())
+        # A position that scores its prompt counts as this many prompt tokens, in the step's
+        # token limits and in fairness (``worker.core.prompt_scoring``).
+        self.scored_token_cost = scored_token_cost
+        self.ledger.scored_token_cost = scored_token_cost
         # While a step carries decodes, its tokens stay within what this budget allows.
         self.step_budget = step_budget
         self.waiting: deque[Sequence] = deque()
@@ -136,7 +142,7 @@ class Scheduler:
         self.ledger.join(child)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(scored_token_cost=self.scored_token_cost)
         step = StepCharges(self.ledger)
         self._schedule_decodes(out, step)
         self._schedule_prefills(out, step)
@@ -166,7 +172,7 @@ class Scheduler:
         blocks = self.block_manager
         for seq in self._decodes_within_budget(decodes):
             budget = self.max_num_batched_tokens - out.num_tokens
-            if budget == 0:
+            if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -281,7 +287,8 @@ class Scheduler:
                 if budget <= 0:
                     continue
             if seq.status is SequenceStatus.RUNNING:
-                num_tokens = min(seq.num_uncomputed_tokens, budget)
+                within = tokens_within(seq, seq.num_computed_tokens, budget, self.scored_token_cost)
+                num_tokens = min(seq.num_uncomputed_tokens, within)
                 if self._make_room(seq, num_tokens, out):
                     out.add(step.note(self._schedule(seq, num_tokens, out)))
             elif admitting and not self._behind_swapped(seq):
@@ -370,7 +377,8 @@ class Scheduler:
         hits = [] if swapped else prefix_hits(self.block_manager, seq)
         bs = self.block_manager.block_size
         num_ready = seq.num_computed_tokens if swapped else len(hits) * bs
-        num_tokens = min(seq.num_tokens - num_ready, budget)
+        within = tokens_within(seq, num_ready, budget, self.scored_token_cost)
+        num_tokens = min(seq.num_tokens - num_ready, within)
         while len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(
             [], num_ready + num_tokens, reserve=self.watermark_blocks, cached=hits
         ):

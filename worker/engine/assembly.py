@@ -16,6 +16,7 @@ import torch
 from switchboard_kernels.linear_choice import invariant_plan, linear_plan
 from worker.core.block_manager import BlockManager
 from worker.core.config import EngineConfig, PreemptionMode
+from worker.core.prompt_scoring import scoring_cost
 from worker.core.scheduler import Scheduler
 from worker.engine.placement import (
     resolve_async_output,
@@ -134,6 +135,12 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
         preemption_mode=config.preemption_mode,
         host_block_manager=host_pool,
         fairness=config.fairness,
+        scored_token_cost=scoring_cost(
+            hidden_size=model_config.hidden_size,
+            vocab_size=model_config.vocab_size,
+            layer_macs=sum(out * inp for out, inp in projection_shapes(model_config)),
+            num_layers=model_config.num_layers,
+        ),
     )
     # max_loras=0 turns LoRA off (no slot buffers are ever allocated).
     lora_manager = None

@@ -88,7 +88,8 @@ def _tenants(tenants: tuple[TenantService, ...]) -> Iterator[Metric]:
     tenants it has authenticated, so the label's values are bounded by the tenants."""
     service = CounterMetricFamily(
         "switchboard_worker_tenant_service_tokens",
-        "Tokens computed for a tenant (prefix-cache hits and recomputes not counted).",
+        "Tokens computed for a tenant (prefix-cache hits and recomputes not counted; a prompt "
+        "position scored for its logprobs counts as the prompt tokens its scoring costs).",
         labels=["tenant", "kind"],
     )
     counter = GaugeMetricFamily(
