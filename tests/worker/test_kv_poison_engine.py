@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from factories import make_checkpoint, make_peft_adapter, random_prompts
+from factories import make_peft_adapter, random_prompts
 from switchboard_kernels.measured_choice import KernelPlan
 from worker import LLM, SamplingParams
 from worker.model.op_choice import TORCH, OpPlans
@@ -37,10 +37,8 @@ def make_overflowing_adapter(base, out):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kv-poison")
-    base = make_checkpoint(root / "base", seed=4)
-    return base, make_overflowing_adapter(base, root / "boom")
+def checkpoints(target, tmp_path_factory):
+    return target, make_overflowing_adapter(target, tmp_path_factory.mktemp("kv-poison") / "boom")
 
 
 def torch_only_llm(base, monkeypatch) -> LLM:

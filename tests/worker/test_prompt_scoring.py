@@ -86,3 +86,25 @@ def test_a_scoring_tenant_is_charged_its_cost_and_served_less_for_it():
     assert counters["a"] == pytest.approx(counters["b"], rel=0.1)
     assert computed["b"] / computed["a"] == pytest.approx(COST, rel=0.15)
     assert math.isclose(sched.ledger.accounts["a"].prefill_tokens, counters["a"], rel_tol=1e-9)
+
+
+def test_warm_up_prices_scoring_on_this_machine_never_below_the_shapes(target):
+    """The warm-up times scored and plain steps of one size in turns; the scheduler and the
+    ledger take the larger of that ratio and the shapes' estimate."""
+    from worker import LLMEngine, engine_config
+    from worker.engine.warmup import measure_scoring_cost, measure_step_times
+
+    engine = LLMEngine(target, engine_config(dtype="float32"))
+    shapes = engine.scheduler.scored_token_cost
+    execute, blocks = engine.runner.execute, engine.block_manager
+    vocab = engine.config.vocab_size
+    measured = measure_scoring_cost(execute, blocks, tokens=64, vocab_size=vocab)
+    assert measured is not None and measured > 1.0  # the scored step does more
+    plain = measure_step_times(execute, blocks, row_limit=64, max_model_len=512, vocab_size=vocab)
+    engine._measure_scoring_cost(plain)  # what the warm-up does after its sweep
+    cost = engine.scheduler.scored_token_cost
+    assert 1.0 < shapes <= cost == engine.scheduler.ledger.scored_token_cost
+    # A prompt the pool cannot hold is not measured; the measurement's blocks went back.
+    too_long = blocks.num_blocks * blocks.block_size
+    assert measure_scoring_cost(execute, blocks, tokens=too_long, vocab_size=vocab) is None
+    assert blocks.num_free_blocks == blocks.num_blocks

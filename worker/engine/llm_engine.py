@@ -41,7 +41,13 @@ from worker.engine.long_rope import LongRopeSwitch
 from worker.engine.output_stage import OutputStage
 from worker.engine.request_checks import check_request, check_tenant_weight
 from worker.engine.token_processor import TokenProcessor
-from worker.engine.warmup import WarmupReport, measure_step_times, warm_up
+from worker.engine.warmup import (
+    SCORING_TOKENS,
+    WarmupReport,
+    measure_scoring_cost,
+    measure_step_times,
+    warm_up,
+)
 from worker.errors import (
     EngineError,
     InvalidRequestError,
@@ -141,6 +147,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             vocab_size=self.config.vocab_size,
         )
+        self._measure_scoring_cost(measured)
         set_ms = self.engine_config.decode_step_budget_ms
         seconds = set_ms / 1000 if set_ms else default_budget(measured)
         if seconds is None:
@@ -148,6 +155,23 @@ class LLMEngine:
         budget = DecodeStepBudget(StepTimes(measured), seconds)
         self.scheduler.step_budget = budget
         logger.info("decode step budget: %s", budget.describe())
+
+    def _measure_scoring_cost(self, plain: dict[int, float]) -> None:
+        """What scoring a prompt position costs here, in plain prompt tokens, for fairness and
+        the step's token limits: measured at a size the sweep ran, never below the model's
+        shapes' estimate (``worker.core.prompt_scoring``)."""
+        tokens = min(SCORING_TOKENS, max(plain, default=0))
+        measured = measure_scoring_cost(
+            self.runner.execute,
+            self.block_manager,
+            tokens=tokens,
+            vocab_size=self.config.vocab_size,
+        )
+        if measured is None:
+            return
+        cost = max(self.scheduler.scored_token_cost, measured)
+        self.scheduler.scored_token_cost = self.scheduler.ledger.scored_token_cost = cost
+        logger.info("a scored prompt position costs %.2f prompt tokens here", cost)
 
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do on one rank)."""

@@ -177,3 +177,39 @@ def measure_step_times(
         if best > SWEEP_STEP_SECONDS or time.perf_counter() - started > SWEEP_SECONDS:
             break
     return measured
+
+
+# Prompt tokens of the steps that price scoring a prompt (``measure_scoring_cost``), the
+# alternatives they ask for (the most a request may: the host's work grows with them), and how
+# many of each step are timed (the fastest kept: a busy machine's hiccups only slow a step).
+SCORING_TOKENS = 256
+SCORING_TOP = 20
+SCORING_REPEATS = 3
+
+
+def measure_scoring_cost(
+    execute: Execute, block_manager: BlockManager, *, tokens: int, vocab_size: int
+) -> float | None:
+    """A prompt position scored for its logprobs, in plain prompt tokens on this machine: the
+    fastest step scoring a fresh prompt of ``tokens`` tokens over the fastest plain step of as
+    many, timed in turns. None where the pool cannot hold the prompt. The vocabulary
+    projection is the part a model's shapes predict; the host's work per scored position
+    (its alternatives) is the rest, and on a small model it dominates."""
+    if tokens < 2 or block_manager.num_free_blocks * block_manager.block_size <= tokens:
+        return None
+    scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=SCORING_TOP)
+    best = {False: math.inf, True: math.inf}
+    for repeat in range(SCORING_REPEATS):
+        for scoring in (False, True):
+            ids = [i % vocab_size for i in range(tokens)]
+            seq = Sequence(f"scoring-{repeat}", ids, scored if scoring else GREEDY, 0)
+            if scoring:
+                seq.prompt_logprobs = [None] * (tokens - 1)
+            block_manager.allocate(seq.block_table, tokens)
+            try:
+                start = time.perf_counter()
+                execute([ScheduledSequence(seq, 0, tokens)])
+                best[scoring] = min(best[scoring], time.perf_counter() - start)
+            finally:
+                block_manager.free(seq.block_table)
+    return best[True] / best[False]
