@@ -10,7 +10,6 @@ chat), `gateway.tenancy.tenants` and `gateway.uploads.registration`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from adapters import BaseModelSpec, FilesystemAdapterStore
+from adapters import FilesystemAdapterStore
 from gateway import account_routes, adapter_routes, admin_routes, metrics, openai_routes
 from gateway.console import pages as console
 from gateway.console.bridge import ConsoleBridge
@@ -32,6 +31,7 @@ from gateway.console.session import ADMIN, TENANT
 from gateway.deps import State, require_admin
 from gateway.error_handlers import install_error_handlers
 from gateway.fair_queue import FairQueue
+from gateway.fleet.bases import BaseCatalog
 from gateway.http_server import start_side_listener
 from gateway.limits import BodyLimits, RequestBodyGuard
 from gateway.routing import WorkerDirectory
@@ -41,29 +41,20 @@ from gateway.structured.grammar_checker import GrammarChecker, GrammarLimits
 from gateway.tenancy.quotas import QuotaService
 from gateway.tenancy.tenants import TenantStore
 from gateway.tenancy.weights import TenantWeights
-from gateway.tokenizer import ChatTokenizer
 from gateway.uploads.catalog import AdapterCatalog
 from gateway.worker_client import WorkerChannels, WorkerCredentials
 
 log = logging.getLogger(__name__)
 
 
-def _context_length(config: dict[str, Any], configured: int) -> int:
-    if configured:
-        return configured
-    length = config.get("max_position_embeddings")
-    if not isinstance(length, int) or length <= 0:
-        raise ValueError(
-            "config.json has no max_position_embeddings; set SWITCHBOARD_MAX_MODEL_LEN"
-        )
-    return length
-
-
 async def open_state(settings: GatewaySettings) -> GatewayState:
     """Everything the requests share; the caller closes it (`GatewayState.close`)."""
-    config = json.loads((settings.model / "config.json").read_text())
-    tokenizer = await asyncio.to_thread(
-        ChatTokenizer.from_dir, settings.model, threads=settings.tokenizer_threads
+    bases = await BaseCatalog.open(
+        settings.model,
+        name=settings.served_model_name,
+        max_model_len=settings.max_model_len,
+        roots=settings.model_roots or [settings.model],
+        threads=settings.tokenizer_threads,
     )
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
@@ -85,12 +76,10 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
         settings=settings,
         redis=client,
         tenants=tenants,
-        tokenizer=tokenizer,
-        base=BaseModelSpec.from_config_dict(config),
-        max_model_len=_context_length(config, settings.max_model_len),
+        bases=bases,
         adapter_store=store,
         catalog=AdapterCatalog.from_settings(
-            settings, redis=client, tenants=tenants, store=store, config=config
+            settings, redis=client, tenants=tenants, store=store, config=bases.default.config
         ),
         quotas=QuotaService(
             client,
@@ -102,6 +91,7 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
             redis=client,
             prefix=settings.key_prefix,
             model_names=model_names,
+            default_base=settings.served_model_name,
             heartbeat_ttl_s=settings.worker_heartbeat_ttl_s,
             cache_s=settings.worker_cache_s,
             load_factor=settings.route_load_factor,
@@ -181,7 +171,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             if listener is not None:
                 await asyncio.to_thread(listener.close)
             await state.close()
-            state.tokenizer.close()
 
     app = FastAPI(
         title="Switchboard gateway",

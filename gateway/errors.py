@@ -145,6 +145,17 @@ class NoWorkerError(GatewayError):
     code = "no_worker_available"
 
 
+class BaseUnavailableError(NoWorkerError):
+    """A base with no live pool (or whose files this gateway cannot read): its requests get
+    a 503 naming it, while every other base keeps serving."""
+
+    # The status and code of any request no worker can take; the message names the base.
+
+    def __init__(self, base: str, reason: str = "no live worker serves it") -> None:
+        super().__init__(f"The base model `{base}` is unavailable: {reason}; retry later.")
+        self.base = base
+
+
 class HelperUnavailableError(GatewayError):
     """A gateway helper process (the grammar checker) failed by itself, not by the request."""
 

@@ -27,6 +27,7 @@ class Job:
     # A weighted mix of the caller's adapters (then ``adapter`` is None): (adapter, weight).
     mix: tuple[tuple[TenantAdapter, float], ...] = ()
     tenant_weight: float = 1.0  # the tenant's share under fair scheduling (gateway.tenancy.weights)
+    base: str = ""  # the base whose pool serves it ("": the default base)
 
     @property
     def reserved_tokens(self) -> int:

@@ -23,10 +23,7 @@ router = APIRouter(prefix="/v1")
 @router.get("/models")
 async def models(caller: CurrentTenant, state: State) -> dict[str, Any]:
     return await list_models(
-        caller=caller,
-        tenants=state.tenants,
-        served_model_name=state.settings.served_model_name,
-        max_model_len=state.max_model_len,
+        caller=caller, tenants=state.tenants, directory=state.workers, bases=state.bases
     )
 
 

@@ -30,7 +30,7 @@ from gateway.metrics import RequestObservation
 from gateway.openai_format import ChatFormat, Header, OutputFormat, output_format
 from gateway.parsing import OpenAIRequest, parse
 from gateway.protocol import ShapeLimits
-from gateway.resolution import ModelLimits, resolve
+from gateway.resolution import ModelLimits, resolve, resolve_target
 from gateway.responses_api import ResponsesRequest
 from gateway.responses_format import ResponsesFormat
 from gateway.settlement import settle
@@ -58,14 +58,23 @@ async def handle_request(
     close: Callable[[], Awaitable[None]] | None = None
     try:
         parsed = parse(body, limits=ShapeLimits.of(state.settings), raw=await http.body())
+        target = await resolve_target(
+            model=body.model,
+            caller=caller,
+            tenants=state.tenants,
+            directory=state.workers,
+            bases=state.bases,
+        )
+        base = target.base
         job = await resolve(
             parsed,
             caller=caller,
             tenants=state.tenants,
             grammars=state.grammars,
-            tokenizer=state.tokenizer,
+            tokenizer=base.tokenizer,
             weights=state.weights,
-            limits=ModelLimits.of(state.settings, max_model_len=state.max_model_len),
+            limits=ModelLimits.of(state.settings, max_model_len=base.max_model_len, base=base.name),
+            target=target,
         )
         REQUEST_ID.set(job.request_id)  # every log line of this request carries it from here
         admission = Admission(
@@ -76,7 +85,7 @@ async def handle_request(
             queue=state.fair_queue, quotas=state.quotas,
         )  # fmt: skip
         header = Header(job.request_id, job.created, job.model)
-        fmt = _output_format(body, header, state.tokenizer, job.prompt_ids)
+        fmt = _output_format(body, header, base.tokenizer, job.prompt_ids)
         if body.stream:
             stream = await until_disconnect(
                 http, admission.run(lambda: _route_and_relay(relay.open_stream, job, state, tally))

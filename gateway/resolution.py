@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway import metrics
-from gateway.errors import InvalidRequestError, ModelNotFoundError
+from gateway.errors import BaseUnavailableError, InvalidRequestError, ModelNotFoundError
+from gateway.fleet.bases import BaseCatalog, ServedBase
 from gateway.job import Job
 from gateway.parsing import ParsedRequest
 from gateway.prompts import prompt_ids
 from gateway.protocol import AdapterWeight, SamplingFields
+from gateway.routing import WorkerDirectory
 from gateway.structured.constraint import Constraint, constraint_for
 from gateway.structured.grammar_checker import GrammarChecker
 from gateway.tenancy.tenants import Caller, TenantAdapter, TenantStore
@@ -38,13 +40,53 @@ class ModelLimits:
     request_timeout_s: float
 
     @classmethod
-    def of(cls, settings: Any, *, max_model_len: int) -> ModelLimits:
+    def of(cls, settings: Any, *, max_model_len: int, base: str | None = None) -> ModelLimits:
         return cls(
-            served_model_name=settings.served_model_name,
+            served_model_name=base or settings.served_model_name,
             max_model_len=max_model_len,
             max_generated_tokens=settings.max_generated_tokens,
             request_timeout_s=settings.request_timeout_s,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What a request's `model` names: a served base, and one of the caller's adapters on it
+    (None: the base itself)."""
+
+    base: ServedBase
+    adapter: TenantAdapter | None
+    default_base: str = ""  # the base of adapters recorded before bases were named
+
+    def base_of(self, adapter: TenantAdapter) -> str:
+        return adapter.base or self.default_base
+
+
+async def resolve_target(
+    *,
+    model: str,
+    caller: Caller,
+    tenants: TenantStore,
+    directory: WorkerDirectory,
+    bases: BaseCatalog,
+) -> Target:
+    """A live base's name, else the caller's adapter on its base. A base with no live pool
+    (named, or under the adapter) is a 503 naming it; any other name a 404, as before."""
+    pools = await directory.pools()
+    pool = pools.get(model)
+    if pool is None and model in bases.seen:
+        raise BaseUnavailableError(model)
+    adapter = None
+    if pool is None:
+        adapter = await tenants.get_adapter(caller.tenant, model)
+        if adapter is None:
+            raise ModelNotFoundError(model)
+        base_name = adapter.base or bases.default.name
+        pool = pools.get(base_name)
+        if pool is None:
+            raise BaseUnavailableError(base_name)
+    metrics.known_model(caller.tenant, model)  # a served base or the tenant's own: a label
+    return Target(base=await bases.served(pool), adapter=adapter, default_base=bases.default.name)
 
 
 async def resolve(
@@ -56,18 +98,28 @@ async def resolve(
     tokenizer: ChatTokenizer,
     weights: TenantWeights,
     limits: ModelLimits,
+    target: Target | None = None,
 ) -> Job:
-    """The model, then the prompt's tokens, then the budget and params, then the tenant's
-    scheduling weight (cached: no Redis trip as a rule)."""
+    """The model (``target`` when the fleet resolved it already), then the prompt's tokens,
+    then the budget and params, then the tenant's scheduling weight (cached: no Redis trip
+    as a rule)."""
     body = parsed.body
-    adapter = await resolve_model(
-        tenants=tenants, caller=caller, model=body.model, served_model_name=limits.served_model_name
-    )
+    if target is not None:
+        adapter = target.adapter
+    else:
+        adapter = await resolve_model(
+            tenants=tenants,
+            caller=caller,
+            model=body.model,
+            served_model_name=limits.served_model_name,
+        )
     mix = ()
     if body.adapters is not None:
         mix = await resolve_mix(
             tenants=tenants, caller=caller, adapters=body.adapters, model_is_base=adapter is None
         )
+        if target is not None:
+            check_mix_base(mix, target)
     constraint = await constraint_for(body, checker=grammars, tenant=caller.tenant)
     prompt = await prompt_ids(
         body, tokenizer=tokenizer, max_model_len=limits.max_model_len, tenant=caller.tenant
@@ -114,6 +166,7 @@ async def resolve(
         deadline=asyncio.get_running_loop().time() + limits.request_timeout_s,
         keep=body.n if parsed.best_of else None,
         tenant_weight=weight,
+        base=target.base.name if target is not None else "",
     )
 
 
@@ -157,6 +210,17 @@ async def resolve_mix(
             "adapters names the same content twice (two names of one adapter)", param="adapters"
         )
     return tuple(mix)
+
+
+def check_mix_base(mix: tuple[tuple[TenantAdapter, float], ...], target: Target) -> None:
+    """Every adapter of a mix must be bound to the base the request names (400 otherwise)."""
+    for adapter, _ in mix:
+        if target.base_of(adapter) != target.base.name:
+            raise InvalidRequestError(
+                f"adapter {adapter.name!r} is bound to the base model "
+                f"`{target.base_of(adapter)}`, not `{target.base.name}`",
+                param="adapters",
+            )
 
 
 def settle_max_tokens(
@@ -275,29 +339,40 @@ def logit_bias_ids(bias: dict[str, float] | None, *, vocab_size: int) -> dict[in
 
 
 async def list_models(
-    *, caller: Caller, tenants: TenantStore, served_model_name: str, max_model_len: int
+    *, caller: Caller, tenants: TenantStore, directory: WorkerDirectory, bases: BaseCatalog
 ) -> dict[str, Any]:
-    """The names a caller may resolve: the base model, then the caller's own adapters
-    (shaped like vLLM's LoRA entries)."""
-    base = {
-        "id": served_model_name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "switchboard",
-        "root": served_model_name,
-        "parent": None,
-        "max_model_len": max_model_len,
-    }
-    adapters = [
+    """The names a caller may resolve: the gateway's default base and every live base, then
+    the caller's own adapters, each with its base as `parent` (shaped like vLLM's LoRA
+    entries)."""
+    served = {bases.default.name: bases.default}
+    for name, pool in (await directory.pools()).items():
+        try:
+            served[name] = await bases.served(pool)
+        except BaseUnavailableError:
+            continue  # a base this gateway cannot read is not offered
+    entries = [
         {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "switchboard",
+            "root": base.content_id or name,
+            "parent": None,
+            "max_model_len": base.max_model_len,
+        }
+        for name, base in served.items()
+    ]
+    for a in await tenants.list_adapters(caller.tenant):
+        parent = a.base or bases.default.name
+        entry = {
             "id": a.name,
             "object": "model",
             "created": a.created_at,
             "owned_by": caller.tenant,
             "root": a.adapter_id,
-            "parent": served_model_name,
-            "max_model_len": max_model_len,
+            "parent": parent,
         }
-        for a in await tenants.list_adapters(caller.tenant)
-    ]
-    return {"object": "list", "data": [base, *adapters]}
+        if parent in served:
+            entry["max_model_len"] = served[parent].max_model_len
+        entries.append(entry)
+    return {"object": "list", "data": entries}

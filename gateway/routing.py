@@ -21,7 +21,9 @@ replica, with no shared state — sends it to the same worker while that worker 
 bound. Prompts shorter than one block get no key; those shorter than `AFFINITY_BLOCKS`
 blocks may move once as they grow, which costs little (their prefill is short).
 
-`WorkerDirectory` reads the live list from the Redis registry at most once per `cache_s`.
+`WorkerDirectory` reads the live list from the Redis registry at most once per `cache_s` and
+groups it into one pool per base (`gateway.fleet.pools`); a request is ranked only among its
+base's pool, and a base with no pool is a 503 naming it.
 `route` is the request path's stage: the ranked workers, then a slot on the best with room
 (`gateway.fair_queue`), waiting for one in fair order while every worker is saturated.
 """
@@ -35,13 +37,13 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.errors import NoWorkerError
+from gateway.errors import BaseUnavailableError, NoWorkerError
 from gateway.fair_queue import FairQueue, Grant
+from gateway.fleet.pools import Pool, group_pools
 from gateway.job import Job
 from runtime.registry import WorkerInfo, live_workers
 
@@ -112,24 +114,21 @@ def rank_workers(
     return holders + others + spill
 
 
-def serves_model(info: WorkerInfo, *, names: frozenset[str]) -> bool:
-    """Workers register their model by name or path; either identifies it."""
-    return info.model in names or Path(info.model).name in names
-
-
 @dataclass
 class WorkerDirectory:
-    """Live workers of one model, from the registry, read again every `cache_s` seconds."""
+    """Live workers, by base, from the registry, read again every `cache_s` seconds."""
 
     redis: Redis
     prefix: str
-    model_names: frozenset[str]
+    model_names: frozenset[str]  # the default base's names (its name, path, directory name)
     heartbeat_ttl_s: float
+    default_base: str = ""  # the default base's public name ("": the least of model_names)
     cache_s: float = 1.0
     load_factor: float = 1.5
     load_slack: int = 4
     clock: Callable[[], float] = time.monotonic  # the cache's time (monotonic seconds)
     _workers: list[WorkerInfo] = field(default_factory=list)
+    _pools: dict[str, Pool] = field(default_factory=dict)
     _read_at: float = float("-inf")
     # Requests this gateway sent since the last read: the registry's load lags by up to one
     # heartbeat, and without this a burst would all go to the same "least loaded" worker.
@@ -141,10 +140,14 @@ class WorkerDirectory:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _background: asyncio.Future | None = None  # the read ahead of expiry, if one ran
 
+    def __post_init__(self) -> None:
+        self.default_base = self.default_base or min(self.model_names)
+
     async def workers(self) -> list[WorkerInfo]:
-        """The live list, read again every ``cache_s``: in the background while the list is
-        younger than twice that (so under steady traffic no request waits for the registry's
-        two round trips, milliseconds on a loaded machine), on the caller's time past it."""
+        """Every pool's live workers, read again every ``cache_s``: in the background while
+        the list is younger than twice that (so under steady traffic no request waits for the
+        registry's two round trips, milliseconds on a loaded machine), on the caller's time
+        past it."""
         age = self.clock() - self._read_at
         if age >= 2 * self.cache_s:
             async with self._lock:
@@ -153,6 +156,18 @@ class WorkerDirectory:
         elif age >= self.cache_s and (self._background is None or self._background.done()):
             self._background = asyncio.ensure_future(self._refresh_ahead())
         return [w for w in self._workers if w.worker_id not in self._failed]
+
+    async def pools(self) -> dict[str, Pool]:
+        """The live pools by base name (as fresh as `workers`)."""
+        await self.workers()
+        return self._pools
+
+    async def pool(self, base: str) -> Pool:
+        """The base's pool; BaseUnavailableError naming it when none of its workers is alive."""
+        found = (await self.pools()).get(base)
+        if found is None or not found.workers:
+            raise BaseUnavailableError(base)
+        return found
 
     async def _refresh_ahead(self) -> None:
         async with self._lock:
@@ -166,23 +181,31 @@ class WorkerDirectory:
     async def _refresh(self) -> None:
         every = await live_workers(self.redis, self.prefix)
         fresh_after = time.time() - self.heartbeat_ttl_s
-        self._workers = [
+        fresh = [
             w
             for w in every
             # heartbeat_at 0 means "not reported": the key's TTL alone decides then.
-            if (w.heartbeat_at <= 0 or w.heartbeat_at >= fresh_after)
-            and serves_model(w, names=self.model_names)
+            if w.heartbeat_at <= 0 or w.heartbeat_at >= fresh_after
         ]
+        self._pools = group_pools(
+            fresh, default_base=self.default_base, default_names=self.model_names
+        )
+        self._workers = [w for p in self._pools.values() for w in p.workers]
         self._read_at = self.clock()
         self._sent.clear()
         self._failed.clear()
 
     async def candidates(
-        self, *, adapter_id: str | None, affinity_key: str | None = None
+        self, *, adapter_id: str | None, affinity_key: str | None = None, base: str | None = None
     ) -> list[WorkerInfo]:
-        """Workers to try, best first; NoWorkerError if none is alive."""
+        """Workers of ``base``'s pool (None: the default base) to try, best first;
+        BaseUnavailableError naming the base if none is alive."""
+        base = base or self.default_base
+        members = (await self.pools()).get(base)
+        if members is None:
+            raise BaseUnavailableError(base)
         ranked = rank_workers(
-            await self.workers(),
+            [w for w in members.workers if w.worker_id not in self._failed],
             adapter_id=adapter_id,
             affinity_key=affinity_key,
             extra_load=self._sent,
@@ -190,7 +213,7 @@ class WorkerDirectory:
             load_slack=self.load_slack,
         )
         if not ranked:
-            raise NoWorkerError("no worker is available for this model; retry later")
+            raise NoWorkerError(f"no worker of the base model `{base}` is available; retry later")
         return ranked
 
     def sent(self, worker_id: str) -> None:
@@ -228,7 +251,9 @@ async def route(job: Job, *, directory: WorkerDirectory, queue: FairQueue) -> Ro
     affinity = prefix_affinity_key(
         tenant=job.tenant, adapter_id=job.adapter_id, prompt_ids=job.prompt_ids
     )
-    workers = await directory.candidates(adapter_id=job.adapter_id, affinity_key=affinity)
+    workers = await directory.candidates(
+        adapter_id=job.adapter_id, affinity_key=affinity, base=job.base or None
+    )
     grant = await queue.acquire(
         tenant=job.tenant, weight=job.tenant_weight, tokens=len(job.prompt_ids),
         workers=[w.worker_id for w in workers], deadline_s=job.remaining_s(),

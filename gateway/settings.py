@@ -124,8 +124,12 @@ class GatewaySettings(BaseSettings):
     model: Path = Field(default_factory=default_model_dir)
     # The name clients put in `model`; default: the checkpoint directory's name.
     served_model_name: str = ""
-    # Context length; 0: the checkpoint's max_position_embeddings.
+    # Context length of the default base; 0: the checkpoint's max_position_embeddings.
     max_model_len: int = Field(default=0, ge=0)
+    # Directories under which the gateway may read other bases' tokenizer files and config,
+    # from the checkpoint directory their workers publish in the registry (a JSON list);
+    # empty: only `model` itself. A base added under a root is served without a restart.
+    model_roots: list[Path] = Field(default_factory=list)
 
     # Whole-request deadline (queueing, prefill and every token), sent to the worker as the
     # gRPC deadline; past it the client gets 504 (or an error event mid-stream).

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 
 from adapters import BaseModelSpec, FilesystemAdapterStore
 from gateway.fair_queue import FairQueue
+from gateway.fleet.bases import BaseCatalog
 from gateway.routing import WorkerDirectory
 from gateway.settings import GatewaySettings
 from gateway.structured.grammar_checker import GrammarChecker
@@ -27,9 +28,7 @@ class GatewayState:
     settings: GatewaySettings
     redis: aioredis.Redis
     tenants: TenantStore
-    tokenizer: ChatTokenizer
-    base: BaseModelSpec
-    max_model_len: int
+    bases: BaseCatalog  # every served base's tokenizer, template, config and limits
     adapter_store: FilesystemAdapterStore
     catalog: AdapterCatalog
     quotas: QuotaService
@@ -41,6 +40,21 @@ class GatewayState:
     # Fire-and-forget work (adapter preloads), held so it is not garbage-collected mid-way
     # and cancelled at shutdown.
     background: set[asyncio.Task] = field(default_factory=set)
+
+    @property
+    def tokenizer(self) -> ChatTokenizer:
+        """The default base's tokenizer."""
+        return self.bases.default.tokenizer
+
+    @property
+    def base(self) -> BaseModelSpec:
+        """The default base's shapes."""
+        return self.bases.default.spec
+
+    @property
+    def max_model_len(self) -> int:
+        """The default base's context."""
+        return self.bases.default.max_model_len
 
     def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(work)
@@ -55,3 +69,4 @@ class GatewayState:
         await self.grammars.close()
         await self.quotas.close()
         await self.redis.aclose()
+        self.bases.close()

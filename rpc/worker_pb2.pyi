@@ -188,7 +188,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("model", "running", "waiting", "free_kv_blocks", "total_kv_blocks", "adapters_loaded", "tenants")
+    __slots__ = ("model", "running", "waiting", "free_kv_blocks", "total_kv_blocks", "adapters_loaded", "tenants", "base_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,7 @@ class StatsResponse(_message.Message):
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_LOADED_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    BASE_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     running: int
     waiting: int
@@ -203,7 +204,8 @@ class StatsResponse(_message.Message):
     total_kv_blocks: int
     adapters_loaded: int
     tenants: _containers.RepeatedCompositeFieldContainer[TenantService]
-    def __init__(self, model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., adapters_loaded: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantService, _Mapping]]] = ...) -> None: ...
+    base_id: str
+    def __init__(self, model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., adapters_loaded: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantService, _Mapping]]] = ..., base_id: _Optional[str] = ...) -> None: ...
 
 class TenantService(_message.Message):
     __slots__ = ("tenant", "weight", "virtual_counter", "prefill_tokens", "decode_tokens", "queue_time_sum_s", "queued_requests")

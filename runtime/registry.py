@@ -37,11 +37,18 @@ class WorkerInfo:
 
     worker_id: str
     address: str  # "host:port" of its gRPC server
-    model: str  # the base model's name or path
+    model: str  # the base's name (clients' `model`); older workers wrote its path
+    # The base's content id (runtime.bases.base_content_id; "" from workers before pools)
+    # and the checkpoint directory it was read from, where a gateway under one of its
+    # `model_roots` reads the base's tokenizer, chat template and config.
+    base_id: str = ""
+    model_path: str = ""
     adapters: list[str] = field(default_factory=list)  # content ids loaded on it
     # Where their weights are now: each device slot's content id (None: empty), and the host
     # cache's, most recently used first (content no longer named may linger in either).
     slot_adapters: list[str | None] = field(default_factory=list)
+    # Content ids waiting for a device slot (queued requests need them, none is free).
+    loading_adapters: list[str] = field(default_factory=list)
     host_adapters: list[str] = field(default_factory=list)
     host_cache_bytes: int = 0  # float32 bytes the host cache holds
     host_cache_limit: int = 0  # its byte budget
@@ -50,6 +57,11 @@ class WorkerInfo:
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
     heartbeat_at: float = 0.0  # unix time of the beat that wrote this
+
+    @property
+    def max_loras(self) -> int:
+        """Device adapter slots (0: not reported)."""
+        return len(self.slot_adapters)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

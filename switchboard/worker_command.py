@@ -51,6 +51,7 @@ def worker(args: argparse.Namespace) -> int:
         uvloop.run,
         run_worker(
             model=args.model,
+            served_model_name=args.served_model_name,
             host=args.host,
             port=args.port,
             dtype=args.dtype,
@@ -126,6 +127,10 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     from runtime.home import default_adapter_store
 
     parser.add_argument("--model", default="default", help="checkpoint directory or 'default'")
+    parser.add_argument(
+        "--served-model-name",
+        help="the base's name in clients' `model` (default: the checkpoint directory's name)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free one)")
     parser.add_argument(

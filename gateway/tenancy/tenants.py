@@ -79,6 +79,9 @@ class TenantAdapter:
     # 1 for the name's first content, +1 for each replacing upload (0: written before versions
     # were counted, shown as 1).
     version: int = 0
+    # The base it was validated against and runs on ("": written before bases were named,
+    # the gateway's default base).
+    base: str = ""
 
     @property
     def current_version(self) -> int:

@@ -33,6 +33,9 @@ class EngineStats:
     tenants: tuple[TenantService, ...] = ()  # service and queue time per tenant
     # The content in each device slot and in the host cache (empty without LoRA).
     residency: AdapterResidency = dataclasses.field(default_factory=AdapterResidency)
+    # Content ids that waiting requests need and no device slot holds (what the Gateway API
+    # Inference Extension reads as `waiting_lora_adapters`).
+    waiting_adapters: tuple[str, ...] = ()
 
 
 def snapshot(engine: LLMEngine) -> EngineStats:
@@ -52,7 +55,15 @@ def snapshot(engine: LLMEngine) -> EngineStats:
         else (0, 0),
         tenants=engine.scheduler.ledger.snapshot(),
         residency=manager.residency() if manager is not None else AdapterResidency(),
+        waiting_adapters=_waiting_adapters(engine) if manager is not None else (),
     )
+
+
+def _waiting_adapters(engine: LLMEngine) -> tuple[str, ...]:
+    """Adapters queued requests wait for: needed by a waiting sequence, in no slot."""
+    resident = set(engine.lora_manager.slots)
+    needed = dict.fromkeys(i for seq in engine.scheduler.waiting for i in seq.adapter_ids)
+    return tuple(i for i in needed if i not in resident)
 
 
 def _copy_spec_stats(stats: SpecDecodeStats | None) -> SpecDecodeStats | None:

@@ -9,6 +9,7 @@ collide.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -69,6 +70,7 @@ class EngineStatsCollector(Collector):
             "Bytes of adapter weights in the host cache.",
             where.host_bytes,
         )
+        yield lora_requests_info(stats, now=time.time())
         evictions = CounterMetricFamily(
             "switchboard_worker_adapter_evictions",
             "Adapters evicted: from a device slot (refilled for another adapter) or from the "
@@ -81,6 +83,22 @@ class EngineStatsCollector(Collector):
         if stats.spec_decode is not None:
             yield from _speculation(stats.spec_decode)
         yield from _tenants(stats.tenants)
+
+
+def lora_requests_info(stats: EngineStats, *, now: float) -> Metric:
+    """Slot state in the shape the Gateway API Inference Extension's LoRA-affinity scorer
+    reads from vLLM (`vllm:lora_requests_info`): one series whose labels list the adapters
+    in device slots and those waiting for one (content ids, comma-separated) and the slot
+    count; its value is the scrape time, as vLLM's is (the scorer keeps the newest series)."""
+    slots = stats.residency.slots
+    info = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running and waiting LoRA adapters (content ids) and the adapter slots.",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    running = ",".join(a for a in slots if a is not None)
+    info.add_metric([running, ",".join(stats.waiting_adapters), str(len(slots))], now)
+    return info
 
 
 def _tenants(tenants: tuple[TenantService, ...]) -> Iterator[Metric]:

@@ -34,6 +34,7 @@ from redis.exceptions import AuthenticationError, RedisError
 
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime import registry
+from runtime.bases import base_content_id, base_name_for
 from switchboard_kernels.openmp import serial_openmp_here
 from worker.engine.llm_engine import LLMEngine
 from worker.errors import TensorParallelError, WorkerStartupError
@@ -61,6 +62,8 @@ class WorkerServer:
         engine_factory: Callable[[], LLMEngine],
         *,
         model_name: str,
+        base_id: str = "",
+        model_path: str = "",
         host: str = "127.0.0.1",
         port: int = 0,
         worker_id: str | None = None,
@@ -85,6 +88,8 @@ class WorkerServer:
         self._engine_factory = engine_factory
         self._engine_runner = engine_runner  # see AsyncEngine.start
         self.model_name = model_name
+        self.base_id = base_id  # runtime.bases.base_content_id of the checkpoint
+        self.model_path = model_path
         self.host = host
         self.port = port
         self.worker_id = worker_id
@@ -95,7 +100,10 @@ class WorkerServer:
         self.heartbeat_interval = heartbeat_interval
         self.metrics = WorkerMetrics(lambda: self.engine.stats if self.engine else None)
         self.servicer = WorkerServicer(
-            model_name=model_name, metrics=self.metrics, adapter_store=adapter_store
+            model_name=model_name,
+            base_id=base_id,
+            metrics=self.metrics,
+            adapter_store=adapter_store,
         )
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(interceptors=self.auth.interceptors())
@@ -176,6 +184,11 @@ class WorkerServer:
             self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
         logger.info("worker %s serving %s on %s", self.worker_id, self.model_name, self.address)
 
+    def declare_base(self, *, base_id: str, model_path: str) -> None:
+        """The base's content id and checkpoint, once the engine factory has found them."""
+        self.base_id = self.servicer.base_id = base_id
+        self.model_path = model_path
+
     def _group_failed(self, exc: TensorParallelError) -> None:
         self.failure = exc
         logger.error("the tensor-parallel group failed (%s): this worker stops", exc)
@@ -189,8 +202,11 @@ class WorkerServer:
             worker_id=self.worker_id,
             address=self.address,
             model=self.model_name,
+            base_id=self.base_id,
+            model_path=self.model_path,
             adapters=list(stats.adapter_ids),
             slot_adapters=list(stats.residency.slots),
+            loading_adapters=list(stats.waiting_adapters),
             host_adapters=list(stats.residency.host),
             host_cache_bytes=stats.residency.host_bytes,
             host_cache_limit=stats.residency.host_limit,
@@ -320,6 +336,7 @@ def _reachable_host(host: str) -> str:
 async def run_worker(
     *,
     model: str | None,
+    served_model_name: str | None = None,
     host: str = "127.0.0.1",
     port: int = 50051,
     dtype: str = "auto",
@@ -344,10 +361,16 @@ async def run_worker(
     from worker.core.config import engine_config
     from worker.model.default_model import DEFAULT_MODEL_ALIASES, resolve_model_path
 
-    model_name = DEFAULT_MODEL_NAME if model in (None, *DEFAULT_MODEL_ALIASES) else str(model)
+    is_default = model in (None, *DEFAULT_MODEL_ALIASES)
+    model_name = served_model_name or (
+        DEFAULT_MODEL_NAME if is_default else base_name_for(str(model))
+    )
 
     def build_engine() -> LLMEngine:
         path: Path = resolve_model_path(model)
+        # Published before the first heartbeat: the gateway pools workers by base and reads
+        # the base's tokenizer from this checkpoint.
+        server.declare_base(base_id=base_content_id(path), model_path=str(path))
         return LLMEngine(path, engine_config(dtype=dtype, **(engine_kwargs or {})))
 
     (auth or WorkerAuth()).check(host)  # before connecting to anything

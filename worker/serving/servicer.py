@@ -122,9 +122,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """The ``Worker`` service over an ``AsyncEngine`` (None until the model has loaded)."""
 
     def __init__(
-        self, *, model_name: str, metrics: WorkerMetrics, adapter_store: Path | None = None
+        self,
+        *,
+        model_name: str,
+        metrics: WorkerMetrics,
+        adapter_store: Path | None = None,
+        base_id: str = "",
     ) -> None:
         self.model_name = model_name
+        self.base_id = base_id  # the base's content id (runtime.bases)
         self.metrics = metrics
         # The store the gateway writes validated adapters to: requests name adapters by
         # content id, and the worker reads them only from here, never from a caller's path.
@@ -270,6 +276,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         stats = engine.stats
         return worker_pb2.StatsResponse(
             model=self.model_name,
+            base_id=self.base_id,
             running=stats.running,
             waiting=stats.waiting,
             free_kv_blocks=stats.free_kv_blocks,
