@@ -10,9 +10,12 @@ as such) and RLIMIT_FSIZE.
 A child that dies takes nothing with it; the gateway maps its end to a 4xx.
 
 Job: {"source": "archive" | "dir", "path", "work_dir", "base": BaseModelSpec fields,
+      "bases": {name: BaseModelSpec fields} (optional), "default_base", "explicit_base",
       "max_lora_rank", "max_bytes", "archive": ArchiveLimits fields,
       "cpu_s", "memory_bytes", "file_bytes"}
-Answer: {"ok": {"adapter_id", "rank", "target_modules", "num_bytes", "blob"}}
+      The adapter is validated against the base it binds to (`adapters.base_binding`), or
+      against "base" when the job names no "bases".
+Answer: {"ok": {"adapter_id", "rank", "target_modules", "num_bytes", "blob", "base"}}
      or {"error": {"kind", "message", "field"}}, kind an `adapters.errors` class name,
         "memory" or "internal".
 """
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from adapters.archive import ArchiveLimits, unpack_adapter_archive
+from adapters.base_binding import choose_base, declared_base
 from adapters.base_model import BaseModelSpec
 from adapters.errors import AdapterError
 from adapters.peft_format import load_adapter_dir
@@ -52,9 +56,16 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         unpack_adapter_archive(source, adapter_dir, limits=ArchiveLimits(**job["archive"]))
     else:
         adapter_dir = source
+    bases = job.get("bases") or {job.get("default_base", ""): job["base"]}
+    bound = choose_base(
+        explicit=job.get("explicit_base"),
+        declared=declared_base(adapter_dir) if job.get("bases") else None,
+        served=bases.keys(),
+        default=job.get("default_base", ""),
+    )
     adapter = load_adapter_dir(
         adapter_dir,
-        base=BaseModelSpec(**job["base"]),
+        base=BaseModelSpec(**bases[bound]),
         max_lora_rank=job["max_lora_rank"],
         max_bytes=job["max_bytes"],
     )
@@ -67,6 +78,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         "target_modules": sorted(adapter.target_modules),
         "num_bytes": adapter.num_bytes,
         "blob": str(blob),
+        "base": bound,
     }
 
 

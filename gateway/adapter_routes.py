@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from gateway.deps import CurrentTenant, State
+from gateway.state import GatewayState
 from gateway.tenancy.tenants import TenantAdapter
 from gateway.uploads.catalog import adapter_not_found
 from gateway.uploads.registration import delete_adapter, upload_adapter
@@ -34,6 +35,11 @@ def adapter_object(record: TenantAdapter, *, base_model: str) -> dict[str, Any]:
     }
 
 
+def _base(record: TenantAdapter, state: GatewayState) -> str:
+    """The base an adapter is bound to (records from before bases were named: the default)."""
+    return record.base or state.bases.default.name
+
+
 @router.post("", status_code=201)
 async def create(
     request: Request, response: Response, caller: CurrentTenant, state: State
@@ -44,14 +50,16 @@ async def create(
     registration = await upload_adapter(request, state=state, tenant=caller.tenant)
     if not registration.created:
         response.status_code = 200
-    return adapter_object(registration.record, base_model=state.settings.served_model_name)
+    return adapter_object(registration.record, base_model=_base(registration.record, state))
 
 
 @router.get("")
 async def list_(caller: CurrentTenant, state: State) -> dict[str, Any]:
-    base = state.settings.served_model_name
     records = await state.tenants.list_adapters(caller.tenant)
-    return {"object": "list", "data": [adapter_object(r, base_model=base) for r in records]}
+    return {
+        "object": "list",
+        "data": [adapter_object(r, base_model=_base(r, state)) for r in records],
+    }
 
 
 @router.get("/{name:path}")
@@ -59,7 +67,7 @@ async def get(name: str, caller: CurrentTenant, state: State) -> dict[str, Any]:
     record = await state.tenants.get_adapter(caller.tenant, name)
     if record is None:
         raise adapter_not_found(name)
-    return adapter_object(record, base_model=state.settings.served_model_name)
+    return adapter_object(record, base_model=_base(record, state))
 
 
 @router.delete("/{name:path}")

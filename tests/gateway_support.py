@@ -95,15 +95,17 @@ def make_model_dir(path: Path) -> Path:
     return path
 
 
-def write_adapter(path: Path, *, rank: int = 4, seed: int = 0) -> Path:
-    """A PEFT LoRA adapter on q_proj/v_proj of the tiny config, as `save_pretrained` writes it."""
+def write_adapter(path: Path, *, rank: int = 4, seed: int = 0, config: dict | None = None) -> Path:
+    """A PEFT LoRA adapter on q_proj/v_proj of the tiny config (or ``config``), as
+    `save_pretrained` writes it."""
+    base = config or TINY_CONFIG
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    hidden = TINY_CONFIG["hidden_size"]
-    head_dim = hidden // TINY_CONFIG["num_attention_heads"]
-    out = {"q_proj": hidden, "v_proj": TINY_CONFIG["num_key_value_heads"] * head_dim}
+    hidden = base["hidden_size"]
+    head_dim = hidden // base["num_attention_heads"]
+    out = {"q_proj": hidden, "v_proj": base["num_key_value_heads"] * head_dim}
     tensors = {}
-    for layer in range(TINY_CONFIG["num_hidden_layers"]):
+    for layer in range(base["num_hidden_layers"]):
         for module, out_features in out.items():
             key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
             tensors[f"{key}.lora_A.weight"] = rng.standard_normal((rank, hidden), np.float32)

@@ -258,6 +258,7 @@ class AdapterCatalog:
                 num_bytes=upload.num_bytes,
                 updated_at=now,
                 version=1 if previous is None else previous.current_version + 1,
+                base=upload.base,
             )
             old_id = "" if previous is None else previous.adapter_id
             outcome, *rest = await self._register(

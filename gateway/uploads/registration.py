@@ -15,13 +15,14 @@ import logging
 import re
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 
 import grpc
 from fastapi import Request
 
 from gateway.errors import GatewayError, InvalidRequestError
+from gateway.fleet.bases import ServedBase
 from gateway.state import GatewayState
 from gateway.tenancy.tenants import TenantAdapter
 from gateway.uploads.catalog import Registration, Removal
@@ -36,14 +37,16 @@ UNLOAD_TIMEOUT_S = 5.0
 PRELOAD_TIMEOUT_S = 30.0
 
 
-def check_adapter_name(name: str, *, served_model_name: str) -> str:
+def check_adapter_name(name: str, *, served_model_name: str | Collection[str]) -> str:
+    """A well-formed name that is no served base's name."""
+    bases = {served_model_name} if isinstance(served_model_name, str) else set(served_model_name)
     if not ADAPTER_NAME.match(name):
         raise InvalidRequestError(
             "adapter name must be 1-128 characters of letters, digits and . _ : / -, "
             "starting with a letter or digit",
             param="name",
         )
-    if name == served_model_name:
+    if name in bases:
         raise InvalidRequestError(
             f"{name!r} is the base model's name; pick another adapter name", param="name"
         )
@@ -76,11 +79,13 @@ async def upload_adapter(request: Request, *, state: GatewayState, tenant: str) 
             path=upload.path,
             staging=staging,
             replace=upload.replace,
+            base=upload.base,
         )
     if registration.replaced is not None and registration.replaced.last_reference:
         await _unload_everywhere(state, registration.replaced.record.adapter_id)
     if registration.created or registration.replaced is not None:
-        state.spawn(preload(state=state, adapter_id=registration.record.adapter_id))
+        record = registration.record
+        state.spawn(preload(state=state, adapter_id=record.adapter_id, base=record.base or None))
     return registration
 
 
@@ -93,12 +98,29 @@ async def _register(
     path: Path,
     staging: Path,
     replace: bool = False,
+    base: str | None = None,
 ) -> Registration:
-    check_adapter_name(name, served_model_name=state.settings.served_model_name)
+    served = await served_bases(state)
+    check_adapter_name(name, served_model_name=served.keys())
     validated = await state.catalog.validator.validate(
-        source=source, path=path, work_dir=staging, tenant=tenant
+        source=source,
+        path=path,
+        work_dir=staging,
+        tenant=tenant,
+        bases={n: b.spec for n, b in served.items()},
+        default_base=state.bases.default.name,
+        explicit_base=base,
     )
     return await state.catalog.register(tenant, name, validated, replace=replace)
+
+
+async def served_bases(state: GatewayState) -> dict[str, ServedBase]:
+    """The bases an upload may bind to: the default base and every live pool's."""
+    served = {state.bases.default.name: state.bases.default}
+    for name, pool in (await state.workers.pools()).items():
+        with contextlib.suppress(GatewayError):  # one this gateway cannot read: not offered
+            served[name] = await state.bases.served(pool)
+    return served
 
 
 @contextlib.asynccontextmanager
@@ -113,12 +135,12 @@ async def _staging(state: GatewayState) -> AsyncIterator[Path]:
         await asyncio.to_thread(shutil.rmtree, staging, ignore_errors=True)
 
 
-async def preload(*, state: GatewayState, adapter_id: str) -> None:
+async def preload(*, state: GatewayState, adapter_id: str, base: str | None = None) -> None:
     """Load a new adapter on the worker its first request will be routed to, while the
     upload's response travels back: the first request then finds it loaded. Best effort:
     a failure only means the first request loads it itself."""
     try:
-        favourite = (await state.workers.candidates(adapter_id=adapter_id))[0]
+        favourite = (await state.workers.candidates(adapter_id=adapter_id, base=base))[0]
         await load_adapter(
             state.channels,
             address=favourite.address,

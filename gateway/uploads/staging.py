@@ -1,6 +1,7 @@
 """Receive a tenant's adapter upload (multipart/form-data) into a staging directory.
 
-Two shapes are accepted, both with a `name` field:
+Two shapes are accepted, both with a `name` field (and optionally `replace`, and `base_model`,
+the served base the adapter binds to, which wins over its config's `base_model_name_or_path`):
 - `file`: one `.tar.gz` / `.tgz` / `.tar` / `.zip` archive of a PEFT adapter directory;
 - `adapter_config` + `adapter_model`: the two files themselves.
 
@@ -30,7 +31,7 @@ from gateway.errors import InvalidRequestError, PayloadTooLargeError
 
 ARCHIVE_FIELD = "file"
 FILE_FIELDS = {"adapter_config": CONFIG_FILE, "adapter_model": WEIGHTS_FILE}
-TEXT_FIELDS = frozenset({"name", "replace"})
+TEXT_FIELDS = frozenset({"name", "replace", "base_model"})
 MAX_TEXT_FIELD_BYTES = 4096
 MAX_PARTS = 8
 
@@ -41,6 +42,7 @@ class ReceivedUpload:
     source: Literal["archive", "dir"]
     path: Path  # the archive, or a directory with the adapter's two files
     replace: bool = False  # new content may replace what the name holds (a new version)
+    base: str | None = None  # the `base_model` field: the served base it binds to
 
 
 async def receive_adapter_upload(
@@ -64,10 +66,11 @@ async def receive_adapter_upload(
     try:
         name = _text_field(form, "name")
         replace = _flag_field(form, "replace")
+        base = _optional_text_field(form, "base_model")
         files = _file_fields(form)
         # Copying up to the size limit is disk work: off the event loop.
         source, path = await asyncio.to_thread(_materialize, files, staging)
-        return ReceivedUpload(name=name, source=source, path=path, replace=replace)
+        return ReceivedUpload(name=name, source=source, path=path, replace=replace, base=base)
     finally:
         await form.close()
 
@@ -108,6 +111,19 @@ def _text_field(form: FormData, field: str) -> str:
     if len(values) != 1 or not isinstance(values[0], str) or not values[0].strip():
         raise InvalidRequestError(f"the form needs exactly one non-empty `{field}`", param=field)
     return values[0].strip()
+
+
+def _optional_text_field(form: FormData, field: str) -> str | None:
+    """An optional text field of at most 256 printable characters (absent: None)."""
+    values = form.getlist(field)
+    if not values:
+        return None
+    if len(values) != 1 or not isinstance(values[0], str):
+        raise InvalidRequestError(f"the form takes at most one `{field}`", param=field)
+    value = values[0].strip()
+    if not value or len(value) > 256 or not value.isprintable():
+        raise InvalidRequestError(f"`{field}` must be 1-256 printable characters", param=field)
+    return value
 
 
 def _flag_field(form: FormData, field: str) -> bool:

@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -69,6 +70,7 @@ class ValidatedUpload:
     target_modules: list[str]
     num_bytes: int
     blob: Path
+    base: str = ""  # the served base it was validated against and is bound to
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +113,24 @@ class UploadValidator:
         )
 
     async def validate(
-        self, *, source: Literal["archive", "dir"], path: Path, work_dir: Path, tenant: str = ""
+        self,
+        *,
+        source: Literal["archive", "dir"],
+        path: Path,
+        work_dir: Path,
+        tenant: str = "",
+        bases: Mapping[str, BaseModelSpec] | None = None,
+        default_base: str = "",
+        explicit_base: str | None = None,
     ) -> ValidatedUpload:
-        """Validate the archive or directory at `path` (in ``tenant``'s turn); the child
-        writes into `work_dir`."""
+        """Validate the archive or directory at `path` (in ``tenant``'s turn) against the
+        served base it binds to (``bases`` by name; None: the validator's own base); the
+        child writes into `work_dir`."""
         job = {**self.job, "source": source, "path": str(path), "work_dir": str(work_dir)}
+        if bases is not None:
+            job["bases"] = {name: dataclasses.asdict(spec) for name, spec in bases.items()}
+        job["default_base"] = default_base
+        job["explicit_base"] = explicit_base
         async with self._slots.hold(tenant):
             returncode, out, err = await self._run(json.dumps(job).encode())
         answer = _answer(out)
@@ -129,6 +144,7 @@ class UploadValidator:
                 target_modules=ok["target_modules"],
                 num_bytes=ok["num_bytes"],
                 blob=Path(ok["blob"]),
+                base=ok.get("base", ""),
             )
         raise self._refusal(answer["error"], err)
 
