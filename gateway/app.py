@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from adapters import FilesystemAdapterStore
+from adapters.stores import open_store
 from gateway import account_routes, adapter_routes, admin_routes, metrics, openai_routes
 from gateway.console import pages as console
 from gateway.console.bridge import ConsoleBridge
@@ -71,7 +71,13 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
     )
     model_names = frozenset({settings.served_model_name, str(settings.model), settings.model.name})
     tenants = TenantStore(client, prefix=settings.key_prefix, key_cache_s=settings.api_key_cache_s)
-    store = FilesystemAdapterStore(settings.adapter_store)
+    # The one place the store's backend is chosen: the filesystem, or object storage.
+    store = await asyncio.to_thread(
+        open_store,
+        settings.adapter_store_url,
+        local=settings.adapter_store,
+        endpoint_url=settings.adapter_store_endpoint or None,
+    )
     return GatewayState(
         settings=settings,
         redis=client,

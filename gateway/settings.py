@@ -137,6 +137,12 @@ class GatewaySettings(BaseSettings):
 
     # Where registered adapters are stored by content id (a volume the workers read too).
     adapter_store: Path = Field(default_factory=default_adapter_store)
+    # Object storage for adapters (`s3://bucket/prefix`); empty: the filesystem store at
+    # `adapter_store`, which then only stages uploads. Credentials come from boto3's chain
+    # (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a Kubernetes Secret's env).
+    adapter_store_url: str = ""
+    # The S3 API's endpoint (MinIO, R2, ...); empty: AWS's, or AWS_ENDPOINT_URL.
+    adapter_store_endpoint: str = ""
     max_lora_rank: int = Field(default=64, ge=1)
     max_adapter_bytes: int = Field(default=256 << 20, ge=1)
     # A whole upload request (multipart body); past it: 413, before or while it streams.

@@ -9,7 +9,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from adapters import BaseModelSpec, FilesystemAdapterStore
+from adapters import BaseModelSpec
+from adapters.stores import AdapterStore
 from gateway.fair_queue import FairQueue
 from gateway.fleet.bases import BaseCatalog
 from gateway.routing import WorkerDirectory
@@ -29,7 +30,7 @@ class GatewayState:
     redis: aioredis.Redis
     tenants: TenantStore
     bases: BaseCatalog  # every served base's tokenizer, template, config and limits
-    adapter_store: FilesystemAdapterStore
+    adapter_store: AdapterStore  # the backend the settings chose (`adapters.stores.open_store`)
     catalog: AdapterCatalog
     quotas: QuotaService
     workers: WorkerDirectory

@@ -62,6 +62,9 @@ def worker(args: argparse.Namespace) -> int:
             drain_timeout=args.drain_timeout,
             engine_kwargs=engine_kwargs,
             adapter_store=Path(args.adapter_store),
+            adapter_store_url=args.adapter_store_url or None,
+            adapter_store_endpoint=args.adapter_store_endpoint or None,
+            adapter_cache_bytes=int(args.adapter_cache_gb * (1 << 30)),
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
             engine_loop=engine_loop,
             auth=auth,
@@ -247,7 +250,26 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--adapter-store",
         default=os.environ.get("SWITCHBOARD_ADAPTER_STORE") or str(default_adapter_store()),
         help="where the gateway stores adapters by content id (default: "
-        "$SWITCHBOARD_ADAPTER_STORE, else $SWITCHBOARD_HOME/adapters)",
+        "$SWITCHBOARD_ADAPTER_STORE, else $SWITCHBOARD_HOME/adapters); with "
+        "--adapter-store-url, the local cache of fetched adapters",
+    )
+    parser.add_argument(
+        "--adapter-store-url",
+        default=os.environ.get("SWITCHBOARD_ADAPTER_STORE_URL", ""),
+        help="object storage for adapters, s3://bucket/prefix (default: "
+        "$SWITCHBOARD_ADAPTER_STORE_URL; empty: the filesystem store). Credentials: the "
+        "AWS_* environment",
+    )
+    parser.add_argument(
+        "--adapter-store-endpoint",
+        default=os.environ.get("SWITCHBOARD_ADAPTER_STORE_ENDPOINT", ""),
+        help="the S3 API endpoint (MinIO, R2...; default: $SWITCHBOARD_ADAPTER_STORE_ENDPOINT)",
+    )
+    parser.add_argument(
+        "--adapter-cache-gb",
+        type=float,
+        default=4.0,
+        help="local cache of adapters fetched from object storage (loaded ones never evicted)",
     )
 
 

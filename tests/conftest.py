@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,47 @@ def close_draft(target, tmp_path_factory):
     from factories import make_perturbed_checkpoint
 
     return make_perturbed_checkpoint(target, tmp_path_factory.mktemp("close"), noise=0.1)
+
+
+@dataclass(frozen=True)
+class S3Server:
+    """A real S3-protocol server on 127.0.0.1 (moto's), with a bucket made for the tests."""
+
+    endpoint: str
+    bucket: str
+    # Any key works against moto; boto3 refuses to sign without one.
+    env: tuple[tuple[str, str], ...] = (
+        ("AWS_ACCESS_KEY_ID", "switchboard-test"),
+        ("AWS_SECRET_ACCESS_KEY", "switchboard-test-secret"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    )
+
+    def client(self):
+        import boto3
+
+        values = dict(self.env)
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=values["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=values["AWS_SECRET_ACCESS_KEY"],
+            region_name=values["AWS_DEFAULT_REGION"],
+        )
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server in a thread of this process, for the whole session (tests/README.md
+    says why it is a fair stand-in for S3)."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one log line per S3 call
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    s3 = S3Server(endpoint=f"http://{host}:{port}", bucket="switchboard-adapters")
+    s3.client().create_bucket(Bucket=s3.bucket)
+    yield s3
+    server.stop()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -33,7 +32,8 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from adapters import ArchiveLimits, BaseModelSpec, FilesystemAdapterStore
+from adapters import ArchiveLimits, BaseModelSpec
+from adapters.stores import AdapterStore
 from gateway.errors import ConflictError, GatewayError, NotFoundError, RateLimitError
 from gateway.settings import GatewaySettings
 from gateway.tenancy.quotas import tenant_key
@@ -85,7 +85,7 @@ class AdapterCatalog:
         redis: aioredis.Redis,
         prefix: str,
         tenants: TenantStore,
-        store: FilesystemAdapterStore,
+        store: AdapterStore,
         defaults: StorageDefaults,
         validator: UploadValidator,
     ) -> None:
@@ -107,7 +107,7 @@ class AdapterCatalog:
         *,
         redis: aioredis.Redis,
         tenants: TenantStore,
-        store: FilesystemAdapterStore,
+        store: AdapterStore,
         config: Mapping[str, Any],
     ) -> AdapterCatalog:
         """The catalog and its validation children, as the settings say."""
@@ -313,21 +313,21 @@ class AdapterCatalog:
         if await self.redis.scard(self._refs(adapter_id)):
             await asyncio.to_thread(self.store.restore, adapter_id, aside)
             return False
-        await asyncio.to_thread(shutil.rmtree, aside, True)
+        await asyncio.to_thread(self.store.discard, aside)
         return True
 
     async def sweep(self, *, grace_s: float) -> tuple[list[str], list[str]]:
         """Remove the store's crash leftovers older than `grace_s`: staging and trash
         directories, and blobs no name references. Returns (leftovers, blob ids) removed."""
         leftovers, blobs = await asyncio.to_thread(self.store.stale_entries, grace_s=grace_s)
-        for path in leftovers:
-            await asyncio.to_thread(shutil.rmtree, path, True)
+        for entry in leftovers:
+            await asyncio.to_thread(self.store.discard_leftover, entry)
         deleted = [b for b in blobs if await self._delete_blob_if_unreferenced(b)]
         if leftovers or deleted:
             log.info(
                 "adapter store swept: %d leftovers, %d unnamed blobs", len(leftovers), len(deleted)
             )
-        return [Path(p).name for p in leftovers], deleted
+        return [Path(str(p)).name for p in leftovers], deleted
 
     async def keep_swept(self) -> None:
         """Sweep at start, then every `sweep_interval_s` (a background task). A failed

@@ -100,11 +100,11 @@ def test_put_loses_a_race_gracefully(
 
     def rename_after_a_rival(src: Path, dst: Path) -> None:
         rival = FilesystemAdapterStore(store.root)
-        monkeypatch.setattr("adapters.store.os.rename", real_rename)
+        monkeypatch.setattr("adapters.stores.filesystem.os.rename", real_rename)
         rival.put(adapter)
         real_rename(src, dst)  # fails: dst now exists and is not empty
 
-    monkeypatch.setattr("adapters.store.os.rename", rename_after_a_rival)
+    monkeypatch.setattr("adapters.stores.filesystem.os.rename", rename_after_a_rival)
     assert store.put(adapter) == adapter.id
     assert os.listdir(store.root) == [adapter.id]
     assert load(store.get(adapter.id)).id == adapter.id

@@ -32,6 +32,7 @@ from grpc_health.v1.health import aio as health_aio
 from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError, RedisError
 
+from adapters.stores import AdapterStore, open_store
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime import registry
 from runtime.bases import base_content_id, base_name_for
@@ -72,7 +73,7 @@ class WorkerServer:
         redis_prefix: str = registry.DEFAULT_PREFIX,
         ttl: float = registry.DEFAULT_TTL_S,
         heartbeat_interval: float = registry.HEARTBEAT_INTERVAL_S,
-        adapter_store: Path | None = None,
+        adapter_store: AdapterStore | Path | None = None,
         engine_runner: Callable[[Callable[[], None]], None] | None = None,
         auth: WorkerAuth | None = None,
         health_port: int | None = None,
@@ -347,6 +348,9 @@ async def run_worker(
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
     engine_kwargs: dict | None = None,
     adapter_store: Path | None = None,
+    adapter_store_url: str | None = None,
+    adapter_store_endpoint: str | None = None,
+    adapter_cache_bytes: int = 4 << 30,
     metrics_port: int | None = None,
     engine_loop: MainThreadEngineLoop | None = None,
     auth: WorkerAuth | None = None,
@@ -374,6 +378,20 @@ async def run_worker(
         return LLMEngine(path, engine_config(dtype=dtype, **(engine_kwargs or {})))
 
     (auth or WorkerAuth()).check(host)  # before connecting to anything
+    # The one place the worker's store backend is chosen: the filesystem at `adapter_store`,
+    # or object storage with `adapter_store` as its cache; loaded adapters stay cached.
+    store = (
+        None
+        if adapter_store is None
+        else await asyncio.to_thread(
+            open_store,
+            adapter_store_url,
+            local=adapter_store,
+            endpoint_url=adapter_store_endpoint,
+            cache_bytes=adapter_cache_bytes,
+            pinned=lambda: server.engine.stats.adapter_ids if server.engine else (),
+        )
+    )
     # Password and TLS come with the URL (redis://user:pass@..., rediss://...?ssl_ca_certs=...).
     redis = Redis.from_url(redis_url) if redis_url else None
     stop = asyncio.Event()
@@ -386,7 +404,7 @@ async def run_worker(
         advertise_host=advertise_host,
         redis=redis,
         redis_prefix=redis_prefix,
-        adapter_store=adapter_store,
+        adapter_store=store,
         engine_runner=engine_loop.runner if engine_loop is not None else None,
         auth=auth,
         health_port=health_port,

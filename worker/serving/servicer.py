@@ -19,6 +19,7 @@ import grpc
 
 from adapters.errors import AdapterError, AdapterNotFoundError
 from adapters.identity import check_adapter_id
+from adapters.stores import AdapterStore, FilesystemAdapterStore
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime.logs import REQUEST_ID
 from worker.errors import InvalidRequestError, TensorParallelError, UnknownAdapterError
@@ -126,7 +127,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         *,
         model_name: str,
         metrics: WorkerMetrics,
-        adapter_store: Path | None = None,
+        adapter_store: AdapterStore | Path | None = None,
         base_id: str = "",
     ) -> None:
         self.model_name = model_name
@@ -134,7 +135,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.metrics = metrics
         # The store the gateway writes validated adapters to: requests name adapters by
         # content id, and the worker reads them only from here, never from a caller's path.
-        self.adapter_store = adapter_store
+        self.adapter_store: AdapterStore | None = (
+            FilesystemAdapterStore(adapter_store)
+            if isinstance(adapter_store, Path)
+            else adapter_store
+        )
         self.engine: AsyncEngine | None = None
         self.draining = False
         self.on_adapters_changed: Callable[[], None] = lambda: None
@@ -183,7 +188,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             needed = [request.adapter_id] if request.adapter_id else [i for i, _ in mix or []]
             for adapter_id in needed:
                 if adapter_id not in engine.stats.adapter_ids:
-                    await self._load_adapter(engine, adapter_id, self._stored(adapter_id))
+                    await self._load_adapter(engine, adapter_id, await self._stored(adapter_id))
             samples = engine.generate(
                 request.request_id or uuid.uuid4().hex,
                 list(request.prompt_token_ids),
@@ -226,7 +231,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "adapter_id is required")
         try:
             if request.adapter_id not in engine.stats.adapter_ids:
-                path = self._stored(request.adapter_id)
+                path = await self._stored(request.adapter_id)
                 await self._load_adapter(engine, request.adapter_id, path)
         except Exception as exc:
             await self._abort_with(context, exc)
@@ -296,16 +301,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             ],
         )
 
-    def _stored(self, adapter_id: str) -> Path:
-        """The adapter's directory in the store; AdapterNotFoundError if it is not there."""
+    async def _stored(self, adapter_id: str) -> Path:
+        """The adapter's local directory, from the store (an object store's blob is fetched
+        into the worker's cache first, on a thread); AdapterNotFoundError if it is not there."""
         if self.adapter_store is None:
             raise UnknownAdapterError(
                 f"adapter {adapter_id!r} is not loaded and this worker has no adapter store"
             )
-        path = self.adapter_store / check_adapter_id(adapter_id)
-        if not path.is_dir():
-            raise AdapterNotFoundError(f"adapter {adapter_id} is not in the store")
-        return path
+        return await asyncio.to_thread(self.adapter_store.get, check_adapter_id(adapter_id))
 
     async def _engine_or_abort(self, context, *, refuse_while_draining: bool = True):
         if self.engine is None:
