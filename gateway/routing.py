@@ -6,12 +6,15 @@ Policy (`rank_workers`, a pure function over `WorkerInfo`s):
    A worker is *within bound* while load <= least_load * load_factor + load_slack.
 2. Base-model requests: least loaded first; with a prefix affinity key (below), the
    workers within bound in the key's rendezvous order instead.
-3. Adapter requests: workers within bound that already hold the adapter (least loaded
-   first, or in the key's rendezvous order when there is one), then the other workers
-   within bound in rendezvous order — highest random weight of hash(adapter_id, worker_id)
-   (Thaler & Ravishankar, 1998) — so each adapter has a stable favourite worker, then a
-   stable second, and its traffic concentrates there instead of loading it everywhere;
-   then workers over the bound, least loaded first (the spill-over when one adapter is hot).
+3. Adapter requests: workers within bound by LoRA affinity (`gateway.fleet.affinity`: the
+   adapter resident 1.0, a free slot 0.8, the adapter queued to load 0.6, every slot taken
+   0), the holders least loaded first (or in the key's rendezvous order when there is one),
+   each lower score in rendezvous order — highest random weight of hash(adapter_id,
+   worker_id) (Thaler & Ravishankar, 1998) — so each adapter has a stable favourite worker,
+   then a stable second, and its traffic concentrates there instead of loading it
+   everywhere; then workers over the bound, least loaded first. A hot adapter thus spreads
+   as its queue grows: once its holders pass the bound, the next request goes to the best
+   other worker (a free slot before a full one), which loads it and becomes a holder.
 The caller tries the first worker and, if it fails before the first token, the second.
 
 Prefix affinity: a conversation resends its history every turn, and a worker's prefix
@@ -43,6 +46,7 @@ from redis.exceptions import RedisError
 
 from gateway.errors import BaseUnavailableError, NoWorkerError
 from gateway.fair_queue import FairQueue, Grant
+from gateway.fleet.affinity import RESIDENT, lora_affinity
 from gateway.fleet.pools import Pool, group_pools
 from gateway.job import Job
 from runtime.registry import WorkerInfo, live_workers
@@ -105,11 +109,11 @@ def rank_workers(
     spill = [w for w in by_load if load(w) > bound]
     if adapter_id is None:
         return sorted(within, key=preference) + spill
-    holders = sorted((w for w in within if adapter_id in w.adapters), key=preference)
+    scored = {w.worker_id: lora_affinity(w, adapter_id) for w in within}
+    holders = sorted((w for w in within if scored[w.worker_id] == RESIDENT), key=preference)
     others = sorted(
-        (w for w in within if adapter_id not in w.adapters),
-        key=lambda w: rendezvous_score(adapter_id, w.worker_id),
-        reverse=True,
+        (w for w in within if scored[w.worker_id] != RESIDENT),
+        key=lambda w: (-scored[w.worker_id], -rendezvous_score(adapter_id, w.worker_id)),
     )
     return holders + others + spill
 

@@ -8,6 +8,7 @@ gateway reaches the workers over mutual TLS with certificates made once under
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -28,10 +29,19 @@ from runtime.processes import reap
 
 @dataclass
 class Stack:
-    """``with Stack(model=...) as stack:`` — Redis (reused or embedded), workers, gateway."""
+    """``with Stack(model=...) as stack:`` — Redis (reused or embedded), workers, gateway.
+
+    ``extra_models``: more bases, each its own pool of ``num_workers`` workers behind the
+    same gateway (``model`` is the gateway's default base)."""
 
     model: Path
     num_workers: int = 1
+    extra_models: list[Path] = field(default_factory=list)
+    # Object storage for adapters (s3://bucket/prefix) and its endpoint; the children get
+    # the AWS_* credentials from the environment (``env``). None: the filesystem store.
+    adapter_store_url: str | None = None
+    adapter_store_endpoint: str | None = None
+    env: dict[str, str] = field(default_factory=dict)  # more environment for every child
     redis_url: str | None = None  # None: $SWITCHBOARD_REDIS_URL, 127.0.0.1:6379, or embedded
     gateway_port: int = 8000
     dtype: str = "auto"
@@ -44,6 +54,7 @@ class Stack:
     # every core busy); where each has its own CPUs (Kubernetes pods) it changes nothing.
     worker_nice: int = 0
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)
+    worker_models: dict[str, Path] = field(default_factory=dict)  # each worker's base
     worker_ports: dict[str, int] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)  # each worker's /metrics
     gateway: subprocess.Popen | None = None
@@ -63,6 +74,9 @@ class Stack:
             self.redis_url = self._redis.url
         for i in range(self.num_workers):
             self.start_worker(f"worker-{i}")
+        for model in self.extra_models:
+            for i in range(self.num_workers):
+                self.start_worker(f"{model.name}-worker-{i}", model=model)
         self.gateway = subprocess.Popen(
             [*switchboard_command(), "gateway", "--port", str(self.gateway_port)],
             env=self._env(),
@@ -70,7 +84,20 @@ class Stack:
         self.wait_ready(timeout=timeout)
         return self
 
-    def start_worker(self, worker_id: str) -> subprocess.Popen:
+    @property
+    def models(self) -> list[Path]:
+        """Every base: the default first."""
+        return [self.model, *self.extra_models]
+
+    def stop_pool(self, model: Path) -> None:
+        """Stop every worker of one base (they drain and leave the registry)."""
+        for worker_id in [w for w, m in self.worker_models.items() if m == model]:
+            process = self.workers.pop(worker_id)
+            process.send_signal(signal.SIGTERM)
+            reap(process, 15)
+            del self.worker_models[worker_id]
+
+    def start_worker(self, worker_id: str, *, model: Path | None = None) -> subprocess.Popen:
         # Both ports chosen here, distinct from every port this stack handed out: a worker
         # binding port 0 for its metrics could be given the port another worker was about to
         # bind (seen in CI as "Address already in use").
@@ -78,13 +105,14 @@ class Stack:
         niced = ["nice", "-n", str(self.worker_nice)] if self.worker_nice else []
         args = [
             *niced, *switchboard_command(), "worker",
-            "--model", str(self.model), "--port", str(port), "--dtype", self.dtype,
+            "--model", str(model or self.model), "--port", str(port), "--dtype", self.dtype,
             "--redis-url", str(self.redis_url), "--redis-prefix", self.key_prefix,
             "--worker-id", worker_id, "--metrics-port", str(metrics_port),
             *self._worker_tls_args(), *self.worker_args,
         ]  # fmt: skip
         process = subprocess.Popen(args, env=self._env())
         self.workers[worker_id] = process
+        self.worker_models[worker_id] = model or self.model
         self.worker_ports[worker_id] = port
         self.metrics_ports[worker_id] = metrics_port
         return process
@@ -130,8 +158,14 @@ class Stack:
             SWITCHBOARD_KEY_PREFIX=self.key_prefix,
             SWITCHBOARD_ADMIN_TOKEN=self.admin_token,
             SWITCHBOARD_MODEL=str(self.model),
+            # The gateway reads each base's tokenizer where its workers loaded it.
+            SWITCHBOARD_MODEL_ROOTS=json.dumps([str(m.resolve()) for m in self.models]),
             PYTHONUNBUFFERED="1",
+            **self.env,
         )
+        if self.adapter_store_url:
+            env["SWITCHBOARD_ADAPTER_STORE_URL"] = self.adapter_store_url
+            env["SWITCHBOARD_ADAPTER_STORE_ENDPOINT"] = self.adapter_store_endpoint or ""
         if self.certs is not None:  # the gateway's side (GatewaySettings.worker_tls_*)
             env.update(
                 SWITCHBOARD_WORKER_TLS_CA=str(self.certs.gateway.ca),

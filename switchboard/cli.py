@@ -266,8 +266,14 @@ def up(args: argparse.Namespace) -> int:
     from runtime.stack import Stack
     from worker.model.default_model import resolve_model_path
 
-    model = resolve_model_path(args.model)
-    stack = Stack(model=model, num_workers=args.workers, gateway_port=args.port)
+    first, *others = args.model or [None]
+    model = resolve_model_path(first)
+    stack = Stack(
+        model=model,
+        extra_models=[resolve_model_path(m) for m in others],
+        num_workers=args.workers,
+        gateway_port=args.port,
+    )
     print("starting Redis, worker(s) and gateway ...", flush=True)
     with stack:
         key = stack.demo_key(args.tenant)
@@ -314,9 +320,14 @@ Ctrl-C stops everything."""
 
 
 def _up_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="checkpoint directory (default: the default model)")
+    parser.add_argument(
+        "--model",
+        action="append",
+        help="checkpoint directory (default: the default model); repeat it for more bases, "
+        "each its own pool of workers behind the one gateway (the first is the default)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="gateway port")
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1, help="workers per base")
     parser.add_argument("--tenant", default="demo", help="name of the demo tenant to create")
 
 

@@ -1,0 +1,34 @@
+"""LoRA affinity: how well a worker can take a request on an adapter now, as the Kubernetes
+Gateway API Inference Extension scores pods (its `lora_affinity` scorer, read from the model
+servers' `running_lora_adapters`, `waiting_lora_adapters` and `max_lora`):
+
+    1.0  the adapter is resident (in a device slot, or loaded and in the host cache)
+    0.8  it is not, but a device slot is free: loading it evicts nothing
+    0.6  requests already wait there for it to get a slot: it is being brought in
+    0.0  every slot holds another adapter: loading it evicts one in use or recently used
+
+A worker that reports no slots (an older worker) scores as one with a free slot, neither
+preferred nor avoided. `gateway.routing.rank_workers` orders the workers within its load
+bound by this score, so a hot adapter stays on its holders until their load passes the
+bound and then spreads to the best-scored other worker (a free slot before a full one).
+"""
+
+from __future__ import annotations
+
+from runtime.registry import WorkerInfo
+
+RESIDENT = 1.0
+FREE_SLOT = 0.8
+LOADING = 0.6
+FULL = 0.0
+
+
+def lora_affinity(worker: WorkerInfo, adapter_id: str) -> float:
+    """The worker's score for a request on ``adapter_id`` (a content id)."""
+    if adapter_id in worker.slot_adapters or adapter_id in worker.adapters:
+        return RESIDENT
+    if not worker.slot_adapters or None in worker.slot_adapters:
+        return FREE_SLOT
+    if adapter_id in worker.loading_adapters:
+        return LOADING
+    return FULL
