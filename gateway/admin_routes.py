@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.deps import State, require_admin
 from gateway.errors import InvalidRequestError
+from gateway.fleet.pools import Pool
 from gateway.state import GatewayState
 from gateway.tenancy.quotas import Quota
 from gateway.tenancy.usage import day_range, read_usage
@@ -199,11 +200,13 @@ def _scheduling(tenant: str, scheduling: WeightAssignment) -> dict[str, Any]:
 
 @router.get("/workers")
 async def list_workers(state: State) -> dict[str, Any]:
-    """Live workers of the served model (the registry), each with its load, the adapters it
+    """Live workers (the registry), each with its base (its pool), its load, the adapters it
     has loaded, holds in its device slots and in its host cache, each content id named as
     "tenant/name" (none for content no name holds now, e.g. a replaced version still cached),
     and its engine's service per tenant (its `Stats`; null when the worker did not answer in
-    time)."""
+    time); and the pools, one per base, with their totals."""
+    pools = await state.workers.pools()
+    base_of = {w.worker_id: p.base for p in pools.values() for w in p.workers}
     workers = await state.workers.workers()
     held = sorted({a for w in workers for a in _content_ids(w)})
     names = await state.catalog.names_of(held)
@@ -212,11 +215,26 @@ async def list_workers(state: State) -> dict[str, Any]:
         "data": [
             {
                 **asdict(w),
+                "base": base_of.get(w.worker_id, ""),
                 "adapter_names": {a: names.get(a, []) for a in sorted(_content_ids(w))},
                 "tenant_service": service,
             }
             for w, service in zip(workers, services, strict=True)
-        ]
+        ],
+        "pools": [_pool_summary(p) for p in pools.values()],
+    }
+
+
+def _pool_summary(pool: Pool) -> dict[str, Any]:
+    """One base's pool: its workers and their summed load and adapter slots."""
+    return {
+        "base": pool.base,
+        "base_id": pool.base_id,
+        "workers": [w.worker_id for w in pool.workers],
+        "running": sum(w.running for w in pool.workers),
+        "waiting": sum(w.waiting for w in pool.workers),
+        "slots_used": sum(sum(a is not None for a in w.slot_adapters) for w in pool.workers),
+        "slots_total": sum(w.max_loras for w in pool.workers),
     }
 
 

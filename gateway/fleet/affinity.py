@@ -2,7 +2,8 @@
 Gateway API Inference Extension scores pods (its `lora_affinity` scorer, read from the model
 servers' `running_lora_adapters`, `waiting_lora_adapters` and `max_lora`):
 
-    1.0  the adapter is resident (in a device slot, or loaded and in the host cache)
+    1.0  the adapter is resident: in a device slot (for a worker that reports no slots, an
+         older one: loaded at all)
     0.8  it is not, but a device slot is free: loading it evicts nothing
     0.6  requests already wait there for it to get a slot: it is being brought in
     0.0  every slot holds another adapter: loading it evicts one in use or recently used
@@ -25,7 +26,9 @@ FULL = 0.0
 
 def lora_affinity(worker: WorkerInfo, adapter_id: str) -> float:
     """The worker's score for a request on ``adapter_id`` (a content id)."""
-    if adapter_id in worker.slot_adapters or adapter_id in worker.adapters:
+    if adapter_id in worker.slot_adapters:
+        return RESIDENT
+    if not worker.slot_adapters and adapter_id in worker.adapters:
         return RESIDENT
     if not worker.slot_adapters or None in worker.slot_adapters:
         return FREE_SLOT

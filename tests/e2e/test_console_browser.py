@@ -572,9 +572,13 @@ def test_the_admin_creates_a_tenant_sets_a_quota_and_sees_the_fleet(
     # The fleet: the worker, with dyn's adapter in a device slot and in its host cache (the
     # registry's next heartbeat; the page reads the fleet every 5 s).
     worker = page.locator("#worker-table tbody tr", has_text="worker-0")
-    expect(worker.locator("td").nth(5)).to_contain_text("dyn/tuned")
-    expect(worker.locator("td").nth(5)).to_contain_text(re.compile(r"^\d+ of \d+ slots"))
+    expect(worker.locator("td").nth(1)).to_have_text(stack.model.name)  # its base
     expect(worker.locator("td").nth(6)).to_contain_text("dyn/tuned")
+    expect(worker.locator("td").nth(6)).to_contain_text(re.compile(r"^\d+ of \d+ slots"))
+    expect(worker.locator("td").nth(7)).to_contain_text("dyn/tuned")
+    # Its pool: one per base, with the worker in it.
+    pool = page.locator("#pool-table tbody tr", has_text=stack.model.name)
+    expect(pool.locator("td").nth(2)).to_have_text("worker-0")
     # The engine's service per tenant: dyn's request was computed there.
     service = page.locator("#service-table tbody tr", has_text="dyn")
     expect(service).to_have_count(1)

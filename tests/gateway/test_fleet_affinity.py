@@ -20,7 +20,9 @@ def worker(name: str, slots: list[str | None], *, running: int = 0, **fields) ->
 
 def test_scores_follow_the_inference_extension():
     assert lora_affinity(worker("w", [HOT, None]), HOT) == RESIDENT == 1.0
-    assert lora_affinity(worker("w", [OTHER], adapters=[HOT]), HOT) == RESIDENT  # host cache
+    # In the host cache only: moving it into a slot evicts the other adapter.
+    assert lora_affinity(worker("w", [OTHER], adapters=[HOT]), HOT) == FULL
+    assert lora_affinity(worker("w", [], adapters=[HOT]), HOT) == RESIDENT  # no slots reported
     assert lora_affinity(worker("w", [OTHER, None]), HOT) == FREE_SLOT == 0.8
     assert lora_affinity(worker("w", [OTHER], loading_adapters=[HOT]), HOT) == LOADING == 0.6
     assert lora_affinity(worker("w", [OTHER, COLD]), HOT) == FULL == 0.0

@@ -147,9 +147,13 @@ function tenantChoices(names) {
 
 async function loadFleet() {
   const current = fleetTicket();
-  const workers = (await json("workers")).data;
+  const fleet = await json("workers");
+  const workers = fleet.data;
   if (!current()) return;
   $("fleet-empty").hidden = workers.length > 0;
+  fill($("pool-table").querySelector("tbody"), fleet.pools.map((p) => [
+    p.base, el("code", {}, (p.base_id || "").slice(0, 12) || "–"), p.workers.join(", "),
+    p.running, p.waiting, `${p.slots_used} of ${p.slots_total}`]));
   fill($("worker-table").querySelector("tbody"), workers.map((w) => {
     const used = w.total_kv_blocks ? 1 - w.free_kv_blocks / w.total_kv_blocks : 0;
     const named = (id) => (w.adapter_names[id] || []).join(", ") || `${id.slice(0, 12)} (no name)`;
@@ -161,7 +165,7 @@ async function loadFleet() {
       el("span", { class: "muted" },
          `${w.host_adapters.length} · ${Console.bytes(w.host_cache_bytes)} of ${Console.bytes(w.host_cache_limit)}`),
       ...w.host_adapters.map((id) => el("span", { "data-adapter": id }, named(id))));
-    return [w.worker_id, w.address, w.running, w.waiting, `${(used * 100).toFixed(0)} %`, slots, host,
+    return [w.worker_id, w.base || "–", w.address, w.running, w.waiting, `${(used * 100).toFixed(0)} %`, slots, host,
             `${Math.max(0, Date.now() / 1000 - w.heartbeat_at).toFixed(0)} s ago`];
   }));
   fill($("service-table").querySelector("tbody"), workers.flatMap((w) => (w.tenant_service === null
