@@ -186,7 +186,11 @@ async def run_policy(policy, trace, ids, pool: Pool, directory: WorkerDirectory,
         workers = await directory.workers()
         extra = {w: n for w, n in in_flight.items()}
         ranked = rank_workers(
-            workers, adapter_id=adapter_id if policy == "affinity" else None, extra_load=extra
+            workers,
+            adapter_id=adapter_id if policy == "affinity" else None,
+            extra_load=extra,
+            load_factor=args.load_factor,
+            load_slack=args.load_slack,
         )
         return ranked[0].worker_id
 
@@ -292,6 +296,10 @@ def main() -> None:
     parser.add_argument("--zipf", type=float, default=1.1)
     parser.add_argument("--output-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    # The gateway's SWITCHBOARD_ROUTE_LOAD_FACTOR / _SLACK: how far past the least loaded
+    # worker a resident adapter's worker may be and still be preferred.
+    parser.add_argument("--load-factor", type=float, default=1.5)
+    parser.add_argument("--load-slack", type=int, default=4)
     parser.add_argument("--out", default="bench/results/routing.json")
     args = parser.parse_args()
     report = asyncio.run(run(args))
