@@ -44,11 +44,11 @@ def test_a_dependency_added_without_refreshing_the_lock_is_caught(tmp_path):
     pyproject = root / "pyproject.toml"
     text = pyproject.read_text()
     pyproject.write_text(
-        text.replace('"jsonschema>=4.20",', '"jsonschema>=4.20",\n    "boto3>=1.30",')
+        text.replace('"jsonschema>=4.20",', '"jsonschema>=4.20",\n    "zstandard>=0.20",')
     )
     assert lockfile.problems(root) == [
-        "runtime.txt does not pin boto3 ('boto3>=1.30' in pyproject.toml)",
-        "dev.txt does not pin boto3 ('boto3>=1.30' in pyproject.toml)",
+        "runtime.txt does not pin zstandard ('zstandard>=0.20' in pyproject.toml)",
+        "dev.txt does not pin zstandard ('zstandard>=0.20' in pyproject.toml)",
     ]
 
 
