@@ -18,9 +18,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi.sse import format_sse_event
+from redis.exceptions import RedisError
 
 from gateway import metrics
 from gateway.errors import (
+    BaseUnavailableError,
     DeadlineExceededError,
     GatewayError,
     WorkerFailedError,
@@ -119,7 +121,18 @@ async def _on_a_worker(
             if exc.worker_failed:
                 route.failed(worker)
             error = exc.error
+    if not await _pool_alive(route, job):
+        raise BaseUnavailableError(job.base or route.directory.default_base) from None
     raise error
+
+
+async def _pool_alive(route: Route, job: Job) -> bool:
+    """The job's pool still has a live worker (or the registry cannot say: then the workers'
+    own error stands)."""
+    try:
+        return await route.directory.alive(job.base or None)
+    except RedisError:
+        return True
 
 
 async def stop_unfinished(tally: Tally) -> None:

@@ -173,6 +173,15 @@ class WorkerDirectory:
             raise BaseUnavailableError(base)
         return found
 
+    async def alive(self, base: str | None) -> bool:
+        """Whether ``base``'s pool (None: the default base's) has a live worker, read from the
+        registry now: after every worker tried has failed, a pool that stopped (its workers
+        left the registry as they drained) is a 503 naming its base, not a worker's 502."""
+        async with self._lock:
+            await self._refresh()
+        pool = self._pools.get(base or self.default_base)
+        return pool is not None and bool(pool.workers)
+
     async def _refresh_ahead(self) -> None:
         async with self._lock:
             if self.clock() - self._read_at < self.cache_s:

@@ -16,7 +16,6 @@ import redis
 
 from factories import add_byte_level_tokenizer, make_checkpoint, make_peft_adapter
 from runtime.embedded_redis import free_port
-from runtime.registry import live_workers  # noqa: F401 (the registry's format owner)
 from runtime.stack import Stack
 from worker import LLM, SamplingParams
 from worker.model.tiny_families import make_servable_checkpoint

@@ -232,3 +232,42 @@ async def test_a_base_outside_the_model_roots_is_not_read(fleet, redis_prefix, t
     )
     assert answer.status_code == 503 and "`outside`" in answer.json()["error"]["message"]
     assert "outside" not in {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
+
+
+async def test_a_pool_stopped_within_the_registry_cache_is_503_not_502(
+    redis_url, redis_prefix, model_dir, tmp_path
+):
+    """The gateway still lists the stopped pool's worker (its registry read is cached): the
+    call fails to connect, the registry read again says the pool is gone: 503 naming it."""
+    other_dir = make_model_dir(tmp_path / "models" / OTHER)
+    settings = gateway_settings(
+        redis_url=redis_url, prefix=redis_prefix, model_dir=model_dir, store=tmp_path / "store",
+        model_roots=[tmp_path / "models"], worker_cache_s=60.0,
+    )  # fmt: skip
+    redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    other_worker = await ScriptedWorker("w-other").start()
+    try:
+        await register(
+            redis, redis_prefix,
+            WorkerInfo(
+                worker_id="w-other", address=other_worker.address, model=OTHER,
+                base_id=base_content_id(other_dir), model_path=str(other_dir),
+                heartbeat_at=time.time(),
+            ),
+            ttl=30,
+        )  # fmt: skip
+        async with running_gateway(settings) as gw:
+            key = await create_tenant_key(gw, "acme")
+            headers = {"Authorization": f"Bearer {key}"}
+            body = {"model": OTHER, "prompt": "Hello", "max_tokens": 1}
+            async with httpx.AsyncClient(base_url=gw.url, headers=headers, timeout=30) as client:
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+                await other_worker.stop()  # it drained and left the registry
+                await deregister(redis, redis_prefix, "w-other")
+                gone = await client.post("/v1/completions", json=body)
+                assert gone.status_code == 503, gone.text
+                assert f"`{OTHER}`" in gone.json()["error"]["message"]
+    finally:
+        await other_worker.stop()
+        await delete_prefix(redis_url, redis_prefix)
+        await redis.aclose()
