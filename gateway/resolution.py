@@ -70,23 +70,25 @@ async def resolve_target(
     directory: WorkerDirectory,
     bases: BaseCatalog,
 ) -> Target:
-    """A live base's name, else the caller's adapter on its base. A base with no live pool
-    (named, or under the adapter) is a 503 naming it; any other name a 404, as before."""
+    """A live base's name, else the caller's adapter on its base; any other name a 404, as
+    before. A base with no live pool (named, or under the adapter) that this gateway served
+    before resolves against what it was, so the request's own errors (400) come first and
+    routing's 503 names the base; one never served here is that 503 at once."""
     pools = await directory.pools()
-    pool = pools.get(model)
-    if pool is None and model in bases.seen:
-        raise BaseUnavailableError(model)
     adapter = None
-    if pool is None:
+    if model in pools or bases.last_served(model) is not None:
+        base_name = model
+    else:
         adapter = await tenants.get_adapter(caller.tenant, model)
         if adapter is None:
             raise ModelNotFoundError(model)
         base_name = adapter.base or bases.default.name
-        pool = pools.get(base_name)
-        if pool is None:
-            raise BaseUnavailableError(base_name)
+    pool = pools.get(base_name)
+    base = await bases.served(pool) if pool is not None else bases.last_served(base_name)
+    if base is None:
+        raise BaseUnavailableError(base_name)
     metrics.known_model(caller.tenant, model)  # a served base or the tenant's own: a label
-    return Target(base=await bases.served(pool), adapter=adapter, default_base=bases.default.name)
+    return Target(base=base, adapter=adapter, default_base=bases.default.name)
 
 
 async def resolve(

@@ -79,7 +79,9 @@ class BaseCatalog:
         self.tokenizer_threads = tokenizer_threads
         self._by_id: dict[str, ServedBase] = {}
         self._loading: dict[str, asyncio.Future[ServedBase]] = {}
-        self.seen: set[str] = {default.name}  # names ever served: a gone one is a 503, not 404
+        # The last base served under each name: a request for a base whose pool is gone is
+        # still parsed and checked against it (400s first), then routing's 503 names it.
+        self._by_name: dict[str, ServedBase] = {default.name: default}
 
     @classmethod
     async def open(
@@ -100,9 +102,9 @@ class BaseCatalog:
     async def served(self, pool: Pool) -> ServedBase:
         """The pool's base, read once per content id on a thread; BaseUnavailableError when
         its directory is not one this gateway may read."""
-        self.seen.add(pool.base)
         known = self.cached(pool)
         if known is not None:
+            self._by_name[pool.base] = known
             return known
         loading = self._loading.get(pool.base_id)
         if loading is None:
@@ -122,8 +124,13 @@ class BaseCatalog:
             log.warning("reading base %s from %s failed: %s", pool.base, path, exc)
             raise BaseUnavailableError(pool.base, "its tokenizer files cannot be read") from exc
         self._by_id[pool.base_id] = base
+        self._by_name[pool.base] = base
         log.info("serving base %s (%s) from %s", pool.base, pool.base_id[:12], path)
         return base
+
+    def last_served(self, name: str) -> ServedBase | None:
+        """The base last served under ``name`` (the default base always), or None."""
+        return self._by_name.get(name)
 
     def _readable(self, pool: Pool) -> Path:
         if not pool.model_path:

@@ -215,8 +215,10 @@ async def test_a_gone_pool_is_503_for_its_base_only(fleet, redis_prefix):
     served = await client.post("/v1/completions", json={**body, "model": MODEL_NAME})
     assert served.status_code == 200
     assert {m["id"] for m in (await client.get("/v1/models")).json()["data"]} >= {MODEL_NAME}
-    usage = (await client.get("/v1/usage")).json()["data"]
-    assert {row["model"] for row in usage} == {MODEL_NAME, OTHER}
+    usage = {row["model"]: row for row in (await client.get("/v1/usage")).json()["data"]}
+    assert set(usage) <= {MODEL_NAME, OTHER, "on-other"}  # per model, as named
+    assert usage[MODEL_NAME]["completion_tokens"] == usage[OTHER]["completion_tokens"] == 1
+    assert usage.get("on-other", {}).get("total_tokens", 0) == 0  # refused: nothing served
 
 
 async def test_a_base_outside_the_model_roots_is_not_read(fleet, redis_prefix, tmp_path_factory):
