@@ -24,7 +24,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from adapters.stores import open_store
-from gateway import account_routes, adapter_routes, admin_routes, metrics, openai_routes
+from gateway import account_routes, adapter_routes, admin_routes, metrics, openai_routes, pipeline
+from gateway.batch import routes as batch_routes
+from gateway.batch.batches import BatchService
+from gateway.batch.files import FileLimits, FileService
+from gateway.batch.runner import BatchRunner, RunnerConfig
+from gateway.batch.storage import FilesystemBlobs
 from gateway.console import pages as console
 from gateway.console.bridge import ConsoleBridge
 from gateway.console.session import ADMIN, TENANT
@@ -33,13 +38,16 @@ from gateway.error_handlers import install_error_handlers
 from gateway.fair_queue import FairQueue
 from gateway.fleet.bases import BaseCatalog
 from gateway.http_server import start_side_listener
+from gateway.job import Job
 from gateway.limits import BodyLimits, RequestBodyGuard
+from gateway.parsing import OpenAIRequest
 from gateway.routing import WorkerDirectory
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.structured.grammar_checker import GrammarChecker, GrammarLimits
+from gateway.tally import Tally
 from gateway.tenancy.quotas import QuotaService
-from gateway.tenancy.tenants import TenantStore
+from gateway.tenancy.tenants import Caller, TenantStore
 from gateway.tenancy.weights import TenantWeights
 from gateway.uploads.catalog import AdapterCatalog
 from gateway.worker_client import WorkerChannels, WorkerCredentials
@@ -77,6 +85,16 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
         settings.adapter_store_url,
         local=settings.adapter_store,
         endpoint_url=settings.adapter_store_endpoint or None,
+    )
+    files = FileService(
+        client,
+        prefix=settings.key_prefix,
+        # Batch files live on a volume every replica shares (with the S3 adapter store too).
+        blobs=FilesystemBlobs(settings.batch_file_store or settings.adapter_store / "files"),
+        limits=FileLimits(
+            quota_bytes=settings.batch_storage_bytes_per_tenant,
+            retention_s=settings.batch_file_retention_s,
+        ),
     )
     return GatewayState(
         settings=settings,
@@ -126,6 +144,39 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
                 queue_limit=settings.grammar_check_queue_per_tenant,
             )
         ),
+        batch_files=files,
+        batches=BatchService(
+            client,
+            prefix=settings.key_prefix,
+            files=files,
+            windows=settings.batch_completion_windows,
+        ),
+    )
+
+
+def batch_runner(state: GatewayState) -> BatchRunner:
+    """This replica's runner of batch lines, through the request pipeline."""
+    settings = state.settings
+
+    async def resolve(tenant: str, body: OpenAIRequest) -> Job:
+        return await pipeline.resolve_line(body, state=state, caller=Caller(tenant, "batch"))
+
+    async def answer(body: OpenAIRequest, job: Job, tally: Tally) -> dict:
+        return await pipeline.answer_line(body, job, state=state, tally=tally)
+
+    return BatchRunner(
+        state.redis,
+        batches=state.batches,
+        files=state.batch_files,
+        resolve=resolve,
+        answer=answer,
+        config=RunnerConfig(
+            max_batches=settings.batch_runner_batches,
+            lines_in_flight=settings.batch_lines_in_flight,
+            lease_s=settings.batch_lease_s,
+            poll_s=settings.batch_poll_s,
+            max_lines=settings.max_batch_lines,
+        ),
     )
 
 
@@ -156,6 +207,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         state = await open_state(settings)
         app.state.gateway = state
         state.spawn(state.catalog.keep_swept())  # the adapter store's crash leftovers
+        if settings.batch_runner_batches:
+            state.spawn(batch_runner(state).run_forever())
         listener = admin = None
         try:
             if settings.metrics_port is not None:
@@ -228,6 +281,7 @@ def _build(app: FastAPI, settings: GatewaySettings, *, public: bool, admin: bool
         app.include_router(openai_routes.router)
         app.include_router(adapter_routes.router)
         app.include_router(account_routes.router)
+        app.include_router(batch_routes.router)
         app.include_router(console.router(TENANT))
     if admin:
         app.include_router(admin_routes.router)
@@ -258,6 +312,7 @@ def _build(app: FastAPI, settings: GatewaySettings, *, public: bool, admin: bool
         generation=settings.max_request_body_bytes,
         upload=settings.max_upload_bytes,
         other=settings.max_small_body_bytes,
+        files=settings.max_batch_file_bytes + (64 << 10),
     )
     app.add_middleware(RequestBodyGuard, limits=limits, read_timeout_s=settings.http_body_timeout_s)
     # Outside the guard: the console's API calls reach it (and the routes) as the API's paths.

@@ -16,6 +16,11 @@ Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language Models"
   lift), so idle time is never banked as credit;
 - ties go to the tenant whose first waiting request came first.
 
+Priority bands: a request's band (interactive, or batch: the Batch API's lines) comes before
+its tenant's counter. A freed slot goes to an interactive waiter while any waits, and a batch
+line never takes a free slot ahead of one; within a band, tenants share by their counters as
+above (one counter per tenant, whatever the band it was served in).
+
 Everything is in-process and synchronous between awaits: a freed slot is handed straight to
 the next waiter, so no newcomer can take it in between.
 """
@@ -47,8 +52,13 @@ class Grant:
     released: bool = False
 
 
+INTERACTIVE = 0  # the bands, as the worker's `Priority`: lower is served first
+BATCH = 1
+
+
 @dataclass(slots=True, eq=False)
 class _Waiter:
+    band: int
     tenant: str
     weight: float
     tokens: int
@@ -72,7 +82,7 @@ class FairQueue:
         self.timeout_s = timeout_s
         self.clock = clock
         self._in_flight: dict[str, int] = {}  # worker id -> this gateway's requests on it
-        self._queues: dict[str, deque[_Waiter]] = {}  # backlogged tenants only
+        self._queues: dict[tuple[int, str], deque[_Waiter]] = {}  # (band, tenant): backlogged
         self._counters: dict[str, float] = {}
         self._last: str | None = None  # the tenant served last
         self._seq = itertools.count()
@@ -85,10 +95,12 @@ class FairQueue:
     def counter(self, tenant: str) -> float:
         return self._counters.get(tenant, 0.0)
 
-    def waiting(self, tenant: str | None = None) -> int:
-        if tenant is not None:
-            return len(self._queues.get(tenant, ()))
-        return sum(len(q) for q in self._queues.values())
+    def waiting(self, tenant: str | None = None, *, band: int | None = None) -> int:
+        return sum(
+            len(q)
+            for (b, t), q in self._queues.items()
+            if (tenant is None or t == tenant) and (band is None or b == band)
+        )
 
     def in_flight(self, worker_id: str) -> int:
         return self._in_flight.get(worker_id, 0)
@@ -103,17 +115,19 @@ class FairQueue:
         tokens: int,
         workers: Sequence[str],
         deadline_s: float | None = None,
+        band: int = INTERACTIVE,
     ) -> Grant:
         """A slot on the first of ``workers`` (best first) below `max_in_flight`, at once
-        if one is free and nobody waits; else after waiting in ``tenant``'s queue for at
-        most `timeout_s` (or ``deadline_s``, the request's own remaining time, if sooner)."""
-        if tenant not in self._queues:
+        if one is free and nobody of its band or a higher one waits; else after waiting in
+        ``tenant``'s queue of its band for at most `timeout_s` (or ``deadline_s``, the
+        request's own remaining time, if sooner)."""
+        if not any(t == tenant for _, t in self._queues):
             self._lift(tenant)
-        if not self._queues:
+        if not any(b <= band for b, _ in self._queues):
             free = self._free(workers)
             if free is not None:
                 return self._dispatch(tenant, weight, tokens, free)
-        if self.waiting(tenant) >= self.tenant_queue_limit:
+        if self.waiting(tenant, band=band) >= self.tenant_queue_limit:
             metrics.QUEUE_REJECTIONS.labels(tenant=tenant, reason="full").inc()
             retry_s = self.retry_after_s(tenant, weight)
             raise TenantQueueFullError(
@@ -121,8 +135,8 @@ class FairQueue:
                 f"requests queued, its limit. Please try again in {retry_s:.1f}s.",
                 retry_after_s=retry_s,
             )
-        waiter = _Waiter(tenant, weight, tokens, next(self._seq), self.clock())
-        self._queues.setdefault(tenant, deque()).append(waiter)
+        waiter = _Waiter(band, tenant, weight, tokens, next(self._seq), self.clock())
+        self._queues.setdefault((band, tenant), deque()).append(waiter)
         metrics.QUEUED_REQUESTS.labels(tenant=tenant).inc()
         self._pump(workers)  # room that came without a release (a new worker)
         limit = self.timeout_s if deadline_s is None else min(self.timeout_s, deadline_s)
@@ -186,7 +200,7 @@ class FairQueue:
         hold = self._hold_s
         if hold is None:  # nothing ended yet: those in flight are, on average, half way
             hold = 2 * (self.clock() - self._grant_times / self._grants)
-        weights = {t: q[0].weight for t, q in self._queues.items()}
+        weights = {t: q[0].weight for (_, t), q in self._queues.items()}
         weights[tenant] = weight
         share = weight / sum(weights.values())
         return max(1.0, hold / (self._grants * share))
@@ -197,16 +211,17 @@ class FairQueue:
         """A tenant with nothing waiting starts no lower than the waiting tenants' lowest
         counter, or, when none waits, the counter of the tenant served last."""
         if self._queues:
-            floor = min(self.counter(t) for t in self._queues)
+            floor = min(self.counter(t) for _, t in self._queues)
         else:
             floor = self.counter(self._last) if self._last is not None else 0.0
         self._counters[tenant] = max(self.counter(tenant), floor)
 
     def _next(self) -> _Waiter:
-        """The first waiter of the backlogged tenant with the lowest counter (ties: the
-        tenant whose first waiter came first)."""
+        """The first waiter, in the first band with any, of the backlogged tenant with the
+        lowest counter (ties: the tenant whose first waiter came first)."""
         return min(
-            (q[0] for q in self._queues.values()), key=lambda w: (self.counter(w.tenant), w.seq)
+            (q[0] for q in self._queues.values()),
+            key=lambda w: (w.band, self.counter(w.tenant), w.seq),
         )
 
     def _free(self, workers: Sequence[str]) -> str | None:
@@ -249,10 +264,10 @@ class FairQueue:
         if not waiter.queued:
             return
         waiter.queued = False
-        queue = self._queues[waiter.tenant]
+        queue = self._queues[(waiter.band, waiter.tenant)]
         queue.remove(waiter)  # the head, unless it left early (timeout, client gone)
         if not queue:
-            del self._queues[waiter.tenant]
+            del self._queues[(waiter.band, waiter.tenant)]
         metrics.QUEUED_REQUESTS.labels(tenant=waiter.tenant).dec()
         metrics.QUEUE_WAIT.labels(tenant=waiter.tenant).observe(self.clock() - waiter.since)
 

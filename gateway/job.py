@@ -28,6 +28,9 @@ class Job:
     mix: tuple[tuple[TenantAdapter, float], ...] = ()
     tenant_weight: float = 1.0  # the tenant's share under fair scheduling (gateway.tenancy.weights)
     base: str = ""  # the base whose pool serves it ("": the default base)
+    # Its band: interactive work goes ahead of batch work (the Batch API's lines) in the
+    # gateway's queue and the engine's scheduler.
+    priority: int = worker_pb2.PRIORITY_INTERACTIVE
 
     @property
     def reserved_tokens(self) -> int:
@@ -67,6 +70,7 @@ class Job:
             adapter_id=self.adapter.adapter_id if self.adapter else "",
             tenant=self.tenant,
             tenant_weight=self.tenant_weight,
+            priority=self.priority,
             adapter_mix=[
                 worker_pb2.AdapterWeight(adapter_id=a.adapter_id, weight=w) for a, w in self.mix
             ],

@@ -23,21 +23,26 @@ from gateway.errors import (
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 UPLOAD_PATH = "/v1/adapters"
+FILES_PATH = "/v1/files"
 
 
 @dataclass(frozen=True, slots=True)
 class BodyLimits:
-    """Bytes a body may hold: generation routes, adapter uploads, and every other route."""
+    """Bytes a body may hold: generation routes, adapter uploads, batch files (a little over
+    the file itself, for the multipart framing), and every other route."""
 
     generation: int
     upload: int
     other: int
+    files: int = 0  # 0: as `other`
 
     def for_route(self, method: str, path: str) -> int:
         if path in GENERATION_PATHS:
             return self.generation
         if path == UPLOAD_PATH and method == "POST":
             return self.upload
+        if path == FILES_PATH and method == "POST" and self.files:
+            return self.files
         return self.other
 
 

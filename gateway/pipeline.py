@@ -13,6 +13,8 @@ plumbing around them (arrival, the client leaving, the SSE response) is `gateway
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -24,6 +26,7 @@ from gateway import metrics, relay, routing
 from gateway.admission import Admission
 from gateway.connection import SSE_HEADERS, ClosingEventStream, arrival_of, until_disconnect
 from gateway.errors import status_of
+from gateway.fleet.bases import ServedBase
 from gateway.job import Job
 from gateway.large_bodies import large_json_response
 from gateway.metrics import RequestObservation
@@ -39,6 +42,7 @@ from gateway.tally import Tally
 from gateway.tenancy.tenants import Caller
 from gateway.tokenizer import ChatTokenizer
 from gateway.worker_client import WorkerReply
+from rpc import worker_pb2
 from runtime.logs import REQUEST_ID
 
 T = TypeVar("T")
@@ -57,33 +61,12 @@ async def handle_request(
     observation = RequestObservation(tenant=caller.tenant, model=body.model, endpoint=body.endpoint)
     close: Callable[[], Awaitable[None]] | None = None
     try:
-        parsed = parse(body, limits=ShapeLimits.of(state.settings), raw=await http.body())
-        target = await resolve_target(
-            model=body.model,
-            caller=caller,
-            tenants=state.tenants,
-            directory=state.workers,
-            bases=state.bases,
-        )
-        base = target.base
-        job = await resolve(
-            parsed,
-            caller=caller,
-            tenants=state.tenants,
-            grammars=state.grammars,
-            tokenizer=base.tokenizer,
-            weights=state.weights,
-            limits=ModelLimits.of(state.settings, max_model_len=base.max_model_len, base=base.name),
-            target=target,
-        )
+        job, base = await _resolved(body, state=state, caller=caller, raw=await http.body())
         REQUEST_ID.set(job.request_id)  # every log line of this request carries it from here
         admission = Admission(
             state.quotas, job.tenant, request_id=job.request_id, tokens=job.reserved_tokens
         )
-        close = functools.partial(
-            settle, job, tally, admission=admission, observation=observation,
-            queue=state.fair_queue, quotas=state.quotas,
-        )  # fmt: skip
+        close = _settlement(job, tally, admission, observation, state)
         header = Header(job.request_id, job.created, job.model)
         fmt = _output_format(body, header, base.tokenizer, job.prompt_ids)
         if body.stream:
@@ -107,6 +90,72 @@ async def handle_request(
         if close is not None:
             await close()
         raise
+
+
+async def resolve_line(body: OpenAIRequest, *, state: GatewayState, caller: Caller) -> Job:
+    """A batch line (`gateway.batch.runner`), parsed and resolved as an HTTP request is, in
+    the batch band. Raises what the HTTP request would have answered."""
+    job, _ = await _resolved(body, state=state, caller=caller, raw=None)
+    return dataclasses.replace(job, priority=worker_pb2.PRIORITY_BATCH)
+
+
+async def answer_line(body: OpenAIRequest, job: Job, *, state: GatewayState, tally: Tally) -> dict:
+    """A resolved batch line through the rest of the stages, without HTTP: route → relay →
+    settle, its whole answer's body. Its quota admission is the batch's own: a line is billed
+    once, in the same atomic step that records its result, from ``tally`` (which the caller
+    reads however the line ends, a cancelled one too: the worker reports what it generated)."""
+    observation = RequestObservation(tenant=job.tenant, model=body.model, endpoint=body.endpoint)
+    unmetered = Admission(state.quotas, job.tenant, request_id=job.request_id, tokens=0)
+    close = _settlement(job, tally, unmetered, observation, state)
+    try:
+        header = Header(job.request_id, job.created, job.model)
+        base = state.bases.last_served(job.base) or state.bases.default  # as resolved
+        fmt = _output_format(body, header, base.tokenizer, job.prompt_ids)
+        reply = await _route_and_relay(relay.fetch_reply, job, state, tally)
+        answer = await asyncio.to_thread(relay.collect, reply, job=job, fmt=fmt, tally=tally)
+        await close()
+        return answer
+    except BaseException as exc:
+        observation.finish(status_of(exc))
+        await close()
+        raise
+
+
+async def _resolved(
+    body: OpenAIRequest, *, state: GatewayState, caller: Caller, raw: bytes | None
+) -> tuple[Job, ServedBase]:
+    """parse → resolve: the job, and the base it runs on."""
+    parsed = parse(body, limits=ShapeLimits.of(state.settings), raw=raw)
+    target = await resolve_target(
+        model=body.model,
+        caller=caller,
+        tenants=state.tenants,
+        directory=state.workers,
+        bases=state.bases,
+    )
+    base = target.base
+    job = await resolve(
+        parsed,
+        caller=caller,
+        tenants=state.tenants,
+        grammars=state.grammars,
+        tokenizer=base.tokenizer,
+        weights=state.weights,
+        limits=ModelLimits.of(state.settings, max_model_len=base.max_model_len, base=base.name),
+        target=target,
+    )
+    return job, base
+
+
+def _settlement(
+    job: Job, tally: Tally, admission: Admission, observation: RequestObservation,
+    state: GatewayState,
+) -> Callable[[], Awaitable[None]]:  # fmt: skip
+    """settle, bound to the request: however it ends, once."""
+    return functools.partial(
+        settle, job, tally, admission=admission, observation=observation,
+        queue=state.fair_queue, quotas=state.quotas,
+    )  # fmt: skip
 
 
 async def _route_and_relay(

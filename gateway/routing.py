@@ -269,7 +269,7 @@ async def route(job: Job, *, directory: WorkerDirectory, queue: FairQueue) -> Ro
     )
     grant = await queue.acquire(
         tenant=job.tenant, weight=job.tenant_weight, tokens=len(job.prompt_ids),
-        workers=[w.worker_id for w in workers], deadline_s=job.remaining_s(),
+        workers=[w.worker_id for w in workers], deadline_s=job.remaining_s(), band=job.priority,
     )  # fmt: skip
     # The granted worker first (the best with room), then the others in rank order.
     workers.sort(key=lambda w: w.worker_id != grant.worker_id)

@@ -222,6 +222,27 @@ class GatewaySettings(BaseSettings):
     # past it, 503 queue_timeout with Retry-After.
     queue_timeout_s: float = Field(default=60.0, gt=0)
 
+    # The Batch API (gateway/batch/, docs/batch.md). Files (batch inputs and the outputs made
+    # for them) live in the store's backend; None: `adapter_store`/files.
+    batch_file_store: Path | None = None
+    # One uploaded file: past it 413. Lines one input file may hold (OpenAI: 50,000).
+    max_batch_file_bytes: int = Field(default=200 << 20, ge=1)
+    max_batch_lines: int = Field(default=50_000, ge=1)
+    # Bytes of files one tenant may keep (inputs and outputs alike); past it: 403.
+    batch_storage_bytes_per_tenant: int = Field(default=1 << 30, ge=0)
+    # How long a file is kept unless its upload asks for less (OpenAI: 30 days for batch).
+    batch_file_retention_s: int = Field(default=30 * 86400, ge=60)
+    # Batches this gateway replica drives at once, and lines in flight for each.
+    batch_runner_batches: int = Field(default=4, ge=0)
+    batch_lines_in_flight: int = Field(default=16, ge=1)
+    # A runner's lease on a batch; renewed every third of it. A replica that dies leaves its
+    # batches to another replica once the lease runs out.
+    batch_lease_s: float = Field(default=15.0, gt=0)
+    # How often a runner looks for batches nobody drives.
+    batch_poll_s: float = Field(default=1.0, gt=0)
+    # completion_window values a batch may ask for ("24h" is OpenAI's only one).
+    batch_completion_windows: dict[str, int] = Field(default_factory=lambda: {"24h": 86400})
+
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:
         token = self.admin_token.get_secret_value()

@@ -11,6 +11,8 @@ import redis.asyncio as aioredis
 
 from adapters import BaseModelSpec
 from adapters.stores import AdapterStore
+from gateway.batch.batches import BatchService
+from gateway.batch.files import FileService
 from gateway.fair_queue import FairQueue
 from gateway.fleet.bases import BaseCatalog
 from gateway.routing import WorkerDirectory
@@ -38,6 +40,8 @@ class GatewayState:
     weights: TenantWeights
     fair_queue: FairQueue
     grammars: GrammarChecker
+    batch_files: FileService
+    batches: BatchService
     # Fire-and-forget work (adapter preloads), held so it is not garbage-collected mid-way
     # and cancelled at shutdown.
     background: set[asyncio.Task] = field(default_factory=set)

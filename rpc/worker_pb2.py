@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10rpc/worker.proto\x12\x0eswitchboard.v1\"\xfd\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0e \x01(\x08\x12\t\n\x01n\x18\x0f \x01(\r\x12#\n\x16num_speculative_tokens\x18\x10 \x01(\rH\x02\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x11 \x03(\x0b\x32-.switchboard.v1.SamplingParams.LogitBiasEntry\x12;\n\x11structured_output\x18\x12 \x01(\x0b\x32 .switchboard.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x19\n\x17_num_speculative_tokensB\x12\n\x10_prompt_logprobs\"0\n\x10StructuredOutput\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xe4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x06params\x18\x03 \x01(\x0b\x32\x1e.switchboard.v1.SamplingParams\x12\x12\n\nadapter_id\x18\x04 \x01(\t\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x15\n\rtenant_weight\x18\x07 \x01(\x02\x12\x32\n\x0b\x61\x64\x61pter_mix\x18\x08 \x03(\x0b\x32\x1d.switchboard.v1.AdapterWeightJ\x04\x08\x05\x10\x06\"3\n\rAdapterWeight\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.switchboard.v1.TopLogprob\"\xc8\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.switchboard.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\t \x01(\r\x12\x15\n\rcached_tokens\x18\n \x01(\r\x12\x35\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1c.switchboard.v1.TokenLogprobB\r\n\x0bstop_reason\"h\n\x13GenerateAllResponse\x12\x33\n\tresponses\x18\x01 \x03(\x0b\x32 .switchboard.v1.GenerateResponse\x12\x1c\n\x14\x66irst_token_to_end_s\x18\x02 \x01(\x01\".\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\tJ\x04\x08\x02\x10\x03\")\n\x13LoadAdapterResponse\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"*\n\x14UnloadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"g\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\x0e\n\x0cStatsRequest\"\xd1\x01\n\rStatsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x64\x61pters_loaded\x18\x07 \x01(\r\x12.\n\x07tenants\x18\x08 \x03(\x0b\x32\x1d.switchboard.v1.TenantService\x12\x0f\n\x07\x62\x61se_id\x18\t \x01(\tJ\x04\x08\x06\x10\x07\"\xaa\x01\n\rTenantService\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x17\n\x0fvirtual_counter\x18\x03 \x01(\x01\x12\x16\n\x0eprefill_tokens\x18\x04 \x01(\x04\x12\x15\n\rdecode_tokens\x18\x05 \x01(\x04\x12\x18\n\x10queue_time_sum_s\x18\x06 \x01(\x01\x12\x17\n\x0fqueued_requests\x18\x07 \x01(\x04\x32\xf0\x03\n\x06Worker\x12O\n\x08Generate\x12\x1f.switchboard.v1.GenerateRequest\x1a .switchboard.v1.GenerateResponse0\x01\x12S\n\x0bGenerateAll\x12\x1f.switchboard.v1.GenerateRequest\x1a#.switchboard.v1.GenerateAllResponse\x12V\n\x0bLoadAdapter\x12\".switchboard.v1.LoadAdapterRequest\x1a#.switchboard.v1.LoadAdapterResponse\x12\\\n\rUnloadAdapter\x12$.switchboard.v1.UnloadAdapterRequest\x1a%.switchboard.v1.UnloadAdapterResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.switchboard.v1.AbortRequest\x1a\x1d.switchboard.v1.AbortResponse\x12\x44\n\x05Stats\x12\x1c.switchboard.v1.StatsRequest\x1a\x1d.switchboard.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10rpc/worker.proto\x12\x0eswitchboard.v1\"\xfd\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0e \x01(\x08\x12\t\n\x01n\x18\x0f \x01(\r\x12#\n\x16num_speculative_tokens\x18\x10 \x01(\rH\x02\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x11 \x03(\x0b\x32-.switchboard.v1.SamplingParams.LogitBiasEntry\x12;\n\x11structured_output\x18\x12 \x01(\x0b\x32 .switchboard.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x19\n\x17_num_speculative_tokensB\x12\n\x10_prompt_logprobs\"0\n\x10StructuredOutput\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x90\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x06params\x18\x03 \x01(\x0b\x32\x1e.switchboard.v1.SamplingParams\x12\x12\n\nadapter_id\x18\x04 \x01(\t\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x15\n\rtenant_weight\x18\x07 \x01(\x02\x12\x32\n\x0b\x61\x64\x61pter_mix\x18\x08 \x03(\x0b\x32\x1d.switchboard.v1.AdapterWeight\x12*\n\x08priority\x18\t \x01(\x0e\x32\x18.switchboard.v1.PriorityJ\x04\x08\x05\x10\x06\"3\n\rAdapterWeight\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.switchboard.v1.TopLogprob\"\xc8\x02\n\x10GenerateResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.switchboard.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\t \x01(\r\x12\x15\n\rcached_tokens\x18\n \x01(\r\x12\x35\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x1c.switchboard.v1.TokenLogprobB\r\n\x0bstop_reason\"h\n\x13GenerateAllResponse\x12\x33\n\tresponses\x18\x01 \x03(\x0b\x32 .switchboard.v1.GenerateResponse\x12\x1c\n\x14\x66irst_token_to_end_s\x18\x02 \x01(\x01\".\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\tJ\x04\x08\x02\x10\x03\")\n\x13LoadAdapterResponse\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"*\n\x14UnloadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"\x17\n\x15UnloadAdapterResponse\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"g\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\x0e\n\x0cStatsRequest\"\xd1\x01\n\rStatsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x64\x61pters_loaded\x18\x07 \x01(\r\x12.\n\x07tenants\x18\x08 \x03(\x0b\x32\x1d.switchboard.v1.TenantService\x12\x0f\n\x07\x62\x61se_id\x18\t \x01(\tJ\x04\x08\x06\x10\x07\"\xaa\x01\n\rTenantService\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x17\n\x0fvirtual_counter\x18\x03 \x01(\x01\x12\x16\n\x0eprefill_tokens\x18\x04 \x01(\x04\x12\x15\n\rdecode_tokens\x18\x05 \x01(\x04\x12\x18\n\x10queue_time_sum_s\x18\x06 \x01(\x01\x12\x17\n\x0fqueued_requests\x18\x07 \x01(\x04*8\n\x08Priority\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x00\x12\x12\n\x0ePRIORITY_BATCH\x10\x01\x32\xf0\x03\n\x06Worker\x12O\n\x08Generate\x12\x1f.switchboard.v1.GenerateRequest\x1a .switchboard.v1.GenerateResponse0\x01\x12S\n\x0bGenerateAll\x12\x1f.switchboard.v1.GenerateRequest\x1a#.switchboard.v1.GenerateAllResponse\x12V\n\x0bLoadAdapter\x12\".switchboard.v1.LoadAdapterRequest\x1a#.switchboard.v1.LoadAdapterResponse\x12\\\n\rUnloadAdapter\x12$.switchboard.v1.UnloadAdapterRequest\x1a%.switchboard.v1.UnloadAdapterResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.switchboard.v1.AbortRequest\x1a\x1d.switchboard.v1.AbortResponse\x12\x44\n\x05Stats\x12\x1c.switchboard.v1.StatsRequest\x1a\x1d.switchboard.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_PRIORITY']._serialized_start=2350
+  _globals['_PRIORITY']._serialized_end=2406
   _globals['_SAMPLINGPARAMS']._serialized_start=37
   _globals['_SAMPLINGPARAMS']._serialized_end=674
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=557
@@ -40,35 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STRUCTUREDOUTPUT']._serialized_start=676
   _globals['_STRUCTUREDOUTPUT']._serialized_end=724
   _globals['_GENERATEREQUEST']._serialized_start=727
-  _globals['_GENERATEREQUEST']._serialized_end=955
-  _globals['_ADAPTERWEIGHT']._serialized_start=957
-  _globals['_ADAPTERWEIGHT']._serialized_end=1008
-  _globals['_TOPLOGPROB']._serialized_start=1010
-  _globals['_TOPLOGPROB']._serialized_end=1057
-  _globals['_TOKENLOGPROB']._serialized_start=1059
-  _globals['_TOKENLOGPROB']._serialized_end=1149
-  _globals['_GENERATERESPONSE']._serialized_start=1152
-  _globals['_GENERATERESPONSE']._serialized_end=1480
-  _globals['_GENERATEALLRESPONSE']._serialized_start=1482
-  _globals['_GENERATEALLRESPONSE']._serialized_end=1586
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1588
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1634
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1636
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1677
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1679
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1721
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1723
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1746
-  _globals['_ABORTREQUEST']._serialized_start=1748
-  _globals['_ABORTREQUEST']._serialized_end=1798
-  _globals['_ABORTRESPONSE']._serialized_start=1800
-  _globals['_ABORTRESPONSE']._serialized_end=1903
-  _globals['_STATSREQUEST']._serialized_start=1905
-  _globals['_STATSREQUEST']._serialized_end=1919
-  _globals['_STATSRESPONSE']._serialized_start=1922
-  _globals['_STATSRESPONSE']._serialized_end=2131
-  _globals['_TENANTSERVICE']._serialized_start=2134
-  _globals['_TENANTSERVICE']._serialized_end=2304
-  _globals['_WORKER']._serialized_start=2307
-  _globals['_WORKER']._serialized_end=2803
+  _globals['_GENERATEREQUEST']._serialized_end=999
+  _globals['_ADAPTERWEIGHT']._serialized_start=1001
+  _globals['_ADAPTERWEIGHT']._serialized_end=1052
+  _globals['_TOPLOGPROB']._serialized_start=1054
+  _globals['_TOPLOGPROB']._serialized_end=1101
+  _globals['_TOKENLOGPROB']._serialized_start=1103
+  _globals['_TOKENLOGPROB']._serialized_end=1193
+  _globals['_GENERATERESPONSE']._serialized_start=1196
+  _globals['_GENERATERESPONSE']._serialized_end=1524
+  _globals['_GENERATEALLRESPONSE']._serialized_start=1526
+  _globals['_GENERATEALLRESPONSE']._serialized_end=1630
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1632
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1678
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1680
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=1721
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1723
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=1765
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=1767
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=1790
+  _globals['_ABORTREQUEST']._serialized_start=1792
+  _globals['_ABORTREQUEST']._serialized_end=1842
+  _globals['_ABORTRESPONSE']._serialized_start=1844
+  _globals['_ABORTRESPONSE']._serialized_end=1947
+  _globals['_STATSREQUEST']._serialized_start=1949
+  _globals['_STATSREQUEST']._serialized_end=1963
+  _globals['_STATSRESPONSE']._serialized_start=1966
+  _globals['_STATSRESPONSE']._serialized_end=2175
+  _globals['_TENANTSERVICE']._serialized_start=2178
+  _globals['_TENANTSERVICE']._serialized_end=2348
+  _globals['_WORKER']._serialized_start=2409
+  _globals['_WORKER']._serialized_end=2905
 # @@protoc_insertion_point(module_scope)

@@ -1,10 +1,18 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_INTERACTIVE: _ClassVar[Priority]
+    PRIORITY_BATCH: _ClassVar[Priority]
+PRIORITY_INTERACTIVE: Priority
+PRIORITY_BATCH: Priority
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "n", "num_speculative_tokens", "logit_bias", "structured_output", "prompt_logprobs")
@@ -64,7 +72,7 @@ class StructuredOutput(_message.Message):
     def __init__(self, format: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "adapter_id", "tenant", "tenant_weight", "adapter_mix")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "adapter_id", "tenant", "tenant_weight", "adapter_mix", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +80,7 @@ class GenerateRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_MIX_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -79,7 +88,8 @@ class GenerateRequest(_message.Message):
     tenant: str
     tenant_weight: float
     adapter_mix: _containers.RepeatedCompositeFieldContainer[AdapterWeight]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter_id: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., adapter_mix: _Optional[_Iterable[_Union[AdapterWeight, _Mapping]]] = ...) -> None: ...
+    priority: Priority
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., adapter_id: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., adapter_mix: _Optional[_Iterable[_Union[AdapterWeight, _Mapping]]] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
 
 class AdapterWeight(_message.Message):
     __slots__ = ("adapter_id", "weight")

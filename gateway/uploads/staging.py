@@ -60,7 +60,7 @@ async def receive_adapter_upload(
     if declared is not None and declared.isdigit() and int(declared) > max_upload_bytes:
         raise _too_large(max_upload_bytes)
     # A little room over the expected counts, so that a stray field is named in the error.
-    form = await _bounded(request, max_upload_bytes).form(
+    form = await bounded(request, max_upload_bytes).form(
         max_files=MAX_PARTS, max_fields=MAX_PARTS, max_part_size=MAX_TEXT_FIELD_BYTES
     )
     try:
@@ -90,7 +90,7 @@ def _materialize(
     return "dir", adapter_dir
 
 
-def _bounded(request: Request, limit: int) -> Request:
+def bounded(request: Request, limit: int) -> Request:
     """The same request, whose body stream fails once more than `limit` bytes arrived."""
     received = 0
 
