@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from gateway.errors import DeadlineExceededError, QueueTimeoutError, TenantQueueFullError
-from gateway.fair_queue import FairQueue, Grant
+from gateway.fair_queue import BATCH, INTERACTIVE, FairQueue, Grant
 
 TOKENS = 30
 
@@ -268,3 +268,32 @@ async def test_a_retry_moves_the_slot_to_the_other_worker():
     assert (queue.in_flight("w"), queue.in_flight("w2")) == (0, 1)
     queue.release(grant, used_tokens=1)
     assert (queue.in_flight("w"), queue.in_flight("w2")) == (0, 0)
+
+
+async def test_interactive_requests_take_every_freed_slot_before_batch_lines():
+    """Bands first, then tenants' counters within a band: batch lines (band 1) waiting
+    longer still go after every interactive request, and among themselves fairly."""
+    script = Script(make_queue())
+    await script.hold("z0")
+    for name in ("a1", "a2", "b1"):
+        await script.arrive(name, band=BATCH)
+    for name in ("c1", "d1", "c2"):
+        await script.arrive(name, band=INTERACTIVE)
+    await script.drain("z0")
+    assert script.order == ["c1", "d1", "c2", "a1", "b1", "a2"]
+
+
+async def test_a_batch_line_never_takes_a_free_slot_ahead_of_a_waiting_request():
+    """With an interactive request waiting, a batch line waits too, even when it arrives
+    as a slot frees on another worker; an interactive one still passes waiting batch work."""
+    script = Script(make_queue(), workers=("w",))
+    await script.hold("z0")
+    await script.arrive("a1", band=INTERACTIVE)
+    await script.arrive("b1", band=BATCH)
+    assert script.queue.waiting(band=BATCH) == 1 and script.queue.waiting(band=INTERACTIVE) == 1
+    await script.finish("z0")
+    assert script.order == ["a1"]
+    await script.arrive("c1", band=INTERACTIVE)
+    await script.finish("a1")
+    await script.finish("c1")
+    assert script.order == ["a1", "c1", "b1"]
