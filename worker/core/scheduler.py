@@ -14,6 +14,13 @@ within the decodes' latency budget (Sarathi-Serve's stall-free batching:
 sequence is preempted (the latest arrival of the tenant furthest over its share): its K/V
 are swapped out to the host pool (``PreemptionMode.SWAP``, while the pool has room) or
 dropped and recomputed later (``RECOMPUTE``, the default).
+
+Bands: interactive work comes before batch work (``Band``; the Batch API's lines). Batch
+sequences fill what interactive work leaves and give it back at once: prefills and arrivals
+are placed band by band (``_next_queue``), a batch arrival waits while interactive work
+cannot start, an interactive arrival that finds no seat or KV blocks takes them from a running
+batch sequence (``_take_batch_room``), and a batch sequence is preempted before any
+interactive one (``_victim``). Within a band, tenants share as above.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from worker.core.fairness import ServiceLedger, Shares, StepCharges, split_rows
 from worker.core.prefix_cache import extend_block_hashes
 from worker.core.prefix_lookup import count_lookup, prefix_hits
 from worker.core.prompt_scoring import tokens_within
-from worker.core.sequence import Sequence, SequenceStatus
+from worker.core.sequence import Band, Sequence, SequenceStatus
 from worker.core.step_budget import ACTIVE_GRACE_S, MIN_PREFILL_TOKENS, DecodeStepBudget
 
 
@@ -267,7 +274,7 @@ class Scheduler:
         while queues:
             if out.num_tokens >= self.max_num_batched_tokens:
                 break
-            tenant = step.lowest(queues, self.running) if self.ledger.fair else next(iter(queues))
+            tenant = self._next_queue(queues, step)
             queue = queues[tenant]
             seq = queue.popleft()
             if not queue:
@@ -311,6 +318,15 @@ class Scheduler:
             if out.preempted:
                 admitting = False
 
+    def _next_queue(self, queues: dict[str, deque[Sequence]], step: StepCharges) -> str:
+        """Whose work is placed next: among the queues whose next piece is of the first band
+        with any work, the tenant with the lowest counter (``StepCharges.lowest``), or the
+        first queue under FCFS."""
+        band = min(queue[0].band for queue in queues.values())
+        if any(queue[0].band is not band for queue in queues.values()):
+            queues = {key: queue for key, queue in queues.items() if queue[0].band is band}
+        return step.lowest(queues, self.running) if self.ledger.fair else next(iter(queues))
+
     def _active_tenants(self) -> set[str]:
         """Tenants with a sequence here, or whose last one left within ``ACTIVE_GRACE_S``."""
         now = time.monotonic()
@@ -344,6 +360,9 @@ class Scheduler:
             queues.setdefault(self._queue_key(seq), deque()).append(seq)
         for seq in self.waiting:
             queues.setdefault(self._queue_key(seq), deque()).append(seq)
+        for key, queue in queues.items():
+            if any(s.band is not Band.INTERACTIVE for s in queue):
+                queues[key] = deque(sorted(queue, key=lambda s: s.band))  # stable: band first
         return queues
 
     def _queue_key(self, seq: Sequence) -> str:
@@ -383,7 +402,7 @@ class Scheduler:
             [], num_ready + num_tokens, reserve=self.watermark_blocks, cached=hits
         ):
             needed = self.block_manager.blocks_needed([], num_ready + num_tokens)
-            if not self._take_share_room(seq, needed, out):
+            if not self._take_batch_room(seq, out) and not self._take_share_room(seq, needed, out):
                 seq.share_wait_steps += 1
                 return _Admission.NO_ROOM
         seq.share_wait_steps = 0
@@ -405,6 +424,17 @@ class Scheduler:
         self._start(seq, adapters)
         out.add(step.note(self._schedule(seq, num_tokens, out)))
         return _Admission.ADMITTED
+
+    def _take_batch_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """An interactive arrival that finds no seat or KV blocks takes them from the latest
+        running batch sequence, at once: batch work only fills idle capacity."""
+        if seq.band is not Band.INTERACTIVE:
+            return False
+        batch = [s for s in self.running if s.band is not Band.INTERACTIVE]
+        if not batch:
+            return False
+        self._preempt(max(batch, key=lambda s: (s.band, s.arrival_order)), out)
+        return True
 
     def _take_share_room(self, seq: Sequence, num_blocks: int, out: SchedulerOutput) -> bool:
         """Preempt one sequence of the tenant furthest over its share, if ``seq``'s tenant
@@ -431,6 +461,12 @@ class Scheduler:
         return True
 
     def _victim(self) -> Sequence:
+        """Whom to preempt when a running sequence cannot grow: the latest batch sequence
+        while any runs; else the latest arrival (fair: of the tenant furthest over its share
+        of the KV blocks)."""
+        batch = [s for s in self.running if s.band is not Band.INTERACTIVE]
+        if batch:
+            return max(batch, key=lambda s: (s.band, s.arrival_order))
         if not self.ledger.fair:
             return max(self.running, key=lambda s: s.arrival_order)
         return self._shares().victim()

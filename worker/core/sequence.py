@@ -27,6 +27,15 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class Band(enum.IntEnum):
+    """Which work a sequence is: interactive requests are scheduled ahead of batch work (the
+    Batch API's lines), which fills idle capacity and gives it back (``worker.core.scheduler``).
+    The values are the gRPC contract's ``Priority``."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+
 class FinishReason(enum.StrEnum):
     """Why a sequence ended; the values are OpenAI's ``finish_reason`` strings."""
 
@@ -73,6 +82,7 @@ class Sequence:
     # Who sent it, and that tenant's weight under fair scheduling (``worker.core.fairness``).
     tenant: str = ""
     tenant_weight: float = 1.0
+    band: Band = Band.INTERACTIVE
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)

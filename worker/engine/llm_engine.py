@@ -27,7 +27,7 @@ from worker.core.config import EngineConfig
 from worker.core.forks import PendingForks
 from worker.core.outputs import RequestOutput
 from worker.core.prefix_cache import PrefixCacheStats, root_hash
-from worker.core.sequence import RequestMetrics, Sequence
+from worker.core.sequence import Band, RequestMetrics, Sequence
 from worker.core.step_budget import DecodeStepBudget, StepTimes, default_budget
 from worker.engine.assembly import assemble
 from worker.engine.isolation import (
@@ -229,6 +229,7 @@ class LLMEngine:
         mix: list[tuple[str, float]] | None = None,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
+        band: Band = Band.INTERACTIVE,
     ) -> None:
         """Validate and queue a request; raises ``InvalidRequestError`` and queues nothing.
 
@@ -245,6 +246,7 @@ class LLMEngine:
             mix=mix,
             tenant=tenant,
             tenant_weight=tenant_weight,
+            band=band,
         )
 
     def add_samples(
@@ -258,6 +260,7 @@ class LLMEngine:
         tenant: str | None = None,
         tenant_weight: float = 1.0,
         arrival_time: float | None = None,
+        band: Band = Band.INTERACTIVE,
     ) -> None:
         """Several samples of one prompt (``n > 1``), each its own request with its own params.
 
@@ -309,6 +312,7 @@ class LLMEngine:
                 adapter_mix=adapter_mix,
                 tenant=tenant or "",
                 tenant_weight=tenant_weight,
+                band=Band(band),
                 cache_root=root,
                 metrics=RequestMetrics(arrival_time or time.monotonic()),
             )

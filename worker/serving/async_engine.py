@@ -19,6 +19,7 @@ from pathlib import Path
 
 from adapters.errors import AdapterError, AdapterNotFoundError
 from worker.core.outputs import RequestOutput
+from worker.core.sequence import Band
 from worker.engine.engine_stats import EngineStats
 from worker.engine.llm_engine import LLMEngine
 from worker.errors import InvalidRequestError
@@ -128,6 +129,7 @@ class AsyncEngine:
         n: int = 1,
         tenant: str | None = None,
         tenant_weight: float = 1.0,
+        band: Band = Band.INTERACTIVE,
     ) -> AsyncIterator[SampleOutput]:
         """Stream the deltas of ``n`` samples of one prompt, merged, until all have finished.
 
@@ -171,6 +173,7 @@ class AsyncEngine:
                 tenant,
                 tenant_weight,
                 received,
+                band,
             )
             while unfinished:
                 item = await queue.get()
@@ -270,6 +273,7 @@ class AsyncEngine:
         tenant: str | None,
         tenant_weight: float,
         received: float,
+        band: Band,
     ) -> None:
         per_sample = [
             dataclasses.replace(params, seed=params.seed + i) if params.seed is not None else params
@@ -284,6 +288,7 @@ class AsyncEngine:
             tenant=tenant,
             tenant_weight=tenant_weight,
             arrival_time=received,
+            band=band,
         )
 
     def _load_on_loop(self, adapter_id: str, path: str | Path) -> None:

@@ -22,6 +22,7 @@ from adapters.identity import check_adapter_id
 from adapters.stores import AdapterStore, FilesystemAdapterStore
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime.logs import REQUEST_ID
+from worker.core.sequence import Band
 from worker.errors import InvalidRequestError, TensorParallelError, UnknownAdapterError
 from worker.sampling.sampling_params import SamplingParams
 from worker.sampling.structured_output import StructuredOutput
@@ -30,6 +31,15 @@ from worker.serving.engine_loop import EngineStoppedError
 from worker.serving.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
+
+
+def band_of(priority: int) -> Band:
+    """The request's band; a value this worker does not know is refused (proto3 enums are
+    open: any number arrives)."""
+    try:
+        return Band(priority)
+    except ValueError:
+        raise InvalidRequestError(f"unknown priority {priority}") from None
 
 
 def sampling_params_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams:
@@ -198,6 +208,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 n=request.params.n or 1,
                 tenant=request.tenant or None,
                 tenant_weight=request.tenant_weight or 1.0,
+                band=band_of(request.priority),
             )
             prompt_logprobs_due = params.prompt_logprobs is not None
             async with contextlib.aclosing(samples):

@@ -1,0 +1,107 @@
+"""The scheduler's bands without a model (worker/core/scheduler.py): batch work fills idle
+capacity and gives it back at once; exact plans per step."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.core.block_manager import BlockManager
+from worker.core.scheduler import Scheduler
+from worker.core.sequence import Band, Sequence, SequenceStatus
+from worker.sampling.sampling_params import SamplingParams
+
+INT, B = Band.INTERACTIVE, Band.BATCH
+
+
+def make_scheduler(*, num_blocks=16, block_size=4, max_num_seqs=8, max_tokens=32) -> Scheduler:
+    return Scheduler(
+        block_manager=BlockManager(num_blocks=num_blocks, block_size=block_size),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_tokens,
+    )
+
+
+def make_seq(order: int, prompt_len: int, band: Band, tenant: str = "t") -> Sequence:
+    prompt = list(range(3 + 50 * order, 3 + 50 * order + prompt_len))  # no shared prefixes
+    return Sequence(f"r{order}", prompt, SamplingParams(), order, tenant=tenant, band=band)
+
+
+def run_step(sched: Scheduler) -> list[tuple[str, int, int]]:
+    out = sched.schedule()
+    plan = [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled]
+    sched.mark_computed(out)
+    for s in out.scheduled:
+        if s.samples:
+            s.seq.append_token(7)
+    return plan
+
+
+@pytest.mark.parametrize("tenants", [("a", "a"), ("a", "b")])
+def test_an_interactive_prompt_is_placed_before_a_batch_prompt_that_came_first(tenants):
+    sched = make_scheduler(max_tokens=8)
+    batch, chat = make_seq(0, 8, B, tenants[0]), make_seq(1, 8, INT, tenants[1])
+    sched.add(batch)
+    sched.add(chat)
+    assert run_step(sched) == [("r1", 0, 8)]
+    assert run_step(sched) == [("r1", 8, 1), ("r0", 0, 7)]
+
+
+def test_batch_work_alone_fills_the_whole_step():
+    """With no interactive work, batch sequences are scheduled exactly as interactive ones."""
+    plans = []
+    for band in (INT, B):
+        sched = make_scheduler(max_tokens=8)
+        for i in range(3):
+            sched.add(make_seq(i, 5, band, tenant=f"t{i}"))
+        plans.append([run_step(sched) for _ in range(3)])
+    assert plans[0] == plans[1]
+
+
+def test_an_interactive_arrival_takes_a_seat_from_the_latest_batch_sequence():
+    sched = make_scheduler(max_num_seqs=2)
+    early, late = make_seq(0, 4, B), make_seq(1, 4, B)
+    sched.add(early)
+    sched.add(late)
+    run_step(sched)
+    chat = make_seq(2, 4, INT, tenant="u")
+    sched.add(chat)
+    assert run_step(sched) == [("r0", 4, 1), ("r2", 0, 4)]
+    assert late.status is SequenceStatus.WAITING and late.block_table == []
+    assert sched.num_preemptions == 1
+
+
+def test_a_batch_arrival_never_takes_room_from_interactive_work():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(2):
+        sched.add(make_seq(i, 4, INT))
+    run_step(sched)
+    batch = make_seq(2, 4, B, tenant="u")
+    sched.add(batch)
+    for _ in range(3):
+        assert [r for r, _, _ in run_step(sched)] == ["r0", "r1"]
+    assert batch.status is SequenceStatus.WAITING and sched.num_preemptions == 0
+
+
+def test_when_blocks_run_out_a_batch_sequence_goes_first_even_if_it_came_first():
+    # 4 blocks of 4: two prompts of 8 fill the pool; both need a 3rd block for token 9.
+    sched = make_scheduler(num_blocks=4, block_size=4, max_tokens=64)
+    batch, chat = make_seq(0, 8, B), make_seq(1, 8, INT)
+    sched.add(batch)
+    sched.add(chat)
+    assert run_step(sched) == [("r1", 0, 8), ("r0", 0, 8)]
+    assert run_step(sched) == [("r1", 8, 1)]
+    assert batch.status is SequenceStatus.WAITING and chat.status is SequenceStatus.RUNNING
+    sched.remove(chat)
+    # Back at once when the room is free again (its first block still in the prefix cache).
+    assert run_step(sched) == [("r0", 4, 5)]
+
+
+def test_the_wire_priority_is_a_band_and_an_unknown_one_is_refused():
+    from rpc import worker_pb2
+    from worker.errors import InvalidRequestError
+    from worker.serving.servicer import band_of
+
+    assert band_of(worker_pb2.PRIORITY_INTERACTIVE) is INT
+    assert band_of(worker_pb2.PRIORITY_BATCH) is B
+    with pytest.raises(InvalidRequestError, match="priority"):
+        band_of(7)
