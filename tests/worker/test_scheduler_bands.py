@@ -105,3 +105,28 @@ def test_the_wire_priority_is_a_band_and_an_unknown_one_is_refused():
     assert band_of(worker_pb2.PRIORITY_BATCH) is B
     with pytest.raises(InvalidRequestError, match="priority"):
         band_of(7)
+
+
+def test_beside_interactive_decodes_batch_decodes_take_turns_within_a_tenth_of_the_step():
+    """Steps cost 10 ms for 1 token, 20 ms for 16: a step of one interactive decode may
+    take 11 ms, so one batch row rides along (bands.batch_token_room), each in turn; once
+    the interactive request ends, every batch row decodes."""
+    from worker.core.bands import batch_token_room
+    from worker.core.step_budget import DecodeStepBudget, StepTimes
+
+    times = StepTimes({1: 0.010, 16: 0.020, 64: 0.050})
+    assert batch_token_room(times, 1) == 1 and batch_token_room(times, 0) is None
+    sched = make_scheduler(max_tokens=64)
+    sched.step_budget = DecodeStepBudget(times, 1.0)
+    batch = [make_seq(i, 4, B, tenant="bulk") for i in range(3)]
+    for seq in batch:
+        sched.add(seq)
+    assert [r for r, _, _ in run_step(sched)] == ["r0", "r1", "r2"]  # alone: all of them
+    chat = make_seq(3, 4, INT, tenant="chat")
+    sched.add(chat)
+    run_step(sched)  # the chat's prompt
+    plans = [{r for r, _, _ in run_step(sched)} for _ in range(3)]
+    assert all("r3" in plan and len(plan) == 2 for plan in plans), plans
+    assert sorted(r for plan in plans for r in plan - {"r3"}) == ["r0", "r1", "r2"]  # in turns
+    sched.remove(chat)
+    assert [r for r, _, _ in run_step(sched)] == ["r0", "r1", "r2"]

@@ -19,8 +19,10 @@ Bands: interactive work comes before batch work (``Band``; the Batch API's lines
 sequences fill what interactive work leaves and give it back at once: prefills and arrivals
 are placed band by band (``_next_queue``), a batch arrival waits while interactive work
 cannot start, an interactive arrival that finds no seat or KV blocks takes them from a running
-batch sequence (``_take_batch_room``), and a batch sequence is preempted before any
-interactive one (``_victim``). Within a band, tenants share as above.
+batch sequence (``_take_batch_room``), a batch sequence is preempted before any
+interactive one (``_victim``), and a step carrying interactive work carries only the batch
+tokens that keep it within a tenth of that work's own time (``_batch_room``,
+``worker.core.bands``). Within a band, tenants share as above.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 from collections import deque
 
 from worker.core.adapter_gate import AdapterGate
+from worker.core.bands import batch_token_room
 from worker.core.batch import BlockMove, MoveKind, ScheduledSequence, SchedulerOutput
 from worker.core.block_manager import BlockManager
 from worker.core.config import FairnessConfig, PreemptionMode
@@ -94,6 +97,9 @@ class Scheduler:
         self.tenants_left_at: dict[str, float] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
         self.num_swap_outs = 0  # of which by swapping
+        # Batch tokens the step in the making may still add beside its interactive work;
+        # None: no bound (no interactive work, or step times unknown).
+        self._batch_room: int | None = None
 
     @property
     def has_work(self) -> bool:
@@ -151,6 +157,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scored_token_cost=self.scored_token_cost)
         step = StepCharges(self.ledger)
+        self._batch_room = self._batch_room_beside_interactive()
         self._schedule_decodes(out, step)
         self._schedule_prefills(out, step)
         step.commit(out.scheduled)
@@ -177,7 +184,7 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_uncomputed_tokens <= 1]
         decodes.sort(key=lambda s: s.arrival_order)
         blocks = self.block_manager
-        for seq in self._decodes_within_budget(decodes):
+        for seq in self._decodes_within_budget(self._batch_decodes_held_back(decodes)):
             budget = self.max_num_batched_tokens - out.num_tokens
             if budget <= 0:
                 break
@@ -199,6 +206,37 @@ class Scheduler:
                 continue
             num_spec = self._fit_speculation(seq, num_tokens, budget)
             out.add(step.note(self._schedule(seq, num_tokens, out, num_spec)))
+
+    def _batch_room_beside_interactive(self) -> int | None:
+        """While interactive sequences run, the batch tokens the step may carry beside them
+        (``bands.batch_token_room``: within a tenth of their own step time), counting their
+        decodes and their prompts' next chunks; None while none runs, or without step times."""
+        if self.step_budget is None:
+            return None
+        interactive = 0
+        for seq in self.running:
+            if seq.band is Band.INTERACTIVE:
+                interactive += min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
+        interactive = min(interactive, self.max_num_batched_tokens)
+        return batch_token_room(self.step_budget.times, interactive)
+
+    def _batch_decodes_held_back(self, decodes: list[Sequence]) -> list[Sequence]:
+        """Beside interactive work, batch decodes take at most the step's batch room, in
+        turns (least recently placed first); the others wait a step, holding their blocks."""
+        room = self._batch_room
+        if room is None:
+            return decodes
+        batch = [s for s in decodes if s.band is not Band.INTERACTIVE]
+        if len(batch) <= room:
+            self._batch_room = room - len(batch)
+            return decodes
+        kept = set(map(id, sorted(batch, key=lambda s: s.last_decode_turn)[:room]))
+        for seq in batch:
+            if id(seq) in kept:
+                self._decode_turns += 1
+                seq.last_decode_turn = self._decode_turns
+        self._batch_room = 0
+        return [s for s in decodes if s.band is Band.INTERACTIVE or id(s) in kept]
 
     def _decodes_within_budget(self, decodes: list[Sequence]) -> list[Sequence]:
         """Fair, with a step budget: when the decodes alone would take more tokens than the
@@ -293,6 +331,12 @@ class Scheduler:
                 budget = min(budget, short_limit - out.num_tokens)
                 if budget <= 0:
                     continue
+            batch_room = None if seq.band is Band.INTERACTIVE else self._batch_room
+            if batch_room is not None:
+                budget = min(budget, batch_room)
+                if budget <= 0:
+                    continue
+            placed = out.num_tokens
             if seq.status is SequenceStatus.RUNNING:
                 within = tokens_within(seq, seq.num_computed_tokens, budget, self.scored_token_cost)
                 num_tokens = min(seq.num_uncomputed_tokens, within)
@@ -315,6 +359,8 @@ class Scheduler:
                         queues[tenant] = rest
                     else:
                         del queues[tenant]
+            if batch_room is not None:
+                self._batch_room = batch_room - (out.num_tokens - placed)
             if out.preempted:
                 admitting = False
 

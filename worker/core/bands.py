@@ -1,0 +1,33 @@
+"""How much batch work a step may carry beside interactive work.
+
+Batch work (the Batch API's lines) fills what interactive work leaves. On an accelerator a
+decode step of a few rows leaves most of the machine idle, so batch rows beside it cost the
+interactive rows little; on a CPU each row costs time. Either way the rule is the same, read
+from what steps cost on this machine (``worker.core.step_budget.StepTimes``): while a step
+carries interactive work, batch work may add only the tokens that keep the step within
+``BATCH_SLOWDOWN`` of the interactive work's own time. The rest of the batch work waits (its
+decodes take turns), holding its KV blocks; with no interactive work it fills the step.
+"""
+
+from __future__ import annotations
+
+from worker.core.step_budget import StepTimes
+
+# The most a step carrying interactive work may be slowed by the batch work beside it.
+BATCH_SLOWDOWN = 0.10
+
+
+def batch_token_room(
+    times: StepTimes, interactive_tokens: int, *, slowdown: float = BATCH_SLOWDOWN
+) -> int | None:
+    """Tokens of batch work a step of ``interactive_tokens`` may add; None when nothing is
+    known of step times (no bound) or there is no interactive work."""
+    if interactive_tokens < 1:
+        return None
+    alone = times.seconds(interactive_tokens)
+    if alone is None:
+        return None
+    within = times.max_tokens_within(alone * (1 + slowdown))
+    if within is None:
+        return None
+    return max(0, within - interactive_tokens)
