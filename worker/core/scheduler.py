@@ -208,13 +208,14 @@ class Scheduler:
             out.add(step.note(self._schedule(seq, num_tokens, out, num_spec)))
 
     def _batch_room_beside_interactive(self) -> int | None:
-        """While interactive sequences run, the batch tokens the step may carry beside them
-        (``bands.batch_token_room``: within a tenth of their own step time), counting their
-        decodes and their prompts' next chunks; None while none runs, or without step times."""
+        """While interactive sequences run or wait, the batch tokens the step may carry beside
+        them (``bands.batch_token_room``: within a tenth of their own step time), counting
+        their decodes and their prompts' next chunks (an arrival's first step is held to it
+        too); None while there are none, or without step times."""
         if self.step_budget is None:
             return None
         interactive = 0
-        for seq in self.running:
+        for seq in (*self.running, *self.waiting):
             if seq.band is Band.INTERACTIVE:
                 interactive += min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
         interactive = min(interactive, self.max_num_batched_tokens)

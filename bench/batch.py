@@ -1,0 +1,240 @@
+"""The Batch API beside interactive traffic, through the real stack (issue 59).
+
+One run starts a stack (Redis, one worker on the default model, the gateway) and measures:
+
+1. Interactive latency without and with a batch running: tenant `chat` keeps `--chat-streams`
+   streaming chats in flight (closed loop, `--chat-tokens` each, ignore_eos) for `--seconds`,
+   first on an otherwise idle worker, then while tenant `bulk` runs a batch of `--lines`
+   lines (`--batch-tokens` each; its lines started before the window opens). TTFT p50/p99 and
+   TPOT p50 of each, their ratios (target: within 10%), and the batch's lines finished in the
+   window (what it got of the machine beside the chats).
+2. Batch throughput on an idle worker: a batch of `--throughput-lines` lines from upload to
+   `completed`, in output tokens/s, against the offline engine (`worker.LLM`, the worker's
+   engine settings) on the same prompts in this process after the stack stops (target: at
+   least 90%).
+
+Prompts are seeded random whole-word prompts (`--prompt-tokens`, chat template included), one
+per line, so the prefix cache makes none of them free.
+Usage: ``python -m bench.batch [--lines 1000] [--seconds 30] [--quick]
+[--out bench/results/batch.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench.fairness import Prompts
+from bench.http_load import post_request, stream_events
+from bench.report import write_report
+from runtime.embedded_redis import free_port
+from runtime.home import default_model_dir
+from runtime.stack import Stack
+
+TARGETS = {"interactive_slowdown": 1.10, "batch_over_offline": 0.90}
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+async def chat_window(
+    port: int, key: str, model: str, prompts: Prompts, *, streams: int, tokens: int,
+    prompt_tokens: int, seconds: float,
+) -> dict:  # fmt: skip
+    """`streams` closed-loop streaming chats for `seconds`: TTFT and TPOT of those started in
+    the window."""
+    ttft: list[float] = []
+    tpot: list[float] = []
+    errors = 0
+    end = time.monotonic() + seconds
+
+    async def loop() -> None:
+        nonlocal errors
+        connection = await asyncio.open_connection("127.0.0.1", port)
+        while time.monotonic() < end:
+            prompt = prompts.long(prompt_tokens)
+            body = {
+                "model": model, "messages": prompt.messages, "max_tokens": tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True,
+            }  # fmt: skip
+            sent = time.monotonic()
+            try:
+                events = await stream_events(
+                    *connection, post_request("/v1/chat/completions", body, key=key)
+                )
+            except (RuntimeError, OSError, asyncio.IncompleteReadError):
+                errors += 1
+                connection = await asyncio.open_connection("127.0.0.1", port)
+                continue
+            stamps = events.stamps
+            ttft.append(stamps[0] - sent)
+            if len(stamps) > 1:
+                tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+        connection[1].close()
+
+    await asyncio.gather(*(loop() for _ in range(streams)))
+    return {
+        "requests": len(ttft),
+        "errors": errors,
+        "ttft_p50_ms": 1000 * percentile(ttft, 50),
+        "ttft_p99_ms": 1000 * percentile(ttft, 99),
+        "tpot_p50_ms": 1000 * percentile(tpot, 50),
+    }
+
+
+def batch_lines(model: str, prompts: list[dict], tokens: int) -> bytes:
+    rows = []
+    for i, prompt in enumerate(prompts):
+        body = {
+            "model": model, "messages": prompt, "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True,
+        }  # fmt: skip
+        rows.append({"custom_id": f"line-{i}", "method": "POST",
+                     "url": "/v1/chat/completions", "body": body})  # fmt: skip
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def submit(client: httpx.Client, data: bytes) -> str:
+    uploaded = client.post(
+        "/v1/files", files={"file": ("in.jsonl", io.BytesIO(data))}, data={"purpose": "batch"}
+    )
+    uploaded.raise_for_status()
+    created = client.post(
+        "/v1/batches",
+        json={"input_file_id": uploaded.json()["id"], "endpoint": "/v1/chat/completions",
+              "completion_window": "24h"},
+    )  # fmt: skip
+    created.raise_for_status()
+    return created.json()["id"]
+
+
+def batch_state(client: httpx.Client, batch_id: str) -> dict:
+    return client.get(f"/v1/batches/{batch_id}").json()
+
+
+def wait_until(client: httpx.Client, batch_id: str, done, *, timeout: float = 3600.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = batch_state(client, batch_id)
+        if done(state):
+            return state
+        time.sleep(0.1)
+    raise TimeoutError(f"batch {batch_id}: still {state['status']}")
+
+
+def offline_tok_s(model: Path, prompt_ids: list[list[int]], tokens: int) -> float:
+    """The offline engine on the same prompts, all at once (its own continuous batching)."""
+    from worker import LLM, SamplingParams
+
+    llm = LLM(model)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt_ids[0]], SamplingParams(max_tokens=4, temperature=0.0))  # warm
+    start = time.monotonic()
+    outputs = llm.generate(prompt_ids, params)
+    elapsed = time.monotonic() - start
+    llm.shutdown()
+    return sum(len(o.token_ids) for o in outputs) / elapsed
+
+
+def run(args: argparse.Namespace) -> dict:
+    model = Path(args.model)
+    prompts = Prompts(model, seed=59)
+    os.environ.update(
+        SWITCHBOARD_BATCH_POLL_S="0.2",
+        SWITCHBOARD_BATCH_LINES_IN_FLIGHT=str(args.lines_in_flight),
+    )
+    report: dict = {"args": vars(args)}
+    throughput_prompts = [prompts.long(args.prompt_tokens) for _ in range(args.throughput_lines)]
+    with Stack(
+        model=model, gateway_port=free_port(), key_prefix=f"sbbench:{uuid.uuid4().hex[:8]}:",
+        worker_nice=args.worker_nice,
+    ) as stack:  # fmt: skip
+        chat_key = stack.create_tenant_key("chat")
+        bulk_key = stack.create_tenant_key("bulk")
+        bulk = httpx.Client(
+            base_url=stack.base_url, headers={"Authorization": f"Bearer {bulk_key}"}, timeout=60
+        )
+        name = model.name
+
+        def window(seconds: float) -> dict:
+            return asyncio.run(chat_window(
+                stack.gateway_port, chat_key, name, prompts, streams=args.chat_streams,
+                tokens=args.chat_tokens, prompt_tokens=args.prompt_tokens, seconds=seconds,
+            ))  # fmt: skip
+
+        window(min(5.0, args.seconds))  # warm the path
+        report["idle"] = window(args.seconds)
+        print("interactive, idle:", report["idle"])
+
+        # 1. The same chats while a batch runs.
+        lines = [prompts.long(args.prompt_tokens).messages for _ in range(args.lines)]
+        busy = submit(bulk, batch_lines(name, lines, args.batch_tokens))
+        wait_until(bulk, busy, lambda s: s["request_counts"]["completed"] >= 1)
+        before = batch_state(bulk, busy)["request_counts"]["completed"]
+        report["with_batch"] = window(args.seconds)
+        after = batch_state(bulk, busy)["request_counts"]["completed"]
+        report["with_batch"]["batch_lines_in_window"] = after - before
+        print("interactive, with a batch:", report["with_batch"])
+        bulk.post(f"/v1/batches/{busy}/cancel")
+        wait_until(bulk, busy, lambda s: s["status"] in ("cancelled", "completed"))
+
+        # 2. A batch alone.
+        data = batch_lines(name, [p.messages for p in throughput_prompts], args.batch_tokens)
+        start = time.monotonic()
+        alone = submit(bulk, data)
+        done = wait_until(bulk, alone, lambda s: s["status"] in ("completed", "failed"))
+        elapsed = time.monotonic() - start
+        report["batch_alone"] = {
+            "status": done["status"],
+            "lines": args.throughput_lines,
+            "seconds": elapsed,
+            "output_tokens": done["usage"]["output_tokens"],
+            "tok_s": done["usage"]["output_tokens"] / elapsed,
+        }
+        print("batch alone:", report["batch_alone"])
+    ids = [prompts.tokenizer.encode_chat(p.messages) for p in throughput_prompts]
+    report["offline_tok_s"] = offline_tok_s(model, ids, args.batch_tokens)
+    idle, busy_ = report["idle"], report["with_batch"]
+    report["ratios"] = {
+        "ttft_p50": busy_["ttft_p50_ms"] / idle["ttft_p50_ms"],
+        "ttft_p99": busy_["ttft_p99_ms"] / idle["ttft_p99_ms"],
+        "tpot_p50": busy_["tpot_p50_ms"] / idle["tpot_p50_ms"],
+        "batch_over_offline": report["batch_alone"]["tok_s"] / report["offline_tok_s"],
+    }
+    report["targets"] = TARGETS
+    print(json.dumps(report["ratios"], indent=2))
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(default_model_dir()))
+    parser.add_argument("--lines", type=int, default=1000)
+    parser.add_argument("--throughput-lines", type=int, default=128)
+    parser.add_argument("--lines-in-flight", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--batch-tokens", type=int, default=32)
+    parser.add_argument("--chat-tokens", type=int, default=32)
+    parser.add_argument("--chat-streams", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--worker-nice", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a short run, to check it runs")
+    parser.add_argument("--out", default="bench/results/batch.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.lines, args.throughput_lines, args.seconds = 100, 16, 8.0
+    return write_report(run(args), args.out)
+
+
+if __name__ == "__main__":
+    main()
