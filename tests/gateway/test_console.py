@@ -5,6 +5,7 @@ The browser tests (tests/e2e/test_console_browser.py) drive the same pages in Ch
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import httpx
@@ -223,3 +224,49 @@ async def test_the_admin_console_goes_where_the_admin_api_goes(
         server.should_exit = True
         await asyncio.wait_for(task, timeout=10)
         await delete_prefix(redis_url, redis_prefix)
+
+
+async def test_the_tenants_page_shows_its_batches_through_the_api(live):
+    """The page carries the batches section; its calls (upload, start, list, download) are the
+    API's through the bridge, scoped to the tenant; the lines reach the worker in the batch
+    band, the chat beside them in the interactive one."""
+    from rpc import worker_pb2
+
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}]}
+    line = {"custom_id": "one", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    async with client(live) as alice, client(live) as bob:
+        token = await sign_in(alice, live.keys["alice"])
+        headers = {"x-csrf-token": token}
+        page = await alice.get("/console")
+        assert 'id="batches"' in page.text and "batches.js" in page.text
+        assert (await alice.get("/console/static/batches.js")).status_code == 200
+        uploaded = await alice.post(
+            "/console/api/files", headers=headers, data={"purpose": "batch"},
+            files={"file": ("in.jsonl", (json.dumps(line) + "\n").encode())},
+        )  # fmt: skip
+        assert uploaded.status_code == 200, uploaded.text
+        started = await alice.post(
+            "/console/api/batches", headers=headers, json={
+                "input_file_id": uploaded.json()["id"], "endpoint": "/v1/chat/completions",
+                "completion_window": "24h"},
+        )  # fmt: skip
+        assert started.status_code == 200, started.text
+        batch_id = started.json()["id"]
+        for _ in range(200):
+            batch = (await alice.get(f"/console/api/batches/{batch_id}", headers=headers)).json()
+            if batch["status"] == "completed":
+                break
+            await asyncio.sleep(0.05)
+        assert batch["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+        listed = await alice.get("/console/api/batches?limit=100", headers=headers)
+        assert [b["id"] for b in listed.json()["data"]] == [batch_id]
+        output = await alice.get(
+            f"/console/api/files/{batch['output_file_id']}/content", headers=headers
+        )
+        (row,) = [json.loads(x) for x in output.text.splitlines()]
+        assert row["custom_id"] == "one" and row["response"]["status_code"] == 200
+        bob_headers = {"x-csrf-token": await sign_in(bob, live.keys["bob"])}
+        assert (await bob.get("/console/api/batches", headers=bob_headers)).json()["data"] == []
+        theirs = await bob.get(f"/console/api/batches/{batch_id}", headers=bob_headers)
+        assert theirs.status_code == 404
+    assert [r.priority for r in live.worker.requests] == [worker_pb2.PRIORITY_BATCH]
