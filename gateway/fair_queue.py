@@ -19,7 +19,9 @@ Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language Models"
 Priority bands: a request's band (interactive, or batch: the Batch API's lines) comes before
 its tenant's counter. A freed slot goes to an interactive waiter while any waits, and a batch
 line never takes a free slot ahead of one; within a band, tenants share by their counters as
-above (one counter per tenant, whatever the band it was served in).
+above (one counter per tenant, whatever the band it was served in). Batch lines hold at most
+`batch_share` of a worker's slots, so interactive requests never wait behind a worker full of
+batch lines (each may hold its slot for a whole generation).
 
 Everything is in-process and synchronous between awaits: a freed slot is handed straight to
 the next waiter, so no newcomer can take it in between.
@@ -50,6 +52,7 @@ class Grant:
     worker_id: str
     granted_at: float
     released: bool = False
+    band: int = 0  # INTERACTIVE
 
 
 INTERACTIVE = 0  # the bands, as the worker's `Priority`: lower is served first
@@ -76,8 +79,11 @@ class FairQueue:
         tenant_queue_limit: int,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        batch_share: float = 0.5,
     ) -> None:
         self.max_in_flight = max_in_flight
+        self.max_batch_in_flight = max(1, int(max_in_flight * batch_share))
+        self._batch_in_flight: dict[str, int] = {}  # worker id -> batch lines on it
         self.tenant_queue_limit = tenant_queue_limit
         self.timeout_s = timeout_s
         self.clock = clock
@@ -124,9 +130,9 @@ class FairQueue:
         if not any(t == tenant for _, t in self._queues):
             self._lift(tenant)
         if not any(b <= band for b, _ in self._queues):
-            free = self._free(workers)
+            free = self._free(workers, band)
             if free is not None:
-                return self._dispatch(tenant, weight, tokens, free)
+                return self._dispatch(tenant, weight, tokens, free, band)
         if self.waiting(tenant, band=band) >= self.tenant_queue_limit:
             metrics.QUEUE_REJECTIONS.labels(tenant=tenant, reason="full").inc()
             retry_s = self.retry_after_s(tenant, weight)
@@ -171,7 +177,7 @@ class FairQueue:
         if grant.released:
             return
         grant.released = True
-        self._take_off(grant.worker_id)
+        self._take_off(grant.worker_id, grant.band)
         extra = (used_tokens - grant.tokens) / grant.weight
         self._counters[grant.tenant] = self.counter(grant.tenant) + extra
         held = self.clock() - grant.granted_at
@@ -187,8 +193,8 @@ class FairQueue:
         exceed that worker's bound by one: it is rare, and it already waited its turn)."""
         if grant.released or grant.worker_id == worker_id:
             return
-        self._take_off(grant.worker_id)
-        self._in_flight[worker_id] = self.in_flight(worker_id) + 1
+        self._take_off(grant.worker_id, grant.band)
+        self._put_on(worker_id, grant.band)
         grant.worker_id = worker_id
 
     def retry_after_s(self, tenant: str, weight: float) -> float:
@@ -224,39 +230,52 @@ class FairQueue:
             key=lambda w: (w.band, self.counter(w.tenant), w.seq),
         )
 
-    def _free(self, workers: Sequence[str]) -> str | None:
+    def _free(self, workers: Sequence[str], band: int) -> str | None:
         for worker_id in workers:
-            if self._in_flight.get(worker_id, 0) < self.max_in_flight:
-                return worker_id
+            if self._in_flight.get(worker_id, 0) >= self.max_in_flight:
+                continue
+            if band != INTERACTIVE and (
+                self._batch_in_flight.get(worker_id, 0) >= self.max_batch_in_flight
+            ):
+                continue
+            return worker_id
         return None
 
-    def _dispatch(self, tenant: str, weight: float, tokens: int, worker_id: str) -> Grant:
-        self._in_flight[worker_id] = self.in_flight(worker_id) + 1
+    def _dispatch(
+        self, tenant: str, weight: float, tokens: int, worker_id: str, band: int
+    ) -> Grant:
+        self._put_on(worker_id, band)
         self._counters[tenant] = self.counter(tenant) + tokens / weight
         self._last = tenant
         now = self.clock()
         self._grants += 1
         self._grant_times += now
-        return Grant(tenant, weight, tokens, worker_id, now)
+        return Grant(tenant, weight, tokens, worker_id, now, band=band)
 
-    def _take_off(self, worker_id: str) -> None:
-        count = self._in_flight[worker_id] - 1
-        if count:
-            self._in_flight[worker_id] = count
-        else:
-            del self._in_flight[worker_id]  # workers come and go: keep only those in use
+    def _put_on(self, worker_id: str, band: int) -> None:
+        self._in_flight[worker_id] = self.in_flight(worker_id) + 1
+        if band != INTERACTIVE:
+            self._batch_in_flight[worker_id] = self._batch_in_flight.get(worker_id, 0) + 1
+
+    def _take_off(self, worker_id: str, band: int) -> None:
+        for counts in (self._in_flight, self._batch_in_flight) if band else (self._in_flight,):
+            count = counts[worker_id] - 1
+            if count:
+                counts[worker_id] = count
+            else:
+                del counts[worker_id]  # workers come and go: keep only those in use
 
     def _pump(self, workers: Sequence[str]) -> None:
         """Hand free slots on ``workers`` to waiters, in fair order."""
         while self._queues:
-            free = self._free(workers)
+            waiter = self._next()
+            free = self._free(workers, waiter.band)
             if free is None:
                 return
-            waiter = self._next()
             self._leave(waiter)
             if waiter.future.done():
                 continue  # its task was cancelled and has not run its cleanup yet
-            grant = self._dispatch(waiter.tenant, waiter.weight, waiter.tokens, free)
+            grant = self._dispatch(waiter.tenant, waiter.weight, waiter.tokens, free, waiter.band)
             waiter.future.set_result(grant)
 
     def _leave(self, waiter: _Waiter) -> None:

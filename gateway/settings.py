@@ -234,7 +234,7 @@ class GatewaySettings(BaseSettings):
     batch_file_retention_s: int = Field(default=30 * 86400, ge=60)
     # Batches this gateway replica drives at once, and lines in flight for each.
     batch_runner_batches: int = Field(default=4, ge=0)
-    batch_lines_in_flight: int = Field(default=16, ge=1)
+    batch_lines_in_flight: int = Field(default=64, ge=1)
     # A runner's lease on a batch; renewed every third of it. A replica that dies leaves its
     # batches to another replica once the lease runs out.
     batch_lease_s: float = Field(default=15.0, gt=0)

@@ -129,9 +129,12 @@ class BatchRunner:
 
     async def poll(self) -> None:
         """One look: expired files swept, and active batches nobody drives taken (up to
-        `max_batches`), their oldest first."""
+        `max_batches`), tenants this runner drives no batch of first, so one tenant's many
+        batches do not take every runner's slots."""
         await self.files.sweep_expired()
-        for ref in await self.batches.active():
+        driven = {ref.tenant for ref in self.driving}
+        found = sorted(await self.batches.active(), key=lambda r: (r.tenant in driven, r.member))
+        for ref in found:
             if len(self.driving) >= self.config.max_batches:
                 return
             if ref in self.driving:

@@ -297,3 +297,19 @@ async def test_a_batch_line_never_takes_a_free_slot_ahead_of_a_waiting_request()
     await script.finish("a1")
     await script.finish("c1")
     assert script.order == ["a1", "c1", "b1"]
+
+
+async def test_batch_lines_hold_at_most_their_share_of_a_workers_slots():
+    """4 slots, batch share 0.5: two batch lines run, the third waits though slots are free,
+    and an interactive request takes one of those at once."""
+    script = Script(make_queue(max_in_flight=4))
+    for name in ("b1", "b2", "b3"):
+        await script.arrive(name, band=BATCH)
+    assert script.order == ["b1", "b2"] and script.queue.waiting(band=BATCH) == 1
+    await script.hold("a1")
+    await script.hold("c1")
+    assert script.queue.in_flight("w") == 4
+    await script.finish("a1")
+    assert script.order == ["b1", "b2"]  # a1's slot is not a batch line's
+    await script.finish("b1")
+    assert script.order == ["b1", "b2", "b3"]
