@@ -130,3 +130,19 @@ def test_beside_interactive_decodes_batch_decodes_take_turns_within_a_tenth_of_t
     assert sorted(r for plan in plans for r in plan - {"r3"}) == ["r0", "r1", "r2"]  # in turns
     sched.remove(chat)
     assert [r for r, _, _ in run_step(sched)] == ["r0", "r1", "r2"]
+
+
+def test_an_interactive_prompt_is_not_cut_to_guard_batch_decodes():
+    """The step budget (a 20-token cap beside decodes) guards other tenants' decodes against
+    a long prompt; batch decodes are not guarded: the chat's 40-token prompt goes whole."""
+    from worker.core.step_budget import DecodeStepBudget, StepTimes
+
+    times = StepTimes({1: 0.010, 16: 0.020, 64: 0.050})
+    sched = make_scheduler(max_tokens=64)
+    sched.step_budget = DecodeStepBudget(times, 0.0225)  # 20 tokens
+    for i in range(2):
+        sched.add(make_seq(i, 4, B, tenant="bulk"))
+    run_step(sched)
+    sched.add(make_seq(2, 40, INT, tenant="chat"))
+    plan = run_step(sched)
+    assert ("r2", 0, 40) in plan

@@ -300,7 +300,8 @@ class Scheduler:
         neighbour's decode latency or first token; within a tenant, a long step trades its
         own streams' pace for its own first tokens and throughput, as every step does in vLLM
         (bench.vllm_serving, one tenant: capping there cost 15% of the throughput and doubled
-        mean TTFT).
+        mean TTFT). An interactive prompt is not bounded for tenants with only batch work
+        here (``_batch_only_tenants``); batch work is bounded by the batch room instead.
         """
         adapters = AdapterGate(self.running, self.waiting, self.max_loras, self.max_lora_wait_steps)
         queues = self._work_queues()
@@ -310,6 +311,7 @@ class Scheduler:
         short_limit = None  # the step's token limit once a lone request's prompt is in it
         step_limit = self._step_token_limit(out)
         others = self._active_tenants()
+        batch_only = self._batch_only_tenants()
         while queues:
             if out.num_tokens >= self.max_num_batched_tokens:
                 break
@@ -319,7 +321,8 @@ class Scheduler:
             if not queue:
                 del queues[tenant]
             # The budget guards other tenants: a tenant's prompts may stall only its own work.
-            limit = step_limit if others - {seq.tenant} else self.max_num_batched_tokens
+            guarded = others - batch_only if seq.band is Band.INTERACTIVE else others
+            limit = step_limit if guarded - {seq.tenant} else self.max_num_batched_tokens
             budget = limit - out.num_tokens
             if budget <= 0:
                 continue
@@ -373,6 +376,15 @@ class Scheduler:
         if any(queue[0].band is not band for queue in queues.values()):
             queues = {key: queue for key, queue in queues.items() if queue[0].band is band}
         return step.lowest(queues, self.running) if self.ledger.fair else next(iter(queues))
+
+    def _batch_only_tenants(self) -> set[str]:
+        """Tenants with only batch work here: the step budget does not guard their decodes'
+        pace against an interactive prompt (batch work waits for interactive work anyway)."""
+        batch, interactive = set(), set()
+        for queue in (self.running, self.waiting, self.swapped):
+            for seq in queue:
+                (interactive if seq.band is Band.INTERACTIVE else batch).add(seq.tenant)
+        return batch - interactive
 
     def _active_tenants(self) -> set[str]:
         """Tenants with a sequence here, or whose last one left within ``ACTIVE_GRACE_S``."""
