@@ -4,9 +4,11 @@
 
 Authorization is the route's dependency (`deps.CurrentTenant`: API key → tenant), which
 FastAPI solves before it validates the body. Each later stage lives in the module named for
-it (`parsing`, `resolution`, `admission`, `routing`, `relay`, `settlement`), and
-`handle_request` is the only place that calls them, in that order; what they pass along is
-a `gateway.job.Job` and a `gateway.tally.Tally`. Admission may decide beside the worker call
+it (`parsing`, `resolution`, `admission`, `routing`, `relay`, `settlement`), and this module
+is the only place that calls them, in that order: `handle_request` for an HTTP request,
+`resolve_line` and `answer_line` for a batch line (`gateway.batch`), which has no HTTP around
+it and is admitted and billed by its batch; what they pass along is a `gateway.job.Job` and a
+`gateway.tally.Tally`. Admission may decide beside the worker call
 (`gateway.admission`), so it wraps route and relay until the worker's first answer. The HTTP
 plumbing around them (arrival, the client leaving, the SSE response) is `gateway.connection`.
 """
