@@ -66,6 +66,7 @@ class Batch:
     error_file_id: str | None = None
     errors: list[dict[str, Any]] | None = None
     metadata: dict[str, str] | None = None
+    output_expires_after_s: int | None = None  # the output files' `expires_after`
 
     @classmethod
     def from_hash(cls, h: dict[str, str]) -> Batch:
@@ -84,6 +85,9 @@ class Batch:
             error_file_id=h.get("error_file_id") or None,
             errors=json.loads(h["errors"]) if h.get("errors") else None,
             metadata=json.loads(h["metadata"]) if h.get("metadata") else None,
+            output_expires_after_s=int(h["output_expires_after_s"])
+            if h.get("output_expires_after_s")
+            else None,
         )
 
     def to_openai(self) -> dict[str, Any]:
@@ -173,6 +177,7 @@ class BatchService:
         endpoint: str,
         completion_window: str,
         metadata: dict[str, Any] | None = None,
+        output_expires_after_s: int | None = None,
     ) -> Batch:
         if endpoint not in ENDPOINTS:
             raise InvalidRequestError(
@@ -207,6 +212,8 @@ class BatchService:
         }
         if meta is not None:
             fields["metadata"] = json.dumps(meta)
+        if output_expires_after_s is not None:
+            fields["output_expires_after_s"] = output_expires_after_s
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.key(ref), mapping=fields)
             pipe.zadd(tenant_key(self.prefix, tenant, "batches"), {ref.batch_id: now})

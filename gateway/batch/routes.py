@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
+from pydantic import Field
 from starlette.datastructures import FormData, UploadFile
 
 from gateway.batch.batches import BatchRef
@@ -25,12 +26,19 @@ MIN_EXPIRES_AFTER_S = 3600
 MAX_EXPIRES_AFTER_S = 30 * 86400
 
 
+class ExpiresAfter(RequestModel):
+    """OpenAI's expiration policy: seconds after the file's creation, 1 hour to 30 days."""
+
+    anchor: Literal["created_at"]
+    seconds: Annotated[int, Field(ge=MIN_EXPIRES_AFTER_S, le=MAX_EXPIRES_AFTER_S)]
+
+
 class CreateBatch(RequestModel):
     input_file_id: str
     endpoint: str
     completion_window: str
     metadata: dict[str, Any] | None = None
-    output_expires_after: dict[str, Any] | None = None  # accepted; the files' retention rules
+    output_expires_after: ExpiresAfter | None = None  # the output and error files'
 
 
 @router.post("/files")
@@ -106,6 +114,7 @@ async def create_batch(body: CreateBatch, caller: CurrentTenant, state: State) -
         endpoint=body.endpoint,
         completion_window=body.completion_window,
         metadata=body.metadata,
+        output_expires_after_s=body.output_expires_after and body.output_expires_after.seconds,
     )
     return batch.to_openai()
 

@@ -355,6 +355,7 @@ class BatchRunner:
                     source=io.BytesIO(("\n".join(rows) + "\n").encode()),
                     filename=f"{batch.id}_{name}.jsonl",
                     purpose=OUTPUT_PURPOSE,
+                    expires_after_s=batch.output_expires_after_s,
                     file_id=_derived_file_id(batch.id, name),
                 )
                 fields[f"{name}_file_id"] = record.id

@@ -91,7 +91,7 @@ def make_runner(redis_client, services, pipeline: Pipeline, *, lease_s: float = 
     )  # fmt: skip
 
 
-async def submit(services, lines: list[dict]) -> BatchRef:
+async def submit(services, lines: list[dict], **options) -> BatchRef:
     files, batches = services
     data = "".join(json.dumps(x) + "\n" for x in lines).encode()
     uploaded = await files.create(
@@ -99,7 +99,7 @@ async def submit(services, lines: list[dict]) -> BatchRef:
     )
     batch = await batches.create(
         TENANT, input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-        completion_window="24h",
+        completion_window="24h", **options,
     )  # fmt: skip
     return BatchRef(TENANT, batch.id)
 
@@ -121,9 +121,12 @@ async def test_a_batch_runs_to_completed_with_its_lines_in_order(
     redis_client, redis_prefix, services
 ):
     pipeline = Pipeline()
-    ref = await submit(services, [line(i) for i in range(4)] + [line(9, model="nope")])
+    lines = [line(i) for i in range(4)] + [line(9, model="nope")]
+    ref = await submit(services, lines, output_expires_after_s=7200)
     await make_runner(redis_client, services, pipeline).advance(ref)
     batch = await services[1].get(ref)
+    output = await services[0].get(TENANT, batch.output_file_id)
+    assert output.purpose == "batch_output" and output.expires_at - output.created_at == 7200
     assert batch.status is BatchStatus.COMPLETED
     assert batch.counts == {"total": 5, "completed": 4, "failed": 1}
     assert batch.usage == {"input_tokens": 12, "output_tokens": 16, "cached_tokens": 0}
