@@ -259,3 +259,34 @@ def test_unfinished_lines_expire_with_an_error_line(stack, tiny_model):
     assert len(errors) + len(outputs) == len(lines)
     assert errors and all(e["error"]["code"] == "batch_expired" for e in errors.values())
     assert done.request_counts.failed == len(errors)
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/responses"])
+def test_completions_and_responses_batches_answer_as_the_api_does(stack, tiny_model, endpoint):
+    client = client_of(stack, "acme")
+    if endpoint == "/v1/completions":
+        bodies = [
+            {"model": m, "prompt": p, "max_tokens": 6, "temperature": 0}
+            for m, p in ((tiny_model.name, PROMPTS[0]), ("sql", PROMPTS[1]))
+        ]
+    else:
+        bodies = [
+            {"model": m, "input": p, "max_output_tokens": 6, "temperature": 0}
+            for m, p in ((tiny_model.name, PROMPTS[0]), ("poet", PROMPTS[1]))
+        ]
+    lines = [
+        {"custom_id": f"x{i}", "method": "POST", "url": endpoint, "body": body}
+        for i, body in enumerate(bodies)
+    ]
+    done = wait_for(client, submit(client, lines, endpoint=endpoint).id, {"completed", "failed"})
+    assert done.status == "completed" and done.request_counts.completed == len(lines)
+    outputs = read_lines(client, done.output_file_id)
+    for line in lines:
+        got = outputs[line["custom_id"]]["response"]["body"]
+        if endpoint == "/v1/completions":
+            expected = client.completions.create(**line["body"])
+            assert got["choices"][0]["text"] == expected.choices[0].text
+        else:
+            expected = client.responses.create(**line["body"])
+            assert got["object"] == "response"
+            assert got["output"][0]["content"][0]["text"] == expected.output_text
