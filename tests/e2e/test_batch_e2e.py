@@ -290,3 +290,31 @@ def test_completions_and_responses_batches_answer_as_the_api_does(stack, tiny_mo
             expected = client.responses.create(**line["body"])
             assert got["object"] == "response"
             assert got["output"][0]["content"][0]["text"] == expected.output_text
+
+
+def test_a_worker_killed_mid_batch_costs_its_lines_a_retry_not_a_result(stack, tiny_model):
+    """Lines in flight on a worker that dies fail as the worker's failure (never as the
+    line's): they run again once a worker is back, and the batch completes with each line
+    once and billed once."""
+    client = client_of(stack, "kill")
+    before = usage_requests(stack, client)
+    lines = [chat_line(f"w{i}", tiny_model.name, PROMPTS[i % 4], max_tokens=48) for i in range(12)]
+    batch = submit(client, lines)
+    store = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+    lines_key = f"{stack.key_prefix}{{kill}}:batch:{batch.id}:lines"
+    deadline = time.monotonic() + 60
+    while store.hlen(lines_key) < 2:
+        assert time.monotonic() < deadline, "no line finished"
+        time.sleep(0.05)
+    (worker_id,) = list(stack.workers)
+    stack.workers[worker_id].send_signal(signal.SIGKILL)
+    reap(stack.workers[worker_id], 10)
+    assert store.hlen(lines_key) < len(lines)
+    stack.start_worker(worker_id)
+    stack.wait_ready(timeout=120)
+    done = wait_for(client, batch.id, {"completed", "failed"})
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (len(lines), 0)
+    rows = client.files.content(done.output_file_id).text.splitlines()
+    assert sorted(json.loads(r)["custom_id"] for r in rows) == sorted(x["custom_id"] for x in lines)
+    assert usage_requests(stack, client) - before == len(lines)
