@@ -129,6 +129,7 @@ def test_beside_interactive_decodes_batch_decodes_take_turns_within_a_tenth_of_t
     assert all("r3" in plan and len(plan) == 2 for plan in plans), plans
     assert sorted(r for plan in plans for r in plan - {"r3"}) == ["r0", "r1", "r2"]  # in turns
     sched.remove(chat)
+    sched.interactive_left_at = -1e9  # long ago (just after, see the next test)
     assert [r for r, _, _ in run_step(sched)] == ["r0", "r1", "r2"]
 
 
@@ -146,3 +147,22 @@ def test_an_interactive_prompt_is_not_cut_to_guard_batch_decodes():
     sched.add(make_seq(2, 40, INT, tenant="chat"))
     plan = run_step(sched)
     assert ("r2", 0, 40) in plan
+
+
+def test_just_after_an_interactive_request_ends_batch_steps_stay_short():
+    """A closed-loop client's next request comes just after its answer: for ACTIVE_GRACE_S
+    batch work keeps to the room beside one interactive decode, then fills the step again."""
+    from worker.core.step_budget import ACTIVE_GRACE_S, DecodeStepBudget, StepTimes
+
+    times = StepTimes({1: 0.010, 16: 0.020, 64: 0.050})
+    sched = make_scheduler(max_tokens=64)
+    sched.step_budget = DecodeStepBudget(times, 1.0)
+    for i in range(3):
+        sched.add(make_seq(i, 4, B, tenant="bulk"))
+    chat = make_seq(3, 4, INT, tenant="chat")
+    sched.add(chat)
+    run_step(sched)
+    sched.remove(chat)
+    assert len(run_step(sched)) == 1  # the room beside one decode: one batch row
+    sched.interactive_left_at -= ACTIVE_GRACE_S
+    assert len(run_step(sched)) == 3

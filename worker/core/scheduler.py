@@ -100,6 +100,7 @@ class Scheduler:
         # Batch tokens the step in the making may still add beside its interactive work;
         # None: no bound (no interactive work, or step times unknown).
         self._batch_room: int | None = None
+        self.interactive_left_at = -ACTIVE_GRACE_S  # when the latest interactive one left
 
     @property
     def has_work(self) -> bool:
@@ -125,6 +126,8 @@ class Scheduler:
         self.ledger.leave(seq)
         self.block_manager.free(seq.block_table)
         self.tenants_left_at[seq.tenant] = time.monotonic()
+        if seq.band is Band.INTERACTIVE:
+            self.interactive_left_at = self.tenants_left_at[seq.tenant]
 
     def recompute(self, seq: Sequence) -> None:
         """Drop a running sequence's K/V, which no longer hold (LongRoPE's switch to its long
@@ -211,7 +214,10 @@ class Scheduler:
         """While interactive sequences run or wait, the batch tokens the step may carry beside
         them (``bands.batch_token_room``: within a tenth of their own step time), counting
         their decodes and their prompts' next chunks (an arrival's first step is held to it
-        too); None while there are none, or without step times."""
+        too). Within ``ACTIVE_GRACE_S`` of the latest interactive sequence's end, as if one
+        decoded: a closed-loop client's next request comes just after its answer, and would
+        otherwise wait for a whole step of batch work. None while there are none, or without
+        step times."""
         if self.step_budget is None:
             return None
         interactive = 0
@@ -219,6 +225,8 @@ class Scheduler:
             if seq.band is Band.INTERACTIVE:
                 interactive += min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
         interactive = min(interactive, self.max_num_batched_tokens)
+        if not interactive and time.monotonic() - self.interactive_left_at < ACTIVE_GRACE_S:
+            interactive = 1
         return batch_token_room(self.step_budget.times, interactive)
 
     def _batch_decodes_held_back(self, decodes: list[Sequence]) -> list[Sequence]:
