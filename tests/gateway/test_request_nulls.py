@@ -8,6 +8,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from gateway import protocol, responses_api, template_switches
+from gateway.batch import routes as batch_routes
 from gateway.request_model import RequestModel
 from gateway.structured import protocol as structured
 
@@ -35,6 +36,12 @@ MINIMAL: dict[type[BaseModel], dict] = {
     responses_api.ResponsesTool: {"type": "function"},
     responses_api.FormatConfig: {},
     responses_api.TextConfig: {},
+    batch_routes.CreateBatch: {
+        "input_file_id": "file-1",
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+    },
+    batch_routes.ExpiresAfter: {"anchor": "created_at", "seconds": 3600},
 }
 
 
