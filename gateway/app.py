@@ -29,7 +29,7 @@ from gateway.batch import routes as batch_routes
 from gateway.batch.batches import BatchService
 from gateway.batch.files import FileLimits, FileService
 from gateway.batch.runner import BatchRunner, RunnerConfig
-from gateway.batch.storage import FilesystemBlobs
+from gateway.batch.storage import open_file_blobs
 from gateway.console import pages as console
 from gateway.console.bridge import ConsoleBridge
 from gateway.console.session import ADMIN, TENANT
@@ -89,8 +89,14 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
     files = FileService(
         client,
         prefix=settings.key_prefix,
-        # Batch files live on a volume every replica shares (with the S3 adapter store too).
-        blobs=FilesystemBlobs(settings.batch_file_store or settings.adapter_store / "files"),
+        # Batch files follow the adapter store: its volume, or its bucket (every replica's).
+        blobs=await asyncio.to_thread(
+            open_file_blobs,
+            store_url=settings.adapter_store_url,
+            local=settings.adapter_store / "files",
+            override=settings.batch_file_store,
+            endpoint_url=settings.adapter_store_endpoint or None,
+        ),
         limits=FileLimits(
             quota_bytes=settings.batch_storage_bytes_per_tenant,
             retention_s=settings.batch_file_retention_s,

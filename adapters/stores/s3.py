@@ -74,13 +74,8 @@ class S3AdapterStore:
     def from_url(cls, url: str, *, endpoint_url: str | None = None, **kwargs) -> S3AdapterStore:
         """``s3://bucket/prefix``; credentials and region from boto3's usual chain (the
         AWS_* environment, which a Kubernetes Secret fills)."""
-        import boto3
-
-        parsed = urlparse(url)
-        if parsed.scheme != "s3" or not parsed.netloc:
-            raise ValueError(f"an adapter store URL is s3://bucket/prefix, not {url!r}")
-        client = boto3.client("s3", endpoint_url=endpoint_url or None)
-        return cls(client=client, bucket=parsed.netloc, prefix=parsed.path, **kwargs)
+        client, bucket, prefix = open_bucket(url, endpoint_url=endpoint_url)
+        return cls(client=client, bucket=bucket, prefix=prefix, **kwargs)
 
     # --- keys ----------------------------------------------------------------------------
 
@@ -235,7 +230,7 @@ class S3AdapterStore:
         try:
             body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         except self.client.exceptions.ClientError as exc:
-            if _missing(exc):
+            if missing_object(exc):
                 return None
             raise
         return {str(k): int(v) for k, v in json.loads(body)["files"].items()}
@@ -248,7 +243,7 @@ class S3AdapterStore:
         try:
             return int(self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
         except self.client.exceptions.ClientError as exc:
-            if _missing(exc):
+            if missing_object(exc):
                 return None
             raise
 
@@ -266,6 +261,19 @@ class S3AdapterStore:
                 )
 
 
-def _missing(exc: Exception) -> bool:
+def open_bucket(url: str, *, endpoint_url: str | None = None) -> tuple[Any, str, str]:
+    """A boto3 client, the bucket and the key prefix of ``s3://bucket/prefix`` (credentials
+    and region from boto3's usual chain)."""
+    import boto3
+
+    parsed = urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ValueError(f"an adapter store URL is s3://bucket/prefix, not {url!r}")
+    client = boto3.client("s3", endpoint_url=endpoint_url or None)
+    return client, parsed.netloc, parsed.path
+
+
+def missing_object(exc: Exception) -> bool:
+    """Whether a boto3 ClientError says the object (or bucket key) does not exist."""
     error = getattr(exc, "response", {}).get("Error", {})
     return str(error.get("Code")) in _NOT_FOUND

@@ -1,8 +1,8 @@
 """Where batch files' bytes live: one small interface (`FileBlobs`), so the files and the
-runner never know the backend. The filesystem backend is the embedded default, a folder of
-the adapter store's volume; an object store (the adapter store's S3 backend) implements the
-same five methods. Blobs are written whole and atomically, and never changed once written:
-a file id names one content for its whole life.
+runner never know the backend. They follow the adapter store's backend: a folder of its
+volume (the embedded default), or its S3 bucket under `files/` (`open_file_blobs` chooses).
+Blobs are written whole and atomically, and never changed once written: a file id names one
+content for its whole life.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
+
+from adapters.stores.s3 import missing_object, open_bucket
 
 DIR_MODE = 0o750
 FILE_MODE = 0o640
@@ -87,3 +89,84 @@ class FilesystemBlobs:
 
     def exists(self, key: str) -> bool:
         return (self.root / check_key(key)).is_file()
+
+
+class S3Blobs:
+    """`s3://bucket/prefix/files/<key>` in the adapter store's bucket: each object written
+    whole by one upload (S3 makes it visible only once complete) and read back in chunks."""
+
+    def __init__(self, *, client: Any, bucket: str, prefix: str = "") -> None:
+        self.client = client
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/files/" if prefix.strip("/") else "files/"
+
+    def _key(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    def put(self, key: str, source: BinaryIO) -> int:
+        counted = _CountingReader(source)
+        self.client.upload_fileobj(counted, self.bucket, self._key(key))
+        return counted.count
+
+    def chunks(self, key: str) -> Iterator[bytes]:
+        body = self._body(key)
+        try:
+            yield from body.iter_chunks(CHUNK_BYTES)
+        finally:
+            body.close()
+
+    def read(self, key: str) -> bytes:
+        body = self._body(key)
+        try:
+            return body.read()
+        finally:
+            body.close()
+
+    def delete(self, key: str) -> bool:
+        if not self.exists(key):
+            return False
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        return True
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except self.client.exceptions.ClientError as exc:
+            if missing_object(exc):
+                return False
+            raise
+        return True
+
+    def _body(self, key: str) -> Any:
+        """The object's streaming body; a missing one raises FileNotFoundError, as on disk."""
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+        except self.client.exceptions.ClientError as exc:
+            if missing_object(exc):
+                raise FileNotFoundError(key) from exc
+            raise
+
+
+class _CountingReader:
+    """A binary stream that counts what boto3's upload reads from it."""
+
+    def __init__(self, source: BinaryIO) -> None:
+        self.source = source
+        self.count = 0
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = self.source.read(size)
+        self.count += len(chunk)
+        return chunk
+
+
+def open_file_blobs(
+    *, store_url: str, local: Path, override: Path | None, endpoint_url: str | None
+) -> FileBlobs:
+    """The one place batch files' backend is chosen: a folder named by `override` if set,
+    else the adapter store's own backend (its S3 bucket when `store_url` is
+    ``s3://bucket/prefix``; else the folder `local`)."""
+    if override is not None or not store_url:
+        return FilesystemBlobs(override or local)
+    client, bucket, prefix = open_bucket(store_url, endpoint_url=endpoint_url)
+    return S3Blobs(client=client, bucket=bucket, prefix=prefix)
