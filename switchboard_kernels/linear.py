@@ -143,18 +143,22 @@ def _nbytes(t: torch.Tensor) -> int:
 class Int4Weight:
     """A weight [out, in] as 4-bit levels through torch's CPU kernel, the same levels as the
     native kernel's (``switchboard_kernels.q4_native.quantize_weight``: ``low + q * step`` per group
-    of ``INT4_GROUP`` input features, q in 0..15), with the activations unrounded."""
+    of ``INT4_GROUP`` input features, q in 0..15), with the activations unrounded.
+    ``fp32_out``: rows widened to fp32 first, the products fp32 out (an output layer)."""
 
-    __slots__ = ("bias", "packed", "scales_and_zeros")
+    __slots__ = ("bias", "fp32_out", "packed", "scales_and_zeros")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, fp32_out: bool = False
+    ) -> None:
+        self.fp32_out = fp32_out
         q, step, low = quantize_weight(weight)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         step, low = step.float(), low.float()
         zero = low + 8 * step  # the kernel computes (q - 8) * scale + zero
         # [groups, out, 2] in the activations' dtype, as the kernel reads them
         both = torch.stack([step, zero], dim=-1).transpose(0, 1).contiguous()
-        self.scales_and_zeros = both.to(weight.dtype)
+        self.scales_and_zeros = both.to(torch.float32 if fp32_out else weight.dtype)
         self.bias = bias
 
     @property
@@ -162,6 +166,8 @@ class Int4Weight:
         return self.packed.numel() + _nbytes(self.scales_and_zeros)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fp32_out:
+            x = x.float()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, INT4_GROUP, self.scales_and_zeros
         )
@@ -189,44 +195,95 @@ class OnednnLinear:
 
 class TorchLinear:
     """``x @ W.T (+ bias) (+ residual)`` through ``F.linear`` on the plain weight (GPUs, and
-    CPUs where neither oneDNN packs nor a native kernel builds)."""
+    CPUs where neither oneDNN packs nor a native kernel builds). ``fp32_out``: the fp32 sums
+    unrounded (``fp32_product``)."""
 
-    __slots__ = ("bias", "nbytes", "weight")
+    __slots__ = ("bias", "fp32_out", "nbytes", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, fp32_out: bool = False
+    ) -> None:
         self.weight, self.bias = weight, bias
         self.nbytes = _nbytes(weight)
+        self.fp32_out = fp32_out and weight.dtype != torch.float32
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        if self.fp32_out:
+            y = fp32_product(x, self.weight)
+            y = y if self.bias is None else y + self.bias.float()
+        else:
+            y = F.linear(x, self.weight, self.bias)
         return y if residual is None else residual + y
+
+
+def fp32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Semantics: ``x @ weight.T`` summed in fp32 and returned unrounded, [rows, out] fp32, for
+    half-precision x [rows, in] and weight [out, in] (an output layer's logits, which rounded
+    to bf16 tie often). On CUDA cuBLAS writes the fp32 sums (``out_dtype``); elsewhere the
+    weight is widened a slice at a time (bf16 x bf16 products are exact in fp32)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.linear(x, weight)
+    if x.device.type == "cuda" and _mm_out_dtype(x.device.type, x.dtype):
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    wide = x.float()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    for start in range(0, weight.shape[0], _WIDEN_ROWS):
+        part = weight[start : start + _WIDEN_ROWS]
+        y[:, start : start + part.shape[0]] = F.linear(wide, part.float())
+    return y
+
+
+_WIDEN_ROWS = 1024  # weight rows widened at a time: ~2 MB of fp32 at hidden 576
+
+
+@functools.cache
+def _mm_out_dtype(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs for ``dtype`` on this device."""
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device_type)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 class UpcastLinear:
     """bf16 ``x @ W.T (+ bias) (+ residual)`` through oneDNN's fp32 packed matmul, for CPUs
     whose oneDNN packs no bf16: the weight widened to fp32 once (exactly), each call's rows
-    widened, the result rounded to bf16 once, as a bf16 kernel with fp32 sums rounds it."""
+    widened, the result rounded to bf16 once, as a bf16 kernel with fp32 sums rounds it
+    (``fp32_out``: not rounded)."""
 
-    __slots__ = ("fp32", "nbytes")
+    __slots__ = ("fp32", "fp32_out", "nbytes")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, fp32_out: bool = False
+    ) -> None:
         self.fp32 = OnednnLinear(weight.float(), None if bias is None else bias.float())
         self.nbytes = self.fp32.nbytes
+        self.fp32_out = fp32_out
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         wide = None if residual is None else residual.float()
-        return self.fp32(x.float(), wide).to(x.dtype)
+        y = self.fp32(x.float(), wide)
+        return y if self.fp32_out else y.to(x.dtype)
 
 
 Kernel = PanelLinear | Bf16PanelLinear | OnednnLinear | UpcastLinear | TorchLinear
 
 
 def make_kernel(
-    name: str, weight: torch.Tensor, bias: torch.Tensor | None = None, *, fixed_order: bool = False
+    name: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    fixed_order: bool = False,
+    fp32_out: bool = False,
 ) -> Kernel:
     """The ``linear_choice`` kernel ``name`` over ``weight``, or the next one that can hold it
     (the bf16 panels need an even number of input features and a bf16 bias). ``fixed_order``:
-    the panels' (``LinearPlan.fixed_order``); with it, no other kernel may stand in."""
+    the panels' (``LinearPlan.fixed_order``); with it, no other kernel may stand in.
+    ``fp32_out``: a kernel whose fp32 sums come out unrounded (``fp32_kernel``)."""
+    if fp32_out and weight.dtype != torch.float32:
+        return fp32_kernel(weight, bias, fixed_order=fixed_order)
     if name == PANELS:
         if bf16_panels_preferred(weight) and (bias is None or bias.dtype == torch.bfloat16):
             return Bf16PanelLinear(weight, bias, fixed_order=fixed_order)
@@ -245,6 +302,25 @@ def make_kernel(
     return TorchLinear(weight, bias)
 
 
+def fp32_kernel(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, *, fixed_order: bool = False
+) -> Kernel:
+    """A half-precision weight's kernel with fp32 out, whatever the plan: the bf16 panels
+    (the same bytes as bf16, their fp32 sums stored as they are), else oneDNN's fp32 matmul
+    over the weight widened once (twice the bytes), else ``fp32_product``. oneDNN's bf16
+    matmul writes bf16 only, so it never serves an output layer."""
+    if bf16_panels_preferred(weight) and (bias is None or bias.dtype == torch.bfloat16):
+        return Bf16PanelLinear(weight, bias, fixed_order=fixed_order, fp32_out=True)
+    if fixed_order:
+        raise ValueError(
+            f"batch-invariant products need the native panels for a {tuple(weight.shape)} "
+            f"{weight.dtype} weight (an even number of input features, bf16 or fp32, CPU)"
+        )
+    if weight.device.type == "cpu" and can_pack(weight.float()):
+        return UpcastLinear(weight, bias, fp32_out=True)
+    return TorchLinear(weight, bias, fp32_out=True)
+
+
 class Linear:
     """``y = x @ weight.T + bias`` with ``weight`` [out_features, in_features].
 
@@ -257,10 +333,12 @@ class Linear:
     with a scale per output feature (fp32 weights, native kernel); "int4", small batches
     through a 4-bit copy (up to ``Q4_MAX_ROWS`` rows through the native kernel where
     ``can_quantize_q4``, else ``INT4_MAX_ROWS`` through torch's where ``can_quantize_int4``),
-    others through the plan's kernels."""
+    others through the plan's kernels. ``fp32_out`` (an output layer): the products come out
+    in fp32 with their sums unrounded, whatever the weight's dtype (logits rounded to bf16
+    sit 0.125 apart near the top and tie often)."""
 
-    __slots__ = ("bias", "in_features", "int4", "int4_rows", "large", "out_features", "small")
-    __slots__ += ("split_rows",)
+    __slots__ = ("bias", "fp32_out", "in_features", "int4", "int4_rows", "large")
+    __slots__ += ("out_features", "small", "split_rows")
 
     def __init__(
         self,
@@ -269,17 +347,20 @@ class Linear:
         *,
         quantization: str | None = None,
         plan: LinearPlan | None = None,
+        fp32_out: bool = False,
     ) -> None:
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         self.out_features, self.in_features = weight.shape
         self.bias = bias
+        self.fp32_out = fp32_out
         self.int4: Q4Linear | Int4Weight | None = None
         self.int4_rows = 0  # the most rows that go through ``int4``
         if quantization == "int4" and can_quantize_q4(weight):
             self.int4, self.int4_rows = Q4Linear(weight, bias), Q4_MAX_ROWS
         elif quantization == "int4" and can_quantize_int4(weight):
-            self.int4, self.int4_rows = Int4Weight(weight, bias), INT4_MAX_ROWS
+            self.int4 = Int4Weight(weight, bias, fp32_out=fp32_out)
+            self.int4_rows = INT4_MAX_ROWS
         if quantization == "int8":
             if not can_quantize_int8(weight):
                 raise ValueError("int8 weights need fp32 on CPU and the native linear kernel")
@@ -288,10 +369,10 @@ class Linear:
         else:
             plan = plan or fixed_plan(weight.dtype, weight.device)
             order = plan.fixed_order
-            self.small = make_kernel(plan.small, weight, bias, fixed_order=order)
+            self.small = make_kernel(plan.small, weight, bias, fixed_order=order, fp32_out=fp32_out)
             self.large = (
                 self.small
-                if plan.large == plan.small
+                if plan.large == plan.small or (fp32_out and weight.dtype != torch.float32)
                 else make_kernel(plan.large, weight, bias, fixed_order=order)
             )
         self.split_rows = plan.split_rows
@@ -310,7 +391,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows <= self.int4_rows and self.int4 is not None:
-            return self.int4(x)
+            # the native 4-bit kernel's output takes the rows' dtype
+            return self.int4(x.float() if self.fp32_out else x)
         return (self.small if rows <= self.split_rows else self.large)(x)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

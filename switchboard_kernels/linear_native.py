@@ -112,8 +112,11 @@ def _run_panels(
     dtype: torch.dtype,
     x: torch.Tensor,
     residual: torch.Tensor | None,
+    *,
+    out: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """One call of a panel kernel over checked rows: ``x @ W.T (+ bias) (+ residual)``."""
+    """One call of a panel kernel over checked rows: ``x @ W.T (+ bias) (+ residual)``, in
+    ``out`` (default ``dtype``, the rows')."""
     x, res = native.checked_rows(
         label,
         x,
@@ -123,7 +126,8 @@ def _run_panels(
         dtypes=(dtype,),
     )
     rows = x.shape[0]
-    y = torch.empty(rows, linear.out_features, dtype=dtype)
+    y = torch.empty(rows, linear.out_features, dtype=out or dtype)
+
     if rows:  # res (a copy checked_rows may have made) lives until the call returns
         res_address = None if res is None else res.data_ptr()
         linear._call(linear._desc_address, x.data_ptr(), rows, res_address, y.data_ptr())
@@ -156,6 +160,7 @@ class _Bf16Panels(ctypes.Structure):
         ("panels", _ptr),
         ("bias", _ptr),
         ("fixed_order", _i64),
+        ("f32_out", _i64),
     ]
 
 
@@ -164,10 +169,11 @@ class Bf16PanelLinear:
     [out, in] (in even) in panels of ``BF16_PANEL`` outputs whose weights pair up along the
     input features (the layout VDPBF16PS reads), the last panel zero-padded. fp32 sums,
     one rounding to bf16 (bias and residual added before it). The kernel must load
-    (``native_linear_bf16()``). ``fixed_order``: as ``PanelLinear``'s."""
+    (``native_linear_bf16()``). ``fixed_order``: as ``PanelLinear``'s. ``fp32_out``: the
+    sums come out as fp32, never rounded (an output layer's logits)."""
 
-    __slots__ = ("_call", "_desc", "_desc_address", "bias", "in_features", "out_features")
-    __slots__ += ("panels",)
+    __slots__ = ("_call", "_desc", "_desc_address", "bias", "fp32_out", "in_features")
+    __slots__ += ("out_features", "panels")
 
     def __init__(
         self,
@@ -176,6 +182,7 @@ class Bf16PanelLinear:
         *,
         kernel=None,
         fixed_order: bool = False,
+        fp32_out: bool = False,
     ) -> None:
         """``kernel``: another build's ``bf16_kernel_of`` (tests run the path a CPU lacks)."""
         kernel = kernel or native_linear_bf16()
@@ -188,6 +195,7 @@ class Bf16PanelLinear:
             raise ValueError(f"native bf16 linear: bias must be bf16 ({out_features},)")
         self.out_features, self.in_features = out_features, in_features
         self.bias = None if bias is None else bias.contiguous()
+        self.fp32_out = fp32_out
         padded = -(-out_features // BF16_PANEL) * BF16_PANEL
         w = torch.zeros(padded, in_features, dtype=torch.bfloat16)
         w[:out_features] = weight
@@ -200,6 +208,7 @@ class Bf16PanelLinear:
             self.panels.data_ptr(),
             None if self.bias is None else self.bias.data_ptr(),
             int(fixed_order),
+            int(fp32_out),
         )
         self._desc_address = ctypes.addressof(self._desc)
         self._call = kernel
@@ -218,9 +227,11 @@ class Bf16PanelLinear:
         self,
         x: torch.Tensor,  # [rows, in] bf16
         residual: torch.Tensor | None = None,  # [rows, out] bf16
-    ) -> torch.Tensor:  # [rows, out] bf16
-        """Semantics: ``bf16(x @ W.T + bias + residual)``, summed in fp32."""
-        return _run_panels(self, "native bf16 linear", torch.bfloat16, x, residual)
+    ) -> torch.Tensor:  # [rows, out] bf16 (fp32 with fp32_out)
+        """Semantics: ``bf16(x @ W.T + bias + residual)``, summed in fp32 (``fp32_out``: the
+        fp32 sum itself, unrounded)."""
+        out = torch.float32 if self.fp32_out else torch.bfloat16
+        return _run_panels(self, "native bf16 linear", torch.bfloat16, x, residual, out=out)
 
 
 @functools.cache

@@ -24,6 +24,8 @@ struct sb_bf16_panels {
     const uint16_t *bias;   /* [out] bf16 or NULL */
     /* 1: a lone row sums in the order of a tile of many (batch-invariant); 0: two chains */
     int64_t fixed_order;
+    /* 1: y is fp32, the sums stored unrounded (an output layer's logits); 0: y is bf16 */
+    int64_t f32_out;
 };
 
 /* bf16.h's masked 16-bit loads and stores need AVX512-BW and -VL besides the foundation. */
@@ -100,9 +102,11 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
     }
 }
 
-/* Columns [n0, n0 + cols) of rows [0, rows): acc + bias + residual, rounded once to bf16. */
+/* Columns [n0, n0 + cols) of rows [0, rows): acc + bias + residual, rounded once to bf16
+ * (f32_out: stored as fp32, unrounded). */
 static inline void store_tile(__m512 acc[MR][2], int rows, int cols, const uint16_t *bias,
-                              const uint16_t *res, int64_t ldr, uint16_t *y, int64_t ldy) {
+                              const uint16_t *res, int64_t ldr, void *y, int64_t ldy,
+                              int f32_out) {
     for (int v = 0; v < 2; v++) {
         int left = cols - 16 * v;
         if (left <= 0) break;
@@ -111,7 +115,10 @@ static inline void store_tile(__m512 acc[MR][2], int rows, int cols, const uint1
         for (int m = 0; m < rows; m++) {
             __m512 out = _mm512_add_ps(acc[m][v], b);
             if (res) out = _mm512_add_ps(out, load_bf16(res + m * ldr + 16 * v, m16));
-            store_bf16(y + m * ldy + 16 * v, out, m16);
+            if (f32_out)
+                _mm512_mask_storeu_ps((float *)y + m * ldy + 16 * v, m16, out);
+            else
+                store_bf16((uint16_t *)y + m * ldy + 16 * v, out, m16);
         }
     }
 }
@@ -130,14 +137,15 @@ static inline void store_tile(__m512 acc[MR][2], int rows, int cols, const uint1
 
 #define TILE_ROWS MR
 
-/* Rows [0, rows) (at most TILE_ROWS) of one panel: columns [0, cols) of y. */
+/* Rows [0, rows) (at most TILE_ROWS) of one panel: columns [0, cols) of y (bf16, or fp32
+ * with f32_out). */
 static inline void rows_of_panel(const uint16_t *x, int64_t K, const uint16_t *panel,
                                  int64_t pairs, int64_t fixed_order, int rows, int cols,
-                                 const uint16_t *bias, const uint16_t *res, int64_t N,
-                                 uint16_t *y) {
+                                 const uint16_t *bias, const uint16_t *res, int64_t N, void *y,
+                                 int f32_out) {
     __m512 acc[MR][2];
     DISPATCH_ROWS(x, K, panel, pairs, fixed_order)
-    store_tile(acc, rows, cols, bias, res, N, y, N);
+    store_tile(acc, rows, cols, bias, res, N, y, N, f32_out);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -187,8 +195,8 @@ static inline void rows_tile8(const uint16_t *x, int64_t K, const uint16_t *pane
 
 static inline void rows_of_panel(const uint16_t *x, int64_t K, const uint16_t *panel,
                                  int64_t pairs, int64_t fixed_order, int rows, int cols,
-                                 const uint16_t *bias, const uint16_t *res, int64_t N,
-                                 uint16_t *y) {
+                                 const uint16_t *bias, const uint16_t *res, int64_t N, void *y,
+                                 int f32_out) {
     (void)fixed_order; /* every row sums in one order here */
     v8f acc[MR8][4];
     rows_tile8(x, K, panel, pairs, rows, acc);
@@ -199,7 +207,10 @@ static inline void rows_of_panel(const uint16_t *x, int64_t K, const uint16_t *p
             float v = out[o];
             if (bias) v += bf16_to_f32(bias[o]);
             if (res) v += bf16_to_f32(res[m * N + o]);
-            y[m * N + o] = f32_to_bf16(v);
+            if (f32_out)
+                ((float *)y)[m * N + o] = v;
+            else
+                ((uint16_t *)y)[m * N + o] = f32_to_bf16(v);
         }
     }
 }
@@ -208,18 +219,20 @@ static inline void rows_of_panel(const uint16_t *x, int64_t K, const uint16_t *p
 
 #if defined(TILE_ROWS)
 /* Rows [0, rows) of x times panel p of w: the columns [32p, 32p + 32) of y (and res, nullable),
- * whose rows are out_features long, rounded once to bf16. */
+ * whose rows are out_features long, rounded once to bf16 (w->f32_out: y fp32, unrounded). */
 static inline void bf16_panel(const struct sb_bf16_panels *w, int64_t p, const uint16_t *x,
-                              int64_t rows, const uint16_t *res, uint16_t *y) {
+                              int64_t rows, const uint16_t *res, void *y) {
     const int64_t K = w->in_features, N = w->out_features, pairs = K / 2;
     const int64_t n0 = p * NP;
     const int cols = N - n0 < NP ? (int)(N - n0) : NP;
     const uint16_t *panel = w->panels + p * K * NP;
+    const int f32_out = w->f32_out != 0;
     for (int64_t m0 = 0; m0 < rows; m0 += TILE_ROWS) {
         int rows_here = rows - m0 < TILE_ROWS ? (int)(rows - m0) : TILE_ROWS;
+        int64_t at = m0 * N + n0; /* y's element offset */
+        void *y_here = f32_out ? (void *)((float *)y + at) : (void *)((uint16_t *)y + at);
         rows_of_panel(x + m0 * K, K, panel, pairs, w->fixed_order, rows_here, cols,
-                      w->bias ? w->bias + n0 : NULL, res ? res + m0 * N + n0 : NULL, N,
-                      y + m0 * N + n0);
+                      w->bias ? w->bias + n0 : NULL, res ? res + at : NULL, N, y_here, f32_out);
     }
 }
 #endif

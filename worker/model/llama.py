@@ -122,7 +122,11 @@ class LlamaModel:
         # The other ops' kernels (RMSNorm, the activation; attention and LoRA for the runner
         # and the LoRA manager): measured on this CPU by the engine, else the fixed rule.
         self.ops = op_plans or fixed_op_plans(dtype, self.device)
-        self.lm_head = Linear(head_weight, quantization=quantization, plan=linear_plan)
+        # fp32 out: the logits keep the product's fp32 sums through the sampler and logprobs
+        # (rounded to bf16 they sit on a grid, 0.125 apart near the top, and tie).
+        self.lm_head = Linear(
+            head_weight, quantization=quantization, plan=linear_plan, fp32_out=True
+        )
         self.layers = [
             load_layer(
                 weights, i, c, quantization=quantization, plan=linear_plan, shards=self.shard.size
@@ -434,7 +438,8 @@ class LlamaModel:
         vocabulary, the ranks' columns are gathered to rank 0 (the others return None).
         ``heads``: rows whose adapter changes the output layer (modules_to_save, tokens)."""
         x = self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        logits = self.lm_head(x).float()
+        logits = self.lm_head(x)  # fp32, never rounded to the model's dtype
+
         if heads:
             apply_heads(logits, x, heads)
         if not self.llama_block:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from adapters.lora import LoraAdapter
+from switchboard_kernels.linear import fp32_product
 
 
 @dataclass(slots=True)
@@ -121,7 +122,7 @@ def apply_heads(logits: torch.Tensor, x: torch.Tensor, patches: list[HeadPatch])
     for patch in patches:
         xs = x.index_select(0, patch.rows)
         if patch.head is not None:
-            logits.index_copy_(0, patch.rows, F.linear(xs, patch.head).float())
+            logits.index_copy_(0, patch.rows, fp32_product(xs, patch.head))
         elif patch.tokens is not None:
-            columns = F.linear(xs, patch.tokens.rows).float()  # [m, n]
+            columns = fp32_product(xs, patch.tokens.rows)  # [m, n]
             logits[patch.rows[:, None], patch.tokens.ids[None, :]] = columns
