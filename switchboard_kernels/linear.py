@@ -206,6 +206,8 @@ class TorchLinear:
         self.weight, self.bias = weight, bias
         self.nbytes = _nbytes(weight)
         self.fp32_out = fp32_out and weight.dtype != torch.float32
+        if self.fp32_out and weight.device.type == "cuda":
+            _mm_out_dtype(weight.device.type, weight.dtype)  # probed at load, never in a capture
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.fp32_out:

@@ -159,3 +159,21 @@ def test_saved_output_layer_rows_are_fp32():
     logits = torch.zeros(x.shape[0], w.shape[0])
     apply_heads(logits, x, [HeadPatch(torch.tensor([0]), None, tokens)])
     _assert_unrounded(logits[0, ids], _reference(x[:1], w[ids])[0])
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_draft_4bit_output_layer_is_fp32(kernel):
+    """A draft's 4-bit output layer (native, or torch's int4 kernel) returns fp32 too."""
+    from switchboard_kernels.linear import Int4Weight, can_quantize_int4, can_quantize_q4
+
+    w, x = _weights(features=128)
+    if kernel == "native":
+        if not can_quantize_q4(w):
+            pytest.skip("no native 4-bit kernel here")
+        y = Linear(w, quantization="int4", fp32_out=True)(x)
+    else:
+        if not can_quantize_int4(w):
+            pytest.skip("no torch int4 kernel here")
+        y = Int4Weight(w, fp32_out=True)(x)
+    assert y.dtype == torch.float32
+    assert (y != y.bfloat16().float()).any()
