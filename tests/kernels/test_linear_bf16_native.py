@@ -131,6 +131,12 @@ def test_the_paths_of_cpus_with_fewer_features(path, rows):
     layer = Bf16PanelLinear(w, bias, kernel=bf16_kernel_of(library))
     want = x.double() @ w.double().T + bias.double() + residual.double()
     assert_within_one_rounding(layer(x, residual), want, scale)
+    # fp32 out (an output layer's logits): the same sums, unrounded
+    wide = Bf16PanelLinear(w, bias, kernel=bf16_kernel_of(library), fp32_out=True)
+    got = wide(x, residual)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=scale * 1e-5)
+    assert torch.equal(got.bfloat16(), layer(x, residual))
 
 
 @needs_kernel
