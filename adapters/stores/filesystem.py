@@ -23,6 +23,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from adapters.canonical import canonical_files
 from adapters.errors import AdapterNotFoundError
@@ -56,13 +57,7 @@ class FilesystemAdapterStore:
         """Store `adapter` under its id (no-op if already there); returns the id."""
         if (self.root / check_adapter_id(adapter.id)).is_dir():
             return adapter.id
-        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
-        try:
-            write_staged(adapter, staging)
-            self.adopt(adapter.id, staging)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return adapter.id
+        return stage_and_adopt(self, adapter)
 
     def adopt(self, adapter_id: str, staged: Path) -> bool:
         """Move `staged` (a `write_staged` directory on the store's filesystem) into place
@@ -187,3 +182,15 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def stage_and_adopt(store: Any, adapter: LoraAdapter) -> str:
+    """Write `adapter`'s canonical files in a staging folder under `store.root`, then let the
+    store adopt them under its id (each backend's `put`, once it knows the id is new)."""
+    staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=store.root))
+    try:
+        write_staged(adapter, staging)
+        store.adopt(adapter.id, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return adapter.id

@@ -21,7 +21,6 @@ from __future__ import annotations
 import builtins
 import json
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Collection
@@ -34,7 +33,7 @@ from adapters.errors import AdapterNotFoundError
 from adapters.identity import check_adapter_id, is_adapter_id
 from adapters.lora import LoraAdapter
 from adapters.stores.cache import BlobCache
-from adapters.stores.filesystem import DIR_MODE, STAGING_PREFIXES, write_staged
+from adapters.stores.filesystem import DIR_MODE, STAGING_PREFIXES, stage_and_adopt
 
 MANIFEST = "MANIFEST"
 CACHE_DIR = "cache"
@@ -90,13 +89,7 @@ class S3AdapterStore:
     def put(self, adapter: LoraAdapter) -> str:
         if self.exists(adapter.id):
             return adapter.id
-        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
-        try:
-            write_staged(adapter, staging)
-            self.adopt(adapter.id, staging)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        return adapter.id
+        return stage_and_adopt(self, adapter)
 
     def adopt(self, adapter_id: str, staged: Path) -> bool:
         """Upload the staged files, then the manifest; False (age renewed) if present."""

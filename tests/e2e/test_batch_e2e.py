@@ -209,17 +209,24 @@ def restart_gateway(stack: Stack) -> None:
     stack.wait_ready(timeout=120)
 
 
-def test_a_gateway_killed_mid_batch_leaves_it_to_the_next_each_line_once(stack, tiny_model):
-    client = client_of(stack, "kill")
-    before = usage_requests(stack, client)
-    lines = [chat_line(f"k{i}", tiny_model.name, PROMPTS[i % 4], max_tokens=48) for i in range(16)]
+def submit_and_wait_for_lines(stack: Stack, client, lines: list[dict], count: int):
+    """Submit a batch of tenant "kill"; return it, a Redis client and its lines' hash once
+    `count` lines have a recorded result."""
     batch = submit(client, lines)
     store = redis.Redis.from_url(stack.redis_url, decode_responses=True)
     lines_key = f"{stack.key_prefix}{{kill}}:batch:{batch.id}:lines"
     deadline = time.monotonic() + 60
-    while store.hlen(lines_key) < 3:
+    while store.hlen(lines_key) < count:
         assert time.monotonic() < deadline, "no line finished"
         time.sleep(0.05)
+    return batch, store, lines_key
+
+
+def test_a_gateway_killed_mid_batch_leaves_it_to_the_next_each_line_once(stack, tiny_model):
+    client = client_of(stack, "kill")
+    before = usage_requests(stack, client)
+    lines = [chat_line(f"k{i}", tiny_model.name, PROMPTS[i % 4], max_tokens=48) for i in range(16)]
+    batch, store, lines_key = submit_and_wait_for_lines(stack, client, lines, 3)
     stack.gateway.send_signal(signal.SIGKILL)
     reap(stack.gateway, 10)
     recorded = store.hlen(lines_key)
@@ -299,13 +306,7 @@ def test_a_worker_killed_mid_batch_costs_its_lines_a_retry_not_a_result(stack, t
     client = client_of(stack, "kill")
     before = usage_requests(stack, client)
     lines = [chat_line(f"w{i}", tiny_model.name, PROMPTS[i % 4], max_tokens=48) for i in range(12)]
-    batch = submit(client, lines)
-    store = redis.Redis.from_url(stack.redis_url, decode_responses=True)
-    lines_key = f"{stack.key_prefix}{{kill}}:batch:{batch.id}:lines"
-    deadline = time.monotonic() + 60
-    while store.hlen(lines_key) < 2:
-        assert time.monotonic() < deadline, "no line finished"
-        time.sleep(0.05)
+    batch, store, lines_key = submit_and_wait_for_lines(stack, client, lines, 2)
     (worker_id,) = list(stack.workers)
     stack.workers[worker_id].send_signal(signal.SIGKILL)
     reap(stack.workers[worker_id], 10)

@@ -46,6 +46,19 @@ def info(worker_id: str, model: str, base_id: str = "", **fields) -> WorkerInfo:
     )  # fmt: skip
 
 
+async def register_other_base(redis, redis_prefix: str, worker, model_dir) -> None:
+    """Register `worker` (a ScriptedWorker) as the pool of the second base, OTHER."""
+    await register(
+        redis, redis_prefix,
+        WorkerInfo(
+            worker_id="w-other", address=worker.address, model=OTHER,
+            base_id=base_content_id(model_dir), model_path=str(model_dir),
+            heartbeat_at=time.time(),
+        ),
+        ttl=30,
+    )  # fmt: skip
+
+
 def test_pools_group_by_base_and_keep_one_content_per_name():
     workers = [
         info("a1", "/models/tiny-chat"),  # an older worker of the default base: its path
@@ -92,15 +105,7 @@ async def fleet(redis_url, redis_prefix, model_dir, tmp_path):
         await default_worker.register(redis, redis_prefix)
         async with running_gateway(settings) as gw:
             # The second base's pool appears after the gateway started.
-            await register(
-                redis, redis_prefix,
-                WorkerInfo(
-                    worker_id="w-other", address=other_worker.address, model=OTHER,
-                    base_id=base_content_id(other_dir), model_path=str(other_dir),
-                    heartbeat_at=time.time(),
-                ),
-                ttl=30,
-            )  # fmt: skip
+            await register_other_base(redis, redis_prefix, other_worker, other_dir)
             key = await create_tenant_key(gw, "acme")
             headers = {"Authorization": f"Bearer {key}"}
             async with httpx.AsyncClient(base_url=gw.url, headers=headers, timeout=30) as client:
@@ -249,15 +254,7 @@ async def test_a_pool_stopped_within_the_registry_cache_is_503_not_502(
     redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
     other_worker = await ScriptedWorker("w-other").start()
     try:
-        await register(
-            redis, redis_prefix,
-            WorkerInfo(
-                worker_id="w-other", address=other_worker.address, model=OTHER,
-                base_id=base_content_id(other_dir), model_path=str(other_dir),
-                heartbeat_at=time.time(),
-            ),
-            ttl=30,
-        )  # fmt: skip
+        await register_other_base(redis, redis_prefix, other_worker, other_dir)
         async with running_gateway(settings) as gw:
             key = await create_tenant_key(gw, "acme")
             headers = {"Authorization": f"Bearer {key}"}
