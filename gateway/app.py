@@ -26,10 +26,10 @@ from redis.backoff import ExponentialBackoff
 from adapters.stores import open_store
 from gateway import account_routes, adapter_routes, admin_routes, metrics, openai_routes, pipeline
 from gateway.batch import routes as batch_routes
+from gateway.batch import storage as batch_storage
 from gateway.batch.batches import BatchService
 from gateway.batch.files import FileLimits, FileService
 from gateway.batch.runner import BatchRunner, RunnerConfig
-from gateway.batch.storage import open_file_blobs
 from gateway.console import pages as console
 from gateway.console.bridge import ConsoleBridge
 from gateway.console.session import ADMIN, TENANT
@@ -91,9 +91,9 @@ async def open_state(settings: GatewaySettings) -> GatewayState:
         prefix=settings.key_prefix,
         # Batch files follow the adapter store: its volume, or its bucket (every replica's).
         blobs=await asyncio.to_thread(
-            open_file_blobs,
+            batch_storage.open_file_blobs,
             store_url=settings.adapter_store_url,
-            local=settings.adapter_store / "files",
+            local=settings.adapter_store / batch_storage.FOLDER,
             override=settings.batch_file_store,
             endpoint_url=settings.adapter_store_endpoint or None,
         ),

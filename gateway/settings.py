@@ -223,8 +223,8 @@ class GatewaySettings(BaseSettings):
     queue_timeout_s: float = Field(default=60.0, gt=0)
 
     # The Batch API (gateway/batch/, docs/batch.md). Files (batch inputs and the outputs made
-    # for them) live in the adapter store's backend (its bucket's files/ with the S3 store,
-    # else `adapter_store`/files); a folder here overrides that.
+    # for them) live in the adapter store's backend (its bucket's batch-files/ with the S3
+    # store, else `adapter_store`/batch-files); a folder here overrides that.
     batch_file_store: Path | None = None
     # One uploaded file: past it 413. Lines one input file may hold (OpenAI: 50,000).
     max_batch_file_bytes: int = Field(default=200 << 20, ge=1)

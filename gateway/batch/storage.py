@@ -1,6 +1,7 @@
 """Where batch files' bytes live: one small interface (`FileBlobs`), so the files and the
 runner never know the backend. They follow the adapter store's backend: a folder of its
-volume (the embedded default), or its S3 bucket under `files/` (`open_file_blobs` chooses).
+volume (the embedded default), or its S3 bucket under `batch-files/` (`open_file_blobs`
+chooses).
 Blobs are written whole and atomically, and never changed once written: a file id names one
 content for its whole life.
 """
@@ -17,6 +18,9 @@ from typing import Any, BinaryIO, Protocol
 
 from adapters.stores.s3 import missing_object, open_bucket
 
+# Batch files' folder inside the adapter store's volume (the adapter store lists only content
+# ids there, so it never sees it), or their prefix in its bucket.
+FOLDER = "batch-files"
 DIR_MODE = 0o750
 FILE_MODE = 0o640
 CHUNK_BYTES = 1 << 20
@@ -92,13 +96,13 @@ class FilesystemBlobs:
 
 
 class S3Blobs:
-    """`s3://bucket/prefix/files/<key>` in the adapter store's bucket: each object written
+    """`s3://bucket/prefix/batch-files/<key>` in the adapter store's bucket: each object written
     whole by one upload (S3 makes it visible only once complete) and read back in chunks."""
 
     def __init__(self, *, client: Any, bucket: str, prefix: str = "") -> None:
         self.client = client
         self.bucket = bucket
-        self.prefix = prefix.strip("/") + "/files/" if prefix.strip("/") else "files/"
+        self.prefix = f"{prefix.strip('/')}/{FOLDER}/" if prefix.strip("/") else f"{FOLDER}/"
 
     def _key(self, key: str) -> str:
         return self.prefix + check_key(key)

@@ -51,10 +51,10 @@ def test_batch_files_follow_the_adapter_store_unless_a_folder_is_named(
     chosen = open_file_blobs(
         store_url=url, local=tmp_path / "local", override=None, endpoint_url=s3_server.endpoint
     )
-    assert isinstance(chosen, S3Blobs) and chosen.prefix == "tenants-files/files/"
+    assert isinstance(chosen, S3Blobs) and chosen.prefix == "tenants-files/batch-files/"
     chosen.put("file-1", io.BytesIO(b"line\n"))
     listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix="tenants-files/")
-    assert [o["Key"] for o in listed["Contents"]] == ["tenants-files/files/file-1"]
+    assert [o["Key"] for o in listed["Contents"]] == ["tenants-files/batch-files/file-1"]
     named = open_file_blobs(
         store_url=url, local=tmp_path / "local", override=tmp_path / "shared", endpoint_url=None
     )

@@ -21,6 +21,7 @@ from archive_factories import (
     zeros_member,
     zip_bytes,
 )
+from gateway.batch import storage as batch_storage
 from gateway_support import (
     MODEL_NAME,
     archive_upload,
@@ -51,8 +52,9 @@ class Env:
         return httpx.AsyncClient(base_url=self.gw.url, headers=headers, timeout=30)
 
     def store_entries(self) -> list[str]:
-        """Everything in the store root: adapter ids, and any leftover staging directory."""
-        return sorted(p.name for p in self.store.iterdir())
+        """Everything in the store root: adapter ids, and any leftover staging directory (the
+        Batch API's folder, which the gateway makes there at start, aside)."""
+        return sorted(p.name for p in self.store.iterdir() if p.name != batch_storage.FOLDER)
 
     async def names(self, tenant: str) -> list[str]:
         return sorted(await self.redis.hkeys(f"{self.prefix}tenant:{tenant}:adapters"))
