@@ -495,13 +495,16 @@ class Scheduler:
     def _take_batch_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """An interactive arrival that finds no seat or KV blocks takes them from the latest
         running batch sequence, at once: batch work only fills idle capacity."""
-        if seq.band is not Band.INTERACTIVE:
+        victim = self._latest_batch() if seq.band is Band.INTERACTIVE else None
+        if victim is None:
             return False
-        batch = [s for s in self.running if s.band is not Band.INTERACTIVE]
-        if not batch:
-            return False
-        self._preempt(max(batch, key=lambda s: (s.band, s.arrival_order)), out)
+        self._preempt(victim, out)
         return True
+
+    def _latest_batch(self) -> Sequence | None:
+        """The running batch sequence to give way first: the lowest band's latest arrival."""
+        batch = [s for s in self.running if s.band is not Band.INTERACTIVE]
+        return max(batch, key=lambda s: (s.band, s.arrival_order)) if batch else None
 
     def _take_share_room(self, seq: Sequence, num_blocks: int, out: SchedulerOutput) -> bool:
         """Preempt one sequence of the tenant furthest over its share, if ``seq``'s tenant
@@ -531,9 +534,9 @@ class Scheduler:
         """Whom to preempt when a running sequence cannot grow: the latest batch sequence
         while any runs; else the latest arrival (fair: of the tenant furthest over its share
         of the KV blocks)."""
-        batch = [s for s in self.running if s.band is not Band.INTERACTIVE]
-        if batch:
-            return max(batch, key=lambda s: (s.band, s.arrival_order))
+        batch = self._latest_batch()
+        if batch is not None:
+            return batch
         if not self.ledger.fair:
             return max(self.running, key=lambda s: s.arrival_order)
         return self._shares().victim()
