@@ -1,0 +1,137 @@
+"""A weight-only quantized projection weight, as every quantized base reaches the kernels.
+
+Semantics: ``w[o, order[j]] = (levels[o, j] - zeros[o, g]) * scales[o, g]``, g = j // group_size,
+``order`` being ``input_order`` (GPTQ's act-order: its columns regrouped so that each group is
+contiguous) or the identity. The published formats' readers (GPTQ, AWQ, compressed-tensors) and
+quantization on load (``quantize``) produce it; ``switchboard_kernels.linear.Linear`` packs it for
+its kernels. Levels stay unpacked here (one per byte) so that concatenating, slicing for tensor
+parallelism and repacking are plain tensor indexing; the kernels' layouts are theirs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BITS = (4, 8)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    levels: torch.Tensor  # [out, in] uint8 in 0 .. 2**bits - 1, columns in ``input_order``
+    scales: torch.Tensor  # [out, groups] fp32
+    zeros: torch.Tensor  # [out, groups] fp32, in levels (2**(bits - 1) when symmetric)
+    bits: int
+    group_size: int  # input features per scale; in_features: one per output feature
+    input_order: torch.Tensor | None = None  # [in] int64: the feature column j multiplies
+
+    def __post_init__(self) -> None:
+        out_features, in_features = self.levels.shape
+        if self.bits not in BITS:
+            raise ValueError(f"{self.bits}-bit weights: only {BITS} are served")
+        if self.levels.dtype != torch.uint8:
+            raise ValueError(f"levels must be uint8, not {self.levels.dtype}")
+        if self.group_size <= 0 or in_features % self.group_size:
+            raise ValueError(f"group size {self.group_size} does not divide {in_features} inputs")
+        groups = (out_features, in_features // self.group_size)
+        for name in ("scales", "zeros"):
+            t = getattr(self, name)
+            if tuple(t.shape) != groups or t.dtype != torch.float32:
+                shape = list(t.shape)
+                raise ValueError(f"{name} must be fp32 {list(groups)}, not {t.dtype} {shape}")
+        if self.input_order is not None and tuple(self.input_order.shape) != (in_features,):
+            raise ValueError(f"input_order must have {in_features} entries")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.levels.shape)  # type: ignore[return-value]
+
+    @property
+    def packed_bytes(self) -> int:
+        """What a kernel streams per pass: levels at ``bits`` each, a scale and a zero per group."""
+        return self.levels.numel() * self.bits // 8 + 2 * self.scales.numel() * 4
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [out, in] in the checkpoint's input order (the torch reference's weight)."""
+        out_features, in_features = self.shape
+        groups = in_features // self.group_size
+        levels = self.levels.float().view(out_features, groups, self.group_size)
+        w = ((levels - self.zeros[..., None]) * self.scales[..., None]).view(out_features, -1)
+        if self.input_order is not None:
+            w = torch.empty_like(w).index_copy_(1, self.input_order, w)
+        return w.to(dtype)
+
+    def rows(self, start: int, stop: int) -> QuantizedWeight:
+        """Output features ``start:stop`` (a column-parallel shard)."""
+        return QuantizedWeight(
+            self.levels[start:stop].contiguous(),
+            self.scales[start:stop].contiguous(),
+            self.zeros[start:stop].contiguous(),
+            self.bits,
+            self.group_size,
+            self.input_order,
+        )
+
+    def columns(self, start: int, stop: int) -> QuantizedWeight:
+        """Input features ``start:stop`` (a row-parallel shard): whole groups, stored order only."""
+        if self.input_order is not None:
+            raise ValueError("an act-order weight's input features cannot be split")
+        if start % self.group_size or stop % self.group_size:
+            raise ValueError(f"inputs {start}:{stop} split a group of {self.group_size}")
+        g0, g1 = start // self.group_size, stop // self.group_size
+        return QuantizedWeight(
+            self.levels[:, start:stop].contiguous(),
+            self.scales[:, g0:g1].contiguous(),
+            self.zeros[:, g0:g1].contiguous(),
+            self.bits,
+            self.group_size,
+        )
+
+
+def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Projections that read the same input stacked by output features (q/k/v, gate/up)."""
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.bits, p.group_size) != (first.bits, first.group_size):
+            raise ValueError("fused projections quantized alike are required (bits, group size)")
+        same_order = (p.input_order is None and first.input_order is None) or (
+            p.input_order is not None
+            and first.input_order is not None
+            and torch.equal(p.input_order, first.input_order)
+        )
+        if not same_order:
+            raise ValueError("fused projections with different act-order (g_idx) are not served")
+    return QuantizedWeight(
+        torch.cat([p.levels for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        torch.cat([p.zeros for p in parts]),
+        first.bits,
+        first.group_size,
+        first.input_order,
+    )
+
+
+def quantize(
+    weight: torch.Tensor, *, bits: int, group_size: int, symmetric: bool
+) -> QuantizedWeight:
+    """Round to nearest, per group of ``group_size`` input features (``weight.shape[1]``: per
+    output feature). Symmetric: zero 2**(bits-1), scale max|w| / (2**(bits-1) - 1); else the
+    group's range over 2**bits - 1 levels with an integer zero (GPTQ's and AWQ's convention)."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"group size {group_size} does not divide {in_features} inputs")
+    w = weight.float().view(out_features, in_features // group_size, group_size)
+    top = 2**bits - 1
+    if symmetric:
+        half = 2 ** (bits - 1)
+        scales = w.abs().amax(-1) / (half - 1)
+        zeros = torch.full_like(scales, float(half))
+    else:
+        low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+        scales = (high - low) / top
+        zeros = torch.where(scales > 0, torch.round(-low / scales), 0.0).clamp(0, top)
+    safe = torch.where(scales > 0, scales, 1.0)
+    levels = torch.round(w / safe[..., None]) + zeros[..., None]
+    levels = levels.clamp(0, top).to(torch.uint8).view(out_features, in_features)
+    return QuantizedWeight(levels, scales.contiguous(), zeros.contiguous(), bits, group_size)

@@ -1,0 +1,53 @@
+"""The quantized-weight format every quantized base reaches the kernels in."""
+
+import pytest
+import torch
+
+from switchboard_kernels.quantized_weight import QuantizedWeight, cat_rows, quantize
+
+
+def make_weight(out_features=24, in_features=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=g)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_round_to_nearest_is_within_half_a_step(bits, group_size, symmetric):
+    w = make_weight()
+    q = quantize(w, bits=bits, group_size=group_size, symmetric=symmetric)
+    error = (q.dequantize() - w).abs().view(24, -1, group_size)
+    assert (error <= q.scales[..., None] / 2 + 1e-6).all()
+    assert int(q.levels.max()) <= 2**bits - 1
+
+
+def test_act_order_columns_land_on_their_features():
+    w = make_weight()
+    order = torch.randperm(128, generator=torch.Generator().manual_seed(1))
+    stored = quantize(w[:, order], bits=4, group_size=32, symmetric=False)
+    q = QuantizedWeight(stored.levels, stored.scales, stored.zeros, 4, 32, order)
+    assert torch.equal(q.dequantize(), stored.dequantize()[:, torch.argsort(order)])
+
+
+def test_shards_and_fusion_keep_the_weight():
+    a, b = make_weight(seed=2), make_weight(16, seed=3)
+    qa, qb = (quantize(x, bits=4, group_size=32, symmetric=False) for x in (a, b))
+    fused = cat_rows([qa, qb])
+    assert torch.equal(fused.dequantize(), torch.cat([qa.dequantize(), qb.dequantize()]))
+    assert torch.equal(fused.rows(24, 40).dequantize(), qb.dequantize())
+    assert torch.equal(fused.columns(32, 96).dequantize(), fused.dequantize()[:, 32:96])
+    with pytest.raises(ValueError, match="split a group"):
+        fused.columns(16, 96)
+    with pytest.raises(ValueError, match="alike"):
+        cat_rows([qa, quantize(b, bits=8, group_size=32, symmetric=True)])
+
+
+def test_malformed_parts_are_refused():
+    q = quantize(make_weight(), bits=4, group_size=32, symmetric=True)
+    with pytest.raises(ValueError, match="scales"):
+        QuantizedWeight(q.levels, q.scales.half(), q.zeros, 4, 32)
+    with pytest.raises(ValueError, match="3-bit"):
+        QuantizedWeight(q.levels, q.scales, q.zeros, 3, 32)
+    with pytest.raises(ValueError, match="does not divide"):
+        QuantizedWeight(q.levels, q.scales, q.zeros, 4, 48)
