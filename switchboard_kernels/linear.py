@@ -43,6 +43,8 @@ from switchboard_kernels.linear_native import (
 )
 from switchboard_kernels.q4_native import GROUP as Q4_GROUP
 from switchboard_kernels.q4_native import Q4Linear, native_q4, quantize_weight
+from switchboard_kernels.quantized_linear import QuantizedReference
+from switchboard_kernels.quantized_weight import QuantizedWeight
 
 # The packed layout is tuned for this many rows; larger batches still run correctly.
 PACK_BATCH_HINT = 1024
@@ -269,7 +271,9 @@ class UpcastLinear:
         return y if self.fp32_out else y.to(x.dtype)
 
 
-Kernel = PanelLinear | Bf16PanelLinear | OnednnLinear | UpcastLinear | TorchLinear
+Kernel = (
+    PanelLinear | Bf16PanelLinear | OnednnLinear | UpcastLinear | TorchLinear | QuantizedReference
+)
 
 
 def make_kernel(
@@ -337,20 +341,28 @@ class Linear:
     ``can_quantize_q4``, else ``INT4_MAX_ROWS`` through torch's where ``can_quantize_int4``),
     others through the plan's kernels. ``fp32_out`` (an output layer): the products come out
     in fp32 with their sums unrounded, whatever the weight's dtype (logits rounded to bf16
-    sit 0.125 apart near the top and tie often)."""
+    sit 0.125 apart near the top and tie often). A ``QuantizedWeight`` (a quantized base's:
+    ``switchboard_kernels.quantized_linear``) is multiplied by as it is, activations unrounded."""
 
     __slots__ = ("bias", "fp32_out", "in_features", "int4", "int4_rows", "large")
     __slots__ += ("out_features", "small", "split_rows")
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | QuantizedWeight,
         bias: torch.Tensor | None = None,
         *,
         quantization: str | None = None,
         plan: LinearPlan | None = None,
         fp32_out: bool = False,
     ) -> None:
+        if isinstance(weight, QuantizedWeight):
+            self.out_features, self.in_features = weight.shape
+            self.bias, self.fp32_out = bias, fp32_out
+            self.int4, self.int4_rows = None, 0
+            self.small = self.large = QuantizedReference(weight, bias, fp32_out=fp32_out)
+            self.split_rows = 0
+            return
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
         self.out_features, self.in_features = weight.shape

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from switchboard_kernels.linear import Linear
 from switchboard_kernels.quantized_weight import QuantizedWeight, cat_rows, quantize
 
 
@@ -51,3 +52,14 @@ def test_malformed_parts_are_refused():
         QuantizedWeight(q.levels, q.scales, q.zeros, 3, 32)
     with pytest.raises(ValueError, match="does not divide"):
         QuantizedWeight(q.levels, q.scales, q.zeros, 4, 48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_linear_over_a_quantized_weight_multiplies_by_its_dequantized_weight(dtype):
+    q = quantize(make_weight(), bits=4, group_size=32, symmetric=False)
+    x = torch.randn(3, 128).to(dtype)
+    expected = x.float() @ q.dequantize().T
+    assert torch.allclose(
+        Linear(q)(x).float(), expected, rtol=1e-2 if dtype != torch.float32 else 1e-5
+    )
+    assert torch.allclose(Linear(q, fp32_out=True)(x), expected, rtol=1e-5, atol=1e-5)
