@@ -13,10 +13,13 @@ bf16 once (what the output layer returned before; ``RoundedHead``), both in one 
   (``--repeats``); ``head_ms``: the output layer alone, best of 200, each way.
 - ``france``: the answer to "What is the capital of France?" (chat template, greedy).
 - ``prompt_logprobs``: each prompt token's logprob (echo) against transformers in fp32: the
-  mean and largest distance of ours, of transformers in bf16, and of the reference above.
+  mean, median, 90th percentile and largest distance of ours, of transformers in bf16, and of
+  the reference above, over the chat prompts (which share the chat template's first tokens, so
+  one rounding of the first token's massive activation weighs on all of them) and over
+  ``TEXTS``, plain texts that begin differently.
 
 Usage: ``python -m bench.logit_fidelity [--model DIR] [--tokens 32] [--neighbours 7]
-[--repeats 3] [--out bench/results/logit_fidelity.json]``.
+[--repeats 3] [--prompt-logprobs-only] [--out bench/results/logit_fidelity.json]``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,17 @@ PROMPTS = [
     "How do I make a cup of tea?",
 ]
 FRANCE = PROMPTS[0]
+TEXTS = [  # prompt logprobs only, without the chat template
+    *PROMPTS,
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",
+    "In 1492, Columbus sailed across the Atlantic Ocean looking for a new route to Asia.",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)",
+    "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
+    "Once upon a time, in a small village at the edge of a great forest, there lived a clockmaker.",
+    "The mitochondria is often called the powerhouse of the cell because it produces ATP.",
+    "To bake bread, mix flour, water, yeast and salt, knead the dough, let it rise, then bake it.",
+    "Water boils at 100 degrees Celsius at sea level, but at lower temperatures on high mountains.",
+]
 
 
 class RoundedHead:
@@ -189,7 +203,8 @@ def engine_prompt_logprobs(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 def distances(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
     d = torch.cat([(a.double() - b.double()).abs() for a, b in zip(ours, ref, strict=True)])
-    return {"mean": round(float(d.mean()), 4), "max": round(float(d.max()), 4)}
+    figures = {"mean": d.mean(), "median": d.median(), "p90": d.quantile(0.9), "max": d.max()}
+    return {name: round(float(v), 4) for name, v in figures.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -199,6 +214,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--neighbours", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="bench/results/logit_fidelity.json")
+    parser.add_argument(
+        "--prompt-logprobs-only",
+        action="store_true",
+        help="only the prompt logprobs' distances (a minute, not the greedy runs' many)",
+    )
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForCausalLM
@@ -219,24 +239,45 @@ def main(argv: list[str] | None = None) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    ref = [reference_greedy(hf, p, args.tokens, eos) for p in prompts]
+    ref = (
+        []
+        if args.prompt_logprobs_only
+        else [reference_greedy(hf, p, args.tokens, eos) for p in prompts]
+    )
     hf32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    exact = [hf_prompt_logprobs(hf32, p) for p in prompts]
+    texts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    exact = {"chat": [hf_prompt_logprobs(hf32, p) for p in prompts]}
+    exact["texts"] = [hf_prompt_logprobs(hf32, p) for p in texts]
+    scored = {"chat": prompts, "texts": texts}
+
+    def theirs(fp32_head: bool) -> dict:
+        return {
+            kind: distances(
+                [hf_prompt_logprobs(hf, p, fp32_head=fp32_head) for p in ids], exact[kind]
+            )
+            for kind, ids in scored.items()
+        }
+
     report: dict = {
         "model": str(path),
         "prompts": len(prompts),
         "tokens": args.tokens,
         "prompt_logprobs": {
-            "transformers_bf16": distances([hf_prompt_logprobs(hf, p) for p in prompts], exact),
-            "reference_bf16_fp32_head": distances(
-                [hf_prompt_logprobs(hf, p, fp32_head=True) for p in prompts], exact
-            ),
+            "transformers_bf16": theirs(False),
+            "reference_bf16_fp32_head": theirs(True),
         },
-        "reference_france": tokenizer.decode(ref[0]),
     }
-    print(report)
     del hf32
     torch.set_num_threads(threads)
+    if args.prompt_logprobs_only:
+        report["prompt_logprobs"]["ours"] = {
+            kind: distances(engine_prompt_logprobs(llm, ids), exact[kind])
+            for kind, ids in scored.items()
+        }
+        print(report)
+        return write_report(report, args.out)
+    report["reference_france"] = tokenizer.decode(ref[0])
+    print(report)
 
     decode: dict[str, dict[int, list[float]]] = {name: {1: [], 8: []} for name in heads}
     for name, head in heads.items():
@@ -247,7 +288,10 @@ def main(argv: list[str] | None = None) -> dict:
             "greedy": agreement(tokens, ref) | {"exact_ties": ties},
             "neighbour_flips": neighbour_flips(llm, prompts, args.tokens, args.neighbours),
             "france": france,
-            "prompt_logprobs": distances(engine_prompt_logprobs(llm, prompts), exact),
+            "prompt_logprobs": {
+                kind: distances(engine_prompt_logprobs(llm, ids), exact[kind])
+                for kind, ids in scored.items()
+            },
         }
         print(name, report[name])
     for _ in range(args.repeats):  # alternately, so a busy machine slows both alike

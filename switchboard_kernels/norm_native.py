@@ -1,4 +1,5 @@
-"""The native CPU RMSNorm for bf16 or fp32 rows (``norm_cpu.c``), and ``rms_norm``.
+"""The native CPU RMSNorm for bf16 or fp32 rows (``norm_cpu.c``), and ``rms_norm``; fp32 rows
+with a bf16 weight (a bf16 model's fp32 residual stream) come out bf16.
 
 Built and loaded by ``switchboard_kernels/native.py``; ``native_norm()`` is None where it cannot be,
 and ``rms_norm`` then uses torch's op.
@@ -20,29 +21,34 @@ NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 
 class NativeNorm:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._norms = {torch.bfloat16: lib.sb_rms_norm_bf16, torch.float32: lib.sb_rms_norm_f32}
+        self._norms = {
+            (torch.bfloat16, torch.bfloat16): lib.sb_rms_norm_bf16,
+            (torch.float32, torch.float32): lib.sb_rms_norm_f32,
+            (torch.float32, torch.bfloat16): lib.sb_rms_norm_f32_bf16,
+        }
         for fn in self._norms.values():
             fn.restype = None
             fn.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Semantics: ``F.rms_norm(x, weight.shape, weight, eps)`` for bf16 or fp32 ``x``
-        [rows, dim] (fp32 inside, one rounding)."""
+        [rows, dim] (fp32 inside, one rounding), in the weight's dtype."""
+        kernel = self._norms.get((x.dtype, weight.dtype))
         if (
             x.dim() != 2
-            or x.dtype not in self._norms
-            or weight.dtype != x.dtype
+            or kernel is None
             or x.stride(1) != 1
             or not weight.is_contiguous()
             or weight.shape != (x.shape[1],)
         ):
             raise ValueError(
-                f"native rms_norm: x {tuple(x.shape)} {x.dtype}, weight "
-                f"{tuple(weight.shape)} {weight.dtype}: bf16 or fp32 rows and a matching weight"
+                f"native rms_norm: x {tuple(x.shape)} {x.dtype}, "
+                f"weight {tuple(weight.shape)} {weight.dtype}: bf16 or fp32 rows, "
+                "a matching or bf16 weight"
             )
-        out = torch.empty(x.shape, dtype=x.dtype)
+        out = torch.empty(x.shape, dtype=weight.dtype)
         args = (x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0))
-        self._norms[x.dtype](*args, x.shape[0], x.shape[1], eps)
+        kernel(*args, x.shape[0], x.shape[1], eps)
         return out
 
 
@@ -60,4 +66,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         kernel = native_norm()
         if kernel is not None:
             return kernel(x, weight, eps)
-    return F.rms_norm(x, weight.shape, weight, eps)
+    return torch_rms_norm(x, weight, eps)
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's RMSNorm, in the weight's dtype: fp32 rows of a half-precision model (its fp32
+    residual stream) are normalized in fp32 and rounded once."""
+    if x.dtype == weight.dtype:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(weight.dtype)

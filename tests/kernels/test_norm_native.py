@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from switchboard_kernels.norm_native import native_norm, rms_norm
+from switchboard_kernels.norm_native import native_norm, rms_norm, torch_rms_norm
 
 KERNEL = native_norm()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: kernel not built")
@@ -56,7 +56,7 @@ def test_fp32_rows_match_a_float64_rmsnorm(rows, dim):
 def test_mismatched_inputs_are_refused():
     x = torch.randn(2, 16).bfloat16()
     bad = [
-        (x.float(), torch.ones(16).bfloat16()),
+        (x, torch.ones(16)),
         (x, torch.ones(8).bfloat16()),
         (x[None], x[0]),
         (x.half(), torch.ones(16).half()),
@@ -64,6 +64,27 @@ def test_mismatched_inputs_are_refused():
     for bad_x, bad_weight in bad:
         with pytest.raises(ValueError, match="native rms_norm"):
             KERNEL(bad_x, bad_weight, 1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (7, 40), (1024, 576)])
+def test_fp32_rows_with_a_bf16_weight_come_out_bf16_rounded_once(rows, dim):
+    """A bf16 model's norm over its fp32 residual stream: the rows read unrounded."""
+    gen = torch.Generator().manual_seed(rows + 1)
+    x = torch.randn(rows, dim, generator=gen) * 3
+    x[:, 0] = 24_900.0  # a massive activation, which bf16 would space 128 apart
+    weight = torch.randn(dim, generator=gen).bfloat16()
+    got = KERNEL(x, weight, 1e-5)
+    assert got.dtype == torch.bfloat16
+    assert_within_one_rounding(got, reference(x, weight, 1e-5))
+    assert torch.equal(rms_norm(x, weight, 1e-5), got)  # the engine's entry takes the kernel
+
+
+def test_fp32_rows_with_a_bf16_weight_take_torchs_op_alike():
+    x, weight = torch.randn(9, 48) * 3, torch.randn(48).bfloat16()
+    got = torch_rms_norm(x, weight, 1e-5)
+    assert got.dtype == torch.bfloat16
+    assert_within_one_rounding(got, reference(x, weight, 1e-5))
 
 
 def test_other_dtypes_take_torchs_op():

@@ -90,6 +90,15 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = weights["model.embed_tokens.weight"].device
+        # The residual stream (each layer's input and output) stays fp32 in a half-precision
+        # model on CPU; the projections, norms' outputs and attention stay in ``dtype``. bf16
+        # spaces the first token's massive activation (about 25,000 in one feature of the default
+        # model from layer 11 on) 128 apart, and its rounding then reaches every later token
+        # through attention: echoed prompt logprobs came out as far from fp32 as transformers'
+        # bf16 ones, and half as far with this (bench.logit_fidelity). On CUDA the stream keeps
+        # ``dtype`` (CUDA graphs' buffers and the Triton kernels take one dtype).
+        half = dtype in (torch.bfloat16, torch.float16)
+        self.residual_dtype = torch.float32 if half and self.device.type == "cpu" else dtype
         self.group = group
         c = config
         self.shard = group.shard if group is not None else Shard(0, 1)
@@ -276,7 +285,7 @@ class LlamaModel:
         ):
             adapters = None if lora is None else _LayerLora(lora, index, self.group)
             x = (
-                hidden
+                hidden.to(self.dtype)
                 if layer.input_norm is None
                 else self.ops.rms_norm(hidden, layer.input_norm, eps)
             )
@@ -314,7 +323,7 @@ class LlamaModel:
                 y = self.ops.rms_norm(y, layer.attn_out_norm, eps)
             hidden = torch.add(hidden, y, alpha=residual_scale)
             x = (
-                hidden
+                hidden.to(self.dtype)
                 if layer.post_norm is None
                 else self.ops.rms_norm(hidden, layer.post_norm, eps)
             )
@@ -371,10 +380,10 @@ class LlamaModel:
         """The embedding rows; split by vocabulary, each rank looks up the ids it holds
         (zeros for the rest) and one all-reduce sums them."""
         if self.group is None:
-            return F.embedding(input_ids, self.embed)
+            return F.embedding(input_ids, self.embed).to(self.residual_dtype)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_rows)
-        hidden = F.embedding(local.masked_fill(outside, 0), self.embed)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embed).to(self.residual_dtype)
         hidden.masked_fill_(outside[:, None], 0)
         return self.group.all_reduce(hidden)
 
@@ -389,6 +398,8 @@ class LlamaModel:
         """``residual + x @ W.T`` plus the LoRA delta. Split by rows, each rank's product is
         a partial sum (the residual added on rank 0 only, the LoRA delta on its columns) and
         one all-reduce completes it."""
+        if residual.dtype != x.dtype:  # the fp32 residual stream (this step's own tensor)
+            return residual.add_(self._projected(linear, x, adapters, lora_group))
         first = self.group is None or self.group.rank == 0
         y = linear.add_to(x, residual) if first else linear(x)
         if adapters is not None:

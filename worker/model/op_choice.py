@@ -49,7 +49,7 @@ from switchboard_kernels.measured_choice import (
     describe_seconds,
     kernel_sources,
 )
-from switchboard_kernels.norm_native import native_norm
+from switchboard_kernels.norm_native import native_norm, torch_rms_norm
 from switchboard_kernels.norm_native import rms_norm as native_rms_norm
 from switchboard_kernels.paged_attention import attend
 from worker.core.batch import ScheduledSequence
@@ -99,7 +99,7 @@ class OpPlans:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.norm.kernel_for(_rows(x)) == NATIVE:
             return native_rms_norm(x, weight, eps)  # torch's op where the kernel cannot serve
-        return F.rms_norm(x, weight.shape, weight, eps)
+        return torch_rms_norm(x, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` over the two halves of ``gate_up``'s last dim."""
