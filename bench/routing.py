@@ -22,9 +22,10 @@ trace's wall time); and the routing log replayed through per-worker LRU slots
 (ranks 1-4, 5-12, 13+) and by quarter of the trace.
 
 Reported for the trace itself (`bench.slot_model`): its loads under perfect placement (one LRU
-over all ``workers x max_loras`` slots, the best a router can do over the workers' LRU slots)
-and Belady's lower bound (no policy can load less), and so the largest ratio to least load's
-measured loads that any policy could reach on this trace.
+over all ``workers x max_loras`` slots, the best a router can do over the workers' LRU slots),
+the same with least-frequently-used slots (what the workers' eviction rule could add), and
+Belady's lower bound (no policy can load less); and so the largest ratio to least load's
+measured loads that each, and any policy at all, could reach on this trace.
 
     python -m bench.routing [--requests 240 --rate 3 --workers 3 --max-loras 4 --adapters 32]
 
@@ -53,7 +54,7 @@ from safetensors.numpy import save_file
 
 from adapters import BaseModelSpec, FilesystemAdapterStore, load_adapter_dir
 from bench.report import write_report
-from bench.slot_model import Cost, Replay, belady_cost, lru_cost, replay
+from bench.slot_model import Cost, Replay, belady_cost, lfu_cost, lru_cost, replay
 from gateway.routing import WorkerDirectory, rank_workers
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime.embedded_redis import EmbeddedRedis, free_port
@@ -115,15 +116,18 @@ def trace_bounds(trace, args, least_load_loads: int) -> dict:
     Belady's lower bound; and the ratios to least load's measured loads they would give."""
     adapters = [a.adapter for a in trace]
     slots = args.workers * args.max_loras
-    lru, belady = lru_cost(adapters, slots), belady_cost(adapters, slots)
+    lru, lfu, belady = (f(adapters, slots) for f in (lru_cost, lfu_cost, belady_cost))
     return {
         "slots": slots,
         "distinct_adapters": len(set(adapters)),
         "perfect_placement_lru_per_1k": lru.per_1k(len(adapters)),
         "perfect_placement_lru": [lru.store_loads, lru.slot_refills],
+        "perfect_placement_lfu_per_1k": lfu.per_1k(len(adapters)),
+        "perfect_placement_lfu": [lfu.store_loads, lfu.slot_refills],
         "belady_per_1k": belady.per_1k(len(adapters)),
         "belady": [belady.store_loads, belady.slot_refills],
         "least_load_over_perfect_lru": least_load_loads / max(1, lru.loads),
+        "least_load_over_perfect_lfu": least_load_loads / max(1, lfu.loads),
         "least_load_over_belady": least_load_loads / max(1, belady.loads),
     }
 

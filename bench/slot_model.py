@@ -8,6 +8,9 @@ adapter into a device slot that held another one; its slots evict the least rece
 - `lru_cost`: one LRU over ``slots`` slots, as if the pool's slots were one worker's: perfect
   placement (every adapter on the worker whose LRU victim is the pool's), the best any router
   can do over LRU slots without replicating adapters.
+- `lfu_cost`: the same slots evicting the adapter used least often so far (least recently
+  used among equals): what a frequency-aware eviction rule in the workers could add to
+  perfect placement, online, without knowing the future.
 - `belady_cost`: the same slots evicting the adapter whose next use is furthest away (Belady,
   1966), the fewest slot fills any placement and eviction rule could reach on this trace;
   so no policy's loads can be lower.
@@ -55,6 +58,25 @@ def lru_cost(adapters: Sequence[Hashable], slots: int) -> Cost:
             held.popitem(last=False)
             cost.slot_refills += 1
         held[a] = None
+    return cost
+
+
+def lfu_cost(adapters: Sequence[Hashable], slots: int) -> Cost:
+    """``adapters`` through ``slots`` slots that evict the adapter with the fewest requests
+    so far (the least recently used of those)."""
+    uses: dict[Hashable, int] = {}
+    last: dict[Hashable, int] = {}
+    held: set[Hashable] = set()
+    cost = Cost()
+    for i, a in enumerate(adapters):
+        if a not in held:
+            cost.store_loads += a not in uses
+            if len(held) >= slots:
+                held.remove(min(held, key=lambda h: (uses[h], last[h])))
+                cost.slot_refills += 1
+            held.add(a)
+        uses[a] = uses.get(a, 0) + 1
+        last[a] = i
     return cost
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import random
 
-from bench.slot_model import belady_cost, lru_cost, replay
+from bench.slot_model import belady_cost, lfu_cost, lru_cost, replay
 
 
 def test_lru_counts_first_loads_and_refills_by_hand():
@@ -20,6 +20,15 @@ def test_belady_evicts_the_adapter_needed_furthest_ahead_by_hand():
     # 2 slots: a b, c evicts b (a is needed first), b evicts c (never again), a hits
     cost = belady_cost("abacba", 2)
     assert (cost.store_loads, cost.slot_refills) == (3, 2)
+
+
+def test_lfu_keeps_the_frequent_adapter_by_hand():
+    # 2 slots: a a b (loads), c evicts b (1 use; a has 2), a hits. LRU evicts a for c (a's
+    # last use is older than b's) and then b for a.
+    assert (lfu_cost("aabca", 2).store_loads, lfu_cost("aabca", 2).slot_refills) == (3, 1)
+    assert lru_cost("aabca", 2).slot_refills == 2
+    # Equal counts: the least recently used of them goes (a b a b c: a, then c for a).
+    assert lfu_cost("ababca", 2).slot_refills == 2
 
 
 def fewest_fills(sequence: str, slots: int) -> int:
