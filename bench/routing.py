@@ -9,9 +9,11 @@ as a Poisson process at ``--rate`` per second, each on an adapter drawn from a Z
 (ignore_eos). Each policy replays the whole trace on freshly started workers (cold slots and
 host caches, counters at zero):
 
-    affinity     gateway.routing.rank_workers (LoRA-affinity scores within the load bound,
-                 rendezvous order), over the registry as the gateway reads it (WorkerDirectory)
-    least_load   the least loaded worker (running + waiting + sent since the last read)
+    affinity     the gateway's ranking (`WorkerDirectory.candidates`: LoRA affinity within the
+                 load bound, the adapter's rendezvous order, the request's prefix key), over
+                 the registry as the gateway reads it
+    least_load   the same directory's least loaded worker (running + waiting + what it sent
+                 since its last read)
     round_robin  the next worker in turn
 
 Reported per policy: adapter loads per 1,000 requests (loads from the store into a worker plus
@@ -55,7 +57,7 @@ from safetensors.numpy import save_file
 from adapters import BaseModelSpec, FilesystemAdapterStore, load_adapter_dir
 from bench.report import write_report
 from bench.slot_model import Cost, Replay, belady_cost, lfu_cost, lru_cost, replay
-from gateway.routing import WorkerDirectory, rank_workers
+from gateway.routing import WorkerDirectory, prefix_affinity_key
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime.embedded_redis import EmbeddedRedis, free_port
 from runtime.processes import reap
@@ -239,44 +241,38 @@ async def run_policy(policy, trace, ids, pool: Pool, directory: WorkerDirectory,
     before = pool.counters()
     log: list[tuple[int, str]] = []  # (adapter, worker) in arrival order
     turn = itertools.count()
-    in_flight: dict[str, int] = dict.fromkeys(pool.stubs, 0)
     ttfts: list[float] = []
     tokens = 0
     params = worker_pb2.SamplingParams(max_tokens=args.output_tokens, temperature=0,
                                        ignore_eos=True, n=1)  # fmt: skip
 
-    async def choose(adapter_id: str) -> str:
+    async def choose(adapter_id: str, prompt: list[int]) -> str:
+        """The gateway's routing stage without its fair queue: the directory's ranking
+        (registry load plus what it sent since its last read), the request's prefix key."""
         if policy == "round_robin":
             return sorted(pool.stubs)[next(turn) % len(pool.stubs)]
-        workers = await directory.workers()
-        extra = {w: n for w, n in in_flight.items()}
-        ranked = rank_workers(
-            workers,
-            adapter_id=adapter_id if policy == "affinity" else None,
-            extra_load=extra,
-            load_factor=args.load_factor,
-            load_slack=args.load_slack,
-        )
+        if policy == "affinity":
+            key = prefix_affinity_key(tenant="bench", adapter_id=adapter_id, prompt_ids=prompt)
+            ranked = await directory.candidates(adapter_id=adapter_id, affinity_key=key)
+        else:
+            ranked = await directory.candidates(adapter_id=None)
+        directory.sent(ranked[0].worker_id)
         return ranked[0].worker_id
 
     async def one(i: int, arrival: Arrival) -> None:
         nonlocal tokens
         adapter_id = ids[arrival.adapter]
-        worker_id = await choose(adapter_id)
+        worker_id = await choose(adapter_id, arrival.prompt)
         log.append((arrival.adapter, worker_id))
-        in_flight[worker_id] += 1
         sent = time.perf_counter()
         request = worker_pb2.GenerateRequest(
             request_id=f"{policy}-{i}", prompt_token_ids=arrival.prompt, params=params,
             adapter_id=adapter_id, tenant="bench",
         )  # fmt: skip
         first = None
-        try:
-            async for message in pool.stubs[worker_id].Generate(request):
-                first = first or time.perf_counter()
-                tokens += len(message.token_ids)
-        finally:
-            in_flight[worker_id] -= 1
+        async for message in pool.stubs[worker_id].Generate(request):
+            first = first or time.perf_counter()
+            tokens += len(message.token_ids)
         ttfts.append((first or time.perf_counter()) - sent)
 
     started = time.perf_counter()
@@ -333,7 +329,8 @@ async def run(args) -> dict:
                 await pool.wait_ready(redis, prefix)
                 directory = WorkerDirectory(
                     redis=redis, prefix=prefix, model_names=frozenset({model.name}),
-                    heartbeat_ttl_s=10.0, cache_s=0.5,
+                    heartbeat_ttl_s=10.0, cache_s=0.5, load_factor=args.load_factor,
+                    load_slack=args.load_slack,
                 )  # fmt: skip
                 results.append(await run_policy(policy, trace, ids, pool, directory, args))
             finally:
