@@ -17,9 +17,8 @@ Policy (`rank_workers`, a pure function over `WorkerInfo`s):
    are partitioned across the workers (each worker's slots serve its own share, not every
    worker's slots the whole tail). A hot adapter spreads as its queue grows: once its
    holders pass the bound, the next request goes to its next worker, which loads it and
-   becomes a holder. A free slot elsewhere does not outrank home: loading there now means
-   loading home again later. A worker leaving moves only the adapters whose home it was;
-   one joining takes over about 1/N of them.
+   becomes a holder. A worker leaving moves only the adapters whose home it was; one
+   joining (its slots all free) takes over about 1/N of them, not every cold adapter.
 The caller tries the first worker and, if it fails before the first token, the second.
 
 Prefix affinity: a conversation resends its history every turn, and a worker's prefix

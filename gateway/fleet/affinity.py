@@ -12,8 +12,8 @@ A worker that reports no slots (an older worker) scores as one with a free slot,
 preferred nor avoided. `gateway.routing.rank_workers` puts the workers within its load bound
 that hold the adapter (1.0) first, then those loading it (0.6), then the rest in the
 adapter's rendezvous order: a free slot (0.8) off the adapter's home does not outrank its
-home, because an adapter loaded there now is loaded home again once evicted, and workers
-filling free slots with every worker's adapters end up each cycling the whole tail.
+home, because an adapter loaded there takes a slot from that worker's own adapters and is
+loaded home again once evicted.
 """
 
 from __future__ import annotations
