@@ -9,14 +9,25 @@ as a Poisson process at ``--rate`` per second, each on an adapter drawn from a Z
 (ignore_eos). Each policy replays the whole trace on freshly started workers (cold slots and
 host caches, counters at zero):
 
-    affinity     gateway.routing.rank_workers (LoRA-affinity scores within the load bound,
-                 rendezvous order), over the registry as the gateway reads it (WorkerDirectory)
-    least_load   the least loaded worker (running + waiting + sent since the last read)
+    affinity     the gateway's ranking (`WorkerDirectory.candidates`: LoRA affinity within the
+                 load bound, the adapter's rendezvous order, the request's prefix key), over
+                 the registry as the gateway reads it
+    least_load   the same directory's least loaded worker (running + waiting + what it sent
+                 since its last read)
     round_robin  the next worker in turn
 
 Reported per policy: adapter loads per 1,000 requests (loads from the store into a worker plus
-device slots refilled while holding another adapter, read from the workers' metrics), TTFT p50
-and p99 (send to first token), throughput (generated tokens / the trace's wall time).
+device slots refilled while holding another adapter, read from the workers' metrics), each
+worker's share, TTFT p50 and p99 (send to first token), throughput (generated tokens / the
+trace's wall time); and the routing log replayed through per-worker LRU slots
+(`bench.slot_model.replay`): the modelled loads beside the measured ones, by adapter popularity
+(ranks 1-4, 5-12, 13+) and by quarter of the trace.
+
+Reported for the trace itself (`bench.slot_model`): its loads under perfect placement (one LRU
+over all ``workers x max_loras`` slots, the best a router can do over the workers' LRU slots),
+the same with least-frequently-used slots (what the workers' eviction rule could add), and
+Belady's lower bound (no policy can load less); and so the largest ratio to least load's
+measured loads that each, and any policy at all, could reach on this trace.
 
     python -m bench.routing [--requests 240 --rate 3 --workers 3 --max-loras 4 --adapters 32]
 
@@ -45,7 +56,8 @@ from safetensors.numpy import save_file
 
 from adapters import BaseModelSpec, FilesystemAdapterStore, load_adapter_dir
 from bench.report import write_report
-from gateway.routing import WorkerDirectory, rank_workers
+from bench.slot_model import Cost, Replay, belady_cost, lfu_cost, lru_cost, replay
+from gateway.routing import WorkerDirectory, prefix_affinity_key
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime.embedded_redis import EmbeddedRedis, free_port
 from runtime.processes import reap
@@ -67,6 +79,59 @@ class PolicyResult:
     ttft_p99_ms: float
     throughput_tok_s: float
     elapsed_s: float
+    by_worker: dict[str, list[int]]  # measured (store loads, slot refills) per worker
+    requests_by_worker: dict[str, int]
+    model: dict  # the routing log replayed through per-worker LRU slots (`breakdown`)
+
+
+# Adapters by popularity rank (make_trace's adapter i is the (i+1)-th most popular).
+RANK_GROUPS = (("ranks 1-4", 0, 4), ("ranks 5-12", 4, 12), ("ranks 13+", 12, None))
+
+
+def breakdown(out: Replay, requests: int) -> dict:
+    """A replay's loads per 1,000 requests: in all, per worker, per popularity group, per
+    quarter of the trace (each quarter's loads over its own requests)."""
+
+    def pair(c: Cost) -> list[int]:
+        return [c.store_loads, c.slot_refills]
+
+    groups = {}
+    for name, lo, hi in RANK_GROUPS:
+        c = Cost()
+        for adapter, cost in out.by_adapter.items():
+            if adapter >= lo and (hi is None or adapter < hi):
+                c.store_loads += cost.store_loads
+                c.slot_refills += cost.slot_refills
+        groups[name] = pair(c)
+    quarter = requests / len(out.by_stretch)
+    return {
+        "loads_per_1k": out.total.per_1k(requests),
+        "loads": pair(out.total),
+        "by_worker": {w: pair(c) for w, c in sorted(out.by_worker.items())},
+        "by_popularity": groups,
+        "per_1k_by_quarter": [round(c.per_1k(round(quarter)), 1) for c in out.by_stretch],
+    }
+
+
+def trace_bounds(trace, args, least_load_loads: int) -> dict:
+    """What the trace costs at best: perfect placement over the workers' LRU slots, and
+    Belady's lower bound; and the ratios to least load's measured loads they would give."""
+    adapters = [a.adapter for a in trace]
+    slots = args.workers * args.max_loras
+    lru, lfu, belady = (f(adapters, slots) for f in (lru_cost, lfu_cost, belady_cost))
+    return {
+        "slots": slots,
+        "distinct_adapters": len(set(adapters)),
+        "perfect_placement_lru_per_1k": lru.per_1k(len(adapters)),
+        "perfect_placement_lru": [lru.store_loads, lru.slot_refills],
+        "perfect_placement_lfu_per_1k": lfu.per_1k(len(adapters)),
+        "perfect_placement_lfu": [lfu.store_loads, lfu.slot_refills],
+        "belady_per_1k": belady.per_1k(len(adapters)),
+        "belady": [belady.store_loads, belady.slot_refills],
+        "least_load_over_perfect_lru": least_load_loads / max(1, lru.loads),
+        "least_load_over_perfect_lfu": least_load_loads / max(1, lfu.loads),
+        "least_load_over_belady": least_load_loads / max(1, belady.loads),
+    }
 
 
 def write_adapters(model: Path, root: Path, count: int, *, rank: int = 16) -> list[Path]:
@@ -148,14 +213,15 @@ class Pool:
             await asyncio.sleep(0.5)
         raise TimeoutError("the workers did not register")
 
-    def counters(self) -> tuple[int, int]:
-        """(store -> worker adapter loads, slot refills) summed over the workers."""
-        loads = refills = 0
-        for port in self.metrics:
+    def counters(self) -> dict[str, tuple[int, int]]:
+        """Each worker's (store -> worker adapter loads, slot refills)."""
+        out = {}
+        for i, port in enumerate(self.metrics):
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-            loads += _sample(text, r'switchboard_worker_adapter_loads_total\{outcome="ok"\}')
-            refills += _sample(text, r'switchboard_worker_adapter_evictions_total\{tier="slot"\}')
-        return int(loads), int(refills)
+            loads = _sample(text, r'switchboard_worker_adapter_loads_total\{outcome="ok"\}')
+            refills = _sample(text, r'switchboard_worker_adapter_evictions_total\{tier="slot"\}')
+            out[f"w{i}"] = (int(loads), int(refills))
+        return out
 
     async def close(self) -> None:
         for channel in self.channels:
@@ -172,45 +238,41 @@ def _sample(text: str, name: str) -> float:
 
 
 async def run_policy(policy, trace, ids, pool: Pool, directory: WorkerDirectory, args):
-    loads0, refills0 = pool.counters()
+    before = pool.counters()
+    log: list[tuple[int, str]] = []  # (adapter, worker) in arrival order
     turn = itertools.count()
-    in_flight: dict[str, int] = dict.fromkeys(pool.stubs, 0)
     ttfts: list[float] = []
     tokens = 0
     params = worker_pb2.SamplingParams(max_tokens=args.output_tokens, temperature=0,
                                        ignore_eos=True, n=1)  # fmt: skip
 
-    async def choose(adapter_id: str) -> str:
+    async def choose(adapter_id: str, prompt: list[int]) -> str:
+        """The gateway's routing stage without its fair queue: the directory's ranking
+        (registry load plus what it sent since its last read), the request's prefix key."""
         if policy == "round_robin":
             return sorted(pool.stubs)[next(turn) % len(pool.stubs)]
-        workers = await directory.workers()
-        extra = {w: n for w, n in in_flight.items()}
-        ranked = rank_workers(
-            workers,
-            adapter_id=adapter_id if policy == "affinity" else None,
-            extra_load=extra,
-            load_factor=args.load_factor,
-            load_slack=args.load_slack,
-        )
+        if policy == "affinity":
+            key = prefix_affinity_key(tenant="bench", adapter_id=adapter_id, prompt_ids=prompt)
+            ranked = await directory.candidates(adapter_id=adapter_id, affinity_key=key)
+        else:
+            ranked = await directory.candidates(adapter_id=None)
+        directory.sent(ranked[0].worker_id)
         return ranked[0].worker_id
 
     async def one(i: int, arrival: Arrival) -> None:
         nonlocal tokens
         adapter_id = ids[arrival.adapter]
-        worker_id = await choose(adapter_id)
-        in_flight[worker_id] += 1
+        worker_id = await choose(adapter_id, arrival.prompt)
+        log.append((arrival.adapter, worker_id))
         sent = time.perf_counter()
         request = worker_pb2.GenerateRequest(
             request_id=f"{policy}-{i}", prompt_token_ids=arrival.prompt, params=params,
             adapter_id=adapter_id, tenant="bench",
         )  # fmt: skip
         first = None
-        try:
-            async for message in pool.stubs[worker_id].Generate(request):
-                first = first or time.perf_counter()
-                tokens += len(message.token_ids)
-        finally:
-            in_flight[worker_id] -= 1
+        async for message in pool.stubs[worker_id].Generate(request):
+            first = first or time.perf_counter()
+            tokens += len(message.token_ids)
         ttfts.append((first or time.perf_counter()) - sent)
 
     started = time.perf_counter()
@@ -223,15 +285,19 @@ async def run_policy(policy, trace, ids, pool: Pool, directory: WorkerDirectory,
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - started
     await asyncio.sleep(2 * 2.0)  # two heartbeats: the metrics and registry settle
-    loads1, refills1 = pool.counters()
-    loads, refills = loads1 - loads0, refills1 - refills0
+    after = pool.counters()
+    by_worker = {w: [after[w][k] - before[w][k] for k in (0, 1)] for w in sorted(after)}
+    loads = sum(c[0] for c in by_worker.values())
+    refills = sum(c[1] for c in by_worker.values())
     ttft_ms = np.array(ttfts) * 1e3
     return PolicyResult(
         policy=policy, requests=len(trace), adapter_loads=loads + refills, store_loads=loads,
         slot_refills=refills, loads_per_1k=1000 * (loads + refills) / len(trace),
         ttft_p50_ms=float(np.percentile(ttft_ms, 50)),
         ttft_p99_ms=float(np.percentile(ttft_ms, 99)),
-        throughput_tok_s=tokens / elapsed, elapsed_s=elapsed,
+        throughput_tok_s=tokens / elapsed, elapsed_s=elapsed, by_worker=by_worker,
+        requests_by_worker={w: sum(1 for _, v in log if v == w) for w in sorted(pool.stubs)},
+        model=breakdown(replay(log, args.max_loras), len(trace)),
     )  # fmt: skip
 
 
@@ -263,7 +329,8 @@ async def run(args) -> dict:
                 await pool.wait_ready(redis, prefix)
                 directory = WorkerDirectory(
                     redis=redis, prefix=prefix, model_names=frozenset({model.name}),
-                    heartbeat_ttl_s=10.0, cache_s=0.5,
+                    heartbeat_ttl_s=10.0, cache_s=0.5, load_factor=args.load_factor,
+                    load_slack=args.load_slack,
                 )  # fmt: skip
                 results.append(await run_policy(policy, trace, ids, pool, directory, args))
             finally:
@@ -277,6 +344,7 @@ async def run(args) -> dict:
     return {
         "config": vars(args),
         "results": [asdict(r) for r in results],
+        "trace_bounds": trace_bounds(trace, args, least.adapter_loads),
         "ratios": {
             "loads_least_load_over_affinity": least.adapter_loads / max(1, affinity.adapter_loads),
             "ttft_p99_affinity_over_least_load": affinity.ttft_p99_ms / least.ttft_p99_ms,
@@ -310,6 +378,13 @@ def main() -> None:
             f"TTFT p50 {r['ttft_p50_ms']:.1f} ms p99 {r['ttft_p99_ms']:.1f} ms, "
             f"{r['throughput_tok_s']:.1f} tok/s"
         )
+        m = r["model"]
+        print(
+            f"{'':>12}  per worker (store, refills) {r['by_worker']}, requests "
+            f"{r['requests_by_worker']}; LRU replay {m['loads_per_1k']:.1f}/1k, by popularity "
+            f"{m['by_popularity']}, by quarter {m['per_1k_by_quarter']}"
+        )
+    print(json.dumps(report["trace_bounds"], indent=2))
     print(json.dumps(report["ratios"], indent=2))
     write_report(report, args.out)
 

@@ -6,15 +6,19 @@ Policy (`rank_workers`, a pure function over `WorkerInfo`s):
    A worker is *within bound* while load <= least_load * load_factor + load_slack.
 2. Base-model requests: least loaded first; with a prefix affinity key (below), the
    workers within bound in the key's rendezvous order instead.
-3. Adapter requests: workers within bound by LoRA affinity (`gateway.fleet.affinity`: the
-   adapter resident 1.0, a free slot 0.8, the adapter queued to load 0.6, every slot taken
-   0), the holders least loaded first (or in the key's rendezvous order when there is one),
-   each lower score in rendezvous order — highest random weight of hash(adapter_id,
-   worker_id) (Thaler & Ravishankar, 1998) — so each adapter has a stable favourite worker,
-   then a stable second, and its traffic concentrates there instead of loading it
-   everywhere; then workers over the bound, least loaded first. A hot adapter thus spreads
-   as its queue grows: once its holders pass the bound, the next request goes to the best
-   other worker (a free slot before a full one), which loads it and becomes a holder.
+3. Adapter requests, within bound: the workers holding the adapter in a slot (LoRA affinity
+   1.0, `gateway.fleet.affinity`) least loaded first (or in the key's rendezvous order when
+   there is one); then those where requests already wait for it to load (0.6); then the
+   others in the adapter's rendezvous order — highest random weight of hash(adapter_id,
+   worker_id) (Thaler & Ravishankar, 1998) — whether their slots are free or full. Then the
+   workers over the bound, least loaded first.
+   So each adapter has a home (its first rendezvous worker) and a stable second, third...:
+   its first request on a pool goes home, where later ones will go, and the pool's adapters
+   are partitioned across the workers (each worker's slots serve its own share, not every
+   worker's slots the whole tail). A hot adapter spreads as its queue grows: once its
+   holders pass the bound, the next request goes to its next worker, which loads it and
+   becomes a holder. A worker leaving moves only the adapters whose home it was; one
+   joining (its slots all free) takes over about 1/N of them, not every cold adapter.
 The caller tries the first worker and, if it fails before the first token, the second.
 
 Prefix affinity: a conversation resends its history every turn, and a worker's prefix
@@ -46,7 +50,7 @@ from redis.exceptions import RedisError
 
 from gateway.errors import BaseUnavailableError, NoWorkerError
 from gateway.fair_queue import FairQueue, Grant
-from gateway.fleet.affinity import RESIDENT, lora_affinity
+from gateway.fleet.affinity import LOADING, RESIDENT, lora_affinity
 from gateway.fleet.pools import Pool, group_pools
 from gateway.job import Job
 from runtime.registry import WorkerInfo, live_workers
@@ -113,7 +117,7 @@ def rank_workers(
     holders = sorted((w for w in within if scored[w.worker_id] == RESIDENT), key=preference)
     others = sorted(
         (w for w in within if scored[w.worker_id] != RESIDENT),
-        key=lambda w: (-scored[w.worker_id], -rendezvous_score(adapter_id, w.worker_id)),
+        key=lambda w: (scored[w.worker_id] != LOADING, -rendezvous_score(adapter_id, w.worker_id)),
     )
     return holders + others + spill
 

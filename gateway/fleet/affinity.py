@@ -9,9 +9,11 @@ servers' `running_lora_adapters`, `waiting_lora_adapters` and `max_lora`):
     0.0  every slot holds another adapter: loading it evicts one in use or recently used
 
 A worker that reports no slots (an older worker) scores as one with a free slot, neither
-preferred nor avoided. `gateway.routing.rank_workers` orders the workers within its load
-bound by this score, so a hot adapter stays on its holders until their load passes the
-bound and then spreads to the best-scored other worker (a free slot before a full one).
+preferred nor avoided. `gateway.routing.rank_workers` puts the workers within its load bound
+that hold the adapter (1.0) first, then those loading it (0.6), then the rest in the
+adapter's rendezvous order: a free slot (0.8) off the adapter's home does not outrank its
+home, because an adapter loaded there takes a slot from that worker's own adapters and is
+loaded home again once evicted.
 """
 
 from __future__ import annotations

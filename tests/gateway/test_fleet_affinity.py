@@ -1,6 +1,8 @@
 """LoRA-affinity scoring inside a pool (the Gateway API Inference Extension's scores) and the
-ranking built on it: resident first, then a free slot, then queued-to-load, then full; a hot
-adapter spreads once its holders pass the load bound."""
+ranking built on it: resident first, then queued-to-load, then the adapter's rendezvous order
+(its home first); scripted pools whose slots fill as requests land: an adapter goes home and
+stays, spills to its next worker only over the load bound, and a worker leaving or joining
+moves only the adapters whose home changes."""
 
 from __future__ import annotations
 
@@ -29,33 +31,108 @@ def test_scores_follow_the_inference_extension():
     assert lora_affinity(worker("w", []), HOT) == FREE_SLOT  # slots not reported: neutral
 
 
-def test_ranking_prefers_resident_then_free_then_loading_then_full():
+def home_order(adapter: str, names) -> list[str]:
+    """The adapter's rendezvous order over ``names``: home first."""
+    return sorted(names, key=lambda n: -rendezvous_score(adapter, n))
+
+
+def test_ranking_is_resident_then_loading_then_the_adapters_home_order():
     full = worker("full", [OTHER, COLD])
-    loading = worker("loading", [OTHER, COLD], loading_adapters=[HOT])
     free = worker("free", [OTHER, None])
+    loading = worker("loading", [OTHER, COLD], loading_adapters=[HOT])
     holder = worker("holder", [HOT, OTHER], running=3)
     ranked = rank_workers([full, loading, free, holder], adapter_id=HOT)
-    assert [w.worker_id for w in ranked] == ["holder", "free", "loading", "full"]
+    # A free slot does not outrank a full worker: the rest follow HOT's rendezvous order.
+    rest = home_order(HOT, ["full", "free"])
+    assert [w.worker_id for w in ranked] == ["holder", "loading", *rest]
 
 
 def test_equal_scores_keep_the_adapters_stable_favourite():
     pool = [worker(f"w{i}", [OTHER, None]) for i in range(4)]
     ranked = rank_workers(pool, adapter_id=COLD)
-    expected = sorted(pool, key=lambda w: -rendezvous_score(COLD, w.worker_id))
-    assert [w.worker_id for w in ranked] == [w.worker_id for w in expected]
+    assert [w.worker_id for w in ranked] == home_order(COLD, [f"w{i}" for i in range(4)])
 
 
-def test_a_hot_adapter_spreads_to_a_free_slot_once_its_holder_is_over_the_bound():
-    holder = worker("holder", [HOT, OTHER])
-    free = worker("free", [COLD, None])
-    full = worker("full", [COLD, OTHER])
-    ranked = rank_workers([holder, free, full], adapter_id=HOT, load_factor=1.5, load_slack=4)
-    assert ranked[0].worker_id == "holder"
-    # Its queue grows: past least load x 1.5 + 4 it spills, to the free slot before the full.
-    busy = {"holder": 5}
-    ranked = rank_workers([holder, free, full], adapter_id=HOT, extra_load=busy)
-    assert [w.worker_id for w in ranked] == ["free", "full", "holder"]
-    # Loaded there too, the two holders share its traffic by load.
-    spread = worker("free", [COLD, HOT])
-    ranked = rank_workers([holder, spread, full], adapter_id=HOT, extra_load={"holder": 2})
-    assert [w.worker_id for w in ranked[:2]] == ["free", "holder"]
+class SlotPool:
+    """Workers with LRU adapter slots, as the gateway sees them after each request lands."""
+
+    def __init__(self, names, slots: int = 4) -> None:
+        self.slots = {n: [] for n in names}  # most recently used last
+        self.size = slots
+        self.running = dict.fromkeys(names, 0)
+
+    def infos(self) -> list[WorkerInfo]:
+        return [
+            worker(n, held + [None] * (self.size - len(held)), running=self.running[n])
+            for n, held in self.slots.items()
+        ]
+
+    def send(self, adapter: str, **kwargs) -> str:
+        chosen = rank_workers(self.infos(), adapter_id=adapter, **kwargs)[0].worker_id
+        held = self.slots[chosen]
+        if adapter in held:
+            held.remove(adapter)
+        elif len(held) == self.size:
+            held.pop(0)
+        held.append(adapter)
+        return chosen
+
+
+def test_an_adapters_first_request_goes_home_and_later_ones_follow():
+    names = ["w0", "w1", "w2"]
+    adapters = [f"{i:064x}" for i in range(9)]
+    home = {a: home_order(a, names)[0] for a in adapters}
+    pool = SlotPool(names)
+    # Fill every slot but one with other adapters; the free one is never on HOT's home.
+    for n in names:
+        pool.slots[n] = [f"{n}-{i}" for i in range(4)]
+    pool.slots[home_order(HOT, names)[1]].pop(0)
+    assert pool.send(HOT) == home_order(HOT, names)[0]
+    # Requests within the bound keep going to the worker that holds it, every time.
+    for _ in range(20):
+        assert pool.send(HOT) == home_order(HOT, names)[0]
+    # The pool's adapters are partitioned: each lands on its home and stays there.
+    for round_ in range(3):
+        for a in adapters:
+            assert pool.send(a) == home[a], (round_, a)
+
+
+def test_a_hot_adapter_spills_to_its_next_worker_only_over_the_bound():
+    names = ["w0", "w1", "w2"]
+    first, second, third = home_order(HOT, names)
+    pool = SlotPool(names)
+    assert pool.send(HOT) == first
+    # least load 0: the bound is 0 x 1.5 + 4, so 4 requests there still stay, a fifth spills.
+    pool.running[first] = 4
+    assert pool.send(HOT, load_factor=1.5, load_slack=4) == first
+    pool.running[first] = 5
+    assert pool.send(HOT, load_factor=1.5, load_slack=4) == second
+    # Now held on two workers: the less loaded holder takes it; the third stays out.
+    pool.running[second] = 2
+    assert pool.send(HOT) == second
+    pool.running[first] = 1
+    assert pool.send(HOT) == first
+    assert HOT not in pool.slots[third]
+    # Both holders past the bound: the third worker, then both holders by load.
+    ranked = rank_workers(pool.infos(), adapter_id=HOT, extra_load={first: 9, second: 10})
+    assert [w.worker_id for w in ranked] == [third, first, second]
+
+
+def test_a_worker_leaving_moves_only_the_adapters_it_was_home_to():
+    names = [f"w{i}" for i in range(5)]
+    adapters = [f"{i:064x}" for i in range(200)]
+    full = {n: worker(n, [OTHER, COLD]) for n in names}
+    before = {a: rank_workers(list(full.values()), adapter_id=a)[0].worker_id for a in adapters}
+    left = [full[n] for n in names if n != "w2"]
+    after = {a: rank_workers(left, adapter_id=a)[0].worker_id for a in adapters}
+    moved = {a for a in adapters if before[a] != after[a]}
+    assert moved == {a for a in adapters if before[a] == "w2"}
+    assert 0.1 * len(adapters) <= len(moved) <= 0.3 * len(adapters)  # about 1/5
+    # Each moved adapter goes to its second choice: the same one every replica computes.
+    assert all(after[a] == home_order(a, names)[1] for a in moved)
+    # A worker joining takes over only adapters that now call it home.
+    joined = [*full.values(), worker("w5", [None, None])]
+    again = {a: rank_workers(joined, adapter_id=a)[0].worker_id for a in adapters}
+    taken = {a for a in adapters if again[a] != before[a]}
+    assert taken == {a for a in adapters if again[a] == "w5"}
+    assert 0.08 * len(adapters) <= len(taken) <= 0.25 * len(adapters)  # about 1/6, not all

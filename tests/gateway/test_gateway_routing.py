@@ -145,3 +145,28 @@ async def test_directory_caches_and_skips_failed_workers(redis, redis_prefix):
     assert ids(await d.candidates(adapter_id=None)) == ["b", "a"]
     d.failed("b")
     assert ids(await d.candidates(adapter_id=None)) == ["a"]
+
+
+async def test_two_gateways_agree_on_every_adapters_workers(redis, redis_prefix):
+    """Two replicas reading one registry rank every adapter's workers the same way: the
+    policy keeps no per-replica random state (what a replica sent itself is load it adds
+    until its next read, and it is counted the same way by each)."""
+    slots = {"a": ["x", "y"], "b": ["y", None], "c": ["z", "w"]}
+    for name, load in (("a", 1), ("b", 0), ("c", 3)):
+        info = make_worker(name, load=load)
+        info.slot_adapters = slots[name]
+        await register(redis, redis_prefix, info, ttl=30)
+    one, two = directory(redis, redis_prefix), directory(redis, redis_prefix)
+    for adapter in ["x", "y", "z", "w", *(f"{i:064x}" for i in range(50)), None]:
+        first = ids(await one.candidates(adapter_id=adapter))
+        assert first == ids(await two.candidates(adapter_id=adapter)), adapter
+        assert sorted(first) == ["a", "b", "c"]
+    # The same sends since the last read: the same choice.
+    for d in (one, two):
+        d.sent("a")
+        d.sent("a")
+    for adapter in ["x", "y", *(f"{i:064x}" for i in range(50))]:
+        assert ids(await one.candidates(adapter_id=adapter)) == ids(
+            await two.candidates(adapter_id=adapter)
+        )
+    assert ids(await one.candidates(adapter_id="y"))[0] == "b"  # the less loaded holder
