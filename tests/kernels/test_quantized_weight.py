@@ -59,7 +59,9 @@ def test_a_linear_over_a_quantized_weight_multiplies_by_its_dequantized_weight(d
     q = quantize(make_weight(), bits=4, group_size=32, symmetric=False)
     x = torch.randn(3, 128).to(dtype)
     expected = x.float() @ q.dequantize().T
+    # the native kernel sums in another order than the reference (fp32 either way; outputs
+    # up to ~25 here, so 3e-5 is about one part in a million)
     assert torch.allclose(
-        Linear(q)(x).float(), expected, rtol=1e-2 if dtype != torch.float32 else 1e-5
+        Linear(q)(x).float(), expected, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=3e-5
     )
-    assert torch.allclose(Linear(q, fp32_out=True)(x), expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(Linear(q, fp32_out=True)(x), expected, rtol=1e-5, atol=3e-5)
