@@ -31,6 +31,7 @@ from worker.model.lora_manager import LoraManager
 from worker.model.model_config import ModelConfig
 from worker.model.model_runner import ModelRunner, kv_bytes_per_block
 from worker.model.op_choice import OpShapes, fixed_op_plans, op_plans
+from worker.model.quantize_on_load import base_on_load
 from worker.model.rope import long_rope_threshold
 from worker.parallel.launch import RankProcesses, start_ranks
 from worker.parallel.runner import TensorParallelRunner
@@ -64,6 +65,7 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
     attention_backend = resolve_attention_backend(config.attention_backend, device)
     tp_size = config.tensor_parallel_size
     model_config = ModelConfig.from_pretrained(model)
+    on_load = base_on_load(config)
     cuda_graphs = resolve_cuda_graphs(
         config.cuda_graphs,
         device,
@@ -108,7 +110,13 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
     group = tensor_parallel.group if tensor_parallel is not None else None
     try:
         llama = LlamaModel.from_pretrained(
-            model, dtype=torch_dtype, device=device, group=group, linear_plan=plan, op_plans=ops
+            model,
+            dtype=torch_dtype,
+            device=device,
+            group=group,
+            linear_plan=plan,
+            op_plans=ops,
+            on_load=on_load,
         )
         if tensor_parallel is not None:
             tensor_parallel.connect()
@@ -154,6 +162,7 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
             host_cache_bytes=int(config.lora_host_cache_gb * 2**30),
             shard=group.shard if group is not None else None,
             ops=ops,
+            on_load=on_load,
         )
     runner_options = dict(
         num_blocks=num_kv_blocks,
