@@ -1,8 +1,8 @@
 """A base quantized on load (``quantization="int4"|"int8"``) against transformers + peft running
 the same checkpoint with its projections replaced by the dequantized weights (fp32 compute on
-both sides): greedy tokens identical for mixed batches of base rows, LoRA, DoRA and expert LoRA,
-on a Llama-like family (int4 in groups), Qwen2 (int8 per channel, q/k/v biases) and Qwen3-MoE
-(int4 experts)."""
+both sides): greedy tokens identical for mixed batches of base rows, LoRA, DoRA, a weighted mix,
+a saved lm_head copy (``modules_to_save``) and expert LoRA, on a Llama-like family (int4 in
+groups, untied head), Qwen2 (int8 per channel, q/k/v biases) and Qwen3-MoE (int4 experts)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from worker.errors import InvalidRequestError, ModelLoadError
 MAX_NEW = 10
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PRESSURE = {"block_size": 4, "num_kv_blocks": 40, "max_num_batched_tokens": 48}
+MIX = [("plain", 0.7), ("attn", 0.3)]  # PEFT's add_weighted_adapter(..., "cat")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
@@ -34,8 +35,9 @@ CASES = {
             "plain": {"rank": 4, "targets": ALL},
             "dora": {"rank": 4, "targets": ALL, "use_dora": True},
             "attn": {"rank": 2, "targets": ["q_proj", "v_proj"]},
+            "head": {"rank": 2, "targets": ["o_proj"], "modules_to_save": ["lm_head"]},
         },
-        [None, "plain", "dora", "attn", "plain", None],
+        [None, "plain", "dora", "attn", "mix", "head", None],
     ),
     "qwen2-int8": (
         "qwen2",
@@ -88,7 +90,7 @@ def case(request, tmp_path_factory):
             ),
         }  # fmt: skip
     else:
-        base = make_checkpoint(root / "base", arch=family, seed=5)
+        base = make_checkpoint(root / "base", arch=family, seed=5, tie_word_embeddings=False)
         adapters = {
             n: make_peft_adapter(base, root / n, seed=40 + i, **spec)
             for i, (n, spec) in enumerate(specs.items())
@@ -108,6 +110,17 @@ def case(request, tmp_path_factory):
         models[n] = PeftModel.from_pretrained(
             dequantized_reference(base, bits, effective_group, symmetric), path
         ).eval()
+    if "mix" in assignment:
+        mixed = PeftModel.from_pretrained(
+            dequantized_reference(base, bits, effective_group, symmetric),
+            adapters["plain"],
+            adapter_name="plain",
+        )
+        mixed.load_adapter(adapters["attn"], adapter_name="attn")
+        names, weights = zip(*MIX, strict=True)
+        mixed.add_weighted_adapter(list(names), list(weights), "mix", combination_type="cat")
+        mixed.set_adapter("mix")
+        models["mix"] = mixed.eval()
     expected = [greedy(models[a], p) for p, a in zip(prompts, assignment, strict=True)]
     unquantized = load_hf_model(base)
     unquantized.generation_config.eos_token_id = None
@@ -136,7 +149,8 @@ def test_mixed_adapter_batch_matches_peft_over_the_dequantized_base(case):
         assert isinstance(layer.qkv.small, WqLinear) and isinstance(layer.o.small, WqLinear)
     for adapter, path in adapters.items():
         llm.load_adapter(adapter, path)
-    outputs = llm.generate(prompts, params(), adapters=assignment)
+    requests = [MIX if a == "mix" else a for a in assignment]
+    outputs = llm.generate(prompts, params(), adapters=requests)
     assert [o.token_ids for o in outputs] == expected, name
     # The quantization matters here (else the test could not tell it from the bf16/fp32 base).
     base_rows = [i for i, a in enumerate(assignment) if a is None]
@@ -181,3 +195,19 @@ def test_the_step_reads_fewer_bytes_and_the_head_stays_unless_asked(tmp_path):
     assert int4.lm_head.decode_bytes == full.lm_head.decode_bytes
     assert head.lm_head.decode_bytes < full.lm_head.decode_bytes / 3
     assert head.lm_head(torch.randn(2, 128).bfloat16()).dtype == torch.float32  # logits fp32
+
+
+def test_the_flags_reach_the_engine_config():
+    """``switchboard worker`` and ``switchboard up`` pass the quantization to the engine."""
+    from switchboard.cli import _up_worker_args, build_parser
+    from switchboard.worker_command import worker_engine_kwargs
+    from worker.core.config import engine_config
+
+    argv = ["--quantization", "int4", "--quantization-group-size", "32", "--quantization-lm-head"]
+    config = engine_config(**worker_engine_kwargs(build_parser().parse_args(["worker", *argv])))
+    assert (config.quantization, config.quantization_group_size) == ("int4", 32)
+    assert config.quantization_lm_head
+    assert engine_config().quantization is None
+    up = build_parser().parse_args(["up", *argv])
+    assert _up_worker_args(up) == argv
+    assert _up_worker_args(build_parser().parse_args(["up"])) == []
