@@ -30,6 +30,7 @@ kernel.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,9 @@ from switchboard_kernels.q4_native import Q4Linear, native_q4, quantize_weight
 from switchboard_kernels.quantized_linear import QuantizedReference
 from switchboard_kernels.quantized_weight import QuantizedWeight
 from switchboard_kernels.wq_native import WqLinear, fits, native_wq
+
+if TYPE_CHECKING:
+    from switchboard_kernels.wq_triton import TritonWq
 
 # The packed layout is tuned for this many rows; larger batches still run correctly.
 PACK_BATCH_HINT = 1024
@@ -285,10 +289,15 @@ Kernel = (
 
 def quantized_kernel(
     q: QuantizedWeight, bias: torch.Tensor | None = None, *, fp32_out: bool = False
-) -> WqLinear | QuantizedReference:
-    """A quantized base's projection: the native kernel streaming the packed levels on CPU
-    where it builds and its layout holds the groups (``wq_native.fits``), else the torch
-    reference (the weight dequantized once to fp32: GPUs, and CPUs without a compiler)."""
+) -> Kernel | TritonWq:
+    """A quantized base's projection: on CUDA the Triton dequantize-GEMM
+    (``switchboard_kernels.wq_triton``); on CPU the native kernel streaming the packed levels
+    where it builds and its layout holds the groups (``wq_native.fits``); else the torch
+    reference (the weight dequantized once to fp32)."""
+    if q.levels.device.type == "cuda" and (q.bits == 8 or q.shape[1] % 2 == 0):
+        from switchboard_kernels.wq_triton import TritonWq as Triton  # triton: CUDA only
+
+        return Triton(q, bias, fp32_out=fp32_out)
     if q.levels.device.type == "cpu" and native_wq() is not None and fits(q):
         return WqLinear(q, bias, fp32_out=fp32_out)
     return QuantizedReference(q, bias, fp32_out=fp32_out)

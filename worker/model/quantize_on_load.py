@@ -95,9 +95,8 @@ def quantized(
 
 
 def base_on_load(config: EngineConfig) -> OnLoad | None:
-    """The engine config's quantization on load, or None; refused where it cannot serve: a
-    batch-invariant engine (the kernel's sums follow its row tiles) and CUDA (no GPU kernel
-    for these weights yet: the torch reference would hold them dequantized to fp32)."""
+    """The engine config's quantization on load, or None; refused with ``batch_invariant``
+    (the kernels' sums follow their row tiles)."""
     on_load = OnLoad.of(
         config.quantization, config.quantization_group_size, lm_head=config.quantization_lm_head
     )
@@ -105,8 +104,4 @@ def base_on_load(config: EngineConfig) -> OnLoad | None:
         return None
     if config.batch_invariant:
         raise InvalidRequestError("quantization is not served with batch_invariant")
-    if torch.device(config.device).type != "cpu":
-        raise InvalidRequestError(
-            f"quantization on load is served on CPU only, not {config.device}"
-        )
     return on_load
