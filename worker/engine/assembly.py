@@ -88,13 +88,14 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
                 device=device,
                 measure=config.kernel_choice == "measure",
             )
+        # A base quantized on load multiplies through its own kernels: nothing to measure.
         plan = linear_plan(
             projection_shapes(model_config),
             torch_dtype,
             num_layers=model_config.num_layers,
             max_rows=config.max_num_batched_tokens,
             device=device,
-            measure=config.kernel_choice == "measure",
+            measure=config.kernel_choice == "measure" and on_load is None,
         )
     # Tensor parallelism: ranks 1..N-1 load their shards while this process (rank 0) loads
     # its own; None on one rank.
