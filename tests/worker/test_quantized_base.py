@@ -223,3 +223,38 @@ def test_the_flags_reach_the_engine_config():
     up = build_parser().parse_args(["up", *argv])
     assert _up_worker_args(up) == argv
     assert _up_worker_args(build_parser().parse_args(["up"])) == []
+
+
+def test_speculative_decoding_on_a_quantized_base_keeps_its_tokens(case):
+    """Verification rows (k + 1 a sequence) through the quantized kernels: prompt lookup's
+    drafts, the same greedy tokens as peft over the dequantized base."""
+    name, base, adapters, prompts, assignment, expected, _ = case
+    _, method, group, _, _ = CASES[name]
+    llm = LLM(
+        base,
+        dtype="float32",
+        max_loras=max(len(adapters), 1),
+        quantization=method,
+        quantization_group_size=group,
+        speculative_model="ngram",
+        num_speculative_tokens=3,
+        speculative_position_cost=0.0,
+    )
+    for adapter, path in adapters.items():
+        llm.load_adapter(adapter, path)
+    requests = [MIX if a == "mix" else a for a in assignment]
+    # prompts that repeat themselves, so prompt lookup has drafts to offer
+    echoing = [p + p[:6] for p in prompts]
+    want = [o.token_ids for o in llm.generate(echoing, params(), adapters=requests)]
+    plain = LLM(
+        base,
+        dtype="float32",
+        max_loras=max(len(adapters), 1),
+        quantization=method,
+        quantization_group_size=group,
+    )
+    for adapter, path in adapters.items():
+        plain.load_adapter(adapter, path)
+    assert [o.token_ids for o in plain.generate(echoing, params(), adapters=requests)] == want
+    assert llm.engine.spec_decode_stats.num_verifications > 0
+    assert [o.token_ids for o in llm.generate(prompts, params(), adapters=requests)] == expected
