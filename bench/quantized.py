@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--answer-tokens", type=int, default=32)
     parser.add_argument("--lm-head", action="store_true", help="quantize the output layer too")
     parser.add_argument("--no-w1", action="store_true")
+    parser.add_argument("--no-quality", action="store_true")
     parser.add_argument("--out", default="bench/results/quantized.json")
     args = parser.parse_args(argv)
 
@@ -172,10 +173,11 @@ def main(argv: list[str] | None = None) -> dict:
             w1 = fixed_lengths(size[0], prompt_len=size[1], output_len=size[1], vocab=vocab)
             report["w1"] = w1_rates(llms, w1, 1 if args.quick else 2)
             print("w1", report["w1"], flush=True)
-        prompts = chat_prompts(llms["bf16"])[: 4 if args.quick else None]
-        answer = 8 if args.quick else args.answer_tokens
-        report["quality"] = quality(llms, prompts, answer)
-        print("quality", report["quality"], flush=True)
+        if not args.no_quality:
+            prompts = chat_prompts(llms["bf16"])[: 4 if args.quick else None]
+            answer = 8 if args.quick else args.answer_tokens
+            report["quality"] = quality(llms, prompts, answer)
+            print("quality", report["quality"], flush=True)
         report["load_after"] = load_average()
         return write_report(report, args.out)
 

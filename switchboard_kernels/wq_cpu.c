@@ -158,18 +158,23 @@ WQ_DISPATCH(panel_avx512, panel_avx512_rows)
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* bf16 rows times 4-bit levels: one VDPBF16PS multiplies 16 outputs' pairs of levels by a
- * pair of the row's activations, exactly (a level as bf16 is exact), adding into fp32. A
- * lane's level pairs come out of its 32 bits with a shift and one ternary-logic op: masked to
- * 16-bit halves and ORed with bf16 128.0's bits, each half is the bf16 128 + q, so the group's
- * zero is taken as z + 128. The halves pair features (k0, k0 + 2), (k0 + 1, k0 + 3),
- * (k0 + 4, k0 + 6), (k0 + 5, k0 + 7): the rows are permuted so once a call (bf16_pairs). */
+/* bf16 rows times 4- or 8-bit levels: one VDPBF16PS multiplies 16 outputs' pairs of 4-bit
+ * values by a pair of the row's activations, exactly (such a value as bf16 is exact), adding
+ * into fp32. A lane's pairs come out of its 32 bits with a shift and one ternary-logic op:
+ * masked to a nibble in each 16-bit half and ORed with bf16 128.0's bits, each half is the bf16
+ * 128 + nibble. 4-bit: the nibbles are the levels; the halves pair features (k0, k0 + 2),
+ * (k0 + 1, k0 + 3), (k0 + 4, k0 + 6), (k0 + 5, k0 + 7), and the group's zero is taken as
+ * z + 128. 8-bit: a level is lo + 16 hi, its two nibbles; the halves pair (k0, k0 + 2) and
+ * (k0 + 1, k0 + 3), low nibbles into one sum and high ones into another, which counts 16
+ * times, and the zero is taken as z + 128 + 16 * 128. The rows are permuted into those pairs
+ * once a call (bf16_pairs). */
 static inline __attribute__((always_inline)) void panel_bf16_rows(
     const struct sb_wq *w, const uint8_t *panel, const WqRows *x, int64_t m0, const int bits,
     const int R, float out[WQ_ROWS][PL_NR]) {
-    (void)bits; /* 4 only */
     const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
-    const int C = R >= 4 ? 1 : (R == 1 ? 4 : 2);
+    const int per_step = bits == 4 ? 8 : 4;
+    /* independent dot-product chains per row (8-bit: each of its two sums) */
+    const int C = bits == 8 ? (R == 1 ? 2 : 1) : (R >= 4 ? 1 : (R == 1 ? 4 : 2));
     const __m512i mask = _mm512_set1_epi32(0x000f000f), one28 = _mm512_set1_epi32(0x43004300);
     const uint16_t *xp = (const uint16_t *)x->pairs;
     __m512 acc[WQ_ROWS];
@@ -177,31 +182,41 @@ static inline __attribute__((always_inline)) void panel_bf16_rows(
     for (int64_t g = 0; g < x->G; g++) {
         const uint8_t *b = panel + g * bb;
         __builtin_prefetch(b + 2 * bb);
-        __m512 part[WQ_ROWS][4];
+        __m512 part[WQ_ROWS][4], high[WQ_ROWS][4];
         for (int r = 0; r < R; r++)
-            for (int c = 0; c < C; c++) part[r][c] = _mm512_setzero_ps();
-        for (int64_t o = 0; o < gs / 8; o++) {
+            for (int c = 0; c < C; c++) part[r][c] = high[r][c] = _mm512_setzero_ps();
+        for (int64_t o = 0; o < gs / per_step; o++) {
             __m512i v = _mm512_loadu_si512((const void *)(b + o * PL_STEP_BYTES));
-            const int64_t k0 = g * gs + o * 8;
+            const int64_t k0 = g * gs + o * per_step;
             for (int t = 0; t < 4; t++) {
+                /* 4-bit: nibble offsets 0, 8, 4, 12 are features pairs t; 8-bit: 0 and 8 the
+                 * low nibbles of pairs 0 and 1, 4 and 12 their high nibbles */
                 static const int shift[4] = {0, 8, 4, 12};
-                /* (v >> shift) & mask | 128.0 */
                 __m512i q = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, shift[t]), mask,
-                                                      one28, 0xEA);
+                                                      one28, 0xEA); /* (a & b) | c */
+                const int pair = bits == 4 ? t : (t & 1);
                 for (int r = 0; r < R; r++) {
-                    int32_t pair;
-                    memcpy(&pair, xp + (m0 + r) * x->K + k0 + 2 * t, sizeof pair);
-                    part[r][t % C] = _mm512_dpbf16_ps(part[r][t % C], (__m512bh)q,
-                                                      (__m512bh)_mm512_set1_epi32(pair));
+                    int32_t xv;
+                    memcpy(&xv, xp + (m0 + r) * x->K + k0 + 2 * pair, sizeof xv);
+                    __m512bh xb = (__m512bh)_mm512_set1_epi32(xv);
+                    if (bits == 8 && t >= 2)
+                        high[r][t % C] = _mm512_dpbf16_ps(high[r][t % C], (__m512bh)q, xb);
+                    else
+                        part[r][t % C] = _mm512_dpbf16_ps(part[r][t % C], (__m512bh)q, xb);
                 }
             }
         }
         __m512 s = _mm512_loadu_ps((const float *)(b + lb));
         __m512 z = _mm512_add_ps(_mm512_loadu_ps((const float *)(b + lb) + PL_NR),
-                                 _mm512_set1_ps(128.0f));
+                                 _mm512_set1_ps(bits == 4 ? 128.0f : 128.0f * 17.0f));
         for (int r = 0; r < R; r++) {
             __m512 sum = part[r][0];
             for (int c = 1; c < C; c++) sum = _mm512_add_ps(sum, part[r][c]);
+            if (bits == 8) {
+                __m512 hi = high[r][0];
+                for (int c = 1; c < C; c++) hi = _mm512_add_ps(hi, high[r][c]);
+                sum = _mm512_fmadd_ps(_mm512_set1_ps(16.0f), hi, sum);
+            }
             sum = _mm512_fnmadd_ps(z, _mm512_set1_ps(x->xsum[(m0 + r) * x->G + g]), sum);
             acc[r] = _mm512_fmadd_ps(s, sum, acc[r]);
         }
@@ -213,12 +228,15 @@ WQ_DISPATCH(panel_bf16, panel_bf16_rows)
 #define HAVE_BF16_PATH 1
 #endif
 
-/* The bf16 rows [rows, K] with each 8 features in the order the level pairs take them. */
-static void bf16_pairs(const uint16_t *x, int64_t rows, int64_t K, uint16_t *out) {
-    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+/* The bf16 rows [rows, K] with each step's features in the order the level pairs take them
+ * (4-bit: 8 features a step, 8-bit: 4). */
+static void bf16_pairs(const uint16_t *x, int64_t rows, int64_t K, int bits, uint16_t *out) {
+    static const int order4[8] = {0, 2, 1, 3, 4, 6, 5, 7}, order8[4] = {0, 2, 1, 3};
+    const int n = bits == 4 ? 8 : 4;
+    const int *order = bits == 4 ? order4 : order8;
     for (int64_t m = 0; m < rows; m++)
-        for (int64_t k = 0; k < K; k += 8)
-            for (int i = 0; i < 8; i++) out[m * K + k + i] = x[m * K + k + order[i]];
+        for (int64_t k = 0; k < K; k += n)
+            for (int i = 0; i < n; i++) out[m * K + k + i] = x[m * K + k + order[i]];
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -297,7 +315,7 @@ static WqPanel wq_pick(int path, int bf16_rows, int *tile) {
 }
 
 /* The loops this build has, as a bit mask: 1 AVX-512, 2 AVX2, 4 portable, 8 AVX512-BF16
- * (bf16 rows by 4-bit levels, part of path 0). */
+ * (bf16 rows, part of path 0). */
 int sb_wq_paths(void) {
     int mask = 4;
 #if defined(HAVE_BF16_PATH)
@@ -336,7 +354,7 @@ int sb_wq_linear(const struct sb_wq *w, const void *x, int x_fp32, int64_t rows,
         }
     }
     int tile;
-    const int bf16_rows = !x_fp32 && w->bits == 4;
+    const int bf16_rows = !x_fp32;
     WqPanel loop = wq_pick(path, bf16_rows, &tile);
     uint16_t *pairs = NULL;
 #if defined(HAVE_BF16_PATH)
@@ -346,7 +364,7 @@ int sb_wq_linear(const struct sb_wq *w, const void *x, int x_fp32, int64_t rows,
             free(wide), free(xsum);
             return -1;
         }
-        bf16_pairs((const uint16_t *)x, rows, K, pairs);
+        bf16_pairs((const uint16_t *)x, rows, K, (int)w->bits, pairs);
     }
 #endif
     WqRows xr = {xf, xsum, K, G, pairs};
