@@ -11,9 +11,9 @@ process, interleaved so machine noise hits each alike.
   full fp32 logits); and how many greedy answers are the bf16 engine's.
 - ``load``: /proc/loadavg before and after (these machines are shared: read the figures with it).
 
-Usage: ``python -m bench.quantized [--model DIR] [--quick] [--repeats 3] [--lm-head]
-[--out bench/results/quantized.json]``. ``--quick``: a few seconds' worth (a tiny random model
-unless ``--model``; W1 cut to 8 x 32/32).
+Usage: ``python -m bench.quantized [--model DIR] [--quick] [--repeats 3] [--lm-head] [--no-w1]
+[--no-quality] [--threads N] [--out bench/results/quantized.json]``. ``--quick``: about half a minute (a tiny
+random model unless ``--model``; W1 cut to 8 x 32/32).
 """
 
 from __future__ import annotations
@@ -143,8 +143,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lm-head", action="store_true", help="quantize the output layer too")
     parser.add_argument("--no-w1", action="store_true")
     parser.add_argument("--no-quality", action="store_true")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (a busy machine: 1)"
+    )
     parser.add_argument("--out", default="bench/results/quantized.json")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from worker.model.default_model import resolve_model_path
 
