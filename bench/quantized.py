@@ -12,8 +12,8 @@ process, interleaved so machine noise hits each alike.
 - ``load``: /proc/loadavg before and after (these machines are shared: read the figures with it).
 
 Usage: ``python -m bench.quantized [--model DIR] [--quick] [--repeats 3] [--lm-head] [--no-w1]
-[--no-quality] [--threads N] [--out bench/results/quantized.json]``. ``--quick``: about half a minute (a tiny
-random model unless ``--model``; W1 cut to 8 x 32/32).
+[--no-quality] [--threads N] [--out bench/results/quantized.json]``. ``--quick``: about half a
+minute (a tiny random model unless ``--model``; W1 cut to 8 x 32/32).
 """
 
 from __future__ import annotations

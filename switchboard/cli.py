@@ -349,7 +349,7 @@ def _up_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization-group-size",
         type=int,
         default=None,
-        help="input features per scale (default: int4 64, int8 per channel; -1: per channel)",
+        help="input features per scale (default: int4 32, int8 per channel; -1: per channel)",
     )
     parser.add_argument(
         "--quantization-lm-head", action="store_true", help="quantize the output layer too"

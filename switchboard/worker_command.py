@@ -171,7 +171,7 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization-group-size",
         type=int,
         default=None,
-        help="input features per scale and zero (default: int4 64, int8 per channel; -1: per "
+        help="input features per scale and zero (default: int4 32, int8 per channel; -1: per "
         "channel)",
     )
     parser.add_argument(

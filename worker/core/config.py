@@ -193,7 +193,7 @@ class EngineConfig:
     kernel; `worker.engine.assembly` refuses it elsewhere);
     ``quantization``: "int4" or "int8" weight-only quantization of a bf16/fp32 base as it loads
     (round to nearest; activations unrounded, fp32 sums), in groups of
-    ``quantization_group_size`` input features (None: int4 64, int8 per channel; -1: per
+    ``quantization_group_size`` input features (None: int4 32, int8 per channel; -1: per
     channel), the output layer too with ``quantization_lm_head`` (docs/quantization.md). See
     docs/engine.md."""
 

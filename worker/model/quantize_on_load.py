@@ -6,11 +6,13 @@ Weight-only: activations stay unrounded and sums fp32, so outputs are exact up t
 rounding (as transformers and PEFT compute over a dequantized layer), unlike a draft model's
 approximate copies (``Linear``'s ``quantization``, which also round the activations).
 
-Defaults (docs/quantization.md): int4 asymmetric in groups of 64 input features (16 levels
-cannot follow a whole row's outliers; 64 divides every hidden size of the served families,
-128 does not divide SmolLM2's 576); int8 symmetric per output channel (255 levels per row
-hold a row's range, and no zero to store per group). The output layer stays unquantized
-unless asked (``lm_head``): its logits carry the sampler's decisions.
+Defaults (docs/quantization.md, measured there): int4 asymmetric in groups of 32 input
+features, each group's levels from its minimum to its maximum (a float zero): 16 levels cannot
+follow a whole row's outliers, 32 divides every hidden size of the served families (128 does not
+divide SmolLM2's 576), and it is llama.cpp's block, so a checkpoint dequantized from a 4-bit
+GGUF (the default model) comes back exactly; int8 symmetric per output channel (255 levels hold
+a row's range, no zero to store per group). The output layer stays unquantized unless asked
+(``lm_head``): its logits carry the sampler's decisions.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from worker.core.config import EngineConfig
 
 METHODS = {"int4": 4, "int8": 8}
-DEFAULT_GROUP_SIZE = {"int4": 64, "int8": None}  # None: per output channel
+DEFAULT_GROUP_SIZE = {"int4": 32, "int8": None}  # None: per output channel
 SYMMETRIC = {"int4": False, "int8": True}
 PER_CHANNEL = -1  # a group size meaning one group per output channel (GPTQ's convention)
 
@@ -84,7 +86,10 @@ class OnLoad:
                 f"choose a quantization_group_size that divides them (or {PER_CHANNEL}: per "
                 f"channel)"
             )
-        return quantize(weight, bits=self.bits, group_size=group, symmetric=SYMMETRIC[self.method])
+        symmetric = SYMMETRIC[self.method]
+        return quantize(
+            weight, bits=self.bits, group_size=group, symmetric=symmetric, integer_zero=symmetric
+        )
 
 
 def quantized(
