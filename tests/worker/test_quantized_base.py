@@ -259,3 +259,27 @@ def test_speculative_decoding_on_a_quantized_base_keeps_its_tokens(case):
     assert [o.token_ids for o in plain.generate(echoing, params(), adapters=requests)] == want
     assert llm.engine.spec_decode_stats.num_verifications > 0
     assert [o.token_ids for o in llm.generate(prompts, params(), adapters=requests)] == expected
+
+
+def test_two_ranks_quantize_their_shards_as_one_rank_does(tmp_path):
+    """Tensor parallelism: each rank quantizes its shard as it loads it; with groups that the
+    row-parallel split keeps whole (32 of o's and down's 64 and 128 inputs per rank), the
+    weights are one rank's, and so are the greedy tokens, adapters included."""
+    base = make_checkpoint(tmp_path / "base", seed=11, num_heads=4, num_kv_heads=2)
+    adapter = make_peft_adapter(base, tmp_path / "r4", rank=4, targets=ALL, seed=1)
+    prompts = random_prompts(4, min_len=4, max_len=30, seed=2)
+    options = dict(dtype="float32", num_kv_blocks=64, max_loras=1, quantization="int4")
+    outputs = []
+    for size in (1, 2):
+        llm = LLM(base, **options, tensor_parallel_size=size)
+        llm.load_adapter("r4", adapter)
+        got = llm.generate(prompts, params(), adapters=[None, "r4", "r4", None])
+        outputs.append([o.token_ids for o in got])
+        if size == 2:
+            llm.shutdown()
+    assert outputs[0] == outputs[1]
+    # and quantizing matters here (a rank that skipped it would show)
+    plain = LLM(base, dtype="float32", num_kv_blocks=64, max_loras=1)
+    plain.load_adapter("r4", adapter)
+    unquantized = plain.generate(prompts, params(), adapters=[None, "r4", "r4", None])
+    assert [o.token_ids for o in unquantized] != outputs[0]
