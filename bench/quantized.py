@@ -11,9 +11,9 @@ process, interleaved so machine noise hits each alike.
   full fp32 logits); and how many greedy answers are the bf16 engine's.
 - ``load``: /proc/loadavg before and after (these machines are shared: read the figures with it).
 
-Usage: ``python -m bench.quantized [--model DIR] [--quick] [--repeats 3] [--lm-head] [--no-w1]
-[--no-quality] [--threads N] [--out bench/results/quantized.json]``. ``--quick``: about half a
-minute (a tiny random model unless ``--model``; W1 cut to 8 x 32/32).
+Usage: ``python -m bench.quantized [--model DIR] [--quick] [--repeats 3] [--lm-head int4|int8]
+[--no-w1] [--no-quality] [--threads N] [--out bench/results/quantized.json]``. ``--quick``: about
+half a minute (a tiny random model unless ``--model``; W1 cut to 8 x 32/32).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def load_average() -> str:
     return Path("/proc/loadavg").read_text().split(" ", 3)[:3].__str__()
 
 
-def engines(model: Path, *, lm_head: bool, max_num_batched_tokens: int) -> dict:
+def engines(model: Path, *, lm_head: str | None, max_num_batched_tokens: int) -> dict:
     from worker import LLM
 
     # The fixed kernel rule for all three: a measurement on a busy machine picks by its noise.
@@ -46,7 +46,7 @@ def engines(model: Path, *, lm_head: bool, max_num_batched_tokens: int) -> dict:
         "max_num_batched_tokens": max_num_batched_tokens,
         "kernel_choice": "fixed",
     }
-    head = {"quantization_lm_head": True} if lm_head else {}
+    head = {"quantization_lm_head": lm_head} if lm_head else {}
     return {
         "bf16": LLM(model, **options),
         "int4": LLM(model, quantization="int4", **options, **head),
@@ -140,7 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--answer-tokens", type=int, default=32)
-    parser.add_argument("--lm-head", action="store_true", help="quantize the output layer too")
+    parser.add_argument(
+        "--lm-head", choices=("int4", "int8"), default=None, help="quantize the output layer too"
+    )
     parser.add_argument("--no-w1", action="store_true")
     parser.add_argument("--no-quality", action="store_true")
     parser.add_argument(
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
         report: dict = {"model": str(model_path), "threads": torch.get_num_threads()}
         report["load_before"] = load_average()
         llms = engines(model_path, lm_head=args.lm_head, max_num_batched_tokens=1024)
-        report["lm_head_quantized"] = args.lm_head
+        report["lm_head"] = args.lm_head or "as loaded"
         report["decode_weight_bytes"] = {
             k: llm.engine.model.decode_weight_bytes for k, llm in llms.items()
         }

@@ -302,7 +302,9 @@ def _up_worker_args(args: argparse.Namespace) -> list[str]:
     extra = ["--quantization", args.quantization]
     if args.quantization_group_size is not None:
         extra += ["--quantization-group-size", str(args.quantization_group_size)]
-    return extra + (["--quantization-lm-head"] if args.quantization_lm_head else [])
+    if args.quantization_lm_head is not None:
+        extra += ["--quantization-lm-head", args.quantization_lm_head]
+    return extra
 
 
 def _up_banner(stack, key: str, model_name: str) -> str:
@@ -352,7 +354,10 @@ def _up_arguments(parser: argparse.ArgumentParser) -> None:
         help="input features per scale (default: int4 32, int8 per channel; -1: per channel)",
     )
     parser.add_argument(
-        "--quantization-lm-head", action="store_true", help="quantize the output layer too"
+        "--quantization-lm-head",
+        choices=("int4", "int8"),
+        default=None,
+        help="quantize the output layer too (default: as loaded)",
     )
     parser.add_argument("--tenant", default="demo", help="name of the demo tenant to create")
 

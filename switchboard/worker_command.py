@@ -176,8 +176,9 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantization-lm-head",
-        action="store_true",
-        help="quantize the output layer too (default: kept as loaded)",
+        choices=("int4", "int8"),
+        default=None,
+        help="quantize the output layer too, with that method's defaults (default: as loaded)",
     )
     parser.add_argument(
         "--tensor-parallel-size",

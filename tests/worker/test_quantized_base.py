@@ -193,7 +193,8 @@ def test_the_step_reads_fewer_bytes_and_the_head_stays_unless_asked(tmp_path):
     full = LLM(base, dtype="bfloat16").engine.model
     int4 = LLM(base, dtype="bfloat16", quantization="int4").engine.model
     int8 = LLM(base, dtype="bfloat16", quantization="int8").engine.model
-    head = LLM(base, dtype="bfloat16", quantization="int4", quantization_lm_head=True).engine.model
+    head = LLM(base, dtype="bfloat16", quantization="int4", quantization_lm_head="int4")
+    head = head.engine.model
     projections = [lin for y in full.layers for lin in y.dense_linears]
     assert sum(lin.decode_bytes for lin in projections) == 2 * sum(
         lin.out_features * lin.in_features for lin in projections
@@ -216,10 +217,11 @@ def test_the_flags_reach_the_engine_config():
     from switchboard.worker_command import worker_engine_kwargs
     from worker.core.config import engine_config
 
-    argv = ["--quantization", "int4", "--quantization-group-size", "32", "--quantization-lm-head"]
+    argv = ["--quantization", "int4", "--quantization-group-size", "32"]
+    argv += ["--quantization-lm-head", "int8"]
     config = engine_config(**worker_engine_kwargs(build_parser().parse_args(["worker", *argv])))
     assert (config.quantization, config.quantization_group_size) == ("int4", 32)
-    assert config.quantization_lm_head
+    assert config.quantization_lm_head == "int8"
     assert engine_config().quantization is None
     up = build_parser().parse_args(["up", *argv])
     assert _up_worker_args(up) == argv

@@ -194,7 +194,8 @@ class EngineConfig:
     ``quantization``: "int4" or "int8" weight-only quantization of a bf16/fp32 base as it loads
     (round to nearest; activations unrounded, fp32 sums), in groups of
     ``quantization_group_size`` input features (None: int4 32, int8 per channel; -1: per
-    channel), the output layer too with ``quantization_lm_head`` (docs/quantization.md). See
+    channel), the output layer too by ``quantization_lm_head`` ("int8" or "int4", that method's
+    defaults; None: as loaded) (docs/quantization.md). See
     docs/engine.md."""
 
     dtype: str | torch.dtype = "auto"
@@ -225,7 +226,7 @@ class EngineConfig:
     batch_invariant: bool = False
     quantization: str | None = None
     quantization_group_size: int | None = None
-    quantization_lm_head: bool = False
+    quantization_lm_head: str | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     fairness: FairnessConfig = field(default_factory=FairnessConfig)
 
@@ -268,10 +269,12 @@ class EngineConfig:
                     f"({' or '.join(BASE_QUANTIZATIONS)})"
                 )
             return
-        if self.quantization not in BASE_QUANTIZATIONS:
-            raise InvalidRequestError(
-                f"quantization must be one of {list(BASE_QUANTIZATIONS)}, got {self.quantization!r}"
-            )
+        for name in ("quantization", "quantization_lm_head"):
+            value = getattr(self, name)
+            if value is not None and value not in BASE_QUANTIZATIONS:
+                raise InvalidRequestError(
+                    f"{name} must be one of {list(BASE_QUANTIZATIONS)}, got {value!r}"
+                )
         group = self.quantization_group_size
         if group is not None and (
             isinstance(group, bool) or not isinstance(group, int) or (group < 1 and group != -1)

@@ -35,7 +35,7 @@ from worker.model.layers import load_layer, norm_weight
 from worker.model.model_config import ModelConfig
 from worker.model.moe import moe_mlp
 from worker.model.op_choice import OpPlans, fixed_op_plans
-from worker.model.quantize_on_load import OnLoad, quantized
+from worker.model.quantize_on_load import OnLoad, output_layer
 from worker.model.rope import (
     RopeTables,
     apply_partial_rope,
@@ -131,8 +131,7 @@ class LlamaModel:
         # fp32 out: the logits keep the product's fp32 sums through the sampler and logprobs
         # (rounded to bf16 they sit on a grid, 0.125 apart near the top, and tie).
         self.on_load = on_load
-        if on_load is not None and on_load.lm_head:
-            head_weight = quantized(on_load, head, head_weight)
+        head_weight = output_layer(on_load, head, head_weight)
         self.lm_head = Linear(
             head_weight, quantization=quantization, plan=linear_plan, fp32_out=True
         )

@@ -12,7 +12,8 @@ follow a whole row's outliers, 32 divides every hidden size of the served famili
 divide SmolLM2's 576), and it is llama.cpp's block, so a checkpoint dequantized from a 4-bit
 GGUF (the default model) comes back exactly; int8 symmetric per output channel (255 levels hold
 a row's range, no zero to store per group). The output layer stays unquantized unless asked
-(``lm_head``): its logits carry the sampler's decisions.
+(``lm_head``: "int8" or "int4", with that method's defaults): its logits carry the sampler's
+decisions.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ class OnLoad:
 
     method: str  # "int4" or "int8"
     group_size: int | None  # input features per scale and zero; None: per output channel
-    lm_head: bool = False  # the output layer too
+    lm_head: str | None = None  # the output layer's method ("int8", "int4"), None: as loaded
 
     @classmethod
     def of(
-        cls, method: str | None, group_size: int | None = None, *, lm_head: bool = False
+        cls, method: str | None, group_size: int | None = None, *, lm_head: str | None = None
     ) -> OnLoad | None:
         """The engine options' spec (None: no quantization); bad values refused by name."""
         if method is None:
@@ -54,8 +55,9 @@ class OnLoad:
                     "quantization (int4 or int8)"
                 )
             return None
-        if method not in METHODS:
-            raise ValueError(f"quantization must be one of {sorted(METHODS)}, got {method!r}")
+        for name, value in (("quantization", method), ("quantization_lm_head", lm_head)):
+            if value is not None and value not in METHODS:
+                raise ValueError(f"{name} must be one of {sorted(METHODS)}, got {value!r}")
         if group_size is None:
             group_size = DEFAULT_GROUP_SIZE[method]
         elif group_size == PER_CHANNEL:
@@ -90,6 +92,16 @@ class OnLoad:
         return quantize(
             weight, bits=self.bits, group_size=group, symmetric=symmetric, integer_zero=symmetric
         )
+
+
+def output_layer(on_load: OnLoad | None, name: str, weight: torch.Tensor):
+    """The output layer's weight as the model multiplies by it: quantized by ``on_load.lm_head``'s
+    method with its defaults where set, else as loaded."""
+    if on_load is None or on_load.lm_head is None:
+        return weight
+    head = OnLoad.of(on_load.lm_head)
+    assert head is not None
+    return head(name, weight)
 
 
 def quantized(
