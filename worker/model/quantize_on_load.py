@@ -88,13 +88,19 @@ class OnLoad:
                 f"choose a quantization_group_size that divides them (or {PER_CHANNEL}: per "
                 f"channel)"
             )
-        symmetric = SYMMETRIC[self.method]
+        # asymmetric: each group's own min to max (a float zero); symmetric: zero 2**(bits - 1)
         return quantize(
-            weight, bits=self.bits, group_size=group, symmetric=symmetric, integer_zero=symmetric
+            weight,
+            bits=self.bits,
+            group_size=group,
+            symmetric=SYMMETRIC[self.method],
+            integer_zero=False,
         )
 
 
-def output_layer(on_load: OnLoad | None, name: str, weight: torch.Tensor):
+def output_layer(
+    on_load: OnLoad | None, name: str, weight: torch.Tensor
+) -> torch.Tensor | QuantizedWeight:
     """The output layer's weight as the model multiplies by it: quantized by ``on_load.lm_head``'s
     method with its defaults where set, else as loaded."""
     if on_load is None or on_load.lm_head is None:
