@@ -24,6 +24,7 @@ $PYTHON -c "import torch, triton, transformers, peft; print('torch', torch.__ver
 status=0
 timeout "${TESTS_S:-120}" $PYTHON -m pytest -q -p no:cacheprovider --maxfail=15 \
     tests/worker/test_engine_cuda.py tests/kernels/test_lora_kernels.py tests/kernels/test_paged_attention_kernels.py \
+    tests/kernels/test_wq_triton.py tests/worker/test_quantized_base.py \
     tests/worker/test_attention_backend.py 2>&1 | tee "$OUT/tests.log" | tail -n 60
 status=$((status | PIPESTATUS[0]))
 timeout "${KERNELS_S:-60}" $PYTHON -m bench.lora_triton --out "$OUT/lora_triton.json" \

@@ -273,6 +273,7 @@ def up(args: argparse.Namespace) -> int:
         extra_models=[resolve_model_path(m) for m in others],
         num_workers=args.workers,
         gateway_port=args.port,
+        worker_args=_up_worker_args(args),
     )
     print("starting Redis, worker(s) and gateway ...", flush=True)
     with stack:
@@ -292,6 +293,18 @@ def up(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print("\nstopping ...", flush=True)
     return 0
+
+
+def _up_worker_args(args: argparse.Namespace) -> list[str]:
+    """The worker flags ``up`` passes on (its base's quantization on load)."""
+    if args.quantization is None:
+        return []
+    extra = ["--quantization", args.quantization]
+    if args.quantization_group_size is not None:
+        extra += ["--quantization-group-size", str(args.quantization_group_size)]
+    if args.quantization_lm_head is not None:
+        extra += ["--quantization-lm-head", args.quantization_lm_head]
+    return extra
 
 
 def _up_banner(stack, key: str, model_name: str) -> str:
@@ -328,6 +341,24 @@ def _up_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, default=8000, help="gateway port")
     parser.add_argument("--workers", type=int, default=1, help="workers per base")
+    parser.add_argument(
+        "--quantization",
+        choices=("int4", "int8"),
+        default=None,
+        help="quantize the bases' weights as they load (weight-only; docs/quantization.md)",
+    )
+    parser.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=None,
+        help="input features per scale (default: int4 32, int8 per channel; -1: per channel)",
+    )
+    parser.add_argument(
+        "--quantization-lm-head",
+        choices=("int4", "int8"),
+        default=None,
+        help="quantize the output layer too (default: as loaded)",
+    )
     parser.add_argument("--tenant", default="demo", help="name of the demo tenant to create")
 
 

@@ -106,6 +106,9 @@ def worker_engine_kwargs(args: argparse.Namespace) -> dict:
         "decode_step_budget_ms": args.decode_step_budget_ms,
         "kernel_choice": args.kernel_choice,
         "batch_invariant": args.batch_invariant,
+        "quantization": args.quantization,
+        "quantization_group_size": args.quantization_group_size,
+        "quantization_lm_head": args.quantization_lm_head,
         "speculative_model": args.speculative_model,
         "num_speculative_tokens": args.num_speculative_tokens,
         "speculative_max_batch_size": args.speculative_max_batch_size,
@@ -156,6 +159,26 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=DTYPE_CHOICES,
         help="auto: bf16 where this CPU or GPU computes it natively, else fp32 (CPU) or fp16",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=("int4", "int8"),
+        default=None,
+        help="quantize a bf16/fp32 base's weights as it loads, weight-only, round to nearest "
+        "(activations unrounded, fp32 sums; CPU; docs/quantization.md)",
+    )
+    parser.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=None,
+        help="input features per scale and zero (default: int4 32, int8 per channel; -1: per "
+        "channel)",
+    )
+    parser.add_argument(
+        "--quantization-lm-head",
+        choices=("int4", "int8"),
+        default=None,
+        help="quantize the output layer too, with that method's defaults (default: as loaded)",
     )
     parser.add_argument(
         "--tensor-parallel-size",

@@ -30,6 +30,7 @@ kernel.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,10 @@ from switchboard_kernels.q4_native import GROUP as Q4_GROUP
 from switchboard_kernels.q4_native import Q4Linear, native_q4, quantize_weight
 from switchboard_kernels.quantized_linear import QuantizedReference
 from switchboard_kernels.quantized_weight import QuantizedWeight
+from switchboard_kernels.wq_native import WqLinear, fits, native_wq
+
+if TYPE_CHECKING:
+    from switchboard_kernels.wq_triton import TritonWq
 
 # The packed layout is tuned for this many rows; larger batches still run correctly.
 PACK_BATCH_HINT = 1024
@@ -272,8 +277,30 @@ class UpcastLinear:
 
 
 Kernel = (
-    PanelLinear | Bf16PanelLinear | OnednnLinear | UpcastLinear | TorchLinear | QuantizedReference
+    PanelLinear
+    | Bf16PanelLinear
+    | OnednnLinear
+    | UpcastLinear
+    | TorchLinear
+    | QuantizedReference
+    | WqLinear
 )
+
+
+def quantized_kernel(
+    q: QuantizedWeight, bias: torch.Tensor | None = None, *, fp32_out: bool = False
+) -> Kernel | TritonWq:
+    """A quantized base's projection: on CUDA the Triton dequantize-GEMM
+    (``switchboard_kernels.wq_triton``); on CPU the native kernel streaming the packed levels
+    where it builds and its layout holds the groups (``wq_native.fits``); else the torch
+    reference (the weight dequantized once to fp32)."""
+    if q.levels.device.type == "cuda" and (q.bits == 8 or q.shape[1] % 2 == 0):
+        from switchboard_kernels.wq_triton import TritonWq as Triton  # triton: CUDA only
+
+        return Triton(q, bias, fp32_out=fp32_out)
+    if q.levels.device.type == "cpu" and native_wq() is not None and fits(q):
+        return WqLinear(q, bias, fp32_out=fp32_out)
+    return QuantizedReference(q, bias, fp32_out=fp32_out)
 
 
 def make_kernel(
@@ -341,8 +368,9 @@ class Linear:
     ``can_quantize_q4``, else ``INT4_MAX_ROWS`` through torch's where ``can_quantize_int4``),
     others through the plan's kernels. ``fp32_out`` (an output layer): the products come out
     in fp32 with their sums unrounded, whatever the weight's dtype (logits rounded to bf16
-    sit 0.125 apart near the top and tie often). A ``QuantizedWeight`` (a quantized base's:
-    ``switchboard_kernels.quantized_linear``) is multiplied by as it is, activations unrounded."""
+    sit 0.125 apart near the top and tie often). A ``QuantizedWeight`` (a quantized base's, not a
+    draft's: exact up to its weights' rounding) is multiplied by as it is, activations
+    unrounded and sums in fp32 (``quantized_kernel``)."""
 
     __slots__ = ("bias", "fp32_out", "in_features", "int4", "int4_rows", "large")
     __slots__ += ("out_features", "small", "split_rows")
@@ -357,10 +385,12 @@ class Linear:
         fp32_out: bool = False,
     ) -> None:
         if isinstance(weight, QuantizedWeight):
+            if quantization is not None:
+                raise ValueError("a quantized weight takes no draft quantization")
             self.out_features, self.in_features = weight.shape
             self.bias, self.fp32_out = bias, fp32_out
             self.int4, self.int4_rows = None, 0
-            self.small = self.large = QuantizedReference(weight, bias, fp32_out=fp32_out)
+            self.small = self.large = quantized_kernel(weight, bias, fp32_out=fp32_out)
             self.split_rows = 0
             return
         if quantization not in QUANTIZATIONS:

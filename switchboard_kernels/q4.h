@@ -13,8 +13,9 @@
 #endif
 
 #include "bf16.h"
+#include "panel_levels.h"
 
-#define Q4_NR 16
+#define Q4_NR PL_NR
 #define Q4_GROUP 64
 #define Q4_OCTETS (Q4_GROUP / 8)
 #define Q4_BLOCK (Q4_OCTETS * 64 + 2 * Q4_NR * 2)

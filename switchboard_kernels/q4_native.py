@@ -13,8 +13,8 @@ import functools
 import torch
 
 from switchboard_kernels import native
+from switchboard_kernels.panel_levels import PANEL, by_panel, pack_levels
 
-PANEL = 16  # outputs per panel (Q4_NR in q4_cpu.c)
 GROUP = 64  # input features per step and low (Q4_GROUP)
 LEVELS = 15  # q in 0..15
 ACTIVATION_LEVELS = 127  # activations: xq in -127..127 per row and group
@@ -60,22 +60,13 @@ def dequantize_weight(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor) ->
 
 def _blocks(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """The kernel's layout (q4_cpu.c): [panels, groups, 576] bytes, outputs zero-padded to
-    whole panels; in each block 8 octets of [16 lanes][4 bytes], then 16 steps, 16 lows."""
-    out_features, in_features = q.shape
-    padded = -(-out_features // PANEL) * PANEL
-    groups = in_features // GROUP
-    pad = padded - out_features
-    q = torch.cat([q, q.new_zeros(pad, in_features)])
-    step = torch.cat([step, step.new_zeros(pad, groups)])
-    low = torch.cat([low, low.new_zeros(pad, groups)])
-    panels = padded // PANEL
-    # [panel, lane, group, octet, nibble, byte] -> [panel, group, octet, lane, byte, nibble]
-    q = q.view(panels, PANEL, groups, GROUP // 8, 2, 4).permute(0, 2, 3, 1, 5, 4)
-    nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(panels, groups, -1)
+    whole panels; in each block the group's levels in the shared lane layout
+    (``panel_levels.pack_levels``: 8 steps of [16 lanes][4 bytes]), then 16 steps, 16 lows."""
+    nibbles = pack_levels(q, 4, GROUP)
+    panels, groups = nibbles.shape[:2]
 
-    def by_block(t: torch.Tensor) -> torch.Tensor:  # [padded, groups] fp16 -> [p, g, 32] bytes
-        t = t.view(panels, PANEL, groups).transpose(1, 2).contiguous()
-        return t.view(torch.uint8).view(panels, groups, 2 * PANEL)
+    def by_block(t: torch.Tensor) -> torch.Tensor:  # [out, groups] fp16 -> [p, g, 32] bytes
+        return by_panel(t).view(torch.uint8).view(panels, groups, 2 * PANEL)
 
     return torch.cat([nibbles, by_block(step), by_block(low)], dim=-1).contiguous()
 

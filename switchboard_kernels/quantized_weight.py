@@ -113,11 +113,19 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
 
 
 def quantize(
-    weight: torch.Tensor, *, bits: int, group_size: int, symmetric: bool
+    weight: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    integer_zero: bool = True,
 ) -> QuantizedWeight:
     """Round to nearest, per group of ``group_size`` input features (``weight.shape[1]``: per
     output feature). Symmetric: zero 2**(bits-1), scale max|w| / (2**(bits-1) - 1); else the
-    group's range over 2**bits - 1 levels with an integer zero (GPTQ's and AWQ's convention)."""
+    group's range over 2**bits - 1 levels with an integer zero (GPTQ's and AWQ's convention:
+    the range stretched to hold 0). ``integer_zero=False`` (asymmetric only): the levels span
+    the group's own minimum to maximum, the zero a float (llama.cpp's Q4_1 and HQQ's grid),
+    every level inside the range."""
     out_features, in_features = weight.shape
     if in_features % group_size:
         raise ValueError(f"group size {group_size} does not divide {in_features} inputs")
@@ -127,10 +135,17 @@ def quantize(
         half = 2 ** (bits - 1)
         scales = w.abs().amax(-1) / (half - 1)
         zeros = torch.full_like(scales, float(half))
-    else:
+    elif integer_zero:
         low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
         scales = (high - low) / top
         zeros = torch.where(scales > 0, torch.round(-low / scales), 0.0).clamp(0, top)
+    else:  # a constant group: scale 1, level 0 is its value
+        low, high = w.amin(-1), w.amax(-1)
+        scales = torch.where(high > low, (high - low) / top, 1.0)
+        zeros = -low / scales
+        levels = torch.round((w - low[..., None]) / scales[..., None])
+        levels = levels.clamp(0, top).to(torch.uint8).view(out_features, in_features)
+        return QuantizedWeight(levels, scales.contiguous(), zeros.contiguous(), bits, group_size)
     safe = torch.where(scales > 0, scales, 1.0)
     levels = torch.round(w / safe[..., None]) + zeros[..., None]
     levels = levels.clamp(0, top).to(torch.uint8).view(out_features, in_features)

@@ -137,6 +137,8 @@ class SpeculativeConfig:
 
 
 ATTENTION_BACKENDS = ("torch", "triton")
+# A bf16/fp32 base quantized as it loads (worker.model.quantize_on_load; docs/quantization.md).
+BASE_QUANTIZATIONS = ("int4", "int8")
 KERNEL_CHOICES = ("measure", "fixed")
 # How the projections' kernels are chosen when a config does not say: measured on this CPU
 # (`switchboard_kernels.linear_choice`). The test session fixes them (tests/conftest.py): its
@@ -188,7 +190,13 @@ class EngineConfig:
     ``batch_invariant``: every row's numerics fixed whatever else the step holds, whether its
     prefix was cached and how its prompt was chunked (one rank on CPU, native kernels: the
     projections through the panels in one order, every attention row through the native
-    kernel; `worker.engine.assembly` refuses it elsewhere). See docs/engine.md."""
+    kernel; `worker.engine.assembly` refuses it elsewhere);
+    ``quantization``: "int4" or "int8" weight-only quantization of a bf16/fp32 base as it loads
+    (round to nearest; activations unrounded, fp32 sums), in groups of
+    ``quantization_group_size`` input features (None: int4 32, int8 per channel; -1: per
+    channel), the output layer too by ``quantization_lm_head`` ("int8" or "int4", that method's
+    defaults; None: as loaded) (docs/quantization.md). See
+    docs/engine.md."""
 
     dtype: str | torch.dtype = "auto"
     device: str | torch.device = "cpu"
@@ -216,6 +224,9 @@ class EngineConfig:
     decode_step_budget_ms: float | None = None
     kernel_choice: str = field(default_factory=lambda: DEFAULT_KERNEL_CHOICE)
     batch_invariant: bool = False
+    quantization: str | None = None
+    quantization_group_size: int | None = None
+    quantization_lm_head: str | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     fairness: FairnessConfig = field(default_factory=FairnessConfig)
 
@@ -243,10 +254,34 @@ class EngineConfig:
                 f"decode_step_budget_ms must be a finite number >= 0 (or unset), got {budget!r}"
             )
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        self._check_quantization()
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise InvalidRequestError(
                 f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
                 f"got {self.attention_backend!r}"
+            )
+
+    def _check_quantization(self) -> None:
+        if self.quantization is None:
+            if self.quantization_group_size is not None or self.quantization_lm_head:
+                raise InvalidRequestError(
+                    "quantization_group_size and quantization_lm_head need quantization "
+                    f"({' or '.join(BASE_QUANTIZATIONS)})"
+                )
+            return
+        for name in ("quantization", "quantization_lm_head"):
+            value = getattr(self, name)
+            if value is not None and value not in BASE_QUANTIZATIONS:
+                raise InvalidRequestError(
+                    f"{name} must be one of {list(BASE_QUANTIZATIONS)}, got {value!r}"
+                )
+        group = self.quantization_group_size
+        if group is not None and (
+            isinstance(group, bool) or not isinstance(group, int) or (group < 1 and group != -1)
+        ):
+            raise InvalidRequestError(
+                f"quantization_group_size must be a positive number of input features or -1 "
+                f"(per channel), got {group!r}"
             )
 
 

@@ -31,6 +31,7 @@ from worker.model.lora_manager import LoraManager
 from worker.model.model_config import ModelConfig
 from worker.model.model_runner import ModelRunner, kv_bytes_per_block
 from worker.model.op_choice import OpShapes, fixed_op_plans, op_plans
+from worker.model.quantize_on_load import base_on_load
 from worker.model.rope import long_rope_threshold
 from worker.parallel.launch import RankProcesses, start_ranks
 from worker.parallel.runner import TensorParallelRunner
@@ -64,6 +65,7 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
     attention_backend = resolve_attention_backend(config.attention_backend, device)
     tp_size = config.tensor_parallel_size
     model_config = ModelConfig.from_pretrained(model)
+    on_load = base_on_load(config)
     cuda_graphs = resolve_cuda_graphs(
         config.cuda_graphs,
         device,
@@ -86,13 +88,14 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
                 device=device,
                 measure=config.kernel_choice == "measure",
             )
+        # A base quantized on load multiplies through its own kernels: nothing to measure.
         plan = linear_plan(
             projection_shapes(model_config),
             torch_dtype,
             num_layers=model_config.num_layers,
             max_rows=config.max_num_batched_tokens,
             device=device,
-            measure=config.kernel_choice == "measure",
+            measure=config.kernel_choice == "measure" and on_load is None,
         )
     # Tensor parallelism: ranks 1..N-1 load their shards while this process (rank 0) loads
     # its own; None on one rank.
@@ -108,7 +111,13 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
     group = tensor_parallel.group if tensor_parallel is not None else None
     try:
         llama = LlamaModel.from_pretrained(
-            model, dtype=torch_dtype, device=device, group=group, linear_plan=plan, op_plans=ops
+            model,
+            dtype=torch_dtype,
+            device=device,
+            group=group,
+            linear_plan=plan,
+            op_plans=ops,
+            on_load=on_load,
         )
         if tensor_parallel is not None:
             tensor_parallel.connect()
@@ -154,6 +163,7 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
             host_cache_bytes=int(config.lora_host_cache_gb * 2**30),
             shard=group.shard if group is not None else None,
             ops=ops,
+            on_load=on_load,
         )
     runner_options = dict(
         num_blocks=num_kv_blocks,

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from adapters.errors import InvalidAdapterError
 from adapters.lora import LoraAdapter, LoraWeights
 from adapters.peft_names import canonical_module_key
+from worker.model.quantize_on_load import OnLoad
 
 DoraFactors = dict[tuple[int, str], torch.Tensor]  # (layer, module) -> g [out] float32
 
@@ -27,9 +28,14 @@ DoraFactors = dict[tuple[int, str], torch.Tensor]  # (layer, module) -> g [out] 
 class BaseWeights:
     """The base checkpoint's projection weights, read one at a time on demand (memory-mapped)."""
 
-    def __init__(self, model_path: str | Path, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model_path: str | Path, dtype: torch.dtype, on_load: OnLoad | None = None
+    ) -> None:
+        """``on_load``: the base is quantized as it loads; its weights are then the dequantized
+        ones (as PEFT dequantizes a quantized layer's weight for DoRA's norm)."""
         self.path = Path(model_path)
         self.dtype = dtype
+        self.on_load = on_load
         self._files: dict[str, Path] | None = None  # tensor name -> shard, on first use
 
     def projection(self, layer: int, module: str) -> torch.Tensor:  # [out, in] float32
@@ -39,7 +45,10 @@ class BaseWeights:
         if name not in files:
             raise InvalidAdapterError(f"the base checkpoint has no {name} for DoRA")
         with safe_open(files[name], framework="pt") as f:
-            return f.get_tensor(name).to(self.dtype).float()
+            weight = f.get_tensor(name).to(self.dtype)
+        if self.on_load is not None:  # each output feature's groups are its own: as fused
+            return self.on_load(name, weight).dequantize(torch.float32)
+        return weight.float()
 
     def _index(self) -> dict[str, Path]:
         if self._files is None:

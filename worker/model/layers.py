@@ -19,6 +19,7 @@ from worker.errors import ModelLoadError
 from worker.model.architectures import NormPlacement, QKNorm
 from worker.model.model_config import ModelConfig
 from worker.model.moe import MoeWeights, load_experts
+from worker.model.quantize_on_load import OnLoad, quantized
 
 
 @dataclass(slots=True)
@@ -62,10 +63,13 @@ def load_layer(
     quantization: str | None,
     plan: LinearPlan | None,
     shards: int = 1,
+    on_load: OnLoad | None = None,
 ) -> LayerWeights:
     """Layer ``i`` of the checkpoint's tensors ``w`` (see ``LlamaModel`` for the options);
     ``shards``: a tensor-parallel group's size, ``w`` being one rank's shard (each expert holds
-    its share of the intermediate features: ``worker.model.sharding``)."""
+    its share of the intermediate features: ``worker.model.sharding``); ``on_load``: the
+    projections quantized as they load (fused ones after fusing: each output feature's groups
+    are its own, so that equals fusing the quantized parts)."""
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
     block = config.block
@@ -75,15 +79,19 @@ def load_layer(
     if sparse:
         assert experts is not None
         own = replace(experts, intermediate_size=experts.intermediate_size // shards)
-        moe = load_experts(w, i, own, quantization=quantization, plan=plan)
+        moe = load_experts(w, i, own, quantization=quantization, plan=plan, on_load=on_load)
     if block.fused_checkpoint:  # Phi-3: stored in our fused order already
         qkv, gate_up = w[attn + "qkv_proj.weight"], w[mlp + "gate_up_proj.weight"]
     else:
         qkv = torch.cat([w[attn + f"{n}_proj.weight"] for n in "qkv"])
         if not sparse:
             gate_up = torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])
+
+    def linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        return Linear(quantized(on_load, name, weight), bias, quantization=quantization, plan=plan)
+
     if not sparse:
-        down = Linear(w[mlp + "down_proj.weight"], quantization=quantization, plan=plan)
+        down = linear(mlp + "down_proj.weight", w[mlp + "down_proj.weight"])
     bias = None
     if config.qkv_bias:
         bias = torch.cat([w[attn + f"{n}_proj.bias"] for n in "qkv"])
@@ -108,9 +116,9 @@ def load_layer(
         norms["q_norm"] = norm(attn + "q_norm.weight")
         norms["k_norm"] = norm(attn + "k_norm.weight")
     return LayerWeights(
-        qkv=Linear(qkv, bias, quantization=quantization, plan=plan),
-        o=Linear(w[attn + "o_proj.weight"], quantization=quantization, plan=plan),
-        gate_up=None if gate_up is None else Linear(gate_up, quantization=quantization, plan=plan),
+        qkv=linear(attn + "qkv", qkv, bias),
+        o=linear(attn + "o_proj.weight", w[attn + "o_proj.weight"]),
+        gate_up=None if gate_up is None else linear(mlp + "gate_up", gate_up),
         down=down,
         moe=moe,
         window=block.layer_windows[i] if block.layer_windows else None,

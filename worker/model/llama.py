@@ -35,6 +35,7 @@ from worker.model.layers import load_layer, norm_weight
 from worker.model.model_config import ModelConfig
 from worker.model.moe import moe_mlp
 from worker.model.op_choice import OpPlans, fixed_op_plans
+from worker.model.quantize_on_load import OnLoad, output_layer
 from worker.model.rope import (
     RopeTables,
     apply_partial_rope,
@@ -75,6 +76,7 @@ class LlamaModel:
         group: TensorParallelGroup | None = None,
         linear_plan: LinearPlan | None = None,
         op_plans: OpPlans | None = None,
+        on_load: OnLoad | None = None,
     ):
         """``weights`` on the device the model runs on (``switchboard_kernels.linear`` packs on
         CPU).
@@ -86,7 +88,11 @@ class LlamaModel:
         rank's tensor-parallel group, ``weights`` then being its shard (``from_pretrained``).
         ``linear_plan``: the projections' kernels (``switchboard_kernels.linear_choice``; None:
         its fixed rule); ``op_plans`` the other ops' (``worker.model.op_choice``; None: its
-        fixed rule)."""
+        fixed rule). ``on_load``: a served base's projections quantized as they load
+        (``worker.model.quantize_on_load``: weight-only, exact up to the weights' rounding;
+        not the draft's ``quantization``)."""
+        if on_load is not None and quantization is not None:
+            raise ValueError("a base quantized on load takes no draft quantization")
         self.config = config
         self.dtype = dtype
         self.device = weights["model.embed_tokens.weight"].device
@@ -133,12 +139,20 @@ class LlamaModel:
         self.ops = op_plans or fixed_op_plans(dtype, self.device)
         # fp32 out: the logits keep the product's fp32 sums through the sampler and logprobs
         # (rounded to bf16 they sit on a grid, 0.125 apart near the top, and tie).
+        self.on_load = on_load
+        head_weight = output_layer(on_load, head, head_weight)
         self.lm_head = Linear(
             head_weight, quantization=quantization, plan=linear_plan, fp32_out=True
         )
         self.layers = [
             load_layer(
-                weights, i, c, quantization=quantization, plan=linear_plan, shards=self.shard.size
+                weights,
+                i,
+                c,
+                quantization=quantization,
+                plan=linear_plan,
+                shards=self.shard.size,
+                on_load=on_load,
             )
             for i in range(c.num_layers)
         ]
@@ -185,6 +199,7 @@ class LlamaModel:
         group: TensorParallelGroup | None = None,
         linear_plan: LinearPlan | None = None,
         op_plans: OpPlans | None = None,
+        on_load: OnLoad | None = None,
     ) -> LlamaModel:
         """``group``: load this rank's shard only (each tensor's slice read from the file)."""
         config = ModelConfig.from_pretrained(path)
@@ -204,6 +219,7 @@ class LlamaModel:
             group=group,
             linear_plan=linear_plan,
             op_plans=op_plans,
+            on_load=on_load,
         )
 
     def _vocab_padded(self, rows: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,7 @@ from worker.errors import InvalidRequestError, UnknownAdapterError
 from worker.model.dora import BaseWeights, DoraFactors, dora_factors
 from worker.model.expert_lora import ExpertLora, ExpertSlots
 from worker.model.op_choice import OpPlans
+from worker.model.quantize_on_load import OnLoad
 from worker.model.saved_modules import SavedRows, SlotModules
 from worker.model.sharding import FUSED_PARTS, Shard, expert_lora_shard
 
@@ -158,11 +159,13 @@ class LoraManager:
         host_cache_bytes: int = 2 * 2**30,
         shard: Shard | None = None,
         ops: OpPlans | None = None,
+        on_load: OnLoad | None = None,
     ) -> None:
         """``shard``: this rank's place in a tensor-parallel group; its slots hold S-LoRA's
         shards, for the split shrink and expand (no native kernel or prepacked pairs).
         ``ops``: which steps, by token count, take the native kernel (``op_choice``; None:
-        every step where it builds)."""
+        every step where it builds). ``on_load``: the base is quantized as it loads (DoRA's
+        factors then come from its dequantized weights)."""
         config = json.loads((Path(model_path) / "config.json").read_text())
         self.spec = BaseModelSpec.from_config_dict(config)
         fused = "qkv_proj" in self.spec.projections
@@ -181,7 +184,7 @@ class LoraManager:
         self.slot_dora: list[bool] = [False] * max_loras  # the slot's adapter is DoRA
         # The slot's adapter's modules_to_save copies and token rows on the device (None: none).
         self.slot_saved: list[SlotModules | None] = [None] * max_loras
-        self.base_weights = BaseWeights(model_path, dtype)  # for DoRA's factors
+        self.base_weights = BaseWeights(model_path, dtype, on_load)  # for DoRA's factors
         # Why an adapter may not be part of a mix (content id -> the feature), set when named.
         self.unmixable: dict[str, str] = {}
         # DoRA's factors of the adapters read (content id -> g per module), computed by

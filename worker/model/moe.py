@@ -28,6 +28,7 @@ from switchboard_kernels.linear_choice import PANELS, LinearPlan
 from switchboard_kernels.moe_native import GroupedExperts
 from worker.errors import ModelLoadError
 from worker.model.architectures import Experts
+from worker.model.quantize_on_load import OnLoad, quantized
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -65,8 +66,10 @@ def load_experts(
     *,
     quantization: str | None,
     plan: LinearPlan | None,
+    on_load: OnLoad | None = None,
 ) -> MoeWeights:
-    """Layer ``i``'s router and experts from whichever layout the checkpoint uses."""
+    """Layer ``i``'s router and experts from whichever layout the checkpoint uses; ``on_load``:
+    each expert's projections quantized as they load (the router stays as it is)."""
     p = f"model.layers.{i}."
     router, gate_up, down = _expert_tensors(w, p, routing.num_experts)
     if gate_up.shape[1] != 2 * routing.intermediate_size:
@@ -75,8 +78,9 @@ def load_experts(
             f"says {routing.intermediate_size}"
         )
 
-    def linear(weight: torch.Tensor) -> Linear:
-        return Linear(weight.contiguous(), quantization=quantization, plan=plan)
+    def linear(name: str, weight: torch.Tensor) -> Linear:
+        weight = quantized(on_load, name, weight.contiguous())
+        return Linear(weight, quantization=quantization, plan=plan)
 
     # bf16: the panels' sums in fp32, one rounding, as F.linear's. ``batch_invariant``
     # (fixed_order) in any dtype: a row's logits then never depend on the step's other rows.
@@ -86,8 +90,8 @@ def load_experts(
         router_panels = Linear(router, plan=LinearPlan(PANELS, PANELS, fixed_order=fixed_order))
     return MoeWeights(
         router=router,
-        gate_up=[linear(g) for g in gate_up],
-        down=[linear(d) for d in down],
+        gate_up=[linear(f"{p}mlp.experts.{e}.gate_up", g) for e, g in enumerate(gate_up)],
+        down=[linear(f"{p}mlp.experts.{e}.down", d) for e, d in enumerate(down)],
         routing=routing,
         router_panels=router_panels,
     )

@@ -61,6 +61,7 @@ class _Rank:
         from worker.model.lora_manager import LoraManager
         from worker.model.model_runner import ModelRunner
         from worker.model.parallel_group import TensorParallelGroup
+        from worker.model.quantize_on_load import base_on_load
         from worker.model.sharding import Shard
 
         config = spec.config
@@ -74,6 +75,7 @@ class _Rank:
             device=device,
             group=self.group,
             linear_plan=spec.linear_plan,
+            on_load=base_on_load(config),
         )
         self.lora_manager = None
         if config.max_loras > 0:
@@ -85,6 +87,7 @@ class _Rank:
                 max_lora_rank=config.max_lora_rank,
                 host_cache_bytes=int(config.lora_host_cache_gb * 2**30),
                 shard=self.group.shard,
+                on_load=base_on_load(config),
             )
         self.runner = ModelRunner(
             model,

@@ -1,0 +1,20 @@
+/* The lane layout of packed weight levels, shared by the 4-bit draft kernels (q4.h: levels
+ * times int8 activations) and the quantized-base kernels (wq_cpu.c: levels times fp32
+ * activations). switchboard_kernels/panel_levels.py packs it.
+ *
+ * A panel is PL_NR consecutive output features (the last one zero-padded); its input features
+ * run in groups, each group's levels in steps of 64 bytes, one 32-bit lane per output. In a
+ * step, lane j of a 4-bit weight holds 8 features k0 .. k0 + 7: byte i = q[j, k0 + i] |
+ * q[j, k0 + 4 + i] << 4; of an 8-bit weight 4 features: byte i = q[j, k0 + i]. So an integer
+ * dot product (VNNI's vpdpbusd, AVX2's maddubs) takes 4 consecutive features of a lane at
+ * once, and a shift and a mask of the lanes give one feature's level for all 16 outputs. */
+#ifndef SWITCHBOARD_PANEL_LEVELS_H
+#define SWITCHBOARD_PANEL_LEVELS_H
+
+#define PL_NR 16         /* outputs per panel: one 32-bit lane each in 64 bytes */
+#define PL_STEP_BYTES 64 /* one step of levels: 8 features (4-bit) or 4 (8-bit) */
+
+/* Features per 64-byte step of levels. */
+#define PL_STEP_FEATURES(bits) (bits == 4 ? 8 : 4)
+
+#endif /* SWITCHBOARD_PANEL_LEVELS_H */

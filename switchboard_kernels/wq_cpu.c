@@ -1,0 +1,397 @@
+/* Projections over a quantized base's weights on CPU: y = x W^T (+ bias) (+ residual), W held
+ * as 4- or 8-bit levels with an fp32 scale and zero per output and group of input features
+ * (switchboard_kernels/quantized_weight.py), x fp32 or bf16 rows, never rounded.
+ *
+ * Why native code: a decode step reads every weight once, so its cost is the weights' bytes;
+ * 4-bit levels are a quarter of bf16's, 8-bit a half. The levels stream from memory in the
+ * shared lane layout (panel_levels.h) and are widened to fp32 in registers; the activations
+ * stay fp32 (a served base must be exact up to its weights' rounding, as transformers and PEFT
+ * compute over a dequantized layer), so the products are fp32 FMAs, not integer dot products.
+ *
+ * Arithmetic: per output n and group g, w[n, k] = (q[n, k] - z[n, g]) s[n, g], so
+ * y[m, n] = sum_g s[n, g] (sum_k q[n, k] x[m, k] - z[n, g] xsum[m, g]), xsum[m, g] the
+ * group's sum of x; each inner sum in fp32 over the levels widened exactly, the group's
+ * share added to an fp32 total. One shift, one mask and one conversion give a feature's 16
+ * levels; one FMA per row uses them, so rows of a step share the unpacking.
+ *
+ * Layout (wq_native.py packs it): panels of PL_NR outputs, each group one block: the levels
+ * (group * PL_NR * bits / 8 bytes), then PL_NR fp32 scales, then PL_NR fp32 zeros.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "bf16.h"
+#include "panel_levels.h"
+
+#define WQ_ROWS 8 /* rows sharing each unpacked vector of levels */
+
+struct sb_wq {
+    int64_t in_features, out_features, group_size, bits;
+    const uint8_t *blocks; /* [ceil(out / 16)][in / group][block bytes] */
+    const float *bias;     /* [out] or NULL */
+};
+
+/* The step's rows as the loops read them: fp32, and each group's sum. */
+typedef struct {
+    const float *x;     /* [rows, K] */
+    float *xsum;        /* [rows, G] */
+    int64_t K, G;
+    const void *pairs; /* bf16 rows in pair order (the bf16 loop's), else NULL */
+} WqRows;
+
+static int64_t level_bytes(const struct sb_wq *w) { return w->group_size * PL_NR * w->bits / 8; }
+static int64_t block_bytes(const struct sb_wq *w) { return level_bytes(w) + 2 * PL_NR * 4; }
+
+/* --- the panel loops: out[r][j] = y[m0 + r, 16p + j] before bias and residual ------------ */
+
+typedef void (*WqPanel)(const struct sb_wq *, const uint8_t *, const WqRows *, int64_t, int,
+                        float[WQ_ROWS][PL_NR]);
+
+static void panel_portable(const struct sb_wq *w, const uint8_t *panel, const WqRows *x,
+                           int64_t m0, int rows, float out[WQ_ROWS][PL_NR]) {
+    const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
+    const int per_step = PL_STEP_FEATURES(w->bits);
+    memset(out, 0, sizeof(float) * WQ_ROWS * PL_NR);
+    for (int64_t g = 0; g < x->G; g++) {
+        const uint8_t *b = panel + g * bb;
+        float s[PL_NR], z[PL_NR];
+        memcpy(s, b + lb, sizeof s), memcpy(z, b + lb + sizeof s, sizeof z);
+        for (int r = 0; r < rows; r++) {
+            const float *xg = x->x + (m0 + r) * x->K + g * gs;
+            float xs = x->xsum[(m0 + r) * x->G + g];
+            for (int j = 0; j < PL_NR; j++) {
+                float part = 0.0f;
+                for (int64_t o = 0; o < gs / per_step; o++) {
+                    const uint8_t *lane = b + o * PL_STEP_BYTES + j * 4;
+                    const float *xk = xg + o * per_step;
+                    for (int i = 0; i < 4; i++) {
+                        if (w->bits == 4) {
+                            part += (float)(lane[i] & 15) * xk[i];
+                            part += (float)(lane[i] >> 4) * xk[4 + i];
+                        } else {
+                            part += (float)lane[i] * xk[i];
+                        }
+                    }
+                }
+                out[r][j] += s[j] * (part - z[j] * xs);
+            }
+        }
+    }
+}
+
+/* NAME(...) calls ROWS_FN with constant bits and row count (1 .. 8, at most the loop's tile),
+ * so the row loops unroll and the accumulators stay in registers. */
+#define WQ_CASES(ROWS_FN, BITS)                                                               \
+    switch (rows) {                                                                           \
+    case 1: ROWS_FN(w, panel, x, m0, BITS, 1, out); break;                                    \
+    case 2: ROWS_FN(w, panel, x, m0, BITS, 2, out); break;                                    \
+    case 3: ROWS_FN(w, panel, x, m0, BITS, 3, out); break;                                    \
+    case 4: ROWS_FN(w, panel, x, m0, BITS, 4, out); break;                                    \
+    case 5: ROWS_FN(w, panel, x, m0, BITS, 5, out); break;                                    \
+    case 6: ROWS_FN(w, panel, x, m0, BITS, 6, out); break;                                    \
+    case 7: ROWS_FN(w, panel, x, m0, BITS, 7, out); break;                                    \
+    default: ROWS_FN(w, panel, x, m0, BITS, 8, out); break;                                   \
+    }
+#define WQ_DISPATCH(NAME, ROWS_FN)                                                            \
+    static void NAME(const struct sb_wq *w, const uint8_t *panel, const WqRows *x, int64_t m0, \
+                     int rows, float out[WQ_ROWS][PL_NR]) {                                   \
+        if (w->bits == 4) {                                                                   \
+            WQ_CASES(ROWS_FN, 4)                                                              \
+        } else {                                                                              \
+            WQ_CASES(ROWS_FN, 8)                                                              \
+        }                                                                                     \
+    }
+
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void panel_avx512_rows(
+    const struct sb_wq *w, const uint8_t *panel, const WqRows *x, int64_t m0, const int bits,
+    const int R, float out[WQ_ROWS][PL_NR]) {
+    const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
+    const int per_step = bits == 4 ? 8 : 4;
+    const int C = R >= 4 ? 1 : (R == 1 ? 4 : 2); /* FMA chains per row */
+    const __m512i mask = _mm512_set1_epi32(bits == 4 ? 0x0f : 0xff);
+    __m512 acc[WQ_ROWS];
+    const float *xr[WQ_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), xr[r] = x->x + (m0 + r) * x->K;
+    for (int64_t g = 0; g < x->G; g++) {
+        const uint8_t *b = panel + g * bb;
+        __builtin_prefetch(b + 2 * bb);
+        __m512 part[WQ_ROWS][4];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) part[r][c] = _mm512_setzero_ps();
+        for (int64_t o = 0; o < gs / per_step; o++) {
+            __m512i v = _mm512_loadu_si512((const void *)(b + o * PL_STEP_BYTES));
+            const int64_t k0 = g * gs + o * per_step;
+            for (int i = 0; i < 4; i++) {
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * i), mask));
+                for (int r = 0; r < R; r++)
+                    part[r][i % C] =
+                        _mm512_fmadd_ps(lo, _mm512_set1_ps(xr[r][k0 + i]), part[r][i % C]);
+                if (bits == 4) {
+                    __m512 hi = _mm512_cvtepi32_ps(
+                        _mm512_and_si512(_mm512_srli_epi32(v, 8 * i + 4), mask));
+                    for (int r = 0; r < R; r++)
+                        part[r][(i + 1) % C] = _mm512_fmadd_ps(
+                            hi, _mm512_set1_ps(xr[r][k0 + 4 + i]), part[r][(i + 1) % C]);
+                }
+            }
+        }
+        __m512 s = _mm512_loadu_ps((const float *)(b + lb));
+        __m512 z = _mm512_loadu_ps((const float *)(b + lb) + PL_NR);
+        for (int r = 0; r < R; r++) {
+            __m512 sum = part[r][0];
+            for (int c = 1; c < C; c++) sum = _mm512_add_ps(sum, part[r][c]);
+            sum = _mm512_fnmadd_ps(z, _mm512_set1_ps(x->xsum[(m0 + r) * x->G + g]), sum);
+            acc[r] = _mm512_fmadd_ps(s, sum, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+WQ_DISPATCH(panel_avx512, panel_avx512_rows)
+#define HAVE_AVX512_PATH 1
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* bf16 rows times 4- or 8-bit levels: one VDPBF16PS multiplies 16 outputs' pairs of 4-bit
+ * values by a pair of the row's activations, exactly (such a value as bf16 is exact), adding
+ * into fp32. A lane's pairs come out of its 32 bits with a shift and one ternary-logic op:
+ * masked to a nibble in each 16-bit half and ORed with bf16 128.0's bits, each half is the bf16
+ * 128 + nibble. 4-bit: the nibbles are the levels; the halves pair features (k0, k0 + 2),
+ * (k0 + 1, k0 + 3), (k0 + 4, k0 + 6), (k0 + 5, k0 + 7), and the group's zero is taken as
+ * z + 128. 8-bit: a level is lo + 16 hi, its two nibbles; the halves pair (k0, k0 + 2) and
+ * (k0 + 1, k0 + 3), low nibbles into one sum and high ones into another, which counts 16
+ * times, and the zero is taken as z + 128 + 16 * 128. The rows are permuted into those pairs
+ * once a call (bf16_pairs). */
+static inline __attribute__((always_inline)) void panel_bf16_rows(
+    const struct sb_wq *w, const uint8_t *panel, const WqRows *x, int64_t m0, const int bits,
+    const int R, float out[WQ_ROWS][PL_NR]) {
+    const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
+    const int per_step = bits == 4 ? 8 : 4;
+    /* independent dot-product chains per row (8-bit: each of its two sums) */
+    const int C = bits == 8 ? (R == 1 ? 2 : 1) : (R >= 4 ? 1 : (R == 1 ? 4 : 2));
+    const __m512i mask = _mm512_set1_epi32(0x000f000f), one28 = _mm512_set1_epi32(0x43004300);
+    const uint16_t *xp = (const uint16_t *)x->pairs;
+    __m512 acc[WQ_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < x->G; g++) {
+        const uint8_t *b = panel + g * bb;
+        __builtin_prefetch(b + 2 * bb);
+        __m512 part[WQ_ROWS][4], high[WQ_ROWS][4];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) part[r][c] = high[r][c] = _mm512_setzero_ps();
+        for (int64_t o = 0; o < gs / per_step; o++) {
+            __m512i v = _mm512_loadu_si512((const void *)(b + o * PL_STEP_BYTES));
+            const int64_t k0 = g * gs + o * per_step;
+            for (int t = 0; t < 4; t++) {
+                /* 4-bit: nibble offsets 0, 8, 4, 12 are features pairs t; 8-bit: 0 and 8 the
+                 * low nibbles of pairs 0 and 1, 4 and 12 their high nibbles */
+                static const int shift[4] = {0, 8, 4, 12};
+                __m512i q = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, shift[t]), mask,
+                                                      one28, 0xEA); /* (a & b) | c */
+                const int pair = bits == 4 ? t : (t & 1);
+                for (int r = 0; r < R; r++) {
+                    int32_t xv;
+                    memcpy(&xv, xp + (m0 + r) * x->K + k0 + 2 * pair, sizeof xv);
+                    __m512bh xb = (__m512bh)_mm512_set1_epi32(xv);
+                    if (bits == 8 && t >= 2)
+                        high[r][t % C] = _mm512_dpbf16_ps(high[r][t % C], (__m512bh)q, xb);
+                    else
+                        part[r][t % C] = _mm512_dpbf16_ps(part[r][t % C], (__m512bh)q, xb);
+                }
+            }
+        }
+        __m512 s = _mm512_loadu_ps((const float *)(b + lb));
+        __m512 z = _mm512_add_ps(_mm512_loadu_ps((const float *)(b + lb) + PL_NR),
+                                 _mm512_set1_ps(bits == 4 ? 128.0f : 128.0f * 17.0f));
+        for (int r = 0; r < R; r++) {
+            __m512 sum = part[r][0];
+            for (int c = 1; c < C; c++) sum = _mm512_add_ps(sum, part[r][c]);
+            if (bits == 8) {
+                __m512 hi = high[r][0];
+                for (int c = 1; c < C; c++) hi = _mm512_add_ps(hi, high[r][c]);
+                sum = _mm512_fmadd_ps(_mm512_set1_ps(16.0f), hi, sum);
+            }
+            sum = _mm512_fnmadd_ps(z, _mm512_set1_ps(x->xsum[(m0 + r) * x->G + g]), sum);
+            acc[r] = _mm512_fmadd_ps(s, sum, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+WQ_DISPATCH(panel_bf16, panel_bf16_rows)
+#define HAVE_BF16_PATH 1
+#endif
+
+/* The bf16 rows [rows, K] with each step's features in the order the level pairs take them
+ * (4-bit: 8 features a step, 8-bit: 4). */
+static void bf16_pairs(const uint16_t *x, int64_t rows, int64_t K, int bits, uint16_t *out) {
+    static const int order4[8] = {0, 2, 1, 3, 4, 6, 5, 7}, order8[4] = {0, 2, 1, 3};
+    const int n = bits == 4 ? 8 : 4;
+    const int *order = bits == 4 ? order4 : order8;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t k = 0; k < K; k += n)
+            for (int i = 0; i < n; i++) out[m * K + k + i] = x[m * K + k + order[i]];
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* 16 outputs as two halves of 8 lanes; up to 4 rows a tile (16 ymm registers). */
+static inline __attribute__((always_inline)) void panel_avx2_rows(
+    const struct sb_wq *w, const uint8_t *panel, const WqRows *x, int64_t m0, const int bits,
+    const int R, float out[WQ_ROWS][PL_NR]) {
+    const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
+    const int per_step = bits == 4 ? 8 : 4;
+    const __m256i mask = _mm256_set1_epi32(bits == 4 ? 0x0f : 0xff);
+    const float *xr[WQ_ROWS];
+    for (int r = 0; r < R; r++) xr[r] = x->x + (m0 + r) * x->K;
+    memset(out, 0, sizeof(float) * WQ_ROWS * PL_NR);
+    for (int64_t g = 0; g < x->G; g++) {
+        const uint8_t *b = panel + g * bb;
+        __builtin_prefetch(b + 2 * bb);
+        __m256 part[4][2];
+        for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm256_setzero_ps();
+        for (int64_t o = 0; o < gs / per_step; o++) {
+            const int64_t k0 = g * gs + o * per_step;
+            for (int h = 0; h < 2; h++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(b + o * PL_STEP_BYTES + 32 * h));
+                for (int i = 0; i < 4; i++) {
+                    __m256 lo =
+                        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * i), mask));
+                    for (int r = 0; r < R; r++)
+                        part[r][h] =
+                            _mm256_fmadd_ps(lo, _mm256_set1_ps(xr[r][k0 + i]), part[r][h]);
+                    if (bits == 4) {
+                        __m256 hi = _mm256_cvtepi32_ps(
+                            _mm256_and_si256(_mm256_srli_epi32(v, 8 * i + 4), mask));
+                        for (int r = 0; r < R; r++)
+                            part[r][h] = _mm256_fmadd_ps(hi, _mm256_set1_ps(xr[r][k0 + 4 + i]),
+                                                         part[r][h]);
+                    }
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256 s = _mm256_loadu_ps((const float *)(b + lb) + 8 * h);
+            __m256 z = _mm256_loadu_ps((const float *)(b + lb) + PL_NR + 8 * h);
+            for (int r = 0; r < R; r++) {
+                __m256 sum = _mm256_fnmadd_ps(
+                    z, _mm256_set1_ps(x->xsum[(m0 + r) * x->G + g]), part[r][h]);
+                __m256 a = _mm256_loadu_ps(out[r] + 8 * h);
+                _mm256_storeu_ps(out[r] + 8 * h, _mm256_fmadd_ps(s, sum, a));
+            }
+        }
+    }
+}
+
+/* AVX2 tiles hold at most 4 rows (wq_pick's tile), so counts past 4 never come here. */
+#define panel_avx2_capped(w, p, x, m0, bits, R, out) \
+    panel_avx2_rows(w, p, x, m0, bits, (R) > 4 ? 4 : (R), out)
+WQ_DISPATCH(panel_avx2, panel_avx2_capped)
+#define HAVE_AVX2_PATH 1
+#endif
+
+/* Which loops: 0 the widest this CPU has, 1 AVX2's, 2 the portable ones (tests run each);
+ * *tile: the most rows one call of the loop takes. */
+static WqPanel wq_pick(int path, int bf16_rows, int *tile) {
+#if defined(HAVE_BF16_PATH)
+    if (path == 0 && bf16_rows) return *tile = WQ_ROWS, panel_bf16;
+#else
+    (void)bf16_rows;
+#endif
+#if defined(HAVE_AVX512_PATH)
+    if (path == 0) return *tile = WQ_ROWS, panel_avx512;
+#endif
+#if defined(HAVE_AVX2_PATH)
+    if (path <= 1) return *tile = 4, panel_avx2;
+#endif
+    (void)path;
+    *tile = WQ_ROWS;
+    return panel_portable;
+}
+
+/* The loops this build has, as a bit mask: 1 AVX-512, 2 AVX2, 4 portable, 8 AVX512-BF16
+ * (bf16 rows, part of path 0). */
+int sb_wq_paths(void) {
+    int mask = 4;
+#if defined(HAVE_BF16_PATH)
+    mask |= 8;
+#endif
+#if defined(HAVE_AVX512_PATH)
+    mask |= 1;
+#endif
+#if defined(HAVE_AVX2_PATH)
+    mask |= 2;
+#endif
+    return mask;
+}
+
+/* Semantics: y = x W^T (+ bias) (+ res), summed in fp32: x [rows, in] fp32 when x_fp32 else
+ * bf16; res (nullable; may be y itself) and y [rows, out] fp32 when out_fp32 else bf16 (one
+ * rounding); all contiguous. Returns 0, or -1 if memory for the widened rows ran out. */
+int sb_wq_linear(const struct sb_wq *w, const void *x, int x_fp32, int64_t rows, const void *res,
+                 void *y, int out_fp32, int path) {
+    const int64_t K = w->in_features, N = w->out_features, G = K / w->group_size;
+    float *wide = x_fp32 ? NULL : malloc(sizeof(float) * (size_t)(rows * K));
+    float *xsum = malloc(sizeof(float) * (size_t)(rows * G));
+    if ((!x_fp32 && !wide) || !xsum) {
+        free(wide), free(xsum);
+        return -1;
+    }
+    const float *xf = x_fp32 ? (const float *)x : wide;
+    for (int64_t m = 0; m < rows; m++) {
+        if (!x_fp32) as_f32((const uint16_t *)x + m * K, K, 0, wide + m * K);
+        for (int64_t g = 0; g < G; g++) {
+            const float *v = xf + m * K + g * w->group_size;
+            float t = 0.0f;
+#pragma omp simd reduction(+ : t)
+            for (int64_t i = 0; i < w->group_size; i++) t += v[i];
+            xsum[m * G + g] = t;
+        }
+    }
+    int tile;
+    const int bf16_rows = !x_fp32;
+    WqPanel loop = wq_pick(path, bf16_rows, &tile);
+    uint16_t *pairs = NULL;
+#if defined(HAVE_BF16_PATH)
+    if (loop == panel_bf16) {
+        pairs = malloc(sizeof(uint16_t) * (size_t)(rows * K));
+        if (!pairs) {
+            free(wide), free(xsum);
+            return -1;
+        }
+        bf16_pairs((const uint16_t *)x, rows, K, (int)w->bits, pairs);
+    }
+#endif
+    WqRows xr = {xf, xsum, K, G, pairs};
+    const int64_t num_panels = (N + PL_NR - 1) / PL_NR, panel_bytes = G * block_bytes(w);
+#pragma omp parallel for schedule(static) if (num_panels > 1)
+    for (int64_t p = 0; p < num_panels; p++) {
+        const int64_t n0 = p * PL_NR;
+        const int cols = N - n0 < PL_NR ? (int)(N - n0) : PL_NR;
+        for (int64_t m0 = 0; m0 < rows; m0 += tile) {
+            const int t = rows - m0 < tile ? (int)(rows - m0) : tile;
+            float acc[WQ_ROWS][PL_NR];
+            loop(w, w->blocks + p * panel_bytes, &xr, m0, t, acc);
+            for (int r = 0; r < t; r++) {
+                const int64_t at = (m0 + r) * N + n0;
+                for (int j = 0; j < cols; j++) {
+                    float v = acc[r][j] + (w->bias ? w->bias[n0 + j] : 0.0f);
+                    if (out_fp32) {
+                        if (res) v += ((const float *)res)[at + j];
+                        ((float *)y)[at + j] = v;
+                    } else {
+                        if (res) v += bf16_to_f32(((const uint16_t *)res)[at + j]);
+                        ((uint16_t *)y)[at + j] = f32_to_bf16(v);
+                    }
+                }
+            }
+        }
+    }
+    free(wide), free(xsum), free(pairs);
+    return 0;
+}
