@@ -5,9 +5,9 @@ AutoAWQ's own round-to-nearest (``AwqQuantizer.pseudo_quantize_tensor``, zero po
 projection's scales and zeros, its ``WQLinear_GEMM.from_linear`` packs them (GEMM, the
 interleaved nibble order), and its ``dequantize_gemm`` is the reference: ``awq_layers`` (layers of
 several group sizes, fp16 scales as AutoAWQ stores them) beside ``awq_layers_reference`` (the
-library's dequantization with the scales in fp16 and in fp32), and ``awq_llama/`` (the tiny Llama,
-groups of 32) beside ``awq_llama_reference/`` (its projections dequantized by the library, scales
-widened to fp32, saved plain). AutoAWQ's package imports ``datasets`` for calibration data, which
+library's dequantization, the scales widened to fp32 exactly), and ``awq_llama/`` (the tiny Llama,
+groups of 32) beside ``awq_llama_reference.safetensors`` (its projections as the library
+dequantizes them). AutoAWQ's package imports ``datasets`` for calibration data, which
 round-to-nearest does not use: a stand-in module satisfies the import.
 """
 
@@ -25,8 +25,7 @@ sys.modules.setdefault("datasets", types.SimpleNamespace(load_dataset=None))
 from awq.modules.linear.gemm import WQLinear_GEMM  # noqa: E402
 from awq.quantize.quantizer import AwqQuantizer  # noqa: E402
 from awq.utils.packing_utils import dequantize_gemm  # noqa: E402
-from tiny import projections, tiny_llama  # noqa: E402
-from transformers import LlamaForCausalLM  # noqa: E402
+from tiny import projections, save_reference, tiny_llama  # noqa: E402
 
 CONFIG = {"quant_method": "awq", "bits": 4, "version": "gemm", "zero_point": True}
 
@@ -50,12 +49,11 @@ def dequantized(t: dict[str, torch.Tensor], group_size: int, dtype: torch.dtype)
 def layers(out: Path) -> None:
     torch.manual_seed(1)
     packed, reference = {}, {}
-    for group_size in (32, 64, 128):
+    for group_size in (16, 32, 64):
         name = f"group{group_size}"
-        t = pack(torch.nn.Linear(128, 32, bias=False), group_size)
+        t = pack(torch.nn.Linear(64, 32, bias=False), group_size)
         packed |= {f"{name}.{k}": v.contiguous() for k, v in t.items()}
-        reference[f"{name}.fp16"] = dequantized(t, group_size, torch.float16)
-        reference[f"{name}.fp32"] = dequantized(t, group_size, torch.float32)
+        reference[name] = dequantized(t, group_size, torch.float32)
     save_file(packed, out / "awq_layers.safetensors")
     save_file(reference, out / "awq_layers_reference.safetensors")
 
@@ -63,14 +61,11 @@ def layers(out: Path) -> None:
 def llama(out: Path) -> None:
     model = tiny_llama()
     group_size = 32
-    packed = {}
-    reference = LlamaForCausalLM(model.config).float()
-    reference.load_state_dict(model.state_dict())
-    ref_modules = dict(reference.named_modules())
+    packed, reference = {}, {}
     for name, linear in projections(model).items():
         t = pack(linear, group_size)
         packed |= {f"{name}.{k}": v.contiguous() for k, v in t.items()}
-        ref_modules[name].weight.data = dequantized(t, group_size, torch.float32)
+        reference[name] = dequantized(t, group_size, torch.float32)
     state = {
         k: v.contiguous()
         for k, v in model.state_dict().items()
@@ -82,7 +77,7 @@ def llama(out: Path) -> None:
     config["quantization_config"] = CONFIG | {"group_size": group_size}
     (out / "awq_llama" / "config.json").write_text(json.dumps(config, indent=1))
     save_file(state | packed, out / "awq_llama" / "model.safetensors", metadata={"format": "pt"})
-    reference.save_pretrained(out / "awq_llama_reference")
+    save_reference(model, reference, out / "awq_llama_reference.safetensors")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ in a venv with ``torch==2.13.0 compressed-tensors==0.20.1 transformers``, see RE
 (``ModelCompressor.compress_model``, pack-quantized, bf16 scales), and ``ct_layers_reference``
 each layer's weight as the library's decompressor (``PackedQuantizationCompressor.decompress``)
 gives it back from the saved file. ``ct_llama/``: a tiny Llama compressed W4A16 (asymmetric,
-groups of 32) and ``ct_llama_reference/`` the same model with every projection decompressed by
-the library, saved plain (fp32). (transformers 5.25's own loader refuses asymmetric
+groups of 32) and ``ct_llama_reference.safetensors`` its projections as the library decompresses
+them (fp32). (transformers 5.25's own loader refuses asymmetric
 pack-quantized checkpoints of compressed-tensors 0.20.1: it expects unpacked zero points.)
 """
 
@@ -27,8 +27,7 @@ from compressed_tensors.quantization import (
 )
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
 from safetensors.torch import load_file, save_file
-from tiny import tiny_llama
-from transformers import LlamaForCausalLM
+from tiny import PROJECTIONS, save_reference, tiny_llama
 
 SCHEMES = {  # layer name -> (bits, symmetric, group size or None: per channel)
     "int4_group_asym": (4, False, 32),
@@ -87,7 +86,7 @@ def layers(out: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Module()
     for name in SCHEMES:
-        model.add_module(name, torch.nn.Linear(96, 40, bias=False, dtype=torch.bfloat16))
+        model.add_module(name, torch.nn.Linear(64, 20, bias=False, dtype=torch.bfloat16))
     groups = {
         f"group_{i}": QuantizationScheme(targets=[name], weights=args(*scheme))
         for i, (name, scheme) in enumerate(SCHEMES.items())
@@ -110,9 +109,9 @@ def llama(out: Path) -> None:
     model.save_pretrained(out / "ct_llama")
     compressor.update_config(out / "ct_llama")
     state = decompress_file(out / "ct_llama" / "model.safetensors", compressor, groups | {"*": groups["group_0"]})
-    ref = LlamaForCausalLM(model.config).float()
-    ref.load_state_dict({k: v.float().contiguous() for k, v in state.items()})
-    ref.save_pretrained(out / "ct_llama_reference")
+    modules = {k.rsplit(".", 1)[0] for k in state if k.rsplit(".", 2)[-2] in PROJECTIONS}
+    reference = {m: state[f"{m}.weight"] for m in modules}
+    save_reference(model, reference, out / "ct_llama_reference.safetensors")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ GPTQ ranks them, so q/k/v and gate/up share one order); GPTQModel's ``pack_origi
 (its in-memory format is gptq_v2) and ``convert_gptq_v2_to_v1_format_module`` writes the v1 form.
 The reference is the library's own reading back: a fresh ``TorchLinear`` loads the saved tensors,
 converts v1 to v2 (``convert_gptq_v1_to_v2_format_module``) and ``dequantize_weight``s, with the
-fp16 scales as stored and widened to fp32. ``gptq_layers`` covers 4 and 8 bits, groups of 32 and
+fp16 scales as stored widened to fp32 (exactly), so the reference is the exact product. ``gptq_layers`` covers 4 and 8 bits, groups of 32 and
 per channel, act-order, symmetric or not, v1 and v2, and a v1 zero of 0 (whose stored minus one
 borrows from the next field); ``gptq_llama/`` is the tiny Llama (4 bits, groups of 32, act-order,
-asymmetric, v1) beside ``gptq_llama_reference/``.
+asymmetric, v1) beside ``gptq_llama_reference.safetensors`` (its projections as the library
+dequantizes them).
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from gptqmodel.utils.model import (
     convert_gptq_v2_to_v1_format_module,
 )
 from safetensors.torch import save_file
-from tiny import projections, tiny_llama
-from transformers import LlamaForCausalLM
+from tiny import projections, save_reference, tiny_llama
 
 LAYERS = {  # name -> (bits, group size, act-order, symmetric, checkpoint format)
     "b4_g32_v1_asym": (4, 32, False, False, "gptq"),
@@ -99,13 +99,12 @@ def layers(out: Path) -> None:
     torch.manual_seed(2)
     packed, reference = {}, {}
     for name, spec in LAYERS.items():
-        linear = torch.nn.Linear(128, 32, bias=False)
+        linear = torch.nn.Linear(64, 32, bias=False)
         if name.endswith("zero0"):  # a group of non-negative weights: zero 0
             linear.weight.data[:, :32] = linear.weight.data[:, :32].abs()
-        t = pack(linear, spec, torch.rand(128))
+        t = pack(linear, spec, torch.rand(64))
         packed |= {f"{name}.{k}": v.contiguous() for k, v in t.items()}
-        reference[f"{name}.fp16"] = dequantized(t, spec, torch.float16)
-        reference[f"{name}.fp32"] = dequantized(t, spec, torch.float32)
+        reference[name] = dequantized(t, spec, torch.float32)
     save_file(packed, out / "gptq_layers.safetensors")
     save_file(reference, out / "gptq_layers_reference.safetensors")
     (out / "gptq_layers.json").write_text(json.dumps(LAYERS, indent=1))
@@ -125,17 +124,14 @@ def llama(out: Path) -> None:
 
     handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
     with torch.no_grad():
-        model(torch.randint(3, 128, (4, 32)))
+        model(torch.randint(3, 96, (4, 32)))
     for h in handles:
         h.remove()
-    reference = LlamaForCausalLM(model.config).float()
-    reference.load_state_dict(model.state_dict())
-    ref_modules = dict(reference.named_modules())
-    packed = {}
+    packed, reference = {}, {}
     for name, linear in linears.items():
         t = pack(linear, spec, ranking[name])
         packed |= {f"{name}.{k}": v.contiguous() for k, v in t.items()}
-        ref_modules[name].weight.data = dequantized(t, spec, torch.float32)
+        reference[name] = dequantized(t, spec, torch.float32)
     state = {k: v for k, v in model.state_dict().items() if k.rsplit(".", 1)[0] not in linears}
     (out / "gptq_llama").mkdir(exist_ok=True)
     model.config.save_pretrained(out / "gptq_llama")
@@ -150,7 +146,7 @@ def llama(out: Path) -> None:
         out / "gptq_llama" / "model.safetensors",
         metadata={"format": "pt"},
     )
-    reference.save_pretrained(out / "gptq_llama_reference")
+    save_reference(model, reference, out / "gptq_llama_reference.safetensors")
 
 
 if __name__ == "__main__":

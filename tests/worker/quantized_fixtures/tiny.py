@@ -10,7 +10,7 @@ def tiny_llama() -> LlamaForCausalLM:
     """fp32, weights spread wider than the default init so greedy tokens vary."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
@@ -19,8 +19,15 @@ def tiny_llama() -> LlamaForCausalLM:
         if "norm" in name:
             p.data.fill_(1.0)
         else:
-            p.data.normal_(0, 0.08)
+            p.data.normal_(0, 0.15)
     return model
+
+
+def save_reference(model: LlamaForCausalLM, weights: dict[str, torch.Tensor], path) -> None:
+    """The projections as the format's library dequantized them, [out, in] fp32 by module."""
+    from safetensors.torch import save_file
+
+    save_file({f"{n}.weight": w.float().contiguous() for n, w in weights.items()}, path)
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
