@@ -92,10 +92,10 @@ def layers(out: Path) -> None:
         for i, (name, scheme) in enumerate(SCHEMES.items())
     }
     compressor = compress(model, groups, [])
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "ct_layers.safetensors")
-    (out / "ct_layers_config.json").write_text(
-        json.dumps({"quantization_config": compressor.quantization_config.model_dump()}, indent=1, default=str)
-    )
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, out / "ct_layers.safetensors")
+    config = {"quantization_config": compressor.quantization_config.model_dump()}
+    (out / "ct_layers_config.json").write_text(json.dumps(config, indent=1, default=str))
     schemes = {n: groups[f"group_{i}"] for i, n in enumerate(SCHEMES)}
     decompressed = decompress_file(out / "ct_layers.safetensors", compressor, schemes)
     reference = {f"{n}.weight": decompressed[f"{n}.weight"].contiguous() for n in SCHEMES}
@@ -108,7 +108,8 @@ def llama(out: Path) -> None:
     compressor = compress(model, groups, ["lm_head"])
     model.save_pretrained(out / "ct_llama")
     compressor.update_config(out / "ct_llama")
-    state = decompress_file(out / "ct_llama" / "model.safetensors", compressor, groups | {"*": groups["group_0"]})
+    schemes = groups | {"*": groups["group_0"]}
+    state = decompress_file(out / "ct_llama" / "model.safetensors", compressor, schemes)
     modules = {k.rsplit(".", 1)[0] for k in state if k.rsplit(".", 2)[-2] in PROJECTIONS}
     reference = {m: state[f"{m}.weight"] for m in modules}
     save_reference(model, reference, out / "ct_llama_reference.safetensors")

@@ -8,7 +8,8 @@ GPTQ ranks them, so q/k/v and gate/up share one order); GPTQModel's ``pack_origi
 (its in-memory format is gptq_v2) and ``convert_gptq_v2_to_v1_format_module`` writes the v1 form.
 The reference is the library's own reading back: a fresh ``TorchLinear`` loads the saved tensors,
 converts v1 to v2 (``convert_gptq_v1_to_v2_format_module``) and ``dequantize_weight``s, with the
-fp16 scales as stored widened to fp32 (exactly), so the reference is the exact product. ``gptq_layers`` covers 4 and 8 bits, groups of 32 and
+fp16 scales as stored widened to fp32 (exactly), so the reference is the exact product.
+``gptq_layers`` covers 4 and 8 bits, groups of 32 and
 per channel, act-order, symmetric or not, v1 and v2, and a v1 zero of 0 (whose stored minus one
 borrows from the next field); ``gptq_llama/`` is the tiny Llama (4 bits, groups of 32, act-order,
 asymmetric, v1) beside ``gptq_llama_reference.safetensors`` (its projections as the library
@@ -77,7 +78,8 @@ def pack(linear: torch.nn.Linear, spec, ranking: torch.Tensor | None) -> dict[st
     q = TorchLinear(bits, group_size, sym, act_order, in_features, out_features, bias=False)
     q.pack_original(linear, scales, zeros.to(torch.int32), g_idx)
     if fmt == "gptq":
-        convert_gptq_v2_to_v1_format_module(q, types.SimpleNamespace(bits=bits, pack_dtype=torch.int32))
+        config = types.SimpleNamespace(bits=bits, pack_dtype=torch.int32)
+        convert_gptq_v2_to_v1_format_module(q, config)
     return {"qweight": q.qweight, "qzeros": q.qzeros, "scales": q.scales, "g_idx": q.g_idx}
 
 

@@ -44,11 +44,11 @@ class AwqReader:
         bits = config.get("bits", config.get("w_bit"))
         if bits != 4:
             raise ModelLoadError(f"AWQ with bits={bits} is not served (4 bits is)")
-        version = str(config.get("version", "gemm")).lower().removeprefix("awqlinearversion.")
+        version = str(config.get("version") or "gemm").lower()
         if version != "gemm":
             raise ModelLoadError(f"AWQ version {version!r} is not served (only the GEMM packing)")
-        backend = str(config.get("backend") or "autoawq").lower().removeprefix("awqbackend")
-        if backend.strip(".") not in ("autoawq", "auto", "packingmethod.autoawq"):
+        backend = str(config.get("backend") or "autoawq").lower()
+        if backend != "autoawq":  # llm-awq packs its own way
             raise ModelLoadError(f"AWQ backend {backend!r} is not served (only AutoAWQ's packing)")
         if not config.get("zero_point", True):
             raise ModelLoadError("AWQ without zero points (zero_point: false) is not served")
