@@ -20,7 +20,7 @@ from transformers import GenerationConfig
 from factories import load_hf_model, make_peft_adapter, random_prompts
 from switchboard_kernels.quantized_weight import QuantizedWeight
 from worker import LLM, SamplingParams
-from worker.errors import TensorParallelConfigError
+from worker.errors import ModelLoadError, TensorParallelConfigError
 from worker.model.llama import load_safetensors
 from worker.model.model_config import ModelConfig
 from worker.model.sharding import Shard, weight_slicer
@@ -105,7 +105,7 @@ def test_mixed_adapter_batch_on_a_published_quantized_base_matches_peft(case):
 
 
 def test_the_bf16_engine_runs_a_quantized_base(case):
-    checkpoint, dirs, prompts, expected = case
+    checkpoint, dirs, prompts, _ = case
     llm = LLM(checkpoint, dtype="bfloat16", max_loras=1)
     llm.load_adapter("plain", dirs["plain"])
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -140,7 +140,7 @@ def test_tensor_parallelism_refuses_splitting_act_order_inputs():
     config = ModelConfig.from_pretrained(path)
     select = weight_slicer(config, Shard(0, 2))
     with pytest.raises(
-        TensorParallelConfigError, match="proj.weight cannot be split by input features"
+        TensorParallelConfigError, match=r"proj\.weight cannot be split by input features"
     ):
         load_safetensors(path, torch.float32, select=select, quantization=config.quantization)
 
@@ -150,5 +150,5 @@ def test_a_truncated_quantized_checkpoint_is_refused_by_the_missing_tensor(tmp_p
     weights = load_file(tmp_path / "m" / "model.safetensors")
     del weights["model.layers.1.mlp.up_proj.scales"]
     save_file(weights, tmp_path / "m" / "model.safetensors")
-    with pytest.raises(Exception, match="no model.layers.1.mlp.up_proj.scales"):
+    with pytest.raises(ModelLoadError, match=r"no model\.layers\.1\.mlp\.up_proj\.scales"):
         LLM(tmp_path / "m", dtype="float32", max_loras=0)
