@@ -20,7 +20,7 @@ from transformers import GenerationConfig
 from factories import load_hf_model, make_peft_adapter, random_prompts
 from switchboard_kernels.quantized_weight import QuantizedWeight
 from worker import LLM, SamplingParams
-from worker.errors import ModelLoadError, TensorParallelConfigError
+from worker.errors import InvalidRequestError, ModelLoadError, TensorParallelConfigError
 from worker.model.llama import load_safetensors
 from worker.model.model_config import ModelConfig
 from worker.model.sharding import Shard, weight_slicer
@@ -152,3 +152,10 @@ def test_a_truncated_quantized_checkpoint_is_refused_by_the_missing_tensor(tmp_p
     save_file(weights, tmp_path / "m" / "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"no model\.layers\.1\.mlp\.up_proj\.scales"):
         LLM(tmp_path / "m", dtype="float32", max_loras=0)
+
+
+def test_batch_invariance_is_refused_over_a_quantized_checkpoint():
+    with pytest.raises(
+        InvalidRequestError, match=r"batch_invariant .* published quantized \(awq\)"
+    ):
+        LLM(FIXTURES / "awq_llama", dtype="float32", max_loras=0, batch_invariant=True)
