@@ -10,12 +10,12 @@
   checkpoint in one process: batch-1 decode tokens/s of each (median of ``--repeats``, alternated),
   and, in transformers fp32 over the same weights, the mean per-token KL divergence of the
   quantized model's next-token distribution from the original's, and how often their top tokens
-  agree, over the fixed chat prompts of ``bench.logit_fidelity``, teacher-forced on the original's
-  greedy continuation (``--tokens``).
+  agree, over the first ``--prompts`` fixed chat prompts of ``bench.logit_fidelity``,
+  teacher-forced on the original's greedy continuation (``--tokens``).
 
 Usage: ``$CT_VENV/bin/python -m bench.published_quantized make --scheme w4a16 --out DIR`` then
-``python -m bench.published_quantized measure --quantized DIR [--out
-bench/results/published_quantized.json]``.
+``python -m bench.published_quantized measure --quantized DIR [--prompts 16]
+[--out bench/results/published_quantized.json]``.
 """
 
 from __future__ import annotations
@@ -96,14 +96,14 @@ def dequantized_model(original: Path, quantized: Path):
 
 
 @torch.no_grad()
-def kl_and_agreement(original: Path, quantized: Path, tokens: int) -> dict:
+def kl_and_agreement(original: Path, quantized: Path, tokens: int, prompts: int) -> dict:
     from bench.logit_fidelity import PROMPTS, chat_ids
     from worker.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(original)
     p_model, q_model = load_hf(original, torch.float32), dequantized_model(original, quantized)
     kls, agree, count = [], 0, 0
-    for text in PROMPTS:
+    for text in PROMPTS[:prompts]:
         prompt = chat_ids(tokenizer, text)
         ids = p_model.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False)
         p = torch.log_softmax(p_model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
@@ -130,9 +130,11 @@ def decode_tok_s(llms: dict, prompt: list[int], tokens: int, repeats: int) -> di
     return {name: statistics.median(r) for name, r in runs.items()}
 
 
-def measure(original: Path, quantized: Path, tokens: int, repeats: int) -> dict:
+def measure(original: Path, quantized: Path, tokens: int, repeats: int, prompts: int) -> dict:
     from worker import LLM
 
+    quality = kl_and_agreement(original, quantized, tokens, prompts)
+    print(quality, flush=True)
     llms = {
         "bf16": LLM(original, dtype="bfloat16", max_loras=0),
         "published": LLM(quantized, dtype="bfloat16", max_loras=0),
@@ -144,7 +146,7 @@ def measure(original: Path, quantized: Path, tokens: int, repeats: int) -> dict:
         "quantized": str(quantized),
         "decode_tok_s": speed,
         "speedup": speed["published"] / speed["bf16"],
-        "quality": kl_and_agreement(original, quantized, tokens),
+        "quality": quality,
         "loadavg": loadavg,
     }
 
@@ -160,12 +162,13 @@ def main() -> None:
     parser.add_argument("--quantized", default=None)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=16, help="chat prompts for the KL")
     a = parser.parse_args()
     original = resolve_model_path(a.model)
     if a.command == "make":
         make(original, Path(a.out), a.scheme)
         return
-    write_report(measure(original, Path(a.quantized), a.tokens, a.repeats), a.out)
+    write_report(measure(original, Path(a.quantized), a.tokens, a.repeats, a.prompts), a.out)
 
 
 if __name__ == "__main__":
