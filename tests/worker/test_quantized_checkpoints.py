@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from worker.errors import ModelLoadError
+from switchboard_kernels.quantized_weight import quantize
+from worker.errors import ModelLoadError, TensorParallelConfigError
 from worker.model.model_config import ModelConfig
-from worker.model.quantized_checkpoints import read_quantized
+from worker.model.quantized_checkpoints import read_quantized, shard_quantized
 from worker.model.quantized_checkpoints.awq import AwqReader
 from worker.model.quantized_checkpoints.compressed_tensors import CompressedTensorsReader
 from worker.model.quantized_checkpoints.gptq import GptqReader
@@ -208,3 +209,12 @@ def test_an_unquantized_part_beside_quantized_ones_and_a_quantized_embedding_are
     twice = {f"m.{k}": v for k, v in tensors.items()} | {"m.weight": torch.zeros(32, 64)}
     with pytest.raises(ModelLoadError, match="m has both a weight and gptq tensors"):
         read_quantized(twice, reader)
+
+
+def test_a_per_channel_weight_splits_by_any_input_columns():
+    q = quantize(torch.randn(8, 48), bits=4, group_size=48, symmetric=False)
+    part = shard_quantized(q, "m.weight", 1, slice(24, 48))
+    assert torch.equal(part.dequantize(), q.dequantize()[:, 24:48])
+    grouped = quantize(torch.randn(8, 48), bits=4, group_size=16, symmetric=True)
+    with pytest.raises(TensorParallelConfigError, match="split a group of 16"):
+        shard_quantized(grouped, "m.weight", 1, slice(0, 24))
