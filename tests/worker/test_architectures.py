@@ -50,13 +50,11 @@ def test_llama_reads_as_the_plain_llama_block(tmp_path):
         ({"hidden_act": "gelu"}, "'gelu'"),
         ({"model_type": "gpt2"}, "'gpt2'"),
         ({"model_type": "qwen3", "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-        (
-            {"quantization_config": {"quant_method": "gptq", "bits": 4}},
-            "quantization_config is gptq",
-        ),
-        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config is awq"),
-        ({"quantization_config": {"quant_method": "compressed-tensors"}}, "compressed-tensors"),
-        ({"quantization_config": {"bits": 4}}, "quantization_config is unknown"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 3}}, "GPTQ with bits=3"),
+        ({"quantization_config": {"quant_method": "awq", "bits": 4, "version": "gemv"}}, "'gemv'"),
+        ({"quantization_config": {"quant_method": "compressed-tensors"}}, "config_groups"),
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "'bitsandbytes'"),
+        ({"quantization_config": {"bits": 4}}, "method 'unknown'"),
     ],
 )
 def test_a_math_field_the_family_does_not_read_is_refused_by_name(tmp_path, fields, named):

@@ -79,6 +79,11 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
     # batch-invariant numerics and tensor parallelism keep the fixed rule.
     ops = fixed_op_plans(torch_dtype, device)
     if config.batch_invariant:
+        if model_config.quantization is not None:  # its projections' kernel has no fixed order
+            raise InvalidRequestError(
+                "batch_invariant is not served over a checkpoint published quantized "
+                f"({model_config.quantization.method})"
+            )
         plan = batch_invariant_plan(config, torch_dtype, device)
     else:
         if tp_size == 1:

@@ -21,6 +21,7 @@ from adapters.errors import InvalidAdapterError
 from adapters.lora import LoraAdapter, LoraWeights
 from adapters.peft_names import canonical_module_key
 from worker.model.quantize_on_load import OnLoad
+from worker.model.quantized_checkpoints import Reader
 
 DoraFactors = dict[tuple[int, str], torch.Tensor]  # (layer, module) -> g [out] float32
 
@@ -37,18 +38,38 @@ class BaseWeights:
         self.dtype = dtype
         self.on_load = on_load
         self._files: dict[str, Path] | None = None  # tensor name -> shard, on first use
+        self._quantization: Reader | bool | None = False  # False: not read yet
 
     def projection(self, layer: int, module: str) -> torch.Tensor:  # [out, in] float32
-        """The weight of ``module`` in ``layer`` as the model multiplies by it, widened to fp32."""
-        name = f"{canonical_module_key(layer, module)}.weight"
+        """The weight of ``module`` in ``layer`` as the model multiplies by it, widened to fp32
+        (a published quantized checkpoint's: dequantized, as PEFT does for DoRA)."""
+        prefix = canonical_module_key(layer, module)
+        name = f"{prefix}.weight"
         files = self._index()
-        if name not in files:
-            raise InvalidAdapterError(f"the base checkpoint has no {name} for DoRA")
-        with safe_open(files[name], framework="pt") as f:
-            weight = f.get_tensor(name).to(self.dtype)
-        if self.on_load is not None:  # each output feature's groups are its own: as fused
-            return self.on_load(name, weight).dequantize(torch.float32)
-        return weight.float()
+        if name in files:
+            with safe_open(files[name], framework="pt") as f:
+                weight = f.get_tensor(name).to(self.dtype)
+            if self.on_load is not None:  # each output feature's groups are its own: as fused
+                return self.on_load(name, weight).dequantize(torch.float32)
+            return weight.float()
+        reader = self._reader()
+        if reader is not None:
+            parts = [f"{prefix}.{n}" for n in reader.tensor_names if f"{prefix}.{n}" in files]
+            if parts:
+                tensors = {}
+                for part in parts:
+                    with safe_open(files[part], framework="pt") as f:
+                        tensors[part.rsplit(".", 1)[-1]] = f.get_tensor(part)
+                return reader.read(prefix, tensors).dequantize(torch.float32)
+        raise InvalidAdapterError(f"the base checkpoint has no {name} for DoRA")
+
+    def _reader(self) -> Reader | None:
+        """The checkpoint's quantized format's reader, if it has one."""
+        if self._quantization is False:
+            from worker.model.model_config import ModelConfig
+
+            self._quantization = ModelConfig.from_pretrained(self.path).quantization
+        return self._quantization
 
     def _index(self) -> dict[str, Path]:
         if self._files is None:

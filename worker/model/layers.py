@@ -15,6 +15,7 @@ import torch
 
 from switchboard_kernels.linear import Linear
 from switchboard_kernels.linear_choice import LinearPlan
+from switchboard_kernels.quantized_weight import QuantizedWeight, cat_rows
 from worker.errors import ModelLoadError
 from worker.model.architectures import NormPlacement, QKNorm
 from worker.model.model_config import ModelConfig
@@ -55,6 +56,24 @@ def norm_weight(w: dict[str, torch.Tensor], name: str, offset: float) -> torch.T
     return weight + offset if offset else weight
 
 
+def fused(
+    w: dict[str, torch.Tensor | QuantizedWeight], names: list[str]
+) -> torch.Tensor | QuantizedWeight:
+    """Projections that read the same input, stacked by output features: plain weights, or
+    weights of a published quantized checkpoint quantized alike (``cat_rows``)."""
+    parts = [w[name] for name in names]
+    quantized = [isinstance(p, QuantizedWeight) for p in parts]
+    if not any(quantized):
+        return torch.cat(parts)
+    if not all(quantized):
+        plain = [n for n, q in zip(names, quantized, strict=True) if not q]
+        raise ModelLoadError(f"{', '.join(plain)} unquantized beside quantized parts: not served")
+    try:
+        return cat_rows(parts)
+    except ValueError as e:
+        raise ModelLoadError(f"{names[0]} and the projections fused with it: {e}") from None
+
+
 def load_layer(
     w: dict[str, torch.Tensor],
     i: int,
@@ -83,9 +102,9 @@ def load_layer(
     if block.fused_checkpoint:  # Phi-3: stored in our fused order already
         qkv, gate_up = w[attn + "qkv_proj.weight"], w[mlp + "gate_up_proj.weight"]
     else:
-        qkv = torch.cat([w[attn + f"{n}_proj.weight"] for n in "qkv"])
+        qkv = fused(w, [attn + f"{n}_proj.weight" for n in "qkv"])
         if not sparse:
-            gate_up = torch.cat([w[mlp + "gate_proj.weight"], w[mlp + "up_proj.weight"]])
+            gate_up = fused(w, [mlp + "gate_proj.weight", mlp + "up_proj.weight"])
 
     def linear(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         return Linear(quantized(on_load, name, weight), bias, quantization=quantization, plan=plan)

@@ -29,6 +29,7 @@ from switchboard_kernels.linear import Q4_MAX_ROWS, Linear
 from switchboard_kernels.linear_choice import LinearPlan
 from switchboard_kernels.lora import add_lora, lora_expand, lora_shrink
 from switchboard_kernels.paged_attention import AttentionMetadata, attend
+from switchboard_kernels.quantized_weight import QuantizedWeight
 from worker.errors import ModelLoadError
 from worker.model.architectures import Activation, QKNorm
 from worker.model.layers import load_layer, norm_weight
@@ -36,6 +37,13 @@ from worker.model.model_config import ModelConfig
 from worker.model.moe import moe_mlp
 from worker.model.op_choice import OpPlans, fixed_op_plans
 from worker.model.quantize_on_load import OnLoad, output_layer
+from worker.model.quantized_checkpoints import (
+    Reader,
+    is_quantized_tensor,
+    on_device,
+    read_quantized,
+    shard_quantized,
+)
 from worker.model.rope import (
     RopeTables,
     apply_partial_rope,
@@ -203,13 +211,19 @@ class LlamaModel:
     ) -> LlamaModel:
         """``group``: load this rank's shard only (each tensor's slice read from the file)."""
         config = ModelConfig.from_pretrained(path)
+        if on_load is not None and config.quantization is not None:
+            raise ModelLoadError(
+                f"{path} is published quantized ({config.quantization.method}): it is served as "
+                "it is, not quantized again on load (drop --quantization)"
+            )
         select = None
         if group is not None:
             check_divisible(config, group.size)
             select = weight_slicer(config, group.shard)
-        weights = {
-            k: v.to(device) for k, v in load_safetensors(Path(path), dtype, select=select).items()
-        }
+        loaded = load_safetensors(
+            Path(path), dtype, select=select, quantization=config.quantization
+        )
+        weights = {k: on_device(v, device) for k, v in loaded.items()}
         return cls(
             config,
             weights,
@@ -545,10 +559,13 @@ def load_safetensors(
     dtype: torch.dtype,
     *,
     select: Callable[[str], tuple[int, Span] | None] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Every tensor of every ``*.safetensors`` shard in ``path``, cast to ``dtype``.
+    quantization: Reader | None = None,
+) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Every tensor of every ``*.safetensors`` shard in ``path``, floating ones cast to ``dtype``.
     ``select``: for a name, the (dim, span) of it to read (None: all of it; several slices:
-    stacked along ``dim``)."""
+    stacked along ``dim``). ``quantization``: the checkpoint's reader; each quantized module's
+    tensors are read whole and as stored, then replaced by its ``QuantizedWeight`` (sliced
+    after, under ``select``) under ``module.weight``."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {path} (pickled weights are refused)")
@@ -556,6 +573,9 @@ def load_safetensors(
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if quantization is not None and is_quantized_tensor(name, quantization):
+                    weights[name] = f.get_tensor(name)
+                    continue
                 part = select(name) if select is not None else None
                 if part is None:
                     tensor = f.get_tensor(name)
@@ -567,7 +587,14 @@ def load_safetensors(
                         for s in (span if isinstance(span, tuple) else (span,))
                     ]
                     tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
-                weights[name] = tensor.to(dtype)
+                weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     if "model.embed_tokens.weight" not in weights:
         raise ModelLoadError(f"{path} has no model.embed_tokens.weight: not a Llama checkpoint")
-    return weights
+    if quantization is None:
+        return weights
+    read = read_quantized(weights, quantization)
+    if select is not None:
+        for name, w in read.items():
+            if isinstance(w, QuantizedWeight) and (part := select(name)) is not None:
+                read[name] = shard_quantized(w, name, *part)
+    return read

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from worker.errors import ModelLoadError
 from worker.model.architectures import ARCHITECTURES, Block, read_block
+from worker.model.quantized_checkpoints import Reader, checkpoint_reader
 
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
@@ -31,6 +32,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # How the block departs from Llama's (the registry's reading of the config).
     block: Block = field(default_factory=Block)
+    # A checkpoint published quantized: its format's reader (``worker.model.quantized_checkpoints``)
+    quantization: Reader | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -41,7 +44,7 @@ class ModelConfig:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not a Hugging Face checkpoint (no config.json)")
         hf = AutoConfig.from_pretrained(path)
-        refuse_quantized(hf)
+        quantization = checkpoint_reader(hf)  # refuses a method or option not served, by name
         block = read_block(hf, hf.num_hidden_layers)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
@@ -61,22 +64,8 @@ class ModelConfig:
             qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
             eos_token_ids=_eos_ids(path, hf),
             block=block,
+            quantization=quantization,
         )
-
-
-def refuse_quantized(hf) -> None:
-    """A checkpoint published quantized (GPTQ, AWQ, compressed-tensors, bitsandbytes, FP8, ...)
-    stores packed tensors under names our loader does not read: refused by its method's name
-    rather than failing on a missing weight, or worse, loading its scales as weights."""
-    config = getattr(hf, "quantization_config", None)
-    if config is None:
-        return
-    method = config.get("quant_method") if isinstance(config, dict) else None
-    method = method or getattr(config, "quant_method", None) or "unknown"
-    raise ModelLoadError(
-        f"quantized checkpoints are not served: this one's quantization_config is {method!s} "
-        "(serve its bf16 or fp32 original)"
-    )
 
 
 def _eos_ids(path: Path, hf) -> tuple[int, ...]:

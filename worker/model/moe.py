@@ -26,14 +26,18 @@ import torch.nn.functional as F
 from switchboard_kernels.linear import Linear, bf16_panels_preferred
 from switchboard_kernels.linear_choice import PANELS, LinearPlan
 from switchboard_kernels.moe_native import GroupedExperts
+from switchboard_kernels.quantized_weight import QuantizedWeight, cat_rows
 from worker.errors import ModelLoadError
 from worker.model.architectures import Experts
 from worker.model.quantize_on_load import OnLoad, quantized
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from worker.model.expert_lora import ExpertLora
+
+
+Weight = torch.Tensor | QuantizedWeight  # one expert's projection
 
 
 @dataclass(slots=True)
@@ -72,13 +76,15 @@ def load_experts(
     each expert's projections quantized as they load (the router stays as it is)."""
     p = f"model.layers.{i}."
     router, gate_up, down = _expert_tensors(w, p, routing.num_experts)
-    if gate_up.shape[1] != 2 * routing.intermediate_size:
+    if gate_up[0].shape[0] != 2 * routing.intermediate_size:
         raise ModelLoadError(
-            f"{p}mlp experts have {gate_up.shape[1] // 2} intermediate features, the config "
+            f"{p}mlp experts have {gate_up[0].shape[0] // 2} intermediate features, the config "
             f"says {routing.intermediate_size}"
         )
 
-    def linear(name: str, weight: torch.Tensor) -> Linear:
+    def linear(name: str, weight: torch.Tensor | QuantizedWeight) -> Linear:
+        if isinstance(weight, QuantizedWeight):  # a published quantized checkpoint's expert
+            return Linear(weight)
         weight = quantized(on_load, name, weight.contiguous())
         return Linear(weight, quantization=quantization, plan=plan)
 
@@ -99,8 +105,9 @@ def load_experts(
 
 def _expert_tensors(
     w: dict[str, torch.Tensor], p: str, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(router [E, H], gate_up [E, 2I, H], down [E, H, I]) of the layer with prefix ``p``."""
+) -> tuple[torch.Tensor, Sequence[Weight], Sequence[Weight]]:
+    """(router [E, H], gate_up [E, 2I, H], down [E, H, I]) of the layer with prefix ``p``; a
+    quantized checkpoint's experts as lists of ``QuantizedWeight``s."""
     experts = range(num_experts)
     if p + "mlp.experts.gate_up_proj" in w:  # transformers 5, in memory
         return (
@@ -118,6 +125,8 @@ def _expert_tensors(
         router = w.get(p + "mlp.gate.weight")
         if router is None:
             raise ModelLoadError(f"the checkpoint has no router for layer {p[:-1]} (mlp.gate)")
+    if isinstance(w.get(f"{e}0.{names[2]}.weight"), QuantizedWeight):
+        return router, *_quantized_experts(w, e, names, num_experts)
     try:
         gate_up = torch.stack(
             [
@@ -129,6 +138,23 @@ def _expert_tensors(
     except KeyError as missing:
         raise ModelLoadError(f"the checkpoint has no expert tensor {missing.args[0]}") from None
     return router, gate_up, down
+
+
+def _quantized_experts(
+    w: dict, e: str, names: tuple[str, str, str], num_experts: int
+) -> tuple[list[QuantizedWeight], list[QuantizedWeight]]:
+    """Each expert's gate and up fused (``cat_rows``), and its down, as published quantized."""
+    gate_up, down = [], []
+    for x in range(num_experts):
+        parts = [w.get(f"{e}{x}.{n}.weight") for n in names]
+        if not all(isinstance(q, QuantizedWeight) for q in parts):
+            raise ModelLoadError(f"expert {e}{x} is not quantized throughout: not served")
+        try:
+            gate_up.append(cat_rows(parts[:2]))
+        except ValueError as error:
+            raise ModelLoadError(f"expert {e}{x}: {error}") from None
+        down.append(parts[2])
+    return gate_up, down
 
 
 @dataclass(slots=True)
