@@ -9,6 +9,7 @@ which the runners (`gateway.batch.runner`) read to find work.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -162,6 +163,9 @@ class BatchService:
         self.files = files
         self.windows = windows
         self.machine = StateMachine(redis, active_key=prefix + ACTIVE_SET)
+        # Set when this replica creates a batch: its runner looks at once instead of at its
+        # next poll (other replicas' runners find it at theirs).
+        self.created = asyncio.Event()
 
     def key(self, ref: BatchRef, part: str = "") -> str:
         return tenant_key(self.prefix, ref.tenant, f"batch:{ref.batch_id}{part}")
@@ -220,6 +224,7 @@ class BatchService:
             pipe.sadd(self.prefix + ACTIVE_SET, ref.member)
             await pipe.execute()
         await self.files.mark_in_use(tenant, input_file_id, ref.batch_id)
+        self.created.set()
         return await self.get(ref)
 
     async def get(self, ref: BatchRef) -> Batch:

@@ -114,14 +114,17 @@ class BatchRunner:
     # -- finding work -------------------------------------------------------------------------
 
     async def run_forever(self) -> None:
-        """Claim and drive batches until cancelled (the gateway's shutdown)."""
+        """Claim and drive batches until cancelled (the gateway's shutdown): every `poll_s`,
+        and at once when this replica creates one."""
         try:
             while True:
+                self.batches.created.clear()
                 try:
                     await self.poll()
                 except redis.exceptions.RedisError as exc:
                     log.warning("batch runner: Redis failed (%r); retrying", exc)
-                await asyncio.sleep(self.config.poll_s)
+                with contextlib.suppress(TimeoutError):  # a batch created here: look now
+                    await asyncio.wait_for(self.batches.created.wait(), self.config.poll_s)
         finally:
             for task in self.driving.values():
                 task.cancel()

@@ -245,3 +245,30 @@ async def test_the_input_of_a_running_batch_cannot_be_deleted(redis_client, serv
     batch = await services[1].get(ref)
     with pytest.raises(ConflictError):
         await services[0].delete(TENANT, batch.input_file_id)
+
+
+async def test_a_batch_created_on_this_replica_is_taken_without_waiting_for_a_poll(
+    redis_client, services
+):
+    """The runner's poll is an hour: only the create's wake-up can start the batch."""
+    files, batches = services
+    config = RunnerConfig(max_batches=2, lines_in_flight=2, lease_s=5.0, poll_s=3600.0,
+                          max_lines=100)  # fmt: skip
+    pipeline = Pipeline()
+    runner = BatchRunner(
+        redis_client, batches=batches, files=files, resolve=pipeline.resolve,
+        answer=pipeline.answer, config=config,
+    )  # fmt: skip
+    forever = asyncio.create_task(runner.run_forever())
+    try:
+        await asyncio.sleep(0.05)  # its first look found nothing: it waits out the hour
+        ref = await submit(services, [line(i) for i in range(3)])
+        for _ in range(2000):  # at most 10 s: without the wake-up it would wait an hour
+            if (await batches.get(ref)).status is BatchStatus.COMPLETED:
+                break
+            await asyncio.sleep(0.005)
+        batch = await batches.get(ref)
+        assert batch.status is BatchStatus.COMPLETED and batch.counts["completed"] == 3
+    finally:
+        forever.cancel()
+        await asyncio.gather(forever, return_exceptions=True)
