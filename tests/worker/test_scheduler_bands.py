@@ -166,3 +166,61 @@ def test_just_after_an_interactive_request_ends_batch_steps_stay_short():
     assert len(run_step(sched)) == 1  # the room beside one decode: one batch row
     sched.interactive_left_at -= ACTIVE_GRACE_S
     assert len(run_step(sched)) == 3
+
+
+def banded_scheduler(**fairness) -> Scheduler:
+    """Steps cost 10 ms for 1 token, 20 ms for 16: beside one interactive decode a step may
+    carry one batch row (``bands.batch_token_room``)."""
+    from worker.core.config import FairnessConfig
+    from worker.core.step_budget import DecodeStepBudget, StepTimes
+
+    sched = Scheduler(
+        block_manager=BlockManager(num_blocks=32, block_size=4),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        fairness=FairnessConfig(**fairness),
+    )
+    sched.step_budget = DecodeStepBudget(StepTimes({1: 0.010, 16: 0.020, 64: 0.050}), 1.0)
+    return sched
+
+
+def test_a_step_with_an_interactive_prompt_carries_no_batch_rows_and_they_keep_their_turn():
+    sched = banded_scheduler()
+    for i in range(3):
+        sched.add(make_seq(i, 4, B, tenant="bulk"))
+    assert run_step(sched) == [("r0", 0, 4), ("r1", 0, 4), ("r2", 0, 4)]
+    sched.add(make_seq(3, 4, INT, tenant="chat"))
+    # The prompt's step: the room beside it (one row) is not taken; the batch decodes wait.
+    assert run_step(sched) == [("r3", 0, 4)]
+    # Then one row beside the chat's decode, in turns from the first (none lost its turn).
+    assert run_step(sched) == [("r0", 4, 1), ("r3", 4, 1)]
+    assert run_step(sched) == [("r1", 4, 1), ("r3", 5, 1)]
+    assert run_step(sched) == [("r2", 4, 1), ("r3", 6, 1)]
+
+
+def test_a_second_prompt_mid_stream_also_runs_without_batch_rows():
+    sched = banded_scheduler()
+    for i in range(2):
+        sched.add(make_seq(i, 4, B, tenant="bulk"))
+    sched.add(make_seq(2, 4, INT, tenant="chat"))
+    assert run_step(sched) == [("r2", 0, 4)]
+    sched.add(make_seq(3, 4, INT, tenant="chat2"))
+    assert run_step(sched) == [("r2", 4, 1), ("r3", 0, 4)]
+    # Two decodes: room for one batch token, a chunk of a batch prompt that waited.
+    assert run_step(sched) == [("r2", 5, 1), ("r3", 4, 1), ("r0", 0, 1)]
+
+
+def test_an_interactive_arrival_that_cannot_start_stops_no_batch_work():
+    """The chat tenant may run one sequence at a time: its second request waits, and the
+    step beside its first one's decode carries its batch row as before."""
+    sched = banded_scheduler(max_running_per_tenant=1)
+    for i in range(2):
+        sched.add(make_seq(i, 4, B, tenant="bulk"))
+    run_step(sched)
+    sched.add(make_seq(2, 4, INT, tenant="chat"))
+    assert run_step(sched) == [("r2", 0, 4)]
+    waiting = make_seq(3, 4, INT, tenant="chat")
+    sched.add(waiting)
+    plan = run_step(sched)
+    assert ("r2", 4, 1) in plan and waiting.status is SequenceStatus.WAITING
+    assert [r for r, _, _ in plan if r in ("r0", "r1")] == ["r0"]

@@ -100,6 +100,9 @@ class Scheduler:
         # Batch tokens the step in the making may still add beside its interactive work;
         # None: no bound (no interactive work, or step times unknown).
         self._batch_room: int | None = None
+        # Batch decodes given their turn in the step in the making, with their turn before
+        # (given back if an interactive prompt takes their place: ``_yield_to_prompts``).
+        self._turns_given: list[tuple[Sequence, int]] = []
         self.interactive_left_at = -ACTIVE_GRACE_S  # when the latest interactive one left
 
     @property
@@ -161,6 +164,7 @@ class Scheduler:
         out = SchedulerOutput(scored_token_cost=self.scored_token_cost)
         step = StepCharges(self.ledger)
         self._batch_room = self._batch_room_beside_interactive()
+        self._turns_given.clear()
         self._schedule_decodes(out, step)
         self._schedule_prefills(out, step)
         step.commit(out.scheduled)
@@ -242,6 +246,7 @@ class Scheduler:
         kept = set(map(id, sorted(batch, key=lambda s: s.last_decode_turn)[:room]))
         for seq in batch:
             if id(seq) in kept:
+                self._turns_given.append((seq, seq.last_decode_turn))
                 self._decode_turns += 1
                 seq.last_decode_turn = self._decode_turns
         self._batch_room = 0
@@ -343,6 +348,8 @@ class Scheduler:
                 budget = min(budget, short_limit - out.num_tokens)
                 if budget <= 0:
                     continue
+            if seq.band is not Band.INTERACTIVE:
+                self._yield_to_prompts(out)
             batch_room = None if seq.band is Band.INTERACTIVE else self._batch_room
             if batch_room is not None:
                 budget = min(budget, batch_room)
@@ -375,6 +382,26 @@ class Scheduler:
                 self._batch_room = batch_room - (out.num_tokens - placed)
             if out.preempted:
                 admitting = False
+        self._yield_to_prompts(out)
+
+    def _yield_to_prompts(self, out: SchedulerOutput) -> None:
+        """A step that carries an interactive prompt carries no batch work: the batch rows
+        placed before it (decodes, which go first) give their places back, and their turns,
+        and the rest of the step's batch room is gone. So an arrival's first token waits
+        for its own prompt only (the step times price one prompt of so many tokens, not decode
+        rows beside it). Only once the prompt is placed: an arrival that cannot start (its
+        adapter has no slot, its tenant is at its cap) stops no batch work."""
+        if self._batch_room is None or not any(
+            p.seq.band is Band.INTERACTIVE and p.seq.num_uncomputed_tokens > 1
+            for p in out.scheduled
+        ):
+            return
+        self._batch_room = 0
+        for placed in [p for p in out.scheduled if p.seq.band is not Band.INTERACTIVE]:
+            out.drop(placed.seq)
+        for seq, turn in self._turns_given:
+            seq.last_decode_turn = turn
+        self._turns_given.clear()
 
     def _next_queue(self, queues: dict[str, deque[Sequence]], step: StepCharges) -> str:
         """Whose work is placed next: among the queues whose next piece is of the first band
