@@ -20,9 +20,10 @@ sequences fill what interactive work leaves and give it back at once: prefills a
 are placed band by band (``_next_queue``), a batch arrival waits while interactive work
 cannot start, an interactive arrival that finds no seat or KV blocks takes them from a running
 batch sequence (``_take_batch_room``), a batch sequence is preempted before any
-interactive one (``_victim``), and a step carrying interactive work carries only the batch
+interactive one (``_victim``), a step carrying interactive work carries only the batch
 tokens that keep it within a tenth of that work's own time (``_batch_room``,
-``worker.core.bands``). Within a band, tenants share as above.
+``worker.core.bands``), and one carrying an interactive prompt carries none
+(``_yield_to_prompts``). Within a band, tenants share as above.
 """
 
 from __future__ import annotations
