@@ -326,6 +326,7 @@ class Scheduler:
         step_limit = self._step_token_limit(out)
         others = self._active_tenants()
         batch_only = self._batch_only_tenants()
+        yielded = False  # ``_yield_to_prompts`` done
         while queues:
             if out.num_tokens >= self.max_num_batched_tokens:
                 break
@@ -349,7 +350,8 @@ class Scheduler:
                 budget = min(budget, short_limit - out.num_tokens)
                 if budget <= 0:
                     continue
-            if seq.band is not Band.INTERACTIVE:
+            if seq.band is not Band.INTERACTIVE and not yielded:
+                yielded = True  # every interactive piece is placed by now (bands go in order)
                 self._yield_to_prompts(out)
             batch_room = None if seq.band is Band.INTERACTIVE else self._batch_room
             if batch_room is not None:
@@ -383,7 +385,8 @@ class Scheduler:
                 self._batch_room = batch_room - (out.num_tokens - placed)
             if out.preempted:
                 admitting = False
-        self._yield_to_prompts(out)
+        if not yielded:
+            self._yield_to_prompts(out)
 
     def _yield_to_prompts(self, out: SchedulerOutput) -> None:
         """A step that carries an interactive prompt carries no batch work: the batch rows
