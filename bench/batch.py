@@ -12,7 +12,8 @@ One run starts a stack (Redis, one worker on the default model, the gateway) and
 2. Batch throughput on an idle worker: a batch of `--throughput-lines` lines from upload to
    `completed`, in output tokens/s, against the offline engine (`worker.LLM`, the worker's
    engine settings) on the same prompts in this process, `--repeats` turns of each taken
-   alternately (fresh prompts each turn), the ratio of their medians (target: at least 90%).
+   alternately (fresh prompts each turn), the median of the turns' ratios (target: at least
+   90%).
 
 Prompts are seeded random whole-word prompts (`--prompt-tokens`, chat template included), one
 per line, so the prefix cache makes none of them free.
@@ -236,13 +237,15 @@ def run(args: argparse.Namespace) -> dict:
     report["offline_runs_tok_s"] = offline
     report["offline_tok_s"] = float(np.median(offline))
     idle, busy_ = report["idle"], report["with_batch"]
+    by_turn = [r["tok_s"] / o for r, o in zip(runs, offline, strict=True)]
     report["ratios"] = {
         "ttft_p50": busy_["ttft_p50_ms"] / idle["ttft_p50_ms"],
         "ttft_p99": busy_["ttft_p99_ms"] / idle["ttft_p99_ms"],
         "ttft_steady_p99": busy_["ttft_steady_p99_ms"] / idle["ttft_steady_p99_ms"],
         "tpot_p50": busy_["tpot_p50_ms"] / idle["tpot_p50_ms"],
-        "batch_over_offline": report["batch_alone"]["tok_s"] / report["offline_tok_s"],
-        "batch_over_offline_by_turn": [r["tok_s"] / o for r, o in zip(runs, offline, strict=True)],
+        # Each turn's two halves ran close in time; the median of their ratios.
+        "batch_over_offline_by_turn": by_turn,
+        "batch_over_offline": float(np.median(by_turn)),
     }
     report["targets"] = TARGETS
     print(json.dumps(report["ratios"], indent=2))
