@@ -20,9 +20,11 @@
 
 #if defined(TILE_ROWS)
 /* Semantics (every path): y = bf16(x W^T + bias + res), fp32 inside and one rounding;
- * x [rows, in], res (nullable) and y [rows, out], all bf16 and contiguous. */
+ * x [rows, in], res (nullable) and y [rows, out], all bf16 and contiguous. With w->f32_out,
+ * res and y are fp32 and the sum is stored unrounded (an output layer's logits; a projection
+ * adding to a bf16 model's fp32 residual stream). */
 void sb_linear_bf16(const struct sb_bf16_panels *w, const uint16_t *x, int64_t rows,
-                    const uint16_t *res, uint16_t *y) {
+                    const void *res, void *y) {
     const int64_t num_panels = (w->out_features + NP - 1) / NP;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < num_panels; p++) bf16_panel(w, p, x, rows, res, y);

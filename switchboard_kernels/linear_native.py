@@ -173,7 +173,7 @@ class Bf16PanelLinear:
     sums come out as fp32, never rounded (an output layer's logits)."""
 
     __slots__ = ("_call", "_desc", "_desc_address", "bias", "fp32_out", "in_features")
-    __slots__ += ("out_features", "panels")
+    __slots__ += ("out_features", "panels", "_fp32_sum", "_fp32_sum_address")
 
     def __init__(
         self,
@@ -211,6 +211,10 @@ class Bf16PanelLinear:
             int(fp32_out),
         )
         self._desc_address = ctypes.addressof(self._desc)
+        # The same panels with fp32 out: an fp32 residual read and the sum stored unrounded.
+        self._fp32_sum = _Bf16Panels(*(getattr(self._desc, f) for f, _ in _Bf16Panels._fields_))
+        self._fp32_sum.f32_out = 1
+        self._fp32_sum_address = ctypes.addressof(self._fp32_sum)
         self._call = kernel
 
     @property
@@ -230,8 +234,39 @@ class Bf16PanelLinear:
     ) -> torch.Tensor:  # [rows, out] bf16 (fp32 with fp32_out)
         """Semantics: ``bf16(x @ W.T + bias + residual)``, summed in fp32 (``fp32_out``: the
         fp32 sum itself, unrounded)."""
+        if self.fp32_out and residual is not None:  # the kernel reads an fp32 residual then
+            return self.add_to_fp32(x, residual.float())
         out = torch.float32 if self.fp32_out else torch.bfloat16
         return _run_panels(self, "native bf16 linear", torch.bfloat16, x, residual, out=out)
+
+    def add_to_fp32(
+        self,
+        x: torch.Tensor,  # [rows, in] bf16
+        residual: torch.Tensor,  # [rows, out] fp32
+    ) -> torch.Tensor:  # [rows, out] fp32
+        """Semantics: ``x @ W.T + bias + residual`` summed in fp32 and returned unrounded (a
+        bf16 model's fp32 residual stream: ``worker/model/llama.py``)."""
+        x, _ = native.checked_rows(
+            "native bf16 linear",
+            x,
+            None,
+            in_features=self.in_features,
+            out_features=self.out_features,
+            dtypes=(torch.bfloat16,),
+        )
+        rows = x.shape[0]
+        if residual.dtype != torch.float32 or residual.shape != (rows, self.out_features):
+            raise ValueError(
+                f"native bf16 linear: an fp32 residual ({rows}, {self.out_features}), not "
+                f"{residual.dtype} {tuple(residual.shape)}"
+            )
+        residual = residual.contiguous()
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        if rows:
+            self._call(
+                self._fp32_sum_address, x.data_ptr(), rows, residual.data_ptr(), y.data_ptr()
+            )
+        return y
 
 
 @functools.cache

@@ -103,9 +103,9 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
 }
 
 /* Columns [n0, n0 + cols) of rows [0, rows): acc + bias + residual, rounded once to bf16
- * (f32_out: stored as fp32, unrounded). */
+ * (f32_out: the residual fp32 too, the sum stored as fp32, unrounded). */
 static inline void store_tile(__m512 acc[MR][2], int rows, int cols, const uint16_t *bias,
-                              const uint16_t *res, int64_t ldr, void *y, int64_t ldy,
+                              const void *res, int64_t ldr, void *y, int64_t ldy,
                               int f32_out) {
     for (int v = 0; v < 2; v++) {
         int left = cols - 16 * v;
@@ -114,7 +114,11 @@ static inline void store_tile(__m512 acc[MR][2], int rows, int cols, const uint1
         __m512 b = bias ? load_bf16(bias + 16 * v, m16) : _mm512_setzero_ps();
         for (int m = 0; m < rows; m++) {
             __m512 out = _mm512_add_ps(acc[m][v], b);
-            if (res) out = _mm512_add_ps(out, load_bf16(res + m * ldr + 16 * v, m16));
+            if (res && f32_out)
+                out = _mm512_add_ps(
+                    out, _mm512_maskz_loadu_ps(m16, (const float *)res + m * ldr + 16 * v));
+            else if (res)
+                out = _mm512_add_ps(out, load_bf16((const uint16_t *)res + m * ldr + 16 * v, m16));
             if (f32_out)
                 _mm512_mask_storeu_ps((float *)y + m * ldy + 16 * v, m16, out);
             else
@@ -138,10 +142,10 @@ static inline void store_tile(__m512 acc[MR][2], int rows, int cols, const uint1
 #define TILE_ROWS MR
 
 /* Rows [0, rows) (at most TILE_ROWS) of one panel: columns [0, cols) of y (bf16, or fp32
- * with f32_out). */
+ * with f32_out, the residual then fp32 too). */
 static inline void rows_of_panel(const uint16_t *x, int64_t K, const uint16_t *panel,
                                  int64_t pairs, int64_t fixed_order, int rows, int cols,
-                                 const uint16_t *bias, const uint16_t *res, int64_t N, void *y,
+                                 const uint16_t *bias, const void *res, int64_t N, void *y,
                                  int f32_out) {
     __m512 acc[MR][2];
     DISPATCH_ROWS(x, K, panel, pairs, fixed_order)
@@ -195,7 +199,7 @@ static inline void rows_tile8(const uint16_t *x, int64_t K, const uint16_t *pane
 
 static inline void rows_of_panel(const uint16_t *x, int64_t K, const uint16_t *panel,
                                  int64_t pairs, int64_t fixed_order, int rows, int cols,
-                                 const uint16_t *bias, const uint16_t *res, int64_t N, void *y,
+                                 const uint16_t *bias, const void *res, int64_t N, void *y,
                                  int f32_out) {
     (void)fixed_order; /* every row sums in one order here */
     v8f acc[MR8][4];
@@ -206,7 +210,10 @@ static inline void rows_of_panel(const uint16_t *x, int64_t K, const uint16_t *p
         for (int o = 0; o < cols; o++) {
             float v = out[o];
             if (bias) v += bf16_to_f32(bias[o]);
-            if (res) v += bf16_to_f32(res[m * N + o]);
+            if (res && f32_out)
+                v += ((const float *)res)[m * N + o];
+            else if (res)
+                v += bf16_to_f32(((const uint16_t *)res)[m * N + o]);
             if (f32_out)
                 ((float *)y)[m * N + o] = v;
             else
@@ -219,9 +226,10 @@ static inline void rows_of_panel(const uint16_t *x, int64_t K, const uint16_t *p
 
 #if defined(TILE_ROWS)
 /* Rows [0, rows) of x times panel p of w: the columns [32p, 32p + 32) of y (and res, nullable),
- * whose rows are out_features long, rounded once to bf16 (w->f32_out: y fp32, unrounded). */
+ * whose rows are out_features long, rounded once to bf16 (w->f32_out: res and y fp32, the sum
+ * unrounded). */
 static inline void bf16_panel(const struct sb_bf16_panels *w, int64_t p, const uint16_t *x,
-                              int64_t rows, const uint16_t *res, void *y) {
+                              int64_t rows, const void *res, void *y) {
     const int64_t K = w->in_features, N = w->out_features, pairs = K / 2;
     const int64_t n0 = p * NP;
     const int cols = N - n0 < NP ? (int)(N - n0) : NP;
@@ -231,8 +239,11 @@ static inline void bf16_panel(const struct sb_bf16_panels *w, int64_t p, const u
         int rows_here = rows - m0 < TILE_ROWS ? (int)(rows - m0) : TILE_ROWS;
         int64_t at = m0 * N + n0; /* y's element offset */
         void *y_here = f32_out ? (void *)((float *)y + at) : (void *)((uint16_t *)y + at);
+        const void *res_here = !res      ? NULL
+                               : f32_out ? (const void *)((const float *)res + at)
+                                         : (const void *)((const uint16_t *)res + at);
         rows_of_panel(x + m0 * K, K, panel, pairs, w->fixed_order, rows_here, cols,
-                      w->bias ? w->bias + n0 : NULL, res ? res + at : NULL, N, y_here, f32_out);
+                      w->bias ? w->bias + n0 : NULL, res_here, N, y_here, f32_out);
     }
 }
 #endif

@@ -115,6 +115,24 @@ OTHER_PATHS = {
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+def test_an_fp32_residual_is_added_to_the_fp32_sums_unrounded(rows):
+    """A bf16 model's fp32 residual stream: ``Linear.add_to`` keeps it fp32 (the residual's
+    low bits survive, which a bf16 residual would round away)."""
+    x, w, bias, _, scale = case(rows, 100, 34, rows + 5)
+    stream = torch.randn(rows, 100, generator=torch.Generator().manual_seed(rows)) * 1000 + 0.123
+    want = x.double() @ w.double().T + bias.double() + stream.double()
+    got = Bf16PanelLinear(w, bias).add_to_fp32(x, stream)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=2**-22, atol=scale * 1e-5)
+    via_linear = Linear(w, bias).add_to(x, stream.clone())
+    assert via_linear.dtype == torch.float32
+    torch.testing.assert_close(via_linear.double(), want, rtol=2**-22, atol=scale * 1e-5)
+    with pytest.raises(ValueError, match="fp32 residual"):
+        Bf16PanelLinear(w, bias).add_to_fp32(x, stream[:, :50])
+
+
+@needs_kernel
 @pytest.mark.parametrize("path", OTHER_PATHS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9])
 def test_the_paths_of_cpus_with_fewer_features(path, rows):
@@ -137,6 +155,12 @@ def test_the_paths_of_cpus_with_fewer_features(path, rows):
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=0, atol=scale * 1e-5)
     assert torch.equal(got.bfloat16(), layer(x, residual))
+    # an fp32 residual (a bf16 model's residual stream), read and returned unrounded
+    stream = residual.float() + 1e-3
+    summed = layer.add_to_fp32(x, stream)
+    assert summed.dtype == torch.float32
+    want = x.double() @ w.double().T + bias.double() + stream.double()
+    torch.testing.assert_close(summed.double(), want, rtol=0, atol=scale * 1e-5)
 
 
 @needs_kernel

@@ -428,8 +428,8 @@ class LlamaModel:
         """``residual + x @ W.T`` plus the LoRA delta. Split by rows, each rank's product is
         a partial sum (the residual added on rank 0 only, the LoRA delta on its columns) and
         one all-reduce completes it."""
-        if residual.dtype != x.dtype:  # the fp32 residual stream (this step's own tensor)
-            return residual.add_(self._projected(linear, x, adapters, lora_group))
+        if residual.dtype != x.dtype:
+            return self._added_to_stream(linear, x, residual, adapters, lora_group)
         first = self.group is None or self.group.rank == 0
         y = linear.add_to(x, residual) if first else linear(x)
         if adapters is not None:
@@ -437,6 +437,33 @@ class LlamaModel:
         if self.group is not None:
             self.group.all_reduce(y)
         return y
+
+    def _added_to_stream(
+        self,
+        linear: Linear,
+        x: torch.Tensor,
+        residual: torch.Tensor,  # [T, hidden] fp32, this step's own
+        adapters: _LayerLora | None,
+        lora_group: str,
+    ) -> torch.Tensor:
+        """``residual + x @ W.T`` plus the LoRA delta, into the fp32 residual stream: the
+        product's fp32 sums take the residual before any rounding. An adapter's delta is
+        computed apart and added after, so a base row's bits never depend on whether its
+        neighbours have adapters (``batch_invariant``)."""
+        if self.group is not None:  # each rank's partial sum: the stream added after
+            return residual.add_(self._projected(linear, x, adapters, lora_group))
+        y = linear.add_to(x, residual)  # [T, hidden] fp32
+        if adapters is None or not adapters.stacks[lora_group].used:
+            return y
+        if adapters.dora and adapters.stacks[lora_group].dora is not None:
+            # DoRA rescales the base product too: the delta against that product
+            base = linear(x)
+            adapted = base.clone()
+            adapters.add(adapted, x, lora_group)
+            return y.add_(adapted.float().sub_(base.float()))
+        delta = x.new_zeros(y.shape)  # [T, hidden] in the rows' dtype, as the kernels add
+        adapters.add(delta, x, lora_group)
+        return y.add_(delta)
 
     def native_decode_pass(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
