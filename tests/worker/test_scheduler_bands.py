@@ -115,7 +115,8 @@ def test_beside_interactive_decodes_batch_decodes_take_turns_within_a_tenth_of_t
     from worker.core.step_budget import DecodeStepBudget, StepTimes
 
     times = StepTimes({1: 0.010, 16: 0.020, 64: 0.050})
-    assert batch_token_room(times, 1) == 1 and batch_token_room(times, 0) is None
+    assert batch_token_room(times, 1) == 1
+    assert batch_token_room(times, 0) == 128  # alone: within BATCH_STEP_S (0.1 s)
     sched = make_scheduler(max_tokens=64)
     sched.step_budget = DecodeStepBudget(times, 1.0)
     batch = [make_seq(i, 4, B, tenant="bulk") for i in range(3)]
@@ -131,6 +132,27 @@ def test_beside_interactive_decodes_batch_decodes_take_turns_within_a_tenth_of_t
     sched.remove(chat)
     sched.interactive_left_at = -1e9  # long ago (just after, see the next test)
     assert [r for r, _, _ in run_step(sched)] == ["r0", "r1", "r2"]
+
+
+def test_a_batch_alone_takes_steps_no_longer_than_what_an_arrival_may_wait_for():
+    """Steps cost 4 ms a token here: alone, batch work feeds 25 tokens a step
+    (bands.BATCH_STEP_S, 0.1 s): every decode, then the lines' prompts in chunks of what is
+    left, so an interactive arrival waits for a short step; each prompt goes on where it
+    stopped."""
+    from worker.core.step_budget import DecodeStepBudget, StepTimes
+
+    sched = make_scheduler(num_blocks=32, max_tokens=64)
+    sched.step_budget = DecodeStepBudget(StepTimes({1: 0.004, 64: 0.256}), 1.0)
+    sched.interactive_left_at = -1e9
+    for i in range(3):
+        sched.add(make_seq(i, 20, B, tenant="bulk"))
+    plans = [run_step(sched) for _ in range(4)]
+    assert plans == [
+        [("r0", 0, 20), ("r1", 0, 5)],
+        [("r0", 20, 1), ("r1", 5, 15), ("r2", 0, 9)],
+        [("r0", 21, 1), ("r1", 20, 1), ("r2", 9, 11)],
+        [("r0", 22, 1), ("r1", 21, 1), ("r2", 20, 1)],
+    ]
 
 
 def test_an_interactive_prompt_is_not_cut_to_guard_batch_decodes():

@@ -101,6 +101,7 @@ class Scheduler:
         # Batch tokens the step in the making may still add beside its interactive work;
         # None: no bound (no interactive work, or step times unknown).
         self._batch_room: int | None = None
+        self._batch_alone = False  # no interactive work: the room bounds batch prompts only
         # Batch decodes given their turn in the step in the making, with their turn before
         # (given back if an interactive prompt takes their place: ``_yield_to_prompts``).
         self._turns_given: list[tuple[Sequence, int]] = []
@@ -221,8 +222,8 @@ class Scheduler:
         their decodes and their prompts' next chunks (an arrival's first step is held to it
         too). Within ``ACTIVE_GRACE_S`` of the latest interactive sequence's end, as if one
         decoded: a closed-loop client's next request comes just after its answer, and would
-        otherwise wait for a whole step of batch work. None while there are none, or without
-        step times."""
+        otherwise wait for a whole step of batch work. Without interactive work, a step of batch
+        work within ``bands.BATCH_STEP_S``. None without step times."""
         if self.step_budget is None:
             return None
         interactive = 0
@@ -232,6 +233,7 @@ class Scheduler:
         interactive = min(interactive, self.max_num_batched_tokens)
         if not interactive and time.monotonic() - self.interactive_left_at < ACTIVE_GRACE_S:
             interactive = 1
+        self._batch_alone = interactive == 0
         return batch_token_room(self.step_budget.times, interactive)
 
     def _batch_decodes_held_back(self, decodes: list[Sequence]) -> list[Sequence]:
@@ -241,6 +243,9 @@ class Scheduler:
         if room is None:
             return decodes
         batch = [s for s in decodes if s.band is not Band.INTERACTIVE]
+        if self._batch_alone:  # every decode; the prompts' chunks take what the step has left
+            self._batch_room = max(room - len(batch), MIN_PREFILL_TOKENS)
+            return decodes
         if len(batch) <= room:
             self._batch_room = room - len(batch)
             return decodes
