@@ -11,10 +11,30 @@
 #ifndef SWITCHBOARD_PANEL_LEVELS_H
 #define SWITCHBOARD_PANEL_LEVELS_H
 
+#include <stdint.h>
+
+#include "bf16.h"
+
 #define PL_NR 16         /* outputs per panel: one 32-bit lane each in 64 bytes */
 #define PL_STEP_BYTES 64 /* one step of levels: 8 features (4-bit) or 4 (8-bit) */
 
 /* Features per 64-byte step of levels. */
 #define PL_STEP_FEATURES(bits) (bits == 4 ? 8 : 4)
+
+/* One row of a panel's tile into y at element ``at``: acc + bias + res, stored as fp32
+ * (out_fp32: res fp32 too) or rounded once to bf16 (res bf16); bias and res nullable. */
+static inline void pl_store_row(const float *acc, int cols, const float *bias, const void *res,
+                                void *y, int64_t at, int out_fp32) {
+    for (int j = 0; j < cols; j++) {
+        float v = acc[j] + (bias ? bias[j] : 0.0f);
+        if (out_fp32) {
+            if (res) v += ((const float *)res)[at + j];
+            ((float *)y)[at + j] = v;
+        } else {
+            if (res) v += bf16_to_f32(((const uint16_t *)res)[at + j]);
+            ((uint16_t *)y)[at + j] = f32_to_bf16(v);
+        }
+    }
+}
 
 #endif /* SWITCHBOARD_PANEL_LEVELS_H */

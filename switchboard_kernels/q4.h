@@ -275,19 +275,9 @@ static void q4_project(const struct sb_q4 *w, const Q4Rows *x, int64_t rows, con
             int tile = rows - m0 < ROW_TILE ? (int)(rows - m0) : ROW_TILE;
             float acc[ROW_TILE][Q4_NR];
             panel(blocks, x, m0, tile, acc);
-            for (int r = 0; r < tile; r++) {
-                int64_t at = (m0 + r) * N + n0;
-                for (int j = 0; j < cols; j++) {
-                    float v = acc[r][j] + (w->bias ? w->bias[n0 + j] : 0.0f);
-                    if (out_fp32) {
-                        if (res) v += ((const float *)res)[at + j];
-                        ((float *)y)[at + j] = v;
-                    } else {
-                        if (res) v += bf16_to_f32(((const uint16_t *)res)[at + j]);
-                        ((uint16_t *)y)[at + j] = f32_to_bf16(v);
-                    }
-                }
-            }
+            for (int r = 0; r < tile; r++)
+                pl_store_row(acc[r], cols, w->bias ? w->bias + n0 : NULL, res, y,
+                             (m0 + r) * N + n0, out_fp32);
         }
     }
 }

@@ -377,19 +377,9 @@ int sb_wq_linear(const struct sb_wq *w, const void *x, int x_fp32, int64_t rows,
             const int t = rows - m0 < tile ? (int)(rows - m0) : tile;
             float acc[WQ_ROWS][PL_NR];
             loop(w, w->blocks + p * panel_bytes, &xr, m0, t, acc);
-            for (int r = 0; r < t; r++) {
-                const int64_t at = (m0 + r) * N + n0;
-                for (int j = 0; j < cols; j++) {
-                    float v = acc[r][j] + (w->bias ? w->bias[n0 + j] : 0.0f);
-                    if (out_fp32) {
-                        if (res) v += ((const float *)res)[at + j];
-                        ((float *)y)[at + j] = v;
-                    } else {
-                        if (res) v += bf16_to_f32(((const uint16_t *)res)[at + j]);
-                        ((uint16_t *)y)[at + j] = f32_to_bf16(v);
-                    }
-                }
-            }
+            for (int r = 0; r < t; r++)
+                pl_store_row(acc[r], cols, w->bias ? w->bias + n0 : NULL, res, y,
+                             (m0 + r) * N + n0, out_fp32);
         }
     }
     free(wide), free(xsum), free(pairs);
