@@ -162,3 +162,8 @@ def test_batch_invariance_is_refused_over_a_quantized_checkpoint():
         InvalidRequestError, match=r"batch_invariant .* published quantized \(awq\)"
     ):
         LLM(FIXTURES / "awq_llama", dtype="float32", max_loras=0, batch_invariant=True)
+
+
+def test_a_published_checkpoint_is_not_quantized_again_on_load():
+    with pytest.raises(ModelLoadError, match=r"published quantized .*drop --quantization"):
+        LLM(FIXTURES / "gptq_llama", dtype="float32", quantization="int4")
