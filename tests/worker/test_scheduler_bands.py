@@ -116,7 +116,7 @@ def test_beside_interactive_decodes_batch_decodes_take_turns_within_a_tenth_of_t
 
     times = StepTimes({1: 0.010, 16: 0.020, 64: 0.050})
     assert batch_token_room(times, 1) == 1
-    assert batch_token_room(times, 0) == 128  # alone: within BATCH_STEP_S (0.1 s)
+    assert batch_token_room(times, 0) == 320  # alone: within BATCH_STEP_S (0.25 s)
     sched = make_scheduler(max_tokens=64)
     sched.step_budget = DecodeStepBudget(times, 1.0)
     batch = [make_seq(i, 4, B, tenant="bulk") for i in range(3)]
@@ -135,14 +135,14 @@ def test_beside_interactive_decodes_batch_decodes_take_turns_within_a_tenth_of_t
 
 
 def test_a_batch_alone_takes_steps_no_longer_than_what_an_arrival_may_wait_for():
-    """Steps cost 4 ms a token here: alone, batch work feeds 25 tokens a step
-    (bands.BATCH_STEP_S, 0.1 s): every decode, then the lines' prompts in chunks of what is
+    """Steps cost 10 ms a token here: alone, batch work feeds 25 tokens a step
+    (bands.BATCH_STEP_S, 0.25 s): every decode, then the lines' prompts in chunks of what is
     left, so an interactive arrival waits for a short step; each prompt goes on where it
     stopped."""
     from worker.core.step_budget import DecodeStepBudget, StepTimes
 
     sched = make_scheduler(num_blocks=32, max_tokens=64)
-    sched.step_budget = DecodeStepBudget(StepTimes({1: 0.004, 64: 0.256}), 1.0)
+    sched.step_budget = DecodeStepBudget(StepTimes({1: 0.010, 64: 0.640}), 1.0)
     sched.interactive_left_at = -1e9
     for i in range(3):
         sched.add(make_seq(i, 20, B, tenant="bulk"))
