@@ -30,6 +30,10 @@ class NativeActivation:
             fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int]
         self.has_avx512 = bool(lib.sb_activation_has_avx512())
 
+    def address(self, dtype: torch.dtype) -> int:
+        """The kernel for rows of ``dtype``, for native code that calls it."""
+        return ctypes.cast(self._kernels[dtype], ctypes.c_void_p).value or 0
+
     def silu_mul(self, gate_up: torch.Tensor, *, portable: bool = False) -> torch.Tensor:
         """Semantics: ``F.silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)``, bf16 or
         fp32 rows [rows, 2 * dim], rounded as torch rounds each of the two ops."""

@@ -442,12 +442,15 @@ class Linear:
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + x @ weight.T (+ bias)``; on CPU the add is fused into the matmul. An fp32
         ``residual`` beside half-precision rows (a bf16 model's residual stream) stays fp32:
-        the bf16 panels add it to their fp32 sums, other kernels' rounded product is added."""
+        the bf16 panels and the quantized-weight kernel add it to their fp32 sums, other
+        kernels' rounded product is added."""
         rows = x.shape[0]
         if residual.dtype != x.dtype:
             kernel = self.small if rows <= self.split_rows else self.large
             if isinstance(kernel, Bf16PanelLinear) and not kernel.fp32_out:
                 return kernel.add_to_fp32(x, residual)
+            if isinstance(kernel, WqLinear):
+                return kernel(x, residual, fp32_sum=True)
             return residual.add_(self(x))
         if rows <= self.int4_rows and self.int4 is not None:
             return self.int4(x, residual)

@@ -30,6 +30,10 @@ class NativeNorm:
             fn.restype = None
             fn.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_float]
 
+    def address(self, x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:
+        """The kernel for such rows and weight, for native code that calls it."""
+        return ctypes.cast(self._norms[(x_dtype, weight_dtype)], ctypes.c_void_p).value or 0
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Semantics: ``F.rms_norm(x, weight.shape, weight, eps)`` for bf16 or fp32 ``x``
         [rows, dim] (fp32 inside, one rounding), in the weight's dtype."""

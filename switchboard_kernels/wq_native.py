@@ -98,10 +98,12 @@ class WqLinear:
         residual: torch.Tensor | None = None,  # [rows, out], the output's dtype
         *,
         path: int = WqPath.BEST,
-    ) -> torch.Tensor:  # [rows, out]: x's dtype, or fp32 with fp32_out
+        fp32_sum: bool = False,
+    ) -> torch.Tensor:  # [rows, out]: x's dtype, or fp32 with fp32_out or fp32_sum
         """Semantics: ``x @ W.T (+ bias) (+ residual)`` summed in fp32, rounded once to the
-        output's dtype; W the dequantized weight."""
-        out = torch.float32 if self.fp32_out else x.dtype
+        output's dtype; W the dequantized weight. ``fp32_sum``: this call's sum comes out
+        fp32, unrounded (added to a bf16 model's fp32 residual stream)."""
+        out = torch.float32 if self.fp32_out or fp32_sum else x.dtype
         if residual is not None and residual.dtype != out:
             residual = residual.to(out)
         if self.input_order is not None:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from switchboard_kernels.decode_step_native import NativeDecodeStep
 from switchboard_kernels.draft_native import NativeDecodePass, native_draft
 from switchboard_kernels.linear import Q4_MAX_ROWS, Linear
 from switchboard_kernels.linear_choice import LinearPlan
@@ -497,6 +498,37 @@ class LlamaModel:
             )
         except (RuntimeError, ValueError):  # a projection without a native 4-bit copy
             return None
+
+    def native_decode_step(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> NativeDecodeStep | None:
+        """Decode steps in one native call each, exactly as ``forward`` and
+        ``compute_logits`` compute them (switchboard_kernels/decode_step_cpu.c), where every
+        kernel of this model's small-row path can be called from there: a Llama block on
+        CPU, one rank, bf16 or fp32, no draft copies; else None. The runner still asks
+        ``ops`` per step whether the norms, activation and attention plans pick the native
+        kernels for its rows."""
+        if (
+            self.device.type != "cpu"
+            or not self.llama_block
+            or self.long_rope is not None
+            or self.group is not None
+            or self.quantization is not None
+            or self.residual_dtype != torch.float32
+        ):
+            return None
+        return NativeDecodeStep.build(
+            embed=self.embed,
+            layers=self.layers,
+            final_norm=self.final_norm,
+            lm_head=self.lm_head,
+            cos=self.rope.cos,
+            signed_sin=self.rope.signed_sin,
+            kv_caches=kv_caches,
+            heads=self.num_heads,
+            eps=self.config.rms_norm_eps,
+            scale=self.scale,
+        )
 
     def compute_logits(
         self, hidden: torch.Tensor, *, kept_only: bool = False, heads: list[HeadPatch] | None = None

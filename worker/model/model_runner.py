@@ -92,6 +92,8 @@ class ModelRunner:
         ]
         # A draft model's small passes in one native call (None: the torch path only).
         self.native_pass = model.native_decode_pass(self.kv_caches)
+        # A served model's decode steps in one native call, exact (None: the torch path).
+        self.native_step = model.native_decode_step(self.kv_caches) if self.native_decodes else None
         self.graphs = None
         if cuda_graphs and model.long_rope is None:  # graphs capture no ``rope_positions``
             self.graphs = DecodeGraphs(
@@ -139,6 +141,8 @@ class ModelRunner:
         sampling sequence, or ``num_spec + 1`` consecutive rows for one verifying draft
         tokens: [sum of rows, vocab] (``kept_only``: a cut-down output layer's columns)."""
         native = self._execute_native(scheduled, kept_only)
+        if native is None:
+            native = self._execute_native_step(scheduled, kept_only)
         if native is not None:
             return native
         inputs = self.prepare(scheduled)
@@ -210,6 +214,32 @@ class ModelRunner:
                 for s in scheduled
             ]
         )
+        return list(scheduled), logits if kept_only else self.model.full_logits(logits)
+
+    def _execute_native_step(
+        self, scheduled: list[ScheduledSequence], kept_only: bool
+    ) -> tuple[list[ScheduledSequence], torch.Tensor] | None:
+        """The step through ``native_step`` if it is one: every sequence decoding (one token
+        after cached ones) and sampling, no drafts, adapters or prompt logprobs, and the
+        model's plans picking the native norm, activation and attention for so many rows (the
+        kernels the torch path would call); else None."""
+        step, rows = self.native_step, len(scheduled)
+        if step is None or not 0 < rows <= step.max_rows:
+            return None
+        ops = self.model.ops
+        if (
+            ops.norm.kernel_for(rows) != NATIVE
+            or ops.activation.kernel_for(rows) != NATIVE
+            or ops.decode_attention.kernel_for(rows) != NATIVE
+        ):
+            return None
+        for s in scheduled:
+            seq = s.seq
+            if s.num_tokens != 1 or s.start == 0 or s.num_spec or not s.samples:
+                return None
+            if seq.adapter_id or seq.adapter_mix or wants_prompt_logprobs(s):
+                return None
+        logits = step([(s.seq.tokens[s.start], s.start, s.seq.block_table) for s in scheduled])
         return list(scheduled), logits if kept_only else self.model.full_logits(logits)
 
     def _indices(self, values: list[int]) -> torch.Tensor:

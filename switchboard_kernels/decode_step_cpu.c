@@ -1,0 +1,197 @@
+/* A served model's decode step in one native call, computing exactly what its torch path
+ * computes (worker/model/llama.py: `forward` and `compute_logits`, for sequences that each
+ * feed one token and sample after it, without adapters).
+ *
+ * Why: a decode step of the default model through torch makes ~330 calls (two norms, four
+ * projections, RoPE as four tensor ops, the K/V writes, attention, splits and views, a
+ * layer), each paying Python, the dispatcher and its code's cache misses. At batch 1 on a
+ * 2-core Zen 4 that was ~4 ms of a ~12.5 ms step, on top of the 8.7 ms that reading the
+ * weights takes (docs/performance.md); for a base quantized to 4 bits, whose weights read
+ * in a third of that, it was half the step. Here the loop over layers is C and every call
+ * into a kernel a plain function call.
+ *
+ * Exactness: every product, norm, activation and attention is the kernel the torch path
+ * calls for the same rows (their addresses passed in; switchboard_kernels/decode_step_native.py
+ * builds the step only where the model's plans pick those kernels), on the same inputs in
+ * the same dtypes. The glue written here rounds as torch's ops round: the embedding row
+ * widened to the fp32 residual stream; RoPE as `addcmul(x * cos, roll(x), signed_sin)`: the
+ * first product rounded to the model's dtype, then the second product and the sum in one
+ * fp32 FMA (ATen's addcmul; in bf16 that product is exact anyway), rounded once; the fresh
+ * K/V copied into their slots before attention reads them. Tests compare the logits and the
+ * caches bit for bit with the torch path's.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+/* sb_linear_bf16 / sb_linear (linear_bf16_cpu.c, linear_cpu.c): y = x W^T (+ res). */
+typedef void (*PanelFn)(const void *w, const void *x, int64_t rows, const void *res, void *y);
+/* sb_wq_linear (wq_cpu.c). */
+typedef int (*WqFn)(const void *w, const void *x, int x_fp32, int64_t rows, const void *res,
+                    void *y, int out_fp32, int path);
+/* sb_rms_norm_f32_bf16 / sb_rms_norm_f32 (norm_cpu.c). */
+typedef void (*NormFn)(const void *x, int64_t x_stride, const void *w, void *out,
+                       int64_t out_stride, int64_t rows, int64_t dim, float eps);
+/* sb_silu_mul_bf16 / sb_silu_mul_f32 (activation_cpu.c). */
+typedef void (*ActivationFn)(const void *gate_up, int64_t in_stride, void *out,
+                             int64_t out_stride, int64_t rows, int64_t dim, int portable);
+/* sb_paged_decode (attention_cpu.c). */
+typedef int (*AttentionFn)(const void *q, int64_t q_row, int64_t q_head, void *out,
+                           int64_t out_row, int64_t out_head, const void *key_cache,
+                           const void *value_cache, int64_t block_size, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t n_seqs,
+                           const int64_t *seq_row, const int64_t *seq_queries,
+                           const int64_t *seq_start, const int64_t *seq_table,
+                           const int64_t *tables, const int64_t *own_slots, float scale, int fp32,
+                           int portable);
+
+enum { PANELS = 0, WQ = 1 };
+
+struct sb_step_projection {
+    int64_t kind;         /* PANELS or WQ */
+    const void *fn;       /* PanelFn or WqFn */
+    const void *desc;     /* the kernel's weights; panels: out in the rows' dtype, or fp32 for
+                           * an output layer */
+    const void *sum_desc; /* panels of a bf16 model: the same weights with fp32 out, which
+                           * add an fp32 residual to the fp32 sums */
+    int64_t out_fp32;     /* WQ: its products come out fp32 (an output layer) */
+};
+
+struct sb_step_layer {
+    const void *input_norm, *post_norm; /* [hidden], the model's dtype */
+    struct sb_step_projection qkv, o, gate_up, down;
+};
+
+struct sb_step_model {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    int64_t logits_width; /* the output layer's out features */
+    float eps, scale;
+    int64_t fp32;                /* the model in fp32; else bf16 with an fp32 residual stream */
+    const void *embed;           /* [vocab, hidden], the model's dtype */
+    const void *final_norm;      /* [hidden] */
+    const void *cos, *signed_sin; /* [max_positions, head_dim], the model's dtype */
+    const struct sb_step_layer *layers;
+    struct sb_step_projection lm_head; /* fp32 out */
+    void *const *key_caches;           /* per layer [num_blocks, block_size, kv_heads, dim] */
+    void *const *value_caches;
+    const void *norm;       /* NormFn: fp32 rows in, the weight's dtype out */
+    const void *activation; /* ActivationFn in the model's dtype */
+    const void *attention;  /* AttentionFn */
+};
+
+/* rows x W^T, out in the rows' dtype (fp32 for an output layer). */
+static int project(const struct sb_step_projection *p, const void *x, int64_t rows, int fp32,
+                   void *y) {
+    if (p->kind == WQ) return ((WqFn)p->fn)(p->desc, x, fp32, rows, NULL, y, fp32 || p->out_fp32, 0);
+    ((PanelFn)p->fn)(p->desc, x, rows, NULL, y);
+    return 0;
+}
+
+/* out = stream + rows x W^T, fp32 (the residual stream), from fp32 sums never rounded. */
+static int add_to_stream(const struct sb_step_projection *p, const void *x, int64_t rows,
+                         int fp32, const float *stream, float *out) {
+    if (p->kind == WQ) return ((WqFn)p->fn)(p->desc, x, fp32, rows, stream, out, 1, 0);
+    ((PanelFn)p->fn)(fp32 ? p->desc : p->sum_desc, x, rows, stream, out);
+    return 0;
+}
+
+static inline float load1(const void *base, int64_t i, int fp32) {
+    return fp32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
+}
+
+/* torch's `addcmul(x * cos, roll(x, half), signed_sin)` over `count` heads of one row, in
+ * place, fp32: the first product rounded, then the second product and the sum in one FMA
+ * (ATen's vectorized addcmul is an fmadd). */
+static void rope_f32(float *x, int64_t count, int64_t hd, const float *cos, const float *ssin) {
+    int64_t half = hd / 2;
+    for (int64_t h = 0; h < count; h++, x += hd) {
+        float rotated[hd];
+        for (int64_t i = 0; i < hd; i++) rotated[i] = x[i < half ? i + half : i - half];
+        for (int64_t i = 0; i < hd; i++) x[i] = fmaf(rotated[i], ssin[i], x[i] * cos[i]);
+    }
+}
+
+/* The same in bf16: `x * cos` rounded to bf16, then its sum with `roll(x) * signed_sin` (a
+ * product of two bf16 values, exact in fp32) rounded once. */
+static void rope_bf16(uint16_t *x, int64_t count, int64_t hd, const uint16_t *cos,
+                      const uint16_t *ssin) {
+    int64_t half = hd / 2;
+    for (int64_t h = 0; h < count; h++, x += hd) {
+        float wide[hd];
+        for (int64_t i = 0; i < hd; i++) wide[i] = bf16_to_f32(x[i]);
+        for (int64_t i = 0; i < hd; i++) {
+            float scaled = bf16_to_f32(f32_to_bf16(wide[i] * bf16_to_f32(cos[i])));
+            float turned = wide[i < half ? i + half : i - half] * bf16_to_f32(ssin[i]);
+            x[i] = f32_to_bf16(scaled + turned);
+        }
+    }
+}
+
+/* Semantics: the model's forward pass over `rows` sequences feeding one token each: row r
+ * feeds tokens[r] at positions[r] (> 0: the sequence has cached tokens), its K/V written
+ * to flat cache slot slots[r]; it attends keys 0 .. positions[r] through its block table,
+ * tables[table_starts[r]:]. Then logits[r] = lm_head(final_norm(h[r])), fp32
+ * [rows, logits_width]. Returns 0, -1 if scratch memory ran out, or a kernel's error. */
+int sb_decode_step(const struct sb_step_model *m, int64_t rows, const int64_t *tokens,
+                   const int64_t *positions, const int64_t *slots, const int64_t *table_starts,
+                   const int64_t *tables, float *logits) {
+    const int fp32 = (int)m->fp32;
+    const int64_t H = m->hidden, hd = m->head_dim, Q = m->heads * hd, KV = m->kv_heads * hd;
+    const int64_t QKV = Q + 2 * KV, I = m->intermediate, elem = fp32 ? 4 : 2;
+    const NormFn norm = (NormFn)m->norm;
+    const ActivationFn activation = (ActivationFn)m->activation;
+    const AttentionFn attention = (AttentionFn)m->attention;
+    float *stream = malloc(sizeof(float) * rows * H), *next = malloc(sizeof(float) * rows * H);
+    char *x = malloc(elem * rows * (H > I ? H : I)), *qkv = malloc(elem * rows * QKV);
+    char *attended = malloc(elem * rows * Q), *gate_up = malloc(elem * rows * 2 * I);
+    int64_t *meta = malloc(sizeof(int64_t) * rows * 4);
+    int status = -1;
+    if (!stream || !next || !x || !qkv || !attended || !gate_up || !meta) goto done;
+    int64_t *seq_row = meta, *seq_queries = meta + rows, *seq_start = meta + 2 * rows;
+    int64_t *own_slots = meta + 3 * rows;
+    for (int64_t r = 0; r < rows; r++) {
+        seq_row[r] = r, seq_queries[r] = 1, seq_start[r] = positions[r], own_slots[r] = -1;
+        for (int64_t i = 0; i < H; i++) stream[r * H + i] = load1(m->embed, tokens[r] * H + i, fp32);
+    }
+    status = 0;
+    for (int64_t l = 0; l < m->num_layers && !status; l++) {
+        const struct sb_step_layer *L = m->layers + l;
+        norm(stream, H, L->input_norm, x, H, rows, H, m->eps);
+        if ((status = project(&L->qkv, x, rows, fp32, qkv))) break;
+        for (int64_t r = 0; r < rows; r++) { /* [q heads | k heads | v heads] */
+            char *row = qkv + r * QKV * elem;
+            int64_t table = positions[r] * hd;
+            if (fp32)
+                rope_f32((float *)row, m->heads + m->kv_heads, hd, (const float *)m->cos + table,
+                         (const float *)m->signed_sin + table);
+            else
+                rope_bf16((uint16_t *)row, m->heads + m->kv_heads, hd,
+                          (const uint16_t *)m->cos + table,
+                          (const uint16_t *)m->signed_sin + table);
+            memcpy((char *)m->key_caches[l] + slots[r] * KV * elem, row + Q * elem, KV * elem);
+            memcpy((char *)m->value_caches[l] + slots[r] * KV * elem, row + (Q + KV) * elem,
+                   KV * elem);
+        }
+        status = attention(qkv, QKV, hd, attended, Q, hd, m->key_caches[l], m->value_caches[l],
+                           m->block_size, m->heads, m->kv_heads, hd, rows, seq_row, seq_queries,
+                           seq_start, table_starts, tables, own_slots, m->scale, fp32, 0);
+        if (status || (status = add_to_stream(&L->o, attended, rows, fp32, stream, next))) break;
+        float *swap = stream;
+        stream = next, next = swap;
+        norm(stream, H, L->post_norm, x, H, rows, H, m->eps);
+        if ((status = project(&L->gate_up, x, rows, fp32, gate_up))) break;
+        activation(gate_up, 2 * I, x, I, rows, I, 0);
+        if ((status = add_to_stream(&L->down, x, rows, fp32, stream, next))) break;
+        swap = stream, stream = next, next = swap;
+    }
+    if (!status) {
+        norm(stream, H, m->final_norm, x, H, rows, H, m->eps);
+        status = project(&m->lm_head, x, rows, fp32, logits);
+    }
+done:
+    free(stream), free(next), free(x), free(qkv), free(attended), free(gate_up), free(meta);
+    return status;
+}
