@@ -1,6 +1,6 @@
 /* A served model's decode step in one native call, computing exactly what its torch path
  * computes (worker/model/llama.py: `forward` and `compute_logits`, for sequences that each
- * feed one token and sample after it, without adapters).
+ * feed one token and sample after it, with plain LoRA adapters or none).
  *
  * Why: a decode step of the default model through torch makes ~330 calls (two norms, four
  * projections, RoPE as four tensor ops, the K/V writes, attention, splits and views, a
@@ -48,7 +48,14 @@ typedef int (*AttentionFn)(const void *q, int64_t q_row, int64_t q_head, void *o
                            const int64_t *tables, const int64_t *own_slots, float scale, int fp32,
                            int portable);
 
+/* sb_lora_bgmv (lora_cpu.c): y[rows of each group] += scale * x A^T B^T of its slot. */
+typedef int (*LoraFn)(const void *x, int64_t x_stride, int64_t in, void *y, int64_t y_stride,
+                      const int64_t *table, const float *scales, int64_t n_groups,
+                      const int64_t *group_slot, const int64_t *group_start, const int64_t *rows,
+                      int fp32, int portable);
+
 enum { PANELS = 0, WQ = 1 };
+enum { LORA_QKV = 0, LORA_O = 1, LORA_GATE_UP = 2, LORA_DOWN = 3 }; /* a layer's groups */
 
 struct sb_step_projection {
     int64_t kind;         /* PANELS or WQ */
@@ -81,6 +88,46 @@ struct sb_step_model {
     const void *activation; /* ActivationFn in the model's dtype */
     const void *attention;  /* AttentionFn */
 };
+
+/* One LoRA group of one layer: the slots' pointer table (lora_native.py's NativeSlots), NULL
+ * where no adapter targets it, and the slots' scales. */
+struct sb_step_lora_group {
+    const int64_t *table;
+    const float *scales;
+};
+
+/* A step's adapters: its rows grouped by slot (NativeGroups), the same for every layer. */
+struct sb_step_lora {
+    int64_t num_groups;
+    const int64_t *slots, *starts, *rows;
+    const struct sb_step_lora_group *groups; /* [num_layers][4]: LORA_QKV, _O, _GATE_UP, _DOWN */
+    const void *bgmv;                        /* LoraFn */
+};
+
+/* y += the LoRA delta of group g of layer l (add_lora in switchboard_kernels/lora.py). */
+static int add_lora(const struct sb_step_lora *lora, int64_t l, int g, const void *x, int64_t in,
+                    void *y, int64_t y_stride, int fp32) {
+    if (!lora) return 0;
+    const struct sb_step_lora_group *G = lora->groups + 4 * l + g;
+    if (!G->table || !lora->num_groups) return 0;
+    return ((LoraFn)lora->bgmv)(x, in, in, y, y_stride, G->table, G->scales, lora->num_groups,
+                                lora->slots, lora->starts, lora->rows, fp32, 0);
+}
+
+/* The LoRA delta of a projection that adds to the stream (o, down) into stream `out`, as
+ * llama.py's `_added_to_stream` adds it: an fp32 model's straight into the sum; a bf16
+ * model's computed apart into zeros in bf16 and added after (so a base row's bits never
+ * depend on its neighbours' adapters). `delta`: [rows, out_features] bf16 scratch. */
+static int add_lora_to_stream(const struct sb_step_lora *lora, int64_t l, int g, const void *x,
+                              int64_t in, int64_t rows, int64_t width, int fp32, float *out,
+                              uint16_t *delta) {
+    if (!lora || !lora->groups[4 * l + g].table || !lora->num_groups) return 0;
+    if (fp32) return add_lora(lora, l, g, x, in, out, width, 1);
+    memset(delta, 0, sizeof(uint16_t) * rows * width);
+    int status = add_lora(lora, l, g, x, in, delta, width, 0);
+    for (int64_t i = 0; i < rows * width; i++) out[i] += bf16_to_f32(delta[i]);
+    return status;
+}
 
 /* rows x W^T, out in the rows' dtype (fp32 for an output layer). */
 static int project(const struct sb_step_projection *p, const void *x, int64_t rows, int fp32,
@@ -133,11 +180,12 @@ static void rope_bf16(uint16_t *x, int64_t count, int64_t hd, const uint16_t *co
 /* Semantics: the model's forward pass over `rows` sequences feeding one token each: row r
  * feeds tokens[r] at positions[r] (> 0: the sequence has cached tokens), its K/V written
  * to flat cache slot slots[r]; it attends keys 0 .. positions[r] through its block table,
- * tables[table_starts[r]:]. Then logits[r] = lm_head(final_norm(h[r])), fp32
+ * tables[table_starts[r]:]. With `lora` (nullable), each projection group's LoRA delta
+ * added for the rows of its adapters. Then logits[r] = lm_head(final_norm(h[r])), fp32
  * [rows, logits_width]. Returns 0, -1 if scratch memory ran out, or a kernel's error. */
 int sb_decode_step(const struct sb_step_model *m, int64_t rows, const int64_t *tokens,
                    const int64_t *positions, const int64_t *slots, const int64_t *table_starts,
-                   const int64_t *tables, float *logits) {
+                   const int64_t *tables, const struct sb_step_lora *lora, float *logits) {
     const int fp32 = (int)m->fp32;
     const int64_t H = m->hidden, hd = m->head_dim, Q = m->heads * hd, KV = m->kv_heads * hd;
     const int64_t QKV = Q + 2 * KV, I = m->intermediate, elem = fp32 ? 4 : 2;
@@ -148,8 +196,10 @@ int sb_decode_step(const struct sb_step_model *m, int64_t rows, const int64_t *t
     char *x = malloc(elem * rows * (H > I ? H : I)), *qkv = malloc(elem * rows * QKV);
     char *attended = malloc(elem * rows * Q), *gate_up = malloc(elem * rows * 2 * I);
     int64_t *meta = malloc(sizeof(int64_t) * rows * 4);
+    uint16_t *delta = lora ? malloc(sizeof(uint16_t) * rows * H) : NULL;
     int status = -1;
-    if (!stream || !next || !x || !qkv || !attended || !gate_up || !meta) goto done;
+    if (!stream || !next || !x || !qkv || !attended || !gate_up || !meta || (lora && !delta))
+        goto done;
     int64_t *seq_row = meta, *seq_queries = meta + rows, *seq_start = meta + 2 * rows;
     int64_t *own_slots = meta + 3 * rows;
     for (int64_t r = 0; r < rows; r++) {
@@ -161,6 +211,7 @@ int sb_decode_step(const struct sb_step_model *m, int64_t rows, const int64_t *t
         const struct sb_step_layer *L = m->layers + l;
         norm(stream, H, L->input_norm, x, H, rows, H, m->eps);
         if ((status = project(&L->qkv, x, rows, fp32, qkv))) break;
+        if ((status = add_lora(lora, l, LORA_QKV, x, H, qkv, QKV, fp32))) break;
         for (int64_t r = 0; r < rows; r++) { /* [q heads | k heads | v heads] */
             char *row = qkv + r * QKV * elem;
             int64_t table = positions[r] * hd;
@@ -179,12 +230,16 @@ int sb_decode_step(const struct sb_step_model *m, int64_t rows, const int64_t *t
                            m->block_size, m->heads, m->kv_heads, hd, rows, seq_row, seq_queries,
                            seq_start, table_starts, tables, own_slots, m->scale, fp32, 0);
         if (status || (status = add_to_stream(&L->o, attended, rows, fp32, stream, next))) break;
+        status = add_lora_to_stream(lora, l, LORA_O, attended, Q, rows, H, fp32, next, delta);
+        if (status) break;
         float *swap = stream;
         stream = next, next = swap;
         norm(stream, H, L->post_norm, x, H, rows, H, m->eps);
         if ((status = project(&L->gate_up, x, rows, fp32, gate_up))) break;
+        if ((status = add_lora(lora, l, LORA_GATE_UP, x, H, gate_up, 2 * I, fp32))) break;
         activation(gate_up, 2 * I, x, I, rows, I, 0);
         if ((status = add_to_stream(&L->down, x, rows, fp32, stream, next))) break;
+        if ((status = add_lora_to_stream(lora, l, LORA_DOWN, x, I, rows, H, fp32, next, delta))) break;
         swap = stream, stream = next, next = swap;
     }
     if (!status) {
@@ -193,5 +248,6 @@ int sb_decode_step(const struct sb_step_model *m, int64_t rows, const int64_t *t
     }
 done:
     free(stream), free(next), free(x), free(qkv), free(attended), free(gate_up), free(meta);
+    free(delta);
     return status;
 }

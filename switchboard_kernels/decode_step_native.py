@@ -1,5 +1,5 @@
 """A served model's decode step in one native call (``decode_step_cpu.c``), exactly as its
-torch path computes it, through the same kernels.
+torch path computes it, through the same kernels, plain LoRA adapters included.
 
 ``NativeDecodeStep.build`` returns None where a projection's kernel is not one the native
 step can call (oneDNN, torch's, an act-order quantized weight) or a kernel is not built;
@@ -19,6 +19,7 @@ from switchboard_kernels import native
 from switchboard_kernels.activation_native import native_activation
 from switchboard_kernels.attention_native import MAX_HEAD_DIM, native_attention
 from switchboard_kernels.linear_native import Bf16PanelLinear, PanelLinear
+from switchboard_kernels.lora_native import native_library as native_lora
 from switchboard_kernels.norm_native import native_norm
 from switchboard_kernels.wq_native import WqLinear
 
@@ -58,6 +59,30 @@ class _Layer(ctypes.Structure):
 
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr)]
     _fields_ += [(name, _Projection) for name in ("qkv", "o", "gate_up", "down")]
+
+
+class _LoraGroup(ctypes.Structure):
+    """``struct sb_step_lora_group``."""
+
+    _fields_ = [("table", _ptr), ("scales", _ptr)]
+
+
+class _Lora(ctypes.Structure):
+    """``struct sb_step_lora``."""
+
+    _fields_ = [("num_groups", _i64), ("slots", _ptr), ("starts", _ptr), ("rows", _ptr)]
+    _fields_ += [("groups", _ptr), ("bgmv", _ptr)]
+
+
+LORA_GROUPS = ("qkv", "o", "gate_up", "down")  # each layer's, in decode_step_cpu.c's order
+
+
+class StepLora(Protocol):
+    """What the step needs of a step's LoRA (``worker.model.lora_manager.LoraBatch``, built
+    for the native kernel: ``mapping.cpu.native`` set; no DoRA, mixes or saved modules)."""
+
+    mapping: object
+    stacks: list
 
 
 class _Model(ctypes.Structure):
@@ -122,6 +147,7 @@ class NativeDecodeStep:
         self.vocab, self.num_blocks, self.block_size = vocab, num_blocks, block_size
         self.max_positions = max_positions
         self.logits_width = model.logits_width
+        self.dtype = torch.float32 if model.fp32 else torch.bfloat16
 
     @classmethod
     def build(
@@ -211,10 +237,13 @@ class NativeDecodeStep:
             max_positions=cos.shape[0],
         )
 
-    def __call__(self, feeds: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
+    def __call__(
+        self, feeds: Sequence[tuple[int, int, Sequence[int]]], lora: StepLora | None = None
+    ) -> torch.Tensor:
         """``feeds``: per sequence, (the token it feeds, its position, its block table); the
-        token's K/V written where the table puts that position. Returns the logits after
-        each, [sequences, the output layer's width] fp32."""
+        token's K/V written where the table puts that position. ``lora``: the sequences'
+        adapters, its mapping's rows in the feeds' order. Returns the logits after each,
+        [sequences, the output layer's width] fp32."""
         bs, rows = self.block_size, len(feeds)
         if not 0 < rows <= self.max_rows:
             raise ValueError(f"native decode step: {rows} rows, at most {self.max_rows}")
@@ -234,6 +263,7 @@ class NativeDecodeStep:
         ints = torch.tensor([*tokens, *positions, *slots, *starts, *flat], dtype=torch.int64)
         base = ints.data_ptr()
         logits = torch.empty(rows, self.logits_width, dtype=torch.float32)
+        lora_struct = None if lora is None else self._lora(lora, rows)
         status = self._call(
             self._address,
             rows,
@@ -242,18 +272,50 @@ class NativeDecodeStep:
             base + 16 * rows,
             base + 24 * rows,
             base + 32 * rows,
+            None if lora_struct is None else ctypes.addressof(lora_struct[0]),
             logits.data_ptr(),
         )
         if status:
             raise MemoryError(f"native decode step: a kernel failed ({status})")
         return logits
 
+    def _lora(self, lora: StepLora, rows: int) -> tuple[_Lora, object]:
+        """The struct for this step's adapters, and what it points at (held by the caller
+        until the call returns)."""
+        groups = lora.mapping.cpu.native  # type: ignore[attr-defined]
+        library = native_lora()
+        if groups is None or library is None or groups.end > rows:
+            raise ValueError("native decode step: LoRA rows not laid out for the native kernel")
+        pointers = []
+        for stacks in lora.stacks:
+            for name in LORA_GROUPS:
+                stack = stacks[name]
+                used = stack.used
+                if used and (
+                    stack.native is None
+                    or stack.native.dtype != self.dtype
+                    or groups.max_slot >= stack.native.table.shape[0]
+                ):
+                    raise ValueError(f"native decode step: {name} LoRA slots it cannot read")
+                table = stack.native.table.data_ptr() if used else None
+                pointers.append(_LoraGroup(table, stack.scales.data_ptr() if used else None))
+        array = (_LoraGroup * len(pointers))(*pointers)
+        struct = _Lora(
+            groups.num_groups,
+            groups.slots.data_ptr(),
+            groups.starts.data_ptr(),
+            groups.rows.data_ptr(),
+            ctypes.addressof(array),
+            library.bgmv_address,
+        )
+        return struct, (array, groups)
+
 
 class NativeStepKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.step = lib.sb_decode_step
         self.step.restype = _int
-        self.step.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
+        self.step.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
 
 
 @functools.cache

@@ -33,6 +33,8 @@ class NativeLora:
         self._bgmv.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
         self._bgmv.argtypes += [_ptr, _ptr, _ptr, ctypes.c_int, ctypes.c_int]
         self.has_avx512 = bool(lib.sb_lora_has_avx512())
+        # For native code that calls it (decode_step_cpu.c).
+        self.bgmv_address = ctypes.cast(lib.sb_lora_bgmv, ctypes.c_void_p).value
         self._dora = lib.sb_lora_dora
         self._dora.restype = None
         self._dora.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr]

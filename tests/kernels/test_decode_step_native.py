@@ -146,3 +146,71 @@ def test_no_step_for_a_draft_model(checkpoint):
     model = LlamaModel.from_pretrained(checkpoint, dtype=torch.float32, quantization="int4")
     runner = ModelRunner(model, num_blocks=16, block_size=BLOCK)
     assert runner.native_step is None
+
+
+def compare_every_step(runner) -> dict[str, int]:
+    """Wrap ``runner.execute``: each step the native step takes runs natively, then again
+    through torch over the same slots, and both must agree bit for bit (logits and caches);
+    steps it refuses run through torch. Returns the counts of each, updated as steps run."""
+    original, step = runner.execute, runner.native_step
+    counts = {"native": 0, "torch": 0}
+
+    def through_torch(scheduled, kept_only):
+        runner.native_step = None
+        try:
+            return original(scheduled, kept_only=kept_only)
+        finally:
+            runner.native_step = step
+
+    def execute(scheduled, *, kept_only=False):
+        native = runner._execute_native_step(scheduled, kept_only)
+        if native is None:
+            counts["torch"] += 1
+            return through_torch(scheduled, kept_only)
+        after_native = caches(runner)
+        order, logits = through_torch(scheduled, kept_only)
+        rows = [[o.seq for o in order].index(s.seq) for s in native[0]]
+        assert torch.equal(native[1], logits[rows]), (native[1] - logits[rows]).abs().max()
+        for got, want in zip(after_native, caches(runner), strict=True):
+            assert torch.equal(got, want)
+        counts["native"] += 1
+        return native
+
+    runner.execute = execute
+    return counts
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_lora_rows_equal_the_torch_path(checkpoint, tmp_path, dtype):
+    """Mixed batches of base rows and plain adapters (all projections; q and v only, so some
+    groups go unused) through the native LoRA kernel: every decode step taken natively once
+    the adapters are in slots. A DoRA adapter's steps stay with torch."""
+    from factories import make_peft_adapter
+    from worker import LLM, SamplingParams
+
+    all_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = {
+        "all": make_peft_adapter(checkpoint, tmp_path / "all", rank=8, targets=all_modules),
+        "qv": make_peft_adapter(checkpoint, tmp_path / "qv", rank=4, targets=["q_proj", "v_proj"]),
+        "dora": make_peft_adapter(
+            checkpoint, tmp_path / "dora", rank=4, targets=["o_proj"], use_dora=True, seed=2
+        ),
+    }
+    # fp32: batch-invariant products, the native panels whatever the CPU (see runner_for)
+    options = {"batch_invariant": True} if dtype == "float32" else {"kernel_choice": "fixed"}
+    llm = LLM(checkpoint, dtype=dtype, max_loras=3, **options)
+    for name, path in adapters.items():
+        llm.load_adapter(name, path)
+    runner = llm.engine.runner
+    if runner.native_step is None:
+        pytest.skip(f"{dtype}: the fixed plan's projections are oneDNN's on this CPU")
+    counts = compare_every_step(runner)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0][:4]]
+    outputs = llm.generate(prompts, params, adapters=[None, "all", "qv", "all"])
+    assert counts["native"] >= 5, counts
+    base_only = llm.generate(prompts, params)
+    assert base_only[1].token_ids != outputs[1].token_ids  # the adapters matter here
+    before = dict(counts)
+    llm.generate([PROMPTS[0]], params, adapters=["dora"])
+    assert counts["native"] == before["native"]  # DoRA's steps: torch's

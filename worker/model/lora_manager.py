@@ -308,6 +308,20 @@ class LoraManager:
                 runs.append((t, t + 1, [(slot_of[i], w) for i, w in a.parts]))
         return self.batch(token_slots, all_decode, mix_runs=runs)
 
+    def plain_in_slots(self, adapters: list[str | None]) -> bool:
+        """Whether each of these adapters (None: a base row) is in a slot already, none DoRA
+        or with saved modules, on one rank with the native kernel: a step ``prepare`` then
+        lays out for the native decode step (decode_step_cpu.c) without loading anything."""
+        if not self.native or self.shard is not None:
+            return False
+        for adapter in set(adapters) - {None}:
+            if adapter not in self.slots:
+                return False
+            slot = self.slots.index(adapter)
+            if self.slot_dora[slot] or self.slot_saved[slot] is not None:
+                return False
+        return self._experts is None
+
     def batch(
         self, token_slots: list[int], all_decode: bool, *, mix_runs: list[MixRun] | None = None
     ) -> LoraBatch:

@@ -220,9 +220,10 @@ class ModelRunner:
         self, scheduled: list[ScheduledSequence], kept_only: bool
     ) -> tuple[list[ScheduledSequence], torch.Tensor] | None:
         """The step through ``native_step`` if it is one: every sequence decoding (one token
-        after cached ones) and sampling, no drafts, adapters or prompt logprobs, and the
-        model's plans picking the native norm, activation and attention for so many rows (the
-        kernels the torch path would call); else None."""
+        after cached ones) and sampling, no drafts or prompt logprobs, adapters only plain ones
+        already in slots, and the model's plans picking the native norm, activation, attention
+        (and LoRA) for so many rows: the kernels the torch path would call. Else None, having
+        changed nothing."""
         step, rows = self.native_step, len(scheduled)
         if step is None or not 0 < rows <= step.max_rows:
             return None
@@ -233,13 +234,22 @@ class ModelRunner:
             or ops.decode_attention.kernel_for(rows) != NATIVE
         ):
             return None
+        adapters: list[str | None] = []
         for s in scheduled:
             seq = s.seq
             if s.num_tokens != 1 or s.start == 0 or s.num_spec or not s.samples:
                 return None
-            if seq.adapter_id or seq.adapter_mix or wants_prompt_logprobs(s):
+            if seq.adapter_mix or wants_prompt_logprobs(s):
                 return None
-        logits = step([(s.seq.tokens[s.start], s.start, s.seq.block_table) for s in scheduled])
+            adapters.append(seq.adapter_id)
+        lora = None
+        if any(adapters):
+            manager = self.lora_manager
+            if manager is None or not ops.native_lora(rows) or not manager.plain_in_slots(adapters):
+                return None  # a load, DoRA or saved modules: the torch path's
+            lora = manager.prepare(adapters, all_decode=True)
+        feeds = [(s.seq.tokens[s.start], s.start, s.seq.block_table) for s in scheduled]
+        logits = step(feeds, lora)
         return list(scheduled), logits if kept_only else self.model.full_logits(logits)
 
     def _indices(self, values: list[int]) -> torch.Tensor:
