@@ -68,19 +68,41 @@ static inline int64_t first_walked(const Item *it) {
     return first_seen(it, 0) / it->block_size * it->block_size;
 }
 
-/* Key (or value) j of the item's KV head, walked block by block (no division per key).
- * Blocks lie anywhere in the cache, so the hardware prefetcher cannot guess the next one:
- * each block's rows are prefetched while the one before is read. */
+/* Key (or value) j of the item's KV head, walked block by block (no division per key). */
 static inline const char *block_rows(const Item *it, const char *cache, int64_t b) {
     return cache + (it->table[b] * it->block_size * it->kv_heads + it->kv_head) * it->head_dim *
                        it->elem_bytes;
 }
 
-static inline void prefetch_block(const Item *it, const char *rows, int64_t count) {
+/* Blocks lie anywhere in the cache, so the hardware prefetcher cannot guess the next one: the
+ * walk asks for the rows PREFETCH_KEYS keys (whole blocks, at least one) ahead of the block
+ * it reads. Into L2 (prefetcht2), not L1: a prefetch to L1 holds one of the core's few L1
+ * miss buffers until its line arrives, so scattered prefetches to L1 were no faster than
+ * none, while L2's many buffers keep enough lines in flight (bench/decode_attention.py). */
+#ifndef PREFETCH_KEYS
+#define PREFETCH_KEYS 32
+#endif
+
+static inline int64_t blocks_ahead(const Item *it) {
+    return PREFETCH_KEYS > it->block_size ? PREFETCH_KEYS / it->block_size : 1;
+}
+
+/* Block b's rows of the item's KV head, those of its keys below len. */
+static inline void prefetch_block(const Item *it, const char *cache, int64_t b, int64_t len) {
+    int64_t count = len - b * it->block_size;
+    if (count <= 0) return;
+    count = count < it->block_size ? count : it->block_size;
+    const char *rows = block_rows(it, cache, b);
     int64_t step = it->kv_heads * it->head_dim * it->elem_bytes, bytes = it->head_dim * it->elem_bytes;
     for (int64_t o = 0; o < count; o++)
         for (int64_t line = 0; line < bytes; line += 64)
-            __builtin_prefetch(rows + o * step + line, 0, 3);
+            __builtin_prefetch(rows + o * step + line, 0, 1);
+}
+
+/* The blocks a walk from key `first` reads before its own prefetches arrive. */
+static inline void prefetch_first(const Item *it, const char *cache, int64_t first, int64_t len) {
+    for (int64_t b = first / it->block_size, n = 0; n < blocks_ahead(it); b++, n++)
+        prefetch_block(it, cache, b, len);
 }
 
 /* The item's KV head in the given flat slot (the own slot). */
@@ -88,18 +110,12 @@ static inline const char *slot_row(const Item *it, const char *cache, int64_t sl
     return cache + (slot * it->kv_heads + it->kv_head) * it->head_dim * it->elem_bytes;
 }
 
-#define FOR_EACH_KEY(it, cache, len, j, ptr, ...) \
-    FOR_EACH_KEY_PREFETCHING(it, cache, len, j, ptr, 1, __VA_ARGS__)
-
-/* The same; prefetch 0: the keys were walked once already (they sit in cache). */
-#define FOR_EACH_KEY_PREFETCHING(it, cache, len, j, ptr, prefetch, ...)                 \
+#define FOR_EACH_KEY(it, cache, len, j, ptr, ...)                                       \
+    prefetch_first((it), (cache), first_walked(it), (len));                             \
     for (int64_t blk_ = first_walked(it) / (it)->block_size, j = first_walked(it);       \
          j < (len); blk_++) {                                                           \
         const char *row_ = block_rows((it), (cache), blk_);                             \
-        if ((prefetch) && j + (it)->block_size < (len))                                 \
-            prefetch_block((it), block_rows((it), (cache), blk_ + 1),                   \
-                           (len) - j - (it)->block_size < (it)->block_size              \
-                               ? (len) - j - (it)->block_size : (it)->block_size);      \
+        prefetch_block((it), (cache), blk_ + blocks_ahead(it), (len));                  \
         for (int64_t o_ = 0; o_ < (it)->block_size && j < (len); o_++, j++,             \
                      row_ += (it)->kv_heads * (it)->head_dim * (it)->elem_bytes) {      \
             const char *ptr = j == (it)->own_index                                      \
@@ -190,6 +206,7 @@ static void attend_portable(const Item *it, const float *q, float scale, float *
         const float *k = as_f32(key, d, it->elem_bytes == 4, buf);
         for (int64_t r = 0; r < rows; r++) scores[r * it->stride + j] = dot_f32(q + r * d, k, d) * scale;
     })
+    prefetch_first(it, it->value_cache, first_walked(it), len); /* during the softmax */
     softmax_rows(it, scores, len);
     for (int64_t i = 0; i < rows * d; i++) out[i] = 0.0f;
     FOR_EACH_KEY(it, it->value_cache, len, j, value, {
@@ -358,6 +375,7 @@ static void attend_vec8(const Item *it, const float *q, float scale, float *scor
             nk = 0;
         }
     })
+    prefetch_first(it, it->value_cache, first_walked(it), len); /* during the softmax */
     softmax_rows8(it, scores, len); /* zero past each row's own keys */
     for (int64_t i = 0; i < it->rows * it->head_dim; i++) out[i] = 0.0f;
     FOR_EACH_KEY(it, it->value_cache, len, j, value, {
@@ -408,6 +426,7 @@ static void attend_avx512(const Item *it, const float *q, float scale, float *sc
             scores[r * it->stride + j] = _mm512_reduce_add_ps(dot) * scale;
         }
     })
+    prefetch_first(it, it->value_cache, first_walked(it), len); /* during the softmax */
     for (int64_t r = 0; r < rows; r++) {
         softmax_row(it, scores, r, len);
         for (int64_t c = 0; c < d; c++) out[r * d + c] = 0.0f;
@@ -445,6 +464,7 @@ static inline __attribute__((always_inline)) void fixed_block(
             scores[(r0 + t) * it->stride + j] = _mm512_reduce_add_ps(dot) * scale;
         }
     })
+    prefetch_first(it, it->value_cache, first_walked(it), len); /* during the softmax */
     for (int t = 0; t < nr; t++) softmax_row(it, scores, r0 + t, len);
     for (int t = 0; t < nr; t++)
         for (int c = 0; c < ch; c++) reg[t][c] = _mm512_setzero_ps();
