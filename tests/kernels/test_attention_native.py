@@ -8,11 +8,15 @@ see only keys up to their own position. Each cache dtype runs both its vector lo
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 import pytest
 import torch
 
 from factories import make_checkpoint, random_prompts
-from switchboard_kernels.attention_native import NativeDecodes, native_attention
+from switchboard_kernels import native
+from switchboard_kernels.attention_native import NativeAttention, NativeDecodes, native_attention
 from worker.core.batch import ScheduledSequence
 from worker.core.block_manager import BlockManager
 from worker.core.sequence import Sequence
@@ -136,6 +140,35 @@ def test_sharp_scores_keep_their_winner(variant):
     KERNEL.decode(query, out, key_cache, value_cache, decodes, 60.0, portable=portable)
     want = loop_attention(query, key_cache, value_cache, [30], [1], tables, 60.0)
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+def test_the_avx512_loops_without_avx512_bf16_match_a_float64_loop():
+    """On an AVX-512 CPU without BF16 instructions (a Xeon before Cooper Lake) head_dim 64
+    and 128 score one key at a time in fp32 instead of eight at once in bf16 dot products:
+    built here with those instructions off, over contexts that end mid-group of eight, a
+    window and a soft-cap."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if "avx512f" not in flags.split() or "avx512_bf16" not in flags.split():
+        pytest.skip("the native build already runs (or cannot run) these loops")
+    source = Path(native.__file__).with_name("attention_cpu.c")
+    kernel = NativeAttention(ctypes.CDLL(str(native.build(source, ("-mno-avx512bf16",)))))
+    for starts, queries, heads, kv_heads, head_dim, window, softcap in (
+        ([3, 45], [17, 6], 9, 3, 64, None, None),
+        ([7, 50], [1, 3], 8, 2, 128, None, None),
+        ([2, 17, 45, 70], [1, 1, 3, 6], 6, 2, 64, 9, 0.5),
+    ):
+        key_cache, value_cache = make_cache(kv_heads=kv_heads, head_dim=head_dim)
+        decodes, tables = make_decodes(starts, queries)
+        gen = torch.Generator().manual_seed(5)
+        query = torch.randn(sum(queries), heads, head_dim, generator=gen).bfloat16()
+        out = torch.empty_like(query)
+        scale = head_dim**-0.5
+        args = (query, out, key_cache, value_cache, decodes, scale)
+        kernel.decode(*args, window=window, softcap=softcap)
+        want = loop_attention(
+            query, key_cache, value_cache, starts, queries, tables, scale, window, softcap
+        )
+        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_query_may_be_a_strided_view():
