@@ -17,6 +17,10 @@
  * chain of drafts, in a slot past the chain) is its own one-query sequence whose last key,
  * at its own position, is read from that slot instead of from the table ("own slot").
  *
+ * A context past SPLIT_KEYS keys is read in parts of that many keys, each part a work item
+ * whose rows are normalized over its own keys, then merged by their largest scores and sums
+ * of exps (flash-decoding's split-K): a lone long sequence's KV heads then fill both cores.
+ *
  * Two departures some model families take (sb_paged_decode_windowed): a sliding window W, in
  * which a query at position p sees only keys p - W < j <= p (the keys before the first block
  * any row sees are never read), and a soft-cap on the scores, cap * tanh(s / cap), before the
@@ -53,14 +57,20 @@ typedef struct {
     int64_t own_slot;      /* flat slot (block * block_size + offset) */
     int64_t window;        /* sliding window W (row r sees keys visible - W ..); 0: none */
     float softcap;         /* scores -> softcap * tanh(scores / softcap); 0: none */
+    int64_t key_lo, key_hi; /* the item's part of the keys (see SPLIT_KEYS) */
+    float *stats;          /* NULL, or [rows, 2]: each row's largest score and sum of exps */
 } Item;
 
-static inline int64_t visible(const Item *it, int64_t r) { return it->first_len + r / it->group; }
+/* Keys row r sees: up to its own position, within the item's part. */
+static inline int64_t visible(const Item *it, int64_t r) {
+    int64_t n = it->first_len + r / it->group;
+    return n < it->key_hi ? n : it->key_hi;
+}
 
-/* The first key row r sees: its window's start, or 0. */
+/* The first key row r sees: its window's start (from its own position), or the part's. */
 static inline int64_t first_seen(const Item *it, int64_t r) {
-    int64_t lo = it->window > 0 ? visible(it, r) - it->window : 0;
-    return lo > 0 ? lo : 0;
+    int64_t lo = it->window > 0 ? it->first_len + r / it->group - it->window : 0;
+    return lo > it->key_lo ? lo : it->key_lo;
 }
 
 /* The first key any row reads, at the start of its block (row 0 sees the fewest keys). */
@@ -150,11 +160,19 @@ static inline float exp_nonpositive_f32(float x) {
     return p * scale.f;
 }
 
+/* A part's row: its largest score and sum of exps, for the merge (-inf and 0 for no keys). */
+static inline void keep_stats(const Item *it, int64_t r, float max, float sum) {
+    if (it->stats) {
+        it->stats[2 * r] = max;
+        it->stats[2 * r + 1] = sum;
+    }
+}
+
 /* Row r's scores over its keys [lo, n): the soft-cap applied where there is one, and the keys
  * before the window zeroed (they take no part; the weighted sum of values reads them as 0).
  * tanh(x) = sign(x) (1 - e) / (1 + e) with e = e^(-2|x|). */
 static void prepare_row(const Item *it, float *sr, int64_t lo, int64_t n) {
-    for (int64_t j = 0; j < lo; j++) sr[j] = 0.0f;
+    for (int64_t j = first_walked(it); j < lo; j++) sr[j] = 0.0f;
     if (it->softcap > 0.0f) {
         float cap = it->softcap;
         for (int64_t j = lo; j < n; j++) {
@@ -192,6 +210,7 @@ static void softmax_rows(const Item *it, float *scores, int64_t len) {
             sr[j] = exp_nonpositive_f32(sr[j] - max);
             sum += sr[j];
         }
+        keep_stats(it, r, max, sum);
         float inv = 1.0f / sum;
         for (int64_t j = lo; j < len; j++) sr[j] = j < n ? sr[j] * inv : 0.0f;
     }
@@ -295,6 +314,7 @@ static void softmax_rows8(const Item *it, float *scores, int64_t len) {
             sum += sr[j];
         }
         for (int l = 0; l < 8; l++) sum += vsum[l];
+        keep_stats(it, r, max, sum);
         float inv = 1.0f / sum;
         for (j = lo; j < n; j++) sr[j] *= inv;
         for (; j < len; j++) sr[j] = 0.0f;
@@ -403,7 +423,9 @@ static inline void softmax_row(const Item *it, float *scores, int64_t r, int64_t
         _mm512_mask_storeu_ps(sr + j, tail_mask(n - j), p);
         vsum = _mm512_add_ps(vsum, p);
     }
-    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+    float sum = _mm512_reduce_add_ps(vsum);
+    keep_stats(it, r, _mm512_cvtss_f32(shift), sum);
+    __m512 inv = _mm512_set1_ps(1.0f / sum);
     for (int64_t j = lo; j < n; j += 16)
         _mm512_mask_storeu_ps(sr + j, tail_mask(n - j),
                               _mm512_mul_ps(_mm512_maskz_loadu_ps(tail_mask(n - j), sr + j), inv));
@@ -497,7 +519,8 @@ static inline __attribute__((always_inline)) void fixed_block(
 #if defined(__AVX512BF16__)
     __m512bh qb[4][4];
     for (int t = 0; t < nr; t++)
-        for (int c = 0; c < ch / 2; c++) qb[t][c] = _mm512_cvtne2ps_pbh(reg[t][2 * c + 1], reg[t][2 * c]);
+        for (int c = 0; c < ch / 2; c++)
+            qb[t][c] = _mm512_cvtne2ps_pbh(reg[t][2 * c + 1], reg[t][2 * c]);
     const char *keys[8];
     int nk = 0;
     FOR_EACH_KEY(it, it->key_cache, len, j, key, {
@@ -567,6 +590,61 @@ int sb_attention_has_avx512(void) {
 #endif
 }
 
+/* A sequence's chunk of queries, and the parts of its keys: part p holds keys
+ * [p SPLIT_KEYS, (p + 1) SPLIT_KEYS). A long context's parts are work items of their own, so
+ * that both cores share a lone sequence's KV heads (three for the default model, where one
+ * core would take two), each part's rows normalized over its keys and merged after: the
+ * parts depend on positions only, so a row's result does not depend on the batch around it. */
+#ifndef SPLIT_KEYS
+#define SPLIT_KEYS 1024
+#endif
+
+typedef struct {
+    int64_t seq, first, queries; /* queries first .. first + queries - 1 of the sequence */
+    int64_t part0, part_end;     /* the parts its rows see */
+    int64_t partial;             /* where its parts' rows start in the partials; -1: one part */
+} Chunk;
+
+/* Rows [rows, head_dim] fp32 to out's rows row0 + r / group, heads g * group + r % group. */
+static void store_rows(void *out, int64_t out_row, int64_t out_head, int64_t row0, int64_t g,
+                       int64_t group, int64_t rows, int64_t head_dim, int fp32, const float *of) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t at = (row0 + r / group) * out_row + (g * group + r % group) * out_head;
+        for (int64_t c = 0; c < head_dim; c++) {
+            if (fp32)
+                ((float *)out)[at + c] = of[r * head_dim + c];
+            else
+                ((uint16_t *)out)[at + c] = f32_to_bf16(of[r * head_dim + c]);
+        }
+    }
+}
+
+/* out[r] = sum over parts p of w_p o_p[r], w_p = l_p e^(m_p - M) / sum of those, M the largest
+ * m_p: the parts' rows o [parts, rows, head_dim], each normalized over its own keys, and
+ * stats [parts, rows, 2] (m_p, l_p); a part with no keys for a row (-inf, 0) weighs 0. */
+static void merge_parts(const float *o, const float *stats, int64_t parts, int64_t rows,
+                        int64_t head_dim, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        float most = -INFINITY, total = 0.0f;
+        for (int64_t p = 0; p < parts; p++) {
+            float m = stats[2 * (p * rows + r)];
+            most = m > most ? m : most;
+        }
+        for (int64_t p = 0; p < parts; p++) {
+            const float *st = stats + 2 * (p * rows + r);
+            total += st[1] > 0.0f ? st[1] * expf(st[0] - most) : 0.0f;
+        }
+        for (int64_t c = 0; c < head_dim; c++) out[r * head_dim + c] = 0.0f;
+        for (int64_t p = 0; p < parts; p++) {
+            const float *st = stats + 2 * (p * rows + r);
+            if (!(st[1] > 0.0f)) continue;
+            float weight = st[1] * expf(st[0] - most) / total;
+            for (int64_t c = 0; c < head_dim; c++)
+                out[r * head_dim + c] += weight * o[(p * rows + r) * head_dim + c];
+        }
+    }
+}
+
 /* Semantics, for each sequence s and query i < seq_queries[s] at row r = seq_row[s] + i,
  * each head h (KV head g = h / (heads / kv_heads)), len = seq_start[s] + i + 1:
  *     out[r, h] = softmax(scale * q[r, h] . K_s[:len, g]) . V_s[:len, g]
@@ -591,24 +669,45 @@ int sb_paged_decode_windowed(const void *q, int64_t q_row, int64_t q_head, void 
     int use_avx512 = sb_attention_has_avx512() && !portable && !fp32;
     int64_t elem_bytes = fp32 ? 4 : 2;
     (void)use_avx512; /* unused where the build has no AVX-512 loops */
-    int64_t group = heads / kv_heads, most_keys = 0, items = 0, failed = 0;
+    int64_t group = heads / kv_heads, most_keys = 0, items = 0, chunks = 0, failed = 0;
     /* A sequence verifying drafts feeds up to k + 1 queries: its queries are split into
      * chunks of CHUNK_QUERIES, each its own work item, so that both threads share one
-     * sequence's verification instead of one taking its KV heads two at a time. */
+     * sequence's verification instead of one taking its KV heads two at a time. A chunk
+     * whose keys span several parts of SPLIT_KEYS is an item per part (see Chunk). */
     for (int64_t s = 0; s < n_seqs; s++) {
         int64_t keys = seq_start[s] + seq_queries[s];
         most_keys = keys > most_keys ? keys : most_keys;
-        items += kv_heads * ((seq_queries[s] + CHUNK_QUERIES - 1) / CHUNK_QUERIES);
+        chunks += (seq_queries[s] + CHUNK_QUERIES - 1) / CHUNK_QUERIES;
     }
     int64_t most_rows = group * CHUNK_QUERIES, padded = (most_keys + 15) / 16 * 16;
-    int64_t *work = malloc(sizeof(int64_t) * 3 * (items ? items : 1)); /* (s, g, chunk) */
-    if (!work) return -1;
-    for (int64_t s = 0, w = 0; s < n_seqs; s++)
-        for (int64_t c = 0; c * CHUNK_QUERIES < seq_queries[s]; c++)
+    Chunk *chunk = malloc(sizeof(Chunk) * (chunks ? chunks : 1));
+    if (!chunk) return -1;
+    int64_t split_rows = 0; /* rows of all split chunks' KV heads, parts counted apart */
+    for (int64_t s = 0, k = 0; s < n_seqs; s++)
+        for (int64_t first = 0; first < seq_queries[s]; first += CHUNK_QUERIES, k++) {
+            int64_t n = seq_queries[s] - first;
+            n = n < CHUNK_QUERIES ? n : CHUNK_QUERIES;
+            int64_t hi = seq_start[s] + first + n, lo = window > 0 ? hi - n + 1 - window : 0;
+            Chunk ch = {s, first, n, (lo > 0 ? lo : 0) / SPLIT_KEYS, (hi - 1) / SPLIT_KEYS + 1, -1};
+            if (ch.part_end - ch.part0 > 1) {
+                ch.partial = split_rows;
+                split_rows += kv_heads * (ch.part_end - ch.part0) * group * n;
+            }
+            items += kv_heads * (ch.part_end - ch.part0);
+            chunk[k] = ch;
+        }
+    int64_t *work = malloc(sizeof(int64_t) * 3 * (items ? items : 1)); /* (chunk, g, part) */
+    float *partials = malloc(sizeof(float) * (split_rows * (head_dim + 2) + 1));
+    if (!work || !partials) {
+        free(chunk), free(work), free(partials);
+        return -1;
+    }
+    for (int64_t k = 0, w = 0; k < chunks; k++) /* a part's KV heads together: they share lines */
+        for (int64_t part = chunk[k].part0; part < chunk[k].part_end; part++)
             for (int64_t g = 0; g < kv_heads; g++, w++) {
-                work[3 * w] = s;
+                work[3 * w] = k;
                 work[3 * w + 1] = g;
-                work[3 * w + 2] = c;
+                work[3 * w + 2] = part;
             }
 #pragma omp parallel reduction(| : failed)
     {
@@ -619,13 +718,21 @@ int sb_paged_decode_windowed(const void *q, int64_t q_row, int64_t q_head, void 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < items; w++) {
             if (failed) continue;
-            int64_t s = work[3 * w], g = work[3 * w + 1], first = work[3 * w + 2] * CHUNK_QUERIES;
-            int64_t n = seq_queries[s] - first < CHUNK_QUERIES ? seq_queries[s] - first : CHUNK_QUERIES;
-            int64_t row0 = seq_row[s] + first; /* the chunk's first query row */
+            const Chunk *ch = &chunk[work[3 * w]];
+            int64_t s = ch->seq, g = work[3 * w + 1], part = work[3 * w + 2], n = ch->queries;
+            int64_t row0 = seq_row[s] + ch->first; /* the chunk's first query row */
             Item it = {key_cache, value_cache, elem_bytes, block_size, kv_heads, head_dim,
-                       tables + seq_table[s], g, group * n, group, seq_start[s] + first + 1,
-                       (seq_start[s] + first + n + 15) / 16 * 16,
-                       own_slots[s] >= 0 ? seq_start[s] : -1, own_slots[s], window, softcap};
+                       tables + seq_table[s], g, group * n, group, seq_start[s] + ch->first + 1,
+                       (seq_start[s] + ch->first + n + 15) / 16 * 16,
+                       own_slots[s] >= 0 ? seq_start[s] : -1, own_slots[s], window, softcap,
+                       part * SPLIT_KEYS, (part + 1) * SPLIT_KEYS, NULL};
+            float *to = of;
+            if (ch->partial >= 0) { /* this part's rows and stats, beside the chunk's others */
+                int64_t parts = ch->part_end - ch->part0;
+                int64_t at = ch->partial + (g * parts + part - ch->part0) * it.rows;
+                to = partials + at * head_dim;
+                it.stats = partials + split_rows * head_dim + 2 * at;
+            }
             /* row r of the item: query row0 + r / group, head g * group + r % group */
             for (int64_t r = 0; r < it.rows; r++) {
                 int64_t at = (row0 + r / group) * q_row + (g * group + r % group) * q_head;
@@ -635,29 +742,36 @@ int sb_paged_decode_windowed(const void *q, int64_t q_row, int64_t q_head, void 
             }
 #if defined(__AVX512F__)
             if (use_avx512) {
-                if (!attend_avx512_fixed(&it, qf, scale, scores, of))
-                    attend_avx512(&it, qf, scale, scores, of);
+                if (!attend_avx512_fixed(&it, qf, scale, scores, to))
+                    attend_avx512(&it, qf, scale, scores, to);
             } else
 #endif
             if (!portable && head_dim % 8 == 0)
-                attend_vec8(&it, qf, scale, scores, of);
+                attend_vec8(&it, qf, scale, scores, to);
             else
-                attend_portable(&it, qf, scale, scores, of);
-            for (int64_t r = 0; r < it.rows; r++) {
-                int64_t at = (row0 + r / group) * out_row + (g * group + r % group) * out_head;
-                for (int64_t c = 0; c < head_dim; c++) {
-                    if (fp32)
-                        ((float *)out)[at + c] = of[r * head_dim + c];
-                    else
-                        ((uint16_t *)out)[at + c] = f32_to_bf16(of[r * head_dim + c]);
-                }
-            }
+                attend_portable(&it, qf, scale, scores, to);
+            if (ch->partial < 0)
+                store_rows(out, out_row, out_head, row0, g, group, it.rows, head_dim, fp32, to);
+        }
+        /* the implicit barrier: every part is done */
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < items; w++) {
+            const Chunk *ch = &chunk[work[3 * w]];
+            if (failed || ch->partial < 0 || work[3 * w + 2] != ch->part0) continue;
+            int64_t g = work[3 * w + 1], rows = group * ch->queries;
+            int64_t at = ch->partial + g * (ch->part_end - ch->part0) * rows;
+            merge_parts(partials + at * head_dim, partials + split_rows * head_dim + 2 * at,
+                        ch->part_end - ch->part0, rows, head_dim, of);
+            store_rows(out, out_row, out_head, seq_row[ch->seq] + ch->first, g, group, rows,
+                       head_dim, fp32, of);
         }
         free(scores);
         free(qf);
         free(of);
     }
+    free(chunk);
     free(work);
+    free(partials);
     return failed ? -1 : 0;
 }
 
