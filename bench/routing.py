@@ -19,14 +19,17 @@ host caches, counters at zero):
 Reported per policy: adapter loads per 1,000 requests (loads from the store into a worker plus
 device slots refilled while holding another adapter, read from the workers' metrics), each
 worker's share, TTFT p50 and p99 (send to first token), throughput (generated tokens / the
-trace's wall time); and the routing log replayed through per-worker LRU slots
-(`bench.slot_model.replay`): the modelled loads beside the measured ones, by adapter popularity
-(ranks 1-4, 5-12, 13+) and by quarter of the trace.
+trace's wall time); and the routing log replayed through per-worker slots evicting by the
+workers' rule (`bench.slot_model.replay`): the modelled loads beside the measured ones, by
+adapter popularity (ranks 1-4, 5-12, 13+) and by quarter of the trace. Where the slowest
+requests waited: each request's row (adapter, worker, TTFT, requests in flight on its worker
+when it was sent, whether the replay put its adapter in a slot), the slowest five, and the TTFT
+p50/p99 of the requests that filled a slot against those that did not.
 
-Reported for the trace itself (`bench.slot_model`): its loads under perfect placement (one LRU
-over all ``workers x max_loras`` slots, the best a router can do over the workers' LRU slots),
-the same with least-frequently-used slots (what the workers' eviction rule could add), and
-Belady's lower bound (no policy can load less); and so the largest ratio to least load's
+Reported for the trace itself (`bench.slot_model`): its loads under perfect placement (all
+``workers x max_loras`` slots as one cache: the best a router can do without replicating
+adapters) with the workers' eviction rule, with LRU slots and with least-frequently-used ones,
+and Belady's lower bound (no policy can load less); and so the largest ratio to least load's
 measured loads that each, and any policy at all, could reach on this trace.
 
     python -m bench.routing [--requests 240 --rate 3 --workers 3 --max-loras 4 --adapters 32]
@@ -56,7 +59,7 @@ from safetensors.numpy import save_file
 
 from adapters import BaseModelSpec, FilesystemAdapterStore, load_adapter_dir
 from bench.report import write_report
-from bench.slot_model import Cost, Replay, belady_cost, lfu_cost, lru_cost, replay
+from bench.slot_model import Cost, Replay, belady_cost, heat_cost, lfu_cost, lru_cost, replay
 from gateway.routing import WorkerDirectory, prefix_affinity_key
 from rpc import worker_pb2, worker_pb2_grpc
 from runtime.embedded_redis import EmbeddedRedis, free_port
@@ -81,7 +84,13 @@ class PolicyResult:
     elapsed_s: float
     by_worker: dict[str, list[int]]  # measured (store loads, slot refills) per worker
     requests_by_worker: dict[str, int]
-    model: dict  # the routing log replayed through per-worker LRU slots (`breakdown`)
+    model: dict  # the routing log replayed through per-worker slots (`breakdown`)
+    # Per request, in arrival order: [adapter, worker, TTFT ms, in flight on the worker when
+    # sent (itself included), the fewest in flight on any worker then (before it), whether
+    # the replay filled a slot for it].
+    rows: list[list]
+    slowest: list[list]  # the five slowest rows, slowest first, each with its index in front
+    ttft_by_load: dict[str, list[float]]  # "filled a slot" / "resident": [count, p50, p99]
 
 
 # Adapters by popularity rank (make_trace's adapter i is the (i+1)-th most popular).
@@ -114,20 +123,26 @@ def breakdown(out: Replay, requests: int) -> dict:
 
 
 def trace_bounds(trace, args, least_load_loads: int) -> dict:
-    """What the trace costs at best: perfect placement over the workers' LRU slots, and
-    Belady's lower bound; and the ratios to least load's measured loads they would give."""
+    """What the trace costs at best: perfect placement over the workers' slots (their rule,
+    LRU, LFU), and Belady's lower bound; and the ratios to least load's measured loads they
+    would give."""
     adapters = [a.adapter for a in trace]
     slots = args.workers * args.max_loras
-    lru, lfu, belady = (f(adapters, slots) for f in (lru_cost, lfu_cost, belady_cost))
+    heat, lru, lfu, belady = (
+        f(adapters, slots) for f in (heat_cost, lru_cost, lfu_cost, belady_cost)
+    )
     return {
         "slots": slots,
         "distinct_adapters": len(set(adapters)),
+        "perfect_placement_rule_per_1k": heat.per_1k(len(adapters)),
+        "perfect_placement_rule": [heat.store_loads, heat.slot_refills],
         "perfect_placement_lru_per_1k": lru.per_1k(len(adapters)),
         "perfect_placement_lru": [lru.store_loads, lru.slot_refills],
         "perfect_placement_lfu_per_1k": lfu.per_1k(len(adapters)),
         "perfect_placement_lfu": [lfu.store_loads, lfu.slot_refills],
         "belady_per_1k": belady.per_1k(len(adapters)),
         "belady": [belady.store_loads, belady.slot_refills],
+        "least_load_over_perfect_rule": least_load_loads / max(1, heat.loads),
         "least_load_over_perfect_lru": least_load_loads / max(1, lru.loads),
         "least_load_over_perfect_lfu": least_load_loads / max(1, lfu.loads),
         "least_load_over_belady": least_load_loads / max(1, belady.loads),
@@ -240,6 +255,9 @@ def _sample(text: str, name: str) -> float:
 async def run_policy(policy, trace, ids, pool: Pool, directory: WorkerDirectory, args):
     before = pool.counters()
     log: list[tuple[int, str]] = []  # (adapter, worker) in arrival order
+    rows: dict[int, list] = {}  # by arrival: see PolicyResult.rows
+    routed_as: dict[int, int] = {}  # by arrival: its place in the log
+    in_flight: dict[str, int] = dict.fromkeys(pool.stubs, 0)
     turn = itertools.count()
     ttfts: list[float] = []
     tokens = 0
@@ -263,7 +281,11 @@ async def run_policy(policy, trace, ids, pool: Pool, directory: WorkerDirectory,
         nonlocal tokens
         adapter_id = ids[arrival.adapter]
         worker_id = await choose(adapter_id, arrival.prompt)
+        routed_as[i] = len(log)
         log.append((arrival.adapter, worker_id))
+        least = min(in_flight.values())
+        in_flight[worker_id] += 1
+        rows[i] = [arrival.adapter, worker_id, 0.0, in_flight[worker_id], least]
         sent = time.perf_counter()
         request = worker_pb2.GenerateRequest(
             request_id=f"{policy}-{i}", prompt_token_ids=arrival.prompt, params=params,
@@ -274,6 +296,8 @@ async def run_policy(policy, trace, ids, pool: Pool, directory: WorkerDirectory,
             first = first or time.perf_counter()
             tokens += len(message.token_ids)
         ttfts.append((first or time.perf_counter()) - sent)
+        in_flight[worker_id] -= 1
+        rows[i][2] = round(1e3 * ttfts[-1], 1)
 
     started = time.perf_counter()
     tasks = []
@@ -290,6 +314,17 @@ async def run_policy(policy, trace, ids, pool: Pool, directory: WorkerDirectory,
     loads = sum(c[0] for c in by_worker.values())
     refills = sum(c[1] for c in by_worker.values())
     ttft_ms = np.array(ttfts) * 1e3
+    modelled = replay(log, args.max_loras)
+    table = [rows[i] + [modelled.loaded[routed_as[i]]] for i in range(len(trace))]
+    order = sorted(range(len(table)), key=lambda i: -table[i][2])
+    by_load = {}
+    for name, flag in (("filled a slot", True), ("resident", False)):
+        picked = np.array([r[2] for r in table if r[5] == flag] or [0.0])
+        by_load[name] = [
+            sum(r[5] == flag for r in table),
+            float(np.percentile(picked, 50)),
+            float(np.percentile(picked, 99)),
+        ]
     return PolicyResult(
         policy=policy, requests=len(trace), adapter_loads=loads + refills, store_loads=loads,
         slot_refills=refills, loads_per_1k=1000 * (loads + refills) / len(trace),
@@ -297,7 +332,8 @@ async def run_policy(policy, trace, ids, pool: Pool, directory: WorkerDirectory,
         ttft_p99_ms=float(np.percentile(ttft_ms, 99)),
         throughput_tok_s=tokens / elapsed, elapsed_s=elapsed, by_worker=by_worker,
         requests_by_worker={w: sum(1 for _, v in log if v == w) for w in sorted(pool.stubs)},
-        model=breakdown(replay(log, args.max_loras), len(trace)),
+        model=breakdown(modelled, len(trace)), rows=table,
+        slowest=[[i, *table[i]] for i in order[:5]], ttft_by_load=by_load,
     )  # fmt: skip
 
 
@@ -381,8 +417,13 @@ def main() -> None:
         m = r["model"]
         print(
             f"{'':>12}  per worker (store, refills) {r['by_worker']}, requests "
-            f"{r['requests_by_worker']}; LRU replay {m['loads_per_1k']:.1f}/1k, by popularity "
+            f"{r['requests_by_worker']}; replay {m['loads_per_1k']:.1f}/1k, by popularity "
             f"{m['by_popularity']}, by quarter {m['per_1k_by_quarter']}"
+        )
+        print(
+            f"{'':>12}  slowest [i, adapter, worker, TTFT ms, in flight, least in flight, "
+            f"filled a slot] "
+            f"{r['slowest']}; TTFT [n, p50, p99] by load {r['ttft_by_load']}"
         )
     print(json.dumps(report["trace_bounds"], indent=2))
     print(json.dumps(report["ratios"], indent=2))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import random
 
-from bench.slot_model import belady_cost, lfu_cost, lru_cost, replay
+from bench.slot_model import belady_cost, heat_cost, lfu_cost, lru_cost, replay
 
 
 def test_lru_counts_first_loads_and_refills_by_hand():
@@ -29,6 +29,13 @@ def test_lfu_keeps_the_frequent_adapter_by_hand():
     assert lru_cost("aabca", 2).slot_refills == 2
     # Equal counts: the least recently used of them goes (a b a b c: a, then c for a).
     assert lfu_cost("ababca", 2).slot_refills == 2
+
+
+def test_the_workers_rule_keeps_the_frequent_adapter_by_hand():
+    # As LFU above: 2 slots, a a b, c evicts b (a is hotter), a hits.
+    assert (heat_cost("aabca", 2).store_loads, heat_cost("aabca", 2).slot_refills) == (3, 1)
+    # Equal counts age: a b a b c: b's requests are the later ones, so a goes; then a for c.
+    assert heat_cost("ababca", 2).slot_refills == 2
 
 
 def fewest_fills(sequence: str, slots: int) -> int:
@@ -73,8 +80,12 @@ def test_replay_counts_each_worker_its_own_slots():
     assert [(c.store_loads, c.slot_refills) for c in out.by_stretch] == [(3, 1), (1, 3)]
 
 
-def test_one_worker_replay_is_the_lru():
+def test_one_worker_replay_is_one_cache():
     sequence = [random.Random(1).randrange(6) for _ in range(100)]
     for slots in (1, 3):
         out = replay([(a, "w") for a in sequence], slots)
-        assert out.total == lru_cost(sequence, slots)
+        assert out.total == heat_cost(sequence, slots)
+        assert replay([(a, "w") for a in sequence], slots, rule="lru").total == lru_cost(
+            sequence, slots
+        )
+        assert sum(out.loaded) == out.total.slot_refills + min(slots, len(set(sequence)))

@@ -313,3 +313,18 @@ def test_default_model_mixed_adapters_match_peft(default_model_path, tmp_path):
             model.set_adapter(adapter)
             expected = model.generate(input_ids=ids, generation_config=config)
         assert out.token_ids == expected[0, len(prompt) :].tolist(), adapter
+
+
+def test_a_popular_adapter_keeps_its_slot_through_cold_ones(base, adapter_dirs):
+    """Two slots, one request at a time: hot, hot, hot, cold1, cold2, hot. LRU would give
+    cold2 the hot adapter's slot (it was used before cold1) and load hot again; the decayed
+    request counts give it cold1's. Every request's adapter is open while it runs only."""
+    hot, cold1, cold2 = list(adapter_dirs)[:3]
+    llm = make_llm(base, {n: adapter_dirs[n] for n in (hot, cold1, cold2)}, max_loras=2)
+    manager = llm.engine.lora_manager
+    prompt = random_prompts(1, min_len=5, max_len=5, seed=7)
+    for name in (hot, hot, hot, cold1, cold2, hot):
+        llm.generate(prompt, greedy(), adapters=[name])
+    assert manager.num_slot_loads == 3 and manager.num_slot_evictions == 1
+    assert set(manager.slots) == {manager.resolve(hot), manager.resolve(cold2)}
+    assert not manager.eviction.open

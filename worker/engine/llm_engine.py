@@ -110,6 +110,7 @@ class LLMEngine:
             self.speculator,
             self.requests,
             self._rows,
+            eviction=None if self.lora_manager is None else self.lora_manager.eviction,
         )
         if config.decode_step_budget_ms:  # a set budget learns what steps cost as they run
             seconds = config.decode_step_budget_ms / 1000
@@ -330,6 +331,8 @@ class LLMEngine:
             seqs.append(seq)
         self.scheduler.add(seqs[0])
         self._forks.add(seqs[0], seqs[1:])
+        if self.lora_manager is not None and seqs[0].adapter_ids:
+            self.lora_manager.eviction.arrived(seqs[0].adapter_ids, sequences=len(seqs))
 
     def _resolve_mix(self, mix: list[tuple[str, float]]) -> AdapterMix:
         """Names to content ids, checked: known, distinct, at most ``MAX_MIX_ADAPTERS`` and the

@@ -27,6 +27,7 @@ from worker.core.scheduler import Scheduler
 from worker.core.sequence import FinishReason, Sequence, SequenceStatus
 from worker.engine.token_processor import TokenProcessor
 from worker.errors import EngineError, SequenceFailedError, StructuredOutputError
+from worker.model.slot_eviction import SlotEviction
 from worker.sampling.rows import SampledToken, SamplingRow
 from worker.spec_decode.speculator import Speculator
 
@@ -50,13 +51,17 @@ class OutputStage:
         speculator: Speculator | None,
         requests: dict[str, Sequence],
         rows: dict[str, SamplingRow],
+        *,
+        eviction: SlotEviction | None = None,
     ) -> None:
+        """``eviction``: the adapter slots' rule, told when a sequence with adapters ends."""
         self.tokens = tokens
         self.scheduler = scheduler
         self.forks = forks
         self.speculator = speculator
         self.requests = requests
         self.rows = rows
+        self.eviction = eviction
         # async_output: tokens committed by the last step, to render in this one, with
         # whether each shows in the text (see TokenProcessor.append).
         self._committed: list[tuple[Sequence, int, bool]] = []
@@ -172,3 +177,5 @@ class OutputStage:
         seq.metrics.finished_time = time.monotonic()
         del self.requests[seq.request_id]
         del self.rows[seq.request_id]
+        if self.eviction is not None and seq.adapter_ids:
+            self.eviction.left(seq.adapter_ids)

@@ -5,7 +5,9 @@ A and B buffer with a row per device slot, padded to ``max_lora_rank``, so a bat
 mixes adapters (and requests with none) runs one batched LoRA op per projection. A slot
 whose adapter lacks a projection or a layer holds zeros there, which adds nothing.
 Adapters of running requests are never evicted: the scheduler admits at most
-``max_loras`` distinct adapters, and only slots outside the step's set are reused.
+``max_loras`` distinct adapters, and only slots outside the step's set are reused. Among the
+others a new adapter takes the coldest's slot, by decayed request counts that outlive a
+slot (``worker.model.slot_eviction``), an adapter with queued requests last.
 
 Projections that share an input are fused into one LoRA group (q/k/v, gate/up): their A
 matrices stack along the rank and their B matrices form a block diagonal, with each
@@ -64,6 +66,7 @@ from worker.model.op_choice import OpPlans
 from worker.model.quantize_on_load import OnLoad
 from worker.model.saved_modules import SavedRows, SlotModules
 from worker.model.sharding import FUSED_PARTS, Shard, expert_lora_shard
+from worker.model.slot_eviction import SlotEviction
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +183,9 @@ class LoraManager:
         self.paths: dict[str, Path] = {}  # content id -> directory to reload from
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # LRU, newest last
         self.slots: list[str | None] = [None] * max_loras  # content id held by each slot
-        self.slot_use: list[int] = [0] * max_loras  # step of last use, for LRU
+        self.slot_use: list[int] = [0] * max_loras  # step of last use, among equals
+        # Which slot a new adapter takes: the engine reports arrivals and departures to it.
+        self.eviction = SlotEviction()
         self.slot_dora: list[bool] = [False] * max_loras  # the slot's adapter is DoRA
         # The slot's adapter's modules_to_save copies and token rows on the device (None: none).
         self.slot_saved: list[SlotModules | None] = [None] * max_loras
@@ -373,8 +378,7 @@ class LoraManager:
         if adapter_id in self.slots:
             slot = self.slots.index(adapter_id)
         else:
-            free = [i for i, held in enumerate(self.slots) if held not in needed]
-            slot = min(free, key=lambda i: (self.slots[i] is not None, self.slot_use[i]))
+            slot = self.eviction.victim(self.slots, self.slot_use, needed)
             evicting = self.slots[slot] is not None
             self._fill_slot(slot, self._host_get(adapter_id))
             self.num_slot_evictions += evicting
