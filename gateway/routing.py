@@ -2,7 +2,8 @@
 bounded by load.
 
 Policy (`rank_workers`, a pure function over `WorkerInfo`s):
-1. Load = running + waiting (+ what this gateway sent since it last read the registry).
+1. Load = running + waiting (+ what this gateway sent since the heartbeat that wrote the
+   worker's record).
    A worker is *within bound* while load <= least_load * load_factor + load_slack.
 2. Base-model requests: least loaded first; with a prefix affinity key (below), the
    workers within bound in the key's rendezvous order instead.
@@ -30,7 +31,11 @@ blocks may move once as they grow, which costs little (their prefill is short).
 
 `WorkerDirectory` reads the live list from the Redis registry at most once per `cache_s` and
 groups it into one pool per base (`gateway.fleet.pools`); a request is ranked only among its
-base's pool, and a base with no pool is a 503 naming it.
+base's pool, and a base with no pool is a 503 naming it. A worker's record is as old as its last
+heartbeat (every 2 s), older than the directory's reads, so a request this gateway sends counts
+on top of the record's load until a record written after it arrives: dropped at every read, a
+burst's sends would vanish while the record still shows the load before them, and the load bound
+would let a hot adapter's workers pile up requests.
 `route` is the request path's stage: the ranked workers, then a slot on the best with room
 (`gateway.fair_queue`), waiting for one in fair order while every worker is saturated.
 """
@@ -135,12 +140,14 @@ class WorkerDirectory:
     load_factor: float = 1.5
     load_slack: int = 4
     clock: Callable[[], float] = time.monotonic  # the cache's time (monotonic seconds)
+    wall_clock: Callable[[], float] = time.time  # sends' time, against records' heartbeat_at
     _workers: list[WorkerInfo] = field(default_factory=list)
     _pools: dict[str, Pool] = field(default_factory=dict)
     _read_at: float = float("-inf")
-    # Requests this gateway sent since the last read: the registry's load lags by up to one
-    # heartbeat, and without this a burst would all go to the same "least loaded" worker.
-    _sent: dict[str, int] = field(default_factory=dict)
+    # When this gateway sent each request its worker's record does not count yet (unix time,
+    # against the record's heartbeat_at): the registry's load lags by up to one heartbeat,
+    # and without this a burst would all go to the same "least loaded" worker.
+    _sent: dict[str, list[float]] = field(default_factory=dict)
     # Workers that failed a request since the last read: skipped until the registry is read
     # again (a dead worker's record outlives it by up to one TTL).
     _failed: set[str] = field(default_factory=set)
@@ -197,7 +204,7 @@ class WorkerDirectory:
 
     async def _refresh(self) -> None:
         every = await live_workers(self.redis, self.prefix)
-        fresh_after = time.time() - self.heartbeat_ttl_s
+        fresh_after = self.wall_clock() - self.heartbeat_ttl_s
         fresh = [
             w
             for w in every
@@ -209,7 +216,12 @@ class WorkerDirectory:
         )
         self._workers = [w for p in self._pools.values() for w in p.workers]
         self._read_at = self.clock()
-        self._sent.clear()
+        sent = {}  # the sends each worker's record does not count yet (none: unknown when)
+        for w in self._workers:
+            later = [t for t in self._sent.get(w.worker_id, ()) if t > w.heartbeat_at > 0]
+            if later:
+                sent[w.worker_id] = later
+        self._sent = sent
         self._failed.clear()
 
     async def candidates(
@@ -225,7 +237,7 @@ class WorkerDirectory:
             [w for w in members.workers if w.worker_id not in self._failed],
             adapter_id=adapter_id,
             affinity_key=affinity_key,
-            extra_load=self._sent,
+            extra_load={w: len(times) for w, times in self._sent.items()},
             load_factor=self.load_factor,
             load_slack=self.load_slack,
         )
@@ -234,7 +246,8 @@ class WorkerDirectory:
         return ranked
 
     def sent(self, worker_id: str) -> None:
-        self._sent[worker_id] = self._sent.get(worker_id, 0) + 1
+        """A request went to ``worker_id``: its load until a heartbeat written after now."""
+        self._sent.setdefault(worker_id, []).append(self.wall_clock())
 
     def failed(self, worker_id: str) -> None:
         self._failed.add(worker_id)

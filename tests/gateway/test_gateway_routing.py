@@ -147,10 +147,38 @@ async def test_directory_caches_and_skips_failed_workers(redis, redis_prefix):
     assert ids(await d.candidates(adapter_id=None)) == ["a"]
 
 
+async def test_a_send_counts_until_a_heartbeat_written_after_it(redis, redis_prefix):
+    """The registry's record is as old as the worker's last heartbeat: a request sent after
+    it stays on the worker's load across the directory's reads, until a newer record."""
+    clock, wall = Clock(), Clock()
+    wall.now = 1000.0
+    d = directory(redis, redis_prefix, cache_s=1.0, clock=clock)
+    d.wall_clock = wall
+    for name in ("a", "b"):
+        info = make_worker(name, load=1 if name == "b" else 0)
+        info.heartbeat_at = 999.0
+        await register(redis, redis_prefix, info, ttl=30)
+    assert ids(await d.candidates(adapter_id=None)) == ["a", "b"]
+    d.sent("a")
+    d.sent("a")  # at 1000: a's load 0 + 2
+    clock.now += 5.0  # read again: the records are the same heartbeat's
+    assert ids(await d.candidates(adapter_id=None)) == ["b", "a"]
+    # a's next heartbeat (at 1001) counts both requests itself, and one more: the sends are
+    # dropped (a is 3, not 5); one to b after its record stays (b is 1 + 1).
+    info = make_worker("a", load=3)
+    info.heartbeat_at = 1001.0
+    await register(redis, redis_prefix, info, ttl=30)
+    wall.now = 1002.0
+    d.sent("b")
+    clock.now += 5.0
+    assert ids(await d.candidates(adapter_id=None)) == ["b", "a"]
+    assert d._sent == {"b": [1002.0]}
+
+
 async def test_two_gateways_agree_on_every_adapters_workers(redis, redis_prefix):
     """Two replicas reading one registry rank every adapter's workers the same way: the
     policy keeps no per-replica random state (what a replica sent itself is load it adds
-    until its next read, and it is counted the same way by each)."""
+    until a heartbeat written after it, and it is counted the same way by each)."""
     slots = {"a": ["x", "y"], "b": ["y", None], "c": ["z", "w"]}
     for name, load in (("a", 1), ("b", 0), ("c", 3)):
         info = make_worker(name, load=load)
