@@ -13,7 +13,7 @@ host caches, counters at zero):
                  load bound, the adapter's rendezvous order, the request's prefix key), over
                  the registry as the gateway reads it
     least_load   the same directory's least loaded worker (running + waiting + what it sent
-                 since its last read)
+                 since the worker's last heartbeat)
     round_robin  the next worker in turn
 
 Reported per policy: adapter loads per 1,000 requests (loads from the store into a worker plus
@@ -266,7 +266,8 @@ async def run_policy(policy, trace, ids, pool: Pool, directory: WorkerDirectory,
 
     async def choose(adapter_id: str, prompt: list[int]) -> str:
         """The gateway's routing stage without its fair queue: the directory's ranking
-        (registry load plus what it sent since its last read), the request's prefix key."""
+        (registry load plus what it sent since each worker's last heartbeat), the request's
+        prefix key."""
         if policy == "round_robin":
             return sorted(pool.stubs)[next(turn) % len(pool.stubs)]
         if policy == "affinity":

@@ -189,7 +189,7 @@ async def test_two_gateways_agree_on_every_adapters_workers(redis, redis_prefix)
         first = ids(await one.candidates(adapter_id=adapter))
         assert first == ids(await two.candidates(adapter_id=adapter)), adapter
         assert sorted(first) == ["a", "b", "c"]
-    # The same sends since the last read: the same choice.
+    # The same sends since the workers' heartbeats: the same choice.
     for d in (one, two):
         d.sent("a")
         d.sent("a")

@@ -60,9 +60,7 @@ class SlotEviction:
         value, at = self._heat.get(adapter_id, (0.0, self.now))
         return value * 0.5 ** ((self.now - at) / self.half_life)
 
-    def victim(
-        self, slots: Sequence[str | None], last_use: Sequence[int], needed: set[str]
-    ) -> int:
+    def victim(self, slots: Sequence[str | None], last_use: Sequence[int], needed: set[str]) -> int:
         """The slot to fill among ``slots`` (content id held, None: empty), given each slot's
         last step of use and the adapters this step runs (never evicted; the scheduler
         admits at most as many adapters as there are slots, so one slot is always free)."""
