@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "attention_fn.h"
 
 /* sb_linear_bf16 / sb_linear (linear_bf16_cpu.c, linear_cpu.c): y = x W^T (+ res). */
 typedef void (*PanelFn)(const void *w, const void *x, int64_t rows, const void *res, void *y);
@@ -38,15 +39,6 @@ typedef void (*NormFn)(const void *x, int64_t x_stride, const void *w, void *out
 /* sb_silu_mul_bf16 / sb_silu_mul_f32 (activation_cpu.c). */
 typedef void (*ActivationFn)(const void *gate_up, int64_t in_stride, void *out,
                              int64_t out_stride, int64_t rows, int64_t dim, int portable);
-/* sb_paged_decode (attention_cpu.c). */
-typedef int (*AttentionFn)(const void *q, int64_t q_row, int64_t q_head, void *out,
-                           int64_t out_row, int64_t out_head, const void *key_cache,
-                           const void *value_cache, int64_t block_size, int64_t heads,
-                           int64_t kv_heads, int64_t head_dim, int64_t n_seqs,
-                           const int64_t *seq_row, const int64_t *seq_queries,
-                           const int64_t *seq_start, const int64_t *seq_table,
-                           const int64_t *tables, const int64_t *own_slots, float scale, int fp32,
-                           int portable);
 
 /* sb_lora_bgmv (lora_cpu.c): y[rows of each group] += scale * x A^T B^T of its slot. */
 typedef int (*LoraFn)(const void *x, int64_t x_stride, int64_t in, void *y, int64_t y_stride,

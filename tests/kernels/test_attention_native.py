@@ -105,28 +105,39 @@ def test_kernel_matches_a_float64_loop(starts, queries, heads, kv_heads, head_di
     assert torch.all(out[rows:] == 7.0)  # rows that are not decodes stay as they were
 
 
+def check_sharp_decodes(caches, decoded, starts, queries, heads, variant, seed, window, softcap):
+    """Random queries at twice the usual scale (sharper scores, so that a cap bends them)
+    through the kernel, against the float64 loop."""
+    (key_cache, value_cache), (decodes, tables) = caches, decoded
+    dtype, portable, tol = variant
+    head_dim = key_cache.shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(sum(queries), heads, head_dim, generator=gen).to(dtype)
+    out = torch.empty_like(query)
+    scale = 2 * head_dim**-0.5
+    args = (query, out, key_cache, value_cache, decodes, scale)
+    KERNEL.decode(*args, portable=portable, window=window, softcap=softcap)
+    want = loop_attention(
+        query, key_cache, value_cache, starts, queries, tables, scale, window, softcap
+    )
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(("window", "softcap"), [(5, None), (1, None), (None, 2.0), (9, 0.5)])
 def test_a_sliding_window_and_a_softcap_match_a_float64_loop(variant, window, softcap):
     """Windows ending mid-block and longer than some contexts, verification rows each with
     their own window, head_dim 64 (AVX-512's register-blocked rows) and 40."""
-    dtype, portable, tol = VARIANTS[variant]
+    dtype = VARIANTS[variant][0]
     for starts, queries, heads, head_dim in (
         ([2, 17, 45, 70], [1, 1, 3, 6], 6, 64),
         ([3, 38], [1, 5], 4, 40),
     ):
-        key_cache, value_cache = make_cache(kv_heads=2, head_dim=head_dim, dtype=dtype)
-        decodes, tables = make_decodes(starts, queries)
-        gen = torch.Generator().manual_seed(2)
-        query = torch.randn(sum(queries), heads, head_dim, generator=gen).to(dtype)
-        out = torch.empty_like(query)
-        scale = 2 * head_dim**-0.5  # sharper scores, so that the cap bends them
-        args = (query, out, key_cache, value_cache, decodes, scale)
-        KERNEL.decode(*args, portable=portable, window=window, softcap=softcap)
-        want = loop_attention(
-            query, key_cache, value_cache, starts, queries, tables, scale, window, softcap
+        caches = make_cache(kv_heads=2, head_dim=head_dim, dtype=dtype)
+        decoded = make_decodes(starts, queries)
+        check_sharp_decodes(
+            caches, decoded, starts, queries, heads, VARIANTS[variant], 2, window, softcap
         )
-        torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -188,23 +199,12 @@ SPLIT_KEYS = 1024  # as in attention_cpu.c: a longer context is read in parts, t
 def test_long_contexts_in_parts_match_a_float64_loop(starts, queries, window, softcap, variant):
     """Contexts past SPLIT_KEYS: each part's rows normalized over its own keys, merged by
     their largest scores and sums of exps (rows that see none of a part's keys weigh 0)."""
-    dtype, portable, tol = VARIANTS[variant]
+    dtype = VARIANTS[variant][0]
     head_dim = 64
     num_blocks = sum(-(-(s + n) // BLOCK_SIZE) for s, n in zip(starts, queries, strict=True))
-    key_cache, value_cache = make_cache(
-        num_blocks=num_blocks, kv_heads=3, head_dim=head_dim, dtype=dtype
-    )
-    decodes, tables = make_decodes(starts, queries, num_blocks=num_blocks)
-    gen = torch.Generator().manual_seed(6)
-    query = torch.randn(sum(queries), 9, head_dim, generator=gen).to(dtype)
-    out = torch.empty_like(query)
-    scale = 2 * head_dim**-0.5
-    args = (query, out, key_cache, value_cache, decodes, scale)
-    KERNEL.decode(*args, portable=portable, window=window, softcap=softcap)
-    want = loop_attention(
-        query, key_cache, value_cache, starts, queries, tables, scale, window, softcap
-    )
-    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    caches = make_cache(num_blocks=num_blocks, kv_heads=3, head_dim=head_dim, dtype=dtype)
+    decoded = make_decodes(starts, queries, num_blocks=num_blocks)
+    check_sharp_decodes(caches, decoded, starts, queries, 9, VARIANTS[variant], 6, window, softcap)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
