@@ -114,7 +114,11 @@ async def answer_line(body: OpenAIRequest, job: Job, *, state: GatewayState, tal
         base = state.bases.last_served(job.base) or state.bases.default  # as resolved
         fmt = _output_format(body, header, base.tokenizer, job.prompt_ids)
         reply = await _route_and_relay(relay.fetch_reply, job, state, tally)
-        answer = await asyncio.to_thread(relay.collect, reply, job=job, fmt=fmt, tally=tally)
+        collect = functools.partial(relay.collect, reply, job=job, fmt=fmt, tally=tally)
+        if _entries(reply, job) <= INLINE_COLLECT_ENTRIES:  # a small answer: no thread hop
+            answer = collect()
+        else:
+            answer = await asyncio.to_thread(collect)
         await close()
         return answer
     except BaseException as exc:
@@ -172,13 +176,17 @@ async def _route_and_relay(
 async def _collected(reply: WorkerReply, *, job: Job, fmt: OutputFormat, tally: Tally) -> Response:
     """The whole body: once large, assembled on a thread and serialized in pieces that leave
     the loop free (``gateway.large_bodies``); the tally is final once it is back."""
-    top = job.params.logprobs if job.params.HasField("logprobs") else 0
-    entries = sum(len(m.token_ids) + len(m.prompt_logprobs) for m in reply.responses) * (1 + top)
-    if entries <= INLINE_COLLECT_ENTRIES:
+    if _entries(reply, job) <= INLINE_COLLECT_ENTRIES:
         return JSONResponse(relay.collect(reply, job=job, fmt=fmt, tally=tally))
     return await large_json_response(
         functools.partial(relay.collect, reply, job=job, fmt=fmt, tally=tally)
     )
+
+
+def _entries(reply: WorkerReply, job: Job) -> int:
+    """Token entries in a whole answer (tokens and their top logprobs): its assembly's size."""
+    top = job.params.logprobs if job.params.HasField("logprobs") else 0
+    return sum(len(m.token_ids) + len(m.prompt_logprobs) for m in reply.responses) * (1 + top)
 
 
 def _output_format(

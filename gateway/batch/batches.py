@@ -233,6 +233,13 @@ class BatchService:
             raise batch_not_found(ref.batch_id)
         return Batch.from_hash(fields)
 
+    async def status(self, ref: BatchRef) -> BatchStatus:
+        """The stored status alone (a runner's periodic check reads no more than that)."""
+        value = await self.redis.hget(self.key(ref), "status")
+        if value is None:
+            raise batch_not_found(ref.batch_id)
+        return BatchStatus(value)
+
     async def list(
         self, tenant: str, *, after: str | None = None, limit: int = 20
     ) -> tuple[list[Batch], bool]:

@@ -242,5 +242,10 @@ class LineRecorder:
 
 def recorded_line(value: str) -> tuple[str, dict[str, Any] | None]:
     """(kind, line) of a stored result."""
-    kind, text = value[:1], value[1:]
+    kind, text = stored_text(value)
     return kind, (json.loads(text) if text else None)
+
+
+def stored_text(value: str) -> tuple[str, str]:
+    """(kind, the line's JSON text, "" for none) of a stored result."""
+    return value[:1], value[1:]

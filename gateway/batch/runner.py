@@ -44,8 +44,8 @@ from gateway.batch.lines import (
     expired_line,
     output_line,
     read_input,
-    recorded_line,
     request_of,
+    stored_text,
 )
 from gateway.batch.states import BatchStatus, TransitionRefused
 from gateway.errors import GatewayError, NotFoundError
@@ -259,7 +259,7 @@ class BatchRunner:
     async def _stop_reason(self, ref: BatchRef, batch: Batch) -> BatchStatus | None:
         if time.time() >= batch.expires_at:
             return BatchStatus.EXPIRED
-        status = (await self.batches.get(ref)).status
+        status = await self.batches.status(ref)
         return None if status is BatchStatus.IN_PROGRESS else status
 
     async def _run_all(self, ref: BatchRef, batch: Batch, pending: list[InputLine]) -> None:
@@ -347,9 +347,9 @@ class BatchRunner:
         outputs: list[str] = []
         errors: list[str] = []
         for index in sorted(stored, key=int):
-            kind, line = recorded_line(stored[index])
-            if line is not None and kind in (Kind.OUTPUT, Kind.ERROR):
-                (outputs if kind == Kind.OUTPUT else errors).append(json.dumps(line))
+            kind, text = stored_text(stored[index])
+            if text and kind in (Kind.OUTPUT, Kind.ERROR):  # JSON as recorded, not re-encoded
+                (outputs if kind == Kind.OUTPUT else errors).append(text)
         fields: dict[str, str | int] = {}
         for name, rows in (("output", outputs), ("error", errors)):
             if rows:
