@@ -13,11 +13,14 @@ One run starts a stack (Redis, one worker on the default model, the gateway) and
    `completed`, in output tokens/s, against the offline engine (`worker.LLM`, the worker's
    engine settings) on the same prompts in this process, `--repeats` turns of each taken
    alternately (fresh prompts each turn), the median of the turns' ratios (target: at least
-   90%).
+   90%). The batch's end is read from its stored status in Redis every 10 ms (the API asked
+   that often would itself take gateway CPU from the worker's cores); each turn reports the
+   CPU seconds of the gateway, the worker and the offline engine, and the gateway's per line.
+   ``--throughput-only`` runs this part alone.
 
 Prompts are seeded random whole-word prompts (`--prompt-tokens`, chat template included), one
 per line, so the prefix cache makes none of them free.
-Usage: ``python -m bench.batch [--lines 1000] [--seconds 30] [--quick]
+Usage: ``python -m bench.batch [--lines 1000] [--seconds 30] [--throughput-only] [--quick]
 [--out bench/results/batch.json]``.
 """
 
