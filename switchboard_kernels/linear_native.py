@@ -12,6 +12,7 @@ import functools
 import torch
 
 from switchboard_kernels import native
+from switchboard_kernels.huge_pages import copy_to_huge_pages
 
 PANEL = 16  # output features per panel, as NR in linear_cpu.c
 INT8_LEVELS = 127  # symmetric int8: q in [-127, 127], W[n] ~ q[n] * scale[n]
@@ -70,7 +71,9 @@ class PanelLinear:
             w = w.to(torch.int8)
             self.scales = scales.contiguous()
         # [padded, in] -> [panels, in, PANEL]
-        self.panels = w.view(padded // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
+        self.panels = copy_to_huge_pages(
+            w.view(padded // PANEL, PANEL, in_features).transpose(1, 2)
+        )
         self._desc = _Panels(
             in_features,
             out_features,
@@ -201,7 +204,7 @@ class Bf16PanelLinear:
         w[:out_features] = weight
         # [panels, 2 halves, 16 outputs, pairs, 2] -> [panels, pairs, 2 halves, 16 outputs, 2]
         w = w.view(padded // BF16_PANEL, 2, 16, in_features // 2, 2)
-        self.panels = w.permute(0, 3, 1, 2, 4).contiguous()
+        self.panels = copy_to_huge_pages(w.permute(0, 3, 1, 2, 4))
         self._desc = _Bf16Panels(
             in_features,
             out_features,

@@ -15,6 +15,7 @@ import functools
 import torch
 
 from switchboard_kernels import native
+from switchboard_kernels.huge_pages import copy_to_huge_pages
 from switchboard_kernels.panel_levels import PANEL, by_panel, pack_levels
 from switchboard_kernels.quantized_weight import QuantizedWeight
 
@@ -76,7 +77,7 @@ class WqLinear:
         if not fits(q):
             raise ValueError(f"{q.bits}-bit groups of {q.group_size} do not fit the kernel")
         self.out_features, self.in_features = q.shape
-        self.blocks = pack(q)
+        self.blocks = copy_to_huge_pages(pack(q))
         self.nbytes = q.packed_bytes
         self.input_order = q.input_order
         self.fp32_out = fp32_out
