@@ -3,7 +3,7 @@ bounded by load.
 
 Policy (`rank_workers`, a pure function over `WorkerInfo`s):
 1. Load = running + waiting (+ what this gateway sent since the heartbeat that wrote the
-   worker's record).
+   worker's record and is still running).
    A worker is *within bound* while load <= least_load * load_factor + load_slack.
 2. Base-model requests: least loaded first; with a prefix affinity key (below), the
    workers within bound in the key's rendezvous order instead.
@@ -145,9 +145,10 @@ class WorkerDirectory:
     _pools: dict[str, Pool] = field(default_factory=dict)
     _read_at: float = float("-inf")
     # When this gateway sent each request its worker's record does not count yet (unix time,
-    # against the record's heartbeat_at): the registry's load lags by up to one heartbeat,
-    # and without this a burst would all go to the same "least loaded" worker.
-    _sent: dict[str, list[float]] = field(default_factory=dict)
+    # against the record's heartbeat_at), and its slot while it runs: the registry's load lags
+    # by up to one heartbeat, and without this a burst would all go to the same "least
+    # loaded" worker. A request that ended here (its slot released) counts no more.
+    _sent: dict[str, list[tuple[float, Grant | None]]] = field(default_factory=dict)
     # Workers that failed a request since the last read: skipped until the registry is read
     # again (a dead worker's record outlives it by up to one TTL).
     _failed: set[str] = field(default_factory=set)
@@ -218,7 +219,9 @@ class WorkerDirectory:
         self._read_at = self.clock()
         sent = {}  # the sends each worker's record does not count yet (none: unknown when)
         for w in self._workers:
-            later = [t for t in self._sent.get(w.worker_id, ()) if t > w.heartbeat_at > 0]
+            later = [
+                (t, grant) for t, grant in self._pending(w.worker_id) if t > w.heartbeat_at > 0
+            ]
             if later:
                 sent[w.worker_id] = later
         self._sent = sent
@@ -237,7 +240,7 @@ class WorkerDirectory:
             [w for w in members.workers if w.worker_id not in self._failed],
             adapter_id=adapter_id,
             affinity_key=affinity_key,
-            extra_load={w: len(times) for w, times in self._sent.items()},
+            extra_load={w: len(self._pending(w)) for w in self._sent},
             load_factor=self.load_factor,
             load_slack=self.load_slack,
         )
@@ -245,9 +248,18 @@ class WorkerDirectory:
             raise NoWorkerError(f"no worker of the base model `{base}` is available; retry later")
         return ranked
 
-    def sent(self, worker_id: str) -> None:
-        """A request went to ``worker_id``: its load until a heartbeat written after now."""
-        self._sent.setdefault(worker_id, []).append(self.wall_clock())
+    def sent(self, worker_id: str, grant: Grant | None = None) -> None:
+        """A request went to ``worker_id``: its load until a heartbeat written after now, or
+        until it ends here (``grant``, its slot, released or moved to another worker)."""
+        self._sent.setdefault(worker_id, []).append((self.wall_clock(), grant))
+
+    def _pending(self, worker_id: str) -> list[tuple[float, Grant | None]]:
+        """The sends to ``worker_id`` still running there, as far as this gateway knows."""
+        return [
+            (t, grant)
+            for t, grant in self._sent.get(worker_id, ())
+            if grant is None or (not grant.released and grant.worker_id == worker_id)
+        ]
 
     def failed(self, worker_id: str) -> None:
         self._failed.add(worker_id)
@@ -265,9 +277,10 @@ class Route:
 
     def sending(self, worker: WorkerInfo) -> None:
         """The request goes to ``worker``: its slot moves there (a retry may exceed that
-        worker's bound by one), and the directory counts it until it reads the registry."""
+        worker's bound by one), and the directory counts it until the worker's record does or
+        the request ends."""
         self.queue.move(self.grant, worker.worker_id)
-        self.directory.sent(worker.worker_id)
+        self.directory.sent(worker.worker_id, self.grant)
 
     def failed(self, worker: WorkerInfo) -> None:
         """``worker`` is unwell: skipped until the registry is read again."""

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from gateway.errors import NoWorkerError
+from gateway.fair_queue import Grant
 from gateway.routing import WorkerDirectory, rank_workers, rendezvous_score
 from runtime.registry import WorkerInfo, register
 
@@ -172,7 +173,34 @@ async def test_a_send_counts_until_a_heartbeat_written_after_it(redis, redis_pre
     d.sent("b")
     clock.now += 5.0
     assert ids(await d.candidates(adapter_id=None)) == ["b", "a"]
-    assert d._sent == {"b": [1002.0]}
+    assert d._sent == {"b": [(1002.0, None)]}
+
+
+async def test_a_send_that_ended_here_counts_no_more(redis, redis_prefix):
+    """A request that ended at this gateway (its slot released) or moved to another worker
+    is off the worker's load before the next heartbeat: one client's requests one after
+    another do not pile up on an adapter's holder while its record is unchanged."""
+    clock, wall = Clock(), Clock()
+    wall.now = 1000.0
+    d = directory(redis, redis_prefix, cache_s=1.0, clock=clock)
+    d.wall_clock = wall
+    for name in ("a", "b"):
+        info = make_worker(name, load=1 if name == "b" else 0)
+        info.heartbeat_at = 999.0
+        await register(redis, redis_prefix, info, ttl=30)
+    grants = [Grant("t", 1.0, 1, "a", 0.0) for _ in range(2)]
+    for grant in grants:
+        d.sent("a", grant)
+    assert ids(await d.candidates(adapter_id=None)) == ["b", "a"]  # a 0 + 2, b 1
+    grants[0].released = True
+    moved = grants[1]
+    moved.worker_id = "b"  # retried there: b's load now (its own send), not a's
+    d.sent("b", moved)
+    assert ids(await d.candidates(adapter_id=None)) == ["a", "b"]  # a 0, b 1 + 1
+    moved.released = True
+    clock.now += 5.0  # a read drops what ended
+    assert ids(await d.candidates(adapter_id=None)) == ["a", "b"]
+    assert d._sent == {}
 
 
 async def test_two_gateways_agree_on_every_adapters_workers(redis, redis_prefix):
