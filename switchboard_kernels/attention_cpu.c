@@ -467,45 +467,6 @@ static void attend_avx512(const Item *it, const float *q, float scale, float *sc
     })
 }
 
-#if defined(__AVX512BF16__)
-/* [sum of a[0]'s 16 lanes, ..., sum of a[7]'s]: halves, then quarters, then pairs of lanes
- * added across the eight vectors at once (24 instructions where eight reductions take 80). */
-static inline __m256 sum_lanes16x8(const __m512 a[8]) {
-    __m512 h[4], q[2];
-    for (int i = 0; i < 4; i++) /* lanes 0-7: a[2i]'s halves added; 8-15: a[2i + 1]'s */
-        h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
-    for (int i = 0; i < 2; i++) /* 128-bit lane l: a[4i + l]'s four partial sums */
-        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xdd));
-    __m512 p = _mm512_add_ps(_mm512_shuffle_ps(q[0], q[1], 0x88), _mm512_shuffle_ps(q[0], q[1], 0xdd));
-    p = _mm512_add_ps(p, _mm512_permute_ps(p, 0xb1)); /* lane l: a[l] at 0, a[4 + l] at 2 */
-    __m512i at = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_castps512_ps256(_mm512_permutexvar_ps(at, p));
-}
-
-/* scores[r0 + t, j0 + i] = scale * q[r0 + t] . key i for the nk <= 8 keys given (padded to 8)
- * and the nr rows, the queries as bf16 (exact: they came from bf16) in qb[t][c], 32 features
- * each. Each dot-product instruction takes 32 bf16 products (exact in fp32) straight from the
- * cache, with no widening to fp32, and the eight keys' sums reduce together. */
-static inline __attribute__((always_inline)) void score_keys_bf16(
-    const Item *it, const __m512bh qb[4][4], const char *const keys[8], int nk, int64_t j0,
-    float scale, float *scores, int64_t r0, const int nr, const int ch2) {
-    for (int t = 0; t < nr; t++) {
-        __m512 acc[8];
-        for (int i = 0; i < 8; i++) {
-            acc[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[t][0],
-                                      (__m512bh)_mm512_loadu_si512(keys[i]));
-            for (int c = 1; c < ch2; c++)
-                acc[i] = _mm512_dpbf16_ps(acc[i], qb[t][c],
-                                          (__m512bh)_mm512_loadu_si512(keys[i] + 64 * c));
-        }
-        __m256 s = _mm256_mul_ps(sum_lanes16x8(acc), _mm256_set1_ps(scale));
-        _mm256_mask_storeu_ps(scores + (r0 + t) * it->stride + j0, (__mmask8)((1u << nk) - 1u), s);
-    }
-}
-#endif
-
 /* head_dim = 16 * ch (64 or 128, most models): rows in blocks of nr <= 4 (2 for 128) whose
  * queries and accumulators stay in registers while each key or value is loaded once.
  * ch and nr are constants at every call site (see attend_avx512_fixed). */
@@ -516,22 +477,6 @@ static inline __attribute__((always_inline)) void fixed_block(
     __m512 reg[4][8];
     for (int t = 0; t < nr; t++)
         for (int c = 0; c < ch; c++) reg[t][c] = _mm512_loadu_ps(q + (r0 + t) * 16 * ch + 16 * c);
-#if defined(__AVX512BF16__)
-    __m512bh qb[4][4];
-    for (int t = 0; t < nr; t++)
-        for (int c = 0; c < ch / 2; c++)
-            qb[t][c] = _mm512_cvtne2ps_pbh(reg[t][2 * c + 1], reg[t][2 * c]);
-    const char *keys[8];
-    int nk = 0;
-    FOR_EACH_KEY(it, it->key_cache, len, j, key, {
-        keys[nk++] = key;
-        if (nk == 8 || j + 1 == len) {
-            for (int i = nk; i < 8; i++) keys[i] = keys[0]; /* padding, its scores unused */
-            score_keys_bf16(it, qb, keys, nk, j + 1 - nk, scale, scores, r0, nr, ch / 2);
-            nk = 0;
-        }
-    })
-#else
     FOR_EACH_KEY(it, it->key_cache, len, j, key, {
         __m512 k[8];
         for (int c = 0; c < ch; c++) k[c] = load_bf16((const uint16_t *)key + 16 * c, 0xffff);
@@ -541,7 +486,6 @@ static inline __attribute__((always_inline)) void fixed_block(
             scores[(r0 + t) * it->stride + j] = _mm512_reduce_add_ps(dot) * scale;
         }
     })
-#endif
     prefetch_first(it, it->value_cache, first_walked(it), len); /* during the softmax */
     for (int t = 0; t < nr; t++) softmax_row(it, scores, r0 + t, len);
     for (int t = 0; t < nr; t++)

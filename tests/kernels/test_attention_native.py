@@ -8,15 +8,11 @@ see only keys up to their own position. Each cache dtype runs both its vector lo
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import pytest
 import torch
 
 from factories import make_checkpoint, random_prompts
-from switchboard_kernels import native
-from switchboard_kernels.attention_native import NativeAttention, NativeDecodes, native_attention
+from switchboard_kernels.attention_native import NativeDecodes, native_attention
 from worker.core.batch import ScheduledSequence
 from worker.core.block_manager import BlockManager
 from worker.core.sequence import Sequence
@@ -151,80 +147,6 @@ def test_sharp_scores_keep_their_winner(variant):
     KERNEL.decode(query, out, key_cache, value_cache, decodes, 60.0, portable=portable)
     want = loop_attention(query, key_cache, value_cache, [30], [1], tables, 60.0)
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
-
-
-def test_the_avx512_loops_without_avx512_bf16_match_a_float64_loop():
-    """On an AVX-512 CPU without BF16 instructions (a Xeon before Cooper Lake) head_dim 64
-    and 128 score one key at a time in fp32 instead of eight at once in bf16 dot products:
-    built here with those instructions off, over contexts that end mid-group of eight, a
-    window and a soft-cap."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if "avx512f" not in flags.split() or "avx512_bf16" not in flags.split():
-        pytest.skip("the native build already runs (or cannot run) these loops")
-    source = Path(native.__file__).with_name("attention_cpu.c")
-    kernel = NativeAttention(ctypes.CDLL(str(native.build(source, ("-mno-avx512bf16",)))))
-    for starts, queries, heads, kv_heads, head_dim, window, softcap in (
-        ([3, 45], [17, 6], 9, 3, 64, None, None),
-        ([7, 50], [1, 3], 8, 2, 128, None, None),
-        ([2, 17, 45, 70], [1, 1, 3, 6], 6, 2, 64, 9, 0.5),
-    ):
-        key_cache, value_cache = make_cache(kv_heads=kv_heads, head_dim=head_dim)
-        decodes, tables = make_decodes(starts, queries)
-        gen = torch.Generator().manual_seed(5)
-        query = torch.randn(sum(queries), heads, head_dim, generator=gen).bfloat16()
-        out = torch.empty_like(query)
-        scale = head_dim**-0.5
-        args = (query, out, key_cache, value_cache, decodes, scale)
-        kernel.decode(*args, window=window, softcap=softcap)
-        want = loop_attention(
-            query, key_cache, value_cache, starts, queries, tables, scale, window, softcap
-        )
-        torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
-
-
-SPLIT_KEYS = 1024  # as in attention_cpu.c: a longer context is read in parts, then merged
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize(
-    ("starts", "queries", "window", "softcap"),
-    [
-        ([2500], [1], None, None),  # a lone long sequence: three parts
-        ([1023, 1024, 2047], [1, 1, 1], None, None),  # ends at, just past, a part's end
-        ([1021, 3000], [5, 1], None, None),  # verification rows that straddle a part's end
-        ([2100, 1030], [2, 1], 1200, None),  # windows that start in a later part
-        ([2100, 40], [1, 3], 60, 0.5),  # a window inside one part, a soft-cap
-    ],
-)
-def test_long_contexts_in_parts_match_a_float64_loop(starts, queries, window, softcap, variant):
-    """Contexts past SPLIT_KEYS: each part's rows normalized over its own keys, merged by
-    their largest scores and sums of exps (rows that see none of a part's keys weigh 0)."""
-    dtype = VARIANTS[variant][0]
-    head_dim = 64
-    num_blocks = sum(-(-(s + n) // BLOCK_SIZE) for s, n in zip(starts, queries, strict=True))
-    caches = make_cache(num_blocks=num_blocks, kv_heads=3, head_dim=head_dim, dtype=dtype)
-    decoded = make_decodes(starts, queries, num_blocks=num_blocks)
-    check_sharp_decodes(caches, decoded, starts, queries, 9, VARIANTS[variant], 6, window, softcap)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_a_row_in_parts_does_not_depend_on_the_rows_beside_it(variant):
-    """Batch invariance: the parts are fixed by key positions, so a verification row whose
-    chunk straddles a part's end gives the same bits as the same query decoded alone."""
-    dtype, portable, _ = VARIANTS[variant]
-    key_cache, value_cache = make_cache(num_blocks=300, kv_heads=1, head_dim=64, dtype=dtype)
-    _, tables = make_decodes([1022], [4], num_blocks=300)
-    query = torch.randn(4, 2, 64, generator=torch.Generator().manual_seed(7)).to(dtype)
-    together = torch.empty_like(query)
-    decodes = NativeDecodes.build([1022], [4], tables)
-    KERNEL.decode(query, together, key_cache, value_cache, decodes, 0.2, portable=portable)
-    for i in range(4):
-        alone = torch.empty_like(query[i : i + 1])
-        decodes = NativeDecodes.build([1022 + i], [1], tables)
-        KERNEL.decode(
-            query[i : i + 1], alone, key_cache, value_cache, decodes, 0.2, portable=portable
-        )
-        assert torch.equal(alone[0], together[i])
 
 
 def test_query_may_be_a_strided_view():
