@@ -43,3 +43,13 @@ def test_greedy_chat_matches_transformers(default_model_path):
             skip_special_tokens=True,
         )
     assert "Paris" in outputs[0].text
+
+
+def test_make_runs_question_is_answered_in_bf16(default_model_path):
+    """The question a new user asks first, as `make run` serves it (bf16, every kernel's own
+    rounding): its first token is a near-tie ("The" against "L", 0.08 apart in fp32), so a
+    kernel that rounds more than it must shows here first (an attention scoring change did)."""
+    llm = LLM(default_model_path, dtype="bfloat16")
+    prompt = llm.tokenizer.apply_chat_template(CHATS[0], tokenize=False, add_generation_prompt=True)
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))
+    assert out.text.startswith("The capital of France is Paris"), out.text
