@@ -148,9 +148,9 @@ async def test_directory_caches_and_skips_failed_workers(redis, redis_prefix):
     assert ids(await d.candidates(adapter_id=None)) == ["a"]
 
 
-async def test_a_send_counts_until_a_heartbeat_written_after_it(redis, redis_prefix):
-    """The registry's record is as old as the worker's last heartbeat: a request sent after
-    it stays on the worker's load across the directory's reads, until a newer record."""
+async def two_recorded_workers(redis, redis_prefix):
+    """A directory over workers a (load 0) and b (load 1), both recorded by a heartbeat at
+    999 (wall time, now 1000); its cache and wall clocks to move by hand."""
     clock, wall = Clock(), Clock()
     wall.now = 1000.0
     d = directory(redis, redis_prefix, cache_s=1.0, clock=clock)
@@ -159,6 +159,13 @@ async def test_a_send_counts_until_a_heartbeat_written_after_it(redis, redis_pre
         info = make_worker(name, load=1 if name == "b" else 0)
         info.heartbeat_at = 999.0
         await register(redis, redis_prefix, info, ttl=30)
+    return d, clock, wall
+
+
+async def test_a_send_counts_until_a_heartbeat_written_after_it(redis, redis_prefix):
+    """The registry's record is as old as the worker's last heartbeat: a request sent after
+    it stays on the worker's load across the directory's reads, until a newer record."""
+    d, clock, wall = await two_recorded_workers(redis, redis_prefix)
     assert ids(await d.candidates(adapter_id=None)) == ["a", "b"]
     d.sent("a")
     d.sent("a")  # at 1000: a's load 0 + 2
@@ -180,14 +187,7 @@ async def test_a_send_that_ended_here_counts_no_more(redis, redis_prefix):
     """A request that ended at this gateway (its slot released) or moved to another worker
     is off the worker's load before the next heartbeat: one client's requests one after
     another do not pile up on an adapter's holder while its record is unchanged."""
-    clock, wall = Clock(), Clock()
-    wall.now = 1000.0
-    d = directory(redis, redis_prefix, cache_s=1.0, clock=clock)
-    d.wall_clock = wall
-    for name in ("a", "b"):
-        info = make_worker(name, load=1 if name == "b" else 0)
-        info.heartbeat_at = 999.0
-        await register(redis, redis_prefix, info, ttl=30)
+    d, clock, _ = await two_recorded_workers(redis, redis_prefix)
     grants = [Grant("t", 1.0, 1, "a", 0.0) for _ in range(2)]
     for grant in grants:
         d.sent("a", grant)
