@@ -149,6 +149,51 @@ def test_sharp_scores_keep_their_winner(variant):
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
+SPLIT_KEYS = 1024  # as in attention_cpu.c: a longer context is read in parts, then merged
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    ("starts", "queries", "window", "softcap"),
+    [
+        ([2500], [1], None, None),  # a lone long sequence: three parts
+        ([1023, 1024, 2047], [1, 1, 1], None, None),  # ends at, just past, a part's end
+        ([1021, 3000], [5, 1], None, None),  # verification rows that straddle a part's end
+        ([2100, 1030], [2, 1], 1200, None),  # windows that start in a later part
+        ([2100, 40], [1, 3], 60, 0.5),  # a window inside one part, a soft-cap
+    ],
+)
+def test_long_contexts_in_parts_match_a_float64_loop(starts, queries, window, softcap, variant):
+    """Contexts past SPLIT_KEYS: each part's rows normalized over its own keys, merged by
+    their largest scores and sums of exps (rows that see none of a part's keys weigh 0)."""
+    dtype = VARIANTS[variant][0]
+    head_dim = 64
+    num_blocks = sum(-(-(s + n) // BLOCK_SIZE) for s, n in zip(starts, queries, strict=True))
+    caches = make_cache(num_blocks=num_blocks, kv_heads=3, head_dim=head_dim, dtype=dtype)
+    decoded = make_decodes(starts, queries, num_blocks=num_blocks)
+    check_sharp_decodes(caches, decoded, starts, queries, 9, VARIANTS[variant], 6, window, softcap)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_row_in_parts_does_not_depend_on_the_rows_beside_it(variant):
+    """Batch invariance: the parts are fixed by key positions, so a verification row whose
+    chunk straddles a part's end gives the same bits as the same query decoded alone."""
+    dtype, portable, _ = VARIANTS[variant]
+    key_cache, value_cache = make_cache(num_blocks=300, kv_heads=1, head_dim=64, dtype=dtype)
+    _, tables = make_decodes([1022], [4], num_blocks=300)
+    query = torch.randn(4, 2, 64, generator=torch.Generator().manual_seed(7)).to(dtype)
+    together = torch.empty_like(query)
+    decodes = NativeDecodes.build([1022], [4], tables)
+    KERNEL.decode(query, together, key_cache, value_cache, decodes, 0.2, portable=portable)
+    for i in range(4):
+        alone = torch.empty_like(query[i : i + 1])
+        decodes = NativeDecodes.build([1022 + i], [1], tables)
+        KERNEL.decode(
+            query[i : i + 1], alone, key_cache, value_cache, decodes, 0.2, portable=portable
+        )
+        assert torch.equal(alone[0], together[i])
+
+
 def test_query_may_be_a_strided_view():
     """q as it comes out of the fused qkv projection: a view with a wider row stride."""
     key_cache, value_cache = make_cache()
