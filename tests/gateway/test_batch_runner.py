@@ -31,11 +31,16 @@ NUM_LINES = 6
 
 class Pipeline:
     """Stands in for resolve_line / answer_line: counts each line's runs; `delay` per answer;
-    model "nope" is unknown (404); the first `flaky` answers find no worker (503)."""
+    model "nope" is unknown (404); the first `flaky` answers find no worker (503); answers
+    after the first `answer_only` never finish (lines held in flight until cancelled)."""
 
-    def __init__(self, *, delay: float = 0.0, flaky: int = 0) -> None:
+    def __init__(
+        self, *, delay: float = 0.0, flaky: int = 0, answer_only: int | None = None
+    ) -> None:
         self.delay = delay
         self.flaky = flaky
+        self.answer_only = answer_only
+        self.started = 0
         self.answered: Counter[str] = Counter()
 
     async def resolve(self, tenant: str, body) -> Job:
@@ -56,6 +61,9 @@ class Pipeline:
         if self.flaky:
             self.flaky -= 1
             raise NoWorkerError("no worker")
+        self.started += 1
+        if self.answer_only is not None and self.started > self.answer_only:
+            await asyncio.Event().wait()
         await asyncio.sleep(self.delay)
         tally.started = True
         tally.completion[0] = 4
@@ -189,21 +197,23 @@ async def test_a_runner_killed_between_any_two_steps_leaves_a_batch_the_next_one
 async def test_lines_in_flight_when_a_runner_dies_run_again_and_are_billed_once(
     redis_client, redis_prefix, services
 ):
-    pipeline = Pipeline(delay=0.05)
+    dying = Pipeline(answer_only=2)  # two lines answered, the next two held in flight
     ref = await submit(services, [line(i) for i in range(NUM_LINES)])
     _, batches = services
-    first = asyncio.create_task(make_runner(redis_client, services, pipeline).advance(ref))
-    while await redis_client.hlen(batches.lines_key(ref)) < 2:
+    first = asyncio.create_task(make_runner(redis_client, services, dying).advance(ref))
+    while dying.started < 4:
         await asyncio.sleep(0.01)
     first.cancel()  # dies with lines in flight: they were never recorded, nor billed
     await asyncio.gather(first, return_exceptions=True)
-    recorded = await redis_client.hlen(batches.lines_key(ref))
-    await make_runner(redis_client, services, pipeline).advance(ref)
+    assert await redis_client.hlen(batches.lines_key(ref)) == 2
+    assert await billed_requests(redis_client, redis_prefix) == 2
+    second = Pipeline()
+    await make_runner(redis_client, services, second).advance(ref)
     batch = await batches.get(ref)
     assert batch.status is BatchStatus.COMPLETED and batch.counts["completed"] == NUM_LINES
-    assert 2 <= recorded < NUM_LINES
     assert await billed_requests(redis_client, redis_prefix) == NUM_LINES
-    assert sum(pipeline.answered.values()) >= NUM_LINES  # the ones in flight ran twice
+    assert sorted(dying.answered) == ["p0", "p1"]
+    assert sorted(second.answered) == [f"p{i}" for i in range(2, NUM_LINES)]  # held ones again
 
 
 async def test_a_lease_keeps_a_second_runner_off_until_the_first_one_is_dead(
