@@ -32,6 +32,25 @@
 
 /* --- portable inner loops ------------------------------------------------------------ */
 
+/* A dot product summed in one order whatever the pointers' alignment: SHRINK_LANES partial
+ * sums, combined pairwise, then the tail. (A reduction the compiler vectorizes may peel
+ * iterations until an operand is aligned, so its order followed where the scratch rows sat
+ * in memory, and a row's bits followed the batch around it: batch_invariant.) */
+#define SHRINK_LANES 16
+static inline float dot_fixed_order(const float *x, const float *w, int64_t n) {
+    float part[SHRINK_LANES] = {0.0f};
+    int64_t k = 0;
+    for (; k + SHRINK_LANES <= n; k += SHRINK_LANES) {
+#pragma omp simd
+        for (int j = 0; j < SHRINK_LANES; j++) part[j] += x[k + j] * w[k + j];
+    }
+    for (int width = SHRINK_LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) part[j] += part[j + width];
+    float acc = part[0];
+    for (; k < n; k++) acc += x[k] * w[k];
+    return acc;
+}
+
 static void shrink_portable(const float *x32, int64_t in, const void *a, int fp32,
                             int64_t rank, int64_t nt, float *h, int64_t h_stride,
                             float *row_buf) {
@@ -39,11 +58,7 @@ static void shrink_portable(const float *x32, int64_t in, const void *a, int fp3
     for (int64_t i = 0; i < rank; i++) {
         const float *row = as_f32((const char *)a + i * in * size, in, fp32, row_buf);
         for (int64_t t = 0; t < nt; t++) {
-            const float *xt = x32 + t * in;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t k = 0; k < in; k++) acc += xt[k] * row[k];
-            h[t * h_stride + i] = acc;
+            h[t * h_stride + i] = dot_fixed_order(x32 + t * in, row, in);
         }
     }
 }

@@ -10,17 +10,21 @@ elsewhere (tests/worker/test_engine.py, test_quantized_engine.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from factories import make_checkpoint
 from switchboard_kernels.decode_step_native import native_step
 from switchboard_kernels.linear_choice import ONEDNN, PANELS, LinearPlan
+from switchboard_kernels.measured_choice import KernelPlan
 from worker.core.batch import ScheduledSequence
 from worker.core.block_manager import BlockManager
 from worker.core.sequence import Sequence
 from worker.model.llama import LlamaModel
 from worker.model.model_runner import ModelRunner
+from worker.model.op_choice import NATIVE, fixed_op_plans
 from worker.model.quantize_on_load import OnLoad
 
 pytestmark = pytest.mark.skipif(native_step() is None, reason="no C compiler here")
@@ -40,13 +44,17 @@ def runner_for(
     path, dtype: torch.dtype, on_load: OnLoad | None = None, output_token_ids=None, plan=None
 ):
     """``plan``: the projections' kernels (default: the native panels, which AVX2 CPUs take
-    for fp32 too; with AVX-512 the fixed rule gives fp32 to oneDNN)."""
+    for fp32 too; with AVX-512 the fixed rule gives fp32 to oneDNN). The activation is the
+    native kernel on every CPU (the fixed rule gives it to torch without AVX-512, and the
+    native step runs only where the torch path would call the same kernels)."""
+    ops = dataclasses.replace(fixed_op_plans(dtype), activation=KernelPlan(NATIVE, NATIVE))
     model = LlamaModel.from_pretrained(
         path,
         dtype=dtype,
         on_load=on_load,
         output_token_ids=output_token_ids,
         linear_plan=plan or LinearPlan(PANELS, PANELS),
+        op_plans=ops,
     )
     blocks = BlockManager(num_blocks=64, block_size=BLOCK, enable_caching=False)
     return ModelRunner(model, num_blocks=64, block_size=BLOCK), blocks
@@ -204,6 +212,8 @@ def test_lora_rows_equal_the_torch_path(checkpoint, tmp_path, dtype):
     runner = llm.engine.runner
     if runner.native_step is None:
         pytest.skip(f"{dtype}: the fixed plan's projections are oneDNN's on this CPU")
+    model = runner.model  # the native activation on every CPU (see runner_for)
+    model.ops = dataclasses.replace(model.ops, activation=KernelPlan(NATIVE, NATIVE))
     counts = compare_every_step(runner)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0][:4]]
