@@ -10,14 +10,23 @@
  * product in fp32, rounded to bf16. e^x is a degree-6 polynomial after range reduction
  * (relative error < 2e-7, as attention_cpu.c's), so a bf16 result can differ from torch's
  * (Sleef, < 1 ulp) only where the fp32 value lies within ~2e-7 of a rounding boundary.
- * Built by switchboard_kernels/native.py (-march=native); the AVX-512 loop serves only where
- * the build has AVX-512 (activation_native.py falls back to torch elsewhere); the plain loop
- * is compiled always, and tests check both against torch.
+ * Built by switchboard_kernels/native.py (-march=native); the AVX-512 loop where the build has
+ * AVX-512, the AVX2 one (8 lanes) where it has AVX2 and FMA (activation_native.py falls back
+ * to torch elsewhere); the plain loop is compiled always, and tests check both against torch.
  */
 #include "swiglu.h"
 
 int sb_activation_has_avx512(void) {
 #if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where a vector loop is built: AVX-512, or AVX2 with FMA. */
+int sb_activation_has_vector_loop(void) {
+#if defined(__AVX512F__) || defined(SWIGLU_AVX2)
     return 1;
 #else
     return 0;

@@ -1,8 +1,9 @@
 """SwiGLU's ``silu(gate) * up`` in one native pass on CPU (``activation_cpu.c``), and
-``silu_mul``, which takes it where it is built with AVX-512 and torch's two ops elsewhere.
+``silu_mul``, which takes it where it is built with a vector loop (AVX-512, or AVX2 with FMA)
+and torch's two ops elsewhere.
 
 Built and loaded by ``switchboard_kernels/native.py``; ``native_activation()`` is None where
-it cannot be. Without AVX-512 only the kernel's plain C loop would run, which torch's
+it cannot be. Without a vector loop only the kernel's plain C loop would run, which torch's
 vectorized ops outpace, so ``silu_mul`` keeps torch there.
 """
 
@@ -29,6 +30,8 @@ class NativeActivation:
             fn.restype = None
             fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int]
         self.has_avx512 = bool(lib.sb_activation_has_avx512())
+        # A vector loop (AVX-512, or AVX2 with FMA): only then does the kernel outpace torch.
+        self.has_vector_loop = bool(lib.sb_activation_has_vector_loop())
 
     def address(self, dtype: torch.dtype) -> int:
         """The kernel for rows of ``dtype``, for native code that calls it."""
@@ -65,7 +68,7 @@ def native_activation() -> NativeActivation | None:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` over the two halves of ``gate_up``'s last dim: the native kernel
-    for bf16 or fp32 rows on an AVX-512 CPU, else torch's two ops."""
+    for bf16 or fp32 rows where it has a vector loop, else torch's two ops."""
     if (
         gate_up.dim() == 2
         and gate_up.device.type == "cpu"
@@ -73,7 +76,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         and gate_up.stride(1) == 1
     ):
         kernel = native_activation()
-        if kernel is not None and kernel.has_avx512:
+        if kernel is not None and kernel.has_vector_loop:
             return kernel.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

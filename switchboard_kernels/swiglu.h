@@ -7,7 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -53,10 +53,65 @@ static inline __m512 round_to_bf16(__m512 v) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* The AVX2 loop: exp_nonpositive_f32 and silu_f32 on 8 lanes, step for step (n by
+ * floor(t + 1/2), 2^n applied in two halves so that subnormal results round once, as ldexpf). */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)),
+                             _mm256_set1_ps(1.44269504089f));
+    __m256 n = _mm256_floor_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)));
+    __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718056f));
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i ni = _mm256_cvtps_epi32(n); /* in [-150, 0] */
+    __m256i half = _mm256_srai_epi32(ni, 1), rest = _mm256_sub_epi32(ni, half);
+    __m256i bias = _mm256_set1_epi32(127);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+static inline __m256 silu8(__m256 x) {
+    __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+    __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_setzero_ps(), magnitude));
+    __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    __m256 numerator = _mm256_blendv_ps(_mm256_set1_ps(1.0f), e, negative);
+    return _mm256_mul_ps(x, _mm256_div_ps(numerator, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+}
+
+static inline __m256 load8_bf16(const uint16_t *p) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+/* v rounded to bf16 as f32_to_bf16 rounds (nearest even, NaN kept), in 8 halves. */
+static inline __m128i pack8_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+    rounded = _mm256_blendv_epi8(rounded, quiet, nan);
+    __m256i halves = _mm256_srli_epi32(rounded, 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
+}
+/* bf16(v) as fp32: the rounding between silu and the product. */
+static inline __m256 load8_bf16_rounded(__m256 v) {
+    __m128i packed = pack8_bf16(v);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(packed), 16));
+}
+#define SWIGLU_AVX2 1
+#endif
+
 /* y[c] = bf16(bf16(silu(gate[c])) * up[c]) for c < dim. */
 static inline void silu_mul_row_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *y,
                                      int64_t dim, int portable) {
-    (void)portable; /* without AVX-512 only the plain loop exists */
+    (void)portable; /* without AVX-512 or AVX2 only the plain loop exists */
     int64_t c = 0;
 #if defined(__AVX512F__)
     if (!portable)
@@ -64,6 +119,13 @@ static inline void silu_mul_row_bf16(const uint16_t *gate, const uint16_t *up, u
             __mmask16 m = tail_mask(dim - c);
             __m512 act = round_to_bf16(silu16(load_bf16(gate + c, m)));
             store_bf16(y + c, _mm512_mul_ps(act, load_bf16(up + c, m)), m);
+        }
+#elif defined(SWIGLU_AVX2)
+    if (!portable)
+        for (; c + 8 <= dim; c += 8) {
+            __m256 act = load8_bf16_rounded(silu8(load8_bf16(gate + c)));
+            __m128i out = pack8_bf16(_mm256_mul_ps(act, load8_bf16(up + c)));
+            _mm_storeu_si128((__m128i *)(y + c), out);
         }
 #endif
     for (; c < dim; c++) {
@@ -84,6 +146,11 @@ static inline void silu_mul_row_f32(const float *gate, const float *up, float *y
             __m512 act = silu16(_mm512_maskz_loadu_ps(m, gate + c));
             _mm512_mask_storeu_ps(y + c, m, _mm512_mul_ps(act, _mm512_maskz_loadu_ps(m, up + c)));
         }
+#elif defined(SWIGLU_AVX2)
+    if (!portable)
+        for (; c + 8 <= dim; c += 8)
+            _mm256_storeu_ps(y + c, _mm256_mul_ps(silu8(_mm256_loadu_ps(gate + c)),
+                                                  _mm256_loadu_ps(up + c)));
 #endif
     for (; c < dim; c++) y[c] = silu_f32(gate[c]) * up[c];
 }

@@ -13,7 +13,8 @@ native kernels' plain loops run. So each op gets a ``KernelPlan`` (one kernel fo
 ``split_rows`` rows, another above), measured once on tensors of the model's shapes at the
 ``ROW_BUCKETS`` the engine can feed (bounded by ``MEASURE_SECONDS``), cached beside the
 projections' plan, and logged. ``fixed_op_plans`` is the rule when nothing is measured:
-native wherever it builds (the activation only with AVX-512), SDPA for prefill chunks.
+native wherever it builds (the activation only with a vector loop: AVX-512, or AVX2 with
+FMA), SDPA for prefill chunks.
 
 Rows, per op: a step's token rows (RMSNorm, the activation, LoRA), its decoding sequences
 (decode attention), one prefill chunk's tokens (prefill attention).
@@ -158,7 +159,7 @@ OPS = ("norm", "activation", "lora", "decode_attention", "prefill_attention")
 
 def fixed_op_plans(dtype: torch.dtype, device: torch.device | str = "cpu") -> OpPlans:
     """Without a measurement: the native kernels wherever they build (the activation only
-    with AVX-512: without it torch's vectorized ops outpace the kernel's plain loop), SDPA
+    with a vector loop: torch's vectorized ops outpace the kernel's plain loop), SDPA
     for every prefill chunk; torch's ops off the CPU."""
     on_cpu = torch.device(device).type == "cpu"
 
@@ -170,7 +171,7 @@ def fixed_op_plans(dtype: torch.dtype, device: torch.device | str = "cpu") -> Op
     activation = native_activation()
     return OpPlans(
         norm=plan("norm"),
-        activation=plan("activation", activation is not None and activation.has_avx512),
+        activation=plan("activation", activation is not None and activation.has_vector_loop),
         lora=plan("lora"),
         decode_attention=plan("decode_attention"),
         prefill_attention=KernelPlan(TORCH, TORCH),
