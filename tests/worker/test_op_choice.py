@@ -212,6 +212,11 @@ def test_an_engine_switching_kernels_by_rows_generates_what_transformers_and_pef
     if not split:  # torch's path for every op, however many rows
         plans = one_kernel(TORCH)
     monkeypatch.setattr("worker.engine.assembly.op_plans", lambda *a, **k: plans)
+    # The torch path's switches: no native decode step (it would take native for every
+    # row count of the ops it runs: OpPlans.for_native_step).
+    monkeypatch.setattr(
+        "worker.model.llama.LlamaModel.native_decode_step", lambda self, kv_caches: None
+    )
     base = make_checkpoint(tmp_path / "base", seed=3)
     adapter = make_peft_adapter(
         base, tmp_path / "a", rank=8, seed=1,
@@ -240,3 +245,19 @@ def test_an_engine_switching_kernels_by_rows_generates_what_transformers_and_pef
         else:
             want = model.generate(input_ids=ids, generation_config=config)
         assert out.token_ids == want[0, len(prompt) :].tolist()
+
+
+def test_a_native_decode_step_takes_native_ops_at_every_row_count():
+    """Where the native step is built, an op whose plan takes native for larger row counts
+    takes it for all (the step runs only where every op's plan is native at its rows, and
+    the torch path must call the kernels it calls); an op planned for torch stays so."""
+    low, high = KernelPlan(NATIVE, TORCH, 4, "measured"), KernelPlan(TORCH, NATIVE, 4, "measured")
+    plans = OpPlans(norm=high, activation=high, lora=high, decode_attention=low,
+                    prefill_attention=high)  # fmt: skip
+    widened = plans.for_native_step()
+    for op in ("norm", "activation"):
+        assert getattr(widened, op).kernels == (NATIVE,), op
+        assert getattr(widened, op).kernel_for(1) == NATIVE
+    assert widened.decode_attention == low  # torch above 4: unchanged (no step for >4 rows)
+    assert widened.lora == high and widened.prefill_attention == high  # not the step's to pick
+    assert one_kernel(TORCH).for_native_step() == one_kernel(TORCH)

@@ -94,6 +94,8 @@ class ModelRunner:
         self.native_pass = model.native_decode_pass(self.kv_caches)
         # A served model's decode steps in one native call, exact (None: the torch path).
         self.native_step = model.native_decode_step(self.kv_caches) if self.native_decodes else None
+        if self.native_step is not None:
+            model.ops = model.ops.for_native_step()
         self.graphs = None
         if cuda_graphs and model.long_rope is None:  # graphs capture no ``rope_positions``
             self.graphs = DecodeGraphs(
