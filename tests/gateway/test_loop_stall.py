@@ -21,8 +21,9 @@ from rpc import worker_pb2
 
 STALL_TARGET_S = 0.050  # what the figures printed here show on a quiet machine
 # What the test asserts: a request-sized stall (1-4 s before the fix) fails it, a busy 2-core
-# machine's GIL hand-offs (up to ~0.3 s seen beside other suites) do not.
-STALL_LIMIT_S = 0.250
+# machine's GIL hand-offs (up to ~0.3 s seen beside other suites; 0.27 s for 16 large answers
+# at once in the whole suite on a quiet 2-core Zen 3) do not.
+STALL_LIMIT_S = 0.500
 # ~1 MB of text: 262,581 tokens of the test tokenizer.
 SENTENCES = " ".join(CORPUS[:5]) + " "
 MEGABYTE = SENTENCES * (1_000_000 // len(SENTENCES))

@@ -134,12 +134,13 @@ class OpPlans:
         def widened(plan: KernelPlan) -> KernelPlan:
             return replace(plan, small=NATIVE, split_rows=0) if plan.large == NATIVE else plan
 
-        return replace(
+        plans = replace(
             self,
             norm=widened(self.norm),
             activation=widened(self.activation),
             decode_attention=widened(self.decode_attention),
         )
+        return self if plans == self else plans
 
 
 def _rows(x: torch.Tensor) -> int:
