@@ -100,8 +100,8 @@ static inline __m128i pack8_bf16(__m256 v) {
     __m256i halves = _mm256_srli_epi32(rounded, 16);
     return _mm_packus_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
 }
-/* bf16(v) as fp32: the rounding between silu and the product. */
-static inline __m256 load8_bf16_rounded(__m256 v) {
+/* bf16(v) as fp32: the rounding between silu and the product (round_to_bf16's 8 lanes). */
+static inline __m256 round8_to_bf16(__m256 v) {
     __m128i packed = pack8_bf16(v);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(packed), 16));
 }
@@ -123,7 +123,7 @@ static inline void silu_mul_row_bf16(const uint16_t *gate, const uint16_t *up, u
 #elif defined(SWIGLU_AVX2)
     if (!portable)
         for (; c + 8 <= dim; c += 8) {
-            __m256 act = load8_bf16_rounded(silu8(load8_bf16(gate + c)));
+            __m256 act = round8_to_bf16(silu8(load8_bf16(gate + c)));
             __m128i out = pack8_bf16(_mm256_mul_ps(act, load8_bf16(up + c)));
             _mm_storeu_si128((__m128i *)(y + c), out);
         }

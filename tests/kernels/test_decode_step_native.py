@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from factories import make_checkpoint
+from switchboard_kernels.activation_native import native_activation
 from switchboard_kernels.decode_step_native import native_step
 from switchboard_kernels.linear_choice import ONEDNN, PANELS, LinearPlan
 from switchboard_kernels.measured_choice import KernelPlan
@@ -24,7 +25,7 @@ from worker.core.block_manager import BlockManager
 from worker.core.sequence import Sequence
 from worker.model.llama import LlamaModel
 from worker.model.model_runner import ModelRunner
-from worker.model.op_choice import NATIVE, fixed_op_plans
+from worker.model.op_choice import NATIVE, TORCH, fixed_op_plans
 from worker.model.quantize_on_load import OnLoad
 
 pytestmark = pytest.mark.skipif(native_step() is None, reason="no C compiler here")
@@ -45,7 +46,7 @@ def runner_for(
 ):
     """``plan``: the projections' kernels (default: the native panels, which AVX2 CPUs take
     for fp32 too; with AVX-512 the fixed rule gives fp32 to oneDNN). The activation is the
-    native kernel on every CPU (the fixed rule gives it to torch without AVX-512, and the
+    native kernel on every CPU (the fixed rule gives it to torch without a vector loop, and the
     native step runs only where the torch path would call the same kernels)."""
     ops = dataclasses.replace(fixed_op_plans(dtype), activation=KernelPlan(NATIVE, NATIVE))
     model = LlamaModel.from_pretrained(
@@ -224,3 +225,22 @@ def test_lora_rows_equal_the_torch_path(checkpoint, tmp_path, dtype):
     before = dict(counts)
     llm.generate([PROMPTS[0]], params, adapters=["dora"])
     assert counts["native"] == before["native"]  # DoRA's steps: torch's
+
+
+def test_a_runner_with_the_native_step_takes_native_ops_for_few_rows(checkpoint):
+    """A measured plan that gives the activation to torch up to 4 rows (as on a Zen 3) would
+    keep every small decode step off the native step: the runner widens it
+    (OpPlans.for_native_step), and a one-row step then runs natively, equal to torch's path."""
+    ops = dataclasses.replace(
+        fixed_op_plans(torch.float32), activation=KernelPlan(TORCH, NATIVE, 4, "measured")
+    )
+    model = LlamaModel.from_pretrained(
+        checkpoint, dtype=torch.float32, linear_plan=LinearPlan(PANELS, PANELS), op_plans=ops
+    )
+    if native_activation() is None or native_step() is None:
+        pytest.skip("no native activation here")
+    runner = ModelRunner(model, num_blocks=64, block_size=BLOCK)
+    assert runner.native_step is not None
+    assert model.ops.activation.kernel_for(1) == NATIVE
+    blocks = BlockManager(num_blocks=64, block_size=BLOCK, enable_caching=False)
+    assert decode_both_ways(runner, blocks, [PROMPTS[0]], steps=3) == 3
