@@ -17,6 +17,7 @@
  * The panels' layout and the tiles are in panels_bf16.h.
  */
 #include "panels_bf16.h"
+#include "amx_bf16.h"
 
 #if defined(TILE_ROWS)
 /* Semantics (every path): y = bf16(x W^T + bias + res), fp32 inside and one rounding;
@@ -25,12 +26,28 @@
  * adding to a bf16 model's fp32 residual stream). */
 void sb_linear_bf16(const struct sb_bf16_panels *w, const uint16_t *x, int64_t rows,
                     const void *res, void *y) {
+#if defined(AMX_ROWS)
+    if (w->amx_rows > 0 && amx_fits(w, rows, w->amx_rows)) {
+        amx_linear(w, x, rows, res, y);
+        return;
+    }
+#endif
     const int64_t num_panels = (w->out_features + NP - 1) / NP;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < num_panels; p++) bf16_panel(w, p, x, rows, res, y);
 }
 
 int sb_linear_bf16_available(void) { return 1; }
+
+/* Whether calls of enough rows can take the AMX tiles: built for them, and the OS lends them. */
+int sb_linear_bf16_amx(void) {
+#if defined(AMX_ROWS)
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
 #else /* neither: the Python side uses oneDNN */
 int sb_linear_bf16_available(void) { return 0; }
+int sb_linear_bf16_amx(void) { return 0; }
 #endif

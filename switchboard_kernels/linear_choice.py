@@ -108,15 +108,24 @@ def available_kernels(dtype: torch.dtype) -> list[str]:
 def fixed_plan(
     dtype: torch.dtype, device: torch.device | str = "cpu", *, dual: bool = True
 ) -> LinearPlan:
-    """Without a measurement: bf16 through the native panels wherever they build, except on
-    CPUs with AMX tiles, where oneDNN's tiles win from a few rows up (the panels keep up to
+    """Without a measurement: bf16 through the native panels wherever they build (on AMX
+    CPUs on the tiles themselves from two rows up), except where the CPU has AMX tiles and the
+    panels' build does not, where oneDNN's tiles win from a few rows up (the panels keep up to
     ``AMX_PANEL_ROWS`` rows when ``dual`` allows two copies); fp32 through the panels on CPUs
     whose widest vectors are AVX2's (with AVX-512, oneDNN's wider kernels); else oneDNN's
     packed matmul where it packs, else ``F.linear``."""
+    from switchboard_kernels.linear_native import bf16_panels_use_amx
+
     if torch.device(device).type != "cpu":
         return LinearPlan(TORCH, TORCH)
     kernels = available_kernels(dtype)
-    if dtype == torch.bfloat16 and ONEDNN in kernels and torch.cpu._is_amx_tile_supported():
+    amx_panels = PANELS in kernels and bf16_panels_use_amx()
+    if (
+        dtype == torch.bfloat16
+        and ONEDNN in kernels
+        and torch.cpu._is_amx_tile_supported()
+        and not amx_panels
+    ):
         if dual and PANELS in kernels:
             return LinearPlan(PANELS, ONEDNN, AMX_PANEL_ROWS)
         return LinearPlan(ONEDNN, ONEDNN)
@@ -237,7 +246,8 @@ def _cache_path(shapes, dtype, *, num_layers: int, max_rows: int, dual: bool):
     return cache_path(
         "linear",
         *kernel_sources(
-            "linear_cpu.c", "linear_bf16_cpu.c", "panels_f32.h", "panels_bf16.h", "bf16.h"
+            "linear_cpu.c", "linear_bf16_cpu.c", "panels_f32.h", "panels_bf16.h", "amx_bf16.h",
+            "bf16.h",
         ),
         json.dumps([PLAN_VERSION, available_kernels(dtype), [list(s) for s in shapes],
                     str(dtype), num_layers, [r for r in ROW_BUCKETS if r <= max(1, max_rows)],

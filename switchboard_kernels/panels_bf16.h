@@ -26,6 +26,8 @@ struct sb_bf16_panels {
     int64_t fixed_order;
     /* 1: y is fp32, the sums stored unrounded (an output layer's logits); 0: y is bf16 */
     int64_t f32_out;
+    /* calls of at least this many rows multiply on AMX tiles where built (amx_bf16.h); 0: never */
+    int64_t amx_rows;
 };
 
 /* bf16.h's masked 16-bit loads and stores need AVX512-BW and -VL besides the foundation. */

@@ -10,7 +10,13 @@ import torch
 
 from switchboard_kernels import native
 from switchboard_kernels.linear import Linear
-from switchboard_kernels.linear_native import Bf16PanelLinear, bf16_kernel_of, native_linear_bf16
+from switchboard_kernels.linear_native import (
+    AMX_ROWS,
+    Bf16PanelLinear,
+    bf16_kernel_of,
+    bf16_panels_use_amx,
+    native_linear_bf16,
+)
 
 needs_kernel = pytest.mark.skipif(
     native_linear_bf16() is None,
@@ -47,6 +53,47 @@ def test_matches_a_float64_product_with_bias_and_residual(rows, out_features, in
     assert_within_one_rounding(got, want, scale)
     plain = Bf16PanelLinear(w)(x)
     assert_within_one_rounding(plain, x.double() @ w.double().T, scale)
+
+
+needs_amx = pytest.mark.skipif(
+    native_linear_bf16() is None or not bf16_panels_use_amx(),
+    reason="the panels' build has no AMX tiles on this CPU (amx_bf16.h)",
+)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [AMX_ROWS, 15, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 576), (49, 64), (33, 1536)])
+def test_the_amx_tiles_match_a_float64_product(rows, out_features, in_features):
+    """Rows padded to whole tiles (16), one or two tiles of rows a block, partial last
+    panels; bias and a bf16 residual, fp32 out, and an fp32 residual added unrounded."""
+    x, w, bias, residual, scale = case(rows, out_features, in_features, rows * out_features)
+    product = x.double() @ w.double().T
+    want = product + bias.double() + residual.double()
+    assert_within_one_rounding(Bf16PanelLinear(w, bias)(x, residual), want, scale)
+    logits = Bf16PanelLinear(w, fp32_out=True)(x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), product, rtol=2**-22, atol=scale * 1e-5)
+    stream = torch.randn(rows, out_features, dtype=torch.float64) * 1000 + 0.123
+    summed = Bf16PanelLinear(w, bias).add_to_fp32(x, stream.float())
+    torch.testing.assert_close(
+        summed.double(), product + bias.double() + stream.float().double(),
+        rtol=2**-22, atol=scale * 1e-5,
+    )  # fmt: skip
+
+
+@needs_amx
+def test_on_the_tiles_a_row_sums_alike_whatever_rows_share_the_call():
+    """From ``AMX_ROWS`` rows up every row takes the tiles' order, so a row's output does not
+    depend on the others (a batch of 2 against one of 37); the vector tiles sum in another
+    order, close but not always equal."""
+    x, w, _, _, scale = case(37, 200, 576, 5)
+    layer = Bf16PanelLinear(w, fp32_out=True)
+    whole = layer(x)
+    assert torch.equal(layer(x[:AMX_ROWS]), whole[:AMX_ROWS])
+    assert torch.equal(layer(x[20:33]), whole[20:33])
+    vector = Bf16PanelLinear(w, fp32_out=True, amx_rows=0)(x)
+    torch.testing.assert_close(vector.double(), whole.double(), rtol=2**-20, atol=scale * 1e-5)
 
 
 @needs_kernel

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from switchboard_kernels import linear_native
 from switchboard_kernels.linear_choice import (
     AMX_PANEL_ROWS,
     ONEDNN,
@@ -59,12 +60,17 @@ def test_the_fixed_rule_names_a_kernel_this_cpu_has():
 
 
 def test_without_a_measurement_an_amx_cpu_sends_bf16_beyond_a_few_rows_to_onednn(monkeypatch):
+    """...unless the panels' own build multiplies on the tiles (amx_bf16.h)."""
     if {PANELS, ONEDNN} - set(available_kernels(torch.bfloat16)):
         pytest.skip("needs both the bf16 panels and oneDNN's bf16 packing")
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(linear_native, "bf16_panels_use_amx", lambda: False)
     assert fixed_plan(torch.bfloat16) == LinearPlan(PANELS, ONEDNN, AMX_PANEL_ROWS)
     assert fixed_plan(torch.bfloat16, dual=False) == LinearPlan(ONEDNN, ONEDNN)
+    monkeypatch.setattr(linear_native, "bf16_panels_use_amx", lambda: True)
+    assert fixed_plan(torch.bfloat16) == LinearPlan(PANELS, PANELS)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(linear_native, "bf16_panels_use_amx", lambda: False)
     assert fixed_plan(torch.bfloat16) == LinearPlan(PANELS, PANELS)
 
 
