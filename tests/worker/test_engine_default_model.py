@@ -67,10 +67,11 @@ def test_bf16_prompt_logprobs_are_nearer_fp32_than_transformers_bf16(default_mod
     the kernels (docs/performance.md), so greedy bf16 answers it either way."""
     llm = LLM(default_model_path, dtype="bfloat16")
     tokenizer = llm.tokenizer
-    prompts = [
-        *(tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False) for c in CHATS),
-        *(tokenizer(t, add_special_tokens=False).input_ids for t in TEXTS),
-    ]  # fmt: skip
+    chats = [
+        tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=False)
+        for c in CHATS
+    ]
+    prompts = chats + [tokenizer(t, add_special_tokens=False).input_ids for t in TEXTS]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0))
     ours = torch.cat([torch.tensor([t.logprob for t in o.prompt_logprobs]) for o in outs])
     fp32, bf16 = (
