@@ -1,12 +1,12 @@
 /* The bf16 panels of panels_bf16.h multiplied on AMX tiles (Intel Xeons since Sapphire
- * Rapids), for linear_bf16_cpu.c. Defines AMX_ROWS where the compiler targets AMX-BF16.
+ * Rapids), for linear_bf16_cpu.c. Defines AMX_LINEAR where the compiler targets AMX-BF16.
  *
  * Why: with AVX512-BF16 a tile of 8 rows re-reads the panel from L1 for every 8 rows and
  * spends one VDPBF16PS per 16 outputs, 2 k and row; from 16 rows up it is compute-bound and
  * on a 2-core AMX Xeon a step's projections took 26 ms at 16 rows and 289 at 256 against
  * oneDNN's AMX 15 and 45 (bench.kernel_choices, docs/performance.md). oneDNN writes bf16
  * only, so the output layer, whose logits stay fp32, had no AMX path. One TDPBF16PS
- * multiplies 16 rows by 32 k into 16 x 16 fp32 sums.
+ * multiplies 16 rows by 32 k into 16 x 16 fp32 sums (amx.h: the permission and the tiles).
  *
  * The panels need no other layout: a panel's half v (16 outputs) over 16 consecutive pairs
  * is a B tile in AMX's pair-interleaved (VNNI) form, rows 128 bytes apart. A tiles are 16
@@ -21,43 +21,11 @@
 #ifndef SWITCHBOARD_AMX_BF16_H
 #define SWITCHBOARD_AMX_BF16_H
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) &&              \
-    defined(TILE_ROWS)
-#include <immintrin.h>
+#include "amx.h"
+
+#if defined(SB_AMX) && defined(TILE_ROWS)
+#define AMX_LINEAR 1
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define AMX_ROWS 16 /* rows of an A tile */
-#define AMX_K 32    /* k of an A tile: 64 bytes */
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Linux lends the tile registers to a process that asks (once; oneDNN asks too). */
-static int amx_permitted(void) {
-    static int state = -1; /* the first call is made outside any parallel region */
-    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
-}
-
-struct amx_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* Every tile 16 rows of 64 bytes: sums 16 x 16 fp32, x 16 x 32 bf16, panel 16 pairs x 16. */
-static inline void amx_configure(void) {
-    struct amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = AMX_ROWS;
-    }
-    _tile_loadconfig(&c);
-}
 
 /* Rows [r0, r0 + rows) and the panel's columns [16v, 16v + 16) from a tile's sums in s,
  * bias and residual added, stored as the vector path stores them. */

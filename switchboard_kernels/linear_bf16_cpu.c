@@ -26,7 +26,7 @@
  * adding to a bf16 model's fp32 residual stream). */
 void sb_linear_bf16(const struct sb_bf16_panels *w, const uint16_t *x, int64_t rows,
                     const void *res, void *y) {
-#if defined(AMX_ROWS)
+#if defined(AMX_LINEAR)
     if (w->amx_rows > 0 && amx_fits(w, rows, w->amx_rows)) {
         amx_linear(w, x, rows, res, y);
         return;
@@ -41,7 +41,7 @@ int sb_linear_bf16_available(void) { return 1; }
 
 /* Whether calls of enough rows can take the AMX tiles: built for them, and the OS lends them. */
 int sb_linear_bf16_amx(void) {
-#if defined(AMX_ROWS)
+#if defined(AMX_LINEAR)
     return amx_permitted();
 #else
     return 0;

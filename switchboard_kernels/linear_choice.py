@@ -247,7 +247,7 @@ def _cache_path(shapes, dtype, *, num_layers: int, max_rows: int, dual: bool):
         "linear",
         *kernel_sources(
             "linear_cpu.c", "linear_bf16_cpu.c", "panels_f32.h", "panels_bf16.h", "amx_bf16.h",
-            "bf16.h",
+            "amx.h", "bf16.h",
         ),
         json.dumps([PLAN_VERSION, available_kernels(dtype), [list(s) for s in shapes],
                     str(dtype), num_layers, [r for r in ROW_BUCKETS if r <= max(1, max_rows)],

@@ -31,21 +31,23 @@ VARIANTS = {
 }
 
 
-def make_cache(*, num_blocks=64, kv_heads=2, head_dim=40, seed=0, dtype=torch.bfloat16):
+def make_cache(
+    *, num_blocks=64, kv_heads=2, head_dim=40, seed=0, dtype=torch.bfloat16, block_size=BLOCK_SIZE
+):
     gen = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
     return (
         torch.randn(shape, generator=gen).to(dtype),
         torch.randn(shape, generator=gen).to(dtype),
     )
 
 
-def make_decodes(starts, queries, *, num_blocks=64, seed=0):
+def make_decodes(starts, queries, *, num_blocks=64, seed=0, block_size=BLOCK_SIZE):
     """Each sequence gets distinct blocks, drawn from a shuffled pool."""
     pool = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     tables = []
     for start, n in zip(starts, queries, strict=True):
-        need = -(-(start + n) // BLOCK_SIZE)
+        need = -(-(start + n) // block_size)
         tables.append([pool.pop() for _ in range(need)])
     return NativeDecodes.build(starts, queries, tables), tables
 
@@ -204,6 +206,50 @@ def test_query_may_be_a_strided_view():
     KERNEL.decode(query, out, key_cache, value_cache, decodes, 0.2)
     want = loop_attention(query, key_cache, value_cache, [9, 2], [1, 1], tables, 0.2)
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize(
+    ("starts", "queries", "heads", "kv_heads", "head_dim", "window", "softcap"),
+    [
+        ([0, 5, 16, 40, 130], [1, 1, 1, 1, 1], 9, 3, 64, None, None),  # mid-block ends
+        ([3, 45], [17, 6], 9, 3, 64, None, None),  # verification rows in chunks of 4
+        ([31, 70], [4, 1], 16, 1, 64, None, None),  # 64 rows an item: four tiles of queries
+        ([7, 50], [1, 3], 8, 2, 128, None, None),  # head_dim 128: four tiles of features
+        ([2, 45, 70], [1, 3, 6], 6, 2, 64, 9, 0.5),  # windows, a soft-cap
+        ([2500, 1021], [1, 5], 9, 3, 64, None, None),  # parts of SPLIT_KEYS, merged
+    ],
+)
+def test_bf16_blocks_of_whole_tiles_match_a_float64_loop(
+    block_size, starts, queries, heads, kv_heads, head_dim, window, softcap
+):
+    """bf16 in the engine's block sizes (16 by default, 64), contexts ending mid-block, items
+    of 64 query rows, head_dim 128, windows and parts."""
+    num_blocks = sum(-(-(s + n) // block_size) for s, n in zip(starts, queries, strict=True)) + 4
+    caches = make_cache(
+        num_blocks=num_blocks, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size
+    )
+    decoded = make_decodes(starts, queries, num_blocks=num_blocks, block_size=block_size)
+    variant = VARIANTS["bf16-vector"]
+    check_sharp_decodes(caches, decoded, starts, queries, heads, variant, 8, window, softcap)
+
+
+def test_an_own_slot_in_blocks_of_whole_tiles_stands_in_for_the_last_key():
+    """As below, in blocks of 16 keys and 9 heads over 3 (the default model's shape)."""
+    key_cache, value_cache = make_cache(kv_heads=3, head_dim=64, block_size=16)
+    _, tables = make_decodes([21], [1], block_size=16)
+    slot = 63 * 16 + 5
+    decodes = NativeDecodes.build([21], [1], tables, [slot])
+    query = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = torch.empty_like(query)
+    KERNEL.decode(query, out, key_cache, value_cache, decodes, 0.3)
+    flat_keys, flat_values = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+    keys = torch.cat([key_cache[tables[0]].flatten(0, 1)[:21], flat_keys[slot : slot + 1]])
+    values = torch.cat([value_cache[tables[0]].flatten(0, 1)[:21], flat_values[slot : slot + 1]])
+    for h in range(9):
+        scores = keys[:, h // 3].double() @ query[0, h].double() * 0.3
+        expected = torch.softmax(scores, 0) @ values[:, h // 3].double()
+        torch.testing.assert_close(out[0, h].double(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
