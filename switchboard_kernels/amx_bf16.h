@@ -54,14 +54,63 @@ static inline int amx_fits(const struct sb_bf16_panels *w, int64_t rows, int64_t
            amx_permitted();
 }
 
-/* y = x W^T (+ bias) (+ res) as sb_linear_bf16 computes it, on the tiles; x has `rows` rows
- * (16 * blocks after padding). */
-static void amx_linear(const struct sb_bf16_panels *w, const uint16_t *x, int64_t rows,
-                       const void *res, void *y) {
+/* Panel p of w times x's rows (padded: a multiple of 16, zeros past rows) into y. */
+static inline void amx_panel(const struct sb_bf16_panels *w, int64_t p, const uint16_t *x,
+                             int64_t rows, int64_t padded, const void *res, void *y,
+                             float sums[4][256]) {
     const int64_t K = w->in_features, N = w->out_features;
-    const int64_t num_panels = (N + NP - 1) / NP, padded = (rows + 15) / 16 * 16;
     const int f32_out = w->f32_out != 0;
     const size_t out_size = f32_out ? sizeof(float) : sizeof(uint16_t);
+    const uint16_t *panel = w->panels + p * K * NP;
+    const int64_t n0 = p * NP;
+    const int cols = N - n0 < NP ? (int)(N - n0) : NP;
+    for (int64_t m0 = 0; m0 < padded; m0 += 2 * AMX_ROWS) {
+        const int two = padded - m0 > AMX_ROWS;
+        const uint16_t *x0 = x + m0 * K, *x1 = x0 + AMX_ROWS * K;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < K; k += AMX_K) {
+            /* pairs k/2 .. k/2 + 15 of half v start at bf16 (k/2 * 2 + v) * 16 * 2 */
+            _tile_loadd(6, panel + k * 32, 128);
+            _tile_loadd(7, panel + k * 32 + 32, 128);
+            _tile_loadd(4, x0 + k, K * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+                _tile_loadd(5, x1 + k, K * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        if (two) {
+            _tile_stored(2, sums[2], 64);
+            _tile_stored(3, sums[3], 64);
+        }
+        for (int t = 0; t < (two ? 4 : 2); t++) {
+            const int64_t r0 = m0 + (t / 2) * AMX_ROWS, c0 = n0 + (t % 2) * 16;
+            int rows_here = rows - r0 < AMX_ROWS ? (int)(rows - r0) : AMX_ROWS;
+            int64_t at = r0 * N + c0;
+            amx_store(sums[t], rows_here, cols - (t % 2) * 16, w->bias ? w->bias + c0 : NULL,
+                      res ? (const char *)res + at * out_size : NULL, (char *)y + at * out_size,
+                      N, f32_out);
+        }
+    }
+}
+
+/* From this many rows the panels are handed out one at a time as threads come free (the
+ * two cores of a VM often run unevenly: a 1,024-token prefill step 320 -> 285 ms on the
+ * AMX Xeon); fewer take static halves, whose hand-out costs less (decode steps). */
+#define AMX_DYNAMIC_ROWS 128
+
+/* y = x W^T (+ bias) (+ res) as sb_linear_bf16 computes it, on the tiles. */
+static void amx_linear(const struct sb_bf16_panels *w, const uint16_t *x, int64_t rows,
+                       const void *res, void *y) {
+    const int64_t K = w->in_features, num_panels = (w->out_features + NP - 1) / NP;
+    const int64_t padded = (rows + 15) / 16 * 16;
     uint16_t *copy = NULL;
     if (padded != rows) {
         copy = aligned_alloc(64, (size_t)(padded * K) * sizeof *copy);
@@ -74,47 +123,14 @@ static void amx_linear(const struct sb_bf16_panels *w, const uint16_t *x, int64_
     {
         float sums[4][256] __attribute__((aligned(64)));
         amx_configure();
+        if (padded >= AMX_DYNAMIC_ROWS) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t p = 0; p < num_panels; p++)
+                amx_panel(w, p, x, rows, padded, res, y, sums);
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < num_panels; p++) {
-            const uint16_t *panel = w->panels + p * K * NP;
-            const int64_t n0 = p * NP;
-            const int cols = N - n0 < NP ? (int)(N - n0) : NP;
-            for (int64_t m0 = 0; m0 < padded; m0 += 2 * AMX_ROWS) {
-                const int two = padded - m0 > AMX_ROWS;
-                const uint16_t *x0 = x + m0 * K, *x1 = x0 + AMX_ROWS * K;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t k = 0; k < K; k += AMX_K) {
-                    /* pairs k/2 .. k/2 + 15 of half v start at bf16 (k/2 * 2 + v) * 16 * 2 */
-                    _tile_loadd(6, panel + k * 32, 128);
-                    _tile_loadd(7, panel + k * 32 + 32, 128);
-                    _tile_loadd(4, x0 + k, K * 2);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (two) {
-                        _tile_loadd(5, x1 + k, K * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, sums[0], 64);
-                _tile_stored(1, sums[1], 64);
-                if (two) {
-                    _tile_stored(2, sums[2], 64);
-                    _tile_stored(3, sums[3], 64);
-                }
-                for (int t = 0; t < (two ? 4 : 2); t++) {
-                    const int64_t r0 = m0 + (t / 2) * AMX_ROWS, c0 = n0 + (t % 2) * 16;
-                    if (r0 >= rows) break;
-                    int rows_here = rows - r0 < AMX_ROWS ? (int)(rows - r0) : AMX_ROWS;
-                    int64_t at = r0 * N + c0;
-                    amx_store(sums[t], rows_here, cols - (t % 2) * 16, w->bias ? w->bias + c0 : NULL,
-                              res ? (const char *)res + at * out_size : NULL,
-                              (char *)y + at * out_size, N, f32_out);
-                }
-            }
+            for (int64_t p = 0; p < num_panels; p++)
+                amx_panel(w, p, x, rows, padded, res, y, sums);
         }
         _tile_release();
     }
