@@ -199,7 +199,7 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=1024,
+        default=2048,
         help="tokens one step computes at most (long prompts are prefilled in chunks of it)",
     )
     parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)

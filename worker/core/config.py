@@ -204,7 +204,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = field(default_factory=lambda: DEFAULT_KV_CACHE_MEMORY_GB)
     num_kv_blocks: int | None = None
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     max_loras: int = 8
     max_lora_rank: int = 32
