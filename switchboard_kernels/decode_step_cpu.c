@@ -27,6 +27,7 @@
 
 #include "bf16.h"
 #include "attention_fn.h"
+#include "rope.h"
 
 /* sb_linear_bf16 / sb_linear (linear_bf16_cpu.c, linear_cpu.c): y = x W^T (+ res). */
 typedef void (*PanelFn)(const void *w, const void *x, int64_t rows, const void *res, void *y);
@@ -141,34 +142,6 @@ static inline float load1(const void *base, int64_t i, int fp32) {
     return fp32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
 }
 
-/* torch's `addcmul(x * cos, roll(x, half), signed_sin)` over `count` heads of one row, in
- * place, fp32: the first product rounded, then the second product and the sum in one FMA
- * (ATen's vectorized addcmul is an fmadd). */
-static void rope_f32(float *x, int64_t count, int64_t hd, const float *cos, const float *ssin) {
-    int64_t half = hd / 2;
-    for (int64_t h = 0; h < count; h++, x += hd) {
-        float rotated[hd];
-        for (int64_t i = 0; i < hd; i++) rotated[i] = x[i < half ? i + half : i - half];
-        for (int64_t i = 0; i < hd; i++) x[i] = fmaf(rotated[i], ssin[i], x[i] * cos[i]);
-    }
-}
-
-/* The same in bf16: `x * cos` rounded to bf16, then its sum with `roll(x) * signed_sin` (a
- * product of two bf16 values, exact in fp32) rounded once. */
-static void rope_bf16(uint16_t *x, int64_t count, int64_t hd, const uint16_t *cos,
-                      const uint16_t *ssin) {
-    int64_t half = hd / 2;
-    for (int64_t h = 0; h < count; h++, x += hd) {
-        float wide[hd];
-        for (int64_t i = 0; i < hd; i++) wide[i] = bf16_to_f32(x[i]);
-        for (int64_t i = 0; i < hd; i++) {
-            float scaled = bf16_to_f32(f32_to_bf16(wide[i] * bf16_to_f32(cos[i])));
-            float turned = wide[i < half ? i + half : i - half] * bf16_to_f32(ssin[i]);
-            x[i] = f32_to_bf16(scaled + turned);
-        }
-    }
-}
-
 /* Semantics: the model's forward pass over `rows` sequences feeding one token each: row r
  * feeds tokens[r] at positions[r] (> 0: the sequence has cached tokens), its K/V written
  * to flat cache slot slots[r]; it attends keys 0 .. positions[r] through its block table,
@@ -208,10 +181,10 @@ int sb_decode_step(const struct sb_step_model *m, int64_t rows, const int64_t *t
             char *row = qkv + r * QKV * elem;
             int64_t table = positions[r] * hd;
             if (fp32)
-                rope_f32((float *)row, m->heads + m->kv_heads, hd, (const float *)m->cos + table,
+                rope_heads_f32((float *)row, m->heads + m->kv_heads, hd, (const float *)m->cos + table,
                          (const float *)m->signed_sin + table);
             else
-                rope_bf16((uint16_t *)row, m->heads + m->kv_heads, hd,
+                rope_heads_bf16((uint16_t *)row, m->heads + m->kv_heads, hd,
                           (const uint16_t *)m->cos + table,
                           (const uint16_t *)m->signed_sin + table);
             memcpy((char *)m->key_caches[l] + slots[r] * KV * elem, row + Q * elem, KV * elem);

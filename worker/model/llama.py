@@ -31,6 +31,7 @@ from switchboard_kernels.linear_choice import LinearPlan
 from switchboard_kernels.lora import add_lora, lora_expand, lora_shrink
 from switchboard_kernels.paged_attention import AttentionMetadata, attend
 from switchboard_kernels.quantized_weight import QuantizedWeight
+from switchboard_kernels.rope_native import check_positions, native_rope
 from worker.errors import ModelLoadError
 from worker.model.architectures import Activation, QKNorm
 from worker.model.layers import load_layer, norm_weight
@@ -192,6 +193,8 @@ class LlamaModel:
             for r in ropes
         ]
         self.rope = self.ropes[0]
+        # RoPE in place over the fused q/k rows where the native kernel serves the dtype.
+        self._native_rope = self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
         # LongRoPE: a sequence longer than this rotates with the long factors (its rows look up
         # ``rope_positions``: see ``forward``); None: positions are all RoPE needs.
         self.long_rope = long_rope_threshold(c.rope)
@@ -260,7 +263,11 @@ class LlamaModel:
         if not self.llama_block:
             return self._forward_block(input_ids, positions, rotary, kv_caches, meta, lora)
         c = self.config
-        cos, sin = self.rope.lookup(rotary)  # each [num_tokens, 1, head_dim]
+        rope = native_rope() if self._native_rope else None
+        if rope is not None:
+            check_positions(rotary, self.rope.cos.shape[0])
+        else:
+            cos, sin = self.rope.lookup(rotary)  # each [num_tokens, 1, head_dim]
         hidden = self._embed(input_ids)
         if lora is not None and lora.saved is not None:
             lora.saved.embed(hidden, input_ids)  # rows whose adapter has embedding rows
@@ -275,7 +282,15 @@ class LlamaModel:
                 adapters.add(qkv, x, "qkv", base=layer.qkv.bias)
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # q and k rotate together: [num_tokens, heads + kv_heads, head_dim]
-            qk = apply_rope(qk.view(num_tokens, -1, c.head_dim), cos, sin)
+            if rope is not None:  # in place in qkv, the same bits
+                heads = self.num_heads + self.num_kv_heads
+                rope.rotate_(
+                    qkv, heads, c.head_dim, rotary, self.rope.cos, self.rope.signed_sin,
+                    positions_checked=True,
+                )  # fmt: skip
+                qk = qk.view(num_tokens, heads, c.head_dim)
+            else:
+                qk = apply_rope(qk.view(num_tokens, -1, c.head_dim), cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             v = v.view(num_tokens, self.num_kv_heads, c.head_dim)
             attn = attend(q, k, v, key_cache, value_cache, meta, self.scale)
