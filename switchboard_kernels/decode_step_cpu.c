@@ -181,12 +181,13 @@ int sb_decode_step(const struct sb_step_model *m, int64_t rows, const int64_t *t
             char *row = qkv + r * QKV * elem;
             int64_t table = positions[r] * hd;
             if (fp32)
-                rope_heads_f32((float *)row, m->heads + m->kv_heads, hd, (const float *)m->cos + table,
-                         (const float *)m->signed_sin + table);
+                rope_heads_f32((float *)row, m->heads + m->kv_heads, hd,
+                               (const float *)m->cos + table,
+                               (const float *)m->signed_sin + table);
             else
                 rope_heads_bf16((uint16_t *)row, m->heads + m->kv_heads, hd,
-                          (const uint16_t *)m->cos + table,
-                          (const uint16_t *)m->signed_sin + table);
+                                (const uint16_t *)m->cos + table,
+                                (const uint16_t *)m->signed_sin + table);
             memcpy((char *)m->key_caches[l] + slots[r] * KV * elem, row + Q * elem, KV * elem);
             memcpy((char *)m->value_caches[l] + slots[r] * KV * elem, row + (Q + KV) * elem,
                    KV * elem);

@@ -152,9 +152,11 @@ def native_linear() -> NativeLinear | None:
 
 
 BF16_PANEL = 32  # output features per bf16 panel, as NP in linear_bf16_cpu.c
-# Calls of this many rows or more take AMX tiles where built (amx_bf16.h). Measured on a 2-core
-# AMX Xeon (docs/performance.md): PLACEHOLDER
-AMX_ROWS = 2
+# Calls of this many rows or more take AMX tiles where built (amx_bf16.h). On a 2-core AMX Xeon
+# a step's projections took 9.5 ms on the vector tiles against 11.0 on AMX at 1 row, 12.8
+# against 10.7 at 2 (bench/README.md); which of the panels and oneDNN serves each row count is
+# still measured per CPU (``linear_choice``).
+AMX_MIN_ROWS = 2
 
 
 class _Bf16Panels(ctypes.Structure):
@@ -194,7 +196,7 @@ class Bf16PanelLinear:
     ) -> None:
         """``kernel``: another build's ``bf16_kernel_of`` (tests run the path a CPU lacks).
         ``amx_rows``: calls of at least this many rows multiply on AMX tiles where the build
-        has them (0: never; default ``AMX_ROWS``)."""
+        has them (0: never; default ``AMX_MIN_ROWS``)."""
         kernel = kernel or native_linear_bf16()
         if kernel is None:
             raise RuntimeError("the native bf16 linear kernel is not available here")
@@ -219,7 +221,7 @@ class Bf16PanelLinear:
             None if self.bias is None else self.bias.data_ptr(),
             int(fixed_order),
             int(fp32_out),
-            amx_rows if amx_rows is not None else AMX_ROWS,
+            amx_rows if amx_rows is not None else AMX_MIN_ROWS,
         )
         self._desc_address = ctypes.addressof(self._desc)
         # The same panels with fp32 out: an fp32 residual read and the sum stored unrounded.
@@ -292,10 +294,10 @@ def native_linear_bf16():
 
 @functools.cache
 def bf16_panels_use_amx() -> bool:
-    """Whether the bf16 panels multiply calls of ``AMX_ROWS`` rows or more on AMX tiles here
-    (built for them, and the OS lends them to the process)."""
-    lib = native.load("linear_bf16_cpu.c") if native_linear_bf16() is not None else None
-    return bool(lib is not None and lib.sb_linear_bf16_amx())
+    """Whether the bf16 panels multiply calls of ``AMX_MIN_ROWS`` rows or more on AMX tiles
+    here (built for them, and the OS lends them to the process)."""
+    lib = native.load("linear_bf16_cpu.c")
+    return bool(lib is not None and lib.sb_linear_bf16_available() and lib.sb_linear_bf16_amx())
 
 
 def bf16_kernel_of(lib: ctypes.CDLL):

@@ -11,7 +11,7 @@ import torch
 from switchboard_kernels import native
 from switchboard_kernels.linear import Linear
 from switchboard_kernels.linear_native import (
-    AMX_ROWS,
+    AMX_MIN_ROWS,
     Bf16PanelLinear,
     bf16_kernel_of,
     bf16_panels_use_amx,
@@ -62,7 +62,7 @@ needs_amx = pytest.mark.skipif(
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [AMX_ROWS, 15, 16, 17, 32, 33, 100])
+@pytest.mark.parametrize("rows", [AMX_MIN_ROWS, 15, 16, 17, 32, 33, 100])
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 576), (49, 64), (33, 1536)])
 def test_the_amx_tiles_match_a_float64_product(rows, out_features, in_features):
     """Rows padded to whole tiles (16), one or two tiles of rows a block, partial last
@@ -84,13 +84,13 @@ def test_the_amx_tiles_match_a_float64_product(rows, out_features, in_features):
 
 @needs_amx
 def test_on_the_tiles_a_row_sums_alike_whatever_rows_share_the_call():
-    """From ``AMX_ROWS`` rows up every row takes the tiles' order, so a row's output does not
+    """From ``AMX_MIN_ROWS`` rows up every row takes the tiles' order, so a row's output does not
     depend on the others (a batch of 2 against one of 37); the vector tiles sum in another
     order, close but not always equal."""
     x, w, _, _, scale = case(37, 200, 576, 5)
     layer = Bf16PanelLinear(w, fp32_out=True)
     whole = layer(x)
-    assert torch.equal(layer(x[:AMX_ROWS]), whole[:AMX_ROWS])
+    assert torch.equal(layer(x[:AMX_MIN_ROWS]), whole[:AMX_MIN_ROWS])
     assert torch.equal(layer(x[20:33]), whole[20:33])
     vector = Bf16PanelLinear(w, fp32_out=True, amx_rows=0)(x)
     torch.testing.assert_close(vector.double(), whole.double(), rtol=2**-20, atol=scale * 1e-5)
