@@ -96,6 +96,7 @@ def worker_engine_kwargs(args: argparse.Namespace) -> dict:
         "max_lora_rank": args.max_lora_rank,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "burst_prefill_tokens": args.burst_prefill_tokens or None,
         "kv_cache_memory_gb": args.kv_cache_memory_gb,
         "enable_prefix_caching": not args.no_prefix_caching,
         "share_base_model_prefixes": args.share_base_model_prefixes,
@@ -201,6 +202,13 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=2048,
         help="tokens one step computes at most (long prompts are prefilled in chunks of it)",
+    )
+    parser.add_argument(
+        "--burst-prefill-tokens",
+        type=int,
+        default=512,
+        help="while one tenant's prompts arrive together, steps of at most this many tokens, "
+        "its streams waiting behind at most a full step of prompts (0: off)",
     )
     parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     parser.add_argument(

@@ -183,6 +183,10 @@ class EngineConfig:
     handing them out one step later (CUDA without speculation: the default there);
     ``kernel_choice``: "measure" (the projections' kernels timed on this CPU once, then
     cached: `switchboard_kernels.linear_choice`) or "fixed" (a rule by CPU features);
+    ``burst_prefill_tokens``: while one tenant's prompts arrive together (all its work
+    interactive, no other tenant active), steps take at most this many tokens and its
+    decodes wait behind at most ``max_num_batched_tokens`` of prompt tokens (`worker.core.burst`);
+    None: off;
     ``decode_step_budget_ms``: while a step carries decodes and more than one tenant is
     active, its prompt tokens are cut so that it takes at most this long (prefill chunks wait;
     `worker.core.step_budget`); None: five
@@ -205,6 +209,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    burst_prefill_tokens: int | None = 512
     max_model_len: int | None = None
     max_loras: int = 8
     max_lora_rank: int = 32
@@ -234,7 +239,7 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("num_kv_blocks", "num_host_blocks", "max_model_len"):
+        for name in ("num_kv_blocks", "num_host_blocks", "max_model_len", "burst_prefill_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidRequestError(f"{name} must be at least 1 (or unset), got {value}")

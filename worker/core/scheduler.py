@@ -36,6 +36,7 @@ from worker.core.adapter_gate import AdapterGate
 from worker.core.bands import batch_token_room
 from worker.core.batch import BlockMove, MoveKind, ScheduledSequence, SchedulerOutput
 from worker.core.block_manager import BlockManager
+from worker.core.burst import MIN_PROMPTS, BurstRule
 from worker.core.config import FairnessConfig, PreemptionMode
 from worker.core.fairness import ServiceLedger, Shares, StepCharges, split_rows
 from worker.core.prefix_cache import extend_block_hashes
@@ -67,6 +68,7 @@ class Scheduler:
         fairness: FairnessConfig | None = None,
         step_budget: DecodeStepBudget | None = None,
         scored_token_cost: float = 1.0,
+        burst_prefill_tokens: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -90,6 +92,13 @@ class Scheduler:
         self.ledger.scored_token_cost = scored_token_cost
         # While a step carries decodes, its tokens stay within what this budget allows.
         self.step_budget = step_budget
+        # A lone tenant's burst of prompts runs in short steps, its decodes waiting behind
+        # at most a full step's prompt tokens (``worker.core.burst``); None: off.
+        self.burst = (
+            None
+            if burst_prefill_tokens is None
+            else BurstRule(burst_prefill_tokens, max_num_batched_tokens)
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -167,8 +176,21 @@ class Scheduler:
         step = StepCharges(self.ledger)
         self._batch_room = self._batch_room_beside_interactive()
         self._turns_given.clear()
-        self._schedule_decodes(out, step)
-        self._schedule_prefills(out, step)
+        burst = self._burst()
+        if burst is None:
+            self._schedule_decodes(out, step)
+            self._schedule_prefills(out, step)
+        elif burst.decodes_due():
+            self._schedule_decodes(out, step)
+            limit = max(burst.chunk_tokens, out.num_tokens + MIN_PREFILL_TOKENS)
+            self._schedule_prefills(out, step, limit)
+            burst.placed(out.num_tokens, decodes=True)
+        else:
+            self._schedule_prefills(out, step, burst.chunk_tokens)
+            stalled = not out.scheduled  # no prompt could start: the decodes need not wait
+            if stalled:
+                self._schedule_decodes(out, step)
+            burst.placed(out.num_tokens, decodes=stalled)
         step.commit(out.scheduled)
         return out
 
@@ -187,6 +209,25 @@ class Scheduler:
                 seq.num_registered_blocks = full
 
     # --- policy --------------------------------------------------------------------------
+
+    def _burst(self) -> BurstRule | None:
+        """The burst rule, when this step is a burst's: one tenant active (none other left
+        within ``ACTIVE_GRACE_S``), all its work interactive and none swapped out, no
+        decode carrying drafts (they were proposed for this step), and at least
+        ``MIN_PROMPTS`` prompts waiting for their first token."""
+        burst = self.burst
+        if burst is None:
+            return None
+        work = [*self.running, *self.waiting]
+        if (
+            self.swapped
+            or any(s.band is not Band.INTERACTIVE or s.spec_token_ids for s in work)
+            or len(self._active_tenants()) != 1
+            or sum(s.num_uncomputed_tokens > 1 for s in work) < MIN_PROMPTS
+        ):
+            burst.ended()
+            return None
+        return burst
 
     def _schedule_decodes(self, out: SchedulerOutput, step: StepCharges) -> None:
         """Running decodes first, one token each (plus drafts), in arrival order."""
@@ -296,8 +337,11 @@ class Scheduler:
         placed.sort(key=lambda s: s.arrival_order)
         return placed
 
-    def _schedule_prefills(self, out: SchedulerOutput, step: StepCharges) -> None:
-        """The rest of the budget: prefills cut short, swapped sequences, new arrivals.
+    def _schedule_prefills(
+        self, out: SchedulerOutput, step: StepCharges, token_limit: int | None = None
+    ) -> None:
+        """The rest of the budget: prefills cut short, swapped sequences, new arrivals, up to
+        ``max_num_batched_tokens`` or ``token_limit`` if lower (a burst's step).
 
         Fair: the tenant with the lowest counter (this step's tokens included) places its
         next piece of work, then the lowest again; within a tenant, its running prefills,
@@ -323,17 +367,20 @@ class Scheduler:
         here (``_batch_only_tenants``); batch work is bounded by the batch room instead.
         """
         adapters = AdapterGate(self.running, self.waiting, self.max_loras, self.max_lora_wait_steps)
+        top = self.max_num_batched_tokens
+        if token_limit is not None:
+            top = min(top, token_limit)
         queues = self._work_queues()
         admitting = not out.preempted
         lone_extra = self.ledger.config.lone_prompt_step_tokens if self.ledger.fair else None
         busy = {s.tenant for s in self.running}  # tenants with a sequence running
         short_limit = None  # the step's token limit once a lone request's prompt is in it
-        step_limit = self._step_token_limit(out)
+        step_limit = min(self._step_token_limit(out), top)
         others = self._active_tenants()
         batch_only = self._batch_only_tenants()
         yielded = False  # ``_yield_to_prompts`` done
         while queues:
-            if out.num_tokens >= self.max_num_batched_tokens:
+            if out.num_tokens >= top:
                 break
             tenant = self._next_queue(queues, step)
             queue = queues[tenant]
@@ -342,7 +389,7 @@ class Scheduler:
                 del queues[tenant]
             # The budget guards other tenants: a tenant's prompts may stall only its own work.
             guarded = others - batch_only if seq.band is Band.INTERACTIVE else others
-            limit = step_limit if guarded - {seq.tenant} else self.max_num_batched_tokens
+            limit = step_limit if guarded - {seq.tenant} else top
             budget = limit - out.num_tokens
             if budget <= 0:
                 continue
@@ -375,7 +422,7 @@ class Scheduler:
                     busy.add(seq.tenant)
                     if lone and lone_extra is not None and out.scheduled[-1].samples:
                         short_limit = min(
-                            short_limit or self.max_num_batched_tokens,
+                            short_limit or top,
                             out.num_tokens + lone_extra,
                         )
                 if outcome is _Admission.NO_ROOM:

@@ -144,6 +144,7 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
         block_manager=block_manager,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        burst_prefill_tokens=config.burst_prefill_tokens,
         watermark_blocks=num_kv_blocks // 100,
         max_loras=max_loras,
         preemption_mode=config.preemption_mode,

@@ -1,0 +1,132 @@
+"""A lone tenant's burst of prompts (worker/core/burst.py): short steps, decodes waiting behind
+at most a full step of prompt tokens; exact plans per step, and the engine's tokens unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from factories import load_hf_model, make_checkpoint, random_prompts
+from worker import LLM, SamplingParams
+from worker.core.block_manager import BlockManager
+from worker.core.scheduler import Scheduler
+from worker.core.sequence import Band, Sequence
+from worker.sampling.sampling_params import SamplingParams as Params
+
+
+def make_scheduler(*, burst: int | None = 4, max_tokens: int = 16) -> Scheduler:
+    return Scheduler(
+        block_manager=BlockManager(num_blocks=64, block_size=4),
+        max_num_seqs=16,
+        max_num_batched_tokens=max_tokens,
+        burst_prefill_tokens=burst,
+    )
+
+
+def make_seq(order: int, prompt_len: int, tenant: str = "t", band=Band.INTERACTIVE) -> Sequence:
+    prompt = list(range(3 + 50 * order, 3 + 50 * order + prompt_len))  # no shared prefixes
+    return Sequence(f"r{order}", prompt, Params(), order, tenant=tenant, band=band)
+
+
+def run_step(sched: Scheduler) -> list[tuple[str, int, int]]:
+    out = sched.schedule()
+    plan = [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled]
+    sched.mark_computed(out)
+    for s in out.scheduled:
+        if s.samples:
+            s.seq.append_token(7)
+    return plan
+
+
+def test_a_burst_runs_in_short_steps_and_decodes_wait_behind_one_full_step_of_prompts():
+    sched = make_scheduler(burst=4, max_tokens=16)
+    for i in range(6):
+        sched.add(make_seq(i, 4))
+    # Prompts only, a chunk a step, while the prompt tokens since the decodes last ran stay
+    # within a full step (16): 4, 8, 12, 16.
+    assert run_step(sched) == [("r0", 0, 4)]
+    assert run_step(sched) == [("r1", 0, 4)]
+    assert run_step(sched) == [("r2", 0, 4)]
+    assert run_step(sched) == [("r3", 0, 4)]
+    # Another chunk would make r0 wait behind more than 16: the decodes come first, then
+    # prompts fill what the step allows (the decodes plus 16 prompt tokens at most, never
+    # more than max_num_batched_tokens).
+    assert run_step(sched) == [
+        ("r0", 4, 1), ("r1", 4, 1), ("r2", 4, 1), ("r3", 4, 1), ("r4", 0, 4), ("r5", 0, 4),
+    ]  # fmt: skip
+    # No prompt waits: plain decode steps.
+    assert run_step(sched) == [(f"r{i}", 5 if i < 4 else 4, 1) for i in range(6)]
+
+
+def test_without_the_rule_decodes_go_first_and_prompts_fill_the_step():
+    sched = make_scheduler(burst=None, max_tokens=16)
+    for i in range(6):
+        sched.add(make_seq(i, 4))
+    assert run_step(sched) == [(f"r{i}", 0, 4) for i in range(4)]
+    assert run_step(sched) == [(f"r{i}", 4, 1) for i in range(4)] + [("r4", 0, 4), ("r5", 0, 4)]
+
+
+def test_a_single_waiting_prompt_is_no_burst():
+    sched = make_scheduler(burst=4, max_tokens=16)
+    sched.add(make_seq(0, 4))
+    assert run_step(sched) == [("r0", 0, 4)]
+    sched.add(make_seq(1, 8))
+    assert run_step(sched) == [("r0", 4, 1), ("r1", 0, 8)]
+
+
+@pytest.mark.parametrize(
+    "neighbour",
+    [dict(tenant="u"), dict(tenant="t", band=Band.BATCH)],
+    ids=["another tenant decodes", "batch work"],
+)
+def test_the_rule_holds_only_for_one_tenant_with_interactive_work(neighbour):
+    """Another tenant's decodes are the step budget's to guard, and batch work the bands':
+    the burst rule never makes them wait."""
+    sched = make_scheduler(burst=4, max_tokens=16)
+    sched.add(make_seq(0, 4, **neighbour))
+    assert run_step(sched) == [("r0", 0, 4)]
+    for i in range(1, 4):
+        sched.add(make_seq(i, 4))
+    plan = run_step(sched)
+    assert plan[0] == ("r0", 4, 1)
+    assert sum(n for _, _, n in plan) > 4  # full steps: the prompts are not cut to chunks
+
+
+def test_decodes_are_placed_when_no_prompt_can_start():
+    """A burst step whose prompts find no seat does not leave the decodes idle."""
+    sched = Scheduler(
+        block_manager=BlockManager(num_blocks=64, block_size=4),
+        max_num_seqs=1,
+        max_num_batched_tokens=16,
+        burst_prefill_tokens=4,
+    )
+    sched.add(make_seq(0, 4))
+    assert run_step(sched) == [("r0", 0, 4)]
+    sched.add(make_seq(1, 8))
+    sched.add(make_seq(2, 8))
+    assert run_step(sched) == [("r0", 4, 1)]
+    assert run_step(sched) == [("r0", 5, 1)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("burst"), seed=3)
+
+
+def test_the_engine_computes_the_same_tokens_with_and_without_the_rule(checkpoint):
+    """fp32: every token equals the plain schedule's and transformers' greedy decoding."""
+    prompts = random_prompts(12, min_len=20, max_len=60, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for burst in (None, 32):
+        llm = LLM(
+            checkpoint, dtype="float32", block_size=4, num_kv_blocks=512,
+            max_num_batched_tokens=128, burst_prefill_tokens=burst,
+        )  # fmt: skip
+        outputs[burst] = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.shutdown()
+    assert outputs[32] == outputs[None]
+    hf = load_hf_model(checkpoint)
+    for prompt, tokens in zip(prompts[:3], outputs[32], strict=False):
+        reference = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+        assert tokens == reference[0, len(prompt) :].tolist()
