@@ -40,10 +40,10 @@ def run_step(sched: Scheduler) -> list[tuple[str, int, int]]:
 
 def test_a_burst_runs_in_short_steps_and_decodes_wait_behind_one_full_step_of_prompts():
     sched = make_scheduler(burst=4, max_tokens=16)
-    for i in range(6):
+    for i in range(10):
         sched.add(make_seq(i, 4))
-    # Prompts only, a chunk a step, while the prompt tokens since the decodes last ran stay
-    # within a full step (16): 4, 8, 12, 16.
+    # 40 prompt tokens wait, more than a full step (16): prompts only, a chunk a step, while
+    # the prompt tokens since the decodes last ran stay within a full step: 4, 8, 12, 16.
     assert run_step(sched) == [("r0", 0, 4)]
     assert run_step(sched) == [("r1", 0, 4)]
     assert run_step(sched) == [("r2", 0, 4)]
@@ -52,26 +52,33 @@ def test_a_burst_runs_in_short_steps_and_decodes_wait_behind_one_full_step_of_pr
     # prompts fill what the step allows (the decodes plus 16 prompt tokens at most, never
     # more than max_num_batched_tokens).
     assert run_step(sched) == [
-        ("r0", 4, 1), ("r1", 4, 1), ("r2", 4, 1), ("r3", 4, 1), ("r4", 0, 4), ("r5", 0, 4),
+        ("r0", 4, 1), ("r1", 4, 1), ("r2", 4, 1), ("r3", 4, 1),
+        ("r4", 0, 4), ("r5", 0, 4), ("r6", 0, 4),
     ]  # fmt: skip
-    # No prompt waits: plain decode steps.
-    assert run_step(sched) == [(f"r{i}", 5 if i < 4 else 4, 1) for i in range(6)]
+    # 12 prompt tokens left, one step's worth: no burst, decodes first and prompts fill it.
+    assert run_step(sched) == [(f"r{i}", 5 if i < 4 else 4, 1) for i in range(7)] + [
+        ("r7", 0, 4), ("r8", 0, 4), ("r9", 0, 1),
+    ]  # fmt: skip
 
 
 def test_without_the_rule_decodes_go_first_and_prompts_fill_the_step():
     sched = make_scheduler(burst=None, max_tokens=16)
-    for i in range(6):
+    for i in range(10):
         sched.add(make_seq(i, 4))
     assert run_step(sched) == [(f"r{i}", 0, 4) for i in range(4)]
-    assert run_step(sched) == [(f"r{i}", 4, 1) for i in range(4)] + [("r4", 0, 4), ("r5", 0, 4)]
+    assert run_step(sched) == [(f"r{i}", 4, 1) for i in range(4)] + [
+        ("r4", 0, 4), ("r5", 0, 4), ("r6", 0, 4),
+    ]  # fmt: skip
 
 
-def test_a_single_waiting_prompt_is_no_burst():
+@pytest.mark.parametrize("prompts", [[8], [6, 6]], ids=["one prompt", "a step's worth"])
+def test_prompts_that_one_step_computes_are_no_burst(prompts):
     sched = make_scheduler(burst=4, max_tokens=16)
     sched.add(make_seq(0, 4))
     assert run_step(sched) == [("r0", 0, 4)]
-    sched.add(make_seq(1, 8))
-    assert run_step(sched) == [("r0", 4, 1), ("r1", 0, 8)]
+    for i, n in enumerate(prompts, start=1):
+        sched.add(make_seq(i, n))
+    assert run_step(sched) == [("r0", 4, 1)] + [(f"r{i}", 0, n) for i, n in enumerate(prompts, 1)]
 
 
 @pytest.mark.parametrize(
@@ -85,8 +92,8 @@ def test_the_rule_holds_only_for_one_tenant_with_interactive_work(neighbour):
     sched = make_scheduler(burst=4, max_tokens=16)
     sched.add(make_seq(0, 4, **neighbour))
     assert run_step(sched) == [("r0", 0, 4)]
-    for i in range(1, 4):
-        sched.add(make_seq(i, 4))
+    for i in range(1, 8):
+        sched.add(make_seq(i, 4))  # 28 prompt tokens: a burst, were r0 not there
     plan = run_step(sched)
     assert plan[0] == ("r0", 4, 1)
     assert sum(n for _, _, n in plan) > 4  # full steps: the prompts are not cut to chunks
@@ -102,8 +109,8 @@ def test_decodes_are_placed_when_no_prompt_can_start():
     )
     sched.add(make_seq(0, 4))
     assert run_step(sched) == [("r0", 0, 4)]
-    sched.add(make_seq(1, 8))
-    sched.add(make_seq(2, 8))
+    sched.add(make_seq(1, 12))
+    sched.add(make_seq(2, 12))
     assert run_step(sched) == [("r0", 4, 1)]
     assert run_step(sched) == [("r0", 5, 1)]
 

@@ -15,7 +15,10 @@ costing throughput (docs/engine.md has the measurement):
   stream waits no longer for its next token than behind one full step of prompts, which is
   what it waits today whenever a step is full.
 
-Only while one tenant has work here and all of it is interactive (the scheduler decides):
+Only while the prompts waiting hold more tokens than one full step computes (a burst: with
+fewer, one ordinary step gives them all their first tokens, and skipping decodes for a few
+arrivals at a time cost a closed loop throughput), and only while one tenant has work here
+and all of it is interactive (the scheduler decides):
 the trade is between that tenant's own first tokens and its own streams' pace, as every
 step's size is. Other tenants' decodes are guarded by the decode step budget instead, and
 batch work by its band.
@@ -24,7 +27,7 @@ batch work by its band.
 from __future__ import annotations
 
 # At least this many prompts waiting for their first token make a burst: one prompt gains
-# nothing from shorter steps.
+# nothing from shorter steps (however long: its chunks are computed in turn anyway).
 MIN_PROMPTS = 2
 
 
@@ -38,6 +41,12 @@ class BurstRule:
         self.chunk_tokens = min(chunk_tokens, max_step_tokens)
         self.max_step_tokens = max_step_tokens
         self.prompt_tokens_since_decodes = 0
+
+    def is_burst(self, prompts: list[int]) -> bool:
+        """Whether prompts waiting for their first token, with these many tokens still to
+        compute, are a burst: at least ``MIN_PROMPTS`` of them, more tokens than one full
+        step computes."""
+        return len(prompts) >= MIN_PROMPTS and sum(prompts) > self.max_step_tokens
 
     def decodes_due(self) -> bool:
         """Whether this step places the running decodes: once another chunk of prompts

@@ -36,7 +36,7 @@ from worker.core.adapter_gate import AdapterGate
 from worker.core.bands import batch_token_room
 from worker.core.batch import BlockMove, MoveKind, ScheduledSequence, SchedulerOutput
 from worker.core.block_manager import BlockManager
-from worker.core.burst import MIN_PROMPTS, BurstRule
+from worker.core.burst import BurstRule
 from worker.core.config import FairnessConfig, PreemptionMode
 from worker.core.fairness import ServiceLedger, Shares, StepCharges, split_rows
 from worker.core.prefix_cache import extend_block_hashes
@@ -213,8 +213,8 @@ class Scheduler:
     def _burst(self) -> BurstRule | None:
         """The burst rule, when this step is a burst's: one tenant active (none other left
         within ``ACTIVE_GRACE_S``), all its work interactive and none swapped out, no
-        decode carrying drafts (they were proposed for this step), and at least
-        ``MIN_PROMPTS`` prompts waiting for their first token."""
+        decode carrying drafts (they were proposed for this step), and prompts waiting for
+        their first token that make a burst (``BurstRule.is_burst``)."""
         burst = self.burst
         if burst is None:
             return None
@@ -223,7 +223,9 @@ class Scheduler:
             self.swapped
             or any(s.band is not Band.INTERACTIVE or s.spec_token_ids for s in work)
             or len(self._active_tenants()) != 1
-            or sum(s.num_uncomputed_tokens > 1 for s in work) < MIN_PROMPTS
+            or not burst.is_burst(
+                [s.num_uncomputed_tokens for s in work if s.num_uncomputed_tokens > 1]
+            )
         ):
             burst.ended()
             return None
