@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from factories import load_hf_model, make_checkpoint, random_prompts
+from factories import load_hf_model, make_checkpoint, pretend_step, random_prompts
 from worker import LLM, SamplingParams
 from worker.core.block_manager import BlockManager
 from worker.core.scheduler import Scheduler
@@ -28,35 +28,25 @@ def make_seq(order: int, prompt_len: int, tenant: str = "t", band=Band.INTERACTI
     return Sequence(f"r{order}", prompt, Params(), order, tenant=tenant, band=band)
 
 
-def run_step(sched: Scheduler) -> list[tuple[str, int, int]]:
-    out = sched.schedule()
-    plan = [(s.seq.request_id, s.start, s.num_tokens) for s in out.scheduled]
-    sched.mark_computed(out)
-    for s in out.scheduled:
-        if s.samples:
-            s.seq.append_token(7)
-    return plan
-
-
 def test_a_burst_runs_in_short_steps_and_decodes_wait_behind_one_full_step_of_prompts():
     sched = make_scheduler(burst=4, max_tokens=16)
     for i in range(10):
         sched.add(make_seq(i, 4))
     # 40 prompt tokens wait, more than a full step (16): prompts only, a chunk a step, while
     # the prompt tokens since the decodes last ran stay within a full step: 4, 8, 12, 16.
-    assert run_step(sched) == [("r0", 0, 4)]
-    assert run_step(sched) == [("r1", 0, 4)]
-    assert run_step(sched) == [("r2", 0, 4)]
-    assert run_step(sched) == [("r3", 0, 4)]
+    assert pretend_step(sched) == [("r0", 0, 4)]
+    assert pretend_step(sched) == [("r1", 0, 4)]
+    assert pretend_step(sched) == [("r2", 0, 4)]
+    assert pretend_step(sched) == [("r3", 0, 4)]
     # Another chunk would make r0 wait behind more than 16: the decodes come first, then
     # prompts fill what the step allows (the decodes plus 16 prompt tokens at most, never
     # more than max_num_batched_tokens).
-    assert run_step(sched) == [
+    assert pretend_step(sched) == [
         ("r0", 4, 1), ("r1", 4, 1), ("r2", 4, 1), ("r3", 4, 1),
         ("r4", 0, 4), ("r5", 0, 4), ("r6", 0, 4),
     ]  # fmt: skip
     # 12 prompt tokens left, one step's worth: no burst, decodes first and prompts fill it.
-    assert run_step(sched) == [(f"r{i}", 5 if i < 4 else 4, 1) for i in range(7)] + [
+    assert pretend_step(sched) == [(f"r{i}", 5 if i < 4 else 4, 1) for i in range(7)] + [
         ("r7", 0, 4), ("r8", 0, 4), ("r9", 0, 1),
     ]  # fmt: skip
 
@@ -65,8 +55,8 @@ def test_without_the_rule_decodes_go_first_and_prompts_fill_the_step():
     sched = make_scheduler(burst=None, max_tokens=16)
     for i in range(10):
         sched.add(make_seq(i, 4))
-    assert run_step(sched) == [(f"r{i}", 0, 4) for i in range(4)]
-    assert run_step(sched) == [(f"r{i}", 4, 1) for i in range(4)] + [
+    assert pretend_step(sched) == [(f"r{i}", 0, 4) for i in range(4)]
+    assert pretend_step(sched) == [(f"r{i}", 4, 1) for i in range(4)] + [
         ("r4", 0, 4), ("r5", 0, 4), ("r6", 0, 4),
     ]  # fmt: skip
 
@@ -75,10 +65,11 @@ def test_without_the_rule_decodes_go_first_and_prompts_fill_the_step():
 def test_prompts_that_one_step_computes_are_no_burst(prompts):
     sched = make_scheduler(burst=4, max_tokens=16)
     sched.add(make_seq(0, 4))
-    assert run_step(sched) == [("r0", 0, 4)]
+    assert pretend_step(sched) == [("r0", 0, 4)]
     for i, n in enumerate(prompts, start=1):
         sched.add(make_seq(i, n))
-    assert run_step(sched) == [("r0", 4, 1)] + [(f"r{i}", 0, n) for i, n in enumerate(prompts, 1)]
+    placed = [(f"r{i}", 0, n) for i, n in enumerate(prompts, start=1)]
+    assert pretend_step(sched) == [("r0", 4, 1), *placed]
 
 
 @pytest.mark.parametrize(
@@ -91,10 +82,10 @@ def test_the_rule_holds_only_for_one_tenant_with_interactive_work(neighbour):
     the burst rule never makes them wait."""
     sched = make_scheduler(burst=4, max_tokens=16)
     sched.add(make_seq(0, 4, **neighbour))
-    assert run_step(sched) == [("r0", 0, 4)]
+    assert pretend_step(sched) == [("r0", 0, 4)]
     for i in range(1, 8):
         sched.add(make_seq(i, 4))  # 28 prompt tokens: a burst, were r0 not there
-    plan = run_step(sched)
+    plan = pretend_step(sched)
     assert plan[0] == ("r0", 4, 1)
     assert sum(n for _, _, n in plan) > 4  # full steps: the prompts are not cut to chunks
 
@@ -108,11 +99,11 @@ def test_decodes_are_placed_when_no_prompt_can_start():
         burst_prefill_tokens=4,
     )
     sched.add(make_seq(0, 4))
-    assert run_step(sched) == [("r0", 0, 4)]
+    assert pretend_step(sched) == [("r0", 0, 4)]
     sched.add(make_seq(1, 12))
     sched.add(make_seq(2, 12))
-    assert run_step(sched) == [("r0", 4, 1)]
-    assert run_step(sched) == [("r0", 5, 1)]
+    assert pretend_step(sched) == [("r0", 4, 1)]
+    assert pretend_step(sched) == [("r0", 5, 1)]
 
 
 @pytest.fixture(scope="module")
