@@ -36,6 +36,8 @@ def test_bad_settings_fail_when_made_without_reading_a_model():
         EngineConfig(block_size=0)
     with pytest.raises(InvalidRequestError, match="num_kv_blocks"):
         EngineConfig(num_kv_blocks=0)
+    with pytest.raises(InvalidRequestError, match="burst_prefill_tokens"):
+        EngineConfig(burst_prefill_tokens=0)
     with pytest.raises(ValueError):
         EngineConfig(preemption_mode="drop")
     with pytest.raises(SpeculativeConfigError, match="speculative_model is not"):
