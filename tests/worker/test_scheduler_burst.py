@@ -90,6 +90,47 @@ def test_the_rule_holds_only_for_one_tenant_with_interactive_work(neighbour):
     assert sum(n for _, _, n in plan) > 4  # full steps: the prompts are not cut to chunks
 
 
+def test_a_tenant_that_just_left_still_counts_as_active():
+    """Within ACTIVE_GRACE_S of another tenant's last sequence leaving (a closed loop's next
+    question is on its way), the step budget guards it and the burst rule waits."""
+    sched = make_scheduler(burst=4, max_tokens=16)
+    sched.add(make_seq(0, 4))
+    other = make_seq(1, 4, tenant="u")
+    sched.add(other)
+    pretend_step(sched)
+    sched.remove(other)
+    for i in range(2, 9):
+        sched.add(make_seq(i, 4))  # 28 prompt tokens
+    plan = pretend_step(sched)
+    assert plan[0] == ("r0", 4, 1) and sum(n for _, _, n in plan) == 16
+
+
+def test_decodes_carrying_drafts_are_placed_with_them():
+    """Drafts were proposed for this step: the rule stands aside while any decode has them."""
+    sched = make_scheduler(burst=4, max_tokens=16)
+    first = make_seq(0, 4)
+    sched.add(first)
+    pretend_step(sched)
+    first.spec_token_ids = [9]
+    for i in range(1, 8):
+        sched.add(make_seq(i, 4))  # 28 prompt tokens
+    out = sched.schedule()
+    assert (out.scheduled[0].seq, out.scheduled[0].num_spec) == (first, 1)
+    assert out.num_tokens == 16
+
+
+def test_the_worker_flag_sets_the_rule_and_0_turns_it_off():
+    from switchboard.cli import build_parser
+    from switchboard.worker_command import worker_engine_kwargs
+
+    def kwargs(*flags):
+        return worker_engine_kwargs(build_parser().parse_args(["worker", *flags]))
+
+    assert kwargs()["burst_prefill_tokens"] == 512
+    assert kwargs("--burst-prefill-tokens", "256")["burst_prefill_tokens"] == 256
+    assert kwargs("--burst-prefill-tokens", "0")["burst_prefill_tokens"] is None
+
+
 def test_decodes_are_placed_when_no_prompt_can_start():
     """A burst step whose prompts find no seat does not leave the decodes idle."""
     sched = Scheduler(

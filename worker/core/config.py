@@ -183,10 +183,10 @@ class EngineConfig:
     handing them out one step later (CUDA without speculation: the default there);
     ``kernel_choice``: "measure" (the projections' kernels timed on this CPU once, then
     cached: `switchboard_kernels.linear_choice`) or "fixed" (a rule by CPU features);
-    ``burst_prefill_tokens``: while one tenant's prompts arrive together (all its work
-    interactive, no other tenant active), steps take at most this many tokens and its
-    decodes wait behind at most ``max_num_batched_tokens`` of prompt tokens (`worker.core.burst`);
-    None: off;
+    ``burst_prefill_tokens``: while one tenant's waiting prompts hold more tokens than one
+    step computes (all its work interactive, no other tenant active), steps take at most this
+    many tokens and its decodes wait behind at most ``max_num_batched_tokens`` of prompt
+    tokens (`worker.core.burst`); None: off;
     ``decode_step_budget_ms``: while a step carries decodes and more than one tenant is
     active, its prompt tokens are cut so that it takes at most this long (prefill chunks wait;
     `worker.core.step_budget`); None: five

@@ -219,13 +219,13 @@ class Scheduler:
         if burst is None:
             return None
         work = [*self.running, *self.waiting]
+        # Cheapest test first: a step of decodes alone (most steps) has no prompt waiting.
+        prompts = [s.num_uncomputed_tokens for s in work if s.num_uncomputed_tokens > 1]
         if (
-            self.swapped
+            not burst.is_burst(prompts)
+            or self.swapped
             or any(s.band is not Band.INTERACTIVE or s.spec_token_ids for s in work)
             or len(self._active_tenants()) != 1
-            or not burst.is_burst(
-                [s.num_uncomputed_tokens for s in work if s.num_uncomputed_tokens > 1]
-            )
         ):
             burst.ended()
             return None
