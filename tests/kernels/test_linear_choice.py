@@ -21,6 +21,7 @@ from switchboard_kernels.linear_choice import (
     linear_plan,
     measure_plan,
 )
+from switchboard_kernels.measured_choice import fastest_of_short
 
 # ms a step by rows: panels win small batches, oneDNN large ones (a Zen 3's shape).
 CROSSING = {
@@ -49,6 +50,17 @@ def test_without_room_for_two_copies_the_kernel_with_the_least_total_time_is_kep
 def test_a_tie_keeps_one_kernel():
     seconds = {PANELS: {1: 1.0, 64: 2.0}, ONEDNN: {1: 1.0, 64: 2.0}}
     assert choose(seconds, dual=True).kernels == (PANELS,)
+
+
+def test_a_short_step_is_timed_again_and_its_fastest_call_counts():
+    """A first call stalled by a core waking up (9 ms of a 1 ms step) does not count; a
+    long step runs once."""
+    calls = iter([0.009, 0.001, 0.0012, 0.5])
+    assert fastest_of_short(lambda: next(calls)) == 0.001
+    assert next(calls) == 0.5  # three calls taken, no more
+    long_calls = iter([0.05, 0.001])
+    assert fastest_of_short(lambda: next(long_calls)) == 0.05
+    assert next(long_calls) == 0.001  # the long step was not called again
 
 
 def test_the_fixed_rule_names_a_kernel_this_cpu_has():

@@ -12,6 +12,7 @@ from switchboard_kernels.measured_choice import KernelPlan
 from switchboard_kernels.paged_attention import attend
 from worker.core.batch import ScheduledSequence
 from worker.core.sequence import Sequence
+from worker.model import op_choice
 from worker.model.op_choice import (
     NATIVE,
     OPS,
@@ -156,6 +157,33 @@ def test_a_measurement_times_every_kernel_at_every_bucket_it_can_meet():
         assert plan.source == "measured" and set(plan.kernels) <= set(seconds)
     if native_everywhere():
         assert set(result.seconds) == set(OPS)
+
+
+def test_a_kernel_stalled_each_time_it_follows_another_keeps_its_plan(monkeypatch):
+    """The native kernel takes 1 ms a step, but 9 ms whenever the call before was another
+    kernel's (the wait for a sleeping core, seen on a Zen 5 VM); torch's takes 3 ms. Every
+    op's plan is native at every bucket: the short steps are timed again back to back."""
+    last: list[str] = []
+
+    def stalled(shapes, dtype):
+        def step(kernel, rows):
+            follows_other = bool(last) and last[-1] != kernel
+            last.append(kernel)
+            if kernel == TORCH:
+                return 0.003
+            return 0.009 if follows_other else 0.001
+
+        return step
+
+    for op in OPS:
+        monkeypatch.setitem(op_choice._STEPS, op, stalled)
+    monkeypatch.setattr(
+        op_choice, "available_kernels", lambda op, dtype, shapes=None: [NATIVE, TORCH]
+    )
+    result = measure_op_plans(TINY, torch.float32)
+    for op in OPS:
+        assert getattr(result.plans, op).kernels == (NATIVE,), op
+        assert all(t == 0.001 for t in result.seconds[op][NATIVE].values()), op
 
 
 def test_a_measured_plan_is_cached_and_read_back(tmp_path, monkeypatch):
