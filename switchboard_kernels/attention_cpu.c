@@ -467,6 +467,26 @@ static void attend_avx512(const Item *it, const float *q, float scale, float *sc
     })
 }
 
+/* Two keys' dot-product vectors a, b as one: in each 128-bit lane, (a0 + a2, b0 + b2, a1 + a3,
+ * b1 + b3). */
+static inline __m512 fold_pair(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+
+/* Two folded pairs (keys 0, 1 and 2, 3) as the four keys' sums over all 16 lanes: each key's
+ * lanes summed in one order whatever its neighbours. */
+static inline __m128 fold_quad(__m512 pair01, __m512 pair23) {
+    __m512 four = _mm512_add_ps(_mm512_shuffle_ps(pair01, pair23, 0x44),
+                                _mm512_shuffle_ps(pair01, pair23, 0xEE));
+    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(four), _mm512_extractf32x8_ps(four, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+/* The first n (1 to 4) of four keys' sums, times scale, as their scores. */
+static inline void store_four(float *at, __m128 sums, float scale, int n) {
+    _mm_mask_storeu_ps(at, (__mmask8)((1u << n) - 1u), _mm_mul_ps(sums, _mm_set1_ps(scale)));
+}
+
 /* head_dim = 16 * ch (64 or 128, most models): rows in blocks of nr <= 4 (2 for 128) whose
  * queries and accumulators stay in registers while each key or value is loaded once.
  * ch and nr are constants at every call site (see attend_avx512_fixed). */
@@ -477,15 +497,37 @@ static inline __attribute__((always_inline)) void fixed_block(
     __m512 reg[4][8];
     for (int t = 0; t < nr; t++)
         for (int c = 0; c < ch; c++) reg[t][c] = _mm512_loadu_ps(q + (r0 + t) * 16 * ch + 16 * c);
+    /* Each row's dot products are summed across lanes four keys at a time (keys 4i .. 4i + 3
+     * by position, so a score's bits do not depend on the batch): kept is key 4i's (then the
+     * pair 4i, 4i + 1 folded into one vector), odd is key 4i + 2's. */
+    __m512 kept[4], odd[4];
+    int64_t done = first_walked(it); /* keys before this one have their scores */
     FOR_EACH_KEY(it, it->key_cache, len, j, key, {
         __m512 k[8];
         for (int c = 0; c < ch; c++) k[c] = load_bf16((const uint16_t *)key + 16 * c, 0xffff);
         for (int t = 0; t < nr; t++) {
             __m512 dot = _mm512_mul_ps(reg[t][0], k[0]);
             for (int c = 1; c < ch; c++) dot = _mm512_fmadd_ps(reg[t][c], k[c], dot);
-            scores[(r0 + t) * it->stride + j] = _mm512_reduce_add_ps(dot) * scale;
+            switch (j & 3) {
+            case 0: kept[t] = dot; break;
+            case 1: kept[t] = fold_pair(kept[t], dot); break;
+            case 2: odd[t] = dot; break;
+            default:
+                store_four(scores + (r0 + t) * it->stride + j - 3,
+                           fold_quad(kept[t], fold_pair(odd[t], dot)), scale, 4);
+            }
         }
+        done = (j & 3) == 3 ? j + 1 : done;
     })
+    if (len > done) { /* the last one to three keys, beside zeros */
+        const __m512 zero = _mm512_setzero_ps();
+        for (int t = 0; t < nr; t++) {
+            __m512 low = len - done == 1 ? fold_pair(kept[t], zero) : kept[t];
+            __m512 high = len - done == 3 ? fold_pair(odd[t], zero) : zero;
+            store_four(scores + (r0 + t) * it->stride + done, fold_quad(low, high), scale,
+                       (int)(len - done));
+        }
+    }
     prefetch_first(it, it->value_cache, first_walked(it), len); /* during the softmax */
     for (int t = 0; t < nr; t++) softmax_row(it, scores, r0 + t, len);
     for (int t = 0; t < nr; t++)
@@ -505,7 +547,7 @@ static inline __attribute__((always_inline)) void fixed_block(
 /* 1 when head_dim has a register-blocked path (then it ran). */
 static int attend_avx512_fixed(const Item *it, const float *q, float scale, float *scores,
                                float *out) {
-    if (it->head_dim != 64 && it->head_dim != 128) return 0;
+    if ((it->head_dim != 64 && it->head_dim != 128) || it->block_size % 4) return 0;
     int block = it->head_dim == 64 ? 4 : 2;
     for (int64_t r0 = 0; r0 < it->rows; r0 += block) {
         int64_t nr = it->rows - r0 < block ? it->rows - r0 : block;
