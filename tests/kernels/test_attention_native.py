@@ -196,6 +196,23 @@ def test_a_row_in_parts_does_not_depend_on_the_rows_beside_it(variant):
         assert torch.equal(alone[0], together[i])
 
 
+def test_a_decode_gives_the_same_bits_alone_and_in_a_batch():
+    """Scores are summed four keys at a time by position: contexts ending at each place in a
+    group of four (1 to 8 keys, blocks of 16, the default model's heads) give one row the
+    same bits decoded alone and beside the others."""
+    key_cache, value_cache = make_cache(kv_heads=3, head_dim=64, block_size=16)
+    starts = list(range(8))
+    decodes, tables = make_decodes(starts, [1] * 8, block_size=16)
+    query = torch.randn(8, 9, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    together = torch.empty_like(query)
+    KERNEL.decode(query, together, key_cache, value_cache, decodes, 0.125)
+    for i, start in enumerate(starts):
+        alone = torch.empty_like(query[i : i + 1])
+        one = NativeDecodes.build([start], [1], [tables[i]])
+        KERNEL.decode(query[i : i + 1], alone, key_cache, value_cache, one, 0.125)
+        assert torch.equal(alone[0], together[i]), start
+
+
 def test_query_may_be_a_strided_view():
     """q as it comes out of the fused qkv projection: a view with a wider row stride."""
     key_cache, value_cache = make_cache()
