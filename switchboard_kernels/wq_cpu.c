@@ -226,6 +226,78 @@ static inline __attribute__((always_inline)) void panel_bf16_rows(
 
 WQ_DISPATCH(panel_bf16, panel_bf16_rows)
 #define HAVE_BF16_PATH 1
+
+/* Two neighbouring panels of 4-bit levels for a tile of 4 to 8 bf16 rows: each of the rows'
+ * activation pairs is broadcast once for both panels. With one panel at a time every
+ * VDPBF16PS took a broadcast of its own, and in a perf profile of W1 on an int4 base (a Zen
+ * 5) the broadcasts took the most samples of the loop. Each row keeps one chain per panel,
+ * as panel_bf16_rows does at 4 rows and more, and its running total in `out` between groups,
+ * so a product's bits are those of the single-panel loop. Only for calls of PAIR_MIN_ROWS
+ * rows or more, whose panels' levels are read again from cache for each tile: a call of one
+ * tile streams them from memory, and two streams at once read slower there (8 rows: 0.7x).
+ * A step's projections at 32 rows took 14.2-14.6 instead of 16.6-16.7 ms; W1 on the int4
+ * base 1,138-1,193 against 1,057-1,063 tok/s (docs/quantization.md). */
+static inline __attribute__((always_inline)) void pair_bf16_rows(
+    const struct sb_wq *w, const uint8_t *panel, int64_t panel_bytes, const WqRows *x,
+    int64_t m0, const int R, float out[2][WQ_ROWS][PL_NR]) {
+    const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
+    const __m512i mask = _mm512_set1_epi32(0x000f000f), one28 = _mm512_set1_epi32(0x43004300);
+    const uint16_t *xp = (const uint16_t *)x->pairs;
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(out[h][r], _mm512_setzero_ps());
+    for (int64_t g = 0; g < x->G; g++) {
+        const uint8_t *b[2] = {panel + g * bb, panel + panel_bytes + g * bb};
+        __builtin_prefetch(b[0] + 2 * bb);
+        __builtin_prefetch(b[1] + 2 * bb);
+        __m512 part[2][WQ_ROWS];
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < R; r++) part[h][r] = _mm512_setzero_ps();
+        for (int64_t o = 0; o < gs / 8; o++) {
+            __m512i v[2];
+            for (int h = 0; h < 2; h++) v[h] = _mm512_loadu_si512((const void *)(b[h] + o * PL_STEP_BYTES));
+            const int64_t k0 = g * gs + o * 8;
+            for (int t = 0; t < 4; t++) {
+                static const int shift[4] = {0, 8, 4, 12}; /* as panel_bf16_rows */
+                __m512i q[2];
+                for (int h = 0; h < 2; h++)
+                    q[h] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v[h], shift[t]), mask,
+                                                     one28, 0xEA);
+                for (int r = 0; r < R; r++) {
+                    int32_t xv;
+                    memcpy(&xv, xp + (m0 + r) * x->K + k0 + 2 * t, sizeof xv);
+                    __m512bh xb = (__m512bh)_mm512_set1_epi32(xv);
+                    for (int h = 0; h < 2; h++)
+                        part[h][r] = _mm512_dpbf16_ps(part[h][r], (__m512bh)q[h], xb);
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m512 s = _mm512_loadu_ps((const float *)(b[h] + lb));
+            __m512 z = _mm512_add_ps(_mm512_loadu_ps((const float *)(b[h] + lb) + PL_NR),
+                                     _mm512_set1_ps(128.0f));
+            for (int r = 0; r < R; r++) {
+                __m512 sum = _mm512_fnmadd_ps(z, _mm512_set1_ps(x->xsum[(m0 + r) * x->G + g]),
+                                              part[h][r]);
+                _mm512_storeu_ps(out[h][r],
+                                 _mm512_fmadd_ps(s, sum, _mm512_loadu_ps(out[h][r])));
+            }
+        }
+    }
+}
+
+/* Tiles of 4 to 8 rows (fewer take panel_bf16 one panel at a time: more chains a row). */
+static void pair_bf16(const struct sb_wq *w, const uint8_t *panel, int64_t panel_bytes,
+                      const WqRows *x, int64_t m0, int rows, float out[2][WQ_ROWS][PL_NR]) {
+    switch (rows) {
+    case 4: pair_bf16_rows(w, panel, panel_bytes, x, m0, 4, out); break;
+    case 5: pair_bf16_rows(w, panel, panel_bytes, x, m0, 5, out); break;
+    case 6: pair_bf16_rows(w, panel, panel_bytes, x, m0, 6, out); break;
+    case 7: pair_bf16_rows(w, panel, panel_bytes, x, m0, 7, out); break;
+    default: pair_bf16_rows(w, panel, panel_bytes, x, m0, 8, out); break;
+    }
+}
+#define PAIR_MIN_TILE 4   /* a tile's rows: one chain a row, as panel_bf16's */
+#define PAIR_MIN_ROWS 16  /* a call's rows: the panels' levels read again from cache */
 #endif
 
 /* The bf16 rows [rows, K] with each step's features in the order the level pairs take them
@@ -369,17 +441,30 @@ int sb_wq_linear(const struct sb_wq *w, const void *x, int x_fp32, int64_t rows,
 #endif
     WqRows xr = {xf, xsum, K, G, pairs};
     const int64_t num_panels = (N + PL_NR - 1) / PL_NR, panel_bytes = G * block_bytes(w);
-#pragma omp parallel for schedule(static) if (num_panels > 1)
-    for (int64_t p = 0; p < num_panels; p++) {
-        const int64_t n0 = p * PL_NR;
-        const int cols = N - n0 < PL_NR ? (int)(N - n0) : PL_NR;
+    int pairs_of_panels = 0; /* 4-bit bf16 tiles of many rows take two panels a call */
+#if defined(HAVE_BF16_PATH)
+    pairs_of_panels = loop == panel_bf16 && w->bits == 4;
+#endif
+    const int64_t step = pairs_of_panels ? 2 : 1, items = (num_panels + step - 1) / step;
+#pragma omp parallel for schedule(static) if (items > 1)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t p0 = item * step, p_end = p0 + step < num_panels ? p0 + step : num_panels;
         for (int64_t m0 = 0; m0 < rows; m0 += tile) {
             const int t = rows - m0 < tile ? (int)(rows - m0) : tile;
-            float acc[WQ_ROWS][PL_NR];
-            loop(w, w->blocks + p * panel_bytes, &xr, m0, t, acc);
-            for (int r = 0; r < t; r++)
-                pl_store_row(acc[r], cols, w->bias ? w->bias + n0 : NULL, res, y,
-                             (m0 + r) * N + n0, out_fp32);
+            float acc[2][WQ_ROWS][PL_NR];
+            int together = 0;
+#if defined(HAVE_BF16_PATH)
+            together = p_end - p0 == 2 && t >= PAIR_MIN_TILE && rows >= PAIR_MIN_ROWS;
+            if (together) pair_bf16(w, w->blocks + p0 * panel_bytes, panel_bytes, &xr, m0, t, acc);
+#endif
+            for (int64_t p = p0; p < p_end; p++) {
+                if (!together) loop(w, w->blocks + p * panel_bytes, &xr, m0, t, acc[p - p0]);
+                const int64_t n0 = p * PL_NR;
+                const int cols = N - n0 < PL_NR ? (int)(N - n0) : PL_NR;
+                for (int r = 0; r < t; r++)
+                    pl_store_row(acc[p - p0][r], cols, w->bias ? w->bias + n0 : NULL, res, y,
+                                 (m0 + r) * N + n0, out_fp32);
+            }
         }
     }
     free(wide), free(xsum), free(pairs);

@@ -83,6 +83,22 @@ def test_every_row_count_of_a_call(rows):
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)  # chains differ by tile
 
 
+@pytest.mark.parametrize("rows", [16, 21, 40])
+@pytest.mark.parametrize("out_features", [64, 40], ids=["4-panels", "3-panels"])
+def test_bf16_calls_of_many_rows_take_two_panels_at_once_with_the_same_bits(rows, out_features):
+    """bf16 rows by 4-bit levels, 16 rows and more: the loop that takes two panels a call
+    (an odd last panel alone, a short last tile one panel at a time) against the reference,
+    and each tile of 8 rows against the same rows called alone (one panel at a time)."""
+    q = quantize(weight(out_features, 192, rows), bits=4, group_size=64, symmetric=False)
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(1))
+    check(q, bias, x, None, False, WqPath.BEST)
+    linear = WqLinear(q, bias)
+    together = linear(x)
+    for m0 in range(0, rows - 7, 8):
+        assert torch.equal(together[m0 : m0 + 8], linear(x[m0 : m0 + 8])), m0
+
+
 def test_the_layout_holds_whole_steps_only():
     q = quantize(weight(16, 36, 0), bits=8, group_size=12, symmetric=True)
     assert fits(q)
