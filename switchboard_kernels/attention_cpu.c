@@ -499,9 +499,10 @@ static inline __attribute__((always_inline)) void fixed_block(
         for (int c = 0; c < ch; c++) reg[t][c] = _mm512_loadu_ps(q + (r0 + t) * 16 * ch + 16 * c);
     /* Each row's dot products are summed across lanes four keys at a time (keys 4i .. 4i + 3
      * by position, so a score's bits do not depend on the batch): kept is key 4i's (then the
-     * pair 4i, 4i + 1 folded into one vector), odd is key 4i + 2's. */
+     * pair 4i, 4i + 1 folded into one vector), odd is key 4i + 2's. The walk starts at a
+     * multiple of four (a block's start, block sizes of whole fours), so every group but the
+     * last is whole. */
     __m512 kept[4], odd[4];
-    int64_t done = first_walked(it); /* keys before this one have their scores */
     FOR_EACH_KEY(it, it->key_cache, len, j, key, {
         __m512 k[8];
         for (int c = 0; c < ch; c++) k[c] = load_bf16((const uint16_t *)key + 16 * c, 0xffff);
@@ -517,8 +518,8 @@ static inline __attribute__((always_inline)) void fixed_block(
                            fold_quad(kept[t], fold_pair(odd[t], dot)), scale, 4);
             }
         }
-        done = (j & 3) == 3 ? j + 1 : done;
     })
+    const int64_t done = len & ~(int64_t)3; /* keys with their scores stored */
     if (len > done) { /* the last one to three keys, beside zeros */
         const __m512 zero = _mm512_setzero_ps();
         for (int t = 0; t < nr; t++) {

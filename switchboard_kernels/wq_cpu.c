@@ -168,6 +168,16 @@ WQ_DISPATCH(panel_avx512, panel_avx512_rows)
  * (k0 + 1, k0 + 3), low nibbles into one sum and high ones into another, which counts 16
  * times, and the zero is taken as z + 128 + 16 * 128. The rows are permuted into those pairs
  * once a call (bf16_pairs). */
+/* Pair t of each lane of a 64-byte step of levels, as above: the nibbles at offsets 0, 8, 4,
+ * 12 (t = 0 .. 3) of each 16-bit half, ORed with bf16 128.0's bits. 4-bit: feature pairs t;
+ * 8-bit: t = 0, 1 the low nibbles of pairs 0 and 1, t = 2, 3 their high nibbles. */
+static inline __m512i level_pairs_bf16(__m512i v, int t) {
+    static const int shift[4] = {0, 8, 4, 12};
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, shift[t]),
+                                     _mm512_set1_epi32(0x000f000f),
+                                     _mm512_set1_epi32(0x43004300), 0xEA); /* (a & b) | c */
+}
+
 static inline __attribute__((always_inline)) void panel_bf16_rows(
     const struct sb_wq *w, const uint8_t *panel, const WqRows *x, int64_t m0, const int bits,
     const int R, float out[WQ_ROWS][PL_NR]) {
@@ -175,7 +185,6 @@ static inline __attribute__((always_inline)) void panel_bf16_rows(
     const int per_step = bits == 4 ? 8 : 4;
     /* independent dot-product chains per row (8-bit: each of its two sums) */
     const int C = bits == 8 ? (R == 1 ? 2 : 1) : (R >= 4 ? 1 : (R == 1 ? 4 : 2));
-    const __m512i mask = _mm512_set1_epi32(0x000f000f), one28 = _mm512_set1_epi32(0x43004300);
     const uint16_t *xp = (const uint16_t *)x->pairs;
     __m512 acc[WQ_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -189,11 +198,7 @@ static inline __attribute__((always_inline)) void panel_bf16_rows(
             __m512i v = _mm512_loadu_si512((const void *)(b + o * PL_STEP_BYTES));
             const int64_t k0 = g * gs + o * per_step;
             for (int t = 0; t < 4; t++) {
-                /* 4-bit: nibble offsets 0, 8, 4, 12 are features pairs t; 8-bit: 0 and 8 the
-                 * low nibbles of pairs 0 and 1, 4 and 12 their high nibbles */
-                static const int shift[4] = {0, 8, 4, 12};
-                __m512i q = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, shift[t]), mask,
-                                                      one28, 0xEA); /* (a & b) | c */
+                __m512i q = level_pairs_bf16(v, t);
                 const int pair = bits == 4 ? t : (t & 1);
                 for (int r = 0; r < R; r++) {
                     int32_t xv;
@@ -241,7 +246,6 @@ static inline __attribute__((always_inline)) void pair_bf16_rows(
     const struct sb_wq *w, const uint8_t *panel, int64_t panel_bytes, const WqRows *x,
     int64_t m0, const int R, float out[2][WQ_ROWS][PL_NR]) {
     const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
-    const __m512i mask = _mm512_set1_epi32(0x000f000f), one28 = _mm512_set1_epi32(0x43004300);
     const uint16_t *xp = (const uint16_t *)x->pairs;
     for (int h = 0; h < 2; h++)
         for (int r = 0; r < R; r++) _mm512_storeu_ps(out[h][r], _mm512_setzero_ps());
@@ -254,14 +258,12 @@ static inline __attribute__((always_inline)) void pair_bf16_rows(
             for (int r = 0; r < R; r++) part[h][r] = _mm512_setzero_ps();
         for (int64_t o = 0; o < gs / 8; o++) {
             __m512i v[2];
-            for (int h = 0; h < 2; h++) v[h] = _mm512_loadu_si512((const void *)(b[h] + o * PL_STEP_BYTES));
+            for (int h = 0; h < 2; h++)
+                v[h] = _mm512_loadu_si512((const void *)(b[h] + o * PL_STEP_BYTES));
             const int64_t k0 = g * gs + o * 8;
             for (int t = 0; t < 4; t++) {
-                static const int shift[4] = {0, 8, 4, 12}; /* as panel_bf16_rows */
                 __m512i q[2];
-                for (int h = 0; h < 2; h++)
-                    q[h] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v[h], shift[t]), mask,
-                                                     one28, 0xEA);
+                for (int h = 0; h < 2; h++) q[h] = level_pairs_bf16(v[h], t);
                 for (int r = 0; r < R; r++) {
                     int32_t xv;
                     memcpy(&xv, xp + (m0 + r) * x->K + k0 + 2 * t, sizeof xv);
@@ -285,7 +287,8 @@ static inline __attribute__((always_inline)) void pair_bf16_rows(
     }
 }
 
-/* Tiles of 4 to 8 rows (fewer take panel_bf16 one panel at a time: more chains a row). */
+/* Tiles of 4 to 8 rows (fewer take panel_bf16 one panel at a time: more chains a row).
+ * PAIR_MIN_ROWS was measured on a Zen 5 only; the other AVX512-BF16 CPUs take it untried. */
 static void pair_bf16(const struct sb_wq *w, const uint8_t *panel, int64_t panel_bytes,
                       const WqRows *x, int64_t m0, int rows, float out[2][WQ_ROWS][PL_NR]) {
     switch (rows) {
