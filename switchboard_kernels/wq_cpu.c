@@ -29,6 +29,12 @@
 #include "panel_levels.h"
 
 #define WQ_ROWS 8 /* rows sharing each unpacked vector of levels */
+/* How far ahead of its loads the AVX2 loop asks for its levels, scales and zeros: on a 2-core
+ * Zen 3 the hardware prefetcher alone read a step's 4-bit levels at ~13 GB/s, asked 1-8 KB
+ * ahead at ~20 (the machine's read bandwidth); -D sets another to measure. */
+#ifndef WQ_PREFETCH_BYTES
+#define WQ_PREFETCH_BYTES 4096
+#endif
 
 struct sb_wq {
     int64_t in_features, out_features, group_size, bits;
@@ -41,7 +47,8 @@ typedef struct {
     const float *x;     /* [rows, K] */
     float *xsum;        /* [rows, G] */
     int64_t K, G;
-    const void *pairs; /* bf16 rows in pair order (the bf16 loop's), else NULL */
+    const void *prepared; /* the rows as the loop takes them: the bf16 loop's pairs
+                            (bf16_pairs), the AVX2 loop's scaled fp32 (scaled_rows) */
 } WqRows;
 
 static int64_t level_bytes(const struct sb_wq *w) { return w->group_size * PL_NR * w->bits / 8; }
@@ -185,7 +192,7 @@ static inline __attribute__((always_inline)) void panel_bf16_rows(
     const int per_step = bits == 4 ? 8 : 4;
     /* independent dot-product chains per row (8-bit: each of its two sums) */
     const int C = bits == 8 ? (R == 1 ? 2 : 1) : (R >= 4 ? 1 : (R == 1 ? 4 : 2));
-    const uint16_t *xp = (const uint16_t *)x->pairs;
+    const uint16_t *xp = (const uint16_t *)x->prepared;
     __m512 acc[WQ_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < x->G; g++) {
@@ -246,7 +253,7 @@ static inline __attribute__((always_inline)) void pair_bf16_rows(
     const struct sb_wq *w, const uint8_t *panel, int64_t panel_bytes, const WqRows *x,
     int64_t m0, const int R, float out[2][WQ_ROWS][PL_NR]) {
     const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
-    const uint16_t *xp = (const uint16_t *)x->pairs;
+    const uint16_t *xp = (const uint16_t *)x->prepared;
     for (int h = 0; h < 2; h++)
         for (int r = 0; r < R; r++) _mm512_storeu_ps(out[h][r], _mm512_setzero_ps());
     for (int64_t g = 0; g < x->G; g++) {
@@ -315,47 +322,75 @@ static void bf16_pairs(const uint16_t *x, int64_t rows, int64_t K, int bits, uin
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* 16 outputs as two halves of 8 lanes; up to 4 rows a tile (16 ymm registers). */
+/* The AVX2 loop takes each level out of its lane with one AND, in place: masked at bit offset
+ * b, the lane is the level times 2^b, which converts to fp32 exactly (at most 8 significant
+ * bits), so the row's activation for that feature comes pre-scaled by 2^-b (scaled_rows; a
+ * power of two, exact above fp32's subnormals) and the product is the level times the
+ * activation as before, with no shift per level. The top nibble or byte would set the sign
+ * bit, so it is shifted down once first. Offsets per feature of a step (4-bit: byte i holds
+ * features i and 4 + i in its low and high nibbles). */
+static const int avx2_offset4[8] = {0, 8, 16, 24, 4, 12, 20, 24}; /* feature 7: (v >> 4) */
+static const int avx2_offset8[4] = {0, 8, 16, 16};                /* feature 3: (v >> 8) */
+
+/* x [rows, K] times 2^-offset of each feature's place in its step (the AVX2 loop's rows). */
+static void scaled_rows(const float *x, int64_t rows, int64_t K, int bits, float *out) {
+    const int n = PL_STEP_FEATURES(bits);
+    const int *offset = bits == 4 ? avx2_offset4 : avx2_offset8;
+    float scale[8];
+    for (int i = 0; i < n; i++) scale[i] = 1.0f / (float)(1u << offset[i]);
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t k = 0; k < K; k += n)
+            for (int i = 0; i < n; i++) out[m * K + k + i] = x[m * K + k + i] * scale[i];
+}
+
+/* 16 outputs as two halves of 8 lanes; up to 4 rows a tile (16 ymm registers); C chains of
+ * FMAs per row and half, so that one row is not bound by the FMA's latency. */
 static inline __attribute__((always_inline)) void panel_avx2_rows(
     const struct sb_wq *w, const uint8_t *panel, const WqRows *x, int64_t m0, const int bits,
     const int R, float out[WQ_ROWS][PL_NR]) {
     const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
-    const int per_step = bits == 4 ? 8 : 4;
-    const __m256i mask = _mm256_set1_epi32(bits == 4 ? 0x0f : 0xff);
-    const float *xr[WQ_ROWS];
-    for (int r = 0; r < R; r++) xr[r] = x->x + (m0 + r) * x->K;
+    const int per_step = PL_STEP_FEATURES(bits);
+    const int C = R >= 3 ? 1 : (R == 1 ? 4 : 2);
+    const int *offset = bits == 4 ? avx2_offset4 : avx2_offset8;
+    const int top = per_step - 1, top_shift = bits; /* the top level: shifted down first */
+    const float *xr[4];
+    for (int r = 0; r < R; r++) xr[r] = (const float *)x->prepared + (m0 + r) * x->K;
     memset(out, 0, sizeof(float) * WQ_ROWS * PL_NR);
     for (int64_t g = 0; g < x->G; g++) {
         const uint8_t *b = panel + g * bb;
-        __builtin_prefetch(b + 2 * bb);
-        __m256 part[4][2];
-        for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm256_setzero_ps();
+        __m256 part[4][2][4];
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++)
+                for (int c = 0; c < C; c++) part[r][h][c] = _mm256_setzero_ps();
         for (int64_t o = 0; o < gs / per_step; o++) {
             const int64_t k0 = g * gs + o * per_step;
-            for (int h = 0; h < 2; h++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(b + o * PL_STEP_BYTES + 32 * h));
-                for (int i = 0; i < 4; i++) {
-                    __m256 lo =
-                        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * i), mask));
-                    for (int r = 0; r < R; r++)
-                        part[r][h] =
-                            _mm256_fmadd_ps(lo, _mm256_set1_ps(xr[r][k0 + i]), part[r][h]);
-                    if (bits == 4) {
-                        __m256 hi = _mm256_cvtepi32_ps(
-                            _mm256_and_si256(_mm256_srli_epi32(v, 8 * i + 4), mask));
-                        for (int r = 0; r < R; r++)
-                            part[r][h] = _mm256_fmadd_ps(hi, _mm256_set1_ps(xr[r][k0 + 4 + i]),
-                                                         part[r][h]);
-                    }
+            const uint8_t *step = b + o * PL_STEP_BYTES;
+            __builtin_prefetch(step + WQ_PREFETCH_BYTES);
+            const __m256i v[2] = {_mm256_loadu_si256((const __m256i *)step),
+                                  _mm256_loadu_si256((const __m256i *)(step + 32))};
+#pragma GCC unroll 8
+            for (int f = 0; f < per_step; f++) {
+                const __m256i mask = _mm256_set1_epi32((bits == 4 ? 0x0f : 0xff) << offset[f]);
+                __m256 q[2];
+                for (int h = 0; h < 2; h++)
+                    q[h] = _mm256_cvtepi32_ps(_mm256_and_si256(
+                        f == top ? _mm256_srli_epi32(v[h], top_shift) : v[h], mask));
+                for (int r = 0; r < R; r++) {
+                    const __m256 a = _mm256_set1_ps(xr[r][k0 + f]);
+                    for (int h = 0; h < 2; h++)
+                        part[r][h][f % C] = _mm256_fmadd_ps(q[h], a, part[r][h][f % C]);
                 }
             }
         }
+        __builtin_prefetch(b + lb + WQ_PREFETCH_BYTES);      /* the scales */
+        __builtin_prefetch(b + lb + 64 + WQ_PREFETCH_BYTES); /* the zeros */
         for (int h = 0; h < 2; h++) {
             __m256 s = _mm256_loadu_ps((const float *)(b + lb) + 8 * h);
             __m256 z = _mm256_loadu_ps((const float *)(b + lb) + PL_NR + 8 * h);
             for (int r = 0; r < R; r++) {
-                __m256 sum = _mm256_fnmadd_ps(
-                    z, _mm256_set1_ps(x->xsum[(m0 + r) * x->G + g]), part[r][h]);
+                __m256 sum = part[r][h][0];
+                for (int c = 1; c < C; c++) sum = _mm256_add_ps(sum, part[r][h][c]);
+                sum = _mm256_fnmadd_ps(z, _mm256_set1_ps(x->xsum[(m0 + r) * x->G + g]), sum);
                 __m256 a = _mm256_loadu_ps(out[r] + 8 * h);
                 _mm256_storeu_ps(out[r] + 8 * h, _mm256_fmadd_ps(s, sum, a));
             }
@@ -431,18 +466,27 @@ int sb_wq_linear(const struct sb_wq *w, const void *x, int x_fp32, int64_t rows,
     int tile;
     const int bf16_rows = !x_fp32;
     WqPanel loop = wq_pick(path, bf16_rows, &tile);
-    uint16_t *pairs = NULL;
+    void *prepared = NULL; /* the rows as the picked loop takes them, where it wants them so */
+    int unprepared = 0;
 #if defined(HAVE_BF16_PATH)
     if (loop == panel_bf16) {
-        pairs = malloc(sizeof(uint16_t) * (size_t)(rows * K));
-        if (!pairs) {
-            free(wide), free(xsum);
-            return -1;
-        }
-        bf16_pairs((const uint16_t *)x, rows, K, (int)w->bits, pairs);
+        prepared = malloc(sizeof(uint16_t) * (size_t)(rows * K));
+        if (prepared) bf16_pairs((const uint16_t *)x, rows, K, (int)w->bits, prepared);
+        unprepared = !prepared;
     }
 #endif
-    WqRows xr = {xf, xsum, K, G, pairs};
+#if defined(HAVE_AVX2_PATH)
+    if (loop == panel_avx2) {
+        prepared = malloc(sizeof(float) * (size_t)(rows * K));
+        if (prepared) scaled_rows(xf, rows, K, (int)w->bits, prepared);
+        unprepared = !prepared;
+    }
+#endif
+    if (unprepared) {
+        free(wide), free(xsum);
+        return -1;
+    }
+    WqRows xr = {xf, xsum, K, G, prepared};
     const int64_t num_panels = (N + PL_NR - 1) / PL_NR, panel_bytes = G * block_bytes(w);
     int pairs_of_panels = 0; /* 4-bit bf16 tiles of many rows take two panels a call */
 #if defined(HAVE_BF16_PATH)
@@ -470,6 +514,6 @@ int sb_wq_linear(const struct sb_wq *w, const void *x, int x_fp32, int64_t rows,
             }
         }
     }
-    free(wide), free(xsum), free(pairs);
+    free(wide), free(xsum), free(prepared);
     return 0;
 }
