@@ -344,8 +344,9 @@ static void scaled_rows(const float *x, int64_t rows, int64_t K, int bits, float
             for (int i = 0; i < n; i++) out[m * K + k + i] = x[m * K + k + i] * scale[i];
 }
 
-/* 16 outputs as two halves of 8 lanes; up to 4 rows a tile (16 ymm registers); C chains of
- * FMAs per row and half, so that one row is not bound by the FMA's latency. */
+/* 16 outputs as two halves of 8 lanes; up to AVX2_TILE rows a tile (16 ymm registers); C
+ * chains of FMAs per row and half, so that one row is not bound by the FMA's latency. */
+#define AVX2_TILE 4
 static inline __attribute__((always_inline)) void panel_avx2_rows(
     const struct sb_wq *w, const uint8_t *panel, const WqRows *x, int64_t m0, const int bits,
     const int R, float out[WQ_ROWS][PL_NR]) {
@@ -354,12 +355,12 @@ static inline __attribute__((always_inline)) void panel_avx2_rows(
     const int C = R >= 3 ? 1 : (R == 1 ? 4 : 2);
     const int *offset = bits == 4 ? avx2_offset4 : avx2_offset8;
     const int top = per_step - 1, top_shift = bits; /* the top level: shifted down first */
-    const float *xr[4];
+    const float *xr[AVX2_TILE];
     for (int r = 0; r < R; r++) xr[r] = (const float *)x->prepared + (m0 + r) * x->K;
     memset(out, 0, sizeof(float) * WQ_ROWS * PL_NR);
     for (int64_t g = 0; g < x->G; g++) {
         const uint8_t *b = panel + g * bb;
-        __m256 part[4][2][4];
+        __m256 part[AVX2_TILE][2][4];
         for (int r = 0; r < R; r++)
             for (int h = 0; h < 2; h++)
                 for (int c = 0; c < C; c++) part[r][h][c] = _mm256_setzero_ps();
@@ -399,9 +400,9 @@ static inline __attribute__((always_inline)) void panel_avx2_rows(
     }
 }
 
-/* AVX2 tiles hold at most 4 rows (wq_pick's tile), so counts past 4 never come here. */
+/* AVX2 tiles hold at most AVX2_TILE rows (wq_pick's tile), so counts past it never come here. */
 #define panel_avx2_capped(w, p, x, m0, bits, R, out) \
-    panel_avx2_rows(w, p, x, m0, bits, (R) > 4 ? 4 : (R), out)
+    panel_avx2_rows(w, p, x, m0, bits, (R) > AVX2_TILE ? AVX2_TILE : (R), out)
 WQ_DISPATCH(panel_avx2, panel_avx2_capped)
 #define HAVE_AVX2_PATH 1
 #endif
@@ -418,7 +419,7 @@ static WqPanel wq_pick(int path, int bf16_rows, int *tile) {
     if (path == 0) return *tile = WQ_ROWS, panel_avx512;
 #endif
 #if defined(HAVE_AVX2_PATH)
-    if (path <= 1) return *tile = 4, panel_avx2;
+    if (path <= 1) return *tile = AVX2_TILE, panel_avx2;
 #endif
     (void)path;
     *tile = WQ_ROWS;
