@@ -1,5 +1,6 @@
-/* bf16 <-> fp32 for the native CPU kernels (the switchboard_kernels/ C sources): scalar, and AVX-512 where the
- * compiler targets it. Kernels load bf16 and accumulate in fp32. */
+/* bf16 <-> fp32 and fp16 -> fp32 for the native CPU kernels (the switchboard_kernels/ C
+ * sources): scalar, and AVX-512 where the compiler targets it. Kernels load bf16 (a quantized
+ * weight's scales and zeros fp16 too) and accumulate in fp32. */
 #ifndef SWITCHBOARD_BF16_H
 #define SWITCHBOARD_BF16_H
 
@@ -12,6 +13,18 @@
 static inline float bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v;
     v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+static inline float half_to_f32(uint16_t h) { /* fp16 -> fp32, exactly */
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        v.f = (float)man * (1.0f / 16777216.0f);
+        v.u |= sign;
+        return v.f;
+    }
+    v.u = sign | ((exp + 112u) << 23) | (man << 13); /* inf/NaN never stored */
     return v.f;
 }
 

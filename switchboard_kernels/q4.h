@@ -49,18 +49,6 @@ static int q4_rows_alloc(Q4Rows *r, int64_t rows, int64_t K) {
 
 static void q4_rows_free(Q4Rows *r) { free(r->q), free(r->scale), free(r->sum); }
 
-static float half_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    union { uint32_t u; float f; } v;
-    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
-        v.f = (float)man * (1.0f / 16777216.0f);
-        v.u |= sign;
-        return v.f;
-    }
-    v.u = sign | ((exp + 112u) << 23) | (man << 13); /* inf/NaN never stored */
-    return v.f;
-}
-
 /* Rounds each group of 64 values of each row to int8 levels (nearest, ties away from 0). */
 static void q4_quantize_rows(const void *x, int x_fp32, int64_t rows, Q4Rows *r) {
     int64_t K = r->K, G = r->G;

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 BITS = (4, 8)
+FP16_SMALLEST_NORMAL = 2.0**-14
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,14 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     )
 
 
+def fp16_scales(scales: torch.Tensor) -> torch.Tensor | None:
+    """``scales`` rounded to fp16 values, or None where one would leave fp16's normal range
+    (a subnormal keeps fewer digits; past 65504 it is infinite)."""
+    rounded = scales.half().float()
+    normal = (scales == 0) | (rounded.isfinite() & (rounded >= FP16_SMALLEST_NORMAL))
+    return rounded if bool(normal.all()) else None
+
+
 def quantize(
     weight: torch.Tensor,
     *,
@@ -119,13 +128,17 @@ def quantize(
     group_size: int,
     symmetric: bool,
     integer_zero: bool = True,
+    fp16_params: bool = False,
 ) -> QuantizedWeight:
     """Round to nearest, per group of ``group_size`` input features (``weight.shape[1]``: per
     output feature). Symmetric: zero 2**(bits-1), scale max|w| / (2**(bits-1) - 1); else the
     group's range over 2**bits - 1 levels with an integer zero (GPTQ's and AWQ's convention:
     the range stretched to hold 0). ``integer_zero=False`` (asymmetric only): the levels span
     the group's own minimum to maximum, the zero a float (llama.cpp's Q4_1 and HQQ's grid),
-    every level inside the range."""
+    every level inside the range. ``fp16_params``: the scales (and float zeros) are fp16
+    values, as GPTQ and AWQ store theirs, and the levels rounded on that grid, so the native
+    kernel holds them in 2 bytes (wq_native.pack); where one would not fit fp16 (or a float
+    zero would move by more than 1/64 of a step) the weight keeps fp32 ones."""
     out_features, in_features = weight.shape
     if in_features % group_size:
         raise ValueError(f"group size {group_size} does not divide {in_features} inputs")
@@ -134,19 +147,37 @@ def quantize(
     if symmetric:
         half = 2 ** (bits - 1)
         scales = w.abs().amax(-1) / (half - 1)
-        zeros = torch.full_like(scales, float(half))
     elif integer_zero:
         low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
         scales = (high - low) / top
-        zeros = torch.where(scales > 0, torch.round(-low / scales), 0.0).clamp(0, top)
     else:  # a constant group: scale 1, level 0 is its value
         low, high = w.amin(-1), w.amax(-1)
         scales = torch.where(high > low, (high - low) / top, 1.0)
+    rounded = fp16_scales(scales) if fp16_params else None
+    if symmetric:
+        scales = scales if rounded is None else rounded
+        zeros = torch.full_like(scales, float(half))
+    elif integer_zero:
+        scales = scales if rounded is None else rounded
+        zeros = torch.where(scales > 0, torch.round(-low / scales), 0.0).clamp(0, top)
+    else:
+        if rounded is not None:
+            zeros = (-low / rounded).half().float()
+            if float((zeros + low / rounded).abs().max()) <= 2.0**-6:
+                levels = torch.round(w / rounded[..., None] + zeros[..., None])
+                return _rounded(levels, rounded, zeros, bits, group_size)
         zeros = -low / scales
         levels = torch.round((w - low[..., None]) / scales[..., None])
-        levels = levels.clamp(0, top).to(torch.uint8).view(out_features, in_features)
-        return QuantizedWeight(levels, scales.contiguous(), zeros.contiguous(), bits, group_size)
+        return _rounded(levels, scales, zeros, bits, group_size)
     safe = torch.where(scales > 0, scales, 1.0)
     levels = torch.round(w / safe[..., None]) + zeros[..., None]
-    levels = levels.clamp(0, top).to(torch.uint8).view(out_features, in_features)
+    return _rounded(levels, scales, zeros, bits, group_size)
+
+
+def _rounded(
+    levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int
+) -> QuantizedWeight:
+    """The rounded levels [out, groups, group] clamped to ``bits`` as a QuantizedWeight."""
+    out_features = levels.shape[0]
+    levels = levels.clamp(0, 2**bits - 1).to(torch.uint8).view(out_features, -1)
     return QuantizedWeight(levels, scales.contiguous(), zeros.contiguous(), bits, group_size)

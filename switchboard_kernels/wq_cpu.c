@@ -16,7 +16,9 @@
  * the unpacking.
  *
  * Layout (wq_native.py packs it): panels of PL_NR outputs, each group one block: the levels
- * (group * PL_NR * bits / 8 bytes), then PL_NR fp32 scales, then PL_NR fp32 zeros.
+ * (group * PL_NR * bits / 8 bytes), then PL_NR scales, then PL_NR zeros, fp32, or fp16 where
+ * every scale and zero is one exactly (`half_params`; a GPTQ or AWQ checkpoint's, and the
+ * on-load quantizer's): a 4-bit group of 32 is then 320 bytes instead of 384.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,6 +46,7 @@ struct sb_wq {
     int64_t in_features, out_features, group_size, bits;
     const uint8_t *blocks; /* [ceil(out / 16)][in / group][block bytes] */
     const float *bias;     /* [out] or NULL */
+    int64_t half_params;   /* scales and zeros stored fp16, else fp32 */
 };
 
 /* The step's rows as the loops read them: fp32, and each group's sum. */
@@ -56,7 +59,24 @@ typedef struct {
 } WqRows;
 
 static int64_t level_bytes(const struct sb_wq *w) { return w->group_size * PL_NR * w->bits / 8; }
-static int64_t block_bytes(const struct sb_wq *w) { return level_bytes(w) + 2 * PL_NR * 4; }
+static int64_t block_bytes(const struct sb_wq *w) {
+    return level_bytes(w) + 2 * PL_NR * (w->half_params ? 2 : 4);
+}
+
+/* A group's scales and zeros (at p, after its levels) as fp32. */
+static void group_params(const struct sb_wq *w, const uint8_t *p, float s[PL_NR],
+                         float z[PL_NR]) {
+    if (!w->half_params) {
+        memcpy(s, p, sizeof(float) * PL_NR);
+        memcpy(z, p + sizeof(float) * PL_NR, sizeof(float) * PL_NR);
+        return;
+    }
+    for (int j = 0; j < PL_NR; j++) {
+        uint16_t hs, hz;
+        memcpy(&hs, p + 2 * j, 2), memcpy(&hz, p + 2 * (PL_NR + j), 2);
+        s[j] = half_to_f32(hs), z[j] = half_to_f32(hz);
+    }
+}
 
 /* --- the panel loops: out[r][j] = y[m0 + r, 16p + j] before bias and residual ------------ */
 
@@ -71,7 +91,7 @@ static void panel_portable(const struct sb_wq *w, const uint8_t *panel, const Wq
     for (int64_t g = 0; g < x->G; g++) {
         const uint8_t *b = panel + g * bb;
         float s[PL_NR], z[PL_NR];
-        memcpy(s, b + lb, sizeof s), memcpy(z, b + lb + sizeof s, sizeof z);
+        group_params(w, b + lb, s, z);
         for (int r = 0; r < rows; r++) {
             const float *xg = x->x + (m0 + r) * x->K + g * gs;
             float xs = x->xsum[(m0 + r) * x->G + g];
@@ -119,11 +139,17 @@ static void panel_portable(const struct sb_wq *w, const uint8_t *panel, const Wq
     }
 
 #if defined(__AVX512F__)
+/* group_params for 16 lanes: fp16 widened exactly (VCVTPH2PS). */
+static inline __m512 params512(const uint8_t *p, int half, int zeros) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2 * PL_NR * zeros)))
+                : _mm512_loadu_ps((const float *)p + PL_NR * zeros);
+}
+
 static inline __attribute__((always_inline)) void panel_avx512_rows(
     const struct sb_wq *w, const uint8_t *panel, const WqRows *x, int64_t m0, const int bits,
     const int R, float out[WQ_ROWS][PL_NR]) {
     const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
-    const int per_step = bits == 4 ? 8 : 4;
+    const int half = (int)w->half_params, per_step = bits == 4 ? 8 : 4;
     const int C = R >= 4 ? 1 : (R == 1 ? 4 : 2); /* FMA chains per row */
     const __m512i mask = _mm512_set1_epi32(bits == 4 ? 0x0f : 0xff);
     __m512 acc[WQ_ROWS];
@@ -154,8 +180,7 @@ static inline __attribute__((always_inline)) void panel_avx512_rows(
         }
         __builtin_prefetch(b + lb + WQ_PREFETCH_BYTES);
         __builtin_prefetch(b + lb + 64 + WQ_PREFETCH_BYTES);
-        __m512 s = _mm512_loadu_ps((const float *)(b + lb));
-        __m512 z = _mm512_loadu_ps((const float *)(b + lb) + PL_NR);
+        __m512 s = params512(b + lb, half, 0), z = params512(b + lb, half, 1);
         for (int r = 0; r < R; r++) {
             __m512 sum = part[r][0];
             for (int c = 1; c < C; c++) sum = _mm512_add_ps(sum, part[r][c]);
@@ -195,7 +220,7 @@ static inline __attribute__((always_inline)) void panel_bf16_rows(
     const struct sb_wq *w, const uint8_t *panel, const WqRows *x, int64_t m0, const int bits,
     const int R, float out[WQ_ROWS][PL_NR]) {
     const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
-    const int per_step = bits == 4 ? 8 : 4;
+    const int half = (int)w->half_params, per_step = bits == 4 ? 8 : 4;
     /* independent dot-product chains per row (8-bit: each of its two sums) */
     const int C = bits == 8 ? (R == 1 ? 2 : 1) : (R >= 4 ? 1 : (R == 1 ? 4 : 2));
     const uint16_t *xp = (const uint16_t *)x->prepared;
@@ -226,8 +251,8 @@ static inline __attribute__((always_inline)) void panel_bf16_rows(
         }
         __builtin_prefetch(b + lb + WQ_PREFETCH_BYTES);
         __builtin_prefetch(b + lb + 64 + WQ_PREFETCH_BYTES);
-        __m512 s = _mm512_loadu_ps((const float *)(b + lb));
-        __m512 z = _mm512_add_ps(_mm512_loadu_ps((const float *)(b + lb) + PL_NR),
+        __m512 s = params512(b + lb, half, 0);
+        __m512 z = _mm512_add_ps(params512(b + lb, half, 1),
                                  _mm512_set1_ps(bits == 4 ? 128.0f : 128.0f * 17.0f));
         for (int r = 0; r < R; r++) {
             __m512 sum = part[r][0];
@@ -261,6 +286,7 @@ static inline __attribute__((always_inline)) void pair_bf16_rows(
     const struct sb_wq *w, const uint8_t *panel, int64_t panel_bytes, const WqRows *x,
     int64_t m0, const int R, float out[2][WQ_ROWS][PL_NR]) {
     const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
+    const int half = (int)w->half_params;
     const uint16_t *xp = (const uint16_t *)x->prepared;
     for (int h = 0; h < 2; h++)
         for (int r = 0; r < R; r++) _mm512_storeu_ps(out[h][r], _mm512_setzero_ps());
@@ -289,9 +315,8 @@ static inline __attribute__((always_inline)) void pair_bf16_rows(
             }
         }
         for (int h = 0; h < 2; h++) {
-            __m512 s = _mm512_loadu_ps((const float *)(b[h] + lb));
-            __m512 z = _mm512_add_ps(_mm512_loadu_ps((const float *)(b[h] + lb) + PL_NR),
-                                     _mm512_set1_ps(128.0f));
+            __m512 s = params512(b[h] + lb, half, 0);
+            __m512 z = _mm512_add_ps(params512(b[h] + lb, half, 1), _mm512_set1_ps(128.0f));
             for (int r = 0; r < R; r++) {
                 __m512 sum = _mm512_fnmadd_ps(z, _mm512_set1_ps(x->xsum[(m0 + r) * x->G + g]),
                                               part[h][r]);
@@ -329,7 +354,14 @@ static void bf16_pairs(const uint16_t *x, int64_t rows, int64_t K, int bits, uin
             for (int i = 0; i < n; i++) out[m * K + k + i] = x[m * K + k + order[i]];
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* group_params for 8 lanes, half h of the panel's 16. */
+static inline __m256 params256(const uint8_t *p, int half, int zeros, int h) {
+    const int64_t at = PL_NR * zeros + 8 * h; /* the first lane's place, in values */
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * at)))
+                : _mm256_loadu_ps((const float *)p + at);
+}
+
 /* The AVX2 loop takes each level out of its lane with one AND, in place: masked at bit offset
  * b, the lane is the level times 2^b, which converts to fp32 exactly (at most 8 significant
  * bits), so the row's activation for that feature comes pre-scaled by 2^-b (scaled_rows; a
@@ -358,7 +390,7 @@ static inline __attribute__((always_inline)) void panel_avx2_rows(
     const struct sb_wq *w, const uint8_t *panel, const WqRows *x, int64_t m0, const int bits,
     const int R, float out[WQ_ROWS][PL_NR]) {
     const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
-    const int per_step = PL_STEP_FEATURES(bits);
+    const int half = (int)w->half_params, per_step = PL_STEP_FEATURES(bits);
     const int C = R >= 3 ? 1 : (R == 1 ? 4 : 2);
     const int *offset = bits == 4 ? avx2_offset4 : avx2_offset8;
     const int top = per_step - 1, top_shift = bits; /* the top level: shifted down first */
@@ -394,8 +426,7 @@ static inline __attribute__((always_inline)) void panel_avx2_rows(
         __builtin_prefetch(b + lb + WQ_PREFETCH_BYTES);      /* the scales */
         __builtin_prefetch(b + lb + 64 + WQ_PREFETCH_BYTES); /* the zeros */
         for (int h = 0; h < 2; h++) {
-            __m256 s = _mm256_loadu_ps((const float *)(b + lb) + 8 * h);
-            __m256 z = _mm256_loadu_ps((const float *)(b + lb) + PL_NR + 8 * h);
+            __m256 s = params256(b + lb, half, 0, h), z = params256(b + lb, half, 1, h);
             for (int r = 0; r < R; r++) {
                 __m256 sum = part[r][h][0];
                 for (int c = 1; c < C; c++) sum = _mm256_add_ps(sum, part[r][h][c]);

@@ -16,7 +16,7 @@ import torch
 
 from switchboard_kernels import native
 from switchboard_kernels.huge_pages import copy_to_huge_pages
-from switchboard_kernels.panel_levels import PANEL, by_panel, pack_levels
+from switchboard_kernels.panel_levels import by_panel, pack_levels
 from switchboard_kernels.quantized_weight import QuantizedWeight
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -40,6 +40,7 @@ class _Wq(ctypes.Structure):
         ("bits", _i64),
         ("blocks", _ptr),
         ("bias", _ptr),
+        ("half_params", _i64),
     ]
 
 
@@ -49,15 +50,24 @@ def fits(q: QuantizedWeight) -> bool:
     return q.group_size % (8 if q.bits == 4 else 4) == 0
 
 
-def pack(q: QuantizedWeight) -> torch.Tensor:
-    """``q`` in the kernel's layout: [panels, groups, levels + 16 scales + 16 zeros] bytes."""
+def fp16_exact(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is an fp16 value (so the kernel may hold it in 2 bytes)."""
+    return bool(torch.equal(t.half().float(), t.float()))
+
+
+def pack(q: QuantizedWeight) -> tuple[torch.Tensor, bool]:
+    """``q`` in the kernel's layout: [panels, groups, levels + 16 scales + 16 zeros] bytes, and
+    whether the scales and zeros are stored fp16 (where every one of them is an fp16 value,
+    as a GPTQ or AWQ checkpoint's and the on-load quantizer's are), else fp32."""
     levels = pack_levels(q.levels, q.bits, q.group_size)
     panels, groups = levels.shape[:2]
+    half = fp16_exact(q.scales) and fp16_exact(q.zeros)
+    dtype = torch.float16 if half else torch.float32
 
-    def floats(t: torch.Tensor) -> torch.Tensor:  # [out, groups] fp32 -> [p, g, 64] bytes
-        return by_panel(t.float()).view(torch.uint8).view(panels, groups, 4 * PANEL)
+    def params(t: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [p, g, 16 values] bytes
+        return by_panel(t.float()).to(dtype).view(torch.uint8).view(panels, groups, -1)
 
-    return torch.cat([levels, floats(q.scales), floats(q.zeros)], dim=-1).contiguous()
+    return torch.cat([levels, params(q.scales), params(q.zeros)], dim=-1).contiguous(), half
 
 
 class WqLinear:
@@ -77,8 +87,9 @@ class WqLinear:
         if not fits(q):
             raise ValueError(f"{q.bits}-bit groups of {q.group_size} do not fit the kernel")
         self.out_features, self.in_features = q.shape
-        self.blocks = copy_to_huge_pages(pack(q))
-        self.nbytes = q.packed_bytes
+        blocks, half_params = pack(q)
+        self.blocks = copy_to_huge_pages(blocks)
+        self.nbytes = blocks.numel()
         self.input_order = q.input_order
         self.fp32_out = fp32_out
         self.bias = None if bias is None else bias.float().contiguous()
@@ -89,6 +100,7 @@ class WqLinear:
             q.bits,
             self.blocks.data_ptr(),
             None if self.bias is None else self.bias.data_ptr(),
+            half_params,
         )
         self.desc_address = ctypes.addressof(self._desc)
         self._call = kernel.linear

@@ -87,3 +87,39 @@ def test_a_float_zero_spans_each_group_from_its_minimum_to_its_maximum():
     spread = g.amax(-1) > g.amin(-1)
     stretched = quantize(w, bits=4, group_size=32, symmetric=False).scales
     assert (stretched[spread] > q.scales[spread]).all()
+
+
+def fp16_values(t: torch.Tensor) -> bool:
+    return torch.equal(t.half().float(), t)
+
+
+@pytest.mark.parametrize("symmetric,integer_zero", [(True, True), (False, True), (False, False)])
+def test_fp16_params_round_on_their_own_grid(symmetric, integer_zero):
+    """``fp16_params`` (the on-load quantizer's): scales and zeros are fp16 values (the native
+    kernel then holds them in 2 bytes) and every weight is still within half a step of its
+    level, the levels rounded on the rounded grid."""
+    w = make_weight() * 0.02
+    q = quantize(
+        w, bits=4, group_size=32, symmetric=symmetric, integer_zero=integer_zero, fp16_params=True
+    )
+    assert fp16_values(q.scales) and fp16_values(q.zeros)
+    error = (q.dequantize() - w).abs().view(24, -1, 32)
+    assert (error <= q.scales[..., None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [
+        make_weight() * 1e6,  # scales past fp16's largest value
+        make_weight() * 1e-7,  # scales below its smallest normal: fewer digits
+        make_weight() * 1e-3 + 100.0,  # float zeros near -100 / 1e-3: fp16 would move them
+    ],
+    ids=["huge", "tiny", "far-zero"],
+)
+def test_fp16_params_fall_back_to_fp32_where_they_would_lose_digits(weight):
+    q = quantize(
+        weight, bits=4, group_size=32, symmetric=False, integer_zero=False, fp16_params=True
+    )
+    exact = quantize(weight, bits=4, group_size=32, symmetric=False, integer_zero=False)
+    assert torch.equal(q.levels, exact.levels) and torch.equal(q.scales, exact.scales)
+    assert not (fp16_values(q.scales) and fp16_values(q.zeros))

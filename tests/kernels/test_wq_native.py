@@ -31,6 +31,12 @@ def act_order(q: QuantizedWeight, seed: int) -> QuantizedWeight:
     return QuantizedWeight(q.levels, q.scales, q.zeros, q.bits, q.group_size, order)
 
 
+def fp16_params(q: QuantizedWeight) -> QuantizedWeight:
+    """``q`` with its scales and zeros rounded to fp16 values: the kernel holds them in 2 bytes."""
+    scales, zeros = q.scales.half().float(), q.zeros.half().float()
+    return QuantizedWeight(q.levels, scales, zeros, q.bits, q.group_size, q.input_order)
+
+
 def check(q, bias, x, residual, fp32_out, path):
     got = WqLinear(q, bias, fp32_out=fp32_out)(x, residual, path=path)
     want = QuantizedReference(q, bias, fp32_out=fp32_out)(x, residual)
@@ -52,12 +58,17 @@ def check(q, bias, x, residual, fp32_out, path):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128, None], ids=lambda g: f"g{g or 'channel'}")
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
-def test_every_loop_matches_the_reference(path, bits, group, symmetric):
+@pytest.mark.parametrize("half", [False, True], ids=["fp32-params", "fp16-params"])
+def test_every_loop_matches_the_reference(path, bits, group, symmetric, half):
     # one row, a tile and what is left of it, a partial last panel
     for rows, out_features, in_features in [(1, 16, 128), (3, 33, 256), (11, 50, 384)]:
         seed = rows * 7 + bits + (group or 0)
         w = weight(out_features, in_features, seed)
         q = quantize(w, bits=bits, group_size=group or in_features, symmetric=symmetric)
+        if half:
+            q = fp16_params(q)
+        # the layout follows the values: 2-byte scales and zeros only where all are fp16 values
+        assert WqLinear(q)._desc.half_params == half
         gen = torch.Generator().manual_seed(seed + 1)
         bias = torch.randn(out_features, generator=gen)
         x = 3 * torch.randn(rows, in_features, generator=gen)

@@ -64,7 +64,9 @@ def dequantized_reference(base, bits: int, group: int | None, symmetric: bool):
 
     def rtn(w: torch.Tensor) -> torch.Tensor:  # [out, in]
         g = w.shape[1] if group is None else group
-        q = quantize(w, bits=bits, group_size=g, symmetric=symmetric, integer_zero=False)
+        q = quantize(
+            w, bits=bits, group_size=g, symmetric=symmetric, integer_zero=False, fp16_params=True
+        )
         return q.dequantize()
 
     with torch.no_grad():
