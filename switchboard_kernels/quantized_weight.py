@@ -146,21 +146,16 @@ def quantize(
     top = 2**bits - 1
     if symmetric:
         half = 2 ** (bits - 1)
-        scales = w.abs().amax(-1) / (half - 1)
+        scales = _on_fp16_grid(w.abs().amax(-1) / (half - 1), fp16_params)
+        zeros = torch.full_like(scales, float(half))
     elif integer_zero:
         low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
-        scales = (high - low) / top
+        scales = _on_fp16_grid((high - low) / top, fp16_params)
+        zeros = torch.where(scales > 0, torch.round(-low / scales), 0.0).clamp(0, top)
     else:  # a constant group: scale 1, level 0 is its value
         low, high = w.amin(-1), w.amax(-1)
         scales = torch.where(high > low, (high - low) / top, 1.0)
-    rounded = fp16_scales(scales) if fp16_params else None
-    if symmetric:
-        scales = scales if rounded is None else rounded
-        zeros = torch.full_like(scales, float(half))
-    elif integer_zero:
-        scales = scales if rounded is None else rounded
-        zeros = torch.where(scales > 0, torch.round(-low / scales), 0.0).clamp(0, top)
-    else:
+        rounded = fp16_scales(scales) if fp16_params else None
         if rounded is not None:
             zeros = (-low / rounded).half().float()
             if float((zeros + low / rounded).abs().max()) <= 2.0**-6:
@@ -172,6 +167,13 @@ def quantize(
     safe = torch.where(scales > 0, scales, 1.0)
     levels = torch.round(w / safe[..., None]) + zeros[..., None]
     return _rounded(levels, scales, zeros, bits, group_size)
+
+
+def _on_fp16_grid(scales: torch.Tensor, fp16_params: bool) -> torch.Tensor:
+    """``scales`` rounded to fp16 values where asked and they fit (``fp16_scales``), else as
+    they are."""
+    rounded = fp16_scales(scales) if fp16_params else None
+    return scales if rounded is None else rounded
 
 
 def _rounded(

@@ -95,7 +95,7 @@ class OnLoad:
             group_size=group,
             symmetric=SYMMETRIC[self.method],
             integer_zero=False,
-            fp16_params=True,  # 2-byte scales and zeros in the kernel: a fifth fewer bytes at int4
+            fp16_params=True,  # 2-byte scales and zeros in the kernel: a sixth fewer bytes at int4
         )
 
 
