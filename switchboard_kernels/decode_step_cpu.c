@@ -147,10 +147,15 @@ static inline float load1(const void *base, int64_t i, int fp32) {
  * to flat cache slot slots[r]; it attends keys 0 .. positions[r] through its block table,
  * tables[table_starts[r]:]. With `lora` (nullable), each projection group's LoRA delta
  * added for the rows of its adapters. Then logits[r] = lm_head(final_norm(h[r])), fp32
- * [rows, logits_width]. Returns 0, -1 if scratch memory ran out, or a kernel's error. */
+ * [rows, logits_width]. `interrupt` (nullable) is read before each layer: nonzero stops the
+ * step there (another thread set it: worker/model/step_interrupt.py), its K/V written so far
+ * left for the step that runs again. Returns 0, SB_STEP_INTERRUPTED, -1 if scratch memory
+ * ran out, or a kernel's error (negative). */
+#define SB_STEP_INTERRUPTED 1
 int sb_decode_step(const struct sb_step_model *m, int64_t rows, const int64_t *tokens,
                    const int64_t *positions, const int64_t *slots, const int64_t *table_starts,
-                   const int64_t *tables, const struct sb_step_lora *lora, float *logits) {
+                   const int64_t *tables, const struct sb_step_lora *lora, float *logits,
+                   const int32_t *interrupt) {
     const int fp32 = (int)m->fp32;
     const int64_t H = m->hidden, hd = m->head_dim, Q = m->heads * hd, KV = m->kv_heads * hd;
     const int64_t QKV = Q + 2 * KV, I = m->intermediate, elem = fp32 ? 4 : 2;
@@ -173,6 +178,10 @@ int sb_decode_step(const struct sb_step_model *m, int64_t rows, const int64_t *t
     }
     status = 0;
     for (int64_t l = 0; l < m->num_layers && !status; l++) {
+        if (interrupt && __atomic_load_n(interrupt, __ATOMIC_RELAXED)) {
+            status = SB_STEP_INTERRUPTED;
+            break;
+        }
         const struct sb_step_layer *L = m->layers + l;
         norm(stream, H, L->input_norm, x, H, rows, H, m->eps);
         if ((status = project(&L->qkv, x, rows, fp32, qkv))) break;

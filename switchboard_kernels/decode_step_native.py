@@ -25,6 +25,7 @@ from switchboard_kernels.wq_native import WqLinear
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 PANELS, WQ = 0, 1  # ``kind`` in decode_step_cpu.c
+INTERRUPTED = 1  # SB_STEP_INTERRUPTED: the step stopped before a layer
 
 
 class Projection(Protocol):
@@ -238,12 +239,17 @@ class NativeDecodeStep:
         )
 
     def __call__(
-        self, feeds: Sequence[tuple[int, int, Sequence[int]]], lora: StepLora | None = None
-    ) -> torch.Tensor:
+        self,
+        feeds: Sequence[tuple[int, int, Sequence[int]]],
+        lora: StepLora | None = None,
+        *,
+        interrupt: int | None = None,
+    ) -> torch.Tensor | None:
         """``feeds``: per sequence, (the token it feeds, its position, its block table); the
         token's K/V written where the table puts that position. ``lora``: the sequences'
         adapters, its mapping's rows in the feeds' order. Returns the logits after each,
-        [sequences, the output layer's width] fp32."""
+        [sequences, the output layer's width] fp32; or None if the int32 at address
+        ``interrupt`` was nonzero before a layer (the step stopped there)."""
         bs, rows = self.block_size, len(feeds)
         if not 0 < rows <= self.max_rows:
             raise ValueError(f"native decode step: {rows} rows, at most {self.max_rows}")
@@ -274,7 +280,10 @@ class NativeDecodeStep:
             base + 32 * rows,
             None if lora_struct is None else ctypes.addressof(lora_struct[0]),
             logits.data_ptr(),
+            interrupt,
         )
+        if status == INTERRUPTED:
+            return None
         if status:
             raise MemoryError(f"native decode step: a kernel failed ({status})")
         return logits
@@ -315,7 +324,7 @@ class NativeStepKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.step = lib.sb_decode_step
         self.step.restype = _int
-        self.step.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
+        self.step.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
 
 
 @functools.cache

@@ -27,6 +27,7 @@ from worker.model.llama import LlamaModel
 from worker.model.model_runner import ModelRunner
 from worker.model.op_choice import NATIVE, TORCH, fixed_op_plans
 from worker.model.quantize_on_load import OnLoad
+from worker.model.step_interrupt import StepAbandoned
 
 pytestmark = pytest.mark.skipif(native_step() is None, reason="no C compiler here")
 BLOCK = 4  # small blocks: the sequences below cross several
@@ -65,11 +66,14 @@ def caches(runner) -> list[torch.Tensor]:
     return [t.clone() for kv in runner.kv_caches for t in kv]
 
 
-def decode_both_ways(runner, blocks, prompts: list[list[int]], steps: int, *, kept_only=False):
+def decode_both_ways(
+    runner, blocks, prompts: list[list[int]], steps: int, *, kept_only=False, stopped_first=False
+):
     """Each prompt prefilled through torch, then ``steps`` steps of every sequence decoding
     its next token (the prompt's own tokens cycled: the same tokens both ways), each step
     run natively, then again through torch over the same slots. Asserts each step's logits
-    and caches equal; returns how many steps ran natively."""
+    and caches equal; returns how many steps ran natively. ``stopped_first``: each step is
+    first run natively with its interrupt raised, which must stop it (StepAbandoned)."""
     step = runner.native_step
     seqs = [Sequence(str(i), list(p), None, 0) for i, p in enumerate(prompts)]
     for s, p in zip(seqs, prompts, strict=True):
@@ -81,6 +85,12 @@ def decode_both_ways(runner, blocks, prompts: list[list[int]], steps: int, *, ke
             s.tokens.append(p[t % len(p)])
         scheduled = [ScheduledSequence(s, len(s.tokens) - 1, 1) for s in seqs]
         runner.native_step = step
+        if stopped_first:
+            runner.model.interrupt.arm()
+            assert runner.model.interrupt.request()
+            with pytest.raises(StepAbandoned):
+                runner._execute_native_step(scheduled, kept_only)
+            runner.model.interrupt.disarm()
         native = runner._execute_native_step(scheduled, kept_only)
         assert native is not None
         after_native = caches(runner)
@@ -105,6 +115,14 @@ def test_steps_equal_the_torch_path(checkpoint, dtype):
     runner, blocks = runner_for(checkpoint, dtype)
     assert runner.native_step is not None
     decode_both_ways(runner, blocks, PROMPTS, steps=9)
+
+
+def test_a_step_stopped_by_its_interrupt_raises_and_runs_again_exactly(checkpoint):
+    """The flag an interactive arrival raises (worker.model.step_interrupt) stops the step
+    before its first layer; the step run again gives the torch path's logits and K/V."""
+    runner, blocks = runner_for(checkpoint, torch.bfloat16)
+    assert runner.native_step is not None
+    decode_both_ways(runner, blocks, PROMPTS, steps=3, stopped_first=True)
 
 
 @pytest.mark.parametrize("method", ["int4", "int8"])

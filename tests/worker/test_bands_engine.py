@@ -63,3 +63,75 @@ def test_batch_rows_held_back_and_given_back_keep_every_token(target):
     assert engine.scheduler.num_preemptions >= 1
     assert any(0 < sum(r.startswith("b") for r in p) < 6 for p in plans)
     assert_no_block_leaks(engine)
+
+
+def stopped_run(engine: LLMEngine, *, every: int) -> tuple[dict[str, list[int]], int]:
+    """Six batch lines and, after four steps, a chat; every ``every``-th step of batch work
+    alone is asked to stop at its second layer (the torch path) or before its first (the
+    native decode step, which reads the flag in C), as an interactive arrival asks. A stop
+    asked during a step that carries interactive work must do nothing. Returns the tokens by
+    request and how many steps the native decode step ran."""
+    runner, interrupt = engine.runner, engine.runner.model.interrupt
+    check, execute = interrupt.check, runner.execute
+    armed_steps, layer, native_calls = [0], [0], [0]
+
+    def checked() -> None:
+        if not interrupt.armed:
+            assert engine.stop_batch_step() is False  # interactive work: never stopped
+        elif layer[0] == 1 and armed_steps[0] % every == 0:
+            assert engine.stop_batch_step() is True
+        layer[0] += 1
+        check()
+
+    def counted(scheduled, **kwargs):
+        layer[0] = 0
+        if interrupt.armed:
+            armed_steps[0] += 1
+        return execute(scheduled, **kwargs)
+
+    class NativeStopped:
+        """The native step, asked to stop before it starts on the chosen armed steps."""
+
+        def __init__(self, step) -> None:
+            self.step = step
+
+        def __getattr__(self, name):
+            return getattr(self.step, name)
+
+        def __call__(self, feeds, lora=None, *, interrupt=None):
+            native_calls[0] += 1
+            if engine.runner.model.interrupt.armed and armed_steps[0] % every == 0:
+                assert engine.stop_batch_step() is True
+            return self.step(feeds, lora, interrupt=interrupt)
+
+    interrupt.check, runner.execute = checked, counted
+    if runner.native_step is not None:  # (every CPU with the native kernels, in bf16)
+        runner.native_step = NativeStopped(runner.native_step)
+    batch = random_prompts(6, min_len=6, max_len=14, seed=11)
+    chat = random_prompts(1, min_len=5, max_len=20, seed=12)[0]
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"b{i}", prompt, greedy(12), tenant="bulk", band=Band.BATCH)
+    done = {}
+    for step in range(400):
+        if step == 4:
+            engine.add_request("c0", chat, greedy(6), tenant="chat")
+        if not engine.has_unfinished_requests:
+            break
+        for out in engine.step():
+            if out.finished:
+                assert out.finish_reason == "length", out
+                done[out.request_id] = out
+    return {rid: out.token_ids for rid, out in done.items()}, native_calls[0]
+
+
+def test_batch_steps_stopped_midway_run_again_with_every_token_kept(target):
+    """Each stopped step is dropped whole and run again (its K/V written at positions not yet
+    computed, its charges made once): every greedy token is the one a plain engine gives."""
+    kwargs = {"dtype": "bfloat16", "block_size": 4, "max_num_batched_tokens": 64}
+    expected, _ = stopped_run(LLMEngine(target, engine_config(**kwargs)), every=10**9)
+    engine = LLMEngine(target, engine_config(**kwargs))
+    got, native_calls = stopped_run(engine, every=2)
+    assert got == expected and len(got) == 7
+    assert native_calls > 5 or engine.runner.native_step is None  # both paths were stopped
+    assert engine.runner.model.interrupt.abandoned >= 5
+    assert_no_block_leaks(engine)

@@ -8,9 +8,8 @@ carries interactive work, batch work may add only the tokens that keep the step 
 ``BATCH_SLOWDOWN`` of the interactive work's own time. The rest of the batch work waits (its
 decodes take turns), holding its KV blocks. With no interactive work every batch decode runs
 and the lines' prompt chunks fill the step up to ``BATCH_STEP_S`` (at least
-``MIN_PREFILL_TOKENS``): an interactive arrival waits for the step in flight, and a batch's
-first step (all its lines' prompts at once) took 0.7 s on a 2-core Zen 4 (bench.batch), seven
-times a chat's own first token.
+``MIN_PREFILL_TOKENS``); an interactive arrival stops such a step at its next layer
+(``worker.model.step_interrupt``), and the bound is what a step dropped that way may waste.
 """
 
 from __future__ import annotations
@@ -19,7 +18,8 @@ from worker.core.step_budget import StepTimes
 
 # The most a step carrying interactive work may be slowed by the batch work beside it.
 BATCH_SLOWDOWN = 0.10
-# The longest a step of batch work alone may take (what an interactive arrival may wait for).
+# The longest a step of batch work alone may take (what an interactive arrival may make it
+# drop: it stops at the arrival's next layer and is run again).
 BATCH_STEP_S = 0.25
 
 

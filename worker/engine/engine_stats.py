@@ -36,6 +36,8 @@ class EngineStats:
     # Content ids that waiting requests need and no device slot holds (what the Gateway API
     # Inference Extension reads as `waiting_lora_adapters`).
     waiting_adapters: tuple[str, ...] = ()
+    # Steps of batch work alone stopped midway for interactive arrivals (and run again).
+    batch_steps_stopped: int = 0
 
 
 def snapshot(engine: LLMEngine) -> EngineStats:
@@ -56,6 +58,7 @@ def snapshot(engine: LLMEngine) -> EngineStats:
         tenants=engine.scheduler.ledger.snapshot(),
         residency=manager.residency() if manager is not None else AdapterResidency(),
         waiting_adapters=_waiting_adapters(engine) if manager is not None else (),
+        batch_steps_stopped=engine.runner.model.interrupt.abandoned,
     )
 
 

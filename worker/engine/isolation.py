@@ -5,7 +5,8 @@ logits and K/V depend only on its own tokens, so running parts of a batch apart 
 same slots with the same values and gives each sequence the same rows); sampling is redone
 row by row, with seeded generators rewound first so their draws are those of a clean step.
 Each costs nothing until a step raises. A tensor-parallel group that fails
-(``TensorParallelError``) is not a request's fault and is never isolated: it propagates.
+(``TensorParallelError``) is not a request's fault and is never isolated: it propagates, as
+does a step stopped for interactive work (``StepAbandoned``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from worker.core.batch import ScheduledSequence
 from worker.core.sequence import Sequence
 from worker.errors import NonFiniteLogitsError, SequenceFailedError, TensorParallelError
+from worker.model.step_interrupt import StepAbandoned
 from worker.sampling.rows import SampledToken, SamplingRow
 from worker.sampling.sampler import Sampler, why_unusable
 
@@ -44,7 +46,7 @@ def execute_isolating(execute: Execute, scheduled: list[ScheduledSequence]) -> E
     try:
         sampling, logits = execute(scheduled)
         return Executed(sampling, logits)
-    except TensorParallelError:
+    except (TensorParallelError, StepAbandoned):
         raise
     except Exception as exc:
         if len(scheduled) == 1:
@@ -59,7 +61,7 @@ def execute_isolating(execute: Execute, scheduled: list[ScheduledSequence]) -> E
         try:
             sampling, logits = execute(part)
             parts.append(Executed(sampling, logits))
-        except TensorParallelError:
+        except (TensorParallelError, StepAbandoned):
             raise
         except Exception as exc:
             if len(part) == 1:

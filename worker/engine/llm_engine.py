@@ -54,6 +54,7 @@ from worker.errors import (
     SequenceFailedError,
     UnknownAdapterError,
 )
+from worker.model.step_interrupt import StepAbandoned
 from worker.sampling.grammar import GrammarCompiler, MaskBatch
 from worker.sampling.rows import SamplingRow
 from worker.sampling.sampler import Sampler
@@ -374,7 +375,18 @@ class LLMEngine:
         if sched.is_empty:
             return stage.render_committed()
         start = time.perf_counter()
-        executed = execute_isolating(self.runner.execute, sched.scheduled)
+        interrupt = self.runner.model.interrupt
+        abandonable = self._abandonable(sched.scheduled)
+        if abandonable:
+            interrupt.arm()
+        try:
+            executed = execute_isolating(self.runner.execute, sched.scheduled)
+        except StepAbandoned:  # interactive work arrived: nothing of this step counts
+            interrupt.abandoned += 1
+            return stage.render_committed()
+        finally:
+            if abandonable:
+                interrupt.disarm()
         sampling, logits = executed.sampling, executed.logits
         # A step of decodes only prices a draft model's passes (a prefill would inflate it).
         decodes_only = executed.parts == 1 and all(s.num_tokens == 1 for s in sched.scheduled)
@@ -415,6 +427,19 @@ class LLMEngine:
         return outputs + [
             stage.fail(seq, exc) for seq, exc in failed if seq.request_id in self.requests
         ]
+
+    def stop_batch_step(self) -> bool:
+        """From any thread, when interactive work arrives: the step in flight, if it is batch
+        work alone, stops at its next layer and is dropped (``worker.model.step_interrupt``);
+        whether one was in flight."""
+        return self.runner.model.interrupt.request()
+
+    def _abandonable(self, scheduled: list[ScheduledSequence]) -> bool:
+        """Whether a step may be stopped midway: batch work alone, no drafts to verify (their
+        proposals belong to the step), the whole pass in this process."""
+        return self.runner.model.group is None and all(
+            s.seq.band is Band.BATCH and not s.num_spec for s in scheduled
+        )
 
     def take_failures(self) -> dict[str, EngineError]:
         """Requests that failed a step alone since the last call, with their errors."""

@@ -55,6 +55,7 @@ from worker.model.rope import (
 )
 from worker.model.saved_modules import HeadPatch, apply_heads
 from worker.model.sharding import Shard, Span, check_divisible, weight_slicer
+from worker.model.step_interrupt import StepInterrupt
 
 if TYPE_CHECKING:
     from worker.model.lora_manager import LoraBatch
@@ -116,6 +117,9 @@ class LlamaModel:
         half = dtype in (torch.bfloat16, torch.float16)
         self.residual_dtype = torch.float32 if half and self.device.type == "cpu" else dtype
         self.group = group
+        # An armed step of batch work stops at a layer's start when interactive work arrives
+        # (``worker.model.step_interrupt``; the engine arms it, never under a group).
+        self.interrupt = StepInterrupt()
         c = config
         self.shard = group.shard if group is not None else Shard(0, 1)
         self.num_heads = c.num_heads // self.shard.size  # this rank's heads
@@ -275,6 +279,7 @@ class LlamaModel:
         for index, (layer, (key_cache, value_cache)) in enumerate(
             zip(self.layers, kv_caches, strict=True)
         ):
+            self.interrupt.check()
             adapters = None if lora is None else _LayerLora(lora, index, self.group)
             x = self.ops.rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
             qkv = layer.qkv(x)
@@ -329,6 +334,7 @@ class LlamaModel:
         for index, (layer, (key_cache, value_cache)) in enumerate(
             zip(self.layers, kv_caches, strict=True)
         ):
+            self.interrupt.check()
             adapters = None if lora is None else _LayerLora(lora, index, self.group)
             x = (
                 hidden.to(self.dtype)

@@ -22,6 +22,7 @@ from worker.model.model_config import ModelConfig
 from worker.model.op_choice import NATIVE
 from worker.model.prompt_logprobs import record_prompt_logprobs, wants_prompt_logprobs
 from worker.model.step_inputs import StepInputs, prepare_step
+from worker.model.step_interrupt import StepAbandoned
 
 
 def kv_bytes_per_block(
@@ -251,7 +252,9 @@ class ModelRunner:
                 return None  # a load, DoRA or saved modules: the torch path's
             lora = manager.prepare(adapters, all_decode=True)
         feeds = [(s.seq.tokens[s.start], s.start, s.seq.block_table) for s in scheduled]
-        logits = step(feeds, lora)
+        logits = step(feeds, lora, interrupt=self.model.interrupt.address)
+        if logits is None:
+            raise StepAbandoned
         return list(scheduled), logits if kept_only else self.model.full_logits(logits)
 
     def _indices(self, values: list[int]) -> torch.Tensor:

@@ -174,6 +174,7 @@ class AsyncEngine:
                 tenant_weight,
                 received,
                 band,
+                stop_batch_step=band is Band.INTERACTIVE,
             )
             while unfinished:
                 item = await queue.get()

@@ -93,8 +93,10 @@ class EngineLoop:
             self._commands.append(command)
             self._wakeup.notify()
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` on the loop thread; its result or exception comes back here."""
+    async def call(self, fn: Callable[..., Any], *args: Any, stop_batch_step: bool = False) -> Any:
+        """Run ``fn(*args)`` on the loop thread; its result or exception comes back here.
+        ``stop_batch_step``: interactive work: a step of batch work alone in flight stops at
+        its next layer (``LLMEngine.stop_batch_step``), so ``fn`` runs now, not after it."""
         if not self.running or self._loop is None:
             raise EngineStoppedError("the engine loop is not running")
         future = self._loop.create_future()
@@ -111,6 +113,8 @@ class EngineLoop:
                 self._to_event_loop(settle_future, future, result, None)
 
         self.post(command)
+        if stop_batch_step:  # after the post: the loop's next turn finds the command
+            self.engine.stop_batch_step()
         return await future
 
     def deliver(self, outputs: list[RequestOutput]) -> None:

@@ -70,6 +70,11 @@ class EngineStatsCollector(Collector):
             "Bytes of adapter weights in the host cache.",
             where.host_bytes,
         )
+        yield _counter(
+            "batch_steps_stopped",
+            "Steps of batch work alone stopped midway for interactive arrivals, then run again.",
+            stats.batch_steps_stopped,
+        )
         yield lora_requests_info(stats, now=time.time())
         evictions = CounterMetricFamily(
             "switchboard_worker_adapter_evictions",
