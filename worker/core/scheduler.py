@@ -33,7 +33,7 @@ import time
 from collections import deque
 
 from worker.core.adapter_gate import AdapterGate
-from worker.core.bands import batch_token_room
+from worker.core.bands import batch_rows_beside_decodes, batch_token_room
 from worker.core.batch import BlockMove, MoveKind, ScheduledSequence, SchedulerOutput
 from worker.core.block_manager import BlockManager
 from worker.core.burst import BurstRule
@@ -111,6 +111,9 @@ class Scheduler:
         # None: no bound (no interactive work, or step times unknown).
         self._batch_room: int | None = None
         self._batch_alone = False  # no interactive work: the room bounds batch prompts only
+        # Beside interactive decodes alone: batch decodes only, no prompt chunks
+        # (``bands.batch_rows_beside_decodes``).
+        self._batch_decodes_only = False
         # Batch decodes given their turn in the step in the making, with their turn before
         # (given back if an interactive prompt takes their place: ``_yield_to_prompts``).
         self._turns_given: list[tuple[Sequence, int]] = []
@@ -263,20 +266,35 @@ class Scheduler:
         """While interactive sequences run or wait, the batch tokens the step may carry beside
         them (``bands.batch_token_room``: within a tenth of their own step time), counting
         their decodes and their prompts' next chunks (an arrival's first step is held to it
-        too). Within ``ACTIVE_GRACE_S`` of the latest interactive sequence's end, as if one
-        decoded: a closed-loop client's next request comes just after its answer, and would
-        otherwise wait for a whole step of batch work. Without interactive work, a step of batch
-        work within ``bands.BATCH_STEP_S``. None without step times."""
+        too); beside interactive decodes alone, batch decode rows only, priced on steps of
+        decodes alone (``bands.batch_rows_beside_decodes``). Within ``ACTIVE_GRACE_S`` of the
+        latest interactive sequence's end, as if one decoded: a closed-loop client's next
+        request comes just after its answer, and would otherwise wait for a whole step of batch
+        work. Without interactive work, a step of batch work within ``bands.BATCH_STEP_S``.
+        None without step times."""
+        self._batch_decodes_only = False
         if self.step_budget is None:
             return None
-        interactive = 0
+        interactive = rows = 0
+        prompts = False
         for seq in (*self.running, *self.waiting):
-            if seq.band is Band.INTERACTIVE:
-                interactive += min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
+            if seq.band is Band.INTERACTIVE and seq.num_uncomputed_tokens:
+                tokens = min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
+                interactive += tokens
+                decode = seq.status is SequenceStatus.RUNNING and tokens == 1
+                if decode and not seq.spec_token_ids:
+                    rows += 1
+                else:
+                    prompts = True
         interactive = min(interactive, self.max_num_batched_tokens)
         if not interactive and time.monotonic() - self.interactive_left_at < ACTIVE_GRACE_S:
-            interactive = 1
+            interactive = rows = 1
         self._batch_alone = interactive == 0
+        if rows and not prompts:
+            batch_rows = batch_rows_beside_decodes(self.step_budget, rows)
+            if batch_rows is not None:
+                self._batch_decodes_only = True
+                return batch_rows
         return batch_token_room(self.step_budget.times, interactive)
 
     def _batch_decodes_held_back(self, decodes: list[Sequence]) -> list[Sequence]:
@@ -290,7 +308,7 @@ class Scheduler:
             self._batch_room = max(room - len(batch), MIN_PREFILL_TOKENS)
             return decodes
         if len(batch) <= room:
-            self._batch_room = room - len(batch)
+            self._batch_room = 0 if self._batch_decodes_only else room - len(batch)
             return decodes
         kept = set(map(id, sorted(batch, key=lambda s: s.last_decode_turn)[:room]))
         for seq in batch:

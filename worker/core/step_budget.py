@@ -26,6 +26,8 @@ from collections import deque
 
 # Token counts the warm-up sweep times (clipped to the step's token limit).
 SWEEP_TOKENS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048)
+# Rows of the decode steps it times (clipped to the sequences a step may hold).
+SWEEP_DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
 # The default budget, in one-token steps. Beside a 48-stream flood on a 2-core Zen 3, 3 held a
 # quiet tenant's time per output token to 2-3x its idle value at ~40% of the tokens computed;
 # 5 held it to ~5x and computed as much as unbounded steps (bench.fairness).
@@ -139,13 +141,27 @@ def default_budget(measured: dict[int, float], *, idle_steps: float = IDLE_STEPS
 
 class DecodeStepBudget:
     """``seconds``: the most a step that carries decodes should take; ``token_cap`` turns it
-    into tokens through ``times`` (None while nothing is known: no cap)."""
+    into tokens through ``times`` (None while nothing is known: no cap). ``decode_times``: the
+    seconds of steps that feed decodes alone, by rows (``worker.core.bands`` prices the batch
+    rows beside interactive decodes with it): on a CPU such a step takes the native decode
+    step (switchboard_kernels/decode_step_cpu.c), about half the time of a step of as many
+    prompt tokens, which ``times`` is made of."""
 
-    def __init__(self, times: StepTimes, seconds: float) -> None:
+    def __init__(
+        self, times: StepTimes, seconds: float, decode_times: StepTimes | None = None
+    ) -> None:
         if not seconds > 0:
             raise ValueError(f"a step budget must be positive, got {seconds!r} s")
         self.times = times
         self.seconds = seconds
+        self.decode_times = decode_times if decode_times is not None else StepTimes()
+
+    def observe(self, tokens: int, decode_rows_only: bool, seconds: float) -> None:
+        """A step the engine ran: every step on ``times`` (the budget's curve, as it always
+        was), one that fed decodes alone on ``decode_times`` too."""
+        self.times.observe(tokens, seconds)
+        if decode_rows_only:
+            self.decode_times.observe(tokens, seconds)
 
     def token_cap(self) -> int | None:
         return self.times.max_tokens_within(self.seconds)
@@ -153,4 +169,7 @@ class DecodeStepBudget:
     def describe(self) -> str:
         cap = self.token_cap()
         tokens = "no cap yet" if cap is None else f"{cap} tokens"
-        return f"{1000 * self.seconds:.1f} ms ({tokens}; steps: {self.times.describe()})"
+        return (
+            f"{1000 * self.seconds:.1f} ms ({tokens}; steps: {self.times.describe()}; "
+            f"decode steps: {self.decode_times.describe()})"
+        )

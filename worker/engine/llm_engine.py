@@ -44,6 +44,7 @@ from worker.engine.token_processor import TokenProcessor
 from worker.engine.warmup import (
     SCORING_TOKENS,
     WarmupReport,
+    measure_decode_times,
     measure_scoring_cost,
     measure_step_times,
     warm_up,
@@ -154,7 +155,15 @@ class LLMEngine:
         seconds = set_ms / 1000 if set_ms else default_budget(measured)
         if seconds is None:
             return
-        budget = DecodeStepBudget(StepTimes(measured), seconds)
+        decodes = measure_decode_times(
+            self.runner.execute,
+            self.block_manager,
+            max_rows=self.engine_config.max_num_seqs,
+            row_limit=row_limit,
+            max_model_len=self.max_model_len,
+            vocab_size=self.config.vocab_size,
+        )
+        budget = DecodeStepBudget(StepTimes(measured), seconds, StepTimes(decodes))
         self.scheduler.step_budget = budget
         logger.info("decode step budget: %s", budget.describe())
 
@@ -413,7 +422,11 @@ class LLMEngine:
             for j, exc in failures.items()
         ]
         if self.scheduler.step_budget is not None and executed.parts == 1:
-            self.scheduler.step_budget.times.observe(sched.num_tokens, time.perf_counter() - start)
+            self.scheduler.step_budget.observe(
+                sched.num_tokens,
+                all(s.num_tokens == 1 and s.samples and not s.num_spec for s in sched.scheduled),
+                time.perf_counter() - start,
+            )
         now = time.monotonic()
         for j, (s, token) in enumerate(zip(sampling, sampled, strict=True)):
             if j in failures:

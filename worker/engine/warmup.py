@@ -11,7 +11,8 @@ come from the engine's pool and all go back; nothing enters the prefix cache and
 or counter changes.
 
 ``measure_step_times`` then times steps of one prompt chunk of growing size, the points the
-decode step budget starts from (``worker.core.step_budget``).
+decode step budget starts from (``worker.core.step_budget``), and ``measure_decode_times``
+steps of decodes alone, by rows.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from switchboard_kernels.lora_native import native_library
 from worker.core.batch import ScheduledSequence
 from worker.core.block_manager import BlockManager
 from worker.core.sequence import Sequence
-from worker.core.step_budget import SWEEP_TOKENS
+from worker.core.step_budget import SWEEP_DECODE_ROWS, SWEEP_TOKENS
 from worker.sampling.rows import SamplingRow, make_generator
 from worker.sampling.sampler import Sampler
 from worker.sampling.sampling_params import SamplingParams
@@ -176,6 +177,56 @@ def measure_step_times(
         measured[tokens] = best
         if best > SWEEP_STEP_SECONDS or time.perf_counter() - started > SWEEP_SECONDS:
             break
+    return measured
+
+
+# The decode sweep's sequences: this many prompt tokens each (a short context: the rows'
+# attention is a small part of a decode step; the observed steps correct for longer ones).
+DECODE_SWEEP_CONTEXT = 16
+
+
+def measure_decode_times(
+    execute: Execute,
+    block_manager: BlockManager,
+    *,
+    max_rows: int,
+    row_limit: int,
+    max_model_len: int,
+    vocab_size: int,
+) -> dict[int, float]:
+    """Seconds of a step of decodes alone, by rows (``SWEEP_DECODE_ROWS`` up to ``max_rows``,
+    the step's token limit and what the pool holds), the fastest of ``SWEEP_SMALL_REPEATS``:
+    each row one token after a ``DECODE_SWEEP_CONTEXT``-token prompt, prefilled first. The
+    runner takes such a step as it takes a served one (on a CPU, the native decode step).
+    Its blocks all go back to the pool."""
+    context = min(DECODE_SWEEP_CONTEXT, max_model_len - 2)
+    sizes = [r for r in SWEEP_DECODE_ROWS if r <= min(max_rows, row_limit)]
+    if context < 1 or not sizes:
+        return {}
+    tokens = [i % vocab_size for i in range(context + 1)]
+    seqs: list[Sequence] = []
+    measured: dict[int, float] = {}
+    try:
+        while len(seqs) < sizes[-1] and block_manager.can_allocate([], context + 1):
+            seq = Sequence(f"decode-sweep-{len(seqs)}", tokens[:context], GREEDY, 0)
+            block_manager.allocate(seq.block_table, context + 1)
+            seqs.append(seq)
+        per_step = max(1, row_limit // context)
+        for first in range(0, len(seqs), per_step):
+            execute([ScheduledSequence(s, 0, context) for s in seqs[first : first + per_step]])
+        for seq in seqs:
+            seq.append_token(tokens[context])
+        for rows in (r for r in sizes if r <= len(seqs)):
+            step = [ScheduledSequence(s, context, 1) for s in seqs[:rows]]
+            best = math.inf
+            for _ in range(SWEEP_SMALL_REPEATS):
+                start = time.perf_counter()
+                execute(step)
+                best = min(best, time.perf_counter() - start)
+            measured[rows] = best
+    finally:
+        for seq in seqs:
+            block_manager.free(seq.block_table)
     return measured
 
 
