@@ -246,3 +246,36 @@ def test_an_interactive_arrival_that_cannot_start_stops_no_batch_work():
     plan = run_step(sched)
     assert ("r2", 4, 1) in plan and waiting.status is SequenceStatus.WAITING
     assert [r for r, _, _ in plan if r in ("r0", "r1")] == ["r0"]
+
+
+def test_beside_interactive_decodes_batch_rows_are_priced_on_decode_steps_and_no_prompt_joins():
+    """Decode steps cost 5 ms for 1 or 2 rows, 5.5 ms for 4, 9 ms for 8; a step with prompt
+    tokens 10 ms for 1 (another path: on a CPU, not the native decode step). Beside two
+    interactive decodes (5 ms) a step may take 5.5 ms: two batch decode rows, each in turn,
+    and no batch prompt chunk (the prompt-token curve alone would allow a few tokens)."""
+    from worker.core.bands import batch_rows_beside_decodes
+    from worker.core.step_budget import DecodeStepBudget, StepTimes
+
+    decodes = StepTimes({1: 0.005, 2: 0.005, 4: 0.0055, 8: 0.009})
+    budget = DecodeStepBudget(StepTimes({1: 0.010, 16: 0.020, 64: 0.050}), 1.0, decodes)
+    assert batch_rows_beside_decodes(budget, 2) == 2
+    assert batch_rows_beside_decodes(DecodeStepBudget(budget.times, 1.0), 2) is None
+    sched = make_scheduler(num_blocks=32, max_num_seqs=8, max_tokens=64)
+    sched.step_budget = budget
+    lines = [make_seq(i, 4, B, tenant="bulk") for i in range(3)]
+    for seq in lines:
+        sched.add(seq)
+    run_step(sched)  # alone: the three prompts
+    chats = [make_seq(3 + i, 4, INT, tenant=f"chat{i}") for i in range(2)]
+    for seq in chats:
+        sched.add(seq)
+    run_step(sched)  # the chats' prompts, alone
+    late = make_seq(5, 8, B, tenant="bulk")  # a line whose prompt has not started
+    sched.add(late)
+    plans = [run_step(sched) for _ in range(3)]
+    for plan in plans:
+        ids = [r for r, _, _ in plan]
+        assert {"r3", "r4"} <= set(ids) and len(ids) == 4, plans  # two batch rows
+        assert all(n == 1 for _, _, n in plan) and "r5" not in ids, plans  # no prompt
+    assert {r for plan in plans for r, _, _ in plan} == {"r0", "r1", "r2", "r3", "r4"}  # turns
+    assert late.num_computed_tokens == 0

@@ -78,3 +78,43 @@ def test_warmup_refuses_an_engine_with_requests(checkpoint):
         engine.warm_up()
     drain(engine)
     assert_no_block_leaks(engine)
+
+
+def test_the_warm_up_times_steps_of_decodes_alone_by_rows(checkpoint):
+    """The decode curve (worker.core.bands prices batch rows beside interactive decodes on
+    it) starts from steps of 1, 2, 4 and 8 decoding sequences, up to max_num_seqs."""
+    engine = make_engine(checkpoint, warmup=True, max_num_seqs=8, max_num_batched_tokens=64)
+    rows, seconds = engine.scheduler.step_budget.decode_times.points()
+    assert rows == [1, 2, 4, 8] and all(s > 0 for s in seconds)
+    assert_clean(engine)
+
+
+def test_only_steps_of_sampling_rows_alone_feed_the_decode_curve(checkpoint):
+    """A step whose every row samples one token (decodes, a prompt's last token) is one of
+    decodes alone; one with a prompt's one-token chunk that does not sample is not (on a CPU
+    it takes the prompt path, not the native decode step)."""
+    engine = make_engine(checkpoint, warmup=True, max_num_batched_tokens=2)
+    budget = engine.scheduler.step_budget
+    seen: list[tuple[list[tuple[int, bool]], bool]] = []
+    schedule, observe = engine.scheduler.schedule, budget.observe
+    steps: list = []
+
+    def scheduled():
+        out = schedule()
+        steps.append([(s.num_tokens, s.samples) for s in out.scheduled])
+        return out
+
+    def observed(tokens, decode_rows_only, seconds):
+        seen.append((steps[-1], decode_rows_only))
+        observe(tokens, decode_rows_only, seconds)
+
+    engine.scheduler.schedule, budget.observe = scheduled, observed
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    engine.step()
+    engine.step()  # a's last prompt token, which samples
+    engine.add_request("b", [8, 9, 10, 11, 12], params)
+    drain(engine)
+    assert ([(1, True), (1, False)], False) in seen  # a decodes beside b's first token
+    assert ([(1, True)], True) in seen
+    assert all(flag == all(n == 1 and s for n, s in plan) for plan, flag in seen)
