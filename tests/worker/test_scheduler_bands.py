@@ -279,3 +279,25 @@ def test_beside_interactive_decodes_batch_rows_are_priced_on_decode_steps_and_no
         assert all(n == 1 for _, _, n in plan) and "r5" not in ids, plans  # no prompt
     assert {r for plan in plans for r, _, _ in plan} == {"r0", "r1", "r2", "r3", "r4"}  # turns
     assert late.num_computed_tokens == 0
+
+
+def test_where_an_arrival_stops_a_batch_step_none_waits_after_interactive_work_ends():
+    """An engine that stops a step of batch work alone for an arrival (batch_steps_stop: one
+    rank) keeps no grace second after interactive work: the batch fills the next step."""
+    from worker.core.step_budget import DecodeStepBudget, StepTimes
+
+    times = StepTimes({1: 0.010, 16: 0.020, 64: 0.050})
+    sched = Scheduler(
+        block_manager=BlockManager(num_blocks=16, block_size=4),
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        batch_steps_stop=True,
+    )
+    sched.step_budget = DecodeStepBudget(times, 1.0)
+    for i in range(3):
+        sched.add(make_seq(i, 4, B, tenant="bulk"))
+    chat = make_seq(3, 4, INT, tenant="chat")
+    sched.add(chat)
+    run_step(sched)
+    sched.remove(chat)
+    assert len(run_step(sched)) == 3

@@ -69,6 +69,7 @@ class Scheduler:
         step_budget: DecodeStepBudget | None = None,
         scored_token_cost: float = 1.0,
         burst_prefill_tokens: int | None = None,
+        batch_steps_stop: bool = False,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -99,6 +100,9 @@ class Scheduler:
             if burst_prefill_tokens is None
             else BurstRule(burst_prefill_tokens, max_num_batched_tokens)
         )
+        # The engine stops a step of batch work alone when interactive work arrives
+        # (``worker.model.step_interrupt``): no grace second after interactive work is needed.
+        self.batch_steps_stop = batch_steps_stop
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -267,11 +271,12 @@ class Scheduler:
         them (``bands.batch_token_room``: within a tenth of their own step time), counting
         their decodes and their prompts' next chunks (an arrival's first step is held to it
         too); beside interactive decodes alone, batch decode rows only, priced on steps of
-        decodes alone (``bands.batch_rows_beside_decodes``). Within ``ACTIVE_GRACE_S`` of the
-        latest interactive sequence's end, as if one decoded: a closed-loop client's next
-        request comes just after its answer, and would otherwise wait for a whole step of batch
-        work. Without interactive work, a step of batch work within ``bands.BATCH_STEP_S``.
-        None without step times."""
+        decodes alone (``bands.batch_rows_beside_decodes``). Where the engine cannot stop a step
+        of batch work alone for an arrival (``batch_steps_stop`` off: tensor parallelism),
+        within ``ACTIVE_GRACE_S`` of the latest interactive sequence's end as if one decoded: a
+        closed-loop client's next request comes just after its answer, and would otherwise wait
+        for a whole step of batch work. Without interactive work, a step of batch work within
+        ``bands.BATCH_STEP_S``. None without step times."""
         self._batch_decodes_only = False
         if self.step_budget is None:
             return None
@@ -287,7 +292,11 @@ class Scheduler:
                 else:
                     prompts = True
         interactive = min(interactive, self.max_num_batched_tokens)
-        if not interactive and time.monotonic() - self.interactive_left_at < ACTIVE_GRACE_S:
+        if (
+            not interactive
+            and not self.batch_steps_stop
+            and time.monotonic() - self.interactive_left_at < ACTIVE_GRACE_S
+        ):
             interactive = rows = 1
         self._batch_alone = interactive == 0
         if rows and not prompts:

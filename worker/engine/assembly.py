@@ -145,6 +145,9 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         burst_prefill_tokens=config.burst_prefill_tokens,
+        # An arrival stops a step of batch work alone (worker.model.step_interrupt), except
+        # where every rank must run every layer.
+        batch_steps_stop=group is None,
         watermark_blocks=num_kv_blocks // 100,
         max_loras=max_loras,
         preemption_mode=config.preemption_mode,
