@@ -171,13 +171,17 @@ def test_an_interactive_prompt_is_not_cut_to_guard_batch_decodes():
     assert ("r2", 0, 40) in plan
 
 
-def test_just_after_an_interactive_request_ends_batch_steps_stay_short():
+@pytest.mark.parametrize("steps_stop", [False, True], ids=["steps-not-stopped", "steps-stopped"])
+def test_just_after_an_interactive_request_ends_batch_steps_stay_short(steps_stop):
     """A closed-loop client's next request comes just after its answer: for ACTIVE_GRACE_S
-    batch work keeps to the room beside one interactive decode, then fills the step again."""
+    batch work keeps to the room beside one interactive decode, then fills the step again;
+    unless an arrival stops a step of batch work alone (``batch_steps_stop``: one rank), when
+    it fills the next step at once."""
     from worker.core.step_budget import ACTIVE_GRACE_S, DecodeStepBudget, StepTimes
 
     times = StepTimes({1: 0.010, 16: 0.020, 64: 0.050})
     sched = make_scheduler(max_tokens=64)
+    sched.batch_steps_stop = steps_stop
     sched.step_budget = DecodeStepBudget(times, 1.0)
     for i in range(3):
         sched.add(make_seq(i, 4, B, tenant="bulk"))
@@ -185,7 +189,7 @@ def test_just_after_an_interactive_request_ends_batch_steps_stay_short():
     sched.add(chat)
     run_step(sched)
     sched.remove(chat)
-    assert len(run_step(sched)) == 1  # the room beside one decode: one batch row
+    assert len(run_step(sched)) == (3 if steps_stop else 1)  # else the room beside one decode
     sched.interactive_left_at -= ACTIVE_GRACE_S
     assert len(run_step(sched)) == 3
 
@@ -279,25 +283,3 @@ def test_beside_interactive_decodes_batch_rows_are_priced_on_decode_steps_and_no
         assert all(n == 1 for _, _, n in plan) and "r5" not in ids, plans  # no prompt
     assert {r for plan in plans for r, _, _ in plan} == {"r0", "r1", "r2", "r3", "r4"}  # turns
     assert late.num_computed_tokens == 0
-
-
-def test_where_an_arrival_stops_a_batch_step_none_waits_after_interactive_work_ends():
-    """An engine that stops a step of batch work alone for an arrival (batch_steps_stop: one
-    rank) keeps no grace second after interactive work: the batch fills the next step."""
-    from worker.core.step_budget import DecodeStepBudget, StepTimes
-
-    times = StepTimes({1: 0.010, 16: 0.020, 64: 0.050})
-    sched = Scheduler(
-        block_manager=BlockManager(num_blocks=16, block_size=4),
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        batch_steps_stop=True,
-    )
-    sched.step_budget = DecodeStepBudget(times, 1.0)
-    for i in range(3):
-        sched.add(make_seq(i, 4, B, tenant="bulk"))
-    chat = make_seq(3, 4, INT, tenant="chat")
-    sched.add(chat)
-    run_step(sched)
-    sched.remove(chat)
-    assert len(run_step(sched)) == 3
