@@ -97,3 +97,23 @@ async def test_an_interactive_arrival_stops_the_batch_step_in_flight(model):
         await served.stop()
     assert interrupt.abandoned == 1 and snapshot(engine).batch_steps_stopped == 1
     assert_no_block_leaks(engine)
+
+
+def test_no_step_is_armed_where_the_scheduler_does_not_count_on_stops(model):
+    """Under tensor parallelism (``batch_steps_stop`` off: every rank must run every layer) a
+    step of batch work alone is never armed, so a request cannot stop it."""
+    engine = new_engine(model)
+    assert engine.scheduler.batch_steps_stop  # one rank
+    engine.scheduler.batch_steps_stop = False
+    interrupt, execute = engine.runner.model.interrupt, engine.runner.execute
+    armed: list[bool] = []
+
+    def recorded(scheduled, **kwargs):
+        armed.append(interrupt.armed)
+        assert engine.stop_batch_step() is False
+        return execute(scheduled, **kwargs)
+
+    engine.runner.execute = recorded
+    engine.add_request("b", BATCH_PROMPT, greedy(4), band=Band.BATCH)
+    drain(engine)
+    assert armed and not any(armed) and interrupt.abandoned == 0
