@@ -4,7 +4,7 @@ process, interleaved so machine noise hits each alike.
 - ``decode``: batch-1 decode tok/s (one request, ``--decode-tokens`` output tokens; 1 / the
   median time per output token), each engine in turn, ``--repeats`` rounds; the ratio to bf16.
 - ``w1``: W1 (32 requests x 128 prompt x 128 output tokens, ``bench.workloads``) output tok/s,
-  int4 against bf16, interleaved likewise.
+  each engine against bf16, interleaved likewise.
 - ``quality``: the mean per-token KL divergence KL(bf16 || quantized) of the next-token
   distributions over a fixed prompt set (``bench.logit_fidelity``'s chat prompts, each followed
   by the bf16 engine's greedy answer), both engines scoring the same tokens (prompt logprobs'
@@ -69,13 +69,14 @@ def decode_rates(llms: dict, prompt: list[int], tokens: int, repeats: int) -> di
 
 
 def w1_rates(llms: dict, requests: list[BenchRequest], repeats: int) -> dict:
-    """W1 output tok/s, int4 and bf16, rounds interleaved (the better of each)."""
+    """W1 output tok/s per engine, rounds interleaved (the better of each); the ratio to bf16."""
     best: dict[str, float] = {}
     for _ in range(repeats):
-        for kind in ("bf16", "int4"):
-            result = run_engine(llms[kind].engine, requests, f"w1-{kind}")
+        for kind, llm in llms.items():
+            result = run_engine(llm.engine, requests, f"w1-{kind}")
             best[kind] = max(best.get(kind, 0.0), result.output_tok_per_s)
-    return {"tok_per_s": best, "int4_over_bf16": best["int4"] / best["bf16"]}
+    ratios = {k: best[k] / best["bf16"] for k in best if k != "bf16"}
+    return {"tok_per_s": best, "ratio_to_bf16": ratios}
 
 
 def scored_logits(llm, tokens: list[int]) -> torch.Tensor:

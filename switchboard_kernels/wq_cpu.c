@@ -49,6 +49,17 @@ struct sb_wq {
     int64_t half_params;   /* scales and zeros stored fp16, else fp32 */
 };
 
+/* Each group's sum of a row (one order, whichever loop then takes the row). */
+static void group_sums(const float *row, int64_t G, int64_t gs, float *out) {
+    for (int64_t g = 0; g < G; g++) {
+        const float *v = row + g * gs;
+        float t = 0.0f;
+#pragma omp simd reduction(+ : t)
+        for (int64_t i = 0; i < gs; i++) t += v[i];
+        out[g] = t;
+    }
+}
+
 /* The step's rows as the loops read them: fp32, and each group's sum. */
 typedef struct {
     const float *x;     /* [rows, K] */
@@ -272,75 +283,193 @@ static inline __attribute__((always_inline)) void panel_bf16_rows(
 WQ_DISPATCH(panel_bf16, panel_bf16_rows)
 #define HAVE_BF16_PATH 1
 
-/* Two neighbouring panels of 4-bit levels for a tile of 4 to 8 bf16 rows: each of the rows'
- * activation pairs is broadcast once for both panels. With one panel at a time every
- * VDPBF16PS took a broadcast of its own, and in a perf profile of W1 on an int4 base (a Zen
- * 5) the broadcasts took the most samples of the loop. Each row keeps one chain per panel,
- * as panel_bf16_rows does at 4 rows and more, and its running total in `out` between groups,
- * so a product's bits are those of the single-panel loop. Only for calls of PAIR_MIN_ROWS
- * rows or more, whose panels' levels are read again from cache for each tile: a call of one
- * tile streams them from memory, and two streams at once read slower there (8 rows: 0.7x).
- * A step's projections at 32 rows took 14.2-14.6 instead of 16.6-16.7 ms; W1 on the int4
- * base 1,138-1,193 against 1,057-1,063 tok/s (docs/quantization.md). */
-static inline __attribute__((always_inline)) void pair_bf16_rows(
-    const struct sb_wq *w, const uint8_t *panel, int64_t panel_bytes, const WqRows *x,
-    int64_t m0, const int R, float out[2][WQ_ROWS][PL_NR]) {
+/* Calls of many bf16 rows (a batch's decode step, a prompt): each pair of panels is unpacked
+ * once a call into bf16 pairs of levels (unpack_panels), which every tile of rows then
+ * multiplies as the bf16 panels' tiles multiply bf16 weights (panels_bf16.h): one load a
+ * vector of pairs, one VDPBF16PS a row. panel_bf16 unpacks a step's levels again for each tile
+ * of 8 rows (two ops a vector of pairs beside 8 VDPBF16PS), and splits an 8-bit level into its
+ * two nibbles, two VDPBF16PS a pair of features. Here the levels and their pairs are as
+ * panel_bf16 takes them, 4-bit as bf16 128 + q (the zero offset by 128), 8-bit as q itself
+ * (at most 255, exact in bf16); each row's sums run in panel_bf16's order at 4 rows and more,
+ * so 4-bit products carry its bits. On a 2-core Zen 4 every projection of the default model at
+ * 32 rows took 22.4 ms in 4-bit (24.9 with the panels' levels unpacked per tile, two panels
+ * at a time), 19.8 in 8-bit per channel (33.9), bf16 16.0-16.3; at 128 rows in 4-bit 77.9
+ * (92.8), bf16 61.1. The rest of the 4-bit gap: each group's scale and zero (two FMAs a row
+ * beside 16 VDPBF16PS at groups of 32) and the unpacking's stores. */
+static void bf16_pairs(const uint16_t *x, int64_t rows, int64_t K, int bits, uint16_t *out);
+
+#define UNPACKED_TILE 8 /* rows: 8 x 2 panels' group sums in 16 registers */
+/* The fewest rows that take the unpacked levels (4-bit, 8-bit): measured on that Zen 4, 4-bit
+ * even with panel_bf16 at 16 rows and ahead from 24, 8-bit ahead from 8. -D sets others. */
+#ifndef UNPACKED_MIN_ROWS4
+#define UNPACKED_MIN_ROWS4 16
+#endif
+#ifndef UNPACKED_MIN_ROWS8
+#define UNPACKED_MIN_ROWS8 8
+#endif
+
+/* One group of a pair of panels unpacked: its gs / 2 pairs of features, two vectors of 16
+ * lanes each (unpacked_pair_bytes), then each panel's 16 scales and 16 zeros (with
+ * panel_bf16's offset), fp32. */
+static int64_t unpacked_pair_bytes(int64_t gs) { return gs / 2 * 2 * 64; }
+static int64_t unpacked_group_bytes(int64_t gs) { return unpacked_pair_bytes(gs) + 2 * 2 * 64; }
+
+/* Panels p and p + 1 (two: 0 where p is the last; its half is zeros) into `to`. */
+static void unpack_panels(const struct sb_wq *w, const uint8_t *panel, int64_t panel_bytes,
+                          int two, uint8_t *to) {
     const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
-    const int half = (int)w->half_params;
+    const int64_t G = w->in_features / gs, per_step = PL_STEP_FEATURES(w->bits);
+    const int half = (int)w->half_params, bits = (int)w->bits;
+    const int64_t group_bytes = unpacked_group_bytes(gs);
+    const __m512i bytes = _mm512_set1_epi32(0x00ff00ff), low = _mm512_set1_epi32(0xffff);
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t g = 0; g < G; g++) {
+        uint32_t *pairs = (uint32_t *)(to + g * group_bytes);
+        float *params = (float *)(to + g * group_bytes + unpacked_pair_bytes(gs));
+        for (int h = 0; h < 2; h++) {
+            if (h == 1 && !two) {
+                for (int64_t j = 0; j < gs / 2; j++)
+                    _mm512_storeu_si512(pairs + (2 * j + 1) * 16, _mm512_setzero_si512());
+                _mm512_storeu_ps(params + 32 * h, _mm512_setzero_ps());
+                _mm512_storeu_ps(params + 32 * h + 16, _mm512_setzero_ps());
+                continue;
+            }
+            const uint8_t *b = panel + h * panel_bytes + g * bb;
+            for (int64_t o = 0; o < gs / per_step; o++) {
+                __m512i v = _mm512_loadu_si512((const void *)(b + o * PL_STEP_BYTES));
+                if (bits == 4) {
+                    for (int t = 0; t < 4; t++)
+                        _mm512_storeu_si512(pairs + (2 * (4 * o + t) + h) * 16,
+                                            level_pairs_bf16(v, t));
+                    continue;
+                }
+                for (int t = 0; t < 2; t++) { /* bytes (0, 2) and (1, 3): pairs (k0, k0 + 2) */
+                    __m512i q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * t), bytes);
+                    __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
+                    __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 16));
+                    __m512i as_pairs = _mm512_or_si512(
+                        _mm512_and_si512(_mm512_castps_si512(hi), high),
+                        _mm512_srli_epi32(_mm512_castps_si512(lo), 16));
+                    _mm512_storeu_si512(pairs + (2 * (2 * o + t) + h) * 16, as_pairs);
+                }
+            }
+            _mm512_storeu_ps(params + 32 * h, params512(b + lb, half, 0));
+            _mm512_storeu_ps(params + 32 * h + 16,
+                             _mm512_add_ps(params512(b + lb, half, 1),
+                                           _mm512_set1_ps(bits == 4 ? 128.0f : 0.0f)));
+        }
+    }
+}
+
+/* out[h][r] = rows m0 .. m0 + R of a pair of panels unpacked at `from`. Each row's group
+ * sums in registers (2R chains of VDPBF16PS, as the bf16 panels' tiles keep), its running
+ * totals in `out` between groups. */
+static inline __attribute__((always_inline)) void unpacked_rows(const struct sb_wq *w,
+                                                               const uint8_t *from,
+                                                               const WqRows *x, int64_t m0,
+                                                               const int R,
+                                                               float out[2][WQ_ROWS][PL_NR]) {
+    const int64_t gs = w->group_size, group_bytes = unpacked_group_bytes(gs);
     const uint16_t *xp = (const uint16_t *)x->prepared;
     for (int h = 0; h < 2; h++)
         for (int r = 0; r < R; r++) _mm512_storeu_ps(out[h][r], _mm512_setzero_ps());
     for (int64_t g = 0; g < x->G; g++) {
-        const uint8_t *b[2] = {panel + g * bb, panel + panel_bytes + g * bb};
-        __builtin_prefetch(b[0] + 2 * bb);
-        __builtin_prefetch(b[1] + 2 * bb);
-        __m512 part[2][WQ_ROWS];
-        for (int h = 0; h < 2; h++)
-            for (int r = 0; r < R; r++) part[h][r] = _mm512_setzero_ps();
-        for (int64_t o = 0; o < gs / 8; o++) {
-            __m512i v[2];
-            for (int h = 0; h < 2; h++)
-                v[h] = _mm512_loadu_si512((const void *)(b[h] + o * PL_STEP_BYTES));
-            const int64_t k0 = g * gs + o * 8;
-            for (int t = 0; t < 4; t++) {
-                __m512i q[2];
-                for (int h = 0; h < 2; h++) q[h] = level_pairs_bf16(v[h], t);
-                for (int r = 0; r < R; r++) {
-                    int32_t xv;
-                    memcpy(&xv, xp + (m0 + r) * x->K + k0 + 2 * t, sizeof xv);
-                    __m512bh xb = (__m512bh)_mm512_set1_epi32(xv);
-                    for (int h = 0; h < 2; h++)
-                        part[h][r] = _mm512_dpbf16_ps(part[h][r], (__m512bh)q[h], xb);
-                }
+        const uint32_t *pairs = (const uint32_t *)(from + g * group_bytes);
+        const float *params = (const float *)(from + g * group_bytes + unpacked_pair_bytes(gs));
+        __m512 part[WQ_ROWS][2];
+        for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < gs / 2; j++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pairs + 32 * j);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(pairs + 32 * j + 16);
+            for (int r = 0; r < R; r++) {
+                int32_t xv;
+                memcpy(&xv, xp + (m0 + r) * x->K + g * gs + 2 * j, sizeof xv);
+                __m512bh xb = (__m512bh)_mm512_set1_epi32(xv);
+                part[r][0] = _mm512_dpbf16_ps(part[r][0], w0, xb);
+                part[r][1] = _mm512_dpbf16_ps(part[r][1], w1, xb);
             }
         }
         for (int h = 0; h < 2; h++) {
-            __m512 s = params512(b[h] + lb, half, 0);
-            __m512 z = _mm512_add_ps(params512(b[h] + lb, half, 1), _mm512_set1_ps(128.0f));
+            const __m512 s = _mm512_loadu_ps(params + 32 * h);
+            const __m512 z = _mm512_loadu_ps(params + 32 * h + 16);
             for (int r = 0; r < R; r++) {
                 __m512 sum = _mm512_fnmadd_ps(z, _mm512_set1_ps(x->xsum[(m0 + r) * x->G + g]),
-                                              part[h][r]);
-                _mm512_storeu_ps(out[h][r],
-                                 _mm512_fmadd_ps(s, sum, _mm512_loadu_ps(out[h][r])));
+                                              part[r][h]);
+                _mm512_storeu_ps(out[h][r], _mm512_fmadd_ps(s, sum, _mm512_loadu_ps(out[h][r])));
             }
         }
     }
 }
 
-/* Tiles of 4 to 8 rows (fewer take panel_bf16 one panel at a time: more chains a row).
- * PAIR_MIN_ROWS was measured on a Zen 5 only; the other AVX512-BF16 CPUs take it untried. */
-static void pair_bf16(const struct sb_wq *w, const uint8_t *panel, int64_t panel_bytes,
-                      const WqRows *x, int64_t m0, int rows, float out[2][WQ_ROWS][PL_NR]) {
+static void unpacked_tile(const struct sb_wq *w, const uint8_t *from, const WqRows *x,
+                          int64_t m0, int rows, float out[2][WQ_ROWS][PL_NR]) {
     switch (rows) {
-    case 4: pair_bf16_rows(w, panel, panel_bytes, x, m0, 4, out); break;
-    case 5: pair_bf16_rows(w, panel, panel_bytes, x, m0, 5, out); break;
-    case 6: pair_bf16_rows(w, panel, panel_bytes, x, m0, 6, out); break;
-    case 7: pair_bf16_rows(w, panel, panel_bytes, x, m0, 7, out); break;
-    default: pair_bf16_rows(w, panel, panel_bytes, x, m0, 8, out); break;
+    case 1: unpacked_rows(w, from, x, m0, 1, out); break;
+    case 2: unpacked_rows(w, from, x, m0, 2, out); break;
+    case 3: unpacked_rows(w, from, x, m0, 3, out); break;
+    case 4: unpacked_rows(w, from, x, m0, 4, out); break;
+    case 5: unpacked_rows(w, from, x, m0, 5, out); break;
+    case 6: unpacked_rows(w, from, x, m0, 6, out); break;
+    case 7: unpacked_rows(w, from, x, m0, 7, out); break;
+    default: unpacked_rows(w, from, x, m0, 8, out); break;
     }
 }
-#define PAIR_MIN_TILE 4   /* a tile's rows: one chain a row, as panel_bf16's */
-#define PAIR_MIN_ROWS 16  /* a call's rows: the panels' levels read again from cache */
+
+/* y = x W^T (+ bias) (+ res) for bf16 rows x through pairs of panels unpacked once each; the
+ * rows' pairs and group sums prepared in the same parallel region. -1 if memory ran out. */
+static int unpacked_linear(const struct sb_wq *w, const uint16_t *x, int64_t rows,
+                           const void *res, void *y, int out_fp32) {
+    const int64_t K = w->in_features, N = w->out_features, G = K / w->group_size;
+    const int64_t num_panels = (N + PL_NR - 1) / PL_NR;
+    const int64_t panel_bytes = G * block_bytes(w), items = (num_panels + 1) / 2;
+    /* tiles of at most UNPACKED_TILE rows, as even as the count allows (no short last one) */
+    const int64_t tiles = (rows + UNPACKED_TILE - 1) / UNPACKED_TILE;
+    const int64_t base = rows / tiles, longer = rows % tiles;
+    uint16_t *pairs = malloc(sizeof(uint16_t) * (size_t)(rows * K));
+    float *xsum = malloc(sizeof(float) * (size_t)(rows * G));
+    int failed = !pairs || !xsum;
+    if (failed) {
+        free(pairs), free(xsum);
+        return -1;
+    }
+    const WqRows xr = {NULL, xsum, K, G, pairs};
+#pragma omp parallel reduction(| : failed)
+    {
+        uint8_t *buffer = aligned_alloc(64, (size_t)(G * unpacked_group_bytes(w->group_size)));
+        float *wide = malloc(sizeof(float) * (size_t)K);
+        if (!buffer || !wide) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < rows; m++) {
+            if (!wide) continue;
+            bf16_pairs(x + m * K, 1, K, (int)w->bits, pairs + m * K);
+            as_f32(x + m * K, K, 0, wide);
+            group_sums(wide, G, w->group_size, xsum + m * G);
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            if (!buffer) continue;
+            const int64_t p0 = 2 * item;
+            const int two = p0 + 1 < num_panels;
+            unpack_panels(w, w->blocks + p0 * panel_bytes, panel_bytes, two, buffer);
+            for (int64_t tile = 0, m0 = 0; tile < tiles; tile++) {
+                const int t = (int)(base + (tile < longer));
+                float acc[2][WQ_ROWS][PL_NR];
+                unpacked_tile(w, buffer, &xr, m0, t, acc);
+                for (int h = 0; h < 1 + two; h++) {
+                    const int64_t n0 = (p0 + h) * PL_NR;
+                    const int cols = N - n0 < PL_NR ? (int)(N - n0) : PL_NR;
+                    for (int r = 0; r < t; r++)
+                        pl_store_row(acc[h][r], cols, w->bias ? w->bias + n0 : NULL, res, y,
+                                     (m0 + r) * N + n0, out_fp32);
+                }
+                m0 += t;
+            }
+        }
+        free(buffer), free(wide);
+    }
+    free(pairs), free(xsum);
+    return failed ? -1 : 0;
+}
 #endif
 
 /* The bf16 rows [rows, K] with each step's features in the order the level pairs take them
@@ -486,6 +615,11 @@ int sb_wq_paths(void) {
 int sb_wq_linear(const struct sb_wq *w, const void *x, int x_fp32, int64_t rows, const void *res,
                  void *y, int out_fp32, int path) {
     const int64_t K = w->in_features, N = w->out_features, G = K / w->group_size;
+#if defined(HAVE_BF16_PATH)
+    const int64_t unpacked_rows_from = w->bits == 4 ? UNPACKED_MIN_ROWS4 : UNPACKED_MIN_ROWS8;
+    if (path == 0 && !x_fp32 && rows >= unpacked_rows_from)
+        return unpacked_linear(w, (const uint16_t *)x, rows, res, y, out_fp32);
+#endif
     float *wide = x_fp32 ? NULL : malloc(sizeof(float) * (size_t)(rows * K));
     float *xsum = malloc(sizeof(float) * (size_t)(rows * G));
     if ((!x_fp32 && !wide) || !xsum) {
@@ -495,13 +629,7 @@ int sb_wq_linear(const struct sb_wq *w, const void *x, int x_fp32, int64_t rows,
     const float *xf = x_fp32 ? (const float *)x : wide;
     for (int64_t m = 0; m < rows; m++) {
         if (!x_fp32) as_f32((const uint16_t *)x + m * K, K, 0, wide + m * K);
-        for (int64_t g = 0; g < G; g++) {
-            const float *v = xf + m * K + g * w->group_size;
-            float t = 0.0f;
-#pragma omp simd reduction(+ : t)
-            for (int64_t i = 0; i < w->group_size; i++) t += v[i];
-            xsum[m * G + g] = t;
-        }
+        group_sums(xf + m * K, G, w->group_size, xsum + m * G);
     }
     int tile;
     const int bf16_rows = !x_fp32;
@@ -528,30 +656,17 @@ int sb_wq_linear(const struct sb_wq *w, const void *x, int x_fp32, int64_t rows,
     }
     WqRows xr = {xf, xsum, K, G, prepared};
     const int64_t num_panels = (N + PL_NR - 1) / PL_NR, panel_bytes = G * block_bytes(w);
-    int pairs_of_panels = 0; /* 4-bit bf16 tiles of many rows take two panels a call */
-#if defined(HAVE_BF16_PATH)
-    pairs_of_panels = loop == panel_bf16 && w->bits == 4;
-#endif
-    const int64_t step = pairs_of_panels ? 2 : 1, items = (num_panels + step - 1) / step;
-#pragma omp parallel for schedule(static) if (items > 1)
-    for (int64_t item = 0; item < items; item++) {
-        const int64_t p0 = item * step, p_end = p0 + step < num_panels ? p0 + step : num_panels;
+#pragma omp parallel for schedule(static) if (num_panels > 1)
+    for (int64_t p = 0; p < num_panels; p++) {
+        const int64_t n0 = p * PL_NR;
+        const int cols = N - n0 < PL_NR ? (int)(N - n0) : PL_NR;
         for (int64_t m0 = 0; m0 < rows; m0 += tile) {
             const int t = rows - m0 < tile ? (int)(rows - m0) : tile;
-            float acc[2][WQ_ROWS][PL_NR];
-            int together = 0;
-#if defined(HAVE_BF16_PATH)
-            together = p_end - p0 == 2 && t >= PAIR_MIN_TILE && rows >= PAIR_MIN_ROWS;
-            if (together) pair_bf16(w, w->blocks + p0 * panel_bytes, panel_bytes, &xr, m0, t, acc);
-#endif
-            for (int64_t p = p0; p < p_end; p++) {
-                if (!together) loop(w, w->blocks + p * panel_bytes, &xr, m0, t, acc[p - p0]);
-                const int64_t n0 = p * PL_NR;
-                const int cols = N - n0 < PL_NR ? (int)(N - n0) : PL_NR;
-                for (int r = 0; r < t; r++)
-                    pl_store_row(acc[p - p0][r], cols, w->bias ? w->bias + n0 : NULL, res, y,
-                                 (m0 + r) * N + n0, out_fp32);
-            }
+            float acc[WQ_ROWS][PL_NR];
+            loop(w, w->blocks + p * panel_bytes, &xr, m0, t, acc);
+            for (int r = 0; r < t; r++)
+                pl_store_row(acc[r], cols, w->bias ? w->bias + n0 : NULL, res, y,
+                             (m0 + r) * N + n0, out_fp32);
         }
     }
     free(wide), free(xsum), free(prepared);

@@ -94,20 +94,30 @@ def test_every_row_count_of_a_call(rows):
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)  # chains differ by tile
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, None], ids=lambda g: f"g{g or 'channel'}")
 @pytest.mark.parametrize("rows", [16, 21, 40])
 @pytest.mark.parametrize("out_features", [64, 40], ids=["4-panels", "3-panels"])
-def test_bf16_calls_of_many_rows_take_two_panels_at_once_with_the_same_bits(rows, out_features):
-    """bf16 rows by 4-bit levels, 16 rows and more: the loop that takes two panels a call
-    (an odd last panel alone, a short last tile one panel at a time) against the reference,
-    and each tile of 8 rows against the same rows called alone (one panel at a time)."""
-    q = quantize(weight(out_features, 192, rows), bits=4, group_size=64, symmetric=False)
-    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).bfloat16()
-    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(1))
-    check(q, bias, x, None, False, WqPath.BEST)
-    linear = WqLinear(q, bias)
-    together = linear(x)
-    for m0 in range(0, rows - 7, 8):
-        assert torch.equal(together[m0 : m0 + 8], linear(x[m0 : m0 + 8])), m0
+def test_bf16_calls_of_many_rows_unpack_the_levels_once(bits, group, rows, out_features):
+    """bf16 rows, 16 and more (8-bit: 8): each pair of panels unpacked once a call, tiles of up
+    to 8 rows (an odd last panel beside zeros) against the reference with bias, residual and
+    fp32 out; 4-bit rows carry the bits of the same rows called 8 at a time (the loop that
+    unpacks a step's levels per tile, one panel at a time: the same sums in the same order)."""
+    q = quantize(
+        weight(out_features, 192, rows), bits=bits, group_size=group or 192, symmetric=False
+    )
+    q = fp16_params(q) if bits == 4 else q
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 192, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen)
+    res = torch.randn(rows, out_features, generator=gen)
+    check(q, bias, x, res.bfloat16(), False, WqPath.BEST)
+    check(q, None, x, res, True, WqPath.BEST)
+    if bits == 4:
+        linear = WqLinear(q, bias)
+        together = linear(x)
+        for m0 in range(0, rows - 7, 8):
+            assert torch.equal(together[m0 : m0 + 8], linear(x[m0 : m0 + 8])), m0
 
 
 def test_the_layout_holds_whole_steps_only():
