@@ -16,7 +16,11 @@ One run starts a stack (Redis, one worker on the default model, the gateway) and
    90%). The batch's end is read from its stored status in Redis every 10 ms (the API asked
    that often would itself take gateway CPU from the worker's cores); each turn reports the
    CPU seconds of the gateway, the worker and the offline engine, and the gateway's per line.
-   ``--throughput-only`` runs this part alone.
+   Between them, the worker's engine itself in this process (the worker's default settings,
+   the batch band, `--lines-in-flight` lines kept in flight as the runner keeps them, the same
+   prompts): the served batch against it is what serving costs, it against the offline
+   engine what the engine's band and its lines' arrivals cost. ``--throughput-only`` runs
+   this part alone.
 
 Prompts are seeded random whole-word prompts (`--prompt-tokens`, chat template included), one
 per line, so the prefix cache makes none of them free.
@@ -168,6 +172,28 @@ def offline_run(llm, prompt_ids: list[list[int]], tokens: int) -> dict:
             "cpu_s": time.process_time() - cpu}  # fmt: skip
 
 
+def engine_in_flight(llm, prompt_ids: list[list[int]], tokens: int, in_flight: int) -> dict:
+    """The worker's engine in this process running the lines as the worker gets them: in the
+    batch band for one tenant, ``in_flight`` at a time, the next added as one finishes."""
+    from worker import SamplingParams
+    from worker.core.sequence import Band
+
+    engine, params = llm.engine, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    tag, pending, live, produced = uuid.uuid4().hex, list(enumerate(prompt_ids)), 0, 0
+    start = time.monotonic()
+    while pending or live:
+        while pending and live < in_flight:
+            i, ids = pending.pop(0)
+            engine.add_request(f"{tag}-{i}", ids, params, tenant="bulk", band=Band.BATCH)
+            live += 1
+        for output in engine.step():
+            if output.finished:
+                live -= 1
+                produced += len(output.outputs[0].token_ids)
+    elapsed = time.monotonic() - start
+    return {"tok_s": produced / elapsed, "seconds": elapsed}
+
+
 def watch_final(store: redis.Redis, key: str, *, timeout: float = 3600.0) -> None:
     """Until the batch's stored status is final, read from Redis every 10 ms: asking the API
     that often costs the gateway about a millisecond of CPU each time, on the cores the
@@ -195,6 +221,16 @@ def batch_alone(
     return {"status": done["status"], "seconds": elapsed, "output_tokens": tokens,
             "tok_s": tokens / elapsed,
             "cpu_s": {name: cpu_s(pid) - cpu[name] for name, pid in pids.items()}}  # fmt: skip
+
+
+def worker_defaults(model: Path) -> dict:
+    """The engine settings a worker started with no flags gets (``switchboard worker``)."""
+    from switchboard.worker_command import _worker_arguments, worker_engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    _worker_arguments(parser)
+    kwargs = worker_engine_kwargs(parser.parse_args(["--model", str(model)]))
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -249,33 +285,46 @@ def run(args: argparse.Namespace) -> dict:
         from worker import LLM, SamplingParams
 
         llm = LLM(model)
+        workers_engine = LLM(model, **worker_defaults(model))
         warm = prompts.tokenizer.encode_chat(prompts.long(args.prompt_tokens).messages)
-        llm.generate([warm], SamplingParams(max_tokens=4, temperature=0.0))
+        for each in (llm, workers_engine):
+            each.generate([warm], SamplingParams(max_tokens=4, temperature=0.0))
         pids = {"gateway": stack.gateway.pid, "worker": stack.workers["worker-0"].pid}
         store = redis.Redis.from_url(str(stack.redis_url))
-        runs, offline = [], []
+        runs, offline, in_engine = [], [], []
         for turn in turns:
             ids = [prompts.tokenizer.encode_chat(p.messages) for p in turn]
             offline.append(offline_run(llm, ids, args.batch_tokens))
+            in_engine.append(
+                engine_in_flight(workers_engine, ids, args.batch_tokens, args.lines_in_flight)
+            )
             data = batch_lines(name, [p.messages for p in turn], args.batch_tokens)
             runs.append(batch_alone(bulk, data, pids, store=store, prefix=stack.key_prefix))
             runs[-1]["gateway_cpu_ms_per_line"] = (
                 1000 * runs[-1]["cpu_s"]["gateway"] / args.throughput_lines
             )
-            print("batch alone:", runs[-1], "offline:", offline[-1])
+            print("batch alone:", runs[-1], "offline:", offline[-1], "engine:", in_engine[-1])
         llm.shutdown()
+        workers_engine.shutdown()
     finally:
         stack.stop()
     report["batch_alone"] = {"lines": args.throughput_lines, "runs": runs,
                              "tok_s": float(np.median([r["tok_s"] for r in runs]))}  # fmt: skip
     report["offline_runs"] = offline
+    report["engine_in_flight_runs"] = in_engine
     report["offline_tok_s"] = float(np.median([o["tok_s"] for o in offline]))
     by_turn = [r["tok_s"] / o["tok_s"] for r, o in zip(runs, offline, strict=True)]
     report["ratios"] = {
         # Each turn's two halves ran close in time; the median of their ratios.
         "batch_over_offline_by_turn": by_turn,
         "batch_over_offline": float(np.median(by_turn)),
-    }
+        "engine_over_offline": float(np.median(
+            [e["tok_s"] / o["tok_s"] for e, o in zip(in_engine, offline, strict=True)]
+        )),
+        "batch_over_engine": float(np.median(
+            [r["tok_s"] / e["tok_s"] for r, e in zip(runs, in_engine, strict=True)]
+        )),
+    }  # fmt: skip
     report["gateway_cpu_ms_per_line"] = float(
         np.median([r["gateway_cpu_ms_per_line"] for r in runs])
     )

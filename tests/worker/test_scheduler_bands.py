@@ -130,7 +130,7 @@ def test_beside_interactive_decodes_batch_decodes_take_turns_within_a_tenth_of_t
     assert all("r3" in plan and len(plan) == 2 for plan in plans), plans
     assert sorted(r for plan in plans for r in plan - {"r3"}) == ["r0", "r1", "r2"]  # in turns
     sched.remove(chat)
-    sched.interactive_left_at = -1e9  # long ago (just after, see the next test)
+    sched.batch_band.interactive_left_at = -1e9  # long ago (just after, see the next test)
     assert [r for r, _, _ in run_step(sched)] == ["r0", "r1", "r2"]
 
 
@@ -143,7 +143,7 @@ def test_a_batch_alone_takes_steps_no_longer_than_what_an_arrival_may_wait_for()
 
     sched = make_scheduler(num_blocks=32, max_tokens=64)
     sched.step_budget = DecodeStepBudget(StepTimes({1: 0.010, 64: 0.640}), 1.0)
-    sched.interactive_left_at = -1e9
+    sched.batch_band.interactive_left_at = -1e9
     for i in range(3):
         sched.add(make_seq(i, 20, B, tenant="bulk"))
     plans = [run_step(sched) for _ in range(4)]
@@ -175,13 +175,13 @@ def test_an_interactive_prompt_is_not_cut_to_guard_batch_decodes():
 def test_just_after_an_interactive_request_ends_batch_steps_stay_short(steps_stop):
     """A closed-loop client's next request comes just after its answer: for ACTIVE_GRACE_S
     batch work keeps to the room beside one interactive decode, then fills the step again;
-    unless an arrival stops a step of batch work alone (``batch_steps_stop``: one rank), when
+    unless an arrival stops a step of batch work alone (``BatchBand.steps_stop``: one rank), when
     it fills the next step at once."""
     from worker.core.step_budget import ACTIVE_GRACE_S, DecodeStepBudget, StepTimes
 
     times = StepTimes({1: 0.010, 16: 0.020, 64: 0.050})
     sched = make_scheduler(max_tokens=64)
-    sched.batch_steps_stop = steps_stop
+    sched.batch_band.steps_stop = steps_stop
     sched.step_budget = DecodeStepBudget(times, 1.0)
     for i in range(3):
         sched.add(make_seq(i, 4, B, tenant="bulk"))
@@ -190,7 +190,7 @@ def test_just_after_an_interactive_request_ends_batch_steps_stay_short(steps_sto
     run_step(sched)
     sched.remove(chat)
     assert len(run_step(sched)) == (3 if steps_stop else 1)  # else the room beside one decode
-    sched.interactive_left_at -= ACTIVE_GRACE_S
+    sched.batch_band.interactive_left_at -= ACTIVE_GRACE_S
     assert len(run_step(sched)) == 3
 
 

@@ -100,11 +100,11 @@ async def test_an_interactive_arrival_stops_the_batch_step_in_flight(model):
 
 
 def test_no_step_is_armed_where_the_scheduler_does_not_count_on_stops(model):
-    """Under tensor parallelism (``batch_steps_stop`` off: every rank must run every layer) a
+    """Under tensor parallelism (``BatchBand.steps_stop`` off: every rank must run every layer) a
     step of batch work alone is never armed, so a request cannot stop it."""
     engine = new_engine(model)
-    assert engine.scheduler.batch_steps_stop  # one rank
-    engine.scheduler.batch_steps_stop = False
+    assert engine.scheduler.batch_band.steps_stop  # one rank
+    engine.scheduler.batch_band.steps_stop = False
     interrupt, execute = engine.runner.model.interrupt, engine.runner.execute
     armed: list[bool] = []
 

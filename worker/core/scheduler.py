@@ -20,10 +20,9 @@ sequences fill what interactive work leaves and give it back at once: prefills a
 are placed band by band (``_next_queue``), a batch arrival waits while interactive work
 cannot start, an interactive arrival that finds no seat or KV blocks takes them from a running
 batch sequence (``_take_batch_room``), a batch sequence is preempted before any
-interactive one (``_victim``), a step carrying interactive work carries only the batch
-tokens that keep it within a tenth of that work's own time (``_batch_room``,
-``worker.core.bands``), and one carrying an interactive prompt carries none
-(``_yield_to_prompts``). Within a band, tenants share as above.
+interactive one (``_victim``), and the step's share of batch work beside interactive work is
+``worker.core.bands.BatchBand``'s: within a tenth of that work's own time, none beside an
+interactive prompt. Within a band, tenants share as above.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import time
 from collections import deque
 
 from worker.core.adapter_gate import AdapterGate
-from worker.core.bands import batch_rows_beside_decodes, batch_token_room
+from worker.core.bands import BatchBand
 from worker.core.batch import BlockMove, MoveKind, ScheduledSequence, SchedulerOutput
 from worker.core.block_manager import BlockManager
 from worker.core.burst import BurstRule
@@ -100,9 +99,8 @@ class Scheduler:
             if burst_prefill_tokens is None
             else BurstRule(burst_prefill_tokens, max_num_batched_tokens)
         )
-        # The engine stops a step of batch work alone when interactive work arrives
-        # (``worker.model.step_interrupt``): no grace second after interactive work is needed.
-        self.batch_steps_stop = batch_steps_stop
+        # The batch band's share of each step (``worker.core.bands``).
+        self.batch_band = BatchBand(steps_stop=batch_steps_stop)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -111,17 +109,6 @@ class Scheduler:
         self.tenants_left_at: dict[str, float] = {}
         self.num_preemptions = 0  # since start, for metrics and tests
         self.num_swap_outs = 0  # of which by swapping
-        # Batch tokens the step in the making may still add beside its interactive work;
-        # None: no bound (no interactive work, or step times unknown).
-        self._batch_room: int | None = None
-        self._batch_alone = False  # no interactive work: the room bounds batch prompts only
-        # Beside interactive decodes alone: batch decodes only, no prompt chunks
-        # (``bands.batch_rows_beside_decodes``).
-        self._batch_decodes_only = False
-        # Batch decodes given their turn in the step in the making, with their turn before
-        # (given back if an interactive prompt takes their place: ``_yield_to_prompts``).
-        self._turns_given: list[tuple[Sequence, int]] = []
-        self.interactive_left_at = -ACTIVE_GRACE_S  # when the latest interactive one left
 
     @property
     def has_work(self) -> bool:
@@ -148,7 +135,7 @@ class Scheduler:
         self.block_manager.free(seq.block_table)
         self.tenants_left_at[seq.tenant] = time.monotonic()
         if seq.band is Band.INTERACTIVE:
-            self.interactive_left_at = self.tenants_left_at[seq.tenant]
+            self.batch_band.interactive_left_at = self.tenants_left_at[seq.tenant]
 
     def recompute(self, seq: Sequence) -> None:
         """Drop a running sequence's K/V, which no longer hold (LongRoPE's switch to its long
@@ -181,8 +168,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scored_token_cost=self.scored_token_cost)
         step = StepCharges(self.ledger)
-        self._batch_room = self._batch_room_beside_interactive()
-        self._turns_given.clear()
+        self.batch_band.plan(
+            self.step_budget, (*self.running, *self.waiting), self.max_num_batched_tokens
+        )
         burst = self._burst()
         if burst is None:
             self._schedule_decodes(out, step)
@@ -243,7 +231,7 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_uncomputed_tokens <= 1]
         decodes.sort(key=lambda s: s.arrival_order)
         blocks = self.block_manager
-        for seq in self._decodes_within_budget(self._batch_decodes_held_back(decodes)):
+        for seq in self._decodes_within_budget(self.batch_band.hold_back(decodes)):
             budget = self.max_num_batched_tokens - out.num_tokens
             if budget <= 0:
                 break
@@ -265,68 +253,6 @@ class Scheduler:
                 continue
             num_spec = self._fit_speculation(seq, num_tokens, budget)
             out.add(step.note(self._schedule(seq, num_tokens, out, num_spec)))
-
-    def _batch_room_beside_interactive(self) -> int | None:
-        """While interactive sequences run or wait, the batch tokens the step may carry beside
-        them (``bands.batch_token_room``: within a tenth of their own step time), counting
-        their decodes and their prompts' next chunks (an arrival's first step is held to it
-        too); beside interactive decodes alone, batch decode rows only, priced on steps of
-        decodes alone (``bands.batch_rows_beside_decodes``). Where the engine cannot stop a step
-        of batch work alone for an arrival (``batch_steps_stop`` off: tensor parallelism),
-        within ``ACTIVE_GRACE_S`` of the latest interactive sequence's end as if one decoded: a
-        closed-loop client's next request comes just after its answer, and would otherwise wait
-        for a whole step of batch work. Without interactive work, a step of batch work within
-        ``bands.BATCH_STEP_S``. None without step times."""
-        self._batch_decodes_only = False
-        if self.step_budget is None:
-            return None
-        interactive = rows = 0
-        prompts = False
-        for seq in (*self.running, *self.waiting):
-            if seq.band is Band.INTERACTIVE and seq.num_uncomputed_tokens:
-                tokens = min(seq.num_uncomputed_tokens, self.max_num_batched_tokens)
-                interactive += tokens
-                decode = seq.status is SequenceStatus.RUNNING and tokens == 1
-                if decode and not seq.spec_token_ids:
-                    rows += 1
-                else:
-                    prompts = True
-        interactive = min(interactive, self.max_num_batched_tokens)
-        if (
-            not interactive
-            and not self.batch_steps_stop
-            and time.monotonic() - self.interactive_left_at < ACTIVE_GRACE_S
-        ):
-            interactive = rows = 1
-        self._batch_alone = interactive == 0
-        if rows and not prompts:
-            batch_rows = batch_rows_beside_decodes(self.step_budget, rows)
-            if batch_rows is not None:
-                self._batch_decodes_only = True
-                return batch_rows
-        return batch_token_room(self.step_budget.times, interactive)
-
-    def _batch_decodes_held_back(self, decodes: list[Sequence]) -> list[Sequence]:
-        """Beside interactive work, batch decodes take at most the step's batch room, in
-        turns (least recently placed first); the others wait a step, holding their blocks."""
-        room = self._batch_room
-        if room is None:
-            return decodes
-        batch = [s for s in decodes if s.band is not Band.INTERACTIVE]
-        if self._batch_alone:  # every decode; the prompts' chunks take what the step has left
-            self._batch_room = max(room - len(batch), MIN_PREFILL_TOKENS)
-            return decodes
-        if len(batch) <= room:
-            self._batch_room = 0 if self._batch_decodes_only else room - len(batch)
-            return decodes
-        kept = set(map(id, sorted(batch, key=lambda s: s.last_decode_turn)[:room]))
-        for seq in batch:
-            if id(seq) in kept:
-                self._turns_given.append((seq, seq.last_decode_turn))
-                self._decode_turns += 1
-                seq.last_decode_turn = self._decode_turns
-        self._batch_room = 0
-        return [s for s in decodes if s.band is Band.INTERACTIVE or id(s) in kept]
 
     def _decodes_within_budget(self, decodes: list[Sequence]) -> list[Sequence]:
         """Fair, with a step budget: when the decodes alone would take more tokens than the
@@ -407,7 +333,8 @@ class Scheduler:
         step_limit = min(self._step_token_limit(out), top)
         others = self._active_tenants()
         batch_only = self._batch_only_tenants()
-        yielded = False  # ``_yield_to_prompts`` done
+        band = self.batch_band
+        yielded = False  # ``band.give_back`` done
         while queues:
             if out.num_tokens >= top:
                 break
@@ -433,8 +360,8 @@ class Scheduler:
                     continue
             if seq.band is not Band.INTERACTIVE and not yielded:
                 yielded = True  # every interactive piece is placed by now (bands go in order)
-                self._yield_to_prompts(out)
-            batch_room = None if seq.band is Band.INTERACTIVE else self._batch_room
+                band.give_back(out)
+            batch_room = None if seq.band is Band.INTERACTIVE else band.room
             if batch_room is not None:
                 budget = min(budget, batch_room)
                 if budget <= 0:
@@ -463,30 +390,11 @@ class Scheduler:
                     else:
                         del queues[tenant]
             if batch_room is not None:
-                self._batch_room = batch_room - (out.num_tokens - placed)
+                band.spend(out.num_tokens - placed)
             if out.preempted:
                 admitting = False
         if not yielded:
-            self._yield_to_prompts(out)
-
-    def _yield_to_prompts(self, out: SchedulerOutput) -> None:
-        """A step that carries an interactive prompt carries no batch work: the batch rows
-        placed before it (decodes, which go first) give their places back, and their turns,
-        and the rest of the step's batch room is gone. So an arrival's first token waits
-        for its own prompt only (the step times price one prompt of so many tokens, not decode
-        rows beside it). Only once the prompt is placed: an arrival that cannot start (its
-        adapter has no slot, its tenant is at its cap) stops no batch work."""
-        if self._batch_room is None or not any(
-            p.seq.band is Band.INTERACTIVE and p.seq.num_uncomputed_tokens > 1
-            for p in out.scheduled
-        ):
-            return
-        self._batch_room = 0
-        for placed in [p for p in out.scheduled if p.seq.band is not Band.INTERACTIVE]:
-            out.drop(placed.seq)
-        for seq, turn in self._turns_given:
-            seq.last_decode_turn = turn
-        self._turns_given.clear()
+            band.give_back(out)
 
     def _next_queue(self, queues: dict[str, deque[Sequence]], step: StepCharges) -> str:
         """Whose work is placed next: among the queues whose next piece is of the first band

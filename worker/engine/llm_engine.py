@@ -452,9 +452,9 @@ class LLMEngine:
 
     def _abandonable(self, scheduled: list[ScheduledSequence]) -> bool:
         """Whether a step may be stopped midway: batch work alone, no drafts to verify (their
-        proposals belong to the step), where the scheduler counts on it (``batch_steps_stop``:
+        proposals belong to the step), where the scheduler counts on it (``BatchBand.steps_stop``:
         the whole pass in this process)."""
-        return self.scheduler.batch_steps_stop and all(
+        return self.scheduler.batch_band.steps_stop and all(
             s.seq.band is Band.BATCH and not s.num_spec for s in scheduled
         )
 
