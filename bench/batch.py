@@ -189,7 +189,7 @@ def engine_in_flight(llm, prompt_ids: list[list[int]], tokens: int, in_flight: i
         for output in engine.step():
             if output.finished:
                 live -= 1
-                produced += len(output.outputs[0].token_ids)
+                produced += output.num_tokens
     elapsed = time.monotonic() - start
     return {"tok_s": produced / elapsed, "seconds": elapsed}
 
