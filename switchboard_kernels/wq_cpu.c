@@ -401,18 +401,11 @@ static inline __attribute__((always_inline)) void unpacked_rows(const struct sb_
     }
 }
 
-static void unpacked_tile(const struct sb_wq *w, const uint8_t *from, const WqRows *x,
+/* WQ_CASES's row counts (its bits unused): `panel` is the pair of panels unpacked. */
+#define unpacked_rows_of(w, panel, x, m0, BITS, R, out) unpacked_rows(w, panel, x, m0, R, out)
+static void unpacked_tile(const struct sb_wq *w, const uint8_t *panel, const WqRows *x,
                           int64_t m0, int rows, float out[2][WQ_ROWS][PL_NR]) {
-    switch (rows) {
-    case 1: unpacked_rows(w, from, x, m0, 1, out); break;
-    case 2: unpacked_rows(w, from, x, m0, 2, out); break;
-    case 3: unpacked_rows(w, from, x, m0, 3, out); break;
-    case 4: unpacked_rows(w, from, x, m0, 4, out); break;
-    case 5: unpacked_rows(w, from, x, m0, 5, out); break;
-    case 6: unpacked_rows(w, from, x, m0, 6, out); break;
-    case 7: unpacked_rows(w, from, x, m0, 7, out); break;
-    default: unpacked_rows(w, from, x, m0, 8, out); break;
-    }
+    WQ_CASES(unpacked_rows_of, 0)
 }
 
 /* y = x W^T (+ bias) (+ res) for bf16 rows x through pairs of panels unpacked once each; the
