@@ -4,6 +4,8 @@ must not: every request's greedy output equals the one it gets on a plain engine
 
 from __future__ import annotations
 
+import pytest
+
 from factories import assert_no_block_leaks, drain, random_prompts
 from worker import SamplingParams
 from worker.core.config import engine_config
@@ -65,10 +67,12 @@ def test_batch_rows_held_back_and_given_back_keep_every_token(target):
     assert_no_block_leaks(engine)
 
 
-def stopped_run(engine: LLMEngine, *, every: int) -> tuple[dict[str, list[int]], int]:
+def stopped_run(engine: LLMEngine, *, every: int, at: int = 1) -> tuple[dict[str, list[int]], int]:
     """Six batch lines and, after four steps, a chat; every ``every``-th step of batch work
-    alone is asked to stop at its second layer (the torch path) or before its first (the
-    native decode step, which reads the flag in C), as an interactive arrival asks. A stop
+    alone is asked to stop at its check number ``at`` (the torch path checks before each
+    layer, its MLP and its down projection: 1 is the first layer's MLP, 3 the second layer) or
+    before its first layer (the native decode step, which reads the flag in C), as an
+    interactive arrival asks. A stop
     asked during a step that carries interactive work must do nothing. Returns the tokens by
     request and how many steps the native decode step ran."""
     runner, interrupt = engine.runner, engine.runner.model.interrupt
@@ -78,7 +82,7 @@ def stopped_run(engine: LLMEngine, *, every: int) -> tuple[dict[str, list[int]],
     def checked() -> None:
         if not interrupt.armed:
             assert engine.stop_batch_step() is False  # interactive work: never stopped
-        elif layer[0] == 1 and armed_steps[0] % every == 0:
+        elif layer[0] == at and armed_steps[0] % every == 0:
             assert engine.stop_batch_step() is True
         layer[0] += 1
         check()
@@ -124,13 +128,15 @@ def stopped_run(engine: LLMEngine, *, every: int) -> tuple[dict[str, list[int]],
     return {rid: out.token_ids for rid, out in done.items()}, native_calls[0]
 
 
-def test_batch_steps_stopped_midway_run_again_with_every_token_kept(target):
+@pytest.mark.parametrize("at", [1, 2, 3], ids=["before-mlp", "before-down", "next-layer"])
+def test_batch_steps_stopped_midway_run_again_with_every_token_kept(target, at):
     """Each stopped step is dropped whole and run again (its K/V written at positions not yet
-    computed, its charges made once): every greedy token is the one a plain engine gives."""
+    computed, its charges made once): every greedy token is the one a plain engine gives,
+    wherever in a layer it stopped."""
     kwargs = {"dtype": "bfloat16", "block_size": 4, "max_num_batched_tokens": 64}
     expected, _ = stopped_run(LLMEngine(target, engine_config(**kwargs)), every=10**9)
     engine = LLMEngine(target, engine_config(**kwargs))
-    got, native_calls = stopped_run(engine, every=2)
+    got, native_calls = stopped_run(engine, every=2, at=at)
     assert got == expected and len(got) == 7
     assert native_calls > 5 or engine.runner.native_step is None  # both paths were stopped
     assert engine.runner.model.interrupt.abandoned >= 5

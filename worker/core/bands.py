@@ -10,7 +10,7 @@ decode rows only, priced on the times of steps of decodes alone (``batch_rows_be
 The rest of the batch work waits (its decodes take turns), holding its KV blocks: under steady
 interactive traffic batch prompts start only between its requests. With no interactive work
 every batch decode runs and the lines' prompt chunks fill the step up to ``BATCH_STEP_S`` (at
-least ``MIN_PREFILL_TOKENS``); an interactive arrival stops such a step at its next layer
+least ``MIN_PREFILL_TOKENS``); an interactive arrival stops such a step within its layer
 (``worker.model.step_interrupt``), and the bound is what a step dropped that way may waste.
 ``BatchBand`` holds a scheduler's share of the step in the making by these rules.
 """
@@ -32,7 +32,7 @@ from worker.core.step_budget import (
 # The most a step carrying interactive work may be slowed by the batch work beside it.
 BATCH_SLOWDOWN = 0.10
 # The longest a step of batch work alone may take (what an interactive arrival may make it
-# drop: it stops at the arrival's next layer and is run again).
+# drop: it stops within the layer it is in and is run again).
 BATCH_STEP_S = 0.25
 
 

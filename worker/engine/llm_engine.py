@@ -446,7 +446,7 @@ class LLMEngine:
 
     def stop_batch_step(self) -> bool:
         """From any thread, when interactive work arrives: the step in flight, if it is batch
-        work alone, stops at its next layer and is dropped (``worker.model.step_interrupt``);
+        work alone, stops at its next check and is dropped (``worker.model.step_interrupt``);
         whether one was in flight."""
         return self.runner.model.interrupt.request()
 

@@ -301,11 +301,13 @@ class LlamaModel:
             attn = attend(q, k, v, key_cache, value_cache, meta, self.scale)
             attn = attn.view(num_tokens, self.q_size)
             hidden = self._row_parallel(layer.o, attn, hidden, adapters, "o")
+            self.interrupt.check()  # the MLP: three quarters of a layer's products
             x = self.ops.rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate_up = layer.gate_up(x)
             if adapters is not None:
                 adapters.add(gate_up, x, "gate_up")
             act = self.ops.silu_mul(gate_up)
+            self.interrupt.check()
             hidden = self._row_parallel(layer.down, act, hidden, adapters, "down")
         return hidden
 
@@ -374,6 +376,7 @@ class LlamaModel:
             if layer.attn_out_norm is not None:
                 y = self.ops.rms_norm(y, layer.attn_out_norm, eps)
             hidden = torch.add(hidden, y, alpha=residual_scale)
+            self.interrupt.check()  # before the MLP, most of a layer's products
             x = (
                 hidden.to(self.dtype)
                 if layer.post_norm is None
@@ -394,6 +397,7 @@ class LlamaModel:
                 else:
                     gate, up = gate_up.chunk(2, dim=-1)
                     act = activation(gate) * up
+                self.interrupt.check()
                 y = self._projected(layer.down, act, adapters, "down")
             if layer.mlp_out_norm is not None:
                 y = self.ops.rms_norm(y, layer.mlp_out_norm, eps)

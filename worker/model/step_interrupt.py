@@ -4,13 +4,14 @@ On a CPU a step of batch work alone runs for up to ``bands.BATCH_STEP_S`` (every
 and prompt chunks), and an interactive request that arrives meanwhile used to wait for all of
 it: its first token came that much later (bench.batch: the TTFT of a chat's first request
 after a quiet spell 2-3x idle). A step the engine ``arm``s may be stopped at the start of any
-layer: another thread's ``request`` sets a flag that the torch path's layer loop
-(``check``) and the native decode step (``address``) read before each layer. The engine then
-drops the step whole (``StepAbandoned``): nothing it did counts. The K/V it wrote lie at
-positions its sequences have not computed, which nobody reads and the step that computes
-them again overwrites; the scheduler's charges are per position and not made twice
-(``ServiceLedger.cost``). An arrival waits for one layer instead of a whole step; the batch
-loses the part of the step already run.
+layer: another thread's ``request`` sets a flag that the torch path reads before each layer
+and before a layer's MLP and its down projection (``check``: an arrival waits for at most
+half a layer's products), and the native decode step before each layer (``address``). The
+engine then drops the step whole (``StepAbandoned``): nothing it did counts. The K/V it wrote
+lie at positions its sequences have not computed, which nobody reads and the step that
+computes them again overwrites; the scheduler's charges are per position and not made twice
+(``ServiceLedger.cost``). An arrival waits for part of a layer instead of a whole step; the
+batch loses the part of the step already run.
 
 Only a step whose every sequence is batch work is armed, and only where the whole pass runs
 in this process (no tensor-parallel group: every rank must run every layer).
@@ -63,6 +64,7 @@ class StepInterrupt:
         return bool(self._flag.value)
 
     def check(self) -> None:
-        """Before a layer: raise ``StepAbandoned`` if the armed step was asked to stop."""
+        """Between a layer's parts: raise ``StepAbandoned`` if the armed step was asked to
+        stop."""
         if self._flag.value:
             raise StepAbandoned
