@@ -16,10 +16,10 @@ One run starts a stack (Redis, one worker on the default model, the gateway) and
    90%). The batch's end is read from its stored status in Redis every 10 ms (the API asked
    that often would itself take gateway CPU from the worker's cores); each turn reports the
    CPU seconds of the gateway, the worker and the offline engine, and the gateway's per line.
-   Between them, the worker's engine itself in this process (the worker's default settings,
-   the batch band, `--lines-in-flight` lines kept in flight as the runner keeps them, the same
-   prompts): the served batch against it is what serving costs, it against the offline
-   engine what the engine's band and its lines' arrivals cost. ``--throughput-only`` runs
+   Between them, the same engine in this process as the worker runs the lines (the batch
+   band, `--lines-in-flight` lines kept in flight as the runner keeps them, the same prompts):
+   the served batch against it is what serving costs, it against the offline engine what the
+   band and the lines' arrivals cost. ``--throughput-only`` runs
    this part alone.
 
 Prompts are seeded random whole-word prompts (`--prompt-tokens`, chat template included), one
@@ -223,16 +223,6 @@ def batch_alone(
             "cpu_s": {name: cpu_s(pid) - cpu[name] for name, pid in pids.items()}}  # fmt: skip
 
 
-def worker_defaults(model: Path) -> dict:
-    """The engine settings a worker started with no flags gets (``switchboard worker``)."""
-    from switchboard.worker_command import _worker_arguments, worker_engine_kwargs
-
-    parser = argparse.ArgumentParser()
-    _worker_arguments(parser)
-    kwargs = worker_engine_kwargs(parser.parse_args(["--model", str(model)]))
-    return {k: v for k, v in kwargs.items() if v is not None}
-
-
 def run(args: argparse.Namespace) -> dict:
     model = Path(args.model)
     prompts = Prompts(model, seed=59)
@@ -285,7 +275,7 @@ def run(args: argparse.Namespace) -> dict:
         from worker import LLM, SamplingParams
 
         llm = LLM(model)
-        workers_engine = LLM(model, **worker_defaults(model))
+        workers_engine = LLM(model)  # its own prefix cache
         warm = prompts.tokenizer.encode_chat(prompts.long(args.prompt_tokens).messages)
         for each in (llm, workers_engine):
             each.generate([warm], SamplingParams(max_tokens=4, temperature=0.0))
