@@ -42,6 +42,13 @@ class ScheduledSequence:
         """Whether this step reaches the end of the sequence, so a new token is sampled."""
         return self.start + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def plain_decode(self) -> bool:
+        """One token after cached ones, sampling the next, no drafts: what the native decode
+        step takes (``ModelRunner._execute_native_step``) and the decode-step curve prices
+        (``DecodeStepBudget.decode_times``)."""
+        return self.num_tokens == 1 and self.start > 0 and not self.num_spec and self.samples
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

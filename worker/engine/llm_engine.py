@@ -424,10 +424,7 @@ class LLMEngine:
         if self.scheduler.step_budget is not None and executed.parts == 1:
             self.scheduler.step_budget.observe(
                 sched.num_tokens,
-                all(
-                    s.num_tokens == 1 and s.start and s.samples and not s.num_spec
-                    for s in sched.scheduled
-                ),
+                all(s.plain_decode for s in sched.scheduled),
                 time.perf_counter() - start,
             )
         now = time.monotonic()

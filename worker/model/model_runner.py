@@ -240,9 +240,7 @@ class ModelRunner:
         adapters: list[str | None] = []
         for s in scheduled:
             seq = s.seq
-            if s.num_tokens != 1 or s.start == 0 or s.num_spec or not s.samples:
-                return None
-            if seq.adapter_mix or wants_prompt_logprobs(s):
+            if not s.plain_decode or seq.adapter_mix or wants_prompt_logprobs(s):
                 return None
             adapters.append(seq.adapter_id)
         lora = None
