@@ -5,6 +5,7 @@ must not: every request's greedy output equals the one it gets on a plain engine
 from __future__ import annotations
 
 import pytest
+from family_factories import make_family_checkpoint
 
 from factories import assert_no_block_leaks, drain, random_prompts
 from worker import SamplingParams
@@ -67,17 +68,19 @@ def test_batch_rows_held_back_and_given_back_keep_every_token(target):
     assert_no_block_leaks(engine)
 
 
-def stopped_run(engine: LLMEngine, *, every: int, at: int = 1) -> tuple[dict[str, list[int]], int]:
+def stopped_run(
+    engine: LLMEngine, *, every: int, at: int = 1
+) -> tuple[dict[str, list[int]], int, int]:
     """Six batch lines and, after four steps, a chat; every ``every``-th step of batch work
     alone is asked to stop at its check number ``at`` (the torch path checks before each
     layer, its MLP and its down projection: 1 is the first layer's MLP, 3 the second layer) or
     before its first layer (the native decode step, which reads the flag in C), as an
-    interactive arrival asks. A stop
-    asked during a step that carries interactive work must do nothing. Returns the tokens by
-    request and how many steps the native decode step ran."""
+    interactive arrival asks. A stop asked during a step that carries interactive work must do
+    nothing. Returns the tokens by request, how many steps the native decode step ran and the
+    most checks one step made."""
     runner, interrupt = engine.runner, engine.runner.model.interrupt
     check, execute = interrupt.check, runner.execute
-    armed_steps, layer, native_calls = [0], [0], [0]
+    armed_steps, layer, native_calls, most_checks = [0], [0], [0], [0]
 
     def checked() -> None:
         if not interrupt.armed:
@@ -88,6 +91,7 @@ def stopped_run(engine: LLMEngine, *, every: int, at: int = 1) -> tuple[dict[str
         check()
 
     def counted(scheduled, **kwargs):
+        most_checks[0] = max(most_checks[0], layer[0])
         layer[0] = 0
         if interrupt.armed:
             armed_steps[0] += 1
@@ -125,18 +129,29 @@ def stopped_run(engine: LLMEngine, *, every: int, at: int = 1) -> tuple[dict[str
             if out.finished:
                 assert out.finish_reason == "length", out
                 done[out.request_id] = out
-    return {rid: out.token_ids for rid, out in done.items()}, native_calls[0]
+    tokens = {rid: out.token_ids for rid, out in done.items()}
+    return tokens, native_calls[0], most_checks[0]
 
 
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    """A family the Llama loop does not take (``LlamaModel._forward_block``: its own checks)."""
+    return make_family_checkpoint(tmp_path_factory.mktemp("gemma2"), "gemma2", seed=5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
 @pytest.mark.parametrize("at", [1, 2, 3], ids=["before-mlp", "before-down", "next-layer"])
-def test_batch_steps_stopped_midway_run_again_with_every_token_kept(target, at):
+def test_batch_steps_stopped_midway_run_again_with_every_token_kept(request, family, at):
     """Each stopped step is dropped whole and run again (its K/V written at positions not yet
     computed, its charges made once): every greedy token is the one a plain engine gives,
-    wherever in a layer it stopped."""
+    wherever in a layer it stopped, in the Llama loop and in the other families' loop."""
+    checkpoint = request.getfixturevalue("target" if family == "llama" else family)
     kwargs = {"dtype": "bfloat16", "block_size": 4, "max_num_batched_tokens": 64}
-    expected, _ = stopped_run(LLMEngine(target, engine_config(**kwargs)), every=10**9)
-    engine = LLMEngine(target, engine_config(**kwargs))
-    got, native_calls = stopped_run(engine, every=2, at=at)
+    plain = LLMEngine(checkpoint, engine_config(**kwargs))
+    expected, _, checks = stopped_run(plain, every=10**9)
+    assert checks == 3 * len(plain.runner.model.layers)  # each layer, its MLP, its down
+    engine = LLMEngine(checkpoint, engine_config(**kwargs))
+    got, native_calls, _ = stopped_run(engine, every=2, at=at)
     assert got == expected and len(got) == 7
     assert native_calls > 5 or engine.runner.native_step is None  # both paths were stopped
     assert engine.runner.model.interrupt.abandoned >= 5
