@@ -19,8 +19,7 @@ One run starts a stack (Redis, one worker on the default model, the gateway) and
    Between them, the same engine in this process as the worker runs the lines (the batch
    band, `--lines-in-flight` lines kept in flight as the runner keeps them, the same prompts):
    the served batch against it is what serving costs, it against the offline engine what the
-   band and the lines' arrivals cost. ``--throughput-only`` runs
-   this part alone.
+   band and the lines' arrivals cost. ``--throughput-only`` runs this part alone.
 
 Prompts are seeded random whole-word prompts (`--prompt-tokens`, chat template included), one
 per line, so the prefix cache makes none of them free.
@@ -37,6 +36,7 @@ import json
 import os
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 
 import httpx
@@ -179,11 +179,11 @@ def engine_in_flight(llm, prompt_ids: list[list[int]], tokens: int, in_flight: i
     from worker.core.sequence import Band
 
     engine, params = llm.engine, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    tag, pending, live, produced = uuid.uuid4().hex, list(enumerate(prompt_ids)), 0, 0
+    tag, pending, live, produced = uuid.uuid4().hex, deque(enumerate(prompt_ids)), 0, 0
     start = time.monotonic()
     while pending or live:
         while pending and live < in_flight:
-            i, ids = pending.pop(0)
+            i, ids = pending.popleft()
             engine.add_request(f"{tag}-{i}", ids, params, tenant="bulk", band=Band.BATCH)
             live += 1
         for output in engine.step():
