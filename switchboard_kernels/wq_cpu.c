@@ -300,7 +300,8 @@ static void bf16_pairs(const uint16_t *x, int64_t rows, int64_t K, int bits, uin
 
 #define UNPACKED_TILE 8 /* rows: 8 x 2 panels' group sums in 16 registers */
 /* The fewest rows that take the unpacked levels (4-bit, 8-bit): measured on that Zen 4, 4-bit
- * even with panel_bf16 at 16 rows and ahead from 24, 8-bit ahead from 8. -D sets others. */
+ * even with panel_bf16 at 16 rows and ahead from 24, 8-bit ahead from 8; the other
+ * AVX512-BF16 CPUs (Zen 5, Xeons with AMX) take them untried. -D sets others. */
 #ifndef UNPACKED_MIN_ROWS4
 #define UNPACKED_MIN_ROWS4 16
 #endif
