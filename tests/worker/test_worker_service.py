@@ -166,11 +166,52 @@ async def test_stream_matches_offline_generation(stub, offline, prompt_ids):
     assert [m.completion_tokens for m in messages] == sorted(m.completion_tokens for m in messages)
 
 
-async def test_generate_all_answers_what_the_stream_sends_in_one_reply(stub, prompt_ids):
-    req = request(prompt_ids, max_tokens=24, n=2, seed=3, temperature=0.8, logprobs=2)
+def merged(messages: list[worker_pb2.GenerateResponse]) -> list[worker_pb2.GenerateResponse]:
+    """A stream's deltas as one response a sample (in the order each sample ended): its
+    tokens, text and logprobs joined, its last message's ending and counts."""
+    whole: dict[int, worker_pb2.GenerateResponse] = {}
+    ended: list[int] = []
+    for message in messages:
+        sample = whole.setdefault(message.index, worker_pb2.GenerateResponse())
+        sample.token_ids.extend(message.token_ids)
+        sample.text += message.text
+        sample.logprobs.extend(message.logprobs)
+        sample.prompt_logprobs.extend(message.prompt_logprobs)
+        for field in ("index", "finish_reason", "prompt_tokens", "completion_tokens"):
+            setattr(sample, field, getattr(message, field))
+        sample.cached_tokens = message.cached_tokens
+        if message.WhichOneof("stop_reason"):
+            setattr(sample, message.WhichOneof("stop_reason"), getattr(
+                message, message.WhichOneof("stop_reason")
+            ))  # fmt: skip
+        if message.finish_reason:
+            ended.append(message.index)
+    return [whole[i] for i in ended]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(max_tokens=24, n=2, seed=3, temperature=0.8, logprobs=2),
+        dict(max_tokens=32, temperature=0.0, logprobs=1, prompt_logprobs=1),
+    ],
+    ids=["sampled-n2-logprobs", "stop-string-prompt-logprobs"],
+)
+async def test_generate_all_answers_what_the_stream_sends_in_one_message_a_sample(
+    stub, offline, prompt_ids, params
+):
+    if "prompt_logprobs" in params:  # greedy, ended by a string from its free answer
+        [free] = offline.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=32))
+        params = params | {"stop": [free.text[9:11]]}
+    req = request(prompt_ids, **params)
     streamed = await collect(stub, req)
+    assert len(streamed) > params.get("n", 1)  # deltas: more than one message a sample
     reply = await stub.GenerateAll(req)
-    assert list(reply.responses) == streamed
+    assert list(reply.responses) == merged(streamed)
+    assert all(r.finish_reason for r in reply.responses)
+    if "stop" in params:
+        assert reply.responses[0].stop_string == params["stop"][0]
+        assert len(reply.responses[0].prompt_logprobs) == len(prompt_ids) - 1
     assert 0.0 <= reply.first_token_to_end_s < 30.0
     with pytest.raises(grpc.aio.AioRpcError) as info:  # errors keep their codes
         await stub.GenerateAll(request([5, 6], max_tokens=4, top_p=1.5))

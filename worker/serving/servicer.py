@@ -76,21 +76,22 @@ def sampling_params_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams
 
 
 def response_from_sample(
-    sample: SampleOutput, *, with_prompt_logprobs: bool = False
+    sample: SampleOutput, *, with_prompt_logprobs: bool = False, whole: bool = False
 ) -> worker_pb2.GenerateResponse:
     """One delta; ``with_prompt_logprobs``: the prompt's logprobs too, once they are all
-    computed (the first sample to have them sends them, once)."""
+    computed (the first sample to have them sends them, once). ``whole``: the sample's
+    tokens, text and logprobs so far instead of this step's (a final output: its answer)."""
     out = sample.output
     response = worker_pb2.GenerateResponse(
         index=sample.index,
-        token_ids=out.new_token_ids,
-        text=out.new_text,
+        token_ids=out.token_ids if whole else out.new_token_ids,
+        text=out.text if whole else out.new_text,
         finish_reason=out.finish_reason or "",
         prompt_tokens=out.num_prompt_tokens,
         completion_tokens=out.num_tokens,
         cached_tokens=out.num_cached_tokens,
     )
-    for token in out.new_logprobs or ():
+    for token in (out.logprobs if whole else out.new_logprobs) or ():
         _add_logprob(response.logprobs, token)
     prompt = out.prompt_logprobs
     if with_prompt_logprobs and prompt and all(token is not None for token in prompt):
@@ -162,25 +163,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._idle.wait()
 
     async def Generate(self, request, context):
-        async for response in self._generate(request, context):
+        async for response, _ in self._generate(request, context):
             yield response
 
     async def GenerateAll(self, request, context):
-        responses, first_at = [], None
+        """The whole answer in one message a sample: each sample's final output, whole (the
+        engine wakes this call once a sample, not once a step)."""
+        responses, first_token_at = [], None
         # Closed at once when the call is cancelled (the request is aborted then), not
         # whenever the garbage collector finalizes the generator.
-        async with contextlib.aclosing(self._generate(request, context)) as deltas:
-            async for response in deltas:
-                if first_at is None:
-                    first_at = time.monotonic()
+        async with contextlib.aclosing(self._generate(request, context, whole=True)) as finals:
+            async for response, sample in finals:
                 responses.append(response)
+                times = sample.output.token_times[:1]
+                if times and (first_token_at is None or times[0] < first_token_at):
+                    first_token_at = times[0]
         return worker_pb2.GenerateAllResponse(
             responses=responses,
-            first_token_to_end_s=time.monotonic() - first_at if first_at is not None else 0.0,
+            first_token_to_end_s=(
+                time.monotonic() - first_token_at if first_token_at is not None else 0.0
+            ),
         )
 
-    async def _generate(self, request, context):
-        """One request's deltas, for either RPC; errors abort the call with their code."""
+    async def _generate(self, request, context, *, whole: bool = False):
+        """One request's responses, each with the sample it came from, for either RPC:
+        deltas, or (``whole``) each sample's whole answer once; errors abort the call with
+        their code."""
         engine = await self._engine_or_abort(context)
         try:
             params = sampling_params_from_proto(request.params)
@@ -209,17 +217,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 tenant=request.tenant or None,
                 tenant_weight=request.tenant_weight or 1.0,
                 band=band_of(request.priority),
+                final_only=whole,
             )
             prompt_logprobs_due = params.prompt_logprobs is not None
             async with contextlib.aclosing(samples):
                 async for sample in samples:
                     response = response_from_sample(
-                        sample, with_prompt_logprobs=prompt_logprobs_due
+                        sample, with_prompt_logprobs=prompt_logprobs_due, whole=whole
                     )
                     prompt_logprobs_due = prompt_logprobs_due and not response.prompt_logprobs
                     tokens += len(response.token_ids)
                     self.metrics.generated_tokens.inc(len(response.token_ids))
-                    yield response
+                    yield response, sample
             outcome = "ok"
         except Exception as exc:
             outcome = status_for(exc).name
