@@ -25,19 +25,16 @@ median beside it. A smaller regime runs more rounds (up to 50x), about as many b
 from __future__ import annotations
 
 import argparse
-import ctypes
 import random
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from bench.kernel_builds import build_other
 from bench.report import write_report
-from switchboard_kernels import native
 from switchboard_kernels.attention_native import NativeAttention, NativeDecodes, native_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # the default model's attention
@@ -46,12 +43,7 @@ REGIMES = {"dram": (96, 3000), "l3": (8, 1000), "one": (1, 30000)}  # sequences,
 
 def load_other(source: Path) -> NativeAttention:
     """Another version of attention_cpu.c, built beside copies of our headers."""
-    here = Path(native.__file__).parent
-    folder = Path(tempfile.mkdtemp(prefix="sb-attention-"))
-    for header in here.glob("*.h"):
-        shutil.copy(header, folder)
-    shutil.copy(source, folder / "attention_cpu.c")
-    return NativeAttention(ctypes.CDLL(str(native.build(folder / "attention_cpu.c"))))
+    return NativeAttention(build_other(source, "attention_cpu.c"))
 
 
 def make_case(

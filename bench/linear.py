@@ -12,28 +12,39 @@ bfloat16`` the weights are bf16 (270 MB) and the methods ``onednn`` and ``panels
 panels as ``batch_invariant`` runs them (a lone row in one chain, as in a tile of many).
 Before timing, each method's output is checked against ``F.linear`` on one layer.
 
+``--against FILE``: another version of the panels' source (linear_cpu.c, or
+linear_bf16_cpu.c with ``--dtype bfloat16``) timed beside ours as ``-against``.
+``--beside-spinner S``: a process that spins S seconds every 1-4 ms runs throughout, as a
+server's event loop, gateway and Redis take a core for moments from the engine's two-thread
+team (then the median step is the figure that shows it, not the fastest).
+
 Timing: rounds outermost, then the row counts, then the methods in a shuffled order, so a
-burst of load from other processes hits them all alike; the figure per method is its
-fastest step over the rounds. Usage:
+burst of load from other processes hits them all alike; the figures per method are its
+fastest and its median step over the rounds. Usage:
 ``python -m bench.linear [--dtype float32|bfloat16] [--rows 1,2,4,8,16,32,64,256]
-[--rounds 5] [--out FILE]``.
+[--rounds 5] [--against FILE] [--beside-spinner S] [--out FILE]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.kernel_builds import build_other, start_spinner
 from bench.report import write_report
 from switchboard_kernels.linear import can_pack
 from switchboard_kernels.linear_native import (
     Bf16PanelLinear,
+    NativeLinear,
     PanelLinear,
+    bf16_kernel_of,
     native_linear,
     native_linear_bf16,
 )
@@ -55,7 +66,9 @@ def onednn(weight: torch.Tensor) -> Projection:
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
-def methods(weights: list[torch.Tensor]) -> dict[str, list[Projection]]:
+def methods(
+    weights: list[torch.Tensor], against: Path | None = None
+) -> dict[str, list[Projection]]:
     found: dict[str, list[Projection]] = {}
     if can_pack(weights[0]):
         found["onednn"] = [onednn(w) for w in weights]
@@ -63,11 +76,22 @@ def methods(weights: list[torch.Tensor]) -> dict[str, list[Projection]]:
         if native_linear_bf16() is not None:
             found["panels-bf16"] = [Bf16PanelLinear(w) for w in weights]
             found["panels-bf16-fixed"] = [Bf16PanelLinear(w, fixed_order=True) for w in weights]
+            if against is not None:
+                kernel = bf16_kernel_of(build_other(against, "linear_bf16_cpu.c"))
+                found["panels-bf16-against"] = [Bf16PanelLinear(w, kernel=kernel) for w in weights]
     elif native_linear() is not None:
         found["panels"] = [PanelLinear(w) for w in weights]
         found["panels-fixed"] = [PanelLinear(w, fixed_order=True) for w in weights]
         found["panels-int8"] = [PanelLinear(w, int8=True) for w in weights]
+        if against is not None:
+            other = NativeLinear(build_other(against, "linear_cpu.c")).linear
+            found["panels-against"] = [_with_call(PanelLinear(w), other) for w in weights]
     return found
+
+
+def _with_call(linear: PanelLinear, call) -> PanelLinear:
+    linear._call = call  # another build's entry point, over the same panels
+    return linear
 
 
 def check(name: str, projections: list[Projection], weights: list[torch.Tensor]) -> None:
@@ -90,33 +114,51 @@ def time_step(projections: list[Projection], rows: int, dtype: torch.dtype) -> f
     return time.perf_counter() - start
 
 
-def run(rows: list[int], rounds: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+def run(
+    rows: list[int], rounds: int, seed: int = 0, dtype: torch.dtype = torch.float32, *,
+    against: Path | None = None, spinner_s: float = 0.0,
+) -> dict:  # fmt: skip
     weights = default_model_weights(seed, dtype)
-    candidates = methods(weights)
+    candidates = methods(weights, against)
     for name, projections in candidates.items():
         check(name, projections, weights)
     del weights
     order = random.Random(seed)
-    best = {(name, r): float("inf") for name in candidates for r in rows}
-    for _ in range(rounds + 1):  # the first round warms up and is not counted
-        warm = _ == 0
-        for r in rows:
-            names = list(candidates)
-            order.shuffle(names)
-            for name in names:
-                seconds = time_step(candidates[name], r, dtype)
-                if not warm:
-                    best[name, r] = min(best[name, r], seconds)
+    steps: dict[tuple[str, int], list[float]] = {(n, r): [] for n in candidates for r in rows}
+    spinner = start_spinner(spinner_s) if spinner_s > 0 else None
+    try:
+        for _ in range(rounds + 1):  # the first round warms up and is not counted
+            warm = _ == 0
+            for r in rows:
+                names = list(candidates)
+                order.shuffle(names)
+                for name in names:
+                    seconds = time_step(candidates[name], r, dtype)
+                    if not warm:
+                        steps[name, r].append(seconds)
+    finally:
+        if spinner is not None:
+            spinner.kill()
     results = [
-        {"rows": r, **{name: round(1000 * best[name, r], 2) for name in candidates}} for r in rows
+        {
+            "rows": r,
+            **{name: round(1000 * min(steps[name, r]), 2) for name in candidates},
+            "median": {n: round(1000 * statistics.median(steps[n, r]), 2) for n in candidates},
+        }
+        for r in rows
     ]
-    print("rows  " + "  ".join(f"{name:>12}" for name in candidates) + "   (ms a step, best)")
+    print(
+        "rows  " + "  ".join(f"{name:>12}" for name in candidates) + "   (ms a step, best / median)"
+    )
     for line in results:
-        print(f"{line['rows']:>4}  " + "  ".join(f"{line[name]:>12.1f}" for name in candidates))
+        cells = (f"{line[n]:>5.1f} / {line['median'][n]:<5.1f}" for n in candidates)
+        print(f"{line['rows']:>4}  " + "  ".join(f"{c:>12}" for c in cells))
     return {
         "threads": torch.get_num_threads(),
         "dtype": str(dtype).removeprefix("torch."),
         "rounds": rounds,
+        "against": str(against) if against else None,
+        "beside_spinner_s": spinner_s,
         "steps": results,
     }
 
@@ -126,10 +168,16 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,256")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--against", type=Path, default=None, help="another panels source")
+    parser.add_argument("--beside-spinner", type=float, default=0.0, metavar="SECONDS")
     parser.add_argument("--out", default="bench/results/linear.json")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    write_report(run(rows, args.rounds, dtype=getattr(torch, args.dtype)), args.out)
+    report = run(
+        rows, args.rounds, dtype=getattr(torch, args.dtype), against=args.against,
+        spinner_s=args.beside_spinner,
+    )  # fmt: skip
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":
