@@ -1,9 +1,9 @@
 """The Batch API through the real stack (Redis, a worker on a tiny random model, the gateway
 under uvicorn) with the official `openai` client: files.create → batches.create →
 batches.retrieve → files.content, each line's answer equal to the same request sent
-interactively (greedy), over the base and two adapters; a line the API refuses in the error
-file with the API's own error; a gateway killed mid-batch whose batch another gateway finishes
-with each line once and billed once; cancel; expiry."""
+interactively (greedy), over the base and two adapters, 1,000 lines each once; a line the API
+refuses in the error file with the API's own error; a gateway killed mid-batch whose batch
+another gateway finishes with each line once and billed once; cancel; expiry."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def stack(tiny_model, adapters, redis_url, tmp_path_factory):
             key_prefix=f"sbbatch:{os.getpid()}:",
             home=tmp_path_factory.mktemp("batch-home"),
         ) as running:
-            for tenant in ("acme", "kill", "other"):
+            for tenant in ("acme", "kill", "other", "many"):
                 running.create_tenant_key(tenant)
                 for name, path in adapters.items():
                     body = {"name": name, "path": str(path)}
@@ -166,6 +166,34 @@ def test_a_batch_over_adapters_answers_as_the_interactive_api(stack, tiny_model)
     )
     listed = client.batches.list(limit=5)
     assert listed.data[0].id == batch.id
+
+
+def test_a_thousand_lines_over_three_models_each_once_as_the_interactive_api(stack, tiny_model):
+    """1,000 lines over the base and two adapters: each line answered once, billed once, and
+    each (model, prompt) pair's answer the interactive API's."""
+    client = client_of(stack, "many")
+    before = usage_requests(stack, client)
+    models = (tiny_model.name, "sql", "poet")
+    lines = [
+        chat_line(f"m{i}", models[i % 3], PROMPTS[i // 3 % 4], max_tokens=2) for i in range(1000)
+    ]
+    done = wait_for(client, submit(client, lines).id, {"completed", "failed"}, timeout=600)
+    assert done.status == "completed", done.errors
+    assert (done.request_counts.completed, done.request_counts.failed) == (1000, 0)
+    rows = [json.loads(r) for r in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == sorted(x["custom_id"] for x in lines)
+    answers = {
+        r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"] for r in rows
+    }
+    expected = {}
+    for line in lines:
+        body = line["body"]
+        pair = (body["model"], body["messages"][0]["content"])
+        if pair not in expected:
+            expected[pair] = client.chat.completions.create(**body).choices[0].message.content
+        assert answers[line["custom_id"]] == expected[pair], line["custom_id"]
+    assert len(expected) == 12
+    assert usage_requests(stack, client) - before == 1000 + len(expected)
 
 
 def test_a_broken_file_fails_the_batch_naming_its_lines(stack, tiny_model):
