@@ -84,14 +84,9 @@ def methods(
         found["panels-fixed"] = [PanelLinear(w, fixed_order=True) for w in weights]
         found["panels-int8"] = [PanelLinear(w, int8=True) for w in weights]
         if against is not None:
-            other = NativeLinear(build_other(against, "linear_cpu.c")).linear
-            found["panels-against"] = [_with_call(PanelLinear(w), other) for w in weights]
+            other = NativeLinear(build_other(against, "linear_cpu.c"))
+            found["panels-against"] = [PanelLinear(w, kernel=other) for w in weights]
     return found
-
-
-def _with_call(linear: PanelLinear, call) -> PanelLinear:
-    linear._call = call  # another build's entry point, over the same panels
-    return linear
 
 
 def check(name: str, projections: list[Projection], weights: list[torch.Tensor]) -> None:
