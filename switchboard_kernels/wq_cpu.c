@@ -507,14 +507,18 @@ static void scaled_rows(const float *x, int64_t rows, int64_t K, int bits, float
 }
 
 /* 16 outputs as two halves of 8 lanes; up to AVX2_TILE rows a tile (16 ymm registers); C
- * chains of FMAs per row and half, so that one row is not bound by the FMA's latency. */
+ * chains of FMAs per row and half, so that one row is not bound by the FMA's latency. One
+ * 4-bit row takes two: with four, its eight sums, two levels, their masks and the activation
+ * outgrow the 16 registers and the compiler keeps sums on the stack (a 2-core Zen 3, one
+ * thread, 184 KB of levels in L2: 11.8 GB/s with four, 13.6 with two; from DRAM on both
+ * cores 21.8 against 24.8, best of eight); an 8-bit row, four levels a step, keeps four. */
 #define AVX2_TILE 4
 static inline __attribute__((always_inline)) void panel_avx2_rows(
     const struct sb_wq *w, const uint8_t *panel, const WqRows *x, int64_t m0, const int bits,
     const int R, float out[WQ_ROWS][PL_NR]) {
     const int64_t gs = w->group_size, lb = level_bytes(w), bb = block_bytes(w);
     const int half = (int)w->half_params, per_step = PL_STEP_FEATURES(bits);
-    const int C = R >= 3 ? 1 : (R == 1 ? 4 : 2);
+    const int C = R >= 3 ? 1 : (R == 1 && bits == 8 ? 4 : 2);
     const int *offset = bits == 4 ? avx2_offset4 : avx2_offset8;
     const int top = per_step - 1, top_shift = bits; /* the top level: shifted down first */
     const float *xr[AVX2_TILE];
