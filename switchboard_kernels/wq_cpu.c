@@ -509,9 +509,9 @@ static void scaled_rows(const float *x, int64_t rows, int64_t K, int bits, float
 /* 16 outputs as two halves of 8 lanes; up to AVX2_TILE rows a tile (16 ymm registers); C
  * chains of FMAs per row and half, so that one row is not bound by the FMA's latency. One
  * 4-bit row takes two: with four, its eight sums, two levels, their masks and the activation
- * outgrow the 16 registers and the compiler keeps sums on the stack (a 2-core Zen 3, one
- * thread, 184 KB of levels in L2: 11.8 GB/s with four, 13.6 with two; from DRAM on both
- * cores 21.8 against 24.8, best of eight); an 8-bit row, four levels a step, keeps four. */
+ * outgrow the 16 registers and the compiler keeps sums on the stack (a 2-core Zen 3: a step's
+ * 4-bit layers at one row ~3.4 ms with two, ~3.8 with four; `bench.linear --quantized`); an
+ * 8-bit row, four levels a step, keeps four (two were 4% slower). */
 #define AVX2_TILE 4
 static inline __attribute__((always_inline)) void panel_avx2_rows(
     const struct sb_wq *w, const uint8_t *panel, const WqRows *x, int64_t m0, const int bits,

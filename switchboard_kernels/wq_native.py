@@ -79,9 +79,14 @@ class WqLinear:
     __slots__ += ("input_order", "nbytes", "out_features")
 
     def __init__(
-        self, q: QuantizedWeight, bias: torch.Tensor | None = None, *, fp32_out: bool = False
+        self,
+        q: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        *,
+        fp32_out: bool = False,
+        kernel: NativeWq | None = None,  # another build of wq_cpu.c (a bench's --against)
     ) -> None:
-        kernel = native_wq()
+        kernel = kernel or native_wq()
         if kernel is None:
             raise RuntimeError("the native quantized-weight kernel is not available here")
         if not fits(q):
