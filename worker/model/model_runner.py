@@ -13,7 +13,6 @@ import torch
 
 from switchboard_kernels.attention_native import DTYPES as NATIVE_ATTENTION_DTYPES
 from switchboard_kernels.attention_native import MAX_HEAD_DIM, native_attention
-from switchboard_kernels.huge_pages import zeros_on_huge_pages
 from worker.core.batch import BlockMove, MoveKind, ScheduledSequence
 from worker.errors import InvalidRequestError
 from worker.model.cuda_graphs import DecodeGraphs
@@ -79,7 +78,8 @@ class ModelRunner:
         self.native_prefills = batch_invariant
         shape = (num_blocks, block_size, kv_heads, c.head_dim)
         self.kv_caches = [
-            tuple(self._zeros(shape, model.dtype) for _ in "kv") for _ in range(c.num_layers)
+            tuple(torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in "kv")
+            for _ in range(c.num_layers)
         ]
         # The swap pool: same layout in host memory (pinned when the cache is on a GPU).
         host_shape = (num_host_blocks, *shape[1:])
@@ -108,12 +108,6 @@ class ModelRunner:
             )
 
     @torch.inference_mode()
-    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed cache tensor: on CPU in memory advised as 2 MB pages (huge_pages)."""
-        if self.device.type == "cpu":
-            return zeros_on_huge_pages(shape, dtype)
-        return torch.zeros(shape, dtype=dtype, device=self.device)
-
     def move_blocks(self, moves: list[BlockMove]) -> None:
         """Make the scheduler's block moves in order, a run of moves of one kind at a time."""
         start = 0
