@@ -3,7 +3,8 @@
 The native decode kernel (``switchboard_kernels/attention_cpu.c``) on the default model's
 attention shape (9 query heads over 3 KV heads of 64, bf16): S sequences of T cached tokens,
 one query each, their blocks drawn from a shuffled pool as in a long-running server (blocks
-anywhere in the cache; ``--in-order`` gives each sequence consecutive blocks). A call reads
+anywhere in the cache; ``--in-order`` gives each sequence consecutive blocks), the caches on
+2 MB pages as the engine keeps them (``--small-pages``: ordinary 4 KB pages). A call reads
 every cached key and value once: S * (T + 1) * 3 * 64 * 2 (K and V) * 2 bytes, which is the
 figure divided by the call's time. The streaming read is torch's ``sum`` over an fp32 tensor
 of the same bytes, the most a read can get from this machine's memory. ``--against FILE``
@@ -19,7 +20,7 @@ Timing: rounds outermost, the methods in a shuffled order within each, so a burs
 from other processes hits them all alike; the figure per method is its fastest call, the
 median beside it. A smaller regime runs more rounds (up to 50x), about as many bytes as
 ``dram``'s. Usage: ``python -m bench.decode_attention [--block-sizes 16,64]
-[--regimes dram,l3,one] [--rounds 7] [--threads N] [--against FILE] [--out FILE]``.
+[--regimes dram,l3,one] [--small-pages] [--rounds 7] [--threads N] [--against FILE] [--out FILE]``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from bench.kernel_builds import build_other
 from bench.report import write_report
 from switchboard_kernels.attention_native import NativeAttention, NativeDecodes, native_attention
+from switchboard_kernels.huge_pages import zeros_on_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # the default model's attention
 REGIMES = {"dram": (96, 3000), "l3": (8, 1000), "one": (1, 30000)}  # sequences, cached tokens
@@ -47,7 +49,13 @@ def load_other(source: Path) -> NativeAttention:
 
 
 def make_case(
-    seqs: int, tokens: int, block_size: int, *, in_order: bool, seed: int = 0
+    seqs: int,
+    tokens: int,
+    block_size: int,
+    *,
+    in_order: bool,
+    small_pages: bool = False,
+    seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, NativeDecodes]:
     """Query [S, heads, dim], the two caches and the decodes: every sequence at ``tokens``
     cached tokens plus its new one, its blocks from a shuffled pool (or consecutive)."""
@@ -57,6 +65,9 @@ def make_case(
     shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
     key_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
     value_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    if not small_pages:  # where the engine keeps its caches (model_runner)
+        key_cache = zeros_on_huge_pages(shape, torch.bfloat16).copy_(key_cache)
+        value_cache = zeros_on_huge_pages(shape, torch.bfloat16).copy_(value_cache)
     pool = (
         list(range(num_blocks)) if in_order else torch.randperm(num_blocks, generator=gen).tolist()
     )
@@ -87,9 +98,12 @@ def run_case(
     *,
     rounds: int,
     in_order: bool,
+    small_pages: bool = False,
 ) -> dict:
     seqs, tokens = REGIMES[regime]
-    query, key_cache, value_cache, decodes = make_case(seqs, tokens, block_size, in_order=in_order)
+    query, key_cache, value_cache, decodes = make_case(
+        seqs, tokens, block_size, in_order=in_order, small_pages=small_pages
+    )
     scale = HEAD_DIM**-0.5
     outs = {name: torch.empty_like(query) for name in kernels}
     methods: dict[str, Callable[[], object]] = {
@@ -121,6 +135,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--in-order", action="store_true", help="consecutive blocks per sequence")
+    parser.add_argument(
+        "--small-pages", action="store_true", help="caches in 4 KB pages (not as the engine's)"
+    )
     parser.add_argument("--against", type=Path, default=None, help="another attention_cpu.c")
     parser.add_argument("--out", default="bench/results/decode_attention.json")
     args = parser.parse_args()
@@ -135,7 +152,10 @@ def main() -> None:
     rows = []
     for regime in args.regimes.split(","):
         for block_size in (int(b) for b in args.block_sizes.split(",")):
-            row = run_case(regime, block_size, kernels, rounds=args.rounds, in_order=args.in_order)
+            row = run_case(
+                regime, block_size, kernels, rounds=args.rounds, in_order=args.in_order,
+                small_pages=args.small_pages,
+            )  # fmt: skip
             rows.append(row)
             figures = ", ".join(
                 f"{name} {row[f'{name}_gbs_best']:.1f} (median {row[f'{name}_gbs_median']:.1f})"

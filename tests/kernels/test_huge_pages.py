@@ -10,7 +10,13 @@ import itertools
 
 import torch
 
-from switchboard_kernels.huge_pages import ALIGN, CHUNK_BYTES, copy_to_huge_pages
+from switchboard_kernels.huge_pages import (
+    ALIGN,
+    CHUNK_BYTES,
+    HUGE_PAGE,
+    copy_to_huge_pages,
+    zeros_on_huge_pages,
+)
 
 
 def test_copies_equal_their_tensors_and_never_overlap():
@@ -39,3 +45,14 @@ def test_a_tensor_larger_than_a_chunk_and_a_strided_one():
     assert torch.equal(copy, strided) and copy.is_contiguous()
     empty = torch.empty(0, 3)
     assert copy_to_huge_pages(empty) is empty
+
+
+def test_a_cache_of_zeros_on_its_own_pages():
+    shape = (5, 16, 3, 64)
+    for dtype in (torch.bfloat16, torch.float32):
+        one, two = zeros_on_huge_pages(shape, dtype), zeros_on_huge_pages(shape, dtype)
+        assert one.shape == shape and one.dtype == dtype and one.is_contiguous()
+        assert not one.any() and one.data_ptr() % HUGE_PAGE == 0
+        one.fill_(1)  # each its own memory
+        assert not two.any()
+    assert zeros_on_huge_pages((0, 16, 3, 64), torch.float32).numel() == 0

@@ -13,6 +13,7 @@ import torch
 
 from switchboard_kernels.attention_native import DTYPES as NATIVE_ATTENTION_DTYPES
 from switchboard_kernels.attention_native import MAX_HEAD_DIM, native_attention
+from switchboard_kernels.huge_pages import zeros_on_huge_pages
 from worker.core.batch import BlockMove, MoveKind, ScheduledSequence
 from worker.errors import InvalidRequestError
 from worker.model.cuda_graphs import DecodeGraphs
@@ -78,8 +79,7 @@ class ModelRunner:
         self.native_prefills = batch_invariant
         shape = (num_blocks, block_size, kv_heads, c.head_dim)
         self.kv_caches = [
-            tuple(torch.zeros(shape, dtype=model.dtype, device=self.device) for _ in "kv")
-            for _ in range(c.num_layers)
+            tuple(self._zeros(shape, model.dtype) for _ in "kv") for _ in range(c.num_layers)
         ]
         # The swap pool: same layout in host memory (pinned when the cache is on a GPU).
         host_shape = (num_host_blocks, *shape[1:])
@@ -106,6 +106,12 @@ class ModelRunner:
                 max_blocks=-(-max_model_len // block_size),
                 block_size=block_size,
             )
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed cache tensor: on CPU in memory advised as 2 MB pages (huge_pages)."""
+        if self.device.type == "cpu":
+            return zeros_on_huge_pages(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
     def move_blocks(self, moves: list[BlockMove]) -> None:
