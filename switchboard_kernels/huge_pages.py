@@ -14,7 +14,8 @@ missing or refused the memory is ordinary memory: only the speed differs.
 A KV cache is one large tensor per layer whose blocks decode attention reads scattered across
 it, a TLB miss a block or two on 4 KB pages; it gets advised memory of its own
 (``zeros_on_huge_pages``), committed at start as ``torch.zeros`` commits it (2-core Zen 3:
-a shuffled 221 MB cache read 7-8% faster, `python -m bench.decode_attention --small-pages`).
+a shuffled 221 MB cache read 7-10% faster at blocks of 16, `python -m bench.decode_attention
+--small-pages`).
 """
 
 from __future__ import annotations
