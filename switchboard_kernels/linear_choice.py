@@ -57,7 +57,14 @@ MEASURE_SECONDS = 30.0  # larger buckets are left out past this (they take the l
 AMX_PANEL_ROWS = 4
 # Two copies of the projection weights at most this share of the machine's memory.
 DUAL_MEMORY_FRACTION = 0.25
-PLAN_VERSION = 2  # bump when the meaning of a cached plan changes (2: short steps timed thrice)
+# The one-call decode step (``decode_step_cpu.c``) multiplies through the small-row kernel
+# only, and saves the torch path's ~330 dispatched ops a step: so at the rows a decode step
+# holds, the panels' projection times count this much less when the plan is chosen. On a
+# 2-core Zen 3 (fp32) oneDNN measured 4% faster than the panels at 64 rows in isolation, so the
+# split fell at 16 rows; in the engine, decode steps of 32 and 64 rows then served 1.15-1.36x
+# the tokens with the panels in one call than through torch with oneDNN (bench/README.md).
+DECODE_STEP_CREDIT = 0.15
+PLAN_VERSION = 3  # bump when the meaning of a cached plan changes (3: the decode step's credit)
 
 LinearPlan = KernelPlan  # the projections' plan: kernels named PANELS, ONEDNN, UPCAST, TORCH
 
@@ -156,11 +163,14 @@ def measure_plan(
     num_layers: int,
     max_rows: int,
     dual: bool,
+    decode_rows: int = 0,
     seconds_limit: float = MEASURE_SECONDS,
 ) -> Measurement:
     """Time each available kernel on random weights of one layer's ``shapes`` ([out, in]),
     repeated over as many layers (up to ``num_layers``) as ``STREAM_BYTES`` needs, at each of
-    ``ROW_BUCKETS`` up to ``max_rows``, rounds outermost and kernels in a shuffled order."""
+    ``ROW_BUCKETS`` up to ``max_rows``, rounds outermost and kernels in a shuffled order.
+    ``decode_rows``: the most rows of a decode step the one-call step may take (0: none; see
+    ``decode_step_credited``)."""
     from switchboard_kernels.linear import make_kernel
 
     clock = CpuShare()
@@ -185,8 +195,22 @@ def measure_plan(
             for k in order.sample(kernels, len(kernels)):
                 taken = fastest_of_short(partial(_time_step, built[k], rows, shapes, dtype))
                 seconds[k][rows] = min(seconds[k].get(rows, math.inf), taken)
-    plan = choose(seconds, dual=dual and len(kernels) > 1)
+    plan = choose(decode_step_credited(seconds, decode_rows), dual=dual and len(kernels) > 1)
     return Measurement(plan, seconds, layers, clock.elapsed(), clock.share())
+
+
+def decode_step_credited(seconds: Seconds, decode_rows: int) -> Seconds:
+    """``seconds`` as the plan weighs them: the panels' at buckets up to ``decode_rows``
+    less ``DECODE_STEP_CREDIT`` (what a decode step saves by running in one native call,
+    which only the small-row kernel's panels allow)."""
+    if PANELS not in seconds or decode_rows < 1:
+        return seconds
+    credited = dict(seconds)
+    credited[PANELS] = {
+        rows: s / (1 + DECODE_STEP_CREDIT) if rows <= decode_rows else s
+        for rows, s in seconds[PANELS].items()
+    }
+    return credited
 
 
 def _time_step(
@@ -216,22 +240,23 @@ def linear_plan(
     *,
     num_layers: int,
     max_rows: int,
+    decode_rows: int = 0,
     device: torch.device | str = "cpu",
     measure: bool = True,
 ) -> LinearPlan:
     """The plan for a model's projections: measured (or read from the cache) on CPU when
-    ``measure``, else ``fixed_plan``."""
+    ``measure``, else ``fixed_plan``. ``decode_rows``: see ``measure_plan``."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     dual = dual_allowed(num_layers * sum(o * i for o, i in shapes) * itemsize)
     if not measure or torch.device(device).type != "cpu" or len(available_kernels(dtype)) < 2:
         return fixed_plan(dtype, device, dual=dual)
+    settings = {"num_layers": num_layers, "max_rows": max_rows, "dual": dual}
+    settings["decode_rows"] = decode_rows
     return cached_or_measured(
-        _cache_path(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual),
+        _cache_path(shapes, dtype, **settings),
         "projections",
         read=lambda record: LinearPlan.cached(record["plan"]),
-        measure=lambda: _measured(
-            measure_plan(shapes, dtype, num_layers=num_layers, max_rows=max_rows, dual=dual)
-        ),
+        measure=lambda: _measured(measure_plan(shapes, dtype, **settings)),
         fixed=lambda: fixed_plan(dtype, device, dual=dual),
         describe=LinearPlan.describe,
     )
@@ -241,10 +266,10 @@ def _measured(result: Measurement) -> tuple[LinearPlan, Measurement]:
     return result.plan, result
 
 
-def _cache_path(shapes, dtype, *, num_layers: int, max_rows: int, dual: bool):
+def _cache_path(shapes, dtype, *, num_layers: int, max_rows: int, dual: bool, decode_rows: int):
     """Keyed by everything a measured plan depends on: the CPU, torch, our kernels' builds,
-    the threads, the weights' shapes and dtype, the buckets measured and whether two copies
-    fit."""
+    the threads, the weights' shapes and dtype, the buckets measured, whether two copies
+    fit and the decode step's rows."""
     return cache_path(
         "linear",
         *kernel_sources(
@@ -253,5 +278,5 @@ def _cache_path(shapes, dtype, *, num_layers: int, max_rows: int, dual: bool):
         ),
         json.dumps([PLAN_VERSION, available_kernels(dtype), [list(s) for s in shapes],
                     str(dtype), num_layers, [r for r in ROW_BUCKETS if r <= max(1, max_rows)],
-                    dual]),
+                    dual, decode_rows]),
     )  # fmt: skip

@@ -11,12 +11,14 @@ import torch
 from switchboard_kernels import linear_native
 from switchboard_kernels.linear_choice import (
     AMX_PANEL_ROWS,
+    DECODE_STEP_CREDIT,
     ONEDNN,
     PANELS,
     TORCH,
     LinearPlan,
     available_kernels,
     choose,
+    decode_step_credited,
     fixed_plan,
     linear_plan,
     measure_plan,
@@ -50,6 +52,26 @@ def test_without_room_for_two_copies_the_kernel_with_the_least_total_time_is_kep
 def test_a_tie_keeps_one_kernel():
     seconds = {PANELS: {1: 1.0, 64: 2.0}, ONEDNN: {1: 1.0, 64: 2.0}}
     assert choose(seconds, dual=True).kernels == (PANELS,)
+
+
+def test_decode_rows_the_one_call_step_takes_stay_on_the_panels_within_its_credit():
+    """A Zen 3's measurement (ms, fp32, 19 layers): oneDNN 4% ahead at 64 rows in isolation
+    put the split at 16, and decode steps of 17-64 rows through torch; with the one-call
+    step's credit at the rows a decode step holds, the panels keep them. Past those rows, and
+    where oneDNN leads by more than the credit, the measurement decides as before."""
+    zen3 = {
+        PANELS: {1: 11.7, 4: 11.5, 16: 19.4, 64: 78.1, 256: 285.8, 1024: 1154.9},
+        ONEDNN: {1: 16.6, 4: 20.8, 16: 30.1, 64: 75.3, 256: 277.7, 1024: 1018.1},
+    }
+    assert choose(zen3, dual=True).split_rows == 16
+    credited = decode_step_credited(zen3, 128)
+    assert credited[ONEDNN] == zen3[ONEDNN] and credited[PANELS][256] == zen3[PANELS][256]
+    assert credited[PANELS][64] == pytest.approx(78.1 / (1 + DECODE_STEP_CREDIT))
+    assert choose(credited, dual=True) == LinearPlan(PANELS, ONEDNN, 64, "measured")
+    assert choose(decode_step_credited(zen3, 16), dual=True).split_rows == 16
+    assert decode_step_credited(zen3, 0) is zen3
+    far_behind = {PANELS: {1: 1.0, 64: 2.0}, ONEDNN: {1: 1.5, 64: 1.0}}  # 2x behind at 64
+    assert choose(decode_step_credited(far_behind, 64), dual=True).split_rows == 1
 
 
 def test_a_short_step_is_timed_again_and_its_fastest_call_counts():

@@ -12,6 +12,7 @@ from worker.core.scheduler import Scheduler
 from worker.core.sequence import Sequence
 from worker.core.step_budget import (
     ACTIVE_GRACE_S,
+    IDLE_STEPS,
     MIN_PREFILL_TOKENS,
     DecodeStepBudget,
     StepTimes,
@@ -95,10 +96,15 @@ def test_meaningless_observations_are_ignored(bad):
 # --- the measured default ----------------------------------------------------------------------
 
 
-def test_the_default_budget_is_five_one_token_steps():
-    assert default_budget(SWEEP) == pytest.approx(5 * 0.0101)
+def test_the_default_budget_is_three_of_a_lone_streams_decode_steps():
+    """The one-row decode step (on a CPU the one-call native step, shorter than the sweep's
+    one-token prompt step through torch), else the sweep's one-token step."""
+    assert IDLE_STEPS == 3
+    assert default_budget(SWEEP, {1: 0.0071, 8: 0.0093}) == pytest.approx(3 * 0.0071)
+    assert default_budget(SWEEP) == pytest.approx(3 * 0.0101)
+    assert default_budget(SWEEP, {8: 0.0093}) == pytest.approx(3 * 0.0101)
     assert default_budget({64: 0.0164}) is None  # no one-token step measured
-    assert default_budget({}) is None
+    assert default_budget({}, {}) is None
 
 
 def test_a_budget_must_be_positive():
@@ -314,13 +320,14 @@ def make_engine(checkpoint, **options):
     return LLMEngine(checkpoint, engine_config(**options))
 
 
-def test_warm_up_measures_the_steps_and_takes_five_one_token_steps_as_the_budget(checkpoint):
+def test_warm_up_measures_the_steps_and_takes_three_lone_decode_steps_as_the_budget(checkpoint):
     engine = make_engine(checkpoint, warmup=True, max_num_batched_tokens=256)
     budget = engine.scheduler.step_budget
     assert budget is not None
-    tokens, seconds = budget.times.points()
+    tokens, _ = budget.times.points()
     assert tokens == [1.0, 16.0, 32.0, 64.0, 128.0, 256.0]  # the sweep, up to the step limit
-    assert budget.seconds == pytest.approx(5 * seconds[0])
+    rows, seconds = budget.decode_times.points()
+    assert rows[0] == 1 and budget.seconds == pytest.approx(IDLE_STEPS * seconds[0])
     assert (
         make_engine(checkpoint, warmup=True, decode_step_budget_ms=0).scheduler.step_budget is None
     )

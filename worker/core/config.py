@@ -189,8 +189,8 @@ class EngineConfig:
     tokens (`worker.core.burst`); None: off;
     ``decode_step_budget_ms``: while a step carries decodes and more than one tenant is
     active, its prompt tokens are cut so that it takes at most this long (prefill chunks wait;
-    `worker.core.step_budget`); None: five
-    one-token steps as measured at warm-up, off without one; 0: off;
+    `worker.core.step_budget`); None: three
+    of a lone stream's decode steps as measured at warm-up, off without one; 0: off;
     ``batch_invariant``: every row's numerics fixed whatever else the step holds, whether its
     prefix was cached and how its prompt was chunked (one rank on CPU, native kernels: the
     projections through the panels in one order, every attention row through the native

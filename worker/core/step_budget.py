@@ -11,10 +11,9 @@ of a lone tenant's prefills beside its own decodes, may still fill ``max_num_bat
 The cap comes from what steps cost on this machine: ``StepTimes`` holds seconds by tokens fed,
 first from a sweep at warm-up, then from the steps the engine runs (the median of the latest
 in each band of sizes replaces the sweep's figure there). Without a budget set, the engine
-takes ``default_budget``: ``IDLE_STEPS`` one-token steps, so a quiet tenant's time per output
-token under another's flood stays within a few times its idle value, while prefill chunks
-stay long enough that bounding them costs little throughput (the trade-off measured:
-docs/performance.md).
+takes ``default_budget``: ``IDLE_STEPS`` of a lone stream's decode steps, so a quiet tenant's
+time per output token under another's flood stays within a few times its idle value (the
+trade-off measured: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -28,10 +27,12 @@ from collections import deque
 SWEEP_TOKENS = (1, 16, 32, 64, 128, 256, 512, 1024, 2048)
 # Rows of the decode steps it times (clipped to the sequences a step may hold).
 SWEEP_DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64)
-# The default budget, in one-token steps. Beside a 48-stream flood on a 2-core Zen 3, 3 held a
-# quiet tenant's time per output token to 2-3x its idle value at ~40% of the tokens computed;
-# 5 held it to ~5x and computed as much as unbounded steps (bench.fairness).
-IDLE_STEPS = 5.0
+# The default budget, in a lone stream's decode steps. Beside a 48-stream flood on a 2-core
+# Zen 3 (fp32, bench.fairness), budgets of 60 and 100 ms (3 and 5 such steps of ~20 ms)
+# computed the same tokens (248 tok/s, 0.82 of unbounded steps) and held the quiet tenant's
+# time per output token alike (75 and 76 ms: a step's least prompt chunk and the flood's
+# long-context decodes set it there), so the lower one, which bounds the rest.
+IDLE_STEPS = 3.0
 # Prefill tokens a step may always add beside its decodes, however long they take, so that
 # new requests are admitted and prompts advance while a batch decodes.
 MIN_PREFILL_TOKENS = 16
@@ -133,10 +134,19 @@ class StepTimes:
         return ", ".join(f"{x:.0f} tok {1000 * y:.1f} ms" for x, y in zip(xs, ys, strict=True))
 
 
-def default_budget(measured: dict[int, float], *, idle_steps: float = IDLE_STEPS) -> float | None:
-    """``idle_steps`` times the measured one-token step; None without that measurement."""
-    one = measured.get(1)
-    return None if one is None or not one > 0 else idle_steps * one
+def default_budget(
+    measured: dict[int, float],
+    decodes: dict[int, float] | None = None,
+    *,
+    idle_steps: float = IDLE_STEPS,
+) -> float | None:
+    """``idle_steps`` times a lone stream's step: the one-row decode step as ``decodes``
+    timed it (on a CPU the one-call native step, what a stream alone waits per token), else
+    the sweep's one-token step; None without either."""
+    for one in ((decodes or {}).get(1), measured.get(1)):
+        if one is not None and one > 0:
+            return idle_steps * one
+    return None
 
 
 class DecodeStepBudget:

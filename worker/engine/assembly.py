@@ -94,11 +94,16 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
                 measure=config.kernel_choice == "measure",
             )
         # A base quantized on load multiplies through its own kernels: nothing to measure.
+        # Decode steps a Llama block takes in one native call (through the small-row kernel)
+        # on one rank; a published quantized checkpoint's steps go through torch.
+        one_call = model_config.block.is_llama and tp_size == 1
+        one_call = one_call and model_config.quantization is None
         plan = linear_plan(
             projection_shapes(model_config),
             torch_dtype,
             num_layers=model_config.num_layers,
             max_rows=config.max_num_batched_tokens,
+            decode_rows=config.max_num_seqs if one_call else 0,
             device=device,
             measure=config.kernel_choice == "measure" and on_load is None,
         )

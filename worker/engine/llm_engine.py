@@ -142,7 +142,8 @@ class LLMEngine:
 
     def _measure_step_budget(self, row_limit: int) -> None:
         """The decode step budget's curve from a sweep of step sizes, and, unless one was
-        set, its budget: a few one-token steps (`worker.core.step_budget.default_budget`)."""
+        set, its budget: a few of a lone stream's decode steps
+        (`worker.core.step_budget.default_budget`)."""
         measured = measure_step_times(
             self.runner.execute,
             self.block_manager,
@@ -151,10 +152,6 @@ class LLMEngine:
             vocab_size=self.config.vocab_size,
         )
         self._measure_scoring_cost(measured)
-        set_ms = self.engine_config.decode_step_budget_ms
-        seconds = set_ms / 1000 if set_ms else default_budget(measured)
-        if seconds is None:
-            return
         decodes = measure_decode_times(
             self.runner.execute,
             self.block_manager,
@@ -163,6 +160,10 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             vocab_size=self.config.vocab_size,
         )
+        set_ms = self.engine_config.decode_step_budget_ms
+        seconds = set_ms / 1000 if set_ms else default_budget(measured, decodes)
+        if seconds is None:
+            return
         budget = DecodeStepBudget(StepTimes(measured), seconds, StepTimes(decodes))
         self.scheduler.step_budget = budget
         logger.info("decode step budget: %s", budget.describe())
