@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
             num_layers=config.num_layers,
             max_rows=args.max_rows,
             dual=dual_allowed(bytes_) and len(kernels) > 1,
+            decode_rows=args.max_seqs,  # the default model's decode steps run in one call
         )
         report["dtypes"][name] = {
             "kernels": kernels,
