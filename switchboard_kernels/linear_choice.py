@@ -64,7 +64,7 @@ DUAL_MEMORY_FRACTION = 0.25
 # split fell at 16 rows; in the engine, decode steps of 32 and 64 rows then served 1.15-1.36x
 # the tokens with the panels in one call than through torch with oneDNN (bench/README.md).
 DECODE_STEP_CREDIT = 0.15
-PLAN_VERSION = 3  # bump when the meaning of a cached plan changes (3: the decode step's credit)
+PLAN_VERSION = 3  # bump when a cached plan's meaning changes (3: the decode step's credit)
 
 LinearPlan = KernelPlan  # the projections' plan: kernels named PANELS, ONEDNN, UPCAST, TORCH
 
@@ -168,8 +168,8 @@ def measure_plan(
 ) -> Measurement:
     """Time each available kernel on random weights of one layer's ``shapes`` ([out, in]),
     repeated over as many layers (up to ``num_layers``) as ``STREAM_BYTES`` needs, at each of
-    ``ROW_BUCKETS`` up to ``max_rows``, rounds outermost and kernels in a shuffled order.
-    ``decode_rows``: the most rows of a decode step the one-call step may take (0: none; see
+    ``measured_rows``, rounds outermost and kernels in a shuffled order. ``decode_rows``: the
+    most rows of a decode step the one-call step may take (0: none; see
     ``decode_step_credited``)."""
     from switchboard_kernels.linear import make_kernel
 
@@ -185,7 +185,7 @@ def measure_plan(
     ]
     built = {k: [make_kernel(k, w) for w in weights] for k in kernels}
     del weights
-    buckets = [r for r in ROW_BUCKETS if r <= max(1, max_rows)]
+    buckets = measured_rows(max_rows, decode_rows)
     seconds: Seconds = {k: {} for k in kernels}
     order = random.Random(0)
     for _ in range(MEASURE_ROUNDS):
@@ -197,6 +197,16 @@ def measure_plan(
                 seconds[k][rows] = min(seconds[k].get(rows, math.inf), taken)
     plan = choose(decode_step_credited(seconds, decode_rows), dual=dual and len(kernels) > 1)
     return Measurement(plan, seconds, layers, clock.elapsed(), clock.share())
+
+
+def measured_rows(max_rows: int, decode_rows: int = 0) -> list[int]:
+    """``ROW_BUCKETS`` up to ``max_rows``, and a full decode step's ``decode_rows`` between
+    them: the split may fall there (a Zen 3's decode steps of 96 rows served 1.2-1.3x the
+    tokens in one call with the panels than through torch with oneDNN, which led at 256)."""
+    rows = {r for r in ROW_BUCKETS if r <= max(1, max_rows)}
+    if 0 < decode_rows <= max_rows:
+        rows.add(decode_rows)
+    return sorted(rows)
 
 
 def decode_step_credited(seconds: Seconds, decode_rows: int) -> Seconds:
@@ -277,6 +287,6 @@ def _cache_path(shapes, dtype, *, num_layers: int, max_rows: int, dual: bool, de
             "amx.h", "bf16.h",
         ),
         json.dumps([PLAN_VERSION, available_kernels(dtype), [list(s) for s in shapes],
-                    str(dtype), num_layers, [r for r in ROW_BUCKETS if r <= max(1, max_rows)],
-                    dual, decode_rows]),
+                    str(dtype), num_layers, measured_rows(max_rows, decode_rows), dual,
+                    decode_rows]),
     )  # fmt: skip

@@ -22,6 +22,7 @@ from switchboard_kernels.linear_choice import (
     fixed_plan,
     linear_plan,
     measure_plan,
+    measured_rows,
 )
 from switchboard_kernels.measured_choice import fastest_of_short
 
@@ -72,6 +73,16 @@ def test_decode_rows_the_one_call_step_takes_stay_on_the_panels_within_its_credi
     assert decode_step_credited(zen3, 0) is zen3
     far_behind = {PANELS: {1: 1.0, 64: 2.0}, ONEDNN: {1: 1.5, 64: 1.0}}  # 2x behind at 64
     assert choose(decode_step_credited(far_behind, 64), dual=True).split_rows == 1
+
+
+def test_a_full_decode_step_is_measured_between_the_buckets():
+    assert measured_rows(1024) == [1, 4, 16, 64, 256, 1024]
+    assert measured_rows(1024, 128) == [1, 4, 16, 64, 128, 256, 1024]
+    assert measured_rows(64, 128) == [1, 4, 16, 64]  # no step holds more than max_rows
+    assert measured_rows(1024, 64) == [1, 4, 16, 64, 256, 1024]
+    result = measure_plan(SHAPES, torch.float32, num_layers=2, max_rows=64, dual=True,
+                          decode_rows=32)  # fmt: skip
+    assert all(sorted(t) == [1, 4, 16, 32, 64] for t in result.seconds.values())
 
 
 def test_a_short_step_is_timed_again_and_its_fastest_call_counts():
