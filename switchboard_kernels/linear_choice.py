@@ -260,8 +260,12 @@ def linear_plan(
     dual = dual_allowed(num_layers * sum(o * i for o, i in shapes) * itemsize)
     if not measure or torch.device(device).type != "cpu" or len(available_kernels(dtype)) < 2:
         return fixed_plan(dtype, device, dual=dual)
-    settings = {"num_layers": num_layers, "max_rows": max_rows, "dual": dual}
-    settings["decode_rows"] = decode_rows
+    settings = {
+        "num_layers": num_layers,
+        "max_rows": max_rows,
+        "dual": dual,
+        "decode_rows": decode_rows,
+    }
     return cached_or_measured(
         _cache_path(shapes, dtype, **settings),
         "projections",

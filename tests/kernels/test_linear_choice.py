@@ -179,7 +179,8 @@ def test_fixed_choice_measures_nothing(tmp_path, monkeypatch):
 
 def test_an_engine_on_a_measured_plan_generates_what_transformers_does(tmp_path, monkeypatch):
     """The plan's kernels, whichever were measured fastest, in every layer of a real model:
-    greedy tokens equal transformers' (fp32)."""
+    greedy tokens equal transformers' (fp32). A Llama block's plan also times a full decode
+    step (max_num_seqs rows), which its one-call native step may take."""
     from transformers import GenerationConfig
 
     from factories import load_hf_model, make_checkpoint, random_prompts
@@ -188,10 +189,13 @@ def test_an_engine_on_a_measured_plan_generates_what_transformers_does(tmp_path,
     monkeypatch.setenv("SWITCHBOARD_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr("switchboard_kernels.measured_choice.MIN_CPU_SHARE", 0.0)  # a busy CI
     checkpoint = make_checkpoint(tmp_path / "model")
-    llm = LLM(str(checkpoint), dtype="float32", kernel_choice="measure")
+    llm = LLM(str(checkpoint), dtype="float32", kernel_choice="measure", max_num_seqs=24)
     layer = llm.engine.model.layers[0]
     plan = llm.engine.model.linear_plan
     assert plan is not None and plan.source in ("measured", "cached")
+    (cached,) = (tmp_path / "choices").glob("linear-*.json")
+    timed = json.loads(cached.read_text())["seconds"]
+    assert all(sorted(map(int, t)) == [1, 4, 16, 24, 64, 256, 1024] for t in timed.values())
     assert len(layer.qkv.kernels) == len(plan.kernels)
     prompts = random_prompts(3, min_len=3, max_len=40, seed=4)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))

@@ -94,8 +94,9 @@ def assemble(model: str | Path, config: EngineConfig) -> EngineParts:
                 measure=config.kernel_choice == "measure",
             )
         # A base quantized on load multiplies through its own kernels: nothing to measure.
-        # Decode steps a Llama block takes in one native call (through the small-row kernel)
-        # on one rank; a published quantized checkpoint's steps go through torch.
+        # Decode steps in one native call, through the small-row kernel: the conditions of
+        # LlamaModel.native_decode_step that the config tells before the model is built (a
+        # Llama block, one rank, not a published quantized checkpoint).
         one_call = model_config.block.is_llama and tp_size == 1
         one_call = one_call and model_config.quantization is None
         plan = linear_plan(
