@@ -81,7 +81,7 @@ def dequantized_model(original: Path, quantized: Path):
     """transformers' model of ``original`` in fp32 with ``quantized``'s projections as our
     reader dequantizes them (equal to the library's: tests/worker/test_quantized_checkpoints.py)."""
     from switchboard_kernels.quantized_weight import QuantizedWeight
-    from worker.model.llama import load_safetensors
+    from worker.model.checkpoint_files import load_safetensors
     from worker.model.model_config import ModelConfig
 
     reader = ModelConfig.from_pretrained(quantized).quantization

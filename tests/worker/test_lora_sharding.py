@@ -15,7 +15,8 @@ import torch
 from factories import make_checkpoint, make_peft_adapter
 from switchboard_kernels import lora_reference as ref
 from switchboard_kernels.lora import LoraMapping, lora_expand, lora_shrink
-from worker.model.lora_manager import LORA_GROUPS, LoraManager
+from worker.model.lora_manager import LoraManager
+from worker.model.lora_slots import LORA_GROUPS
 from worker.model.sharding import Shard
 
 MAX_RANK = 8

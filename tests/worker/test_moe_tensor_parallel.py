@@ -26,8 +26,8 @@ from transformers import GenerationConfig
 from factories import load_hf_model, make_peft_adapter, random_prompts
 from worker import LLM, SamplingParams
 from worker.errors import TensorParallelConfigError
+from worker.model.checkpoint_files import load_safetensors
 from worker.model.layers import load_layer
-from worker.model.llama import load_safetensors
 from worker.model.lora_manager import LoraManager
 from worker.model.model_config import ModelConfig
 from worker.model.moe import moe_mlp

@@ -22,7 +22,7 @@ from switchboard_kernels.quantized_weight import QuantizedWeight
 from switchboard_kernels.wq_native import native_wq
 from worker import LLM, SamplingParams
 from worker.errors import InvalidRequestError, ModelLoadError, TensorParallelConfigError
-from worker.model.llama import load_safetensors
+from worker.model.checkpoint_files import load_safetensors
 from worker.model.model_config import ModelConfig
 from worker.model.sharding import Shard, weight_slicer
 

@@ -16,36 +16,28 @@ gathered to rank 0.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from switchboard_kernels.decode_step_native import NativeDecodeStep
 from switchboard_kernels.draft_native import NativeDecodePass, native_draft
 from switchboard_kernels.linear import Q4_MAX_ROWS, Linear
 from switchboard_kernels.linear_choice import LinearPlan
-from switchboard_kernels.lora import add_lora, lora_expand, lora_shrink
 from switchboard_kernels.paged_attention import AttentionMetadata, attend
-from switchboard_kernels.quantized_weight import QuantizedWeight
 from switchboard_kernels.rope_native import check_positions, native_rope
 from worker.errors import ModelLoadError
 from worker.model.architectures import Activation, QKNorm
+from worker.model.checkpoint_files import load_safetensors
+from worker.model.layer_lora import LayerLora
 from worker.model.layers import load_layer, norm_weight
 from worker.model.model_config import ModelConfig
 from worker.model.moe import moe_mlp
 from worker.model.op_choice import OpPlans, fixed_op_plans
 from worker.model.quantize_on_load import OnLoad, output_layer
-from worker.model.quantized_checkpoints import (
-    Reader,
-    is_quantized_tensor,
-    on_device,
-    read_quantized,
-    shard_quantized,
-)
+from worker.model.quantized_checkpoints import on_device
 from worker.model.rope import (
     RopeTables,
     apply_partial_rope,
@@ -54,7 +46,7 @@ from worker.model.rope import (
     rotary_dim,
 )
 from worker.model.saved_modules import HeadPatch, apply_heads
-from worker.model.sharding import Shard, Span, check_divisible, weight_slicer
+from worker.model.sharding import Shard, check_divisible, weight_slicer
 from worker.model.step_interrupt import StepInterrupt
 
 if TYPE_CHECKING:
@@ -280,7 +272,7 @@ class LlamaModel:
             zip(self.layers, kv_caches, strict=True)
         ):
             self.interrupt.check()
-            adapters = None if lora is None else _LayerLora(lora, index, self.group)
+            adapters = None if lora is None else LayerLora(lora, index, self.group)
             x = self.ops.rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
             qkv = layer.qkv(x)
             if adapters is not None:
@@ -337,7 +329,7 @@ class LlamaModel:
             zip(self.layers, kv_caches, strict=True)
         ):
             self.interrupt.check()
-            adapters = None if lora is None else _LayerLora(lora, index, self.group)
+            adapters = None if lora is None else LayerLora(lora, index, self.group)
             x = (
                 hidden.to(self.dtype)
                 if layer.input_norm is None
@@ -422,7 +414,7 @@ class LlamaModel:
         return q, k
 
     def _projected(
-        self, linear: Linear, x: torch.Tensor, adapters: _LayerLora | None, lora_group: str
+        self, linear: Linear, x: torch.Tensor, adapters: LayerLora | None, lora_group: str
     ) -> torch.Tensor:
         """``x @ W.T`` plus the LoRA delta, all-reduced under tensor parallelism."""
         y = linear(x)
@@ -448,7 +440,7 @@ class LlamaModel:
         linear: Linear,
         x: torch.Tensor,
         residual: torch.Tensor,
-        adapters: _LayerLora | None,
+        adapters: LayerLora | None,
         lora_group: str,
     ) -> torch.Tensor:
         """``residual + x @ W.T`` plus the LoRA delta. Split by rows, each rank's product is
@@ -469,7 +461,7 @@ class LlamaModel:
         linear: Linear,
         x: torch.Tensor,
         residual: torch.Tensor,  # [T, hidden] fp32, this step's own
-        adapters: _LayerLora | None,
+        adapters: LayerLora | None,
         lora_group: str,
     ) -> torch.Tensor:
         """``residual + x @ W.T`` plus the LoRA delta, into the fp32 residual stream: the
@@ -595,90 +587,3 @@ class LlamaModel:
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
-
-
-class _LayerLora:
-    """Adds the step's LoRA deltas into one layer's fused projection outputs.
-
-    Under tensor parallelism the slots hold S-LoRA's shards (``worker.model.lora_manager``):
-    shrink and expand run apart, with the rank-sized exchange between them, an all-gather
-    for a column-parallel group and an all-reduce for a row-parallel one."""
-
-    __slots__ = ("dora", "group", "mapping", "mix", "stacks")
-
-    def __init__(self, lora: LoraBatch, layer: int, group: TensorParallelGroup | None) -> None:
-        self.mapping = lora.mapping
-        self.stacks = lora.stacks[layer]
-        self.group = group
-        self.dora = lora.dora
-        self.mix = lora.mix  # mixed rows (never under tensor parallelism: refused per request)
-
-    def add(
-        self, y: torch.Tensor, x: torch.Tensor, lora_group: str, *, base: torch.Tensor | None = None
-    ) -> None:
-        """``y += LoRA_group(x)``: y is the group's fused projection output (row-parallel
-        under tensor parallelism: this rank's partial sum, full width). DoRA rows are then
-        rescaled, all of y but ``base`` (the bias or residual in y: [out] or [T, out])."""
-        s = self.stacks[lora_group]
-        if not s.used:
-            return
-        if self.group is None:
-            dora = s.dora if self.dora else None
-            add_lora(
-                y, x, s.a, s.b, s.scales, self.mapping, pairs=s.pairs, native=s.native,
-                dora=dora, dora_base=base, mix=self.mix,
-            )  # fmt: skip
-            return
-        if not self.mapping.any_lora:
-            return
-        h = lora_shrink(x, s.a, self.mapping)  # [T, this rank's share]
-        # Row-parallel: partial sums over the input split -> [T, R]; column-parallel: each
-        # rank's share of the ranks side by side -> [T, size * w].
-        h = self.group.all_reduce(h) if s.row_parallel else self.group.all_gather(h)
-        lora_expand(y, h, s.b, s.scales, self.mapping, out_offset=s.out_offset)
-
-
-def load_safetensors(
-    path: Path,
-    dtype: torch.dtype,
-    *,
-    select: Callable[[str], tuple[int, Span] | None] | None = None,
-    quantization: Reader | None = None,
-) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """Every tensor of every ``*.safetensors`` shard in ``path``, floating ones cast to ``dtype``.
-    ``select``: for a name, the (dim, span) of it to read (None: all of it; several slices:
-    stacked along ``dim``). ``quantization``: the checkpoint's reader; each quantized module's
-    tensors are read whole and as stored, then replaced by its ``QuantizedWeight`` (sliced
-    after, under ``select``) under ``module.weight``."""
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors weights in {path} (pickled weights are refused)")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if quantization is not None and is_quantized_tensor(name, quantization):
-                    weights[name] = f.get_tensor(name)
-                    continue
-                part = select(name) if select is not None else None
-                if part is None:
-                    tensor = f.get_tensor(name)
-                else:
-                    dim, span = part
-                    sliced = f.get_slice(name)
-                    pieces = [
-                        sliced[(slice(None),) * dim + (s,)]
-                        for s in (span if isinstance(span, tuple) else (span,))
-                    ]
-                    tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
-                weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    if "model.embed_tokens.weight" not in weights:
-        raise ModelLoadError(f"{path} has no model.embed_tokens.weight: not a Llama checkpoint")
-    if quantization is None:
-        return weights
-    read = read_quantized(weights, quantization)
-    if select is not None:
-        for name, w in read.items():
-            if isinstance(w, QuantizedWeight) and (part := select(name)) is not None:
-                read[name] = shard_quantized(w, name, *part)
-    return read

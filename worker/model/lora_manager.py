@@ -1,35 +1,19 @@
 """Adapters in three tiers: store (disk) → host cache (LRU by bytes) → device slots.
 
-S-LoRA (Sheng et al., MLSys 2024) and Punica: every targeted projection keeps one stacked
-A and B buffer with a row per device slot, padded to ``max_lora_rank``, so a batch that
-mixes adapters (and requests with none) runs one batched LoRA op per projection. A slot
-whose adapter lacks a projection or a layer holds zeros there, which adds nothing.
+S-LoRA (Sheng et al., MLSys 2024): the device slots' weights are stacked per projection, a
+row per slot (``worker.model.lora_slots``, which also lays out each rank's shards under tensor
+parallelism), so a batch that mixes adapters runs one batched LoRA op per projection.
 Adapters of running requests are never evicted: the scheduler admits at most
 ``max_loras`` distinct adapters, and only slots outside the step's set are reused. Among the
 others a new adapter takes the coldest's slot, by decayed request counts that outlive a
-slot (``worker.model.slot_eviction``), an adapter with queued requests last.
-
-Projections that share an input are fused into one LoRA group (q/k/v, gate/up): their A
-matrices stack along the rank and their B matrices form a block diagonal, with each
-module's scaling folded into its B block. On CPU each LoRA call has a fixed cost of tens of
-microseconds (bench/lora_ops.py), so four calls per layer instead of seven matter more than
-the zeros the block diagonal multiplies.
-
-Under tensor parallelism (``shard``) each rank's slots hold its part of every adapter as
-S-LoRA partitions it (section 5), lined up with the base layer's split
-(``worker.model.sharding``). Column-parallel groups (q/k/v, gate/up): A split along the rank
-(each adapter's r rows in ``size`` chunks), B along its outputs like the base weight, its
-columns laid out as the ranks' shrink outputs arrive from the all-gather. Row-parallel
-groups (o, down): A split along its inputs like the base weight (the shrink is a partial
-sum, all-reduced), B along its outputs, added into this rank's columns of the partial sum
-that the base layer's all-reduce completes. Each slot is filled on every rank (rank 0
-records its fills, which travel with the next step). A MoE base's expert LoRA is split with no
-exchange of its own (``sharding.expert_lora_shard``).
+slot (``worker.model.slot_eviction``), an adapter with queued requests last. Under tensor
+parallelism each slot is filled on every rank (rank 0 records its fills, which travel with
+the next step).
 
 DoRA adapters (``worker.model.dora``): each DoRA module's factor ``g`` is computed when the
-adapter is read, kept beside it in the host cache, and written per slot into the group's
-``DoraScales`` (ones for the modules and slots without DoRA); a step that holds a DoRA slot
-rescales those rows after the LoRA delta. Not under tensor parallelism (refused at load).
+adapter is read, kept beside it in the host cache, and written with the slot; a step that
+holds a DoRA slot rescales those rows after the LoRA delta. Not under tensor parallelism
+(refused at load).
 
 Saved modules (modules_to_save: embed_tokens, lm_head; ``worker.model.saved_modules``): a slot
 filled with such an adapter holds its copies on the device in the model's dtype; a step's rows
@@ -44,69 +28,30 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from adapters.base_model import EXPERT_PROJECTIONS, BaseModelSpec
 from adapters.errors import UnsupportedAdapterFeatureError
-from adapters.lora import LoraAdapter, LoraWeights
+from adapters.lora import LoraAdapter
 from adapters.peft_format import load_adapter_dir
-from switchboard_kernels.lora import DoraScales, LoraMapping, MixRows, NativeSlots, SlotPairs
+from switchboard_kernels.lora import LoraMapping, MixRows, NativeSlots
 from switchboard_kernels.lora_mix import MixRun
 from worker.core.adapter_mix import AdapterMix
 from worker.errors import InvalidRequestError, UnknownAdapterError
 from worker.model.dora import BaseWeights, DoraFactors, dora_factors
 from worker.model.expert_lora import ExpertLora, ExpertSlots
+from worker.model.lora_slots import FUSED_LORA_GROUPS, LORA_GROUPS, LoraSlots, SlotStack
 from worker.model.op_choice import OpPlans
 from worker.model.quantize_on_load import OnLoad
 from worker.model.saved_modules import SavedRows, SlotModules
-from worker.model.sharding import FUSED_PARTS, Shard, expert_lora_shard
+from worker.model.sharding import Shard
 from worker.model.slot_eviction import SlotEviction
 
 logger = logging.getLogger(__name__)
-
-
-# LoRA groups of a layer: projections sharing one input, in their fused output order.
-LORA_GROUPS: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
-# Phi-3's checkpoint fuses q/k/v and gate/up, and PEFT adapts the fused modules.
-FUSED_LORA_GROUPS: dict[str, tuple[str, ...]] = {
-    "qkv": ("qkv_proj",),
-    "o": ("o_proj",),
-    "gate_up": ("gate_up_proj",),
-    "down": ("down_proj",),
-}
-# Groups whose base projections are row-parallel under tensor parallelism.
-ROW_PARALLEL_GROUPS = ("o", "down")
-
-
-@dataclass(slots=True)
-class SlotStack:
-    """One LoRA group of one layer, across all slots.
-
-    Module ``m`` (the m-th of the group) owns A rows and B columns ``m*R .. m*R + r`` and
-    B rows at its offset in the group's fused output; scaling is folded into B.
-    """
-
-    a: torch.Tensor  # [max_loras, modules * max_rank, in_features]
-    b: torch.Tensor  # [max_loras, fused_out_features, modules * max_rank]
-    scales: torch.Tensor  # [max_loras] float32, 1.0 for every filled slot
-    pairs: SlotPairs | None = None  # CPU fp16 (or bf16 without native): cut to rank, packed
-    native: NativeSlots | None = None  # CPU bf16/fp32: slots cut to rank for the native kernel
-    used: bool = False  # some adapter ever targeted this group (else skip the call)
-    # Tensor parallelism: a row-parallel group's B writes these columns of the partial sum.
-    row_parallel: bool = False
-    out_offset: int = 0
-    dora: DoraScales | None = None  # made when a DoRA adapter first targets this group
 
 
 @dataclass(slots=True)
@@ -196,8 +141,7 @@ class LoraManager:
         # ``read`` off the step loop; dropped with the adapter from the host cache.
         self.dora: dict[str, DoraFactors] = {}
         self._step = 0
-        self._stacks: list[dict[str, SlotStack]] | None = None  # allocated on first load
-        self._experts: list[ExpertSlots | None] | None = None  # a MoE base's, with the stacks
+        self._slots: LoraSlots | None = None  # allocated on first load
         self.num_slot_loads = 0
         # Evictions, for metrics: a slot refilled while it held another adapter, and an
         # adapter dropped from the host cache (it is read from the store again when needed).
@@ -220,7 +164,23 @@ class LoraManager:
     @property
     def stacks(self) -> list[dict[str, SlotStack]] | None:
         """The slots' weights: per layer, by LoRA group; None before the first adapter."""
-        return self._stacks
+        return None if self._slots is None else self._slots.stacks
+
+    def _allocated(self) -> LoraSlots:
+        """The slots' weights, allocated with the first adapter (their size is fixed by
+        ``max_loras`` and ``max_lora_rank``, so a server without adapters never holds them)."""
+        if self._slots is None:
+            self._slots = LoraSlots(
+                self.spec,
+                self.groups,
+                dtype=self.dtype,
+                device=self.device,
+                max_loras=self.max_loras,
+                max_lora_rank=self.max_lora_rank,
+                shard=self.shard,
+                native=self.native,
+            )
+        return self._slots
 
     # --- registry ---------------------------------------------------------------------
 
@@ -262,8 +222,7 @@ class LoraManager:
         if reason is not None:
             self.unmixable[adapter.id] = reason
         self._cache(adapter)
-        if self._stacks is None:
-            self._stacks = self._allocate()
+        self._allocated()
         return adapter.id
 
     def unload(self, name: str) -> None:
@@ -325,14 +284,14 @@ class LoraManager:
             slot = self.slots.index(adapter)
             if self.slot_dora[slot] or self.slot_saved[slot] is not None:
                 return False
-        return self._experts is None
+        return self._slots is None or self._slots.experts is None
 
     def batch(
         self, token_slots: list[int], all_decode: bool, *, mix_runs: list[MixRun] | None = None
     ) -> LoraBatch:
         """The step's LoRA from each token's slot (-1: none) and the runs of mixed tokens,
         (start, end, [(slot, weight), ...]), their slots already filled."""
-        assert self._stacks is not None
+        slots = self._allocated()
         native = self.native and (self.ops is None or self.ops.native_lora(len(token_slots)))
         mapping = LoraMapping.build(
             token_slots, device=self.device, all_decode=all_decode, native=native
@@ -345,16 +304,16 @@ class LoraManager:
         used = {s for s in token_slots if s >= 0}
         dora = any(self.slot_dora) and any(self.slot_dora[s] for s in used)
         saved = None
-        slots = {s: self.slot_saved[s] for s in used if self.slot_saved[s] is not None}
-        if slots:
+        with_saved = {s: self.slot_saved[s] for s in used if self.slot_saved[s] is not None}
+        if with_saved:
             on_device = torch.tensor(token_slots, dtype=torch.int64).to(self.device)
-            saved = SavedRows(on_device, slots)  # type: ignore[arg-type]
+            saved = SavedRows(on_device, with_saved)  # type: ignore[arg-type]
         return LoraBatch(
             mapping,
-            self._stacks,
+            slots.stacks,
             token_slots,
             dora=dora,
-            experts=self._experts,
+            experts=slots.experts,
             mix=mix,
             saved=saved,
         )
@@ -369,8 +328,7 @@ class LoraManager:
     def fill(self, slot: int, adapter_id: str, path: str | Path) -> None:
         """Another rank: put adapter ``adapter_id`` (read from ``path`` unless cached) in
         ``slot``, as rank 0 did."""
-        if self._stacks is None:
-            self._stacks = self._allocate()
+        self._allocated()
         self.paths[adapter_id] = Path(path)
         self._fill_slot(slot, self._host_get(adapter_id))
 
@@ -386,37 +344,10 @@ class LoraManager:
         return slot
 
     def _fill_slot(self, slot: int, adapter: LoraAdapter) -> None:
-        assert self._stacks is not None
-        rank = self.max_lora_rank
         factors = self.dora.get(adapter.id) if adapter.uses_dora else None
         if adapter.uses_dora and factors is None:  # dropped from the host cache meanwhile
             factors = self.dora[adapter.id] = dora_factors(adapter, self.base_weights)
-        for layer, stacks in enumerate(self._stacks):
-            for group, stack in stacks.items():
-                stack.a[slot].zero_()
-                stack.b[slot].zero_()
-                stack.scales[slot] = 1.0
-                if self.shard is not None:
-                    self._fill_shard(stack, group, layer, slot, adapter, self.shard)
-                    continue
-                row = 0
-                for m, module in enumerate(self.groups[group]):
-                    out_features = self.spec.projection_shape(module)[1]
-                    weights = adapter.weights.get((layer, module))
-                    if weights is not None:
-                        r, cols = weights.rank, slice(m * rank, m * rank + weights.rank)
-                        stack.a[slot, cols].copy_(torch.from_numpy(weights.a.copy()))
-                        scaled_b = torch.from_numpy(weights.b * np.float32(weights.scaling))
-                        stack.b[slot, row : row + out_features, cols].copy_(scaled_b[:, :r])
-                        stack.used = True
-                    row += out_features
-                self._fill_dora(stack, group, layer, slot, factors)
-                if stack.pairs is not None:
-                    stack.pairs.refresh(slot, stack.a, stack.b)
-                if stack.native is not None:
-                    stack.native.refresh(slot, stack.a[slot], stack.b[slot])
-        if self.spec.num_experts:
-            self._fill_experts(slot, adapter)
+        self._allocated().fill(slot, adapter, factors)
         self.slots[slot] = adapter.id
         self.slot_dora[slot] = bool(factors)
         self.slot_saved[slot] = None  # the old copies go before the new ones are made
@@ -426,105 +357,6 @@ class LoraManager:
         self.num_slot_loads += 1
         if self._fills is not None:
             self._fills.append((slot, adapter.id, str(self.paths[adapter.id])))
-
-    def _fill_dora(
-        self, stack: SlotStack, group: str, layer: int, slot: int, factors: DoraFactors | None
-    ) -> None:
-        """The group's DoRA factor of ``slot`` (ones for its modules without DoRA), or its
-        slot turned off when the group has no DoRA module of this adapter."""
-        modules = self.groups[group]
-        if not factors or all((layer, m) not in factors for m in modules):
-            if stack.dora is not None:
-                stack.dora.set(slot, None)
-            return
-        spans = self._outputs(modules)
-        if stack.dora is None:
-            stack.dora = DoraScales.allocate(self.max_loras, spans[-1][1], self.device)
-        g = torch.ones(spans[-1][1], dtype=torch.float32)
-        for module, (begin, end) in zip(modules, spans, strict=True):
-            if (layer, module) in factors:
-                g[begin:end] = factors[(layer, module)]
-        stack.dora.set(slot, g.to(self.device))
-
-    def _fill_experts(self, slot: int, adapter: LoraAdapter) -> None:
-        """A MoE base's expert LoRA of ``adapter`` into ``slot``. The expert slots are large (per
-        sparse layer, experts x slots x max_lora_rank x (2 hidden + 3 intermediate)), so they are
-        allocated with the first adapter that has expert LoRA."""
-        spec, shard = self.spec, self.shard
-        if self._experts is None:
-            if not any(module in EXPERT_PROJECTIONS for _, module in adapter.weights):
-                return
-            size = 1 if shard is None else shard.size
-            self._experts = [
-                ExpertSlots.allocate(
-                    experts=spec.num_experts,
-                    slots=self.max_loras,
-                    max_rank=self.max_lora_rank,
-                    hidden=spec.hidden_size,
-                    intermediate=spec.expert_intermediate_size // size,  # this rank's
-                    dtype=self.dtype,
-                    device=self.device,
-                )
-                if sparse
-                else None
-                for sparse in spec.sparse_layers
-            ]
-
-        def get(layer: int, module: str) -> LoraWeights | None:
-            w = adapter.weights.get((layer, module))
-            if w is None or shard is None:
-                return w
-            return expert_lora_shard(w, module, spec.expert_intermediate_size, shard)
-
-        for layer, experts in enumerate(self._experts):
-            if experts is not None:
-                experts.fill(
-                    slot, get(layer, "experts.gate_up_proj"), get(layer, "experts.down_proj")
-                )
-
-    def _fill_shard(
-        self,
-        stack: SlotStack,
-        group: str,
-        layer: int,
-        slot: int,
-        adapter: LoraAdapter,
-        shard: Shard,
-    ) -> None:
-        """This rank's S-LoRA shard of one group of ``adapter`` into ``slot`` (see the
-        module docstring; ``_allocate`` sizes the stacks)."""
-        modules = self.groups[group]
-        width = stack.a.shape[1] // len(modules)  # A rows per module on this rank
-        row = 0
-        for m, module in enumerate(modules):
-            in_features = self.spec.projection_shape(module)[0]
-            out_rows = self._shard_rows(module, shard)
-            weights = adapter.weights.get((layer, module))
-            if weights is not None:
-                r = weights.rank
-                a = torch.from_numpy(weights.a.copy())  # [r, in]
-                b = torch.from_numpy(weights.b * np.float32(weights.scaling))[out_rows]
-                if stack.row_parallel:  # A by input features, B by output features
-                    stack.a[slot, :r].copy_(a[:, shard.span(in_features)])
-                    stack.b[slot, :, :r].copy_(b)
-                else:  # A by rank, in chunks; B's columns where the all-gather puts them
-                    chunk = math.ceil(r / shard.size)
-                    for j in range(shard.size):
-                        ranks = slice(min(j * chunk, r), min((j + 1) * chunk, r))
-                        n = ranks.stop - ranks.start
-                        if j == shard.rank:
-                            stack.a[slot, m * width : m * width + n].copy_(a[ranks])
-                        col = (j * len(modules) + m) * width
-                        stack.b[slot, row : row + b.shape[0], col : col + n].copy_(b[:, ranks])
-                stack.used = True
-            row += len(out_rows)
-
-    def _shard_rows(self, module: str, shard: Shard) -> torch.Tensor:
-        """This rank's output rows of ``module``, as the base weight's split has them (Phi-3's
-        fused modules: its share of each part)."""
-        parts = FUSED_PARTS.get(module, (module,))
-        spans = shard.part_spans([self.spec.projection_shape(p)[1] for p in parts])
-        return torch.cat([torch.arange(s.start, s.stop) for s in spans])
 
     # --- host cache -------------------------------------------------------------------
 
@@ -560,74 +392,6 @@ class LoraManager:
             self.dora.pop(evicted.id, None)
             total -= evicted.num_bytes
             self.num_host_evictions += 1
-
-    def _outputs(self, modules: tuple[str, ...]) -> list[tuple[int, int]]:
-        """Each module's (begin, end) columns in its group's fused output."""
-        spans, start = [], 0
-        for module in modules:
-            end = start + self.spec.projection_shape(module)[1]
-            spans.append((start, end))
-            start = end
-        return spans
-
-    def _allocate(self) -> list[dict[str, SlotStack]]:
-        if self.shard is not None:
-            return self._allocate_shards(self.shard)
-        rank, slots = self.max_lora_rank, self.max_loras
-        stacks = []
-        for _ in range(self.spec.num_layers):
-            layer = {}
-            for group, modules in self.groups.items():
-                in_features = self.spec.projection_shape(modules[0])[0]
-                out_features = sum(self.spec.projection_shape(m)[1] for m in modules)
-                width = rank * len(modules)
-                on = {"dtype": self.dtype, "device": self.device}
-                a = torch.zeros(slots, width, in_features, **on)
-                native = self.native
-                layer[group] = SlotStack(
-                    a=a,
-                    b=torch.zeros(slots, out_features, width, **on),
-                    scales=torch.zeros(slots, dtype=torch.float32, device=self.device),
-                    pairs=SlotPairs(slots, self.dtype)
-                    if SlotPairs.wanted(a) and not native
-                    else None,
-                    native=NativeSlots(slots, in_features, self._outputs(modules), self.dtype)
-                    if native
-                    else None,
-                )
-            stacks.append(layer)
-        return stacks
-
-    def _allocate_shards(self, shard: Shard) -> list[dict[str, SlotStack]]:
-        """Slot stacks for this rank's shards: a row-parallel group's A [slots, R, in / size]
-        and B [slots, out / size, R]; a column-parallel group's A [slots, modules * w, in]
-        (w = ceil(R / size) of each module's ranks) and B [slots, out / size, size *
-        modules * w] (all the ranks, as gathered)."""
-        rank, slots = self.max_lora_rank, self.max_loras
-        on = {"dtype": self.dtype, "device": self.device}
-        width = math.ceil(rank / shard.size)
-        stacks = []
-        for _ in range(self.spec.num_layers):
-            layer = {}
-            for group, modules in self.groups.items():
-                in_features = self.spec.projection_shape(modules[0])[0]
-                out_local = sum(self.spec.projection_shape(m)[1] for m in modules) // shard.size
-                row_parallel = group in ROW_PARALLEL_GROUPS
-                if row_parallel:
-                    a_shape = (slots, rank, in_features // shard.size)
-                    b_shape = (slots, out_local, rank)
-                else:
-                    a_shape = (slots, len(modules) * width, in_features)
-                    b_shape = (slots, out_local, shard.size * len(modules) * width)
-                layer[group] = SlotStack(
-                    a=torch.zeros(a_shape, **on),
-                    b=torch.zeros(b_shape, **on),
-                    scales=torch.zeros(slots, dtype=torch.float32, device=self.device),
-                    row_parallel=row_parallel,
-                    out_offset=shard.rank * out_local if row_parallel else 0,
-                )
-            stacks.append(layer)
-        return stacks
 
 
 def _unmixable(adapter: LoraAdapter) -> str | None:
