@@ -192,12 +192,14 @@ def test_two_ranks_match_one_and_peft(family, reference):
 
 def test_two_ranks_preempted_and_speculating_match_peft(family, reference):
     """A KV pool too small for the batch (recompute preemption) and n-gram speculation, whose
-    verification rows go through the split experts."""
+    verification rows go through the split experts. Verifying is priced at nothing, so drafts
+    always run: measured on a loaded machine, verification rows can cost more than drafts
+    are expected to add, and the back-off then proposes none."""
     name, _, base, adapters = family
     prompts, assignment, expected = reference
     tokens, llm = generate(
         base, adapters, prompts, assignment, tensor_parallel_size=2, num_kv_blocks=24,
-        speculative_model="ngram", num_speculative_tokens=3,
+        speculative_model="ngram", num_speculative_tokens=3, speculative_position_cost=0.0,
     )  # fmt: skip
     try:
         assert tokens == expected, name
