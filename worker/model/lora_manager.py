@@ -44,7 +44,7 @@ from worker.core.adapter_mix import AdapterMix
 from worker.errors import InvalidRequestError, UnknownAdapterError
 from worker.model.dora import BaseWeights, DoraFactors, dora_factors
 from worker.model.expert_lora import ExpertLora, ExpertSlots
-from worker.model.lora_slots import FUSED_LORA_GROUPS, LORA_GROUPS, LoraSlots, SlotStack
+from worker.model.lora_slots import LoraSlots, SlotStack
 from worker.model.op_choice import OpPlans
 from worker.model.quantize_on_load import OnLoad
 from worker.model.saved_modules import SavedRows, SlotModules
@@ -116,8 +116,6 @@ class LoraManager:
         factors then come from its dequantized weights)."""
         config = json.loads((Path(model_path) / "config.json").read_text())
         self.spec = BaseModelSpec.from_config_dict(config)
-        fused = "qkv_proj" in self.spec.projections
-        self.groups = FUSED_LORA_GROUPS if fused else LORA_GROUPS
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_loras = max_loras
@@ -172,7 +170,6 @@ class LoraManager:
         if self._slots is None:
             self._slots = LoraSlots(
                 self.spec,
-                self.groups,
                 dtype=self.dtype,
                 device=self.device,
                 max_loras=self.max_loras,

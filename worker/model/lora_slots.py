@@ -86,7 +86,6 @@ class LoraSlots:
     def __init__(
         self,
         spec: BaseModelSpec,
-        groups: dict[str, tuple[str, ...]],
         *,
         dtype: torch.dtype,
         device: torch.device,
@@ -98,7 +97,8 @@ class LoraSlots:
         """``native``: the slots keep the native kernel's packed copies (CPU bf16/fp32, one
         rank); else, where the torch path prepacks, its fp16 pairs."""
         self.spec = spec
-        self.groups = groups
+        fused = "qkv_proj" in spec.projections
+        self.groups = FUSED_LORA_GROUPS if fused else LORA_GROUPS
         self.dtype = dtype
         self.device = device
         self.max_loras = max_loras
