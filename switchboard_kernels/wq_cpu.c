@@ -309,6 +309,19 @@ static void bf16_pairs(const uint16_t *x, int64_t rows, int64_t K, int bits, uin
 #define UNPACKED_MIN_ROWS8 8
 #endif
 
+/* The next pair of panels' packed bytes, asked for while a tile multiplies the pair before
+ * (per_group bytes at each group of each tile), so that unpacking them does not wait on memory
+ * with nothing to multiply. On a 2-core Zen 4 a step's projections (the bf16 output layer
+ * included) at 32 rows took 25.9 instead of 28.4 ms, at 128 rows 94.0 instead of 96.0 (into
+ * L1 instead of L2: the same). */
+typedef struct {
+    const uint8_t *at;
+    int64_t per_group;
+} Ahead;
+#ifndef WQ_AHEAD_LOCALITY
+#define WQ_AHEAD_LOCALITY 2
+#endif
+
 /* One group of a pair of panels unpacked: its gs / 2 pairs of features, two vectors of 16
  * lanes each (unpacked_pair_bytes), then each panel's 16 scales and 16 zeros (with
  * panel_bf16's offset), fp32. */
@@ -369,7 +382,8 @@ static inline __attribute__((always_inline)) void unpacked_rows(const struct sb_
                                                                const uint8_t *from,
                                                                const WqRows *x, int64_t m0,
                                                                const int R,
-                                                               float out[2][WQ_ROWS][PL_NR]) {
+                                                               float out[2][WQ_ROWS][PL_NR],
+                                                               const Ahead *ahead) {
     const int64_t gs = w->group_size, group_bytes = unpacked_group_bytes(gs);
     const uint16_t *xp = (const uint16_t *)x->prepared;
     for (int h = 0; h < 2; h++)
@@ -379,6 +393,8 @@ static inline __attribute__((always_inline)) void unpacked_rows(const struct sb_
         const float *params = (const float *)(from + g * group_bytes + unpacked_pair_bytes(gs));
         __m512 part[WQ_ROWS][2];
         for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < ahead->per_group; i += 64)
+            __builtin_prefetch(ahead->at + g * ahead->per_group + i, 0, WQ_AHEAD_LOCALITY);
         for (int64_t j = 0; j < gs / 2; j++) {
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pairs + 32 * j);
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(pairs + 32 * j + 16);
@@ -403,9 +419,11 @@ static inline __attribute__((always_inline)) void unpacked_rows(const struct sb_
 }
 
 /* WQ_CASES's row counts (its bits unused): `panel` is the pair of panels unpacked. */
-#define unpacked_rows_of(w, panel, x, m0, BITS, R, out) unpacked_rows(w, panel, x, m0, R, out)
+#define unpacked_rows_of(w, panel, x, m0, BITS, R, out)                                       \
+    unpacked_rows(w, panel, x, m0, R, out, ahead)
 static void unpacked_tile(const struct sb_wq *w, const uint8_t *panel, const WqRows *x,
-                          int64_t m0, int rows, float out[2][WQ_ROWS][PL_NR]) {
+                          int64_t m0, int rows, float out[2][WQ_ROWS][PL_NR],
+                          const Ahead *ahead) {
     WQ_CASES(unpacked_rows_of, 0)
 }
 
@@ -445,10 +463,15 @@ static int unpacked_linear(const struct sb_wq *w, const uint16_t *x, int64_t row
             const int64_t p0 = 2 * item;
             const int two = p0 + 1 < num_panels;
             unpack_panels(w, w->blocks + p0 * panel_bytes, panel_bytes, two, buffer);
+            /* the next pair's bytes (none after the last), a share at each tile's groups */
+            const int64_t next = p0 + 2 < num_panels ? (num_panels - p0 - 2 > 1 ? 2 : 1) : 0;
+            const int64_t share = (next * panel_bytes + 64 * tiles * G - 1) / (64 * tiles * G) * 64;
+            const uint8_t *next_bytes = next ? w->blocks + (p0 + 2) * panel_bytes : w->blocks;
             for (int64_t tile = 0, m0 = 0; tile < tiles; tile++) {
                 const int t = (int)(base + (tile < longer));
+                const Ahead ahead = {next_bytes + tile * G * share, share};
                 float acc[2][WQ_ROWS][PL_NR];
-                unpacked_tile(w, buffer, &xr, m0, t, acc);
+                unpacked_tile(w, buffer, &xr, m0, t, acc, &ahead);
                 for (int h = 0; h < 1 + two; h++) {
                     const int64_t n0 = (p0 + h) * PL_NR;
                     const int cols = N - n0 < PL_NR ? (int)(N - n0) : PL_NR;
