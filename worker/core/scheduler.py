@@ -10,49 +10,42 @@ arrival order under FCFS). A new arrival whose leading blocks are in the prefix 
 starts past them. While a step carries a tenant's decodes, a ``DecodeStepBudget`` may cap
 other tenants' prompt tokens below ``max_num_batched_tokens`` so that the step's time stays
 within the decodes' latency budget (Sarathi-Serve's stall-free batching:
-``worker.core.step_budget``). When KV blocks run out, a
-sequence is preempted (the latest arrival of the tenant furthest over its share): its K/V
-are swapped out to the host pool (``PreemptionMode.SWAP``, while the pool has room) or
-dropped and recomputed later (``RECOMPUTE``, the default).
+``worker.core.step_budget``). Whether a sequence has the seats and KV blocks to start or
+grow, and which sequence is preempted when they run out, is ``worker.core.admission``'s.
 
 Bands: interactive work comes before batch work (``Band``; the Batch API's lines). Batch
 sequences fill what interactive work leaves and give it back at once: prefills and arrivals
 are placed band by band (``_next_queue``), a batch arrival waits while interactive work
 cannot start, an interactive arrival that finds no seat or KV blocks takes them from a running
-batch sequence (``_take_batch_room``), a batch sequence is preempted before any
-interactive one (``_victim``), and the step's share of batch work beside interactive work is
+batch sequence and a batch sequence is preempted before any interactive one
+(``worker.core.admission``), and the step's share of batch work beside interactive work is
 ``worker.core.bands.BatchBand``'s: within a tenth of that work's own time, none beside an
 interactive prompt. Within a band, tenants share as above.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from collections import deque
 
 from worker.core.adapter_gate import AdapterGate
+from worker.core.admission import AdmissionOutcome, KVAdmission
 from worker.core.bands import BatchBand
-from worker.core.batch import BlockMove, MoveKind, ScheduledSequence, SchedulerOutput
+from worker.core.batch import ScheduledSequence, SchedulerOutput
 from worker.core.block_manager import BlockManager
 from worker.core.burst import BurstRule
 from worker.core.config import FairnessConfig, PreemptionMode
-from worker.core.fairness import ServiceLedger, Shares, StepCharges, split_rows
+from worker.core.decode_turns import DecodeTurns
+from worker.core.fairness import ServiceLedger, StepCharges
 from worker.core.prefix_cache import extend_block_hashes
-from worker.core.prefix_lookup import count_lookup, prefix_hits
 from worker.core.prompt_scoring import tokens_within
 from worker.core.sequence import Band, Sequence, SequenceStatus
 from worker.core.step_budget import ACTIVE_GRACE_S, MIN_PREFILL_TOKENS, DecodeStepBudget
 
 
-class _Admission(enum.Enum):
-    ADMITTED = "admitted"
-    PASSED = "passed"  # its adapter has no slot: others may overtake it
-    CAPPED = "capped"  # its tenant holds all the seats it may: its others wait too
-    NO_ROOM = "no_room"  # no seat or KV blocks: admissions stop for this step
-
-
 class Scheduler:
+    """Assembles each step from the running, swapped and waiting sequences it queues."""
+
     def __init__(
         self,
         *,
@@ -71,19 +64,12 @@ class Scheduler:
         batch_steps_stop: bool = False,
     ) -> None:
         self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # Admit new work only while this many blocks stay free, so running
-        # sequences can keep decoding without an immediate preemption.
-        self.watermark_blocks = watermark_blocks
         # At most this many distinct adapters run at once (their device slots). A request
         # kept out for max_lora_wait_steps stops other adapters from starting, so the
         # running ones drain and it gets a slot: no adapter waits forever.
         self.max_loras = max_loras
         self.max_lora_wait_steps = max_lora_wait_steps
-        self.preemption_mode = PreemptionMode(preemption_mode)
-        if self.preemption_mode is PreemptionMode.SWAP and host_block_manager is None:
-            raise ValueError("swap preemption needs a host block pool")
         self.host_block_manager = host_block_manager
         self.ledger = ServiceLedger(fairness or FairnessConfig())
         # A position that scores its prompt counts as this many prompt tokens, in the step's
@@ -104,11 +90,31 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
-        self._decode_turns = 0  # decodes placed in turns so far (``_decodes_within_budget``)
+        # Seats and KV blocks: who starts, who grows, who is preempted (``worker.core.admission``).
+        self.admission = KVAdmission(
+            block_manager=block_manager,
+            host_block_manager=host_block_manager,
+            preemption_mode=preemption_mode,
+            max_num_seqs=max_num_seqs,
+            watermark_blocks=watermark_blocks,
+            ledger=self.ledger,
+            running=self.running,
+            waiting=self.waiting,
+            swapped=self.swapped,
+        )
+        self.decode_turns = DecodeTurns(self.ledger)
         # When each tenant's latest sequence left (``_active_tenants``).
         self.tenants_left_at: dict[str, float] = {}
-        self.num_preemptions = 0  # since start, for metrics and tests
-        self.num_swap_outs = 0  # of which by swapping
+
+    @property
+    def num_preemptions(self) -> int:
+        """Since start, for metrics and tests."""
+        return self.admission.num_preemptions
+
+    @property
+    def num_swap_outs(self) -> int:
+        """Of the preemptions, those that swapped out."""
+        return self.admission.num_swap_outs
 
     @property
     def has_work(self) -> bool:
@@ -231,7 +237,9 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_uncomputed_tokens <= 1]
         decodes.sort(key=lambda s: s.arrival_order)
         blocks = self.block_manager
-        for seq in self._decodes_within_budget(self.batch_band.hold_back(decodes)):
+        for seq in self.decode_turns.within_budget(
+            self.batch_band.hold_back(decodes), self.step_budget
+        ):
             budget = self.max_num_batched_tokens - out.num_tokens
             if budget <= 0:
                 break
@@ -249,48 +257,10 @@ class Scheduler:
                 # step bounds a GPU's tok/s: bench/host_step.py).
                 out.add(step.note(ScheduledSequence(seq, start, 1)))
                 continue
-            if not self._make_room(seq, num_tokens, out):
+            if not self.admission.make_room(seq, num_tokens, out):
                 continue
-            num_spec = self._fit_speculation(seq, num_tokens, budget)
-            out.add(step.note(self._schedule(seq, num_tokens, out, num_spec)))
-
-    def _decodes_within_budget(self, decodes: list[Sequence]) -> list[Sequence]:
-        """Fair, with a step budget: when the decodes alone would take more tokens than the
-        budget allows and more than one tenant decodes, the rows the budget allows are split
-        between those tenants by weight (``split_rows``: one asking for fewer than its share
-        gets them all); a tenant over its share has its rows that waited longest placed and
-        the others wait a step. So a quiet tenant's decodes keep their pace beside a flood's,
-        whose streams take turns. Decodes carrying drafts are always placed (their drafts
-        were proposed for this step). Only time is taken from the flood, not work: its
-        rows wait, holding their KV blocks."""
-        budget = self.step_budget
-        if budget is None or not self.ledger.fair or len(decodes) < 2:
-            return decodes
-        cap = budget.token_cap()
-        if cap is None or len(decodes) <= cap:
-            return decodes
-        by_tenant: dict[str, list[Sequence]] = {}
-        for seq in decodes:
-            by_tenant.setdefault(seq.tenant, []).append(seq)
-        if len(by_tenant) < 2:
-            return decodes
-        weights = {t: self.ledger.accounts[t].weight for t in by_tenant}
-        rows = split_rows({t: len(seqs) for t, seqs in by_tenant.items()}, weights, cap)
-        placed: list[Sequence] = []
-        for tenant, seqs in by_tenant.items():
-            if rows[tenant] >= len(seqs):
-                placed.extend(seqs)
-                continue
-            # Round robin: least recently placed first, then arrival order (``seqs`` is in
-            # arrival order).
-            ranked = sorted(seqs, key=lambda s: (not s.spec_token_ids, s.last_decode_turn))
-            kept = max(rows[tenant], sum(1 for s in seqs if s.spec_token_ids))
-            for seq in ranked[:kept]:
-                self._decode_turns += 1  # a queue: placed in this order, so in turn again
-                seq.last_decode_turn = self._decode_turns
-                placed.append(seq)
-        placed.sort(key=lambda s: s.arrival_order)
-        return placed
+            num_spec = self.admission.fit_speculation(seq, num_tokens, budget)
+            out.add(step.note(self.admission.place(seq, num_tokens, out, num_spec)))
 
     def _schedule_prefills(
         self, out: SchedulerOutput, step: StepCharges, token_limit: int | None = None
@@ -370,20 +340,22 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 within = tokens_within(seq, seq.num_computed_tokens, budget, self.scored_token_cost)
                 num_tokens = min(seq.num_uncomputed_tokens, within)
-                if self._make_room(seq, num_tokens, out):
-                    out.add(step.note(self._schedule(seq, num_tokens, out)))
+                if self.admission.make_room(seq, num_tokens, out):
+                    out.add(step.note(self.admission.place(seq, num_tokens, out)))
             elif admitting and not self._behind_swapped(seq):
-                outcome = self._admit(seq, budget, out, adapters, step)
-                if outcome is _Admission.ADMITTED:
+                outcome = self.admission.admit(
+                    seq, budget, out, adapters, step, scored_token_cost=self.scored_token_cost
+                )
+                if outcome is AdmissionOutcome.ADMITTED:
                     busy.add(seq.tenant)
                     if lone and lone_extra is not None and out.scheduled[-1].samples:
                         short_limit = min(
                             short_limit or top,
                             out.num_tokens + lone_extra,
                         )
-                if outcome is _Admission.NO_ROOM:
+                if outcome is AdmissionOutcome.NO_ROOM:
                     admitting = False
-                elif outcome is _Admission.CAPPED and tenant in queues:
+                elif outcome is AdmissionOutcome.CAPPED and tenant in queues:
                     rest = deque(s for s in queue if s.status is SequenceStatus.RUNNING)
                     if rest:
                         queues[tenant] = rest
@@ -461,170 +433,3 @@ class Scheduler:
         return seq.status is SequenceStatus.WAITING and any(
             self._queue_key(s) == key for s in self.swapped
         )
-
-    def _admit(
-        self,
-        seq: Sequence,
-        budget: int,
-        out: SchedulerOutput,
-        adapters: AdapterGate,
-        step: StepCharges,
-    ) -> _Admission:
-        """Start a swapped or waiting sequence with up to ``budget`` tokens, if it fits.
-        Tokens found in the prefix cache cost neither budget nor compute."""
-        cap = self.ledger.config.max_running_per_tenant
-        if cap is not None and sum(s.tenant == seq.tenant for s in self.running) >= cap:
-            return _Admission.CAPPED
-        if not adapters.admits(seq):
-            if seq.status is SequenceStatus.WAITING:
-                seq.lora_wait_steps += 1
-            return _Admission.PASSED
-        swapped = seq.status is SequenceStatus.SWAPPED
-        hits = [] if swapped else prefix_hits(self.block_manager, seq)
-        bs = self.block_manager.block_size
-        num_ready = seq.num_computed_tokens if swapped else len(hits) * bs
-        within = tokens_within(seq, num_ready, budget, self.scored_token_cost)
-        num_tokens = min(seq.num_tokens - num_ready, within)
-        while len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(
-            [], num_ready + num_tokens, reserve=self.watermark_blocks, cached=hits
-        ):
-            needed = self.block_manager.blocks_needed([], num_ready + num_tokens)
-            if not self._take_batch_room(seq, out) and not self._take_share_room(seq, needed, out):
-                seq.share_wait_steps += 1
-                return _Admission.NO_ROOM
-        seq.share_wait_steps = 0
-        if swapped:
-            assert self.host_block_manager is not None
-            self.block_manager.allocate(seq.block_table, num_ready)
-            out.moves.extend(
-                BlockMove(MoveKind.SWAP_IN, host, device)
-                for host, device in zip(seq.host_block_table, seq.block_table, strict=True)
-            )
-            self.host_block_manager.free(seq.host_block_table)
-            self.swapped.remove(seq)
-        else:
-            self.block_manager.allocate(seq.block_table, num_ready, cached=hits)
-            seq.num_registered_blocks = len(hits)
-            seq.num_computed_tokens = num_ready
-            count_lookup(self.block_manager, seq, num_ready)
-            self.waiting.remove(seq)
-        self._start(seq, adapters)
-        out.add(step.note(self._schedule(seq, num_tokens, out)))
-        return _Admission.ADMITTED
-
-    def _take_batch_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """An interactive arrival that finds no seat or KV blocks takes them from the latest
-        running batch sequence, at once: batch work only fills idle capacity."""
-        victim = self._latest_batch() if seq.band is Band.INTERACTIVE else None
-        if victim is None:
-            return False
-        self._preempt(victim, out)
-        return True
-
-    def _latest_batch(self) -> Sequence | None:
-        """The running batch sequence to give way first: the lowest band's latest arrival."""
-        batch = [s for s in self.running if s.band is not Band.INTERACTIVE]
-        return max(batch, key=lambda s: (s.band, s.arrival_order)) if batch else None
-
-    def _take_share_room(self, seq: Sequence, num_blocks: int, out: SchedulerOutput) -> bool:
-        """Preempt one sequence of the tenant furthest over its share, if ``seq``'s tenant
-        stays within its own share once admitted and ``seq`` has waited long enough."""
-        if not self.ledger.fair or seq.share_wait_steps < self.ledger.config.share_wait_steps:
-            return False
-        victim = self._shares().room_for(seq, num_blocks)
-        if victim is None:
-            return False
-        self._preempt(victim, out)
-        return True
-
-    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Preempt until ``seq`` can grow; False if ``seq`` itself went. The victim is the
-        latest arrival (fair: of the tenant furthest over its share of the KV blocks)."""
-        start = seq.num_computed_tokens
-        while not self.block_manager.can_allocate(
-            seq.block_table, start + num_tokens, write_from=start
-        ):
-            victim = self._victim()
-            self._preempt(victim, out)
-            if victim is seq:
-                return False
-        return True
-
-    def _victim(self) -> Sequence:
-        """Whom to preempt when a running sequence cannot grow: the latest batch sequence
-        while any runs; else the latest arrival (fair: of the tenant furthest over its share
-        of the KV blocks)."""
-        batch = self._latest_batch()
-        if batch is not None:
-            return batch
-        if not self.ledger.fair:
-            return max(self.running, key=lambda s: s.arrival_order)
-        return self._shares().victim()
-
-    def _shares(self) -> Shares:
-        return Shares(self.ledger, self.running, self.max_num_seqs, self.block_manager.num_blocks)
-
-    def _fit_speculation(self, seq: Sequence, num_tokens: int, budget: int) -> int:
-        """How many of ``seq``'s draft tokens ride along: only on a decode, only within the
-        token budget, and only in blocks that are free now (speculation never preempts)."""
-        if not seq.spec_token_ids or num_tokens != seq.num_uncomputed_tokens:
-            return 0
-        num_spec = min(len(seq.spec_token_ids), budget - num_tokens)
-        start = seq.num_computed_tokens
-        while num_spec > 0 and not self.block_manager.can_allocate(
-            seq.block_table, start + num_tokens + num_spec, write_from=start
-        ):
-            num_spec -= 1
-        return max(num_spec, 0)
-
-    def _start(self, seq: Sequence, adapters: AdapterGate) -> None:
-        adapters.start(seq)
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-        if seq.metrics.first_scheduled_time is None:
-            seq.metrics.first_scheduled_time = time.monotonic()
-            self.ledger.record_queue_time(seq.tenant, seq.metrics.queue_time or 0.0)
-
-    def _schedule(
-        self, seq: Sequence, num_tokens: int, out: SchedulerOutput, num_spec: int = 0
-    ) -> ScheduledSequence:
-        start = seq.num_computed_tokens
-        end = start + num_tokens + num_spec
-        copies = self.block_manager.allocate(seq.block_table, end, write_from=start)
-        out.moves.extend(BlockMove(MoveKind.COPY, c.src, c.dst) for c in copies)
-        return ScheduledSequence(seq, start, num_tokens, num_spec)
-
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Swap ``seq`` out if the policy and the host pool allow, else drop its K/V for a
-        recompute; a recomputed sequence goes back to the queue's head."""
-        self.running.remove(seq)
-        out.preempted.append(seq)
-        out.drop(seq)  # it may already hold a place in this step
-        seq.clear_spec()
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        host = self.host_block_manager
-        computed = seq.num_computed_tokens
-        if (
-            self.preemption_mode is PreemptionMode.SWAP
-            and host is not None
-            and computed > 0
-            and host.can_allocate([], computed)
-        ):
-            host.allocate(seq.host_block_table, computed)
-            out.moves.extend(
-                BlockMove(MoveKind.SWAP_OUT, device, host_block)
-                # Blocks past the computed tokens (placed this step) hold nothing yet.
-                for device, host_block in zip(seq.block_table, seq.host_block_table, strict=False)
-            )
-            self.block_manager.free(seq.block_table)
-            seq.num_registered_blocks = 0
-            self.num_swap_outs += 1
-            seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(seq)
-            return
-        self.block_manager.free(seq.block_table)
-        seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)

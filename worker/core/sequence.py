@@ -109,7 +109,7 @@ class Sequence:
     lora_wait_steps: int = 0
     share_wait_steps: int = 0
     # While its tenant decodes more rows than its share of a step's decode budget, its
-    # rows take turns (``Scheduler._decodes_within_budget``): when it was last placed.
+    # rows take turns (``DecodeTurns.within_budget``): when it was last placed.
     last_decode_turn: int = 0
     # Tokens of ``tokens`` whose computation was charged to the tenant (a recompute after
     # preemption is not charged again).
