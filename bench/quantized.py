@@ -12,8 +12,11 @@ process, interleaved so machine noise hits each alike.
 - ``load``: /proc/loadavg before and after (these machines are shared: read the figures with it).
 
 Usage: ``python -m bench.quantized [--model DIR] [--quick] [--repeats 3] [--lm-head int4|int8]
-[--no-w1] [--no-quality] [--threads N] [--out bench/results/quantized.json]``. ``--quick``: about
-half a minute (a tiny random model unless ``--model``; W1 cut to 8 x 32/32).
+[--int4-group-size 32] [--no-w1] [--no-quality] [--threads N]
+[--out bench/results/quantized.json]``. ``--quick``: about half a minute (a tiny random model
+unless ``--model``; W1 cut to 8 x 32/32). ``--int4-group-size``: the int4 engine's input
+features per scale and zero (the on-load default 32; it must divide every projection's input
+features: 64 at most for the default model's 576).
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ def load_average() -> str:
     return Path("/proc/loadavg").read_text().split(" ", 3)[:3].__str__()
 
 
-def engines(model: Path, *, lm_head: str | None, max_num_batched_tokens: int) -> dict:
+def engines(
+    model: Path, *, lm_head: str | None, max_num_batched_tokens: int, int4_group: int | None = None
+) -> dict:
     from worker import LLM
 
     # The fixed kernel rule for all three: a measurement on a busy machine picks by its noise.
@@ -47,9 +52,10 @@ def engines(model: Path, *, lm_head: str | None, max_num_batched_tokens: int) ->
         "kernel_choice": "fixed",
     }
     head = {"quantization_lm_head": lm_head} if lm_head else {}
+    group = {"quantization_group_size": int4_group} if int4_group else {}
     return {
         "bf16": LLM(model, **options),
-        "int4": LLM(model, quantization="int4", **options, **head),
+        "int4": LLM(model, quantization="int4", **options, **head, **group),
         "int8": LLM(model, quantization="int8", **options, **head),
     }
 
@@ -144,6 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--lm-head", choices=("int4", "int8"), default=None, help="quantize the output layer too"
     )
+    parser.add_argument(
+        "--int4-group-size", type=int, default=None, help="int4's features per group (32)"
+    )
     parser.add_argument("--no-w1", action="store_true")
     parser.add_argument("--no-quality", action="store_true")
     parser.add_argument(
@@ -165,8 +174,14 @@ def main(argv: list[str] | None = None) -> dict:
             model_path = resolve_model_path(args.model)
         report: dict = {"model": str(model_path), "threads": torch.get_num_threads()}
         report["load_before"] = load_average()
-        llms = engines(model_path, lm_head=args.lm_head, max_num_batched_tokens=1024)
+        llms = engines(
+            model_path,
+            lm_head=args.lm_head,
+            max_num_batched_tokens=1024,
+            int4_group=args.int4_group_size,
+        )
         report["lm_head"] = args.lm_head or "as loaded"
+        report["int4_group_size"] = args.int4_group_size or "on-load default"
         report["decode_weight_bytes"] = {
             k: llm.engine.model.decode_weight_bytes for k, llm in llms.items()
         }
