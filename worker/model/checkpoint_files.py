@@ -1,6 +1,7 @@
 """A checkpoint's safetensors shards read into tensors: floating ones cast to the model's dtype,
 slices read where a tensor-parallel rank needs only its shard, and a published quantized
-checkpoint's packed tensors turned into ``QuantizedWeight``s by its format's reader."""
+checkpoint's packed tensors turned into ``QuantizedWeight``s by its format's reader; then put on
+the device the model runs on."""
 
 from __future__ import annotations
 
@@ -12,13 +13,33 @@ from safetensors import safe_open
 
 from switchboard_kernels.quantized_weight import QuantizedWeight
 from worker.errors import ModelLoadError
+from worker.model.model_config import ModelConfig
 from worker.model.quantized_checkpoints import (
     Reader,
     is_quantized_tensor,
+    on_device,
     read_quantized,
     shard_quantized,
 )
-from worker.model.sharding import Span
+from worker.model.sharding import Shard, Span, check_divisible, weight_slicer
+
+
+def load_weights(
+    path: Path,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    shard: Shard | None,
+) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """The checkpoint's tensors on ``device``; with ``shard``, this tensor-parallel rank's
+    shard only (each tensor's slice read from the file)."""
+    select = None
+    if shard is not None:
+        check_divisible(config, shard.size)
+        select = weight_slicer(config, shard)
+    loaded = load_safetensors(path, dtype, select=select, quantization=config.quantization)
+    return {k: on_device(v, device) for k, v in loaded.items()}
 
 
 def load_safetensors(

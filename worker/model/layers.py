@@ -47,6 +47,32 @@ class LayerWeights:
         return (self.qkv, self.o, *mlp)
 
 
+def decode_weight_bytes(
+    layers: list[LayerWeights], *, lm_head: Linear, final_norm: torch.Tensor
+) -> int:
+    """What one decode step reads of the weights (the embedding table is only gathered from):
+    a small batch's step time on CPU goes with it. A sparse layer reads its router and top_k
+    experts for one token."""
+    linears = [lm_head] + [lin for layer in layers for lin in layer.dense_linears]
+    experts = sum(
+        y.moe.routing.top_k * y.moe.expert_bytes
+        + y.moe.router.numel() * y.moe.router.element_size()
+        for y in layers
+        if y.moe is not None
+    )
+    norms = [final_norm] + [
+        n
+        for y in layers
+        for n in (y.input_norm, y.post_norm, y.attn_out_norm, y.mlp_out_norm)
+        if n is not None
+    ]
+    return (
+        sum(lin.decode_bytes for lin in linears)
+        + experts
+        + sum(n.numel() * n.element_size() for n in norms)
+    )
+
+
 def norm_weight(w: dict[str, torch.Tensor], name: str, offset: float) -> torch.Tensor:
     """A norm's weight, with Gemma's ``w - 1`` storage undone (``offset`` 1)."""
     try:

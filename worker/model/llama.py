@@ -12,6 +12,10 @@ Under tensor parallelism each rank holds its shard (``worker.model.sharding``: M
 split) and the forward pass adds the collectives: an all-reduce after the vocabulary-parallel
 embedding and after each row-parallel projection (o, down, a sparse layer's experts), the logits
 gathered to rank 0.
+
+Beside it: the output layer (``worker.model.lm_head``), how a projection joins the residual stream
+(``worker.model.residual_stream``) and the decode paths in one native call
+(``worker.model.native_decode``).
 """
 
 from __future__ import annotations
@@ -22,22 +26,21 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from switchboard_kernels.decode_step_native import NativeDecodeStep
-from switchboard_kernels.draft_native import NativeDecodePass, native_draft
-from switchboard_kernels.linear import Q4_MAX_ROWS, Linear
 from switchboard_kernels.linear_choice import LinearPlan
 from switchboard_kernels.paged_attention import AttentionMetadata, attend
 from switchboard_kernels.rope_native import check_positions, native_rope
 from worker.errors import ModelLoadError
 from worker.model.architectures import Activation, QKNorm
-from worker.model.checkpoint_files import load_safetensors
+from worker.model.checkpoint_files import load_weights
 from worker.model.layer_lora import LayerLora
-from worker.model.layers import load_layer, norm_weight
+from worker.model.layers import decode_weight_bytes, load_layer, norm_weight
+from worker.model.lm_head import full_logits, load_lm_head, shaped_logits, vocab_padded
 from worker.model.model_config import ModelConfig
 from worker.model.moe import moe_mlp
+from worker.model.native_decode import native_decode_pass, native_decode_step
 from worker.model.op_choice import OpPlans, fixed_op_plans
-from worker.model.quantize_on_load import OnLoad, output_layer
-from worker.model.quantized_checkpoints import on_device
+from worker.model.quantize_on_load import OnLoad
+from worker.model.residual_stream import projected, row_parallel, stream_dtype
 from worker.model.rope import (
     RopeTables,
     apply_partial_rope,
@@ -46,10 +49,12 @@ from worker.model.rope import (
     rotary_dim,
 )
 from worker.model.saved_modules import HeadPatch, apply_heads
-from worker.model.sharding import Shard, check_divisible, weight_slicer
+from worker.model.sharding import Shard
 from worker.model.step_interrupt import StepInterrupt
 
 if TYPE_CHECKING:
+    from switchboard_kernels.decode_step_native import NativeDecodeStep
+    from switchboard_kernels.draft_native import NativeDecodePass
     from worker.model.lora_manager import LoraBatch
     from worker.model.parallel_group import TensorParallelGroup
 
@@ -99,15 +104,7 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = weights["model.embed_tokens.weight"].device
-        # The residual stream (each layer's input and output) stays fp32 in a half-precision
-        # model on CPU; the projections, norms' outputs and attention stay in ``dtype``. bf16
-        # spaces the first token's massive activation (about 25,000 in one feature of the default
-        # model from layer 11 on) 128 apart, and its rounding then reaches every later token
-        # through attention: echoed prompt logprobs came out as far from fp32 as transformers'
-        # bf16 ones, and half as far with this (bench.logit_fidelity). On CUDA the stream keeps
-        # ``dtype`` (CUDA graphs' buffers and the Triton kernels take one dtype).
-        half = dtype in (torch.bfloat16, torch.float16)
-        self.residual_dtype = torch.float32 if half and self.device.type == "cpu" else dtype
+        self.residual_dtype = stream_dtype(dtype, self.device)
         self.group = group
         # An armed step of batch work stops at a layer's start when interactive work arrives
         # (``worker.model.step_interrupt``; the engine arms it, never under a group).
@@ -126,30 +123,27 @@ class LlamaModel:
         # vocab_start .. vocab_start + rows, padded with zero rows to vocab_rows.
         self.vocab_start = self.shard.vocab_span(c.vocab_size).start
         self.vocab_rows = self.shard.vocab_rows(c.vocab_size)
-        self.embed = self._vocab_padded(weights["model.embed_tokens.weight"])
+        self.embed = vocab_padded(weights["model.embed_tokens.weight"], self.vocab_rows)
         self.final_norm = norm_weight(weights, "model.norm.weight", c.block.norm_offset)
-        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-        if head not in weights:
-            raise ModelLoadError(f"the checkpoint has no {head} (tie_word_embeddings is False)")
-        self.output_token_ids = output_token_ids
-        head_weight = self._vocab_padded(weights[head])
-        if output_token_ids is not None:
-            if group is not None:
-                raise ValueError("a cut-down output layer is for a draft model, never split")
-            self.output_token_ids = output_token_ids.to(self.device)
-            head_weight = head_weight[self.output_token_ids].contiguous()
+        self.output_token_ids = (
+            None if output_token_ids is None else output_token_ids.to(self.device)
+        )
+        self.lm_head = load_lm_head(
+            weights,
+            c,
+            vocab_rows=self.vocab_rows,
+            kept_token_ids=self.output_token_ids,
+            split=group is not None,
+            quantization=quantization,
+            plan=linear_plan,
+            on_load=on_load,
+        )
         self.quantization = quantization
         self.linear_plan = linear_plan
         # The other ops' kernels (RMSNorm, the activation; attention and LoRA for the runner
         # and the LoRA manager): measured on this CPU by the engine, else the fixed rule.
         self.ops = op_plans or fixed_op_plans(dtype, self.device)
-        # fp32 out: the logits keep the product's fp32 sums through the sampler and logprobs
-        # (rounded to bf16 they sit on a grid, 0.125 apart near the top, and tie).
         self.on_load = on_load
-        head_weight = output_layer(on_load, head, head_weight)
-        self.lm_head = Linear(
-            head_weight, quantization=quantization, plan=linear_plan, fp32_out=True
-        )
         self.layers = [
             load_layer(
                 weights,
@@ -162,26 +156,8 @@ class LlamaModel:
             )
             for i in range(c.num_layers)
         ]
-        # What one decode step reads (the embedding table is only gathered from): a small
-        # batch's step time on CPU goes with it.
-        # A sparse layer reads its router and top_k experts for one token.
-        linears = [self.lm_head] + [lin for layer in self.layers for lin in layer.dense_linears]
-        experts = sum(
-            y.moe.routing.top_k * y.moe.expert_bytes
-            + y.moe.router.numel() * y.moe.router.element_size()
-            for y in self.layers
-            if y.moe is not None
-        )
-        norms = [self.final_norm] + [
-            n
-            for y in self.layers
-            for n in (y.input_norm, y.post_norm, y.attn_out_norm, y.mlp_out_norm)
-            if n is not None
-        ]
-        self.decode_weight_bytes = (
-            sum(lin.decode_bytes for lin in linears)
-            + experts
-            + sum(n.numel() * n.element_size() for n in norms)
+        self.decode_weight_bytes = decode_weight_bytes(
+            self.layers, lm_head=self.lm_head, final_norm=self.final_norm
         )
         ropes = block.ropes or (c.rope,)
         self.ropes = [
@@ -216,14 +192,8 @@ class LlamaModel:
                 f"{path} is published quantized ({config.quantization.method}): it is served as "
                 "it is, not quantized again on load (drop --quantization)"
             )
-        select = None
-        if group is not None:
-            check_divisible(config, group.size)
-            select = weight_slicer(config, group.shard)
-        loaded = load_safetensors(
-            Path(path), dtype, select=select, quantization=config.quantization
-        )
-        weights = {k: on_device(v, device) for k, v in loaded.items()}
+        shard = None if group is None else group.shard
+        weights = load_weights(Path(path), config, dtype=dtype, device=device, shard=shard)
         return cls(
             config,
             weights,
@@ -235,13 +205,6 @@ class LlamaModel:
             op_plans=op_plans,
             on_load=on_load,
         )
-
-    def _vocab_padded(self, rows: torch.Tensor) -> torch.Tensor:
-        """A vocabulary shard [ids, hidden] padded with zero rows to ``vocab_rows``."""
-        missing = self.vocab_rows - rows.shape[0]
-        if missing <= 0:
-            return rows
-        return torch.cat([rows, rows.new_zeros(missing, rows.shape[1])])
 
     def forward(
         self,
@@ -292,7 +255,7 @@ class LlamaModel:
             v = v.view(num_tokens, self.num_kv_heads, c.head_dim)
             attn = attend(q, k, v, key_cache, value_cache, meta, self.scale)
             attn = attn.view(num_tokens, self.q_size)
-            hidden = self._row_parallel(layer.o, attn, hidden, adapters, "o")
+            hidden = row_parallel(layer.o, attn, hidden, adapters, "o", group=self.group)
             self.interrupt.check()  # the MLP: three quarters of a layer's products
             x = self.ops.rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate_up = layer.gate_up(x)
@@ -300,7 +263,7 @@ class LlamaModel:
                 adapters.add(gate_up, x, "gate_up")
             act = self.ops.silu_mul(gate_up)
             self.interrupt.check()
-            hidden = self._row_parallel(layer.down, act, hidden, adapters, "down")
+            hidden = row_parallel(layer.down, act, hidden, adapters, "down", group=self.group)
         return hidden
 
     def _forward_block(
@@ -364,7 +327,7 @@ class LlamaModel:
                 softcap=block.attention_softcap,
                 positions=positions,
             )
-            y = self._projected(layer.o, attn.view(n, self.q_size), adapters, "o")
+            y = projected(layer.o, attn.view(n, self.q_size), adapters, "o", group=self.group)
             if layer.attn_out_norm is not None:
                 y = self.ops.rms_norm(y, layer.attn_out_norm, eps)
             hidden = torch.add(hidden, y, alpha=residual_scale)
@@ -390,7 +353,7 @@ class LlamaModel:
                     gate, up = gate_up.chunk(2, dim=-1)
                     act = activation(gate) * up
                 self.interrupt.check()
-                y = self._projected(layer.down, act, adapters, "down")
+                y = projected(layer.down, act, adapters, "down", group=self.group)
             if layer.mlp_out_norm is not None:
                 y = self.ops.rms_norm(y, layer.mlp_out_norm, eps)
             hidden = torch.add(hidden, y, alpha=residual_scale)
@@ -413,17 +376,6 @@ class LlamaModel:
         k = (k_weight.float() * (kf * inv[:, 1:])).to(k.dtype)
         return q, k
 
-    def _projected(
-        self, linear: Linear, x: torch.Tensor, adapters: LayerLora | None, lora_group: str
-    ) -> torch.Tensor:
-        """``x @ W.T`` plus the LoRA delta, all-reduced under tensor parallelism."""
-        y = linear(x)
-        if adapters is not None:
-            adapters.add(y, x, lora_group)
-        if self.group is not None:
-            self.group.all_reduce(y)
-        return y
-
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         """The embedding rows; split by vocabulary, each rank looks up the ids it holds
         (zeros for the rest) and one all-reduce sums them."""
@@ -435,117 +387,19 @@ class LlamaModel:
         hidden.masked_fill_(outside[:, None], 0)
         return self.group.all_reduce(hidden)
 
-    def _row_parallel(
-        self,
-        linear: Linear,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        adapters: LayerLora | None,
-        lora_group: str,
-    ) -> torch.Tensor:
-        """``residual + x @ W.T`` plus the LoRA delta. Split by rows, each rank's product is
-        a partial sum (the residual added on rank 0 only, the LoRA delta on its columns) and
-        one all-reduce completes it."""
-        if residual.dtype != x.dtype:
-            return self._added_to_stream(linear, x, residual, adapters, lora_group)
-        first = self.group is None or self.group.rank == 0
-        y = linear.add_to(x, residual) if first else linear(x)
-        if adapters is not None:
-            adapters.add(y, x, lora_group, base=residual if first else None)
-        if self.group is not None:
-            self.group.all_reduce(y)
-        return y
-
-    def _added_to_stream(
-        self,
-        linear: Linear,
-        x: torch.Tensor,
-        residual: torch.Tensor,  # [T, hidden] fp32, this step's own
-        adapters: LayerLora | None,
-        lora_group: str,
-    ) -> torch.Tensor:
-        """``residual + x @ W.T`` plus the LoRA delta, into the fp32 residual stream: the
-        product's fp32 sums take the residual before any rounding. An adapter's delta is
-        computed apart and added after, so a base row's bits never depend on whether its
-        neighbours have adapters (``batch_invariant``)."""
-        if self.group is not None:  # each rank's partial sum: the stream added after
-            return residual.add_(self._projected(linear, x, adapters, lora_group))
-        y = linear.add_to(x, residual)  # [T, hidden] fp32
-        if adapters is None or not adapters.stacks[lora_group].used:
-            return y
-        if adapters.dora and adapters.stacks[lora_group].dora is not None:
-            # DoRA rescales the base product too: the delta against that product
-            base = linear(x)
-            adapted = base.clone()
-            adapters.add(adapted, x, lora_group)
-            return y.add_(adapted.float().sub_(base.float()))
-        delta = x.new_zeros(y.shape)  # [T, hidden] in the rows' dtype, as the kernels add
-        adapters.add(delta, x, lora_group)
-        return y.add_(delta)
-
     def native_decode_pass(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> NativeDecodePass | None:
-        """Passes of a few tokens per sequence in one native call each
-        (switchboard_kernels/draft_cpu.c), where this model's weights have native 4-bit copies (a
-        draft model on CPU), else None. The rows then run in fp32 throughout, on fp32 RoPE
-        tables."""
-        if (
-            self.quantization != "int4"
-            or self.device.type != "cpu"
-            or not self.llama_block
-            or self.long_rope is not None
-            or native_draft() is None
-        ):
-            return None
-        c = self.config
-        rope = RopeTables.build(c.head_dim, c.rope, c.max_position_embeddings, torch.float32)
-        try:
-            return NativeDecodePass(
-                embed=self.embed.contiguous(),
-                layers=self.layers,
-                final_norm=self.final_norm,
-                lm_head=self.lm_head,
-                cos=rope.cos.contiguous(),
-                signed_sin=rope.signed_sin.contiguous(),
-                kv_caches=kv_caches,
-                heads=c.num_heads,
-                eps=c.rms_norm_eps,
-                max_rows=Q4_MAX_ROWS,
-            )
-        except (RuntimeError, ValueError):  # a projection without a native 4-bit copy
-            return None
+        """A draft model's passes in one native call each, else None
+        (``worker.model.native_decode``)."""
+        return native_decode_pass(self, kv_caches)
 
     def native_decode_step(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> NativeDecodeStep | None:
         """Decode steps in one native call each, exactly as ``forward`` and
-        ``compute_logits`` compute them (switchboard_kernels/decode_step_cpu.c), where every
-        kernel of this model's small-row path can be called from there: a Llama block on
-        CPU, one rank, bf16 or fp32, no draft copies; else None. The runner still asks
-        ``ops`` per step whether the norms, activation and attention plans pick the native
-        kernels for its rows."""
-        if (
-            self.device.type != "cpu"
-            or not self.llama_block
-            or self.long_rope is not None
-            or self.group is not None
-            or self.quantization is not None
-            or self.residual_dtype != torch.float32
-        ):
-            return None
-        return NativeDecodeStep.build(
-            embed=self.embed,
-            layers=self.layers,
-            final_norm=self.final_norm,
-            lm_head=self.lm_head,
-            cos=self.rope.cos,
-            signed_sin=self.rope.signed_sin,
-            kv_caches=kv_caches,
-            heads=self.num_heads,
-            eps=self.config.rms_norm_eps,
-            scale=self.scale,
-        )
+        ``compute_logits`` compute them, else None (``worker.model.native_decode``)."""
+        return native_decode_step(self, kv_caches)
 
     def compute_logits(
         self, hidden: torch.Tensor, *, kept_only: bool = False, heads: list[HeadPatch] | None = None
@@ -560,7 +414,7 @@ class LlamaModel:
         if heads:
             apply_heads(logits, x, heads)
         if not self.llama_block:
-            logits = self._shaped_logits(logits)
+            logits = shaped_logits(logits, self.config.block)
         if self.group is not None:
             gathered = self.group.gather_to_first(logits)
             return None if gathered is None else gathered[:, : self.config.vocab_size]
@@ -568,21 +422,9 @@ class LlamaModel:
             return logits
         return self.full_logits(logits)
 
-    def _shaped_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Granite's logits scale and Gemma 2's final soft-cap (padded vocabulary rows stay 0)."""
-        block = self.config.block
-        if block.logits_scale != 1.0:
-            logits = logits * block.logits_scale
-        if block.final_softcap is not None:
-            logits = torch.tanh(logits / block.final_softcap) * block.final_softcap
-        return logits
-
     def full_logits(self, kept: torch.Tensor) -> torch.Tensor:
         """Logits over the kept tokens [rows, kept] -> [rows, vocab], -inf elsewhere."""
-        if self.output_token_ids is None:
-            return kept
-        full = kept.new_full((kept.shape[0], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.output_token_ids, kept)
+        return full_logits(kept, self.output_token_ids, self.config.vocab_size)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
