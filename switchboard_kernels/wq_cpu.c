@@ -313,7 +313,10 @@ static void bf16_pairs(const uint16_t *x, int64_t rows, int64_t K, int bits, uin
  * (per_group bytes at each group of each tile), so that unpacking them does not wait on memory
  * with nothing to multiply. On a 2-core Zen 4 a step's projections (the bf16 output layer
  * included) at 32 rows took 25.9 instead of 28.4 ms, at 128 rows 94.0 instead of 96.0 (into
- * L1 instead of L2: the same). */
+ * L1 instead of L2: the same). Tried and not kept: each thread unpacking its next pair inside
+ * its first tile's loop, beside the products, into a second buffer: 8-bit 9.9 instead of
+ * 10.9 ms at 8 rows and 13.7 instead of 15.0 at 16, but no faster at 32 and 8% slower at 128
+ * (that tile ran slower than the unpacking it took on), and 4-bit slower at every count. */
 typedef struct {
     const uint8_t *at;
     int64_t per_group;
