@@ -316,7 +316,8 @@ static void bf16_pairs(const uint16_t *x, int64_t rows, int64_t K, int bits, uin
  * L1 instead of L2: the same). Tried and not kept: each thread unpacking its next pair inside
  * its first tile's loop, beside the products, into a second buffer: 8-bit 9.9 instead of
  * 10.9 ms at 8 rows and 13.7 instead of 15.0 at 16, but no faster at 32 and 8% slower at 128
- * (that tile ran slower than the unpacking it took on), and 4-bit slower at every count. */
+ * (that tile ran slower than the unpacking it took on), and 4-bit slower at every count (its
+ * unpacking cut into per-step calls for it). */
 typedef struct {
     const uint8_t *at;
     int64_t per_group;
