@@ -31,6 +31,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -41,17 +45,20 @@
 #define MAX_HEAD_DIM 256
 #define CHUNK_QUERIES 4 /* queries of one sequence per work item (see sb_paged_decode) */
 
-/* One work item: the queries of one sequence that read one KV head (the heads of its group
- * at each of its n positions: rows = group * n, row r = query i, head h0 + r % group).
- * Keys are walked block by block, and each key and value is loaded once for all rows. */
+/* One work item: the queries of one sequence that read `heads_walked` KV heads from kv_head
+ * on (the heads of each one's group at each of its n positions: head_rows = group * n rows a
+ * KV head, row r = KV head kv_head + r / head_rows, query i = (r % head_rows) / group, head
+ * h0 + r % group). Keys are walked block by block, and each key and value is loaded once for
+ * all rows of its KV head. */
 typedef struct {
     const char *key_cache, *value_cache;
     int64_t elem_bytes;    /* 2 (bf16) or 4 (fp32) */
     int64_t block_size, kv_heads, head_dim;
     const int64_t *table;  /* this sequence's blocks */
-    int64_t kv_head;
-    int64_t rows, group;   /* rows = group * queries */
-    int64_t first_len;     /* keys row r sees: first_len + r / group */
+    int64_t kv_head, heads_walked;
+    int64_t rows, group;   /* rows = heads_walked * head_rows */
+    int64_t head_rows;     /* group * queries */
+    int64_t first_len;     /* keys query i sees: first_len + i */
     int64_t stride;        /* of the scores scratch: the most keys, rounded up to 16 */
     int64_t own_index;     /* the key read from own_slot instead of the table; -1: none */
     int64_t own_slot;      /* flat slot (block * block_size + offset) */
@@ -61,15 +68,20 @@ typedef struct {
     float *stats;          /* NULL, or [rows, 2]: each row's largest score and sum of exps */
 } Item;
 
+/* The query row r belongs to. */
+static inline int64_t query_of(const Item *it, int64_t r) {
+    return r % it->head_rows / it->group;
+}
+
 /* Keys row r sees: up to its own position, within the item's part. */
 static inline int64_t visible(const Item *it, int64_t r) {
-    int64_t n = it->first_len + r / it->group;
+    int64_t n = it->first_len + query_of(it, r);
     return n < it->key_hi ? n : it->key_hi;
 }
 
 /* The first key row r sees: its window's start (from its own position), or the part's. */
 static inline int64_t first_seen(const Item *it, int64_t r) {
-    int64_t lo = it->window > 0 ? it->first_len + r / it->group - it->window : 0;
+    int64_t lo = it->window > 0 ? it->first_len + query_of(it, r) - it->window : 0;
     return lo > it->key_lo ? lo : it->key_lo;
 }
 
@@ -103,7 +115,8 @@ static inline void prefetch_block(const Item *it, const char *cache, int64_t b, 
     if (count <= 0) return;
     count = count < it->block_size ? count : it->block_size;
     const char *rows = block_rows(it, cache, b);
-    int64_t step = it->kv_heads * it->head_dim * it->elem_bytes, bytes = it->head_dim * it->elem_bytes;
+    int64_t step = it->kv_heads * it->head_dim * it->elem_bytes;
+    int64_t bytes = it->heads_walked * it->head_dim * it->elem_bytes;
     for (int64_t o = 0; o < count; o++)
         for (int64_t line = 0; line < bytes; line += 64)
             __builtin_prefetch(rows + o * step + line, 0, 1);
@@ -328,23 +341,26 @@ static void softmax_rows8(const Item *it, float *scores, int64_t len) {
 }
 
 /* scores[r, j0 + i] = scale * q[r] . key i, for the nk <= 8 keys given and every row. */
-static void score_keys8(const Item *it, const char *const keys[8], int nk, int64_t j0,
-                        const float *q, float scale, float *scores) {
-    int64_t chunks = it->head_dim / 8, step = 8 * it->elem_bytes;
-    int fp32 = it->elem_bytes == 4;
-    for (int64_t r = 0; r < it->rows; r++) {
-        const float *qr = q + r * it->head_dim;
-        v8f acc[8] = {{0}};
-        for (int64_t c = 0; c < chunks; c++) {
-            v8f qv = load8(qr + 8 * c, 1);
-            for (int i = 0; i < 8; i++) acc[i] += qv * load8(keys[i] + c * step, fp32);
+static inline __attribute__((always_inline)) void score_keys8(
+    const Item *it, const char *const keys[8], int nk, int64_t j0, const float *q, float scale,
+    float *scores, const int fp32) {
+    const int64_t chunks = it->head_dim / 8, step = fp32 ? 32 : 16;
+    for (int64_t k = 0, r = 0; k < it->heads_walked; k++) {
+        const int64_t head = k * it->head_dim * (fp32 ? 4 : 2); /* KV head k in a token's row */
+        for (int64_t e = 0; e < it->head_rows; e++, r++) {
+            const float *qr = q + r * it->head_dim;
+            v8f acc[8] = {{0}};
+            for (int64_t c = 0; c < chunks; c++) {
+                v8f qv = load8(qr + 8 * c, 1);
+                for (int i = 0; i < 8; i++) acc[i] += qv * load8(keys[i] + head + c * step, fp32);
+            }
+            v8f s = sum_lanes8(acc) * scale;
+            float *to = scores + r * it->stride + j0;
+            if (nk == 8)
+                memcpy(to, &s, sizeof s);
+            else
+                for (int i = 0; i < nk; i++) to[i] = s[i];
         }
-        v8f s = sum_lanes8(acc) * scale;
-        float *to = scores + r * it->stride + j0;
-        if (nk == 8)
-            memcpy(to, &s, sizeof s);
-        else
-            for (int i = 0; i < nk; i++) to[i] = s[i];
     }
 }
 
@@ -355,41 +371,46 @@ static void score_keys8(const Item *it, const char *const keys[8], int nk, int64
 
 static inline __attribute__((always_inline)) void weigh_values8(
     const Item *it, const char *const *values, int nv, int64_t j0, const float *scores,
-    int64_t c0, float *out, const int cn) {
-    int fp32 = it->elem_bytes == 4;
-    int64_t step = 8 * it->elem_bytes;
-    for (int64_t r = 0; r < it->rows; r++) {
-        const float *p = scores + r * it->stride + j0;
-        float *o = out + r * it->head_dim + 8 * c0;
-        v8f acc[8];
-        memcpy(acc, o, sizeof(v8f) * cn);
-        for (int i = 0; i < nv; i++) {
-            v8f w = (v8f){0} + p[i];
-            for (int c = 0; c < cn; c++) acc[c] += w * load8(values[i] + (c0 + c) * step, fp32);
+    int64_t c0, float *out, const int cn, const int fp32) {
+    const int64_t step = fp32 ? 32 : 16;
+    for (int64_t k = 0, r = 0; k < it->heads_walked; k++) {
+        const int64_t head = k * it->head_dim * (fp32 ? 4 : 2); /* KV head k in a token's row */
+        for (int64_t e = 0; e < it->head_rows; e++, r++) {
+            const float *p = scores + r * it->stride + j0;
+            float *o = out + r * it->head_dim + 8 * c0;
+            v8f acc[8];
+            memcpy(acc, o, sizeof(v8f) * cn);
+            for (int i = 0; i < nv; i++) {
+                v8f w = (v8f){0} + p[i];
+                const char *v = values[i] + head;
+                for (int c = 0; c < cn; c++) acc[c] += w * load8(v + (c0 + c) * step, fp32);
+            }
+            memcpy(o, acc, sizeof(v8f) * cn);
         }
-        memcpy(o, acc, sizeof(v8f) * cn);
     }
 }
 
-static void weigh_values_pass8(const Item *it, const char *const *values, int nv, int64_t j0,
-                               const float *scores, float *out) {
+static inline __attribute__((always_inline)) void weigh_values_pass8(
+    const Item *it, const char *const *values, int nv, int64_t j0, const float *scores,
+    float *out, const int fp32) {
     int64_t chunks = it->head_dim / 8;
     for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
         switch (chunks - c0 < 8 ? chunks - c0 : 8) {
-        case 1: weigh_values8(it, values, nv, j0, scores, c0, out, 1); break;
-        case 2: weigh_values8(it, values, nv, j0, scores, c0, out, 2); break;
-        case 3: weigh_values8(it, values, nv, j0, scores, c0, out, 3); break;
-        case 4: weigh_values8(it, values, nv, j0, scores, c0, out, 4); break;
-        case 5: weigh_values8(it, values, nv, j0, scores, c0, out, 5); break;
-        case 6: weigh_values8(it, values, nv, j0, scores, c0, out, 6); break;
-        case 7: weigh_values8(it, values, nv, j0, scores, c0, out, 7); break;
-        default: weigh_values8(it, values, nv, j0, scores, c0, out, 8); break;
+        case 1: weigh_values8(it, values, nv, j0, scores, c0, out, 1, fp32); break;
+        case 2: weigh_values8(it, values, nv, j0, scores, c0, out, 2, fp32); break;
+        case 3: weigh_values8(it, values, nv, j0, scores, c0, out, 3, fp32); break;
+        case 4: weigh_values8(it, values, nv, j0, scores, c0, out, 4, fp32); break;
+        case 5: weigh_values8(it, values, nv, j0, scores, c0, out, 5, fp32); break;
+        case 6: weigh_values8(it, values, nv, j0, scores, c0, out, 6, fp32); break;
+        case 7: weigh_values8(it, values, nv, j0, scores, c0, out, 7, fp32); break;
+        default: weigh_values8(it, values, nv, j0, scores, c0, out, 8, fp32); break;
         }
     }
 }
 
-static void attend_vec8(const Item *it, const float *q, float scale, float *scores,
-                        float *out) {
+/* fp32 is a constant at both call sites (attend_vec8), so the loads' offsets are too. */
+static inline __attribute__((always_inline)) void attend_vec8_of(
+    const Item *it, const float *q, float scale, float *scores, float *out, const int fp32) {
     int64_t len = visible(it, it->rows - 1);
     const char *keys[VALUES_PER_PASS];
     int nk = 0;
@@ -397,7 +418,7 @@ static void attend_vec8(const Item *it, const float *q, float scale, float *scor
         keys[nk++] = key;
         if (nk == 8 || j + 1 == len) {
             for (int i = nk; i < 8; i++) keys[i] = keys[0]; /* padding, its scores unused */
-            score_keys8(it, keys, nk, j + 1 - nk, q, scale, scores);
+            score_keys8(it, keys, nk, j + 1 - nk, q, scale, scores, fp32);
             nk = 0;
         }
     })
@@ -407,10 +428,18 @@ static void attend_vec8(const Item *it, const float *q, float scale, float *scor
     FOR_EACH_KEY(it, it->value_cache, len, j, value, {
         keys[nk++] = value;
         if (nk == VALUES_PER_PASS || j + 1 == len) {
-            weigh_values_pass8(it, keys, nk, j + 1 - nk, scores, out);
+            weigh_values_pass8(it, keys, nk, j + 1 - nk, scores, out, fp32);
             nk = 0;
         }
     })
+}
+
+static void attend_vec8(const Item *it, const float *q, float scale, float *scores,
+                        float *out) {
+    if (it->elem_bytes == 4)
+        attend_vec8_of(it, q, scale, scores, out, 1);
+    else
+        attend_vec8_of(it, q, scale, scores, out, 0);
 }
 
 #if defined(__AVX512F__)
@@ -660,9 +689,9 @@ int sb_paged_decode_windowed(const void *q, int64_t q_row, int64_t q_head, void 
                              int fp32, int portable, int64_t window, float softcap) {
     if (head_dim > MAX_HEAD_DIM) return -1;
     int use_avx512 = sb_attention_has_avx512() && !portable && !fp32;
+    int vec8 = !use_avx512 && !portable && head_dim % 8 == 0;
     int64_t elem_bytes = fp32 ? 4 : 2;
-    (void)use_avx512; /* unused where the build has no AVX-512 loops */
-    int64_t group = heads / kv_heads, most_keys = 0, items = 0, chunks = 0, failed = 0;
+    int64_t group = heads / kv_heads, most_keys = 0, units = 0, chunks = 0, failed = 0;
     /* A sequence verifying drafts feeds up to k + 1 queries: its queries are split into
      * chunks of CHUNK_QUERIES, each its own work item, so that both threads share one
      * sequence's verification instead of one taking its KV heads two at a time. A chunk
@@ -672,7 +701,6 @@ int sb_paged_decode_windowed(const void *q, int64_t q_row, int64_t q_head, void 
         most_keys = keys > most_keys ? keys : most_keys;
         chunks += (seq_queries[s] + CHUNK_QUERIES - 1) / CHUNK_QUERIES;
     }
-    int64_t most_rows = group * CHUNK_QUERIES, padded = (most_keys + 15) / 16 * 16;
     Chunk *chunk = malloc(sizeof(Chunk) * (chunks ? chunks : 1));
     if (!chunk) return -1;
     int64_t split_rows = 0; /* rows of all split chunks' KV heads, parts counted apart */
@@ -686,9 +714,23 @@ int sb_paged_decode_windowed(const void *q, int64_t q_row, int64_t q_head, void 
                 ch.partial = split_rows;
                 split_rows += kv_heads * (ch.part_end - ch.part0) * group * n;
             }
-            items += kv_heads * (ch.part_end - ch.part0);
+            units += ch.part_end - ch.part0;
             chunk[k] = ch;
         }
+    /* A KV head's rows of a token are a third (the default model) of the token's row in the
+     * cache, so a walk over one KV head reads 256 of every 768 bytes (fp32) and, on a 2-core
+     * Zen 3, no read in that pattern passed ~10 GB/s where whole blocks read at ~20
+     * (bench/decode_attention.py). Where the 8-wide loops run and the (chunk, part) units fill
+     * the threads twice over, an item therefore walks every KV head of its tokens; with fewer
+     * units (a lone short sequence) each KV head stays an item, so both cores share them.
+     * Each row is computed alike either way (the same keys, grouped alike, in the same order). */
+    int threads = 1;
+#if defined(_OPENMP)
+    threads = omp_get_max_threads();
+#endif
+    int64_t walked = vec8 && units >= 2 * threads ? kv_heads : 1; /* KV heads an item walks */
+    int64_t items = units * (kv_heads / walked);
+    int64_t most_rows = group * CHUNK_QUERIES * walked, padded = (most_keys + 15) / 16 * 16;
     int64_t *work = malloc(sizeof(int64_t) * 3 * (items ? items : 1)); /* (chunk, g, part) */
     float *partials = malloc(sizeof(float) * (split_rows * (head_dim + 2) + 1));
     if (!work || !partials) {
@@ -697,7 +739,7 @@ int sb_paged_decode_windowed(const void *q, int64_t q_row, int64_t q_head, void 
     }
     for (int64_t k = 0, w = 0; k < chunks; k++) /* a part's KV heads together: they share lines */
         for (int64_t part = chunk[k].part0; part < chunk[k].part_end; part++)
-            for (int64_t g = 0; g < kv_heads; g++, w++) {
+            for (int64_t g = 0; g < kv_heads; g += walked, w++) {
                 work[3 * w] = k;
                 work[3 * w + 1] = g;
                 work[3 * w + 2] = part;
@@ -707,58 +749,71 @@ int sb_paged_decode_windowed(const void *q, int64_t q_row, int64_t q_head, void 
         float *scores = malloc(sizeof(float) * most_rows * padded);
         float *qf = malloc(sizeof(float) * most_rows * head_dim);
         float *of = malloc(sizeof(float) * most_rows * head_dim);
-        if (!scores || !qf || !of) failed = 1;
+        float *stats = malloc(sizeof(float) * most_rows * 2);
+        if (!scores || !qf || !of || !stats) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < items; w++) {
             if (failed) continue;
             const Chunk *ch = &chunk[work[3 * w]];
             int64_t s = ch->seq, g = work[3 * w + 1], part = work[3 * w + 2], n = ch->queries;
             int64_t row0 = seq_row[s] + ch->first; /* the chunk's first query row */
+            const int64_t head_rows = group * n;
             Item it = {key_cache, value_cache, elem_bytes, block_size, kv_heads, head_dim,
-                       tables + seq_table[s], g, group * n, group, seq_start[s] + ch->first + 1,
-                       (seq_start[s] + ch->first + n + 15) / 16 * 16,
+                       tables + seq_table[s], g, walked, walked * head_rows, group, head_rows,
+                       seq_start[s] + ch->first + 1, (seq_start[s] + ch->first + n + 15) / 16 * 16,
                        own_slots[s] >= 0 ? seq_start[s] : -1, own_slots[s], window, softcap,
-                       part * SPLIT_KEYS, (part + 1) * SPLIT_KEYS, NULL};
-            float *to = of;
-            if (ch->partial >= 0) { /* this part's rows and stats, beside the chunk's others */
-                int64_t parts = ch->part_end - ch->part0;
-                int64_t at = ch->partial + (g * parts + part - ch->part0) * it.rows;
-                to = partials + at * head_dim;
-                it.stats = partials + split_rows * head_dim + 2 * at;
-            }
-            /* row r of the item: query row0 + r / group, head g * group + r % group */
+                       part * SPLIT_KEYS, (part + 1) * SPLIT_KEYS,
+                       ch->partial >= 0 ? stats : NULL};
+            /* row r of the item: query row0 + i (i = query_of(r)), head (g + r / head_rows) *
+             * group + r % group */
             for (int64_t r = 0; r < it.rows; r++) {
-                int64_t at = (row0 + r / group) * q_row + (g * group + r % group) * q_head;
+                int64_t h = (g + r / head_rows) * group + r % group;
+                int64_t at = (row0 + query_of(&it, r)) * q_row + h * q_head;
                 for (int64_t c = 0; c < head_dim; c++)
                     qf[r * head_dim + c] = fp32 ? ((const float *)q)[at + c]
                                                 : bf16_to_f32(((const uint16_t *)q)[at + c]);
             }
 #if defined(__AVX512F__)
             if (use_avx512) {
-                if (!attend_avx512_fixed(&it, qf, scale, scores, to))
-                    attend_avx512(&it, qf, scale, scores, to);
+                if (!attend_avx512_fixed(&it, qf, scale, scores, of))
+                    attend_avx512(&it, qf, scale, scores, of);
             } else
 #endif
-            if (!portable && head_dim % 8 == 0)
-                attend_vec8(&it, qf, scale, scores, to);
+            if (vec8)
+                attend_vec8(&it, qf, scale, scores, of);
             else
-                attend_portable(&it, qf, scale, scores, to);
-            if (ch->partial < 0)
-                store_rows(out, out_row, out_head, row0, g, group, it.rows, head_dim, fp32, to);
+                attend_portable(&it, qf, scale, scores, of);
+            for (int64_t k = 0; k < walked; k++) {
+                const float *rows_k = of + k * head_rows * head_dim;
+                if (ch->partial < 0) {
+                    store_rows(out, out_row, out_head, row0, g + k, group, head_rows, head_dim,
+                               fp32, rows_k);
+                    continue;
+                }
+                /* this part's rows and stats, beside the chunk's other parts' */
+                int64_t parts = ch->part_end - ch->part0;
+                int64_t at = ch->partial + ((g + k) * parts + part - ch->part0) * head_rows;
+                memcpy(partials + at * head_dim, rows_k, sizeof(float) * head_rows * head_dim);
+                memcpy(partials + split_rows * head_dim + 2 * at, stats + 2 * k * head_rows,
+                       sizeof(float) * 2 * head_rows);
+            }
         }
         /* the implicit barrier: every part is done */
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < items; w++) {
             const Chunk *ch = &chunk[work[3 * w]];
             if (failed || ch->partial < 0 || work[3 * w + 2] != ch->part0) continue;
-            int64_t g = work[3 * w + 1], rows = group * ch->queries;
-            int64_t at = ch->partial + g * (ch->part_end - ch->part0) * rows;
-            merge_parts(partials + at * head_dim, partials + split_rows * head_dim + 2 * at,
-                        ch->part_end - ch->part0, rows, head_dim, of);
-            store_rows(out, out_row, out_head, seq_row[ch->seq] + ch->first, g, group, rows,
-                       head_dim, fp32, of);
+            int64_t rows = group * ch->queries;
+            for (int64_t g = work[3 * w + 1]; g < work[3 * w + 1] + walked; g++) {
+                int64_t at = ch->partial + g * (ch->part_end - ch->part0) * rows;
+                merge_parts(partials + at * head_dim, partials + split_rows * head_dim + 2 * at,
+                            ch->part_end - ch->part0, rows, head_dim, of);
+                store_rows(out, out_row, out_head, seq_row[ch->seq] + ch->first, g, group, rows,
+                           head_dim, fp32, of);
+            }
         }
         free(scores);
+        free(stats);
         free(qf);
         free(of);
     }

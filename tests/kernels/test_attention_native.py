@@ -196,14 +196,23 @@ def test_a_row_in_parts_does_not_depend_on_the_rows_beside_it(variant):
         assert torch.equal(alone[0], together[i])
 
 
-def test_a_decode_gives_the_same_bits_alone_and_in_a_batch():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "starts",
+    [list(range(8)), [1030, 2100, 5, 1500, 40, 3000]],  # the second: contexts read in parts
+)
+def test_a_decode_gives_the_same_bits_alone_and_in_a_batch(dtype, starts):
     """Scores are summed four keys at a time by position: contexts ending at each place in a
     group of four (1 to 8 keys, blocks of 16, the default model's heads) give one row the
-    same bits decoded alone and beside the others."""
-    key_cache, value_cache = make_cache(kv_heads=3, head_dim=64, block_size=16)
-    starts = list(range(8))
-    decodes, tables = make_decodes(starts, [1] * 8, block_size=16)
-    query = torch.randn(8, 9, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    same bits decoded alone and beside the others. A batch walks every KV head of a token
+    in one work item where the 8-wide loops run (a lone sequence, each KV head apart):
+    the same bits either way, long contexts' parts and their merge included."""
+    num_blocks = sum(-(-(s + 1) // 16) for s in starts) + 4
+    key_cache, value_cache = make_cache(
+        num_blocks=num_blocks, kv_heads=3, head_dim=64, block_size=16, dtype=dtype
+    )
+    decodes, tables = make_decodes(starts, [1] * len(starts), num_blocks=num_blocks, block_size=16)
+    query = torch.randn(len(starts), 9, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
     together = torch.empty_like(query)
     KERNEL.decode(query, together, key_cache, value_cache, decodes, 0.125)
     for i, start in enumerate(starts):
@@ -211,6 +220,9 @@ def test_a_decode_gives_the_same_bits_alone_and_in_a_batch():
         one = NativeDecodes.build([start], [1], [tables[i]])
         KERNEL.decode(query[i : i + 1], alone, key_cache, value_cache, one, 0.125)
         assert torch.equal(alone[0], together[i]), start
+    want = loop_attention(query, key_cache, value_cache, starts, [1] * len(starts), tables, 0.125)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(together.double(), want, atol=tol, rtol=tol)
 
 
 def test_query_may_be_a_strided_view():
